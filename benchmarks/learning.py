@@ -1,0 +1,229 @@
+"""Does `echo2 train` learn on a 2-core CPU, and what does one GRPO update cost?
+
+1. Learning: runs `echo2 train` (the real CLI, a fresh process per seed) on the embedded default for
+   each seed and records held-out greedy accuracy against wall-clock time. Targets: each seed gains
+   >= 25 points over its starting checkpoint within 10 minutes, the median gain >= 40 points.
+2. Update cost: on one batch of R real rollouts, times `GRPOTrainer.update` against a bare PyTorch
+   forward + backward + AdamW step of the same model on the same tokens (interleaved repetitions,
+   ratio of medians). Target: <= 1.5x.
+
+Writes results/learning.json and results/learning.png.
+
+    python benchmarks/learning.py                 # 3 seeds, the default time budget
+    python benchmarks/learning.py --quick         # smoke run (tiny budget), for checking the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_seed(seed: int, out: Path, extra: list[str]) -> dict:
+    run_dir = out / f"seed{seed}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "echo2.cli",
+        "train",
+        "--seed",
+        str(seed),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *extra,
+    ]
+    # warm start outside the timed run: it is the "pretrained model" (cached), not RL
+    subprocess.run(
+        [sys.executable, "-m", "echo2.cli", "warmstart", "--seed", str(seed), *_config_only(extra)],
+        check=True,
+        capture_output=True,
+    )
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    curve = [(r["time_s"], r["reward/accuracy"]) for r in records if "reward/accuracy" in r]
+    start = curve[0][1]
+    return {
+        "seed": seed,
+        "process_wall_s": wall,
+        "steps": records[-1]["step"],
+        "initial_accuracy": start,
+        "final_accuracy": curve[-1][1],
+        "best_accuracy": max(a for _, a in curve),
+        "gain_final": curve[-1][1] - start,
+        "curve_time_s": [t for t, _ in curve],
+        "curve_accuracy": [a for _, a in curve],
+    }
+
+
+def _config_only(extra: list[str]) -> list[str]:
+    """The flags of `extra` that `echo2 warmstart` also takes (config, --set)."""
+    out, it = [], iter(extra)
+    for flag in it:
+        if flag in ("--set", "--config", "-c"):
+            out += [flag, next(it)]
+    return out
+
+
+def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
+    import torch
+
+    from echo2.config import load_config
+    from echo2.data.tasks.base import build_task
+    from echo2.learner import grpo
+    from echo2.learner.trainer import GRPOTrainer, pack
+    from echo2.models.policy import configure_torch, load_policy
+    from echo2.rollout.engines.hf import HFEngine
+    from echo2.types import Trajectory
+
+    overrides = [f"seed={seed}"]
+    it = iter(extra)
+    for flag in it:
+        if flag == "--set":
+            overrides.append(next(it))
+    cfg = load_config(None, overrides)
+    configure_torch(cfg)
+    policy = load_policy(cfg)
+    task = build_task(cfg.task, seed)
+    import random
+
+    prompts = task.sample_train(random.Random(seed), cfg.grpo.prompts_per_step)
+    G = cfg.grpo.group_size
+    encoded = [policy.encode_prompt(p.text) for p in prompts]
+    samples = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling).generate(
+        [e for e in encoded for _ in range(G)], seed=seed
+    )
+    trajs = [
+        Trajectory(
+            prompt_id=prompts[i // G].prompt_id,
+            group_id=str(i // G),
+            prompt_ids=tuple(encoded[i // G]),
+            completion_ids=s.completion_ids,
+            sampler_logprobs=s.logprobs,
+            reward=float(i % 3 == 0),
+            policy_version=0,
+        )
+        for i, s in enumerate(samples)
+    ]
+    masks = [[1.0] * len(t.completion_ids) for t in trajs]
+    model = policy.model
+    trainer = GRPOTrainer(model, cfg.grpo, cfg.sampling.temperature, policy.pad_id)
+    bare_opt = torch.optim.AdamW(model.parameters(), lr=1e-12)
+    batch = pack(trajs, masks, policy.pad_id)
+
+    def bare() -> None:
+        # the floor: forward, a token log-likelihood loss on the completion tokens, backward, AdamW
+        logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
+        T = batch.targets_BT.shape[1]
+        idx = (batch.start_B[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=logits.shape[1] - 1)
+        picked = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+        loss = -(grpo.token_logprobs(picked, batch.targets_BT) * batch.mask_BT).sum() / batch.mask_BT.sum()
+        bare_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        bare_opt.step()
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm-up both paths
+        bare()
+        trainer.update(trajs, masks)
+    t_bare, t_grpo = [], []
+    for _ in range(reps):
+        t_bare.append(timed(bare))
+        t_grpo.append(timed(lambda: trainer.update(trajs, masks)))
+    return {
+        "rollouts": len(trajs),
+        "tokens": int(batch.mask_BT.sum()),
+        "bare_median_s": statistics.median(t_bare),
+        "grpo_update_median_s": statistics.median(t_grpo),
+        "ratio": statistics.median(t_grpo) / statistics.median(t_bare),
+        "reps": reps,
+        "kl_beta": cfg.grpo.kl_beta,
+        "num_minibatches": cfg.grpo.num_minibatches,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
+    for r in result["seeds"]:
+        ax.plot([t / 60 for t in r["curve_time_s"]], r["curve_accuracy"], label=f"seed {r['seed']}")
+    ax.axvline(10, color="grey", ls=":", label="10 min")
+    ax.set_xlabel("wall clock (min)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("echo2 train, embedded default, 2-core CPU")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    u = result["update_cost"]
+    bx.bar(
+        ["bare fwd+bwd+opt", "GRPO update"],
+        [u["bare_median_s"] * 1e3, u["grpo_update_median_s"] * 1e3],
+        color=["#999", "#1f77b4"],
+    )
+    bx.set_ylabel("median ms / step")
+    bx.set_title(f"update cost: {u['ratio']:.2f}x bare (target <= 1.5x)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--reps", type=int, default=30, help="timed repetitions of each update path")
+    ap.add_argument("--quick", action="store_true", help="tiny budget: checks the script, not the claim")
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to `echo2 train` after --")
+    args = ap.parse_args()
+    extra = [x for x in args.extra if x != "--"]
+    if args.quick:
+        extra = ["--max-minutes", "0.2", "--set", "train.eval_every=10", *extra]
+        args.reps = 3
+    out = Path(args.out)
+    runs = out / "learning_runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    seeds = [run_seed(s, runs, extra) for s in args.seeds]
+    gains = [r["gain_final"] for r in seeds]
+    result = {
+        "seeds": seeds,
+        "median_gain": statistics.median(gains),
+        "min_gain": min(gains),
+        "max_process_wall_s": max(r["process_wall_s"] for r in seeds),
+        "targets": {"each_gain": 0.25, "median_gain": 0.40, "wall_s": 600, "update_ratio": 1.5},
+        "update_cost": update_cost(args.seeds[0], args.reps, extra),
+        "extra_args": extra,
+    }
+    result["met"] = {
+        "each_gain": result["min_gain"] >= 0.25,
+        "median_gain": result["median_gain"] >= 0.40,
+        "wall": result["max_process_wall_s"] <= 600,
+        "update_ratio": result["update_cost"]["ratio"] <= 1.5,
+    }
+    (out / "learning.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "learning.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "seeds"}, indent=2))
+    for r in seeds:
+        print(
+            f"seed {r['seed']}: {r['initial_accuracy']:.3f} -> {r['final_accuracy']:.3f} "
+            f"(+{r['gain_final'] * 100:.1f} pts) in {r['process_wall_s']:.0f} s, {r['steps']} steps"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

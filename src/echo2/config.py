@@ -1,0 +1,265 @@
+"""The typed config tree of a training run (pydantic). No torch import here.
+
+A run's config comes from defaults, then an optional TOML file, then ``--set key.sub=value``
+overrides, and is validated once, before anything starts: a bad value fails with the field's dotted
+path and the rule it breaks (:class:`echo2.errors.ConfigError`).
+
+The paper's constraints live in validators: ``kappa >= 1`` and the default coupling
+``kappa = max(1, S - 1)`` (SPEC §2), group size ``>= 2`` (GRPO needs a group to normalise against),
+``0 < top_p <= 1``, ``C >= 1`` for truncated importance sampling.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from echo2.errors import ConfigError
+
+
+class _Section(BaseModel):
+    """Every section is strict about unknown keys, so a typo fails instead of being ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EmbeddedModelConfig(_Section):
+    """Shape of the tiny Qwen3-architecture model echo2 builds itself (used when ``model.path`` is unset)."""
+
+    hidden_size: int = Field(128, ge=8, description="width of the residual stream")
+    intermediate_size: int = Field(384, ge=8, description="width of the MLP")
+    num_layers: int = Field(4, ge=1, description="transformer blocks")
+    num_heads: int = Field(4, ge=1, description="query heads")
+    num_kv_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention)")
+    max_positions: int = Field(128, ge=16, description="longest prompt + completion, in tokens")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> EmbeddedModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
+class WarmstartConfig(_Section):
+    """Short supervised training on the task that produces the embedded model's starting checkpoint.
+
+    Training stops at the first evaluation whose held-out greedy accuracy reaches
+    ``target_accuracy`` (or after ``max_steps``), so RL starts from a model that is right sometimes
+    but not often, the way real post-training starts from a pretrained model.
+    """
+
+    target_accuracy: float = Field(0.2, gt=0.0, lt=1.0, description="stop SFT once held-out accuracy >= this")
+    max_steps: int = Field(3000, ge=1, description="upper bound on SFT optimizer steps")
+    batch_size: int = Field(64, ge=1, description="SFT sequences per step")
+    lr: float = Field(2e-3, gt=0.0, description="SFT AdamW learning rate")
+    eval_every: int = Field(25, ge=1, description="SFT steps between held-out evaluations")
+    eval_size: int = Field(256, ge=8, description="held-out problems per SFT evaluation")
+    cache_dir: str | None = Field(
+        None, description="where warm-started checkpoints are cached (default ~/.cache/echo2)"
+    )
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None, description="local HF checkpoint dir (model + tokenizer); unset = embedded"
+    )
+    chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    embedded: EmbeddedModelConfig = Field(default_factory=EmbeddedModelConfig)
+    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
+
+
+class ArithmeticTaskConfig(_Section):
+    """Synthetic arithmetic with an exact-answer reward (the embedded default task)."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    min_value: int = Field(0, ge=0, description="smallest operand")
+    max_value: int = Field(99, ge=1, description="largest operand (difficulty knob)")
+    num_operands: int = Field(2, ge=2, le=4, description="operands per problem (difficulty knob)")
+    operators: str = Field(
+        "+", min_length=1, description="operators drawn from, any of '+-*' (difficulty knob)"
+    )
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of problem space held out for eval")
+
+    @model_validator(mode="after")
+    def _check(self) -> ArithmeticTaskConfig:
+        bad = set(self.operators) - set("+-*")
+        if bad:
+            raise ValueError(f"operators may only contain '+', '-', '*', got {''.join(sorted(bad))!r}")
+        if self.max_value <= self.min_value:
+            raise ValueError(f"max_value={self.max_value} must exceed min_value={self.min_value}")
+        return self
+
+
+class MathTaskConfig(_Section):
+    """Question/answer records from a JSONL file, graded by a math-answer checker (math-verify)."""
+
+    name: Literal["math"] = "math"
+    train_path: str | None = Field(
+        None, description="JSONL with 'question' and 'answer' fields; unset = bundled sample"
+    )
+    eval_path: str | None = Field(None, description="held-out JSONL; unset = a split of train_path")
+    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="held-out share when eval_path is unset")
+    prompt_template: str = Field("{question}\nAnswer: ", description="format string with a {question} slot")
+
+
+TaskConfig = Annotated[ArithmeticTaskConfig | MathTaskConfig, Field(discriminator="name")]
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, gt=0.0, description="softmax temperature for rollouts")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    max_new_tokens: int = Field(8, ge=1, description="longest completion, in tokens")
+
+
+class GRPOConfig(_Section):
+    """GRPO with the off-policy corrections of the paper's App. D (see learner/grpo.py)."""
+
+    prompts_per_step: int = Field(32, ge=1, description="prompts per learner update")
+    group_size: int = Field(8, ge=2, description="rollouts per prompt (R = prompts_per_step * group_size)")
+    lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon_c")
+    is_cap: float = Field(2.0, ge=1.0, description="cap C of truncated importance weights sampler->learner")
+    kl_beta: float = Field(0.0, ge=0.0, description="weight beta of the KL penalty to the frozen reference")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how per-token losses become one scalar (learner/grpo.py)"
+    )
+    scale_by_std: bool = Field(True, description="divide group-centred rewards by the group std")
+    num_minibatches: int = Field(1, ge=1, description="optimizer steps per update (one learner version)")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping threshold")
+
+    @property
+    def rollouts_per_step(self) -> int:
+        """R in SPEC §3: trajectories consumed by one learner update."""
+        return self.prompts_per_step * self.group_size
+
+    @model_validator(mode="after")
+    def _minibatches_divide(self) -> GRPOConfig:
+        if self.prompts_per_step % self.num_minibatches:
+            raise ValueError(
+                f"prompts_per_step={self.prompts_per_step} must be divisible by num_minibatches="
+                f"{self.num_minibatches} (minibatches keep GRPO groups whole)"
+            )
+        return self
+
+
+class AsyncConfig(_Section):
+    """Bounded staleness (SPEC §2). ``echo2 train`` is the synchronous case S = 0."""
+
+    staleness: int = Field(0, ge=0, description="budget S: trajectories need v >= v_t - S")
+    kappa: int | None = Field(None, ge=1, description="publish every kappa updates; unset = max(1, S - 1)")
+    gamma: float = Field(1.1, ge=1.0, description="provisioning headroom: mu_target = gamma * mu_min")
+
+    @property
+    def effective_kappa(self) -> int:
+        return self.kappa if self.kappa is not None else max(1, self.staleness - 1)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(2000, ge=1, description="learner updates at most")
+    max_minutes: float | None = Field(8.0, gt=0.0, description="wall-clock budget; unset = no limit")
+    eval_every: int = Field(25, ge=1, description="learner steps between held-out evaluations")
+    eval_size: int = Field(256, ge=8, description="held-out problems per evaluation (greedy)")
+    checkpoint_every: int = Field(100, ge=1, description="learner steps between checkpoints")
+    run_dir: str = Field("runs/latest", description="where config.json, metrics.jsonl and checkpoints go")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads; unset = 1 for the embedded model, else torch's default",
+    )
+
+    def resolved_threads(self, embedded: bool) -> int | None:
+        """The tiny embedded model is dominated by per-op overhead, where extra threads only add
+        synchronisation (measured: 2 threads ran half as many steps/s as 1 on a loaded 2-core box)."""
+        if self.threads is not None:
+            return self.threads
+        return 1 if embedded else None
+
+
+class Config(_Section):
+    seed: int = Field(0, ge=0, description="seeds the task, the sampler and the model init")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_task_name(cls, data: Any) -> Any:
+        """``[task]`` without ``name`` means the default task, so its knobs can be set alone."""
+        if isinstance(data, dict) and isinstance(data.get("task"), dict) and "name" not in data["task"]:
+            data = {**data, "task": {"name": "arithmetic", **data["task"]}}
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value is read as a TOML value when it is one (``3``, ``1e-4``, ``true``,
+    ``"x"``, ``[1, 2]``), else taken as a bare string (``arithmetic``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply ``a.b.c=value`` to a nested dict in place."""
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {assignment!r} must look like section.field=value")
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {assignment!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = _parse_value(raw.strip())
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc or '<root>'}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``key=value`` overrides, validated once; raises ConfigError."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+    for assignment in overrides or []:
+        apply_override(tree, assignment)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None

@@ -1,0 +1,146 @@
+"""GRPO as pure tensor functions (no I/O, no clock, no model), with the off-policy corrections of
+the paper's App. D. Shapes are suffixes: ``P`` prompts, ``G`` group size, ``B`` sequences
+(``B = P*G``), ``T`` completion tokens.
+
+Three policies meet in one update:
+  - the *sampler* (behaviour) policy that generated ``y``, possibly ``Δ`` versions old:
+    ``logp_sampler``;
+  - the *proximal* policy, the learner's weights at the start of this update: ``logp_prox``
+    (detached; equal to the current policy on the first minibatch);
+  - the current policy being optimised: ``logp``.
+
+Per token (``A`` the sequence's group advantage)::
+
+    w      = min(exp(logp_prox - logp_sampler), C)                 truncated IS weight (detached)
+    ratio  = exp(logp - logp_prox)
+    pg     = -w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)  PPO clipped surrogate
+    kl     = exp(logp_ref - logp) - (logp_ref - logp) - 1          k3 estimator, >= 0
+    loss_t = pg + beta * kl
+
+Group advantage (GRPO): ``A_i = (r_i - mean_G r) / (std_G r + eps)`` (or without the std division,
+Dr. GRPO style, when ``scale_by_std=False``). A group whose rewards are all equal carries no signal
+and gets ``A = 0``.
+
+Loss aggregation (``loss_agg``), over valid tokens ``m_bt``:
+  - ``token-mean`` (default; DAPO): ``Σ_bt m·l / Σ_bt m`` — every token weighs the same, so long
+    completions are not down-weighted;
+  - ``seq-mean-token-mean`` (original GRPO): ``mean_b (Σ_t m·l / Σ_t m)``;
+  - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``Σ_bt m·l / (B · T_max)`` with a constant ``T_max``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def group_advantages(rewards_PG: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages ``A_pg = (r_pg - mean_g r_pg) / (std_g r_pg + eps)``.
+
+    ``std`` is the population std (``unbiased=False``), so a group of two rewards {0, 1} gets
+    advantages {-1, +1}·(0.5 / (0.5 + eps)).
+    """
+    if rewards_PG.dim() != 2 or rewards_PG.shape[1] < 2:
+        raise ValueError(f"rewards_PG must be [P, G] with G >= 2, got shape {tuple(rewards_PG.shape)}")
+    centred_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
+    if not scale_by_std:
+        return centred_PG
+    std_P1 = rewards_PG.std(dim=1, unbiased=False, keepdim=True)
+    return centred_PG / (std_P1 + eps)
+
+
+def truncated_is_weights(
+    logp_prox_BT: torch.Tensor, logp_sampler_BT: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """``w = min(exp(logp_prox - logp_sampler), cap)``, detached: corrects for sampling with an older
+    policy while bounding the variance a very stale token can inject."""
+    return torch.exp(logp_prox_BT - logp_sampler_BT).clamp(max=cap).detach()
+
+
+def kl_k3(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token ``KL(π || π_ref)`` estimator ``k3 = exp(d) - d - 1`` with ``d = logp_ref - logp``
+    (unbiased, always >= 0; Schulman 2020)."""
+    d_BT = logp_ref_BT - logp_BT
+    return torch.exp(d_BT) - d_BT - 1.0
+
+
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> torch.Tensor:
+    """One scalar from per-token losses (see module docstring for the three modes)."""
+    mask_BT = mask_BT.to(loss_BT.dtype)
+    if mode == "token-mean":
+        return (loss_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-mean":
+        per_seq_B = (loss_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+        return per_seq_B.mean()
+    if mode == "seq-mean-token-sum-norm":
+        return (loss_BT * mask_BT).sum() / (loss_BT.shape[0] * loss_BT.shape[1])
+    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """Diagnostics of one loss evaluation (plain floats, detached)."""
+
+    pg_loss: float  # aggregated clipped surrogate
+    kl: float  # aggregated k3 KL to the reference (0 when beta == 0 and no reference given)
+    clipfrac: float  # share of valid tokens where the PPO clip was active
+    is_weight_mean: float  # mean truncated IS weight over valid tokens
+    is_truncated_frac: float  # share of valid tokens whose IS weight hit the cap
+
+
+def grpo_loss(
+    logp_BT: torch.Tensor,
+    logp_prox_BT: torch.Tensor,
+    logp_sampler_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_eps: float,
+    is_cap: float,
+    kl_beta: float = 0.0,
+    logp_ref_BT: torch.Tensor | None = None,
+    loss_agg: str = "token-mean",
+) -> tuple[torch.Tensor, LossStats]:
+    """The GRPO objective of the module docstring; returns the scalar loss and its diagnostics."""
+    if kl_beta > 0.0 and logp_ref_BT is None:
+        raise ValueError("kl_beta > 0 needs logp_ref_BT")
+    logp_prox_BT = logp_prox_BT.detach()
+    mask_BT = mask_BT.to(logp_BT.dtype)
+    A_B1 = advantages_B[:, None].to(logp_BT.dtype)
+
+    w_BT = truncated_is_weights(logp_prox_BT, logp_sampler_BT, is_cap)
+    ratio_BT = torch.exp(logp_BT - logp_prox_BT)
+    surr1_BT = ratio_BT * A_B1
+    surr2_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A_B1
+    pg_BT = -w_BT * torch.minimum(surr1_BT, surr2_BT)
+    pg = aggregate(pg_BT, mask_BT, loss_agg)
+
+    kl = torch.zeros((), dtype=logp_BT.dtype)
+    if logp_ref_BT is not None:
+        kl = aggregate(kl_k3(logp_BT, logp_ref_BT.detach()), mask_BT, loss_agg)
+    loss = pg + kl_beta * kl
+
+    with torch.no_grad():
+        n = mask_BT.sum().clamp(min=1.0)
+        clipped_BT = (surr2_BT < surr1_BT).to(mask_BT.dtype)  # the clip bound was the minimum
+        stats = LossStats(
+            pg_loss=float(pg),
+            kl=float(kl),
+            clipfrac=float((clipped_BT * mask_BT).sum() / n),
+            is_weight_mean=float((w_BT * mask_BT).sum() / n),
+            is_truncated_frac=float(((w_BT >= is_cap).to(mask_BT.dtype) * mask_BT).sum() / n),
+        )
+    return loss, stats
+
+
+def token_logprobs(
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``log softmax(logits / T)[target]`` per position, without materialising the full log-softmax
+    (``logit[target] - logsumexp(logit)``), so memory stays O(B·T) beyond the logits themselves."""
+    logits_BTV = logits_BTV.float() / temperature
+    picked_BT = logits_BTV.gather(-1, targets_BT[..., None]).squeeze(-1)
+    return picked_BT - torch.logsumexp(logits_BTV, dim=-1)

@@ -1,0 +1,188 @@
+"""One GRPO learner update: a batch of R graded trajectories in, one new policy version out.
+
+``GRPOTrainer.update`` is one call: it packs the batch, computes group advantages, evaluates the
+loss of ``learner/grpo.py`` (one or more minibatches, groups kept whole), clips gradients, steps
+AdamW, and reports the wall time it took as ``t_train_s`` (T_train of SPEC §3). A NaN or inf loss or
+gradient raises :class:`TrainingDivergedError` *before* the optimizer touches the weights, so the
+weights (and any checkpoint) stay those of the last good step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from echo2.config import GRPOConfig
+from echo2.errors import TrainingDivergedError
+from echo2.learner import grpo
+from echo2.types import Trajectory
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one learner update reports (the ``learner/`` metrics of SPEC §7)."""
+
+    version: int  # policy version after this update
+    loss: float  # total loss (mean over minibatches)
+    kl: float  # KL to the reference (0 when beta == 0)
+    clipfrac: float  # share of tokens where the PPO clip was active
+    grad_norm: float  # gradient norm before clipping (mean over minibatches)
+    is_weight_mean: float  # mean truncated importance weight sampler -> learner
+    t_train_s: float  # wall seconds of this update
+    tokens: int  # completion tokens trained on
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Trajectories as right-padded tensors (prompt + completion per row)."""
+
+    input_ids_BL: torch.Tensor  # prompt + completion ids, right-padded
+    attention_mask_BL: torch.Tensor  # 1 on real tokens
+    targets_BT: torch.Tensor  # completion ids, right-padded to T
+    mask_BT: torch.Tensor  # task token mask on completion tokens, 0 on padding
+    logp_sampler_BT: torch.Tensor  # sampler log-probs aligned with targets
+    start_B: torch.Tensor  # index in input_ids of each row's first completion token
+
+
+def pack(trajectories: Sequence[Trajectory], masks: Sequence[Sequence[float]], pad_id: int) -> PackedBatch:
+    B = len(trajectories)
+    L = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
+    T = max(len(t.completion_ids) for t in trajectories)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    targets = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    logp_s = torch.zeros((B, T), dtype=torch.float32)
+    start = torch.zeros(B, dtype=torch.long)
+    for i, (t, m) in enumerate(zip(trajectories, masks, strict=True)):
+        p, c = len(t.prompt_ids), len(t.completion_ids)
+        input_ids[i, : p + c] = torch.tensor(t.prompt_ids + t.completion_ids, dtype=torch.long)
+        attn[i, : p + c] = 1
+        targets[i, :c] = torch.tensor(t.completion_ids, dtype=torch.long)
+        mask[i, :c] = torch.tensor(m, dtype=torch.float32)
+        logp_s[i, :c] = torch.tensor(t.sampler_logprobs, dtype=torch.float32)
+        start[i] = p
+    return PackedBatch(input_ids, attn, targets, mask, logp_s, start)
+
+
+def completion_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float, rows: slice = slice(None)
+) -> torch.Tensor:
+    """Log-probs of the completion tokens under ``model`` (temperature-scaled), ``[B, T]``."""
+    input_ids_BL = batch.input_ids_BL[rows]
+    logits_BLV = model(input_ids=input_ids_BL, attention_mask=batch.attention_mask_BL[rows]).logits
+    T = batch.targets_BT.shape[1]
+    # the logit at position start-1+j predicts completion token j
+    idx_BT = (batch.start_B[rows, None] - 1 + torch.arange(T)[None, :]).clamp(max=input_ids_BL.shape[1] - 1)
+    logits_BTV = logits_BLV.gather(1, idx_BT[..., None].expand(-1, -1, logits_BLV.shape[-1]))
+    return grpo.token_logprobs(logits_BTV, batch.targets_BT[rows], temperature)
+
+
+class GRPOTrainer:
+    """Owns the policy's optimizer and (when ``kl_beta > 0``) a frozen reference copy."""
+
+    def __init__(
+        self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float, pad_id: int, version: int = 0
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.version = version
+        self.optimizer = torch.optim.AdamW(
+            (p for p in model.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.reference: torch.nn.Module | None = None
+        if cfg.kl_beta > 0:
+            self.reference = copy.deepcopy(model).eval()
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+
+    def update(self, trajectories: Sequence[Trajectory], masks: Sequence[Sequence[float]]) -> UpdateStats:
+        """One learner update on whole GRPO groups (``trajectories`` ordered group by group)."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        groups = _group_sizes(trajectories)
+        G = groups[0]
+        if any(g != G for g in groups) or G < 2:
+            raise ValueError(f"update needs whole groups of equal size >= 2, got sizes {groups}")
+        rewards_PG = torch.tensor([t.reward for t in trajectories], dtype=torch.float32).view(-1, G)
+        advantages_B = grpo.group_advantages(rewards_PG, cfg.scale_by_std).flatten()
+        batch = pack(trajectories, masks, self.pad_id)
+
+        self.model.train()
+        n_mb = cfg.num_minibatches
+        rows_per_mb = (len(trajectories) // G // n_mb) * G
+        logp_prox_BT = None
+        if n_mb > 1:  # the proximal policy must be frozen before the first optimizer step
+            with torch.no_grad():
+                logp_prox_BT = completion_logprobs(self.model, batch, self.temperature)
+        losses, klv, clipf, gnorms, isw = [], [], [], [], []
+        for k in range(n_mb):
+            rows = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
+            logp_BT = completion_logprobs(self.model, batch, self.temperature, rows)
+            prox_BT = logp_BT.detach() if logp_prox_BT is None else logp_prox_BT[rows]
+            logp_ref_BT = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    logp_ref_BT = completion_logprobs(self.reference, batch, self.temperature, rows)
+            loss, stats = grpo.grpo_loss(
+                logp_BT,
+                prox_BT,
+                batch.logp_sampler_BT[rows],
+                advantages_B[rows],
+                batch.mask_BT[rows],
+                clip_eps=cfg.clip_eps,
+                is_cap=cfg.is_cap,
+                kl_beta=cfg.kl_beta,
+                logp_ref_BT=logp_ref_BT,
+                loss_agg=cfg.loss_agg,
+            )
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise TrainingDivergedError(f"loss is {float(loss.detach())} at version {self.version}, minibatch {k}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            if not math.isfinite(float(grad_norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise TrainingDivergedError(
+                    f"gradient norm is {float(grad_norm)} at version {self.version}, minibatch {k}"
+                )
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+            klv.append(stats.kl)
+            clipf.append(stats.clipfrac)
+            gnorms.append(float(grad_norm))
+            isw.append(stats.is_weight_mean)
+        self.version += 1
+        return UpdateStats(
+            version=self.version,
+            loss=_mean(losses),
+            kl=_mean(klv),
+            clipfrac=_mean(clipf),
+            grad_norm=_mean(gnorms),
+            is_weight_mean=_mean(isw),
+            t_train_s=time.perf_counter() - t0,
+            tokens=int(batch.mask_BT.gt(0).sum()),
+        )
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _group_sizes(trajectories: Sequence[Trajectory]) -> list[int]:
+    sizes: list[int] = []
+    current = None
+    for t in trajectories:
+        if t.group_id != current:
+            sizes.append(0)
+            current = t.group_id
+        sizes[-1] += 1
+    return sizes

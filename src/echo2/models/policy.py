@@ -1,0 +1,94 @@
+"""Loading a policy (model + tokenizer) from a local HF checkpoint directory.
+
+The embedded default goes through the same function: its warm-started checkpoint is an ordinary
+``save_pretrained`` directory (safetensors), so the code path a user's real checkpoint takes is the
+one every test exercises.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from echo2.config import Config
+from echo2.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Policy:
+    """A causal LM with its tokenizer and the token conventions the planes agree on."""
+
+    model: Any  # transformers *ForCausalLM
+    tokenizer: Any  # transformers tokenizer
+    eos_id: int  # token that ends a completion
+    pad_id: int  # token used for padding (never trained on)
+    chat_template: bool  # wrap prompts with the tokenizer's chat template
+    source: str  # the checkpoint directory it was loaded from
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.chat_template:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode_completion(self, ids: tuple[int, ...] | list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def configure_torch(cfg: Config) -> None:
+    """Process-wide torch settings of a run: intra-op threads (see ``train.threads``) and the seed."""
+    import torch
+
+    threads = cfg.train.resolved_threads(embedded=cfg.model.path is None)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+
+
+def load_checkpoint(path: str | Path, chat_template: bool = False) -> Policy:
+    """Model + tokenizer from a local directory; CheckpointError says what is missing or broken."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no per-load / per-save weight bars in our logs
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint directory {p} does not exist")
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"{p} is not an HF checkpoint: config.json is missing")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except Exception as exc:  # transformers raises many types; the user needs the path and the cause
+        raise CheckpointError(f"cannot load a tokenizer from {p}: {exc}") from exc
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load a causal LM from {p}: {exc}") from exc
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise CheckpointError(f"the tokenizer in {p} defines no eos_token")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise CheckpointError(f"model.chat_template is set but the tokenizer in {p} has no chat template")
+    return Policy(model, tokenizer, int(eos), int(pad), chat_template, str(p))
+
+
+def load_policy(cfg: Config) -> Policy:
+    """The configured checkpoint, or the embedded model's warm-started one (built and cached on
+    first use)."""
+    if cfg.model.path is not None:
+        return load_checkpoint(cfg.model.path, cfg.model.chat_template)
+    from echo2.models.warmstart import warmstart_checkpoint
+
+    return load_checkpoint(warmstart_checkpoint(cfg), cfg.model.chat_template)

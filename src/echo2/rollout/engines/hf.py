@@ -1,0 +1,139 @@
+"""Rollout engine on HF transformers: batched sampling with temperature and top-p, returning the
+completion token ids and the sampler's per-token log-probs. Deterministic under a seed.
+
+The decode loop drives the model's own forward with a KV cache (``DynamicCache``) instead of
+``generate()``: it keeps exactly the log-probs we need, runs one ``torch.Generator`` for
+reproducibility, and has no per-token processor overhead, which dominates on small models.
+
+Log-prob convention: ``sampler_logprobs`` are log-probs under the *temperature-scaled* distribution
+``softmax(logits / T)``, before nucleus truncation. This is what the learner recomputes, so an
+on-policy sample has importance weight exactly 1; nucleus truncation only decides which tokens can
+be drawn.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from echo2.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated completion."""
+
+    completion_ids: tuple[int, ...]  # sampled token ids, EOS included when it was drawn
+    logprobs: tuple[float, ...]  # sampler log-prob of each completion token (see module docstring)
+    finished: bool  # True when EOS was drawn before max_new_tokens
+
+
+def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the smallest set whose probability mass reaches ``top_p``
+    (the most likely token always stays)."""
+    if top_p >= 1.0:
+        return logits_BV
+    sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
+    cum_BV = torch.softmax(sorted_BV, dim=-1).cumsum(dim=-1)
+    drop_sorted_BV = (cum_BV - torch.softmax(sorted_BV, dim=-1)) >= top_p  # mass before this token
+    drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+    return logits_BV.masked_fill(drop_BV, float("-inf"))
+
+
+class HFEngine:
+    """Samples completions from a causal LM (any transformers ``*ForCausalLM``)."""
+
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, sampling: SamplingConfig) -> None:
+        self.model = model
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.sampling = sampling
+        # transformers 5.x renamed `past_key_values` to `cache`; accept both generations
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        seed: int,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> list[Sample]:
+        """One completion per entry of ``prompts`` (repeat a prompt to sample a group)."""
+        from transformers import DynamicCache
+
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        steps = max_new_tokens or self.sampling.max_new_tokens
+        temperature = self.sampling.temperature
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        # left-pad so every row's next token sits in the last column
+        width = max(len(p) for p in prompts)
+        B = len(prompts)
+        input_ids_BT = torch.full((B, width), self.pad_id, dtype=torch.long, device=device)
+        mask_BT = torch.zeros((B, width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            input_ids_BT[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask_BT[i, width - len(p) :] = 1
+        positions_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
+
+        cache = DynamicCache()
+        tokens_BS = torch.empty((B, steps), dtype=torch.long, device=device)
+        logprobs_BS = torch.zeros((B, steps), dtype=torch.float32, device=device)
+        done_B = torch.zeros(B, dtype=torch.bool, device=device)
+        lengths_B = torch.full((B,), steps, dtype=torch.long, device=device)
+        step_ids_BT = input_ids_BT
+        n = 0
+        for n in range(steps):
+            out = self.model(
+                input_ids=step_ids_BT,
+                attention_mask=mask_BT,
+                position_ids=positions_BT,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
+            logits_BV = out.logits[:, -1, :].float() / temperature
+            logp_BV = torch.log_softmax(logits_BV, dim=-1)
+            if greedy:
+                next_B = logits_BV.argmax(dim=-1)
+            else:
+                probs_BV = torch.softmax(top_p_filter(logits_BV, self.sampling.top_p), dim=-1)
+                next_B = torch.multinomial(probs_BV, 1, generator=gen).squeeze(-1)
+            next_B = torch.where(done_B, torch.full_like(next_B, self.pad_id), next_B)
+            tokens_BS[:, n] = next_B
+            logprobs_BS[:, n] = logp_BV.gather(-1, next_B[:, None]).squeeze(-1)
+            newly_done_B = (~done_B) & (next_B == self.eos_id)
+            lengths_B = torch.where(newly_done_B, torch.full_like(lengths_B, n + 1), lengths_B)
+            done_B |= newly_done_B
+            if bool(done_B.all()):
+                break
+            step_ids_BT = next_B[:, None]
+            mask_BT = torch.cat([mask_BT, (~done_B).long()[:, None]], dim=-1)
+            positions_BT = positions_BT[:, -1:] + 1
+        if was_training:
+            self.model.train()
+
+        samples = []
+        tokens = tokens_BS[:, : n + 1].tolist()
+        logprobs = logprobs_BS[:, : n + 1].tolist()
+        for i in range(B):
+            k = int(lengths_B[i])
+            samples.append(
+                Sample(
+                    completion_ids=tuple(tokens[i][:k]),
+                    logprobs=tuple(logprobs[i][:k]),
+                    finished=bool(done_B[i]),
+                )
+            )
+        return samples

@@ -1,0 +1,54 @@
+"""A run directory: ``config.json``, ``metrics.jsonl`` (one namespaced dict per learner step, SPEC
+§7), ``checkpoints/`` and ``summary.json``. Always on; other sinks are optional extras."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+class RunDir:
+    def __init__(self, path: str | Path, config: dict[str, Any], keep_checkpoints: int = 2) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.keep_checkpoints = keep_checkpoints
+        (self.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one record; non-finite floats are written as null (JSON has no NaN)."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._metrics.write(json.dumps(clean) + "\n")
+        self._metrics.flush()
+
+    def checkpoint_dir(self, name: str) -> Path:
+        return self.checkpoints / name
+
+    def prune_checkpoints(self, protect: str = "last_good") -> None:
+        """Keep the newest ``keep_checkpoints`` ``step_*`` directories (and ``protect``)."""
+        steps = sorted(p for p in self.checkpoints.glob("step_*") if p.is_dir())
+        for old in steps[: -self.keep_checkpoints]:
+            if old.name != protect:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    def close(self) -> None:
+        self._metrics.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (the run directory or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    with p.open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -1,0 +1,37 @@
+"""Wire records shared by all planes. Frozen; every field documented; ``policy_version`` is required."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task prompt ``x`` with what the reward function needs to grade a completion."""
+
+    prompt_id: str  # stable id within the task split (also the GRPO group key)
+    text: str  # the prompt shown to the policy
+    answer: str  # reference answer the reward function checks against
+    meta: dict[str, Any] = field(default_factory=dict)  # task-specific extras (difficulty, source line, ...)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """``τ = (x, y, r, v, Ω)`` of SPEC §1: one sampled completion, graded and version-tagged."""
+
+    prompt_id: str  # the prompt x this completion answers
+    group_id: str  # GRPO group: completions of the same prompt, sampled together
+    prompt_ids: tuple[int, ...]  # token ids of x as the policy saw it
+    completion_ids: tuple[int, ...]  # token ids of y (ends with EOS unless truncated)
+    sampler_logprobs: tuple[float, ...]  # per-token log-probs of y under the sampler, len == completion
+    reward: float  # scalar r = R(x, y) from the task adapter
+    policy_version: int  # version v of the weights that generated y (required, never defaulted)
+    meta: dict[str, Any] = field(default_factory=dict)  # Ω: parse status, truncation, worker id, ...
+
+    def __post_init__(self) -> None:
+        if len(self.sampler_logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"sampler_logprobs has {len(self.sampler_logprobs)} entries for "
+                f"{len(self.completion_ids)} completion tokens"
+            )

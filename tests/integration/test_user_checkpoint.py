@@ -1,0 +1,107 @@
+"""A user's own HF checkpoint (not the embedded one): a BPE tokenizer with a chat template and a
+Qwen3 model saved with save_pretrained, trained by `echo2 train` on the `math` task."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture
+def user_checkpoint(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    corpus = [f"What is {a} times {b}? Answer: {a * b}" for a in range(12) for b in range(12)]
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    path = tmp_path / "user-ckpt"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_train_a_user_checkpoint_on_math(user_checkpoint, tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo2.cli",
+            "train",
+            "--model",
+            str(user_checkpoint),
+            "--run-dir",
+            str(run),
+            "--steps",
+            "2",
+            "--no-progress",
+            "--set",
+            "task.name=math",
+            "--set",
+            "model.chat_template=true",
+            "--set",
+            "grpo.prompts_per_step=2",
+            "--set",
+            "grpo.group_size=2",
+            "--set",
+            "sampling.max_new_tokens=6",
+            "--set",
+            "train.eval_size=8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"]["path"] == str(user_checkpoint) and config["task"]["name"] == "math"
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["learner/version"] == 2
+    assert (run / "checkpoints" / "step_000002" / "tokenizer.json").is_file()
+
+
+def test_chat_template_requested_but_missing_is_a_clear_error(tmp_path):
+    from echo2.config import EmbeddedModelConfig
+    from echo2.errors import CheckpointError
+    from echo2.models.embedded import build_model, build_tokenizer
+    from echo2.models.policy import load_checkpoint
+
+    tok = build_tokenizer()
+    build_model(
+        EmbeddedModelConfig(hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1),
+        tok,
+        0,
+    ).save_pretrained(tmp_path / "c")
+    tok.save_pretrained(tmp_path / "c")
+    with pytest.raises(CheckpointError, match="no chat template"):
+        load_checkpoint(tmp_path / "c", chat_template=True)

@@ -1,0 +1,132 @@
+"""GRPO math against values worked by hand."""
+
+import math
+
+import pytest
+import torch
+
+from echo2.learner import grpo
+
+
+def test_group_advantages_by_hand():
+    # group 1: rewards 0, 1 -> mean 0.5, population std 0.5 -> advantages -1, +1
+    # group 2: rewards 1, 1 -> mean 1, std 0 -> advantages 0, 0 (no signal)
+    rewards_PG = torch.tensor([[0.0, 1.0], [1.0, 1.0]])
+    adv = grpo.group_advantages(rewards_PG, scale_by_std=True, eps=0.0 + 1e-12)
+    assert adv[0].tolist() == pytest.approx([-1.0, 1.0], abs=1e-6)
+    assert adv[1].tolist() == [0.0, 0.0]
+
+
+def test_group_advantages_without_std_is_centred_reward():
+    # rewards 0, 0, 3 -> mean 1 -> -1, -1, 2 (Dr. GRPO keeps the scale)
+    adv = grpo.group_advantages(torch.tensor([[0.0, 0.0, 3.0]]), scale_by_std=False)
+    assert adv.tolist() == [[-1.0, -1.0, 2.0]]
+
+
+def test_group_advantages_rejects_singleton_groups():
+    with pytest.raises(ValueError, match="G >= 2"):
+        grpo.group_advantages(torch.tensor([[1.0], [0.0]]))
+
+
+def test_truncated_is_weights_cap():
+    # exp(0 - log 0.5) = 2 -> capped at 1.5; exp(log .5 - 0) = .5 stays
+    prox = torch.tensor([[0.0, math.log(0.5)]])
+    sampler = torch.tensor([[math.log(0.5), 0.0]])
+    w = grpo.truncated_is_weights(prox, sampler, cap=1.5)
+    assert w.flatten().tolist() == pytest.approx([1.5, 0.5])
+
+
+def test_kl_k3_zero_at_equal_and_positive_otherwise():
+    logp = torch.tensor([[math.log(0.5)]])
+    assert grpo.kl_k3(logp, logp).item() == pytest.approx(0.0)
+    # d = log .25 - log .5 = -log 2 -> exp(d) - d - 1 = 0.5 + 0.693147 - 1 = 0.193147
+    assert grpo.kl_k3(logp, torch.tensor([[math.log(0.25)]])).item() == pytest.approx(0.193147, abs=1e-6)
+
+
+def test_aggregate_modes_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # token-mean: (1+2+3+4) / 4 = 2.5
+    assert grpo.aggregate(loss, mask, "token-mean").item() == pytest.approx(2.5)
+    # seq-mean-token-mean: mean(6/3, 4/1) = 3
+    assert grpo.aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
+    # seq-mean-token-sum-norm: 10 / (2 * 3) = 1.6667
+    assert grpo.aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / 6)
+    with pytest.raises(ValueError, match="loss_agg"):
+        grpo.aggregate(loss, mask, "sum")
+
+
+def test_grpo_loss_on_policy_gradient_is_advantage_weighted_score():
+    # On-policy (logp == prox == sampler): ratio = 1, w = 1, no clipping, and
+    # d loss / d logp_t = -A / n_tokens for token-mean.
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]], requires_grad=True)
+    same = logp.detach().clone()
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.ones(2, 2)
+    loss, stats = grpo.grpo_loss(logp, same, same, adv, mask, clip_eps=0.2, is_cap=2.0)
+    # loss = -(1*1 + 1*1 + (-2) + (-2)) / 4 = 0.5
+    assert loss.item() == pytest.approx(0.5)
+    loss.backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.25, -0.25, 0.5, 0.5])
+    assert stats.clipfrac == 0.0 and stats.is_weight_mean == pytest.approx(1.0)
+
+
+def test_grpo_loss_clips_ratio_for_positive_advantage():
+    # ratio = exp(log 1.5) = 1.5 > 1 + eps = 1.2 and A = +1: surrogate = min(1.5, 1.2) = 1.2,
+    # so the token is clipped (zero gradient) and the loss is -1.2.
+    prox = torch.tensor([[0.0]])
+    logp = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    loss, stats = grpo.grpo_loss(
+        logp, prox, prox, torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, is_cap=2.0
+    )
+    assert loss.item() == pytest.approx(-1.2)
+    assert stats.clipfrac == 1.0
+    loss.backward()
+    assert logp.grad.item() == 0.0
+
+
+def test_grpo_loss_stale_sample_is_weighted_and_kl_added():
+    # sampler logp = log .25, prox = log .5 -> w = min(2, C=1.5) = 1.5 (truncated)
+    # on-policy ratio 1, A = 1 -> pg = -1.5 ; ref logp = log .25 -> k3 = 0.193147 ; beta = .1
+    prox = torch.tensor([[math.log(0.5)]])
+    logp = prox.clone().requires_grad_(True)
+    sampler = torch.tensor([[math.log(0.25)]])
+    ref = torch.tensor([[math.log(0.25)]])
+    loss, stats = grpo.grpo_loss(
+        logp,
+        prox,
+        sampler,
+        torch.tensor([1.0]),
+        torch.ones(1, 1),
+        clip_eps=0.2,
+        is_cap=1.5,
+        kl_beta=0.1,
+        logp_ref_BT=ref,
+    )
+    assert loss.item() == pytest.approx(-1.5 + 0.1 * 0.193147, abs=1e-6)
+    assert stats.is_truncated_frac == 1.0
+    assert stats.kl == pytest.approx(0.193147, abs=1e-6)
+
+
+def test_grpo_loss_masked_tokens_do_not_count():
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    same = logp.detach().clone()
+    mask = torch.tensor([[1.0, 0.0]])
+    loss, _ = grpo.grpo_loss(logp, same, same, torch.tensor([2.0]), mask, clip_eps=0.2, is_cap=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0)
+    assert logp.grad.flatten().tolist() == pytest.approx([-2.0, 0.0])
+
+
+def test_kl_needs_reference():
+    x = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="logp_ref"):
+        grpo.grpo_loss(x, x, x, torch.zeros(1), torch.ones(1, 1), clip_eps=0.2, is_cap=2.0, kl_beta=0.1)
+
+
+def test_token_logprobs_matches_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5)
+    targets = torch.randint(0, 5, (2, 3))
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert torch.allclose(grpo.token_logprobs(logits, targets, 0.7), expected, atol=1e-6)

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+
+from echo2.config import load_config
+from echo2.errors import CheckpointError, TrainingDivergedError
+from echo2.learner.trainer import GRPOTrainer
+from echo2.models.policy import load_checkpoint, load_policy
+from echo2.models.warmstart import warmstart_checkpoint
+from echo2.runtime.rundir import read_metrics
+from echo2.runtime.sync import run_sync
+
+
+def test_missing_and_invalid_checkpoint_dirs(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
+        load_checkpoint(tmp_path / "empty")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="cannot load"):
+        load_checkpoint(broken)
+
+
+def test_warmstart_is_cached_and_loads_like_any_checkpoint(tiny_overrides):
+    cfg = load_config(overrides=tiny_overrides)
+    path = warmstart_checkpoint(cfg)
+    info = json.loads((path / "warmstart.json").read_text())
+    assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert warmstart_checkpoint(cfg) == path  # cached: not retrained
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert info["steps"] <= 20
+    policy = load_checkpoint(path)
+    assert policy.model.config.model_type == "qwen3"
+    # a user pointing model.path at the same directory takes the same code path
+    same = load_policy(load_config(overrides=[*tiny_overrides, f"model.path={str(path)!r}"]))
+    assert same.source == str(path)
+
+
+def test_sync_loop_writes_run_dir_with_spec_metric_names(tiny_overrides, tmp_path):
+    cfg = load_config(overrides=[*tiny_overrides, "train.steps=6"])
+    summary = run_sync(cfg, progress=False)
+    assert summary.steps == 6
+    records = read_metrics(summary.run_dir)
+    assert records[0]["step"] == 0 and "reward/accuracy" in records[0]
+    step = records[1]
+    for name in (
+        "learner/loss",
+        "learner/kl",
+        "learner/clipfrac",
+        "learner/grad_norm",
+        "learner/t_train_s",
+        "learner/bubble_ratio",
+        "learner/version",
+        "store/admitted",
+        "store/dropped_stale",
+        "store/staleness_max",
+        "reward/mean",
+    ):
+        assert name in step, name
+    assert [r["learner/version"] for r in records[1:]] == [1, 2, 3, 4, 5, 6]
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["grpo"]["group_size"] == 4
+    assert (run / "checkpoints" / "step_000006" / "model.safetensors").is_file()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+
+
+def test_divergence_keeps_last_good_checkpoint(tiny_overrides, tmp_path, monkeypatch):
+    real_update = GRPOTrainer.update
+
+    def update(self, trajectories, masks):
+        if self.version == 3:
+            raise TrainingDivergedError("loss is nan at version 3, minibatch 0")
+        return real_update(self, trajectories, masks)
+
+    monkeypatch.setattr(GRPOTrainer, "update", update)
+    cfg = load_config(overrides=[*tiny_overrides, "train.steps=10"])
+    with pytest.raises(TrainingDivergedError, match="last good weights saved"):
+        run_sync(cfg, progress=False)
+    good = tmp_path / "run" / "checkpoints" / "last_good"
+    assert json.loads((good / "trainer_state.json").read_text())["version"] == 3
+    assert load_checkpoint(good).model is not None
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "loss is nan" in summary["error"]

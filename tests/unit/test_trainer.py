@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from echo2.config import GRPOConfig
+from echo2.errors import TrainingDivergedError
+from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
+from echo2.types import Trajectory
+
+
+def _batch(policy, rewards, version=0, logp=None):
+    out = []
+    prompt = tuple(policy.encode_prompt("1+1="))
+    for i, r in enumerate(rewards):
+        completion = (5 + i % 3, policy.eos_id)
+        out.append(
+            Trajectory(
+                prompt_id="1+1",
+                group_id=f"g{i // 4}",
+                prompt_ids=prompt,
+                completion_ids=completion,
+                sampler_logprobs=logp[i] if logp else (-1.0, -1.0),
+                reward=r,
+                policy_version=version,
+            )
+        )
+    return out, [[1.0, 1.0]] * len(rewards)
+
+
+def test_pack_aligns_prompt_and_completion(tiny_policy):
+    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1])
+    b = pack(trajs, masks, tiny_policy.pad_id)
+    p = len(trajs[0].prompt_ids)
+    assert b.start_B.tolist() == [p] * 4
+    assert b.input_ids_BL[0, p:].tolist() == list(trajs[0].completion_ids)
+    assert b.targets_BT[1].tolist() == list(trajs[1].completion_ids)
+
+
+def test_update_bumps_version_and_moves_weights(tiny_policy):
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(lr=1e-2), 1.0, tiny_policy.pad_id)
+    trajs, masks = _batch(tiny_policy, [1, 0, 0, 0, 0, 0, 1, 1])
+    before = [p.detach().clone() for p in tiny_policy.model.parameters()]
+    stats = trainer.update(trajs, masks)
+    assert stats.version == 1 == trainer.version
+    assert stats.t_train_s > 0 and stats.tokens == 16
+    assert any(not torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters(), strict=True))
+
+
+def test_update_raises_rewarded_completion_probability(tiny_policy):
+    """A few updates must make the rewarded completion more likely than the unrewarded one."""
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(lr=1e-2), 1.0, tiny_policy.pad_id)
+    trajs, masks = _batch(tiny_policy, [1.0, 0.0, 0.0, 1.0])  # tokens 5 and 8 rewarded, 6 and 7 not
+    b = pack(trajs, masks, tiny_policy.pad_id)
+    with torch.no_grad():
+        lp0 = completion_logprobs(tiny_policy.model, b, 1.0)[:, 0]
+    for _ in range(5):
+        on_policy = [
+            Trajectory(**{**t.__dict__, "sampler_logprobs": tuple(lp.tolist())})
+            for t, lp in zip(trajs, completion_logprobs(tiny_policy.model, b, 1.0).detach(), strict=True)
+        ]
+        trainer.update(on_policy, masks)
+    with torch.no_grad():
+        lp1 = completion_logprobs(tiny_policy.model, b, 1.0)[:, 0]
+    gain = lp1 - lp0
+    assert gain[0] > 0 and gain[1] < 0
+
+
+def test_minibatches_and_kl_reference(tiny_policy):
+    cfg = GRPOConfig(lr=1e-3, kl_beta=0.1, num_minibatches=2, prompts_per_step=2, group_size=4)
+    trainer = GRPOTrainer(tiny_policy.model, cfg, 1.0, tiny_policy.pad_id)
+    assert trainer.reference is not None
+    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1, 0, 1, 1, 0])
+    stats = trainer.update(trajs, masks)
+    assert stats.kl >= 0.0 and stats.version == 1
+
+
+def test_nan_loss_stops_before_touching_weights(tiny_policy):
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(), 1.0, tiny_policy.pad_id)
+    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1], logp=[(float("nan"), -1.0)] * 4)
+    before = [p.detach().clone() for p in tiny_policy.model.parameters()]
+    with pytest.raises(TrainingDivergedError, match="loss is nan"):
+        trainer.update(trajs, masks)
+    assert all(torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters(), strict=True))
+    assert trainer.version == 0
+
+
+def test_uneven_groups_rejected(tiny_policy):
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(), 1.0, tiny_policy.pad_id)
+    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1, 1])  # groups of 4 and 1
+    with pytest.raises(ValueError, match="whole groups"):
+        trainer.update(trajs, masks)

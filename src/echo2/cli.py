@@ -25,11 +25,15 @@ class Command:
 
 def _commands() -> dict[str, Command]:
     from echo2.learner import cli as learner_cli
+    from echo2.planner import cli as planner_cli
+    from echo2.sim import cli as sim_cli
 
     return {
         "train": learner_cli.TRAIN,
         "warmstart": learner_cli.WARMSTART,
         "eval": learner_cli.EVAL,
+        "plan": planner_cli.PLAN,
+        "simulate": sim_cli.SIMULATE,
     }
 
 

@@ -1,0 +1,173 @@
+"""Typed planning scenario: worker catalog, learner, batch, staleness, network, baselines (pydantic).
+
+A scenario is what `echo2 plan` reads from TOML (and what `echo2 simulate` extends). Validation
+errors surface as one-line :class:`echo2.errors.ConfigError` messages naming the field and the rule.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from echo2.errors import ConfigError
+
+Strategy = Literal["star_unlimited", "star_limited", "tree_pipelined"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerType(_Model):
+    """One rentable worker type of the catalog."""
+
+    name: str = Field(min_length=1)  # catalog key, e.g. "rtx5090"
+    usd_per_hour: float = Field(gt=0, allow_inf_nan=False)  # c_i: rental price of one worker, $/h
+    rollouts_per_s: float = Field(gt=0, allow_inf_nan=False)  # mu_i: delivered rollouts/s of one worker
+    bandwidth_mbps: float = Field(default=100.0, gt=0, allow_inf_nan=False)  # B_w: link, both directions
+    count: int = Field(default=1000, ge=0)  # availability: how many of this type can be rented now
+
+
+class ModelSpec(_Model):
+    """The policy being trained (only its snapshot size matters here)."""
+
+    name: str = "model"  # display name, e.g. "Qwen3-8B"
+    snapshot_gb: float = Field(gt=0, allow_inf_nan=False)  # G: bytes per snapshot / 1e9 (bf16: 2 x params)
+
+
+class LearnerSpec(_Model):
+    """The centralized learner."""
+
+    name: str = "learner"  # display name, e.g. "4x A100-80GB"
+    usd_per_hour: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # node $/h; None: no costs
+    t_train_s: float = Field(gt=0, allow_inf_nan=False)  # T_train: seconds per update
+
+
+class BatchSpec(_Model):
+    """Rollouts consumed per update: R = prompts x group_size."""
+
+    prompts: int = Field(default=128, ge=1)  # prompts per update
+    group_size: int = Field(default=16, ge=1)  # rollouts per prompt (GRPO group)
+
+    @property
+    def rollouts(self) -> int:
+        return self.prompts * self.group_size
+
+
+class StalenessSpec(_Model):
+    """The staleness budget and the scheduler slack."""
+
+    S: int = Field(default=3, ge=0)  # staleness budget: admit only v >= v_t - S
+    kappa: int | None = Field(default=None, ge=1)  # publication period; default max(1, S - 1)
+    gamma: float = Field(default=1.1, ge=1, allow_inf_nan=False)  # mu_target = gamma * mu_min
+
+
+class NetworkSpec(_Model):
+    """Links and the broadcast strategy whose T_bcast feeds the provisioning rule."""
+
+    b0_mbps: float = Field(default=500.0, gt=0, allow_inf_nan=False)  # learner uplink B0
+    reload_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)  # snapshot reload time on a worker
+    chunk_mb: float = Field(default=4.0, gt=0, allow_inf_nan=False)  # relay chunk size (Tree-Pipelined)
+    hop_latency_s: float = Field(default=0.05, ge=0, allow_inf_nan=False)  # per-hop WAN latency
+    strategy: Strategy = "tree_pipelined"  # whose T_bcast estimate the plan uses
+    t_bcast_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # measured T_bcast override
+
+
+class Baseline(_Model):
+    """A centralized cluster to compare against (e.g. verl-sync on 8x A100)."""
+
+    name: str = Field(min_length=1)  # e.g. "verl-sync"
+    usd_per_hour: float = Field(gt=0, allow_inf_nan=False)  # whole cluster, $/h
+    step_s: float = Field(gt=0, allow_inf_nan=False)  # seconds per training step
+
+
+class PlanScenario(_Model):
+    """Everything `echo2 plan` needs."""
+
+    model: ModelSpec | None = None  # the policy (snapshot size); needed unless network.t_bcast_s is set
+    learner: LearnerSpec  # learner price and T_train
+    batch: BatchSpec = BatchSpec()  # R
+    staleness: StalenessSpec = StalenessSpec()  # S, kappa, gamma
+    network: NetworkSpec = NetworkSpec()  # B0, reload, strategy
+    workers: tuple[WorkerType, ...]  # the catalog
+    baselines: tuple[Baseline, ...] = ()  # centralized clusters to compare with
+    activation: Literal["greedy", "greedy_prefix", "exact", "random"] = "greedy"  # active-set policy
+    priced: bool = True  # False when worker prices are placeholders (flags-only plan without prices)
+
+    @model_validator(mode="after")
+    def _unique_types(self) -> PlanScenario:
+        names = [w.name for w in self.workers]
+        if not names:
+            raise ValueError("the worker catalog is empty; add at least one [[workers]] entry")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate worker type names: {dup}")
+        if self.model is None and self.network.t_bcast_s is None:
+            raise ValueError("give the snapshot size ([model] snapshot_gb) or a measured network.t_bcast_s")
+        return self
+
+    def worker_type(self, name: str) -> WorkerType:
+        """The catalog entry called ``name``; ConfigError naming the known types otherwise."""
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise ConfigError(f"unknown worker type {name!r}; the catalog has {[w.name for w in self.workers]}")
+
+
+def format_validation_error(exc: ValidationError, where: str) -> str:
+    """One line per pydantic error, joined: ``where: field.path: message (got value)``."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        got = err.get("input")
+        got_s = "" if isinstance(got, dict | list | tuple) else f" (got {got!r})"
+        parts.append(f"{loc}: {err['msg']}{got_s}")
+    return f"{where}: " + "; ".join(parts)
+
+
+def parse_scenario(data: dict[str, Any], where: str = "scenario") -> PlanScenario:
+    """Validate a plain dict as a :class:`PlanScenario`; ConfigError (one line) on failure."""
+    try:
+        return PlanScenario.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, where)) from None
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Read a TOML file; ConfigError naming the file on a missing file or a syntax error."""
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def find_config(name_or_path: str, prefix: str) -> Path:
+    """Resolve a config path, or a short name like ``paper_qwen3_8b`` to ``configs/<prefix>_<name>.toml``
+    (then ``plan_<name>`` / ``sim_<name>``, so `echo2 plan` also takes simulate configs).
+
+    Looks in ``./configs`` and in the repository's ``configs/`` next to ``src/``.
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        return p
+    repo_configs = Path(__file__).resolve().parents[3] / "configs"
+    stems = list(
+        dict.fromkeys(
+            [name_or_path, f"{prefix}_{name_or_path}", f"plan_{name_or_path}", f"sim_{name_or_path}"]
+        )
+    )
+    for d in (Path.cwd() / "configs", repo_configs):
+        for stem in stems:
+            cand = d / f"{stem}.toml"
+            if cand.exists():
+                return cand
+    raise ConfigError(
+        f"no config named {name_or_path!r}: not a file, and no configs/{prefix}_{name_or_path}.toml "
+        f"in ./configs or {repo_configs}"
+    )

@@ -1,0 +1,170 @@
+"""Compose a capacity plan from a scenario (pure): what `echo2 plan` prints.
+
+Steps (SPEC sections 2, 3, 5):
+1. ``kappa`` from the config, else ``max(1, S - 1)``.
+2. ``T_bcast``: the measured override if given, else the chosen strategy's estimate for the
+   active-set size; since T_bcast(N) and N depend on each other, iterate N -> T_bcast(N) -> mu_min
+   -> active set -> N until N repeats (Star-Limited can diverge: then the plan is infeasible).
+3. ``mu_min``, ``mu_target = gamma * mu_min``; the active set by the scenario's activation policy.
+4. Step time from the cycle model ``max(kappa*T_train, T_bcast + kappa*R/mu_pool) / kappa``,
+   cost per step ``(learner $/h + sum worker $/h) * step_s / 3600`` and savings against baselines.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from echo2.errors import InfeasibleError
+from echo2.planner import capacity, dissemination
+from echo2.planner.activation import Activation, activate, expand_catalog
+from echo2.planner.catalog import PlanScenario
+
+MBPS = 1e6
+
+
+def t_bcast_estimates(sc: PlanScenario, n: int) -> dict[str, float] | None:
+    """Estimated T_bcast (s, reload included) per strategy for ``n`` workers; None without a snapshot size.
+
+    The worker link is the slowest link in the catalog (a chain runs at its slowest member).
+    """
+    if sc.model is None:
+        return None
+    net = sc.network
+    return dissemination.estimate_all(
+        g_bytes=sc.model.snapshot_gb * 1e9,
+        b0_bps=net.b0_mbps * MBPS,
+        bw_bps=min(w.bandwidth_mbps for w in sc.workers) * MBPS,
+        n=max(1, n),
+        reload_s=net.reload_s,
+        chunk_bytes=net.chunk_mb * 2**20,
+        hop_latency_s=net.hop_latency_s,
+    )
+
+
+def _choose(sc: PlanScenario, kappa: int, t_bcast: float) -> tuple[float, Activation]:
+    mu_min = capacity.mu_min(
+        kappa=kappa, t_train=sc.learner.t_train_s, t_bcast=t_bcast, rollouts=sc.batch.rollouts
+    )
+    target = capacity.mu_target(mu_min, sc.staleness.gamma)
+    cands = expand_catalog((w.name, w.usd_per_hour, w.rollouts_per_s, w.count) for w in sc.workers)
+    return mu_min, activate(sc.activation, cands, target)
+
+
+def make_plan(sc: PlanScenario) -> dict[str, Any]:
+    """The full plan as a JSON-ready dict (keys documented in docs/planner.md)."""
+    kappa = sc.staleness.kappa or capacity.kappa_from_staleness(sc.staleness.S)
+    t_train = sc.learner.t_train_s
+    r = sc.batch.rollouts
+    if sc.network.t_bcast_s is not None:
+        t_bcast, source = sc.network.t_bcast_s, "config (network.t_bcast_s)"
+        mu_min, act = _choose(sc, kappa, t_bcast)
+    else:
+        source = f"model ({sc.network.strategy})"
+        n, seen = 1, set()
+        while True:
+            est = t_bcast_estimates(sc, n)
+            assert est is not None
+            t_bcast = est[sc.network.strategy]
+            try:
+                mu_min, act = _choose(sc, kappa, t_bcast)
+            except InfeasibleError as exc:
+                if n == 1:
+                    raise
+                raise InfeasibleError(
+                    f"no self-consistent plan with the {sc.network.strategy} broadcast: at N = {n} workers "
+                    f"T_bcast = {t_bcast:.0f} s, and the pool that would hide it needs more workers, whose "
+                    f"broadcast takes longer still ({exc}); use tree_pipelined, raise kappa / S, "
+                    "or give a measured --t-bcast"
+                ) from None
+            n_new = len(act.selected)
+            if n_new == n or n_new in seen:
+                break
+            seen.add(n)
+            n = n_new
+            if len(seen) > 50:  # pragma: no cover - defensive
+                raise InfeasibleError("T_bcast(N) and N did not settle; give network.t_bcast_s")
+    mu_target = capacity.mu_target(mu_min, sc.staleness.gamma)
+    n_active = len(act.selected)
+    mu_pool = act.mu_pool
+    cycle = max(kappa * t_train, t_bcast + kappa * r / mu_pool)
+    step_s = cycle / kappa
+    conservative = capacity.staleness_bound_conservative(
+        kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=r, mu_pool=mu_pool
+    )
+    tight = capacity.staleness_bound_tight(kappa=kappa, t_train=t_train, t_bcast=t_bcast)
+    per_type = {
+        w.name: {
+            "usd_per_hour": w.usd_per_hour,
+            "rollouts_per_s": w.rollouts_per_s,
+            "rho": w.usd_per_hour / w.rollouts_per_s,
+            "n_min": capacity.n_min(mu_min, w.rollouts_per_s),
+            "n_target": capacity.n_min(mu_target, w.rollouts_per_s),
+        }
+        for w in sc.workers
+    }
+    plan: dict[str, Any] = {
+        "model": sc.model.name if sc.model else None,
+        "snapshot_gb": sc.model.snapshot_gb if sc.model else None,
+        "rollouts_per_step": r,
+        "t_train_s": t_train,
+        "staleness": sc.staleness.S,
+        "kappa": kappa,
+        "gamma": sc.staleness.gamma,
+        "t_bcast_s": t_bcast,
+        "t_bcast_source": source,
+        "t_bcast_estimates_s": t_bcast_estimates(sc, n_active),
+        "feasible": True,
+        "overlap_holds": capacity.overlap_holds(
+            kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=r, mu_pool=mu_pool
+        ),
+        "mu_min": mu_min,
+        "mu_target": mu_target,
+        "per_type": per_type,
+        "activation": sc.activation,
+        "active_set": act.counts_by_type(),
+        "active_workers": n_active,
+        "mu_pool": mu_pool,
+        "workers_usd_per_hour": act.usd_per_hour if sc.priced else None,
+        "step_s": step_s,
+        "bubble_ratio_expected": 1.0 - kappa * t_train / cycle,
+        "staleness_bound": min(sc.staleness.S, conservative),
+        "staleness_bound_conservative": conservative,
+        "staleness_bound_tight": tight,
+    }
+    # N_min of the homogeneous pool; for a catalog, that of its cheapest-rho type (a reference)
+    plan["n_min"] = min(per_type.values(), key=lambda v: v["rho"])["n_min"]
+    if sc.learner.usd_per_hour is not None and sc.priced:
+        usd_h = sc.learner.usd_per_hour + act.usd_per_hour
+        cost = capacity.cost_per_step(usd_per_hour=usd_h, step_seconds=step_s)
+        plan["usd_per_hour"] = usd_h
+        plan["usd_per_step"] = cost
+        plan["baselines"] = {
+            b.name: {
+                "usd_per_step": capacity.cost_per_step(usd_per_hour=b.usd_per_hour, step_seconds=b.step_s),
+                "saving": capacity.saving(
+                    cost, capacity.cost_per_step(usd_per_hour=b.usd_per_hour, step_seconds=b.step_s)
+                ),
+            }
+            for b in sc.baselines
+        }
+    else:
+        plan["usd_per_hour"] = plan["usd_per_step"] = None
+        plan["baselines"] = {}
+    if not math.isfinite(step_s):  # pragma: no cover - defensive
+        raise InfeasibleError("step time is not finite")
+    return plan
+
+
+def infeasible_plan(sc: PlanScenario, exc: InfeasibleError) -> dict[str, Any]:
+    """What `--json` prints when no plan exists: the capacity numbers that are defined, and why."""
+    kappa = sc.staleness.kappa or capacity.kappa_from_staleness(sc.staleness.S)
+    return {
+        "kappa": kappa,
+        "staleness": sc.staleness.S,
+        "mu_min": None,
+        "n_min": None,
+        "staleness_bound": None,
+        "feasible": False,
+        "reason": str(exc),
+    }

@@ -1,0 +1,572 @@
+"""Discrete-event simulator of the whole ECHO-2 system (SPEC sections 2-5), on a small heap queue.
+
+What is simulated (one event loop, times in seconds, deterministic under ``seed``):
+- learner: waits until the store holds R admissible rollouts (``v >= v_t - S``), takes the R
+  freshest, trains ``T_train``, bumps ``v``; publishes a snapshot when ``v mod kappa == 0``.
+- workers: generate GRPO groups of ``group_size`` rollouts with the newest installed version; a
+  group takes ``group_size / mu_i`` times a mean-one lognormal noise, times ``straggler_factor``
+  with probability ``straggler_prob`` (normalized so mu_i stays the mean delivered rate).
+  By default a worker stops starting groups at a publication and resumes once the new snapshot is
+  installed: the serialized cycle that SPEC section 3's overlap condition (1) describes
+  (``overlap_generation=True`` lets workers keep generating with the old version instead).
+- broadcast: per-worker completion times from :mod:`echo2.sim.broadcast` plus ``reload_s``.
+- controller: :class:`echo2.planner.controller.PoolController` fed with heartbeats every
+  ``control_interval_s``; its decisions activate / release workers (an activated worker downloads
+  the latest snapshot straight from the learner before generating).
+- churn: active workers leave after exponential lifetimes; new idle workers join as a Poisson
+  process and become controller candidates.
+- cost: the learner and every active worker are billed per second.
+
+Invariants checked every step (``SimulationInvariantError``): observed staleness <= S; at the end,
+the maximum observed staleness <= the conservative bound of SPEC section 3 evaluated with the
+run's worst measured T_bcast, slowest pool and shortest step.
+
+SimPy was not used: every process here is a one-shot timer, and a bare ``heapq`` loop runs the
+1,000-worker x 500-step case several times faster than generator processes would.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from echo2.errors import ConfigError
+from echo2.planner import capacity
+from echo2.planner.activation import Candidate
+from echo2.planner.controller import ControllerConfig, Heartbeat, PoolController
+from echo2.sim.broadcast import completion_times
+
+log = logging.getLogger(__name__)
+
+_DONE, _TRAINED, _INSTALL, _CONTROL, _LEAVE, _JOIN = range(6)
+
+
+class SimulationInvariantError(AssertionError):
+    """A simulated run broke a guarantee of the system (a bug, not bad input)."""
+
+
+@dataclass(frozen=True)
+class SimWorker:
+    """One worker of the simulated marketplace."""
+
+    worker_id: str  # unique id
+    type_name: str  # catalog type
+    usd_per_hour: float  # c_i
+    rollouts_per_s: float  # mu_i: true mean delivered rate
+    link_bps: float  # B_i, both directions
+
+
+@dataclass(frozen=True)
+class SimParams:
+    """Everything one simulated run needs besides the workers."""
+
+    rollouts_per_step: int  # R
+    group_size: int  # rollouts per GRPO group (one generation unit of a worker)
+    t_train_s: float  # T_train
+    staleness: int  # S: admission v >= v_t - S
+    kappa: int  # publication period
+    learner_usd_per_hour: float  # learner node price
+    snapshot_bytes: float  # G
+    b0_bps: float  # learner uplink
+    strategy: str  # broadcast strategy
+    steps: int  # learner steps to simulate
+    seed: int = 0  # RNG seed: same seed, same run
+    reload_s: float = 0.0  # snapshot reload on a worker after download
+    chunk_bytes: float = 4 * 2**20  # relay chunk (Tree-Pipelined)
+    hop_latency_s: float = 0.05  # per-hop WAN latency (Tree-Pipelined)
+    gamma: float = 1.1  # q = 1/gamma: T_bcast is measured when this fraction has installed
+    noise_sigma: float = 0.15  # lognormal sigma of one group's duration
+    straggler_prob: float = 0.02  # chance a group straggles
+    straggler_factor: float = 3.0  # how much longer a straggling group takes
+    overlap_generation: bool = False  # keep generating with the old version during a broadcast
+    warmup_steps: int | None = None  # steps left out of steady-state statistics (default 2*kappa+2)
+    mu_target: float | None = None  # controller target (rollouts/s); None with no controller
+    controller: ControllerConfig | None = None  # closed loop on; None: the pool stays as given
+    control_interval_s: float = 30.0  # heartbeat + decision period
+    churn_mean_lifetime_s: float | None = None  # mean time an active worker stays; None: no churn
+    join_interval_s: float | None = None  # mean time between new idle workers joining; None: none
+    record_metrics: bool = True  # keep the per-step metric dicts (off for speed runs)
+    buffer_steps: float | None = None  # backpressure: no new group while stored + in-flight >= this x R
+
+    def __post_init__(self) -> None:
+        if self.rollouts_per_step < 1 or self.group_size < 1:
+            raise ConfigError("rollouts_per_step and group_size must be >= 1")
+        if self.rollouts_per_step % self.group_size:
+            raise ConfigError(
+                f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of "
+                f"group_size ({self.group_size})"
+            )
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.staleness < 0 or self.kappa < 1:
+            raise ConfigError(f"need S >= 0 and kappa >= 1, got S={self.staleness}, kappa={self.kappa}")
+        if self.controller is not None and self.mu_target is None:
+            raise ConfigError("a controller needs mu_target")
+
+
+@dataclass
+class _W:
+    spec: SimWorker
+    active: bool = False
+    present: bool = True
+    installed: int = -1  # newest installed version, -1: none
+    awaiting: int = -1  # version being received (pause mode blocks generation while > installed)
+    busy: bool = False
+    token: int = 0  # bumps on release/leave: invalidates in-flight events
+    rollouts_since: int = 0
+    busy_since: float = 0.0
+
+
+@dataclass
+class SimResult:
+    """Per-step metrics (SPEC section 7 names) and run summary."""
+
+    metrics: list[dict[str, Any]]  # one namespaced dict per learner step
+    summary: dict[str, Any]  # run-level numbers
+    t_bcast_s: list[float] = field(default_factory=list)  # per publication, fraction q installed
+
+
+def simulate(params: SimParams, workers: Sequence[SimWorker], active_ids: Sequence[str]) -> SimResult:
+    """Run one simulation; ``active_ids`` are the workers running (with version 0) at t = 0."""
+    return _Sim(params, workers, active_ids).run()
+
+
+class _Sim:
+    def __init__(self, p: SimParams, workers: Sequence[SimWorker], active_ids: Sequence[str]) -> None:
+        self.p = p
+        self.rng = random.Random(p.seed)
+        self.ws: dict[str, _W] = {w.worker_id: _W(w) for w in workers}
+        if len(self.ws) != len(workers):
+            raise ConfigError("worker ids must be unique")
+        for w in active_ids:
+            if w not in self.ws:
+                raise ConfigError(f"unknown worker id {w!r} in the initial active set")
+        self.q: list[tuple[float, int, int, Any, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        # learner
+        self.version = 0
+        self.waiting = True
+        self.wait_start = 0.0
+        self.step = 0
+        self.step_start = 0.0
+        self.store: dict[int, int] = {}
+        self.store_total = 0
+        self.in_flight = 0  # rollouts of groups being generated
+        self.blocked: set[str] = set()  # idle workers held back by backpressure
+        self.cap = math.inf if p.buffer_steps is None else p.buffer_steps * p.rollouts_per_step
+        self.admitted = 0
+        self.dropped = 0
+        self.batch_stats = (0, 0.0)
+        # broadcast bookkeeping: version -> (publication time, expected installs, times)
+        self.pubs: dict[int, tuple[float, int, list[float]]] = {}
+        self.t_bcast: list[float] = []
+        self.install_p90: list[float] = []
+        self.t_bcast_all: list[float] = []
+        self.group_s_max = 0.0  # longest group generation seen (for the discrete staleness bound)
+        self.bcast_cache: dict[tuple[str, bytes], np.ndarray] = {}
+        # cost
+        self.rate_usd_h = p.learner_usd_per_hour
+        self.usd = 0.0
+        self.last_bill = 0.0
+        self.usd_at_last_step = 0.0
+        # noise normalization: E[duration multiplier] = 1
+        s = p.noise_sigma
+        self.ln_mu = -0.5 * s * s
+        self.strag_norm = 1.0 + p.straggler_prob * (p.straggler_factor - 1.0)
+        self.metrics: list[dict[str, Any]] = []
+        self.idle_per_step: list[float] = []
+        self.step_len: list[float] = []
+        self.mu_pool_per_step: list[float] = []
+        self.staleness_max = 0
+        self.joined = 0
+        self.left = 0
+        self.decision_counts: dict[str, int] = {}  # "action/reason" -> count
+        self.ctl: PoolController | None = None
+        if p.controller is not None:
+            assert p.mu_target is not None
+            self.ctl = PoolController(p.mu_target, p.controller)
+            for w in self.ws.values():
+                self.ctl.add_candidate(self._cand(w.spec))
+            self.ctl.activate_initial(active_ids, 0.0)
+        for wid in active_ids:
+            w = self.ws[wid]
+            self._activate(w, installed=0)
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    @staticmethod
+    def _cand(s: SimWorker) -> Candidate:
+        return Candidate(s.worker_id, s.type_name, s.usd_per_hour, s.rollouts_per_s)
+
+    def _push(self, t: float, kind: int, obj: Any, token: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.q, (t, self.seq, kind, obj, token))
+
+    def _bill(self) -> None:
+        self.usd += self.rate_usd_h * (self.now - self.last_bill) / 3600.0
+        self.last_bill = self.now
+
+    def _activate(self, w: _W, installed: int) -> None:
+        self._bill()
+        w.active = True
+        self.rate_usd_h += w.spec.usd_per_hour
+        if self.p.churn_mean_lifetime_s:
+            self._push(self.now + self.rng.expovariate(1 / self.p.churn_mean_lifetime_s), _LEAVE, w, w.token)
+        if installed >= 0:
+            w.installed = installed
+            self._start(w)
+        else:  # fetch the newest snapshot straight from the learner
+            v = self._published()
+            w.awaiting = v
+            dt = self.p.snapshot_bytes * 8 / w.spec.link_bps
+            self._push(self.now + dt + self.p.reload_s, _INSTALL, w, v)
+
+    def _deactivate(self, w: _W) -> None:
+        if not w.active:
+            return
+        self._bill()
+        w.active = False
+        if w.busy:
+            self.in_flight -= self.p.group_size
+        w.busy = False
+        w.token += 1
+        self.blocked.discard(w.spec.worker_id)
+        self.rate_usd_h -= w.spec.usd_per_hour
+
+    def _published(self) -> int:
+        return (self.version // self.p.kappa) * self.p.kappa
+
+    def _start(self, w: _W) -> None:
+        if not w.active or w.busy or w.installed < 0:
+            return
+        if not self.p.overlap_generation and w.awaiting > w.installed:
+            return
+        p = self.p
+        if self.store_total + self.in_flight >= self.cap:
+            self.blocked.add(w.spec.worker_id)
+            return
+        self.in_flight += p.group_size
+        mult = math.exp(self.rng.gauss(self.ln_mu, p.noise_sigma)) if p.noise_sigma > 0 else 1.0
+        if p.straggler_prob > 0 and self.rng.random() < p.straggler_prob:
+            mult *= p.straggler_factor
+        dur = p.group_size / w.spec.rollouts_per_s * mult / self.strag_norm
+        w.busy = True
+        if dur > self.group_s_max:
+            self.group_s_max = dur
+        self._push(self.now + dur, _DONE, (w, w.installed, dur), w.token)
+
+    # ---- learner ------------------------------------------------------------------------------------
+    def _admissible(self) -> int:
+        floor = self.version - self.p.staleness
+        return sum(c for v, c in self.store.items() if v >= floor)
+
+    def _drop_stale(self) -> None:
+        floor = self.version - self.p.staleness
+        for v in [v for v in self.store if v < floor]:
+            c = self.store.pop(v)
+            self.store_total -= c
+            self.dropped += c
+        if self.blocked and self.store_total + self.in_flight < self.cap:
+            for wid in sorted(self.blocked):
+                self.blocked.discard(wid)
+                self._start(self.ws[wid])
+
+    def _try_train(self) -> None:
+        if not self.waiting or self.step >= self.p.steps:
+            return
+        self._drop_stale()
+        r = self.p.rollouts_per_step
+        if self._admissible() < r:
+            return
+        need, oldest, stale_sum = r, self.version, 0.0
+        for v in sorted(self.store, reverse=True):  # the R freshest admissible rollouts
+            take = min(need, self.store[v])
+            self.store[v] -= take
+            if not self.store[v]:
+                del self.store[v]
+            need -= take
+            oldest = v
+            stale_sum += (self.version - v) * take
+            if need == 0:
+                break
+        self.store_total -= r
+        if self.blocked:
+            for wid in sorted(self.blocked):
+                self.blocked.discard(wid)
+                self._start(self.ws[wid])
+        delta = self.version - oldest
+        if delta > self.p.staleness:
+            raise SimulationInvariantError(
+                f"step {self.step}: staleness {delta} exceeds S = {self.p.staleness} (admission broken)"
+            )
+        self.staleness_max = max(self.staleness_max, delta)
+        self.batch_stats = (delta, stale_sum / r)
+        self.waiting = False
+        self.idle_per_step.append(self.now - self.wait_start)
+        self._push(self.now + self.p.t_train_s, _TRAINED, None)
+
+    def _trained(self) -> None:
+        p = self.p
+        self.version += 1
+        self.step += 1
+        self._bill()
+        idle = self.idle_per_step[-1]
+        length = self.now - self.step_start
+        self.step_len.append(length)
+        mu_pool = math.fsum(w.spec.rollouts_per_s for w in self.ws.values() if w.active and w.present)
+        self.mu_pool_per_step.append(mu_pool)
+        if p.record_metrics:
+            n_active = sum(1 for w in self.ws.values() if w.active)
+            m: dict[str, Any] = {
+                "step": self.step,
+                "time_s": self.now,
+                "learner/version": self.version,
+                "learner/t_train_s": p.t_train_s,
+                "learner/t_idle_s": idle,
+                "learner/bubble_ratio": capacity.bubble_ratio(idle, p.t_train_s),
+                "store/size": self.store_total,
+                "store/admitted": self.admitted,
+                "store/dropped_stale": self.dropped,
+                "store/staleness_mean": self.batch_stats[1],
+                "store/staleness_max": self.batch_stats[0],
+                "broadcast/t_bcast_s": self.t_bcast[-1] if self.t_bcast else None,
+                "broadcast/bytes": p.snapshot_bytes,
+                "broadcast/install_p90_s": self.install_p90[-1] if self.install_p90 else None,
+                "pool/mu_pool": mu_pool,
+                "pool/mu_target": p.mu_target,
+                "pool/active_workers": n_active,
+                "cost/usd_per_step": self.usd - self.usd_at_last_step,
+                "cost/usd_total": self.usd,
+            }
+            if self.ctl is not None:
+                m["pool/mu_pool_measured"] = self.ctl.mu_pool(self.now)
+            self.metrics.append(m)
+        self.usd_at_last_step = self.usd
+        self.admitted = 0
+        self.dropped = 0
+        self.step_start = self.now
+        if self.version % p.kappa == 0:
+            self._publish()
+        self.waiting = True
+        self.wait_start = self.now
+        self._try_train()
+
+    def _publish(self) -> None:
+        p, v = self.p, self.version
+        targets = [w for w in self.ws.values() if w.active and w.present]
+        if not targets:
+            return
+        links = np.array([w.spec.link_bps for w in targets])
+        key = (p.strategy, np.sort(links).tobytes())
+        cached = self.bcast_cache.get(key)
+        if cached is None:
+            order = np.argsort(links, kind="stable")
+            times_sorted = completion_times(
+                p.strategy, p.snapshot_bytes, links[order], p.b0_bps, p.chunk_bytes, p.hop_latency_s
+            )
+            cached = times_sorted
+            self.bcast_cache[key] = cached
+        order = np.argsort(links, kind="stable")
+        times = np.empty(len(targets))
+        times[order] = cached
+        self.pubs[v] = (self.now, len(targets), [])
+        for w, dt in zip(targets, times.tolist(), strict=True):
+            w.awaiting = v
+            self._push(self.now + dt + p.reload_s, _INSTALL, w, v)
+
+    def _close_pub_if_done(self, v: int) -> None:
+        _t0, n, got = self.pubs[v]
+        if len(got) < n:
+            return
+        del self.pubs[v]
+        if not got:
+            return
+        got.sort()
+        k = len(got)
+        self.t_bcast.append(got[max(0, math.ceil(k / self.p.gamma) - 1)])  # fraction q = 1/gamma installed
+        self.t_bcast_all.append(got[-1])  # dissemination complete: the last worker installed
+        self.install_p90.append(got[max(0, math.ceil(0.9 * k) - 1)])
+
+    def _install(self, w: _W, v: int) -> None:
+        if v in self.pubs and w.present:
+            self.pubs[v][2].append(self.now - self.pubs[v][0])
+            self._close_pub_if_done(v)
+        if not (w.active and w.present) or v <= w.installed:
+            return
+        w.installed = v
+        self._start(w)
+
+    # ---- control and churn --------------------------------------------------------------------------
+    def _control(self) -> None:
+        assert self.ctl is not None
+        for w in self.ws.values():
+            if w.active and w.present:
+                self.ctl.observe(Heartbeat(w.spec.worker_id, self.now, w.rollouts_since, w.busy_since))
+            w.rollouts_since = 0
+            w.busy_since = 0.0
+        for d in self.ctl.decide(self.now):
+            key = f"{d.action}/{d.reason}"
+            self.decision_counts[key] = self.decision_counts.get(key, 0) + 1
+            w = self.ws[d.worker_id]
+            if d.action == "activate" and w.present and not w.active:
+                self._activate(w, installed=-1)
+            elif d.action == "release":
+                self._deactivate(w)
+                if not w.present:
+                    self.ctl.remove_candidate(d.worker_id)
+        self._push(self.now + self.p.control_interval_s, _CONTROL, None)
+
+    def _leave(self, w: _W) -> None:
+        self.left += 1
+        self._deactivate(w)
+        w.present = False
+        for v in list(self.pubs):  # it will never report this install: stop waiting for it
+            t0, n, got = self.pubs[v]
+            if w.awaiting >= v > w.installed:
+                self.pubs[v] = (t0, n - 1, got)
+                self._close_pub_if_done(v)
+
+    def _join(self) -> None:
+        assert self.p.join_interval_s is not None
+        specs = [w.spec for w in self.ws.values()]
+        tmpl = specs[self.rng.randrange(len(specs))]
+        self.joined += 1
+        spec = SimWorker(
+            f"{tmpl.type_name}-join{self.joined}",
+            tmpl.type_name,
+            tmpl.usd_per_hour,
+            tmpl.rollouts_per_s,
+            tmpl.link_bps,
+        )
+        self.ws[spec.worker_id] = _W(spec)
+        if self.ctl is not None:
+            self.ctl.add_candidate(self._cand(spec))
+        self._push(self.now + self.rng.expovariate(1 / self.p.join_interval_s), _JOIN, None)
+
+    # ---- loop ---------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        p = self.p
+        wall0 = time.perf_counter()
+        if self.ctl is not None:
+            self._push(p.control_interval_s, _CONTROL, None)
+        if p.join_interval_s:
+            self._push(self.rng.expovariate(1 / p.join_interval_s), _JOIN, None)
+        q = self.q
+        pop = heapq.heappop
+        events = 0
+        stall_s = max(200.0 * p.t_train_s, 1e6)
+        last_step_t, last_step = 0.0, 0
+        while q and self.step < p.steps:
+            t, _, kind, obj, token = pop(q)
+            self.now = t
+            if self.step != last_step:
+                last_step, last_step_t = self.step, t
+            elif t - last_step_t > stall_s:
+                break
+            events += 1
+            if kind == _DONE:
+                w, v, dur = obj
+                if token != w.token:
+                    continue
+                w.busy = False
+                g = p.group_size
+                self.in_flight -= g
+                w.rollouts_since += g
+                w.busy_since += dur
+                self.store[v] = self.store.get(v, 0) + g
+                self.store_total += g
+                self.admitted += g
+                self._start(w)
+                if self.waiting:
+                    self._try_train()
+            elif kind == _TRAINED:
+                self._trained()
+            elif kind == _INSTALL:
+                self._install(obj, token)
+            elif kind == _CONTROL:
+                self._control()
+            elif kind == _LEAVE:
+                if token == obj.token and obj.active:
+                    self._leave(obj)
+            elif kind == _JOIN:
+                self._join()
+        if self.step < p.steps:
+            raise SimulationInvariantError(
+                f"the run stalled at step {self.step}/{p.steps}: no active worker left to produce rollouts"
+            )
+        return SimResult(self.metrics, self._summary(events, time.perf_counter() - wall0), list(self.t_bcast))
+
+    def _summary(self, events: int, wall_s: float) -> dict[str, Any]:
+        p = self.p
+        warm = p.warmup_steps if p.warmup_steps is not None else 2 * p.kappa + 2
+        warm = min(warm, max(0, p.steps - 1))
+        idle = self.idle_per_step[warm:]
+        idle_total = math.fsum(idle)
+        train_total = p.t_train_s * len(idle)
+        mu_min_obs = min(self.mu_pool_per_step[warm:]) if self.mu_pool_per_step[warm:] else 0.0
+        t_bcast_max = max(self.t_bcast) if self.t_bcast else 0.0
+        bound: int | None = None
+        bound_discrete: int | None = None
+        if mu_min_obs > 0:
+            # SPEC section 3 form, with the run's worst measured T_bcast (fraction q) and slowest pool
+            bound = capacity.staleness_bound_conservative(
+                kappa=p.kappa,
+                t_train=p.t_train_s,
+                t_bcast=t_bcast_max,
+                rollouts=p.rollouts_per_step,
+                mu_pool=mu_min_obs,
+            )
+            # the same bound with dissemination *complete* (last install) and whole-group generation:
+            # R rollouts take up to R/mu_pool plus one (longest) group once every worker has installed
+            t_all = max(self.t_bcast_all) if self.t_bcast_all else 0.0
+            bound_discrete = capacity.staleness_bound_conservative(
+                kappa=p.kappa,
+                t_train=p.t_train_s,
+                t_bcast=t_all + self.group_s_max,
+                rollouts=p.rollouts_per_step,
+                mu_pool=mu_min_obs,
+            )
+            if self.staleness_max > bound_discrete:
+                raise SimulationInvariantError(
+                    f"observed staleness {self.staleness_max} exceeds the conservative bound "
+                    f"{bound_discrete} "
+                    f"(T_bcast complete {t_all:.1f} s + one group {self.group_s_max:.1f} s, "
+                    f"mu_pool {mu_min_obs:.3f}/s)"
+                )
+        steady = self.step_len[warm:] or [0.0]
+        usd_steady = None
+        if self.metrics and len(self.metrics) > warm:
+            usd_steady = float(np.mean([m["cost/usd_per_step"] for m in self.metrics[warm:]]))
+        return {
+            "steps": self.step,
+            "sim_time_s": self.now,
+            "wall_s": wall_s,
+            "events": events,
+            "warmup_steps": warm,
+            "bubble_ratio": capacity.bubble_ratio(idle_total, train_total),
+            "idle_per_step_s": idle_total / max(1, len(idle)),
+            "step_s_mean": float(np.mean(steady)),
+            "staleness_max": self.staleness_max,
+            "staleness_budget": p.staleness,
+            "staleness_bound_conservative": bound,
+            "staleness_bound_conservative_discrete": bound_discrete,
+            "staleness_within_spec_bound": bound is None or self.staleness_max <= bound,
+            "t_bcast_mean_s": float(np.mean(self.t_bcast)) if self.t_bcast else None,
+            "t_bcast_max_s": t_bcast_max if self.t_bcast else None,
+            "usd_total": self.usd,
+            "usd_per_step_steady": usd_steady,
+            "active_workers_final": sum(1 for w in self.ws.values() if w.active),
+            "mu_pool_min": mu_min_obs,
+            "controller_decisions": self.ctl.decisions_made if self.ctl else 0,
+            "workers_joined": self.joined,
+            "workers_left": self.left,
+            "controller_decisions_by_reason": dict(sorted(self.decision_counts.items())),
+        }

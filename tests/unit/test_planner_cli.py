@@ -1,0 +1,145 @@
+"""`echo2 plan` through its Command object: the paper config, flags, --json, and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from echo2.errors import ConfigError, InfeasibleError
+from echo2.planner.cli import PLAN
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = str(ROOT / "configs" / "plan_paper_qwen3_8b.toml")
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    p = argparse.ArgumentParser()
+    PLAN.add_arguments(p)
+    assert PLAN.run(p.parse_args(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_paper_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = json.loads(_run([PAPER, "--json"], capsys))
+    for key in ("kappa", "mu_min", "n_min", "staleness_bound", "feasible"):
+        assert key in plan
+    # S = 3 -> kappa 2; mu_min = 4096 / (3262.4 - 1437) = 2.2439; target 2.4683 / 0.32 = 7.7 -> 8 workers
+    assert plan["kappa"] == 2 and plan["feasible"] is True
+    assert plan["mu_min"] == pytest.approx(2.24389, abs=1e-5)
+    assert plan["active_workers"] == 8 and plan["n_min"] == 8
+    # (12.24 + 2.80) x 1631.2 / 3600 = 6.8148 $/step; savings 33.6% (sync), 36.7% (async)
+    assert plan["usd_per_step"] == pytest.approx(6.81479, abs=1e-4)
+    assert plan["baselines"]["verl-sync"]["saving"] == pytest.approx(0.3355, abs=1e-4)
+    assert plan["baselines"]["verl-async"]["saving"] == pytest.approx(0.3666, abs=1e-4)
+    assert plan["staleness_bound"] == 3
+    assert set(plan["t_bcast_estimates_s"]) == {
+        "star_unlimited",
+        "star_limited",
+        "tree_pipelined",
+        "lower_bound",
+    }
+
+
+def test_short_name_and_text_report(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(["paper_qwen3_8b"], capsys)
+    assert "mu_min = 2.2439" in out and "8 x rtx5090" in out and "saving 33.6%" in out
+
+
+def test_flags_only_homogeneous(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--t-train",
+        "100",
+        "--t-bcast",
+        "50",
+        "--rollouts-per-step",
+        "1000",
+        "--staleness",
+        "3",
+        "--worker-rate",
+        "2.5",
+        "--gamma",
+        "1.2",
+        "--json",
+    ]
+    plan = json.loads(_run(argv, capsys))
+    # kappa 2: mu_min = 2000 / (200 - 50) = 13.333; N_min = ceil(13.333 / 2.5) = ceil(5.33) = 6
+    # target 1.2 x 13.333 = 16 -> ceil(16 / 2.5) = ceil(6.4) = 7 workers
+    assert plan["mu_min"] == pytest.approx(13.3333, abs=1e-4)
+    assert plan["n_min"] == 6 and plan["active_workers"] == 7
+    assert plan["usd_per_step"] is None  # no prices given
+    plan = json.loads(_run([*argv[:-1], "--kappa", "1", "--json"], capsys))
+    # kappa 1: 1000 / (100 - 50) = 20 -> N_min 8
+    assert plan["kappa"] == 1 and plan["n_min"] == 8
+
+
+@pytest.mark.parametrize(
+    ("argv", "exc", "match"),
+    [
+        ([PAPER, "--worker-rate", "-1"], ConfigError, "rollouts_per_s"),
+        ([PAPER, "--worker-price", "0"], ConfigError, "usd_per_hour"),
+        ([PAPER, "--worker-type", "rtx9999"], ConfigError, "unknown worker type 'rtx9999'"),
+        ([PAPER, "--kappa", "1", "--t-bcast", "2000"], InfeasibleError, "raise kappa"),
+        ([PAPER, "--t-train", "-3"], ConfigError, "t_train_s"),
+        (["--t-train", "100"], ConfigError, "--worker-rate"),
+        (["nope_not_a_config"], ConfigError, "no config named"),
+        # Star-Limited: T_bcast grows with N faster than the extra workers help -> no fixed point
+        (["table2_ablation", "--strategy", "star_limited"], InfeasibleError, "no self-consistent plan"),
+    ],
+)
+def test_bad_input_raises_user_errors(argv: list[str], exc: type[Exception], match: str) -> None:
+    p = argparse.ArgumentParser()
+    PLAN.add_arguments(p)
+    with pytest.raises(exc, match=match):
+        PLAN.run(p.parse_args(argv))
+
+
+def test_catalog_errors(tmp_path: Path) -> None:
+    base = (ROOT / "configs" / "plan_paper_qwen3_8b.toml").read_text()
+    head = base.split("[[workers]]")[0]
+    p = argparse.ArgumentParser()
+    PLAN.add_arguments(p)
+    empty = tmp_path / "empty.toml"
+    empty.write_text(head)
+    with pytest.raises(ConfigError, match="catalog is empty"):
+        PLAN.run(p.parse_args([str(empty)]))
+    small = tmp_path / "small.toml"
+    small.write_text(
+        head.replace("t_bcast_s = 1437", "t_bcast_s = 1437")
+        + '[[workers]]\nname = "x"\nusd_per_hour = 0.3\nrollouts_per_s = 0.3\ncount = 2\n'
+    )
+    with pytest.raises(InfeasibleError, match="exceeds the whole catalog"):
+        PLAN.run(p.parse_args([str(small)]))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[workers]\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        PLAN.run(p.parse_args([str(bad)]))
+
+
+def test_infeasible_json_still_prints_an_object(capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser()
+    PLAN.add_arguments(p)
+    with pytest.raises(InfeasibleError):
+        PLAN.run(p.parse_args([PAPER, "--kappa", "1", "--t-bcast", "2000", "--json"]))
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["feasible"] is False and obj["kappa"] == 1 and "raise kappa" in obj["reason"]
+
+
+def test_cli_modules_import_light() -> None:
+    code = (
+        "import sys, echo2.planner.cli, echo2.sim.cli; "
+        "heavy = [m for m in ('numpy', 'scipy', 'pydantic', 'matplotlib') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_reads_simulate_configs_by_short_name(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = json.loads(_run(["table2_ablation", "--activation", "exact", "--json"], capsys))
+    # mixed pool: the optimum reaching 2.468/s is 3 x 5090 + 4 x 4090 + 2 x L40S = $4.23/h
+    assert plan["active_workers"] == 9
+    assert plan["workers_usd_per_hour"] == pytest.approx(3 * 0.35 + 4 * 0.40 + 2 * 0.79)

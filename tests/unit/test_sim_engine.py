@@ -1,0 +1,153 @@
+"""The discrete-event simulator: determinism, admission, bubble vs capacity model, cost, controller."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from echo2.planner import capacity
+from echo2.planner.controller import ControllerConfig
+from echo2.sim.engine import SimParams, SimWorker, simulate
+
+SPEC7 = {
+    "learner/bubble_ratio",
+    "learner/version",
+    "learner/t_train_s",
+    "store/staleness_max",
+    "store/staleness_mean",
+    "store/dropped_stale",
+    "store/admitted",
+    "store/size",
+    "broadcast/t_bcast_s",
+    "broadcast/bytes",
+    "broadcast/install_p90_s",
+    "pool/mu_pool",
+    "pool/mu_target",
+    "pool/active_workers",
+    "cost/usd_per_step",
+    "cost/usd_total",
+}
+
+
+def _params(**kw: object) -> SimParams:
+    base: dict[str, object] = dict(
+        rollouts_per_step=2048,
+        group_size=16,
+        t_train_s=1631.2,
+        staleness=3,
+        kappa=2,
+        learner_usd_per_hour=12.24,
+        snapshot_bytes=16.38e9,
+        b0_bps=500e6,
+        strategy="tree_pipelined",
+        steps=30,
+        reload_s=127,
+        seed=0,
+    )
+    base.update(kw)
+    return SimParams(**base)  # type: ignore[arg-type]
+
+
+def _workers(n: int, rate: float = 0.32, price: float = 0.35) -> list[SimWorker]:
+    return [SimWorker(f"w{i}", "rtx5090", price, rate, 100e6) for i in range(n)]
+
+
+def _run(n: int, **kw: object):  # type: ignore[no-untyped-def]
+    ws = _workers(n)
+    return simulate(_params(**kw), ws, [w.worker_id for w in ws])
+
+
+def test_deterministic_under_seed_and_metric_names() -> None:
+    a, b, c = _run(9, seed=5), _run(9, seed=5), _run(9, seed=6)
+    assert a.metrics == b.metrics
+    assert a.metrics != c.metrics
+    assert len(a.metrics) == 30
+    for m in a.metrics:
+        assert set(m) >= SPEC7
+    assert [m["learner/version"] for m in a.metrics] == list(range(1, 31))
+
+
+@pytest.mark.parametrize("s_budget", [0, 1, 2, 3, 5])
+def test_staleness_never_exceeds_s(s_budget: int) -> None:
+    res = _run(12, staleness=s_budget, kappa=max(1, s_budget - 1), steps=25)
+    assert max(m["store/staleness_max"] for m in res.metrics) <= s_budget
+    assert res.summary["staleness_max"] <= s_budget
+    bound = res.summary["staleness_bound_conservative_discrete"]
+    assert bound is not None and res.summary["staleness_max"] <= bound
+    if s_budget == 0:  # synchronous special case: every batch is on-policy
+        assert res.summary["staleness_max"] == 0
+
+
+def test_bubble_knee_matches_n_min() -> None:
+    # mu_min = 4096 / (3262.4 - T_bcast); with the simulated tree T_bcast ~ 1438 s: 2.245/s;
+    # N_min = ceil(2.245 / 0.32) = 8; ceil(1.1 x 8) = 9
+    t_bcast = _run(9).summary["t_bcast_mean_s"]
+    mu_min = capacity.mu_min(kappa=2, t_train=1631.2, t_bcast=t_bcast, rollouts=2048)
+    n_min = capacity.n_min(mu_min, 0.32)
+    assert n_min == 8
+    assert _run(math.ceil(1.1 * n_min)).summary["bubble_ratio"] <= 0.02
+    assert _run(n_min).summary["bubble_ratio"] <= 0.02
+    # N_min - 2 = 6: cycle model says 1 - 3262.4 / (1438 + 4096 / 1.92) = 8.6%; the simulation agrees
+    b6 = _run(6).summary["bubble_ratio"]
+    model = capacity.cycle_bubble_ratio(kappa=2, t_train=1631.2, t_bcast=t_bcast, rollouts=2048, mu_pool=1.92)
+    assert b6 == pytest.approx(model, abs=0.02)
+    assert b6 > 0.05
+
+
+def test_overlap_generation_needs_fewer_workers() -> None:
+    # keeping generation going during the broadcast only needs R / T_train = 1.256/s -> 4 workers
+    paused, overlapped = _run(5), _run(5, overlap_generation=True)
+    assert paused.summary["bubble_ratio"] > 0.1
+    assert overlapped.summary["bubble_ratio"] <= 0.02
+
+
+def test_cost_accounting_matches_the_planner() -> None:
+    # no bubble: each step costs (12.24 + 9 x 0.35) x 1631.2 / 3600 = 15.39 x 0.45311 = 6.97338 $
+    res = _run(9)
+    assert res.summary["usd_per_step_steady"] == pytest.approx(6.97338, rel=1e-3)
+    assert res.metrics[-1]["cost/usd_total"] == pytest.approx(
+        sum(m["cost/usd_per_step"] for m in res.metrics)
+    )
+
+
+def test_star_limited_broadcast_creates_a_bubble() -> None:
+    # 9 workers through a 500 Mbit/s uplink: 9 x 262 s + 127 = 2486 s > the 1825 s the pool can spare
+    tree, star = _run(9), _run(9, strategy="star_limited")
+    assert star.summary["t_bcast_mean_s"] > 2400 > tree.summary["t_bcast_mean_s"]
+    assert star.summary["bubble_ratio"] > 0.1 and tree.summary["bubble_ratio"] <= 0.02
+
+
+def test_controller_holds_the_pool_through_churn() -> None:
+    # 8 active of 12 plus joins; workers leave after ~10 h on average; 120 steps ~ 54 h
+    ws = _workers(12)
+    p = _params(
+        steps=120,
+        mu_target=2.468,
+        controller=ControllerConfig(sustain_s=600, cooldown_s=1800),
+        churn_mean_lifetime_s=36000.0,
+        join_interval_s=3600.0,
+        seed=3,
+    )
+    res = simulate(p, ws, [w.worker_id for w in ws[:8]])
+    s = res.summary
+    assert s["workers_joined"] > 0
+    assert s["controller_decisions"] > 0
+    assert s["bubble_ratio"] <= 0.05
+    actives = [m["pool/active_workers"] for m in res.metrics[10:]]
+    # a leaver is noticed after the heartbeat timeout (90 s) and replaced at once, so short dips only;
+    # the pool never grows past what the target needs plus one (no over-provisioning)
+    assert sum(a >= 8 for a in actives) / len(actives) >= 0.9
+    assert min(actives) >= 6 and max(actives) <= 9
+    assert s["staleness_max"] <= 3
+
+
+def test_speed_smoke() -> None:
+    # 300 workers x 100 steps stays well under a second of wall time on an idle core
+    ws = [SimWorker(f"w{i}", "g", 0.35, 0.32, 200e6) for i in range(300)]
+    p = _params(
+        rollouts_per_step=4096, t_train_s=110, snapshot_bytes=1.2e9, b0_bps=1e9, reload_s=10, steps=100
+    )
+    res = simulate(p, ws, [w.worker_id for w in ws])
+    assert res.summary["steps"] == 100
+    assert res.summary["wall_s"] < 10.0  # generous: the machine is shared

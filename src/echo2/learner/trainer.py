@@ -145,7 +145,9 @@ class GRPOTrainer:
             )
             if not torch.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)
-                raise TrainingDivergedError(f"loss is {float(loss.detach())} at version {self.version}, minibatch {k}")
+                raise TrainingDivergedError(
+                    f"loss is {float(loss.detach())} at version {self.version}, minibatch {k}"
+                )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)

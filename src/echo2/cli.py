@@ -24,6 +24,7 @@ class Command:
 
 
 def _commands() -> dict[str, Command]:
+    from echo2.broadcast import cli as broadcast_cli
     from echo2.learner import cli as learner_cli
     from echo2.planner import cli as planner_cli
     from echo2.sim import cli as sim_cli
@@ -34,6 +35,7 @@ def _commands() -> dict[str, Command]:
         "eval": learner_cli.EVAL,
         "plan": planner_cli.PLAN,
         "simulate": sim_cli.SIMULATE,
+        "bench-broadcast": broadcast_cli.BENCH_BROADCAST,
     }
 
 

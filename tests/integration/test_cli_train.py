@@ -18,7 +18,7 @@ def echo2(*args, timeout=300):
 def test_help_lists_subcommands():
     out = echo2("--help")
     assert out.returncode == 0
-    for name in ("train", "warmstart", "eval", "plan", "simulate"):
+    for name in ("train", "warmstart", "eval", "plan", "simulate", "bench-broadcast"):
         assert name in out.stdout
 
 

@@ -1,0 +1,65 @@
+"""The broadcast seam used by the runtime: a publisher on the learner, a receiver on each worker.
+
+Two implementations ship: TCP (`TcpPublisher` / `TcpWorkerNode`, real processes and links) and
+in-memory (`InMemoryHub`, for tests and single-process runs). Both verify every manifest and blob.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from echo2.broadcast.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class InstalledSnapshot:
+    """A verified snapshot a worker may load (``safetensors.*.load(bytes(data))``)."""
+
+    manifest: Manifest  # authenticated manifest; manifest.version is the policy version
+    data: memoryview  # read-only view of the verified safetensors blob (the node's only copy)
+
+
+@dataclass(frozen=True)
+class BroadcastStats:
+    """What one version's dissemination cost, as seen by the publisher."""
+
+    version: int  # policy version broadcast
+    n_workers: int  # workers the plan targeted (active members at publish time)
+    total_size: int  # G, bytes in the snapshot
+    install_s: dict[str, float] = field(default_factory=dict)  # worker -> seconds from publish to install ack
+    learner_bytes: int = 0  # payload bytes the learner uploaded for this version (narrow-link cost)
+
+    def t_installed(self, fraction: float) -> float:
+        """Seconds until ceil(fraction * n_workers) workers installed (inf if not reached)."""
+        need = max(1, math.ceil(fraction * self.n_workers - 1e-9))
+        times = sorted(self.install_s.values())
+        return times[need - 1] if len(times) >= need else math.inf
+
+    def metrics(self, gamma: float = 1.1) -> dict[str, float]:
+        """SPEC §7 metrics: T_bcast at q = 1/gamma, learner-uplink bytes, p90 install time."""
+        return {
+            "broadcast/t_bcast_s": self.t_installed(1.0 / gamma),
+            "broadcast/bytes": float(self.learner_bytes),
+            "broadcast/install_p90_s": self.t_installed(0.9),
+        }
+
+
+class SnapshotPublisher(Protocol):
+    """Learner side: announce a snapshot to the current members and serve it."""
+
+    async def publish(self, version: int, blob: bytes) -> Manifest: ...
+
+    async def wait_installed(
+        self, version: int, count: int | None = None, timeout: float = 600.0
+    ) -> BroadcastStats: ...
+
+
+class SnapshotReceiver(Protocol):
+    """Worker side: yields each newer verified snapshot; the caller acks after loading it."""
+
+    def snapshots(self) -> AsyncIterator[InstalledSnapshot]: ...
+
+    async def report_installed(self, version: int) -> None: ...

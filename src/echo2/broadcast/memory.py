@@ -1,0 +1,101 @@
+"""In-memory implementation of the broadcast seam (tests, single-process runs, the simulator's glue).
+
+Same contract as the TCP pair: the publisher signs a manifest; each receiver verifies it and the blob
+before yielding, and acks after loading. No copies are made beyond the one blob the hub holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from echo2.broadcast.api import BroadcastStats, InstalledSnapshot
+from echo2.broadcast.manifest import Manifest, ManifestError, blob_ok, build_manifest, verify_manifest
+from echo2.errors import Echo2Error
+
+
+class InMemoryHub:
+    """A publisher and any number of receivers sharing one process."""
+
+    def __init__(self, secret: bytes, chunk_size: int = 1 << 20) -> None:
+        self.secret = secret
+        self.chunk_size = chunk_size
+        self._latest: tuple[Manifest, bytes] | None = None
+        self._published = asyncio.Event()
+        self._started: dict[int, float] = {}
+        self._acks: dict[int, dict[str, float]] = {}
+        self._targets: dict[int, int] = {}
+        self._receivers: dict[str, InMemoryReceiver] = {}
+        self._acked = asyncio.Event()
+
+    # publisher side (SnapshotPublisher)
+    async def publish(self, version: int, blob: bytes) -> Manifest:
+        if self._latest is not None and version <= self._latest[0].version:
+            raise Echo2Error(f"version {version} is not newer than published {self._latest[0].version}")
+        manifest = build_manifest(blob, version, self.chunk_size, self.secret)
+        self._latest = (manifest, blob)
+        self._started[version] = time.monotonic()
+        self._acks[version] = {}
+        self._targets[version] = len(self._receivers)
+        self._published.set()
+        self._published = asyncio.Event()
+        return manifest
+
+    async def wait_installed(
+        self, version: int, count: int | None = None, timeout: float = 600.0
+    ) -> BroadcastStats:
+        need = self._targets[version] if count is None else count
+        deadline = time.monotonic() + timeout
+        while len(self._acks[version]) < need and time.monotonic() < deadline:
+            self._acked.clear()
+            try:
+                await asyncio.wait_for(self._acked.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        assert self._latest is not None
+        return BroadcastStats(
+            version, self._targets[version], self._latest[0].total_size, dict(self._acks[version])
+        )
+
+    # worker side
+    def receiver(self, worker_id: str) -> InMemoryReceiver:
+        if worker_id in self._receivers:
+            raise Echo2Error(f"worker id {worker_id!r} already joined")
+        rx = InMemoryReceiver(self, worker_id)
+        self._receivers[worker_id] = rx
+        return rx
+
+    def leave(self, worker_id: str) -> None:
+        self._receivers.pop(worker_id, None)
+
+    def _ack(self, worker_id: str, version: int) -> None:
+        acks = self._acks.get(version)
+        if acks is not None and worker_id not in acks:
+            acks[worker_id] = time.monotonic() - self._started[version]
+            self._acked.set()
+
+
+class InMemoryReceiver:
+    """Worker end of :class:`InMemoryHub` (implements ``SnapshotReceiver``)."""
+
+    def __init__(self, hub: InMemoryHub, worker_id: str) -> None:
+        self.hub = hub
+        self.worker_id = worker_id
+        self.installed_version = -1
+
+    async def snapshots(self) -> AsyncIterator[InstalledSnapshot]:
+        while True:
+            latest = self.hub._latest
+            if latest is None or latest[0].version <= self.installed_version:
+                await self.hub._published.wait()
+                continue
+            manifest, blob = latest
+            verify_manifest(manifest, self.hub.secret)
+            if not blob_ok(manifest, blob):
+                raise ManifestError(f"in-memory blob for v{manifest.version} fails its digest")
+            self.installed_version = manifest.version
+            yield InstalledSnapshot(manifest, memoryview(blob).toreadonly())
+
+    async def report_installed(self, version: int) -> None:
+        self.hub._ack(self.worker_id, version)

@@ -1,0 +1,136 @@
+"""One node's copy of a snapshot being received or served, and the chunk-serving side of the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from echo2.broadcast.manifest import Manifest
+from echo2.broadcast.wire import Pacer, ProtocolError, write_frame
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 4 << 20  # bytes of JSON a "get" header may take
+
+
+class SnapshotBuffer:
+    """The single in-memory copy of one version on one node, filled chunk by chunk.
+
+    ``wait_chunk`` lets a relay stream a chunk to its children the moment it has been verified.
+    """
+
+    def __init__(self, manifest: Manifest, data: bytes | bytearray | None = None) -> None:
+        self.manifest = manifest  # authenticated description of the snapshot
+        self.buf: bytearray | bytes = bytearray(manifest.total_size) if data is None else data  # only copy
+        n = manifest.n_chunks
+        self._have = bytearray(n) if data is None else bytearray(b"\x01" * n)
+        self.count = 0 if data is None else n  # chunks verified so far
+        self._waiters: dict[int, asyncio.Event] = {}
+        self.complete = asyncio.Event()  # set once every chunk is present
+        self.failed: str | None = None  # set when the node gave up on this version (reason)
+        if self.count == n:
+            self.complete.set()
+
+    def has(self, index: int) -> bool:
+        return bool(self._have[index])
+
+    def put(self, index: int, data: bytes) -> bool:
+        """Store a chunk the caller has verified; False if it was already present."""
+        if self._have[index]:
+            return False
+        start, end = self.manifest.chunk_range(index)
+        assert isinstance(self.buf, bytearray), "a publisher's buffer is complete and read-only"
+        self.buf[start:end] = data
+        self._have[index] = 1
+        self.count += 1
+        ev = self._waiters.pop(index, None)
+        if ev is not None:
+            ev.set()
+        if self.count == self.manifest.n_chunks:
+            self.complete.set()
+        return True
+
+    def fail(self, reason: str) -> None:
+        self.failed = reason
+        for ev in self._waiters.values():
+            ev.set()
+        self._waiters.clear()
+
+    async def wait_chunk(self, index: int, timeout: float) -> bool:
+        if self._have[index]:
+            return True
+        if self.failed is not None:
+            return False
+        ev = self._waiters.setdefault(index, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except TimeoutError:
+            return False
+        return bool(self._have[index])
+
+    def view(self, index: int) -> memoryview:
+        start, end = self.manifest.chunk_range(index)
+        return memoryview(self.buf)[start:end]
+
+    def missing(self, chunks: list[int] | tuple[int, ...]) -> list[int]:
+        return [i for i in chunks if not self._have[i]]
+
+
+def parse_chunk_list(header: dict[str, Any], n_chunks: int) -> list[int]:
+    chunks = header.get("chunks")
+    if not isinstance(chunks, list) or not all(isinstance(i, int) and 0 <= i < n_chunks for i in chunks):
+        raise ProtocolError(f"'chunks' must be a list of chunk indices in [0, {n_chunks})")
+    return chunks
+
+
+async def serve_get(
+    header: dict[str, Any],
+    writer: asyncio.StreamWriter,
+    lookup: Callable[[int], SnapshotBuffer | None],
+    uplink: Pacer | None,
+    wait_timeout: float,
+    on_sent: Callable[[int, int], None] | None = None,
+    mangle: Callable[[int, bytes | memoryview], bytes | memoryview] | None = None,
+    stream: Pacer | None = None,
+) -> None:
+    """Answer one "get" request: stream the asked chunks in order, each as soon as this node has it.
+
+    ``on_sent(version, n)`` counts payload bytes; ``mangle`` is the fault-injection hook of the harness;
+    ``stream`` caps this one stream (the learner's rate-matched stripes), ``uplink`` the whole node.
+    """
+    peer = header.get("from", "?")
+    version = header.get("v")
+    buffer = lookup(version) if isinstance(version, int) else None
+    if buffer is None or not isinstance(version, int):
+        reason = f"unknown version {version!r}"
+        log.info("refusing get from %s: %s", peer, reason)
+        await write_frame(writer, {"op": "error", "reason": reason})
+        return
+    try:
+        chunks = parse_chunk_list(header, buffer.manifest.n_chunks)
+    except ProtocolError as exc:
+        log.warning("refusing get from %s: %s", peer, exc)
+        await write_frame(writer, {"op": "error", "reason": str(exc)})
+        return
+    # Let the kernel + transport hold a few chunks so the sender is never the one waiting.
+    writer.transport.set_write_buffer_limits(high=max(4 << 20, 2 * buffer.manifest.chunk_size))
+    for i in chunks:
+        if not await buffer.wait_chunk(i, wait_timeout):
+            reason = f"chunk {i} of version {version} not available within {wait_timeout:.1f}s"
+            if buffer.failed:
+                reason = f"version {version} abandoned here: {buffer.failed}"
+            log.info("stopping stream to %s: %s", peer, reason)
+            await write_frame(writer, {"op": "error", "reason": reason})
+            return
+        payload: bytes | memoryview = buffer.view(i)
+        if stream is not None:
+            await stream.consume(len(payload))
+        if uplink is not None:
+            await uplink.consume(len(payload))
+        if mangle is not None:
+            payload = mangle(i, payload)
+        await write_frame(writer, {"op": "chunk", "v": version, "i": i}, payload)
+        if on_sent is not None:
+            on_sent(version, len(payload))

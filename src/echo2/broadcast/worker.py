@@ -1,0 +1,433 @@
+"""Worker side of the TCP transport: join, receive + verify + relay chunks, install, repair on faults.
+
+For each announced version the node opens one pull stream per source in its plan. A stream that
+stalls (no frame within ``stall_timeout``), breaks, sends an error, or sends a chunk that fails its
+digest hands its missing chunks to a repair stream from the learner, which always holds the snapshot.
+Meanwhile the node's own chunk server relays every verified chunk to whoever pulls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from echo2.broadcast.api import InstalledSnapshot
+from echo2.broadcast.manifest import Manifest, ManifestError, blob_ok, chunk_ok, verify_manifest
+from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
+from echo2.broadcast.strategy import LEARNER
+from echo2.broadcast.wire import Pacer, ProtocolError, read_header, read_payload, write_frame
+from echo2.errors import Echo2Error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection for the harness and tests (all off by default)."""
+
+    die_at: float = 0.0  # SIGKILL itself once this fraction of chunks arrived (0 = never)
+    stall_at: float = 0.0  # SIGSTOP itself (freeze, sockets stay open) at this fraction (0 = never)
+    corrupt_every: int = 0  # flip a byte in every k-th chunk it relays (0 = never)
+
+
+@dataclass
+class NodeCounters:
+    """Fault-tolerance counters of one worker (SPEC: catch only where tolerance is the point, and count)."""
+
+    corrupt_detected: int = 0  # chunks that failed their digest and were refetched
+    stream_failures: int = 0  # pull streams abandoned (stall, broken, peer error)
+    repaired_chunks: int = 0  # chunks fetched again from a fallback source
+    rejected_manifests: int = 0  # announcements refused (auth, shape, stale)
+    bytes_received: int = 0  # payload bytes read
+    bytes_relayed: int = 0  # payload bytes served to peers
+    corrupted_sent: int = 0  # chunks this node deliberately corrupted (fault injection ground truth)
+
+
+@dataclass
+class _Transfer:
+    manifest: Manifest
+    buffer: SnapshotBuffer
+    peers: dict[str, tuple[str, int]]
+    stall_timeout: float  # this version's stall timeout: the node's, raised to the learner's hint
+    started: float = field(default_factory=time.monotonic)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+class TcpWorkerNode:
+    """A rollout worker's end of the broadcast plane (implements ``SnapshotReceiver``)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        publisher: tuple[str, int],
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        uplink: Pacer | None = None,
+        downlink: Pacer | None = None,
+        stall_timeout: float = 5.0,
+        serve_wait_timeout: float = 60.0,
+        max_repairs: int = 5,
+        max_bad_chunks: int = 3,
+        faults: Faults | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.publisher = publisher
+        self.secret = secret
+        self.host, self.port = host, port
+        self.advertise_host = advertise_host or host
+        self.uplink, self.downlink = uplink, downlink  # application pacing (loopback harness only)
+        self.stall_timeout = stall_timeout  # seconds without a frame before a source counts as stalled
+        self.serve_wait_timeout = serve_wait_timeout
+        self.max_repairs = max_repairs
+        self.max_bad_chunks = max_bad_chunks  # corrupt chunks tolerated from one source before dropping it
+        self.faults = faults or Faults()
+        self.counters = NodeCounters()
+        self.installed_version = -1
+        self._buffers: dict[int, SnapshotBuffer] = {}  # installed (relayable) + in-progress versions
+        self._transfer: _Transfer | None = None
+        self._latest: InstalledSnapshot | None = None
+        self._new = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._ctl: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._ctl_lock = asyncio.Lock()
+        self._ctl_task: asyncio.Task[None] | None = None
+        self._served = 0
+        self._announced = asyncio.Event()  # pulsed whenever a new version is announced to this node
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self, join_timeout: float = 30.0) -> None:
+        self._server = await asyncio.start_server(self._on_connect, self.host, self.port, limit=1 << 22)
+        self.port = self._server.sockets[0].getsockname()[1]
+        deadline = time.monotonic() + join_timeout
+        while True:  # the learner may still be starting: retry until the deadline
+            try:
+                reader, writer = await asyncio.open_connection(*self.publisher, limit=1 << 24)
+                break
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise Echo2Error(f"cannot reach the publisher at {self.publisher}: {exc}") from None
+                await asyncio.sleep(0.2)
+        self._ctl = (reader, writer)
+        hello = {"op": "join", "worker": self.worker_id, "host": self.advertise_host, "port": self.port}
+        await write_frame(writer, hello)
+        self._ctl_task = asyncio.ensure_future(self._control_loop())
+        log.info(
+            "worker %s serving on %s:%d, joined %s:%d",
+            self.worker_id,
+            self.advertise_host,
+            self.port,
+            *self.publisher,
+        )
+
+    async def close(self) -> None:
+        """Leave the topology: stop pulling, stop serving, close the control connection."""
+        if self._transfer is not None:
+            self._abandon(self._transfer, "node closing")
+        if self._ctl is not None:
+            with contextlib.suppress(Exception):
+                async with self._ctl_lock:
+                    await write_frame(self._ctl[1], {"op": "leave"})
+            self._ctl[1].close()
+        if self._ctl_task is not None:
+            self._ctl_task.cancel()
+        if self._server is not None:
+            self._server.close()
+        self._closed.set()
+        self._new.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # -- SnapshotReceiver -----------------------------------------------------------------------------
+    async def snapshots(self) -> AsyncIterator[InstalledSnapshot]:
+        """Yield each newer installed snapshot (skipping ones superseded before the caller looked)."""
+        seen = -1
+        while not self._closed.is_set():
+            await self._new.wait()
+            self._new.clear()
+            snap = self._latest
+            if snap is not None and snap.manifest.version > seen:
+                seen = snap.manifest.version
+                yield snap
+
+    async def report_installed(self, version: int) -> None:
+        await self._ctl_send({"op": "installed", "v": version})
+
+    # -- control --------------------------------------------------------------------------------------
+    async def _ctl_send(self, msg: dict[str, Any]) -> None:
+        if self._ctl is None:
+            return
+        try:
+            async with self._ctl_lock:
+                await write_frame(self._ctl[1], msg)
+        except (OSError, ConnectionError) as exc:
+            log.warning("worker %s: control send failed: %s", self.worker_id, exc)
+
+    async def _control_loop(self) -> None:
+        assert self._ctl is not None
+        reader = self._ctl[0]
+        try:
+            while True:
+                msg = await read_header(reader)
+                if msg["op"] == "announce":
+                    await self._on_announce(msg)
+                elif msg["op"] == "shutdown":
+                    log.info("worker %s: publisher says shutdown", self.worker_id)
+                    break
+                elif msg["op"] == "error":
+                    log.error("worker %s: publisher refused us: %s", self.worker_id, msg.get("reason"))
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            log.info("worker %s: control connection closed", self.worker_id)
+        except ProtocolError as exc:
+            log.error("worker %s: bad control frame: %s", self.worker_id, exc)
+        finally:
+            self._ctl_task = None
+            await self.close()
+
+    async def _on_announce(self, msg: dict[str, Any]) -> None:
+        try:
+            manifest = Manifest.from_dict(msg.get("manifest") or {})
+            verify_manifest(manifest, self.secret)
+            current = self._transfer.manifest.version if self._transfer is not None else -1
+            if manifest.version <= max(self.installed_version, current):
+                raise ManifestError(
+                    f"version {manifest.version} is not newer than installed v{self.installed_version} "
+                    f"or in-flight v{current}"
+                )
+            sources = [(str(s), [int(i) for i in ch]) for s, ch in msg["sources"]]
+            peers = {str(k): (str(v[0]), int(v[1])) for k, v in msg["peers"].items()}
+            if any(s not in peers for s, _ in sources) or LEARNER not in peers:
+                raise ManifestError("announcement names a source without an address")
+        except (ManifestError, KeyError, TypeError, ValueError) as exc:
+            self.counters.rejected_manifests += 1
+            log.warning("worker %s: refusing announcement: %s", self.worker_id, exc)
+            raw = msg.get("manifest")
+            version = raw.get("version") if isinstance(raw, dict) else None
+            await self._ctl_send({"op": "rejected", "v": version, "reason": str(exc)})
+            return
+        if self._transfer is not None:
+            self._abandon(self._transfer, f"superseded by v{manifest.version}")
+        buffer = SnapshotBuffer(manifest)
+        self._buffers[manifest.version] = buffer
+        hint = msg.get("stall_hint")
+        stall = max(self.stall_timeout, float(hint) if isinstance(hint, int | float) else 0.0)
+        transfer = _Transfer(manifest, buffer, peers, stall)
+        self._transfer = transfer
+        self._announced.set()
+        self._announced = asyncio.Event()
+        log.info(
+            "worker %s: receiving v%d from %s", self.worker_id, manifest.version, [s for s, _ in sources]
+        )
+        for source, chunks in sources:
+            self._spawn(transfer, self._pull(transfer, source, chunks, repairs=0))
+        self._spawn(transfer, self._finish(transfer))
+
+    def _spawn(self, transfer: _Transfer, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(coro)
+        transfer.tasks.add(task)
+        task.add_done_callback(transfer.tasks.discard)
+
+    def _abandon(self, transfer: _Transfer, reason: str) -> None:
+        if not transfer.buffer.complete.is_set():
+            transfer.buffer.fail(reason)
+            self._buffers.pop(transfer.manifest.version, None)
+        for task in list(transfer.tasks):
+            task.cancel()
+        if self._transfer is transfer:
+            self._transfer = None
+
+    async def _finish(self, transfer: _Transfer) -> None:
+        await transfer.buffer.complete.wait()
+        m = transfer.manifest
+        if not blob_ok(m, transfer.buffer.buf):  # cannot happen if every chunk verified; checked anyway
+            log.error(
+                "worker %s: v%d assembled blob fails its digest; not installing", self.worker_id, m.version
+            )
+            self._abandon(transfer, "whole-blob digest mismatch")
+            return
+        self.installed_version = m.version
+        for old in [v for v in self._buffers if v < m.version]:
+            del self._buffers[old]  # one installed copy is all a node needs
+        self._latest = InstalledSnapshot(m, memoryview(transfer.buffer.buf).toreadonly())
+        self._new.set()
+        if self._transfer is transfer:
+            self._transfer = None
+        log.info(
+            "worker %s: v%d verified in %.2fs", self.worker_id, m.version, time.monotonic() - transfer.started
+        )
+
+    # -- pulling --------------------------------------------------------------------------------------
+    async def _pull(self, transfer: _Transfer, source: str, chunks: list[int], repairs: int) -> None:
+        buffer, m = transfer.buffer, transfer.manifest
+        todo = buffer.missing(chunks)
+        if not todo:
+            return
+        pos = 0
+        writer: asyncio.StreamWriter | None = None
+        reason = ""
+        try:
+            reader, conn = await asyncio.wait_for(
+                asyncio.open_connection(*transfer.peers[source], limit=max(1 << 22, 2 * m.chunk_size)),
+                transfer.stall_timeout,
+            )
+            writer = conn
+            await write_frame(
+                conn,
+                {"op": "get", "v": m.version, "chunks": todo, "from": self.worker_id, "repair": repairs > 0},
+            )
+            bad = 0
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(transfer.stall_timeout) as watchdog:  # one timer, pushed on progress
+                while pos < len(todo):
+                    i = todo[pos]
+                    header = await read_header(reader, 1 << 16)
+                    if header["op"] == "error":
+                        raise ProtocolError(f"peer error: {header.get('reason')}")
+                    if header["op"] != "chunk" or header.get("v") != m.version or header.get("i") != i:
+                        raise ProtocolError(
+                            f"expected chunk {i} of v{m.version}, got op={header['op']!r} "
+                            f"v={header.get('v')!r} i={header.get('i')!r}"
+                        )
+                    if header.get("n") != m.chunk_len(i):
+                        raise ProtocolError(
+                            f"chunk {i} has {header.get('n')} bytes, manifest says {m.chunk_len(i)}"
+                        )
+                    payload = await read_payload(reader, header, m.chunk_size)
+                    watchdog.reschedule(loop.time() + transfer.stall_timeout)
+                    if self.downlink is not None:
+                        await self.downlink.consume(len(payload))
+                    self.counters.bytes_received += len(payload)
+                    pos += 1
+                    if not chunk_ok(m, i, payload):
+                        self.counters.corrupt_detected += 1
+                        bad += 1
+                        log.warning(
+                            "worker %s: chunk %d of v%d from %s fails its digest; refetching",
+                            self.worker_id,
+                            i,
+                            m.version,
+                            source,
+                        )
+                        self._repair(transfer, [i], source, repairs)
+                        if bad >= self.max_bad_chunks:
+                            raise ProtocolError(f"{bad} corrupt chunks; dropping source")
+                        continue
+                    buffer.put(i, payload)
+                    self._check_faults(buffer)
+            return
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            reason = f"no data for {transfer.stall_timeout:.1f}s"
+        except asyncio.IncompleteReadError:
+            reason = "connection closed mid-stream"
+        except (ConnectionError, OSError) as exc:
+            reason = f"connection failed: {exc}"
+        except ProtocolError as exc:
+            reason = str(exc)
+        finally:
+            if writer is not None:
+                writer.close()
+        self.counters.stream_failures += 1
+        rest = buffer.missing(todo[pos:])
+        log.warning(
+            "worker %s: source %s failed for v%d (%s); %d chunks to repair",
+            self.worker_id,
+            source,
+            m.version,
+            reason,
+            len(rest),
+        )
+        self._repair(transfer, rest, source, repairs)
+
+    def _repair(self, transfer: _Transfer, chunks: list[int], failed: str, repairs: int) -> None:
+        if not chunks:
+            return
+        if repairs >= self.max_repairs:
+            log.error(
+                "worker %s: giving up on v%d after %d repairs",
+                self.worker_id,
+                transfer.manifest.version,
+                repairs,
+            )
+            self._abandon(transfer, f"{repairs} failed repairs")
+            return
+        self.counters.repaired_chunks += len(chunks)
+        # The learner holds every chunk from the start, so it is the fallback of last resort; a second
+        # failure of the learner itself is retried after a short backoff.
+        delay = 0.0 if failed != LEARNER else min(2.0, 0.2 * 2**repairs)
+        self._spawn(transfer, self._delayed_pull(transfer, LEARNER, chunks, repairs + 1, delay))
+
+    async def _delayed_pull(
+        self, transfer: _Transfer, source: str, chunks: list[int], repairs: int, delay: float
+    ) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        await self._pull(transfer, source, chunks, repairs)
+
+    def _check_faults(self, buffer: SnapshotBuffer) -> None:
+        f, frac = self.faults, buffer.count / buffer.manifest.n_chunks
+        if f.die_at and frac >= f.die_at:
+            log.warning("worker %s: fault injection: SIGKILL at %.0f%%", self.worker_id, 100 * frac)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f.stall_at and frac >= f.stall_at:
+            log.warning("worker %s: fault injection: SIGSTOP at %.0f%%", self.worker_id, 100 * frac)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    # -- serving --------------------------------------------------------------------------------------
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header = await asyncio.wait_for(read_header(reader, MAX_REQUEST), 30.0)
+            if header["op"] != "get":
+                raise ProtocolError(f"a worker only serves 'get', not {header['op']!r}")
+            await self._await_announce(header.get("v"))
+            await serve_get(
+                header,
+                writer,
+                self._buffers.get,
+                self.uplink,
+                self.serve_wait_timeout,
+                self._count_relayed,
+                self._mangle if self.faults.corrupt_every else None,
+            )
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
+            pass  # the puller went away; nothing to repair on this side
+        except ProtocolError as exc:
+            log.warning("worker %s: dropping a peer connection: %s", self.worker_id, exc)
+        finally:
+            writer.close()
+
+    async def _await_announce(self, version: object) -> None:
+        """A peer may ask for a version whose announcement has not reached this node yet: wait a bit."""
+        deadline = time.monotonic() + self.stall_timeout
+        while (
+            isinstance(version, int)
+            and version > self.installed_version
+            and version not in self._buffers
+            and time.monotonic() < deadline
+        ):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._announced.wait(), deadline - time.monotonic())
+
+    def _count_relayed(self, version: int, n: int) -> None:
+        self.counters.bytes_relayed += n
+
+    def _mangle(self, index: int, payload: bytes | memoryview) -> bytes | memoryview:
+        self._served += 1
+        if self._served % self.faults.corrupt_every:
+            return payload
+        self.counters.corrupted_sent += 1
+        bad = bytearray(payload)
+        bad[len(bad) // 2] ^= 0xFF
+        return bytes(bad)

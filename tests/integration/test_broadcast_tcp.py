@@ -1,0 +1,259 @@
+"""TCP transport on loopback, in one process: delivery, bad peers, corruption, auth, join/leave."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from echo2.broadcast.manifest import blob_ok, synthetic_snapshot
+from echo2.broadcast.publisher import TcpPublisher
+from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.strategy import Strategy
+from echo2.broadcast.wire import encode, read_header, write_frame
+from echo2.broadcast.worker import Faults, TcpWorkerNode
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+SECRET = os.urandom(32)
+CHUNK = 8 << 10
+BLOB = synthetic_snapshot(200_000, seed=3)
+
+
+async def _install(node: TcpWorkerNode, got: dict[str, bytes]) -> None:
+    async for snap in node.snapshots():
+        assert blob_ok(snap.manifest, snap.data)
+        got[node.worker_id] = bytes(snap.data)
+        await node.report_installed(snap.manifest.version)
+        return
+
+
+async def _cluster(
+    strategy: Strategy,
+    n: int,
+    extra: Callable[[tuple[str, int]], Awaitable[object]] | None = None,
+    node_kw: dict[int, dict] | None = None,
+) -> tuple[TcpPublisher, list[TcpWorkerNode], dict[str, bytes], object]:
+    pub = TcpPublisher(SECRET, strategy, chunk_size=CHUNK)
+    await pub.start()
+    nodes = [
+        TcpWorkerNode(f"w{i}", pub.address, SECRET, stall_timeout=1.0, **(node_kw or {}).get(i, {}))
+        for i in range(n)
+    ]
+    for nd in nodes:
+        await nd.start()
+    handle = await extra(pub.address) if extra else None
+    await pub.wait_members(n + (1 if extra else 0), 10)
+    return pub, nodes, {}, handle
+
+
+async def _broadcast(pub: TcpPublisher, nodes: list[TcpWorkerNode], got: dict[str, bytes], version: int = 1):
+    tasks = [asyncio.create_task(_install(nd, got)) for nd in nodes]
+    await pub.publish(version, BLOB)
+    stats = await pub.wait_installed(version, count=len(nodes), timeout=30)
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    return stats
+
+
+async def _shutdown(pub: TcpPublisher, nodes: list[TcpWorkerNode]) -> None:
+    for nd in nodes:
+        await nd.close()
+    await pub.close()
+
+
+@pytest.mark.parametrize("name", ["tree-pipelined", "tree-chains", "star-limited"])
+def test_every_worker_installs_the_exact_blob(name: str) -> None:
+    async def go() -> None:
+        pub, nodes, got, _ = await _cluster(get_strategy(name), 4)
+        stats = await _broadcast(pub, nodes, got)
+        await _shutdown(pub, nodes)
+        assert got == {f"w{i}": BLOB for i in range(4)}
+        # Peer-assisted strategies send G once from the learner; star sends it N times.
+        expected = len(BLOB) if name.startswith("tree") else 4 * len(BLOB)
+        assert stats.learner_bytes == expected
+        assert set(stats.metrics()) == {"broadcast/t_bcast_s", "broadcast/bytes", "broadcast/install_p90_s"}
+        assert all(nd.counters.stream_failures == 0 for nd in nodes)
+
+    asyncio.run(go())
+
+
+def _fake_member(behavior: str) -> Callable[[tuple[str, int]], Awaitable[object]]:
+    """A member that joins and is planned as a relay, then misbehaves on every pull."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        h = await read_header(reader)
+        v, i = h["v"], h["chunks"][0]
+        if behavior == "silent":
+            await asyncio.sleep(3600)
+        elif behavior == "wrong_index":
+            await write_frame(writer, {"op": "chunk", "v": v, "i": i + 1}, b"x" * CHUNK)
+        elif behavior == "oversized":
+            await write_frame(writer, {"op": "chunk", "v": v, "i": i}, b"x" * (CHUNK + 1))
+        elif behavior == "truncated":
+            writer.write(encode({"op": "chunk", "v": v, "i": i}, CHUNK) + b"x" * 100)
+            await writer.drain()
+        elif behavior == "garbage":
+            writer.write(b"\x00\x00\x00\x05hello")
+            await writer.drain()
+        elif behavior == "unknown_version":
+            await write_frame(writer, {"op": "error", "reason": f"unknown version {v}"})
+        elif behavior == "wrong_bytes":
+            await write_frame(writer, {"op": "chunk", "v": v, "i": i}, b"\0" * CHUNK)
+            await asyncio.sleep(3600)
+        writer.close()
+
+    async def start(addr: tuple[str, int]) -> object:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        _, w = await asyncio.open_connection(*addr)
+        port = server.sockets[0].getsockname()[1]
+        await write_frame(w, {"op": "join", "worker": "zz-bad", "host": "127.0.0.1", "port": port})
+        return server, w
+
+    return start
+
+
+@pytest.mark.parametrize(
+    "behavior",
+    ["silent", "wrong_index", "oversized", "truncated", "garbage", "unknown_version", "wrong_bytes"],
+)
+def test_a_bad_relay_does_not_stop_the_others(behavior: str, caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> None:
+        pub, nodes, got, (server, ctl) = await _cluster(
+            get_strategy("tree-pipelined"), 3, _fake_member(behavior)
+        )
+        await _broadcast(pub, nodes, got)
+        server.close()
+        ctl.close()
+        await _shutdown(pub, nodes)
+        assert got == {f"w{i}": BLOB for i in range(3)}
+        # each real worker pulled the bad member's stripe, saw it fail, and repaired from the learner
+        assert all(nd.counters.stream_failures >= 1 and nd.counters.repaired_chunks > 0 for nd in nodes)
+        if behavior == "wrong_bytes":
+            assert all(nd.counters.corrupt_detected == 1 for nd in nodes)
+
+    asyncio.run(go())
+    assert "source zz-bad failed" in caplog.text  # a clear logged reason
+
+
+def test_corrupting_relay_is_fully_detected() -> None:
+    async def go() -> None:
+        kw = {i: {"max_bad_chunks": 10**9} for i in range(4)}
+        kw[1]["faults"] = Faults(corrupt_every=3)
+        pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 4, node_kw=kw)
+        await _broadcast(pub, nodes, got)
+        await _shutdown(pub, nodes)
+        injected = nodes[1].counters.corrupted_sent
+        detected = sum(nd.counters.corrupt_detected for nd in nodes)
+        assert injected > 0 and detected == injected
+        assert got == {f"w{i}": BLOB for i in range(4)}  # 0 bad installs
+
+    asyncio.run(go())
+
+
+def test_forged_manifest_is_refused_without_blocking_others() -> None:
+    async def go() -> None:
+        pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 2)
+        liar = TcpWorkerNode("w-wrong-secret", pub.address, b"not the run secret", stall_timeout=1.0)
+        await liar.start()
+        await pub.wait_members(3, 5)
+        await _broadcast(pub, nodes, got)
+        await asyncio.sleep(0.2)
+        assert liar.counters.rejected_manifests == 1 and liar.installed_version == -1
+        await liar.close()
+        await _shutdown(pub, nodes)
+        assert got == {"w0": BLOB, "w1": BLOB}
+
+    asyncio.run(go())
+
+
+def test_workers_join_for_the_next_version_and_leave_any_time() -> None:
+    async def go() -> None:
+        pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 2)
+        await _broadcast(pub, nodes, got, version=1)
+        late = TcpWorkerNode("late", pub.address, SECRET, stall_timeout=1.0)
+        await late.start()
+        await pub.wait_members(3, 5)
+        await nodes[0].close()  # leaves between versions
+        await asyncio.sleep(0.1)
+        assert sorted(pub.members()) == ["late", "w1"]
+        got.clear()
+        stats = await _broadcast(pub, [nodes[1], late], got, version=2)
+        assert stats.n_workers == 2 and got == {"w1": BLOB, "late": BLOB}
+        assert late.installed_version == 2
+        await _shutdown(pub, [nodes[1], late])
+
+    asyncio.run(go())
+
+
+def test_publisher_survives_junk_and_unknown_versions() -> None:
+    async def go() -> None:
+        pub = TcpPublisher(SECRET, get_strategy("star-limited"), chunk_size=CHUNK)
+        await pub.start()
+        r, w = await asyncio.open_connection(*pub.address)
+        w.write(b"\xff\xff\xff\xffjunk")
+        await w.drain()
+        assert await r.read() == b""  # dropped with a logged reason
+        r, w = await asyncio.open_connection(*pub.address)
+        await write_frame(w, {"op": "get", "v": 99, "chunks": [0], "from": "x"})
+        h = await read_header(r)
+        assert h["op"] == "error" and "unknown version 99" in h["reason"]
+        r, w = await asyncio.open_connection(*pub.address)
+        await write_frame(w, {"op": "join", "worker": "learner", "host": "h", "port": 1})
+        assert await r.read() == b""
+        node = TcpWorkerNode("ok", pub.address, SECRET)
+        await node.start()
+        await pub.wait_members(1, 5)
+        got: dict[str, bytes] = {}
+        await _broadcast(pub, [node], got)
+        assert got == {"ok": BLOB}
+        await _shutdown(pub, [node])
+
+    asyncio.run(go())
+
+
+def test_worker_refuses_replayed_and_malformed_announcements() -> None:
+    from echo2.broadcast.manifest import build_manifest
+    from echo2.broadcast.store import SnapshotBuffer, serve_get
+
+    async def go() -> None:
+        manifest = build_manifest(BLOB, 5, CHUNK, SECRET)
+        buffer = SnapshotBuffer(manifest, BLOB)
+        joined: asyncio.Queue = asyncio.Queue()
+
+        async def fake_learner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            h = await read_header(reader)
+            if h["op"] == "get":
+                await serve_get(h, writer, lambda v: buffer if v == 5 else None, None, 5.0)
+                writer.close()
+                return
+            await joined.put((reader, writer))
+            await asyncio.sleep(3600)
+
+        server = await asyncio.start_server(fake_learner, "127.0.0.1", 0)
+        addr = server.sockets[0].getsockname()[:2]
+        node = TcpWorkerNode("w", addr, SECRET, stall_timeout=1.0)
+        await node.start()
+        reader, writer = await joined.get()
+        every = list(range(manifest.n_chunks))
+        ann = {
+            "op": "announce", "manifest": manifest.to_dict(), "sources": [["learner", every]],
+            "peers": {"learner": list(addr)},
+        }  # fmt: skip
+        await write_frame(writer, {**ann, "manifest": "not a dict"})  # malformed
+        await write_frame(writer, {**ann, "sources": [["ghost", [0]]]})  # source without an address
+        await write_frame(writer, ann)  # good
+        await write_frame(writer, ann)  # replay of the in-flight version
+        got: dict[str, bytes] = {}
+        await asyncio.wait_for(_install(node, got), 10)
+        ack = await asyncio.wait_for(read_header(reader), 5)
+        while ack["op"] == "rejected":
+            ack = await asyncio.wait_for(read_header(reader), 5)
+        assert ack == {"op": "installed", "v": 5}
+        await write_frame(writer, ann)  # replay of the installed version
+        await asyncio.sleep(0.2)
+        assert node.counters.rejected_manifests == 4 and got == {"w": BLOB}
+        await node.close()
+        server.close()
+
+    asyncio.run(go())

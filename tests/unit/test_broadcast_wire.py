@@ -1,0 +1,96 @@
+"""Framing limits, the pacer's arithmetic, BroadcastStats, and the in-memory seam."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+
+from echo2.broadcast.api import BroadcastStats
+from echo2.broadcast.manifest import ManifestError, blob_ok
+from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.wire import Pacer, ProtocolError, encode, read_header, read_payload
+
+
+def _reader(data: bytes) -> asyncio.StreamReader:
+    r = asyncio.StreamReader()
+    r.feed_data(data)
+    r.feed_eof()
+    return r
+
+
+def test_frame_round_trip_and_limits() -> None:
+    async def go() -> None:
+        r = _reader(encode({"op": "chunk", "i": 3}, 5) + b"hello")
+        h = await read_header(r)
+        assert h == {"op": "chunk", "i": 3, "n": 5}
+        assert await read_payload(r, h, 5) == b"hello"
+        with pytest.raises(ProtocolError, match="exceeds"):
+            await read_payload(_reader(b"x" * 10), {"op": "chunk", "n": 10}, 9)  # oversized chunk
+        with pytest.raises(ProtocolError, match="header"):
+            await read_header(_reader(struct.pack("!I", 1 << 30)))  # absurd header length
+        with pytest.raises(ProtocolError, match="JSON"):
+            await read_header(_reader(struct.pack("!I", 3) + b"{{{"))
+        with pytest.raises(ProtocolError, match="op"):
+            await read_header(_reader(encode({"nope": 1})))
+        with pytest.raises(asyncio.IncompleteReadError):  # truncated payload
+            r2 = _reader(encode({"op": "chunk"}, 10) + b"abc")
+            await read_payload(r2, await read_header(r2), 10)
+
+    asyncio.run(go())
+
+
+def test_pacer_books_bytes_at_the_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("echo2.broadcast.wire.time.monotonic", lambda: now[0])
+    p = Pacer(1000.0, burst=0)  # 1000 bytes/s, no burst credit
+    assert p.reserve(500) == pytest.approx(0.5)  # first 500 B end at t+0.5
+    assert p.reserve(500) == pytest.approx(1.0)  # queued behind the first
+    now[0] += 5.0  # idle for a while: no credit accumulates beyond the burst
+    assert p.reserve(1000) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        Pacer(0)
+
+
+def test_stats_fraction_and_metric_names() -> None:
+    s = BroadcastStats(7, 10, 1000, {f"w{i}": float(i + 1) for i in range(10)}, learner_bytes=1000)
+    # q = 1/1.1 -> ceil(9.09) = 10th fastest worker; p90 -> 9th
+    m = s.metrics(gamma=1.1)
+    assert m == {"broadcast/t_bcast_s": 10.0, "broadcast/bytes": 1000.0, "broadcast/install_p90_s": 9.0}
+    assert BroadcastStats(1, 3, 1, {"a": 1.0}).t_installed(1.0) == float("inf")
+
+
+def test_in_memory_hub_delivers_verified_snapshots() -> None:
+    async def go() -> None:
+        hub = InMemoryHub(b"s" * 32, chunk_size=100)
+        rx = [hub.receiver(f"w{i}") for i in range(3)]
+        got: list[tuple[str, int, bytes]] = []
+
+        async def consume(r) -> None:  # type: ignore[no-untyped-def]
+            async for snap in r.snapshots():
+                assert blob_ok(snap.manifest, snap.data)
+                got.append((r.worker_id, snap.manifest.version, bytes(snap.data)))
+                await r.report_installed(snap.manifest.version)
+                return
+
+        tasks = [asyncio.create_task(consume(r)) for r in rx]
+        await asyncio.sleep(0)
+        await hub.publish(1, b"weights" * 50)
+        stats = await hub.wait_installed(1, timeout=5)
+        await asyncio.gather(*tasks)
+        assert sorted(w for w, _, _ in got) == ["w0", "w1", "w2"]
+        assert all(v == 1 and b == b"weights" * 50 for _, v, b in got)
+        assert len(stats.install_s) == 3
+        with pytest.raises(Exception, match="not newer"):
+            await hub.publish(1, b"again")
+        # a hub whose receivers hold a different secret refuses to install
+        evil = InMemoryHub(b"s" * 32)
+        r = evil.receiver("x")
+        await evil.publish(1, b"abc")
+        evil.secret = b"other"
+        with pytest.raises(ManifestError):
+            async for _ in r.snapshots():
+                pass
+
+    asyncio.run(go())

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,15 +76,16 @@ def _config_only(extra: list[str]) -> list[str]:
 
 
 def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
+    import random
+
     import torch
 
     from echo2.config import load_config
     from echo2.data.tasks.base import build_task
-    from echo2.learner import grpo
-    from echo2.learner.trainer import GRPOTrainer, pack
+    from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
     from echo2.models.policy import configure_torch, load_policy
+    from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.types import Trajectory
 
     overrides = [f"seed={seed}"]
     it = iter(extra)
@@ -94,27 +96,20 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
     configure_torch(cfg)
     policy = load_policy(cfg)
     task = build_task(cfg.task, seed)
-    import random
-
-    prompts = task.sample_train(random.Random(seed), cfg.grpo.prompts_per_step)
-    G = cfg.grpo.group_size
-    encoded = [policy.encode_prompt(p.text) for p in prompts]
-    samples = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling).generate(
-        [e for e in encoded for _ in range(G)], seed=seed
+    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+    rollouts = collect_groups(
+        policy,
+        engine,
+        task,
+        task.sample_train(random.Random(seed), cfg.grpo.prompts_per_step),
+        cfg.grpo.group_size,
+        seed=seed,
+        policy_version=0,
+        group_prefix="bench",
     )
-    trajs = [
-        Trajectory(
-            prompt_id=prompts[i // G].prompt_id,
-            group_id=str(i // G),
-            prompt_ids=tuple(encoded[i // G]),
-            completion_ids=s.completion_ids,
-            sampler_logprobs=s.logprobs,
-            reward=float(i % 3 == 0),
-            policy_version=0,
-        )
-        for i, s in enumerate(samples)
-    ]
-    masks = [[1.0] * len(t.completion_ids) for t in trajs]
+    # fixed mixed rewards so every group carries signal, whatever the sampled completions were
+    trajs = [replace(t, reward=float(i % 3 == 0)) for i, t in enumerate(rollouts.trajectories)]
+    masks = rollouts.masks
     model = policy.model
     trainer = GRPOTrainer(model, cfg.grpo, cfg.sampling.temperature, policy.pad_id)
     bare_opt = torch.optim.AdamW(model.parameters(), lr=1e-12)
@@ -122,11 +117,8 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
 
     def bare() -> None:
         # the floor: forward, a token log-likelihood loss on the completion tokens, backward, AdamW
-        logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
-        T = batch.targets_BT.shape[1]
-        idx = (batch.start_B[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=logits.shape[1] - 1)
-        picked = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
-        loss = -(grpo.token_logprobs(picked, batch.targets_BT) * batch.mask_BT).sum() / batch.mask_BT.sum()
+        logp = completion_logprobs(model, batch, 1.0)
+        loss = -(logp * batch.mask_BT).sum() / batch.mask_BT.sum()
         bare_opt.zero_grad(set_to_none=True)
         loss.backward()
         bare_opt.step()

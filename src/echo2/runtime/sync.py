@@ -40,10 +40,10 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
     from echo2.data.tasks.base import build_task
     from echo2.learner.trainer import GRPOTrainer
     from echo2.models.policy import configure_torch, load_policy
+    from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine
     from echo2.rollout.evaluate import evaluate
     from echo2.runtime.rundir import RunDir
-    from echo2.types import Trajectory
 
     configure_torch(cfg)
     policy = load_policy(cfg)
@@ -84,33 +84,18 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
     step = 0
     try:
         for step in range(1, cfg.train.steps + 1):
-            prompts = task.sample_train(rng, P)
-            encoded = [policy.encode_prompt(p.text) for p in prompts]
-            t0 = time.perf_counter()
-            samples = engine.generate(
-                [ids for ids in encoded for _ in range(G)], seed=cfg.seed * 1_000_003 + step
+            batch = collect_groups(
+                policy,
+                engine,
+                task,
+                task.sample_train(rng, P),
+                G,
+                seed=cfg.seed * 1_000_003 + step,
+                policy_version=trainer.version,
+                group_prefix=str(step),
             )
-            t_gen = time.perf_counter() - t0
-            trajectories, masks, unparsed = [], [], 0
-            for i, s in enumerate(samples):
-                p = prompts[i // G]
-                grade = task.grade(p, policy.decode_completion(s.completion_ids))
-                unparsed += not grade.parsed
-                meta: dict[str, Any] = {"parsed": grade.parsed, "finished": s.finished}
-                trajectories.append(
-                    Trajectory(
-                        prompt_id=p.prompt_id,
-                        group_id=f"{step}:{i // G}",
-                        prompt_ids=tuple(encoded[i // G]),
-                        completion_ids=s.completion_ids,
-                        sampler_logprobs=s.logprobs,
-                        reward=grade.reward,
-                        policy_version=trainer.version,
-                        meta=meta,
-                    )
-                )
-                masks.append(task.token_mask(s.completion_ids, meta))
-            stats = trainer.update(trajectories, masks)
+            trajectories, t_gen = batch.trajectories, batch.t_gen_s
+            stats = trainer.update(trajectories, batch.masks)
             rewards = [t.reward for t in trajectories]
             record: dict[str, Any] = {
                 "step": step,
@@ -129,9 +114,9 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
                 "store/staleness_mean": 0.0,
                 "store/staleness_max": 0,
                 "rollout/t_gen_s": t_gen,
-                "rollout/tokens": sum(len(s.completion_ids) for s in samples),
+                "rollout/tokens": batch.tokens,
                 "reward/mean": sum(rewards) / len(rewards),
-                "reward/unparsed": unparsed,
+                "reward/unparsed": batch.unparsed,
             }
             out_of_time = time.perf_counter() - t_start >= budget_s
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps or out_of_time:

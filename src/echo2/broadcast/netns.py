@@ -19,6 +19,9 @@ from echo2.errors import Echo2Error
 log = logging.getLogger(__name__)
 
 
+QUEUE_SECONDS = 0.1  # tbf queue depth in seconds of line rate (a WAN router's buffer, roughly)
+
+
 class HarnessError(Echo2Error):
     """The harness cannot run here (not root, missing ip/tc) or a setup command failed."""
 
@@ -142,7 +145,7 @@ class NetnsTopology:
             else:
                 # burst >= one GSO super-packet (64 KiB) or tbf stalls; queue ~100 ms of line rate.
                 burst = max(96 << 10, int(rate / 8 / 100))
-                limit = max(256 << 10, int(rate / 8 * float(os.environ.get("E2_QSEC", "0.1"))))
+                limit = max(256 << 10, int(rate / 8 * QUEUE_SECONDS))
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
                      "rate", f"{int(rate)}bit", "burst", str(burst), "limit", str(limit))  # fmt: skip
             self._shaped[(k, direction)] = rate  # type: ignore[assignment]

@@ -78,8 +78,15 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
     last_ckpt = ""
     t_start = time.perf_counter()
     t_eval_total = 0.0
+    # the bar follows whichever limit binds: the wall-clock budget (seconds) or the step count
+    timed_bar = budget_s < float("inf")
     bar = tqdm(
-        total=cfg.train.steps, disable=not progress, desc="echo2 train", unit="step", dynamic_ncols=True
+        total=round(budget_s) if timed_bar else cfg.train.steps,
+        unit="s" if timed_bar else "step",
+        bar_format="{l_bar}{bar}| {n:.0f}/{total} s [{elapsed}<{remaining}{postfix}]" if timed_bar else None,
+        disable=not progress,
+        desc="echo2 train",
+        dynamic_ncols=True,
     )
     step = 0
     try:
@@ -129,10 +136,12 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
             run.log(record)
             if step % cfg.train.checkpoint_every == 0:
                 last_ckpt = save(f"step_{step:06d}")
-            bar.update(1)
-            bar.set_postfix(v=stats.version, reward=f"{record['reward/mean']:.2f}", acc=f"{last_acc:.2f}")
+            bar.update(min(record["time_s"], bar.total) - bar.n if timed_bar else 1)
+            bar.set_postfix(
+                step=step, v=stats.version, reward=f"{record['reward/mean']:.2f}", acc=f"{last_acc:.2f}"
+            )
             if out_of_time:
-                log.info("time budget of %.1f min reached after %d steps", cfg.train.max_minutes, step)
+                log.info("time budget of %g min reached after %d steps", cfg.train.max_minutes, step)
                 break
     except TrainingDivergedError as exc:
         # the update raised before the optimizer stepped: the weights are still the last good ones

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 
 import pytest
 
-from echo2.broadcast.manifest import blob_ok, synthetic_snapshot
+from echo2.broadcast.manifest import blob_ok, new_signing_key, synthetic_snapshot
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.strategy import Strategy
@@ -16,7 +15,8 @@ from echo2.broadcast.wire import encode, read_header, write_frame
 from echo2.broadcast.worker import Faults, TcpWorkerNode
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-SECRET = os.urandom(32)
+KEY = new_signing_key()  # the learner's key pair
+PUBLIC = KEY.verifier()  # what workers hold
 CHUNK = 8 << 10
 BLOB = synthetic_snapshot(200_000, seed=3)
 
@@ -35,10 +35,10 @@ async def _cluster(
     extra: Callable[[tuple[str, int]], Awaitable[object]] | None = None,
     node_kw: dict[int, dict] | None = None,
 ) -> tuple[TcpPublisher, list[TcpWorkerNode], dict[str, bytes], object]:
-    pub = TcpPublisher(SECRET, strategy, chunk_size=CHUNK)
+    pub = TcpPublisher(KEY, strategy, chunk_size=CHUNK)
     await pub.start()
     nodes = [
-        TcpWorkerNode(f"w{i}", pub.address, SECRET, stall_timeout=1.0, **(node_kw or {}).get(i, {}))
+        TcpWorkerNode(f"w{i}", pub.address, PUBLIC, stall_timeout=1.0, **(node_kw or {}).get(i, {}))
         for i in range(n)
     ]
     for nd in nodes:
@@ -154,7 +154,7 @@ def test_corrupting_relay_is_fully_detected() -> None:
 def test_forged_manifest_is_refused_without_blocking_others() -> None:
     async def go() -> None:
         pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 2)
-        liar = TcpWorkerNode("w-wrong-secret", pub.address, b"not the run secret", stall_timeout=1.0)
+        liar = TcpWorkerNode("w-wrong-key", pub.address, new_signing_key().verifier(), stall_timeout=1.0)
         await liar.start()
         await pub.wait_members(3, 5)
         await _broadcast(pub, nodes, got)
@@ -171,7 +171,7 @@ def test_workers_join_for_the_next_version_and_leave_any_time() -> None:
     async def go() -> None:
         pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 2)
         await _broadcast(pub, nodes, got, version=1)
-        late = TcpWorkerNode("late", pub.address, SECRET, stall_timeout=1.0)
+        late = TcpWorkerNode("late", pub.address, PUBLIC, stall_timeout=1.0)
         await late.start()
         await pub.wait_members(3, 5)
         await nodes[0].close()  # leaves between versions
@@ -188,7 +188,7 @@ def test_workers_join_for_the_next_version_and_leave_any_time() -> None:
 
 def test_publisher_survives_junk_and_unknown_versions() -> None:
     async def go() -> None:
-        pub = TcpPublisher(SECRET, get_strategy("star-limited"), chunk_size=CHUNK)
+        pub = TcpPublisher(KEY, get_strategy("star-limited"), chunk_size=CHUNK)
         await pub.start()
         r, w = await asyncio.open_connection(*pub.address)
         w.write(b"\xff\xff\xff\xffjunk")
@@ -201,7 +201,7 @@ def test_publisher_survives_junk_and_unknown_versions() -> None:
         r, w = await asyncio.open_connection(*pub.address)
         await write_frame(w, {"op": "join", "worker": "learner", "host": "h", "port": 1})
         assert await r.read() == b""
-        node = TcpWorkerNode("ok", pub.address, SECRET)
+        node = TcpWorkerNode("ok", pub.address, PUBLIC)
         await node.start()
         await pub.wait_members(1, 5)
         got: dict[str, bytes] = {}
@@ -217,7 +217,7 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
     from echo2.broadcast.store import SnapshotBuffer, serve_get
 
     async def go() -> None:
-        manifest = build_manifest(BLOB, 5, CHUNK, SECRET)
+        manifest = build_manifest(BLOB, 5, CHUNK, KEY)
         buffer = SnapshotBuffer(manifest, BLOB)
         joined: asyncio.Queue = asyncio.Queue()
 
@@ -232,7 +232,7 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
 
         server = await asyncio.start_server(fake_learner, "127.0.0.1", 0)
         addr = server.sockets[0].getsockname()[:2]
-        node = TcpWorkerNode("w", addr, SECRET, stall_timeout=1.0)
+        node = TcpWorkerNode("w", addr, PUBLIC, stall_timeout=1.0)
         await node.start()
         reader, writer = await joined.get()
         every = list(range(manifest.n_chunks))
@@ -257,3 +257,15 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
         server.close()
 
     asyncio.run(go())
+
+
+def test_worker_holding_only_the_public_key_cannot_forge_for_peers() -> None:
+    """The reason Ed25519 is the default: a rented worker can verify manifests but not sign one,
+    and a manifest under another scheme (a shared HMAC secret) is refused outright."""
+    from echo2.broadcast.manifest import ManifestError, build_manifest, verify_manifest
+
+    with pytest.raises(ManifestError, match="cannot sign"):
+        build_manifest(b"poisoned weights", 7, CHUNK, PUBLIC)
+    forged = build_manifest(b"poisoned weights", 7, CHUNK, b"a secret the worker made up!")
+    with pytest.raises(ManifestError, match="expects 'ed25519'"):
+        verify_manifest(forged, PUBLIC)

@@ -1,4 +1,4 @@
-"""Snapshot format: chunking, digests, HMAC authentication, safetensors payloads."""
+"""Snapshot format: chunking, digests, Ed25519 / HMAC authentication, safetensors payloads."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import pytest
 from safetensors.numpy import load
 
 from echo2.broadcast.manifest import (
+    Ed25519Key,
+    HmacKey,
     Manifest,
     ManifestError,
     blob_ok,
     build_manifest,
     chunk_ok,
+    key_from_text,
+    new_signing_key,
     serialize_state_dict,
     synthetic_snapshot,
     verify_manifest,
@@ -24,7 +28,7 @@ SECRET = b"k" * 32
 
 def test_chunks_cover_blob_exactly() -> None:
     data = bytes(range(256)) * 40  # 10240 bytes
-    m = build_manifest(data, version=3, chunk_size=4096, secret=SECRET)
+    m = build_manifest(data, version=3, chunk_size=4096, key=SECRET)
     # 10240 = 4096 + 4096 + 2048 -> three chunks, the last one short
     assert m.n_chunks == 3
     assert [m.chunk_len(i) for i in range(3)] == [4096, 4096, 2048]
@@ -58,8 +62,48 @@ def test_any_tampering_fails_authentication(change: dict) -> None:
 
 def test_wrong_secret_fails() -> None:
     m = build_manifest(b"abc" * 1000, 1, 512, SECRET)
-    with pytest.raises(ManifestError, match="HMAC"):
-        verify_manifest(m, b"other secret")
+    with pytest.raises(ManifestError, match="fails hmac-sha256"):
+        verify_manifest(m, b"another secret of enough length")
+
+
+def test_ed25519_learner_signs_workers_verify_with_the_public_key_only() -> None:
+    key = new_signing_key()
+    public = key.verifier()
+    assert public.private is None and public.public == key.public
+    m = build_manifest(b"w" * 3000, 4, 1024, key)
+    assert m.auth == "ed25519" and len(m.mac) == 128  # 64-byte signature, hex
+    verify_manifest(m, public)
+    verify_manifest(Manifest.from_dict(m.to_dict()), public)
+    with pytest.raises(ManifestError, match="fails ed25519"):
+        verify_manifest(dataclasses.replace(m, version=5), public)
+    with pytest.raises(ManifestError, match="fails ed25519"):
+        verify_manifest(m, new_signing_key().verifier())  # another run's learner
+    with pytest.raises(ManifestError, match="cannot sign"):
+        build_manifest(b"w", 4, 1024, public)
+
+
+def test_scheme_is_authenticated_and_must_match_the_key() -> None:
+    hm = build_manifest(b"z" * 100, 1, 64, SECRET)
+    assert hm.auth == "hmac-sha256"
+    with pytest.raises(ManifestError, match="expects 'ed25519'"):
+        verify_manifest(hm, new_signing_key().verifier())
+    # the scheme is inside the authenticated payload: relabelling it breaks the signature
+    relabelled = dataclasses.replace(build_manifest(b"z" * 100, 1, 64, new_signing_key()), auth="hmac-sha256")
+    with pytest.raises(ManifestError, match="fails hmac"):
+        verify_manifest(relabelled, SECRET)
+
+
+def test_key_text_round_trip_and_errors() -> None:
+    key = new_signing_key()
+    for k in (key, key.verifier(), HmacKey(SECRET)):
+        assert key_from_text(k.to_text()) == k
+    assert isinstance(key_from_text(key.to_text()), Ed25519Key)
+    with pytest.raises(ManifestError, match="unknown key kind"):
+        key_from_text("rsa:00")
+    with pytest.raises(ManifestError, match="malformed"):
+        key_from_text("ed25519-pub:zz")
+    with pytest.raises(ManifestError, match="at least 16 bytes"):
+        HmacKey(b"short")
 
 
 def test_wrong_truncated_oversized_chunks_rejected() -> None:

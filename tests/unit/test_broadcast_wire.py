@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from echo2.broadcast.api import BroadcastStats
-from echo2.broadcast.manifest import ManifestError, blob_ok
+from echo2.broadcast.manifest import HmacKey, ManifestError, blob_ok
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.wire import Pacer, ProtocolError, encode, read_header, read_payload
 
@@ -84,11 +84,11 @@ def test_in_memory_hub_delivers_verified_snapshots() -> None:
         assert len(stats.install_s) == 3
         with pytest.raises(Exception, match="not newer"):
             await hub.publish(1, b"again")
-        # a hub whose receivers hold a different secret refuses to install
+        # a hub whose manifest was signed by another key refuses to install
         evil = InMemoryHub(b"s" * 32)
         r = evil.receiver("x")
         await evil.publish(1, b"abc")
-        evil.secret = b"other"
+        evil.key = HmacKey(b"another secret, same length!")
         with pytest.raises(ManifestError):
             async for _ in r.snapshots():
                 pass

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echo2.broadcast.manifest import new_secret, synthetic_snapshot
+from echo2.broadcast.manifest import new_signing_key, synthetic_snapshot
 from echo2.broadcast.netns import HarnessError, NetnsTopology
-from echo2.broadcast.proc import SECRET_ENV
+from echo2.broadcast.proc import KEY_ENV
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.worker import Faults
 
@@ -157,7 +157,9 @@ class Harness:
             )
         strategy = get_strategy(sc.strategy)
         run_dir = Path(tempfile.mkdtemp(prefix=f"{sc.strategy}-n{sc.n_workers}-", dir=self.workdir))
-        env = {**os.environ, SECRET_ENV: new_secret().hex(), "PYTHONUNBUFFERED": "1"}
+        signing = new_signing_key()  # per run: the learner signs, workers get only the public key
+        env = {**os.environ, KEY_ENV: signing.to_text(), "PYTHONUNBUFFERED": "1"}
+        worker_env = {**env, KEY_ENV: signing.verifier().to_text()}
         expect_digest = hashlib.sha256(synthetic_snapshot(sc.size, seed=sc.seed)).hexdigest()
         b0 = sc.b0_bps if strategy.learner_uplink_capped else None
         topo = self.topology
@@ -199,7 +201,7 @@ class Harness:
                     wargs += ["--uplink-bps", str(sc.bw_bps), "--downlink-bps", str(sc.bw_bps)]
                 elif sc.pace and sc.bw_bps:
                     wargs += ["--uplink-bps", str(sc.bw_bps * sc.pace)]
-                self._spawn(i + 1, wargs, env, run_dir / f"w{i:03d}.log")
+                self._spawn(i + 1, wargs, worker_env, run_dir / f"w{i:03d}.log")
             try:
                 rc = learner.wait(timeout=sc.timeout + 60)
             except subprocess.TimeoutExpired:

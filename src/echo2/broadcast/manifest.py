@@ -4,9 +4,19 @@ SPEC §4: "Every snapshot has a manifest (version, sizes, chunk size, a digest p
 authenticated by the learner; a worker installs nothing that fails verification."
 
 Digests are SHA-256 (hardware-accelerated on current CPUs, ~2 GB/s per core). The manifest is
-authenticated with HMAC-SHA256 under a per-run secret shared by the learner and its workers; the MAC
-covers a canonical JSON encoding of every other field, so any change to the version, a size or a digest
-is caught. Chunk ``i`` covers bytes ``[i*chunk_size, min((i+1)*chunk_size, total_size))``.
+authenticated over a canonical JSON encoding of every other field, so any change to the version, a
+size or a digest is caught, with one of two keys:
+
+- ``Ed25519Key`` (default): the learner signs with its private key; workers hold only the public key,
+  so a worker can verify a manifest but never forge one for its peers. Rented workers are not
+  trusted, which is why this is the default.
+- ``HmacKey``: HMAC-SHA256 under a per-run secret shared by the learner and its workers. Any holder
+  can both verify and forge, so it suits only a fleet whose workers all trust each other.
+
+A manifest names its scheme (``auth``) inside the authenticated payload, and a node refuses a manifest
+whose scheme is not the one of its key.
+
+Chunk ``i`` covers bytes ``[i*chunk_size, min((i+1)*chunk_size, total_size))``.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import json
 import secrets
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from echo2.errors import Echo2Error
 
@@ -39,7 +49,8 @@ class Manifest:
     chunk_size: int  # bytes per chunk (the last chunk may be shorter)
     chunk_digests: tuple[str, ...]  # hex SHA-256 of each chunk, in order
     digest: str  # hex SHA-256 of the whole blob
-    mac: str  # hex HMAC-SHA256 over the canonical encoding of every field above
+    auth: str  # authentication scheme of ``mac``: "ed25519" or "hmac-sha256" (itself authenticated)
+    mac: str  # hex signature (Ed25519) or MAC (HMAC-SHA256) over the canonical encoding of the fields above
 
     @property
     def n_chunks(self) -> int:
@@ -69,6 +80,7 @@ class Manifest:
                 chunk_size=_int(d, "chunk_size"),
                 chunk_digests=tuple(str(x) for x in d["chunk_digests"]),
                 digest=str(d["digest"]),
+                auth=str(d["auth"]),
                 mac=str(d["mac"]),
             )
         except (KeyError, TypeError) as exc:
@@ -101,9 +113,118 @@ def _int(d: Mapping[str, Any], key: str) -> int:
     return value
 
 
+AUTH_ED25519 = "ed25519"
+AUTH_HMAC = "hmac-sha256"
+
+
+@dataclass(frozen=True)
+class HmacKey:
+    """A per-run secret shared by the learner and every worker (holders can sign *and* verify)."""
+
+    secret: bytes  # the shared secret, at least 16 bytes
+    alg: ClassVar[str] = AUTH_HMAC
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < 16:
+            raise ManifestError(f"an HMAC secret needs at least 16 bytes, got {len(self.secret)}")
+
+    def sign(self, payload: bytes) -> str:
+        return hmac.new(self.secret, payload, hashlib.sha256).hexdigest()
+
+    def verify(self, payload: bytes, tag: str) -> bool:
+        return hmac.compare_digest(self.sign(payload), tag)
+
+    def verifier(self) -> HmacKey:
+        """What a worker holds: with a shared secret, the same key."""
+        return self
+
+    def to_text(self) -> str:
+        return f"hmac:{self.secret.hex()}"
+
+
+@dataclass(frozen=True)
+class Ed25519Key:
+    """The learner's Ed25519 key pair, or (``private`` unset) the public half that workers hold."""
+
+    public: bytes  # 32-byte raw public key
+    private: bytes | None = None  # 32-byte raw private key; only the learner has it
+    alg: ClassVar[str] = AUTH_ED25519
+
+    @classmethod
+    def generate(cls) -> Ed25519Key:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import (
+            Encoding,
+            NoEncryption,
+            PrivateFormat,
+            PublicFormat,
+        )
+
+        key = Ed25519PrivateKey.generate()
+        return cls(
+            public=key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw),
+            private=key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()),
+        )
+
+    def sign(self, payload: bytes) -> str:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        if self.private is None:
+            raise ManifestError("this node holds only the learner's public key and cannot sign manifests")
+        return Ed25519PrivateKey.from_private_bytes(self.private).sign(payload).hex()
+
+    def verify(self, payload: bytes, tag: str) -> bool:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        try:
+            Ed25519PublicKey.from_public_bytes(self.public).verify(bytes.fromhex(tag), payload)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+
+    def verifier(self) -> Ed25519Key:
+        """What a worker holds: the public key only."""
+        return Ed25519Key(public=self.public)
+
+    def to_text(self) -> str:
+        if self.private is not None:
+            return f"ed25519:{self.private.hex()}:{self.public.hex()}"
+        return f"ed25519-pub:{self.public.hex()}"
+
+
+ManifestKey = HmacKey | Ed25519Key
+
+
+def new_signing_key() -> Ed25519Key:
+    """A fresh per-run learner key pair (the default scheme)."""
+    return Ed25519Key.generate()
+
+
 def new_secret() -> bytes:
-    """A fresh per-run secret (32 random bytes) for manifest authentication."""
+    """A fresh per-run shared secret (32 random bytes) for the HMAC scheme."""
     return secrets.token_bytes(32)
+
+
+def as_key(key: bytes | ManifestKey) -> ManifestKey:
+    """Raw bytes mean a shared HMAC secret; keys pass through."""
+    return HmacKey(bytes(key)) if isinstance(key, bytes | bytearray) else key
+
+
+def key_from_text(text: str) -> ManifestKey:
+    """Parse ``to_text()`` output (``hmac:HEX``, ``ed25519:PRIV:PUB``, ``ed25519-pub:PUB``)."""
+    kind, _, rest = text.partition(":")
+    try:
+        if kind == "hmac":
+            return HmacKey(bytes.fromhex(rest))
+        if kind == "ed25519":
+            private, _, public = rest.partition(":")
+            return Ed25519Key(public=bytes.fromhex(public), private=bytes.fromhex(private))
+        if kind == "ed25519-pub":
+            return Ed25519Key(public=bytes.fromhex(rest))
+    except ValueError as exc:
+        raise ManifestError(f"malformed {kind} key text: {exc}") from None
+    raise ManifestError(f"unknown key kind {kind!r}: expected hmac, ed25519 or ed25519-pub")
 
 
 def digest(data: bytes | bytearray | memoryview) -> str:
@@ -111,7 +232,7 @@ def digest(data: bytes | bytearray | memoryview) -> str:
 
 
 def _signed_payload(
-    version: int, total_size: int, chunk_size: int, chunk_digests: tuple[str, ...], whole: str
+    version: int, total_size: int, chunk_size: int, chunk_digests: tuple[str, ...], whole: str, auth: str
 ) -> bytes:
     body = {
         "v": version,
@@ -120,37 +241,42 @@ def _signed_payload(
         "chunk_digests": list(chunk_digests),
         "digest": whole,
         "alg": DIGEST,
+        "auth": auth,
     }
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _mac(secret: bytes, payload: bytes) -> str:
-    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
-
-
 def build_manifest(
-    data: bytes | bytearray | memoryview, version: int, chunk_size: int, secret: bytes
+    data: bytes | bytearray | memoryview, version: int, chunk_size: int, key: bytes | ManifestKey
 ) -> Manifest:
-    """Cut ``data`` into chunks, digest each chunk and the whole, and authenticate with ``secret``."""
+    """Cut ``data`` into chunks, digest each chunk and the whole, and authenticate with ``key``
+    (the learner's signing key, or a shared HMAC secret given as bytes)."""
     if chunk_size <= 0 or chunk_size > MAX_CHUNK_SIZE:
         raise ManifestError(f"chunk_size must be in (0, {MAX_CHUNK_SIZE}], got {chunk_size}")
+    k = as_key(key)
     view = memoryview(data).cast("B")
     total = len(view)
     n = max(1, -(-total // chunk_size))
     chunk_digests = tuple(digest(view[i * chunk_size : (i + 1) * chunk_size]) for i in range(n))
     whole = digest(view)
-    mac = _mac(secret, _signed_payload(version, total, chunk_size, chunk_digests, whole))
-    return Manifest(version, total, chunk_size, chunk_digests, whole, mac)
+    tag = k.sign(_signed_payload(version, total, chunk_size, chunk_digests, whole, k.alg))
+    return Manifest(version, total, chunk_size, chunk_digests, whole, k.alg, tag)
 
 
-def verify_manifest(manifest: Manifest, secret: bytes) -> None:
-    """Raise ManifestError unless the manifest is well formed and its MAC checks under ``secret``."""
+def verify_manifest(manifest: Manifest, key: bytes | ManifestKey) -> None:
+    """Raise ManifestError unless the manifest is well formed, uses ``key``'s scheme, and its
+    signature (or MAC) checks under ``key``."""
     manifest.check_shape()
     m = manifest
-    expected = _mac(secret, _signed_payload(m.version, m.total_size, m.chunk_size, m.chunk_digests, m.digest))
-    if not hmac.compare_digest(expected, m.mac):
+    k = as_key(key)
+    if m.auth != k.alg:
         raise ManifestError(
-            f"manifest for version {m.version} fails HMAC authentication (wrong secret or tampered)"
+            f"manifest for version {m.version} is authenticated with {m.auth!r}; this node expects {k.alg!r}"
+        )
+    payload = _signed_payload(m.version, m.total_size, m.chunk_size, m.chunk_digests, m.digest, m.auth)
+    if not k.verify(payload, m.mac):
+        raise ManifestError(
+            f"manifest for version {m.version} fails {k.alg} authentication (wrong key or tampered)"
         )
 
 

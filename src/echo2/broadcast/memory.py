@@ -11,15 +11,23 @@ import time
 from collections.abc import AsyncIterator
 
 from echo2.broadcast.api import BroadcastStats, InstalledSnapshot
-from echo2.broadcast.manifest import Manifest, ManifestError, blob_ok, build_manifest, verify_manifest
+from echo2.broadcast.manifest import (
+    Manifest,
+    ManifestError,
+    ManifestKey,
+    as_key,
+    blob_ok,
+    build_manifest,
+    verify_manifest,
+)
 from echo2.errors import Echo2Error
 
 
 class InMemoryHub:
     """A publisher and any number of receivers sharing one process."""
 
-    def __init__(self, secret: bytes, chunk_size: int = 1 << 20) -> None:
-        self.secret = secret
+    def __init__(self, key: bytes | ManifestKey, chunk_size: int = 1 << 20) -> None:
+        self.key = as_key(key)  # signing key; receivers verify with its public half
         self.chunk_size = chunk_size
         self._latest: tuple[Manifest, bytes] | None = None
         self._published = asyncio.Event()
@@ -33,7 +41,7 @@ class InMemoryHub:
     async def publish(self, version: int, blob: bytes) -> Manifest:
         if self._latest is not None and version <= self._latest[0].version:
             raise Echo2Error(f"version {version} is not newer than published {self._latest[0].version}")
-        manifest = build_manifest(blob, version, self.chunk_size, self.secret)
+        manifest = build_manifest(blob, version, self.chunk_size, self.key)
         self._latest = (manifest, blob)
         self._started[version] = time.monotonic()
         self._acks[version] = {}
@@ -91,7 +99,7 @@ class InMemoryReceiver:
                 await self.hub._published.wait()
                 continue
             manifest, blob = latest
-            verify_manifest(manifest, self.hub.secret)
+            verify_manifest(manifest, self.hub.key.verifier())
             if not blob_ok(manifest, blob):
                 raise ManifestError(f"in-memory blob for v{manifest.version} fails its digest")
             self.installed_version = manifest.version

@@ -1,8 +1,9 @@
 """Process entry points of the broadcast harness: ``python -m echo2.broadcast.proc learner|worker ...``.
 
 The harness (netns or loopback) starts one learner and N workers with these, reads the JSON each writes
-under ``--out``, and stops them by pid. The per-run secret travels in ``ECHO2_BCAST_SECRET`` (hex), not
-argv. Both ends use the product classes; nothing here is benchmark-only logic except fault flags.
+under ``--out``, and stops them by pid. The per-run key travels in ``ECHO2_BCAST_KEY`` (the learner
+gets the Ed25519 key pair, workers only its public half), not argv. Both ends use the product
+classes; nothing here is benchmark-only logic except fault flags.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from echo2.broadcast.manifest import synthetic_snapshot
+from echo2.broadcast.manifest import key_from_text, synthetic_snapshot
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.wire import Pacer
 from echo2.broadcast.worker import Faults, TcpWorkerNode
 
-SECRET_ENV = "ECHO2_BCAST_SECRET"
+KEY_ENV = "ECHO2_BCAST_KEY"  # key_from_text form: the learner gets the key pair, workers the public key
 log = logging.getLogger(__name__)
 
 
@@ -32,10 +33,10 @@ def _pacer(bps: float) -> Pacer | None:
 
 
 async def run_learner(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
-    secret = bytes.fromhex(os.environ[SECRET_ENV])
+    key = key_from_text(os.environ[KEY_ENV])
     strategy = get_strategy(a.strategy)
     pub = TcpPublisher(
-        secret, strategy, a.chunk, host=a.host, port=a.port, uplink=_pacer(a.uplink_bps),
+        key, strategy, a.chunk, host=a.host, port=a.port, uplink=_pacer(a.uplink_bps),
         serve_wait_timeout=a.timeout,
         link_rates=(a.b0_bps / 8, a.bw_bps / 8) if a.b0_bps and a.bw_bps else None,
     )  # fmt: skip
@@ -62,11 +63,11 @@ async def run_learner(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
 
 
 async def run_worker(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
-    secret = bytes.fromhex(os.environ[SECRET_ENV])
+    key = key_from_text(os.environ[KEY_ENV])
     host, port = a.learner.rsplit(":", 1)
     faults = Faults(die_at=a.die_at, stall_at=a.stall_at, corrupt_every=a.corrupt_every)
     node = TcpWorkerNode(
-        a.id, (host, int(port)), secret, host=a.host, uplink=_pacer(a.uplink_bps),
+        a.id, (host, int(port)), key, host=a.host, uplink=_pacer(a.uplink_bps),
         downlink=_pacer(a.downlink_bps), stall_timeout=a.stall_timeout, max_bad_chunks=a.max_bad_chunks,
         faults=faults,
     )  # fmt: skip

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from echo2.broadcast.api import BroadcastStats
-from echo2.broadcast.manifest import Manifest, build_manifest
+from echo2.broadcast.manifest import Manifest, ManifestKey, as_key, build_manifest
 from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
 from echo2.broadcast.strategy import LEARNER, Strategy
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, write_frame
@@ -48,7 +48,7 @@ class TcpPublisher:
 
     def __init__(
         self,
-        secret: bytes,
+        key: bytes | ManifestKey,
         strategy: Strategy,
         chunk_size: int = 1 << 20,
         host: str = "127.0.0.1",
@@ -59,7 +59,7 @@ class TcpPublisher:
         keep_versions: int = 2,
         link_rates: tuple[float, float] | None = None,
     ) -> None:
-        self.secret = secret
+        self.key = as_key(key)  # the learner's signing key (or a shared HMAC secret)
         self.strategy = strategy
         self.chunk_size = chunk_size
         self.host, self.port = host, port
@@ -102,7 +102,7 @@ class TcpPublisher:
         """Sign ``blob`` as ``version``, plan over the live members, announce to each, start serving."""
         if self._buffers and version <= max(self._buffers):
             raise Echo2Error(f"version {version} is not newer than published version {max(self._buffers)}")
-        manifest = build_manifest(blob, version, self.chunk_size, self.secret)
+        manifest = build_manifest(blob, version, self.chunk_size, self.key)
         self._buffers[version] = SnapshotBuffer(manifest, blob)
         for old in sorted(self._buffers)[: -self.keep_versions]:
             del self._buffers[old]

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from echo2.broadcast.api import InstalledSnapshot
-from echo2.broadcast.manifest import Manifest, ManifestError, blob_ok, chunk_ok, verify_manifest
+from echo2.broadcast.manifest import (
+    Manifest,
+    ManifestError,
+    ManifestKey,
+    as_key,
+    blob_ok,
+    chunk_ok,
+    verify_manifest,
+)
 from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, read_payload, write_frame
@@ -67,7 +75,7 @@ class TcpWorkerNode:
         self,
         worker_id: str,
         publisher: tuple[str, int],
-        secret: bytes,
+        key: bytes | ManifestKey,
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
@@ -81,7 +89,7 @@ class TcpWorkerNode:
     ) -> None:
         self.worker_id = worker_id
         self.publisher = publisher
-        self.secret = secret
+        self.key = as_key(key)  # the learner's public key (or the shared HMAC secret)
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
         self.uplink, self.downlink = uplink, downlink  # application pacing (loopback harness only)
@@ -198,7 +206,7 @@ class TcpWorkerNode:
     async def _on_announce(self, msg: dict[str, Any]) -> None:
         try:
             manifest = Manifest.from_dict(msg.get("manifest") or {})
-            verify_manifest(manifest, self.secret)
+            verify_manifest(manifest, self.key)
             current = self._transfer.manifest.version if self._transfer is not None else -1
             if manifest.version <= max(self.installed_version, current):
                 raise ManifestError(

@@ -85,3 +85,18 @@ def test_divergence_keeps_last_good_checkpoint(tiny_overrides, tmp_path, monkeyp
     assert load_checkpoint(good).model is not None
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "loss is nan" in summary["error"]
+
+
+def test_warmstart_is_deterministic_in_the_seed(tiny_overrides, tmp_path):
+    from safetensors.torch import load_file
+
+    def weights(cache: str, seed: int):
+        cfg = load_config(overrides=[*tiny_overrides, f"model.warmstart.cache_dir={cache!r}", f"seed={seed}"])
+        return load_file(warmstart_checkpoint(cfg) / "model.safetensors")
+
+    a = weights(str(tmp_path / "a"), 0)
+    b = weights(str(tmp_path / "b"), 0)  # rebuilt from scratch in another cache
+    c = weights(str(tmp_path / "c"), 1)
+    assert a.keys() == b.keys()
+    assert all(a[k].equal(b[k]) for k in a)
+    assert any(not a[k].equal(c[k]) for k in a)

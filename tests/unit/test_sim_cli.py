@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from echo2.errors import ConfigError
+from echo2.runtime.rundir import read_metrics
 from echo2.sim import experiments
 from echo2.sim.cli import SIMULATE
 from echo2.sim.config import load_sim_scenario
-from echo2.sim.plots import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,6 @@ same code draws a real run's metrics.jsonl and a simulated one."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,12 @@ def _plt() -> Any:
     return plt
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Read a metrics.jsonl (one namespaced dict per learner step)."""
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write the PNG, and free the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_metrics(
@@ -59,10 +60,7 @@ def plot_metrics(
     axes[-1, 0].set_xlabel("step")
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_bubble(result: dict[str, Any], path: Path, title: str = "") -> Path:
@@ -83,10 +81,7 @@ def plot_bubble(result: dict[str, Any], path: Path, title: str = "") -> Path:
     ax.set_ylim(-0.02, 1.0)
     ax.legend(fontsize=7)
     ax.set_title(title or "Bubble ratio vs workers (dashed: cycle model; dotted: N_min)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_bcast(result: dict[str, Any], path: Path, title: str = "") -> Path:
@@ -113,10 +108,7 @@ def plot_bcast(result: dict[str, Any], path: Path, title: str = "") -> Path:
         f"B_w={result['bw_mbps']} Mbps",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_ablation(result: dict[str, Any], path: Path) -> Path:
@@ -134,7 +126,4 @@ def plot_ablation(result: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("cost per step / full")
     ax.legend(fontsize=8)
     ax.set_title("Ablation: cost per step relative to the full system", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -148,11 +148,11 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
         good = save("last_good")
         run.write_summary({"error": str(exc), "last_good_checkpoint": good, "steps": step - 1})
         run.close()
-        bar.close()
         raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
     finally:
         bar.close()
-    last_ckpt = save(f"step_{step:06d}")
+    if step % cfg.train.checkpoint_every:  # the last step was not already checkpointed in the loop
+        last_ckpt = save(f"step_{step:06d}")
     summary = TrainSummary(
         run_dir=str(run.path),
         steps=step,

@@ -83,6 +83,14 @@ def test_nan_loss_stops_before_touching_weights(tiny_policy):
     assert trainer.version == 0
 
 
+def test_groups_not_divisible_into_minibatches_rejected(tiny_policy):
+    cfg = GRPOConfig(num_minibatches=2, prompts_per_step=2, group_size=4)
+    trainer = GRPOTrainer(tiny_policy.model, cfg, 1.0, tiny_policy.pad_id)
+    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1] * 3)  # three groups of 4 for two minibatches
+    with pytest.raises(ValueError, match="3 groups cannot be split into 2"):
+        trainer.update(trajs, masks)
+
+
 def test_uneven_groups_rejected(tiny_policy):
     trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(), 1.0, tiny_policy.pad_id)
     trajs, masks = _batch(tiny_policy, [1, 0, 0, 1, 1])  # groups of 4 and 1

@@ -117,7 +117,9 @@ class GRPOTrainer:
 
         self.model.train()
         n_mb = cfg.num_minibatches
-        rows_per_mb = (len(trajectories) // G // n_mb) * G
+        if len(groups) % n_mb:
+            raise ValueError(f"{len(groups)} groups cannot be split into {n_mb} whole-group minibatches")
+        rows_per_mb = len(groups) // n_mb * G
         logp_prox_BT = None
         if n_mb > 1:  # the proximal policy must be frozen before the first optimizer step
             with torch.no_grad():

@@ -80,19 +80,17 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
 
     import torch
 
-    from echo2.config import load_config
     from echo2.data.tasks.base import build_task
+    from echo2.learner.cli import add_config_arguments, load_from_args
     from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
     from echo2.models.policy import configure_torch, load_policy
     from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine
 
-    overrides = [f"seed={seed}"]
-    it = iter(extra)
-    for flag in it:
-        if flag == "--set":
-            overrides.append(next(it))
-    cfg = load_config(None, overrides)
+    # resolve the config exactly as `echo2 train` does for the same flags
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    cfg = load_from_args(parser.parse_args([*_config_only(extra), "--seed", str(seed)]))
     configure_torch(cfg)
     policy = load_policy(cfg)
     task = build_task(cfg.task, seed)

@@ -1,0 +1,495 @@
+"""The versioned trajectory store of the data plane (SPEC §1, §2): leases, admission, FIFO batches.
+
+Durable on one SQLite file in WAL mode with ``synchronous=FULL``: every method that changes state runs
+in one ``BEGIN IMMEDIATE`` transaction and returns only after it is committed to disk, so a learner
+restart (a new ``TrajectoryStore`` on the same file) loses no accepted group, lease or counter.
+
+**Threading.** One connection, used from the thread that created the store (SQLite's
+``check_same_thread`` guard enforces it). A server that runs requests on several threads must funnel
+store calls through one thread (e.g. its event loop thread, or one executor thread).
+
+**Schema** (``PRAGMA user_version = 1``)::
+
+    leases(lease_id PK, worker_id, state IN ('open','expired','submitted'), issued_at, expires_at,
+           submitted_at NULL, n_prompts, prompts)
+        prompts: JSON [[prompt_id, text, answer, meta], ...] in lease order
+    rollout_groups(seq INTEGER PK AUTOINCREMENT, group_id UNIQUE, lease_id, prompt_id, policy_version,
+           n_traj, consumed_step NULL, data)
+        one row per GRPO group, kept whole; seq is the arrival order (FIFO key, never reused);
+        consumed_step is NULL while buffered, -1 once discarded as stale, else the learner step that
+        trained on it; rows are never deleted (the ledger), only the samples of pruned / dropped ones;
+        data: JSON [[prompt_ids, completion_ids, sampler_logprobs, reward, meta], ...] (one per sample)
+    counters(name PK, value)      admitted, dropped_stale (trajectories), leases_expired (leases),
+                                  rejected/<reason> (submissions)
+    settings(name PK, value)      group_size (checked on reopen), staleness (informational)
+
+**Admission** (SPEC §2). At learner version ``v_t`` with budget ``S`` a group of version ``v`` is
+admissible iff ``v >= v_t - S``. A submission older than that is accepted but discarded
+(``dropped_stale``); a buffered group that becomes older than that is discarded at the next
+``take_batch``, never trained on. Consumed groups are kept until :meth:`TrajectoryStore.prune_consumed`
+(call it once a checkpoint covering their step is durable) so that :meth:`~TrajectoryStore.requeue_after`
+can hand them back after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from echo2.data.submission import Rejected, Submission, is_reason_label
+from echo2.errors import ConfigError
+from echo2.types import Prompt, Trajectory
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept in the ledger)
+BUSY_TIMEOUT_MS = 10_000
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY,
+    worker_id TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('open', 'expired', 'submitted')),
+    issued_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    submitted_at REAL,
+    n_prompts INTEGER NOT NULL,
+    prompts TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, expires_at);
+CREATE TABLE IF NOT EXISTS rollout_groups (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT NOT NULL UNIQUE,
+    lease_id TEXT NOT NULL,
+    prompt_id TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    n_traj INTEGER NOT NULL,
+    consumed_step INTEGER,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS groups_buffered ON rollout_groups (seq) WHERE consumed_step IS NULL;
+CREATE INDEX IF NOT EXISTS groups_consumed ON rollout_groups (consumed_step) WHERE consumed_step IS NOT NULL;
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """What became of an accepted submission."""
+
+    admitted: int  # trajectories stored for training
+    dropped_stale: int  # trajectories accepted but discarded: policy_version < v_t - S
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Store counters; ``admitted``, ``dropped_stale`` and ``size`` count trajectories."""
+
+    size: int  # buffered: admissible unconsumed trajectories (at the last learner version seen)
+    admitted: int  # trajectories ever stored for training
+    dropped_stale: int  # trajectories discarded as too old, at submit or at take_batch
+    rejected: int  # submissions rejected, all reasons
+    rejected_by_reason: dict[str, int]  # submissions rejected, per reason code
+    leases_open: int  # leases issued and neither submitted nor expired
+    leases_expired: int  # leases ever expired
+
+    def metrics(self) -> dict[str, float]:
+        """SPEC §7 keys ``store/size``, ``store/admitted``, ``store/dropped_stale``, ``store/rejected``,
+        plus ``store/rejected/<reason>``."""
+        out: dict[str, float] = {
+            "store/size": self.size,
+            "store/admitted": self.admitted,
+            "store/dropped_stale": self.dropped_stale,
+            "store/rejected": self.rejected,
+        }
+        for reason, n in sorted(self.rejected_by_reason.items()):
+            out[f"store/rejected/{reason}"] = n
+        return out
+
+
+def _encode_prompts(prompts: Sequence[Prompt]) -> str:
+    return _JSON.encode([[p.prompt_id, p.text, p.answer, p.meta] for p in prompts])
+
+
+def _decode_prompts(text: str) -> list[Prompt]:
+    return [Prompt(prompt_id=i, text=t, answer=a, meta=m) for i, t, a, m in json.loads(text)]
+
+
+def _encode_group(group: Sequence[Trajectory]) -> str:
+    return _JSON.encode(
+        [[t.prompt_ids, t.completion_ids, t.sampler_logprobs, t.reward, t.meta] for t in group]
+    )
+
+
+def _decode_group(group_id: str, prompt_id: str, version: int, data: str) -> tuple[Trajectory, ...]:
+    return tuple(
+        Trajectory(
+            prompt_id=prompt_id,
+            group_id=group_id,
+            prompt_ids=tuple(p),
+            completion_ids=tuple(c),
+            sampler_logprobs=tuple(lp),
+            reward=r,
+            policy_version=version,
+            meta=m,
+        )
+        for p, c, lp, r, m in json.loads(data)
+    )
+
+
+class TrajectoryStore:
+    """Durable, versioned buffer of GRPO groups with leases and bounded-staleness admission.
+
+    ``staleness`` is the budget ``S``; ``group_size`` the samples per GRPO group. Single-threaded: use
+    the store only from the thread that created it.
+    """
+
+    def __init__(self, path: str | Path, staleness: int, group_size: int) -> None:
+        if staleness < 0:
+            raise ConfigError(f"staleness: {staleness} must be >= 0")
+        if group_size < 1:
+            raise ConfigError(f"group_size: {group_size} must be >= 1")
+        self.path = str(path)  # the SQLite file (":memory:" for a throwaway store)
+        self.staleness = staleness  # S: admissible iff policy_version >= v_t - S
+        self.group_size = group_size  # samples per GRPO group
+        self._floor: int | None = None  # v_t - S at the last learner version seen; None: none seen yet
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            self._open()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open(self) -> None:
+        db = self._db
+        db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode != "wal" and self.path != ":memory:":
+            log.warning("%s: journal_mode is %s, not wal (still durable, slower)", self.path, mode)
+        db.execute("PRAGMA synchronous = FULL")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise ConfigError(f"{self.path}: store schema version {version} is newer than {SCHEMA_VERSION}")
+        with self._tx():
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            settings = dict(db.execute("SELECT name, value FROM settings").fetchall())
+            if "group_size" in settings and int(settings["group_size"]) != self.group_size:
+                raise ConfigError(
+                    f"{self.path}: store holds groups of {settings['group_size']} samples, "
+                    f"opened with group_size={self.group_size}"
+                )
+            if "staleness" in settings and int(settings["staleness"]) != self.staleness:
+                log.info("%s: staleness changed %s -> %d", self.path, settings["staleness"], self.staleness)
+            db.executemany(
+                "INSERT OR REPLACE INTO settings (name, value) VALUES (?, ?)",
+                [("group_size", str(self.group_size)), ("staleness", str(self.staleness))],
+            )
+
+    @contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One write transaction: committed on success, rolled back on any exception."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+
+    def _bump(self, name: str, delta: int) -> None:
+        if delta:
+            self._db.execute(
+                "INSERT INTO counters (name, value) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET value = value + excluded.value",
+                (name, delta),
+            )
+
+    def _drop_stale(self, learner_version: int) -> int:
+        """Delete buffered groups with ``policy_version < learner_version - S``; trajectories dropped."""
+        floor = learner_version - self.staleness
+        self._floor = floor
+        n = self._db.execute(
+            "SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups "
+            "WHERE consumed_step IS NULL AND policy_version < ?",
+            (floor,),
+        ).fetchone()[0]
+        if n:
+            self._db.execute(
+                f"UPDATE rollout_groups SET consumed_step = {DROPPED}, data = '' "
+                "WHERE consumed_step IS NULL AND policy_version < ?",
+                (floor,),
+            )
+            self._bump("dropped_stale", n)
+            log.info("dropped %d stale trajectories (policy_version < %d)", n, floor)
+        return int(n)
+
+    # --- leases ---------------------------------------------------------------------------------------
+
+    def issue_lease(self, worker_id: str, prompts: Sequence[Prompt], now: float, ttl_s: float) -> str:
+        """Lease ``prompts`` to ``worker_id`` until ``now + ttl_s``; returns a new lease id (uuid4 hex).
+
+        The lease is ``open`` and valid while ``now < expires_at``; its prompts are stored with it.
+        """
+        if not prompts:
+            raise ValueError("a lease needs at least one prompt")
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s: {ttl_s} must be > 0")
+        lease_id = uuid.uuid4().hex
+        with self._tx():
+            self._db.execute(
+                "INSERT INTO leases (lease_id, worker_id, state, issued_at, expires_at, n_prompts, prompts) "
+                "VALUES (?, ?, 'open', ?, ?, ?, ?)",
+                (lease_id, worker_id, now, now + ttl_s, len(prompts), _encode_prompts(prompts)),
+            )
+        return lease_id
+
+    def lease_prompts(self, lease_id: str) -> list[Prompt]:
+        """The prompts of a lease, in lease order; :class:`Rejected` ``unknown_lease`` if never issued."""
+        row = self._db.execute("SELECT prompts FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+        if row is None:
+            raise Rejected("unknown_lease", f"lease_id: {lease_id!r} was never issued")
+        return _decode_prompts(row[0])
+
+    def lease_owner(self, lease_id: str) -> str | None:
+        """The worker a lease was issued to, or None if it was never issued."""
+        row = self._db.execute("SELECT worker_id FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def expire_leases(self, now: float) -> list[Prompt]:
+        """Mark open leases with ``expires_at <= now`` as ``expired``; returns their prompts to lease again.
+
+        A late submission of an expired lease is still accepted (see :meth:`submit`).
+        """
+        with self._tx():
+            rows = self._db.execute(
+                "SELECT lease_id, prompts FROM leases WHERE state = 'open' AND expires_at <= ? "
+                "ORDER BY issued_at",
+                (now,),
+            ).fetchall()
+            if rows:
+                self._db.executemany(
+                    "UPDATE leases SET state = 'expired' WHERE lease_id = ?", [(r[0],) for r in rows]
+                )
+                self._bump("leases_expired", len(rows))
+        if rows:
+            log.info("expired %d leases", len(rows))
+        return [p for _, text in rows for p in _decode_prompts(text)]
+
+    # --- ingest ---------------------------------------------------------------------------------------
+
+    def submit(self, sub: Submission, worker_id: str, learner_version: int, now: float) -> SubmitResult:
+        """Accept a validated submission for its lease, in one transaction; or raise :class:`Rejected`.
+
+        Checks, in order: the lease exists [unknown_lease], was issued to ``worker_id`` [wrong_worker],
+        is not already ``submitted`` [replay; an ``expired`` lease is accepted late], and the groups'
+        prompt ids equal the lease's, in order [prompt_mismatch]. Then admission at ``v_t =
+        learner_version``: if ``sub.policy_version < v_t - S`` every trajectory is dropped (counted
+        ``dropped_stale``), else every group is stored (counted ``admitted``). The lease becomes
+        ``submitted`` either way.
+
+        A rejected submission changes nothing. Rejections are *not* counted here: the caller counts
+        each one, from here or the validator, with :meth:`record_rejection` (one place, no double count).
+        """
+        with self._tx():
+            row = self._db.execute(
+                "SELECT worker_id, state, prompts FROM leases WHERE lease_id = ?", (sub.lease_id,)
+            ).fetchone()
+            if row is None:
+                raise Rejected("unknown_lease", f"lease_id: {sub.lease_id!r} was never issued")
+            owner, state, prompts_json = row
+            if owner != worker_id:
+                raise Rejected("wrong_worker", f"lease_id: {sub.lease_id!r} was issued to another worker")
+            if state == "submitted":
+                raise Rejected("replay", f"lease_id: {sub.lease_id!r} was already submitted")
+            want = [p[0] for p in json.loads(prompts_json)]
+            got = [g[0].prompt_id if g else "" for g in sub.groups]
+            if got != want:
+                if len(got) != len(want):
+                    detail = f"groups: {len(got)} groups for a lease of {len(want)} prompts"
+                else:
+                    i = next(k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+                    detail = f"groups[{i}].prompt_id: {got[i]!r}, the lease has {want[i]!r}"
+                raise Rejected("prompt_mismatch", detail)
+            for i, g in enumerate(sub.groups):
+                if len(g) != self.group_size:
+                    raise Rejected(
+                        "group_size", f"groups[{i}].samples: {len(g)} samples, expected {self.group_size}"
+                    )
+            n = sum(len(g) for g in sub.groups)
+            floor = learner_version - self.staleness
+            self._floor = floor
+            if sub.policy_version < floor:
+                self._bump("dropped_stale", n)
+                result = SubmitResult(admitted=0, dropped_stale=n)
+            else:
+                self._db.executemany(
+                    "INSERT INTO rollout_groups "
+                    "(group_id, lease_id, prompt_id, policy_version, n_traj, data) VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (
+                            g[0].group_id,
+                            sub.lease_id,
+                            g[0].prompt_id,
+                            sub.policy_version,
+                            len(g),
+                            _encode_group(g),
+                        )
+                        for g in sub.groups
+                    ],
+                )
+                self._bump("admitted", n)
+                result = SubmitResult(admitted=n, dropped_stale=0)
+            self._db.execute(
+                "UPDATE leases SET state = 'submitted', submitted_at = ? WHERE lease_id = ?",
+                (now, sub.lease_id),
+            )
+        if result.dropped_stale:
+            log.info(
+                "lease %s: %d stale trajectories dropped (v=%d < %d - %d)",
+                sub.lease_id,
+                n,
+                sub.policy_version,
+                learner_version,
+                self.staleness,
+            )
+        return result
+
+    def record_rejection(self, reason: str) -> None:
+        """Count one rejected submission under ``rejected/<reason>`` (persisted).
+
+        ``reason`` is a :class:`Rejected` code, or one of the HTTP layer's own (``auth``, ``malformed``);
+        any short lower-case identifier is accepted, anything else raises ValueError (it is a label).
+        """
+        if not is_reason_label(reason):
+            raise ValueError(f"rejection reason {reason!r} is not a short lower-case identifier")
+        with self._tx():
+            self._bump(f"rejected/{reason}", 1)
+
+    # --- learner side ---------------------------------------------------------------------------------
+
+    def take_batch(
+        self, n_groups: int, learner_version: int, step: int
+    ) -> list[tuple[Trajectory, ...]] | None:
+        """The ``n_groups`` oldest admissible groups, marked consumed by ``step``; None if too few.
+
+        First every buffered group with ``policy_version < learner_version - S`` is discarded (counted
+        ``dropped_stale``, in trajectories; committed even when None is returned). Then, if at least
+        ``n_groups`` buffered groups remain, the ``n_groups`` earliest to arrive are returned whole (each
+        a tuple of ``group_size`` trajectories, sample order preserved) and never returned again (unless
+        :meth:`requeue_after`); otherwise nothing is consumed.
+        """
+        if n_groups < 1:
+            raise ValueError(f"n_groups: {n_groups} must be >= 1")
+        with self._tx():
+            self._drop_stale(learner_version)
+            rows = self._db.execute(
+                "SELECT seq, group_id, prompt_id, policy_version, data FROM rollout_groups "
+                "WHERE consumed_step IS NULL ORDER BY seq LIMIT ?",
+                (n_groups,),
+            ).fetchall()
+            if len(rows) < n_groups:
+                return None
+            self._db.executemany(
+                "UPDATE rollout_groups SET consumed_step = ? WHERE seq = ?", [(step, r[0]) for r in rows]
+            )
+        return [_decode_group(gid, pid, v, data) for _, gid, pid, v, data in rows]
+
+    def requeue_after(self, step: int) -> int:
+        """Groups consumed by a step ``> step`` become buffered again; returns how many.
+
+        For a learner restarting from its checkpoint at ``step``: the updates that used those groups were
+        lost, so they must be trained on (once). They keep their arrival order, so they come first.
+        """
+        with self._tx():
+            n = self._db.execute(
+                "UPDATE rollout_groups SET consumed_step = NULL WHERE consumed_step > ? AND data != ''",
+                (step,),
+            ).rowcount
+        if n:
+            log.info("requeued %d groups consumed after step %d", n, step)
+        return int(n)
+
+    def prune_consumed(self, through_step: int) -> int:
+        """Free the samples of groups consumed by a step ``<= through_step``; returns how many.
+
+        Call once a checkpoint at ``through_step`` is durable: those groups can never be requeued. The
+        row stays (without its samples) as the ledger of which step trained on which group.
+        """
+        with self._tx():
+            n = self._db.execute(
+                "UPDATE rollout_groups SET data = '' WHERE consumed_step BETWEEN 1 AND ? AND data != ''",
+                (through_step,),
+            ).rowcount
+        return int(n)
+
+    def consumed_per_step(self) -> dict[int, int]:
+        """The ledger: learner step -> groups it trained on (each group counts under one step only)."""
+        rows = self._db.execute(
+            "SELECT consumed_step, COUNT(*) FROM rollout_groups "
+            "WHERE consumed_step >= 0 GROUP BY consumed_step"
+        ).fetchall()
+        return {int(step): int(n) for step, n in rows}
+
+    # --- observation ----------------------------------------------------------------------------------
+
+    def _buffered(self) -> int:
+        floor = -(2**62) if self._floor is None else self._floor
+        return int(
+            self._db.execute(
+                "SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups "
+                "WHERE consumed_step IS NULL AND policy_version >= ?",
+                (floor,),
+            ).fetchone()[0]
+        )
+
+    def stats(self) -> StoreStats:
+        """Counters and sizes; ``size`` counts buffered groups admissible at the last learner version
+        passed to :meth:`submit` or :meth:`take_batch` (all buffered groups before any such call)."""
+        counters: dict[str, Any] = dict(self._db.execute("SELECT name, value FROM counters").fetchall())
+        by_reason = {k.split("/", 1)[1]: int(v) for k, v in counters.items() if k.startswith("rejected/")}
+        (leases_open,) = self._db.execute("SELECT COUNT(*) FROM leases WHERE state = 'open'").fetchone()
+        return StoreStats(
+            size=self._buffered(),
+            admitted=int(counters.get("admitted", 0)),
+            dropped_stale=int(counters.get("dropped_stale", 0)),
+            rejected=sum(by_reason.values()),
+            rejected_by_reason=by_reason,
+            leases_open=int(leases_open),
+            leases_expired=int(counters.get("leases_expired", 0)),
+        )
+
+    def outstanding_rollouts(self) -> int:
+        """Trajectories in flight: ``group_size x (prompts of open leases) + buffered trajectories``.
+
+        Buffered is :attr:`StoreStats.size`. The learner caps the work it leases out with this number.
+        """
+        (leased,) = self._db.execute(
+            "SELECT COALESCE(SUM(n_prompts), 0) FROM leases WHERE state = 'open'"
+        ).fetchone()
+        return int(leased) * self.group_size + self._buffered()
+
+    def close(self) -> None:
+        """Close the connection (everything accepted is already on disk)."""
+        self._db.close()
+
+    def __enter__(self) -> TrajectoryStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -27,9 +27,13 @@ def _commands() -> dict[str, Command]:
     from echo2.broadcast import cli as broadcast_cli
     from echo2.learner import cli as learner_cli
     from echo2.planner import cli as planner_cli
+    from echo2.runtime import cli as runtime_cli
     from echo2.sim import cli as sim_cli
 
     return {
+        "run": runtime_cli.RUN,
+        "learner": runtime_cli.LEARNER,
+        "worker": runtime_cli.WORKER,
         "train": learner_cli.TRAIN,
         "warmstart": learner_cli.WARMSTART,
         "eval": learner_cli.EVAL,

@@ -153,9 +153,10 @@ class GRPOConfig(_Section):
 
 
 class AsyncConfig(_Section):
-    """Bounded staleness (SPEC §2). ``echo2 train`` is the synchronous case S = 0."""
+    """Bounded staleness (SPEC §2) of ``echo2 run``; ``echo2 train`` is the synchronous case and
+    always runs with S = 0."""
 
-    staleness: int = Field(0, ge=0, description="budget S: trajectories need v >= v_t - S")
+    staleness: int = Field(3, ge=0, description="budget S: trajectories need v >= v_t - S")
     kappa: int | None = Field(None, ge=1, description="publish every kappa updates; unset = max(1, S - 1)")
     gamma: float = Field(1.1, ge=1.0, description="provisioning headroom: mu_target = gamma * mu_min")
 
@@ -185,6 +186,44 @@ class TrainConfig(_Section):
         return 1 if embedded else None
 
 
+class RuntimeConfig(_Section):
+    """The asynchronous three-plane runtime (``echo2 run`` / ``echo2 learner`` / ``echo2 worker``)."""
+
+    workers: int = Field(2, ge=0, description="rollout worker processes `echo2 run` starts on this machine")
+    host: str = Field("127.0.0.1", description="address the learner's HTTP API and broadcast port bind to")
+    advertise_host: str | None = Field(
+        None, description="address workers use to reach the learner; unset = host"
+    )
+    port: int = Field(0, ge=0, lt=65536, description="HTTP API port; 0 = any free port")
+    broadcast_port: int = Field(0, ge=0, lt=65536, description="snapshot broadcast TCP port; 0 = any free")
+    strategy: str = Field("tree-pipelined", description="broadcast strategy (see echo2 bench-broadcast)")
+    chunk_kb: int = Field(256, ge=4, description="snapshot chunk size, KiB")
+    lease_prompts: int = Field(8, ge=1, description="prompts per lease (one worker generation batch)")
+    lease_ttl_s: float = Field(
+        30.0, gt=0.0, description="a lease not submitted within this long is re-issued"
+    )
+    max_inflight_batches: float = Field(
+        2.0, ge=1.0, description="cap on leased + buffered rollouts, in learner batches R (clamped to S + 1)"
+    )
+    heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between worker heartbeats")
+    heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="a worker silent this long counts as lost")
+    sustain_s: float = Field(
+        5.0, gt=0.0, description="controller: a shortfall or surplus must last this long"
+    )
+    cooldown_s: float = Field(
+        20.0, ge=0.0, description="controller: no release this soon after an activation"
+    )
+    worker_usd_per_hour: float = Field(
+        0.35, ge=0.0, description="price local workers register with (RTX 5090)"
+    )
+    learner_usd_per_hour: float = Field(12.24, ge=0.0, description="learner price for cost metrics (4x A100)")
+    worker_max_rollouts_per_s: float | None = Field(
+        None, gt=0.0, description="throttle local workers to emulate slower hardware; unset = full speed"
+    )
+    max_request_mb: float = Field(8.0, gt=0.0, description="largest HTTP request body the learner accepts")
+    join_token: str | None = Field(None, min_length=16, description="run join token; unset = generated")
+
+
 class Config(_Section):
     seed: int = Field(0, ge=0, description="seeds the task, the sampler and the model init")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -193,6 +232,7 @@ class Config(_Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     train: TrainConfig = Field(default_factory=TrainConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 

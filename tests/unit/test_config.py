@@ -8,9 +8,9 @@ def test_defaults_validate_and_couple_kappa_to_staleness():
     cfg = load_config()
     assert cfg.task.name == "arithmetic"
     assert cfg.grpo.rollouts_per_step == cfg.grpo.prompts_per_step * cfg.grpo.group_size
-    # kappa = max(1, S - 1): S = 0 -> 1, S = 3 -> 2
-    assert cfg.async_.effective_kappa == 1
-    assert load_config(overrides=["async.staleness=3"]).async_.effective_kappa == 2
+    # the default S = 3 with kappa = max(1, S - 1): S = 3 -> 2, S = 0 -> 1
+    assert cfg.async_.staleness == 3 and cfg.async_.effective_kappa == 2
+    assert load_config(overrides=["async.staleness=0"]).async_.effective_kappa == 1
 
 
 def test_toml_then_overrides(tmp_path):

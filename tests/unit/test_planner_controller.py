@@ -123,3 +123,16 @@ def test_api_errors() -> None:
     ctl.add_candidate(Candidate("a", "t", 1.0, 1.0))
     with pytest.raises(ConfigError, match="already known"):
         ctl.add_candidate(Candidate("a", "t", 1.0, 1.0))
+
+
+def test_replace_prior_takes_the_first_measurement_then_averages() -> None:
+    # halflife 10 generating seconds: a 1 s heartbeat moves the estimate by 1 - 2**(-1/10) = 6.7%
+    for replace, first in ((False, 1.0 + (100.0 - 1.0) * (1 - 2 ** (-0.1))), (True, 100.0)):
+        c = PoolController(
+            mu_target=10.0, config=ControllerConfig(rate_halflife_s=10.0, replace_prior=replace)
+        )
+        c.add_candidate(Candidate("a", "cpu", 1.0, 1.0), active=True)
+        c.observe(Heartbeat("a", 1.0, rollouts=100, busy_s=1.0))
+        assert c.measured_rate("a") == pytest.approx(first)
+    c.observe(Heartbeat("a", 2.0, rollouts=200, busy_s=1.0))  # later ones average as before
+    assert c.measured_rate("a") == pytest.approx(100.0 + 100.0 * (1 - 2 ** (-0.1)))

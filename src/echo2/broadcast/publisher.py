@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from echo2.broadcast.api import BroadcastStats
@@ -58,6 +59,7 @@ class TcpPublisher:
         serve_wait_timeout: float = 30.0,
         keep_versions: int = 2,
         link_rates: tuple[float, float] | None = None,
+        authorize: Callable[[str, object], bool] | None = None,
     ) -> None:
         self.key = as_key(key)  # the learner's signing key (or a shared HMAC secret)
         self.strategy = strategy
@@ -68,6 +70,7 @@ class TcpPublisher:
         self.serve_wait_timeout = serve_wait_timeout
         self.keep_versions = keep_versions  # how many recent versions stay servable
         self.link_rates = link_rates  # (B0, B_w) in bytes/s when known: enables rate-matched stripes
+        self.authorize = authorize  # (worker id, credential from the join frame) -> may join; None = anyone
         self._members: dict[str, _Member] = {}
         self._buffers: dict[int, SnapshotBuffer] = {}
         self._rounds: dict[int, _Round] = {}
@@ -229,6 +232,9 @@ class TcpPublisher:
             raise ProtocolError("join needs a non-empty string 'worker' (not 'learner') and a 'host'")
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ProtocolError(f"join from {worker!r} has an invalid port {port!r}")
+        if self.authorize is not None and not self.authorize(worker, hello.get("credential")):
+            await write_frame(writer, {"op": "error", "reason": f"worker {worker!r}: credential refused"})
+            raise ProtocolError(f"join from {worker!r} refused: bad or missing credential")
         if worker in self._members:
             await write_frame(writer, {"op": "error", "reason": f"worker id {worker!r} already joined"})
             raise ProtocolError(f"duplicate worker id {worker!r}")

@@ -86,8 +86,10 @@ class TcpWorkerNode:
         max_repairs: int = 5,
         max_bad_chunks: int = 3,
         faults: Faults | None = None,
+        credential: str | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.credential = credential  # sent in the join frame when the publisher checks membership
         self.publisher = publisher
         self.key = as_key(key)  # the learner's public key (or the shared HMAC secret)
         self.host, self.port = host, port
@@ -126,7 +128,11 @@ class TcpWorkerNode:
                     raise Echo2Error(f"cannot reach the publisher at {self.publisher}: {exc}") from None
                 await asyncio.sleep(0.2)
         self._ctl = (reader, writer)
-        hello = {"op": "join", "worker": self.worker_id, "host": self.advertise_host, "port": self.port}
+        hello: dict[str, Any] = {
+            "op": "join", "worker": self.worker_id, "host": self.advertise_host, "port": self.port,
+        }  # fmt: skip
+        if self.credential is not None:
+            hello["credential"] = self.credential
         await write_frame(writer, hello)
         self._ctl_task = asyncio.ensure_future(self._control_loop())
         log.info(

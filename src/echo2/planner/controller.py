@@ -46,6 +46,7 @@ class ControllerConfig:
     high_band: float = 0.10  # release only if mu_pool - mu_j >= (1 + high_band) * mu_target
     sustain_s: float = 300.0  # a deviation must persist this long before the controller acts
     cooldown_s: float = 900.0  # no release within this long after an activation
+    replace_prior: bool = False  # the first measured rate replaces the estimate (for rough priors)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_timeout_s", "rate_halflife_s", "sustain_s"):
@@ -87,6 +88,7 @@ class _WorkerState:
     last_heartbeat_s: float = -math.inf  # time of the newest heartbeat
     activated_at_s: float = -math.inf  # when it was last activated
     lost: bool = False  # timed out; not a candidate again until it sends a heartbeat
+    measured: bool = False  # at least one heartbeat with generating time arrived
 
     @property
     def rho(self) -> float:
@@ -142,9 +144,10 @@ class PoolController:
         st.lost = False
         if hb.busy_s > 0:
             tau = self.config.rate_halflife_s / math.log(2)
-            alpha = 1.0 - math.exp(-hb.busy_s / tau)
+            alpha = 1.0 if self.config.replace_prior and not st.measured else 1.0 - math.exp(-hb.busy_s / tau)
             st.rate += alpha * (hb.rollouts / hb.busy_s - st.rate)
             st.rate = max(st.rate, 1e-9)
+            st.measured = True
 
     # ---- queries ------------------------------------------------------------------------------------
     def is_alive(self, worker_id: str, now_s: float) -> bool:

@@ -45,6 +45,9 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
     from echo2.rollout.evaluate import evaluate
     from echo2.runtime.rundir import RunDir
 
+    cfg = cfg.model_copy(deep=True)
+    cfg.async_.staleness = 0  # this loop is the synchronous case by construction; say so in config.json
+    cfg.async_.kappa = 1
     configure_torch(cfg)
     policy = load_policy(cfg)
     run = RunDir(cfg.train.run_dir, cfg.to_dict())

@@ -1,0 +1,144 @@
+"""``echo2 run``: a learner in this process and N rollout worker processes on this machine.
+
+Workers are ordinary ``echo2 worker`` processes (the same command a remote machine runs) started
+with the learner's URL and the join token in their environment; their logs go to
+``<run_dir>/workers/<name>.log``. The launcher tracks them by pid and stops only those. A live view
+shows version, reward, accuracy, bubble ratio, staleness, active workers and $/h; at the end a summary
+and ``run.png`` land in the run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from echo2.config import Config
+from echo2.runtime.learner import AsyncLearner, Endpoints, LearnerSummary
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "ECHO2_JOIN_TOKEN"
+
+
+def worker_command(url: str, name: str, cfg: Config) -> list[str]:
+    """argv of one local ``echo2 worker`` (the token travels in the environment, not argv)."""
+    rt = cfg.runtime
+    cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", url, "--name", name]
+    cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", "local-cpu"]
+    if rt.worker_max_rollouts_per_s:
+        cmd += ["--max-rollouts-per-s", str(rt.worker_max_rollouts_per_s)]
+    return cmd
+
+
+class LocalWorkers:
+    """The worker processes this launcher started (by pid)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, ep: Endpoints) -> None:
+        logs = Path(ep.run_dir) / "workers"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, TOKEN_ENV: ep.token}
+        for i in range(self.cfg.runtime.workers):
+            name = f"local-{i}"
+            with (logs / f"{name}.log").open("ab") as fh:
+                self.procs.append(
+                    subprocess.Popen(
+                        worker_command(ep.url, name, self.cfg),
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+        log.info("started %d local workers: pids %s", len(self.procs), [p.pid for p in self.procs])
+
+    def stop(self, grace_s: float = 10.0) -> list[int | None]:
+        """Wait for the workers to leave on their own (the learner told them), then terminate."""
+        codes: list[int | None] = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=grace_s))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    codes.append(p.wait(timeout=5))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    codes.append(p.wait())
+        return codes
+
+
+class LiveView:
+    """One status line refreshed per step (tqdm), following the wall-clock budget or the step count."""
+
+    def __init__(self, cfg: Config, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.budget = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
+        self.acc = float("nan")
+        self.bar = tqdm(
+            total=round(self.budget) if self.budget else cfg.train.steps,
+            unit="s" if self.budget else "step",
+            bar_format="{l_bar}{bar}| {n:.0f}/{total} s [{elapsed}<{remaining}{postfix}]"
+            if self.budget
+            else None,
+            disable=not enabled,
+            desc="echo2 run",
+            dynamic_ncols=True,
+        )
+
+    def update(self, r: dict[str, Any]) -> None:
+        if "reward/accuracy" in r:
+            self.acc = r["reward/accuracy"]
+        if self.budget:
+            self.bar.update(min(r["time_s"], self.bar.total) - self.bar.n)
+        else:
+            self.bar.update(1)
+        self.bar.set_postfix(
+            v=r["learner/version"],
+            reward=f"{r['reward/mean']:.2f}",
+            acc=f"{self.acc:.2f}",
+            bubble=f"{r['learner/bubble_ratio']:.2f}",
+            stale=r["store/staleness_max"],
+            workers=r["pool/active_workers"],
+            usd_h=f"{r['cost/usd_per_hour']:.2f}",
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> LearnerSummary:
+    """Run the learner here and ``runtime.workers`` worker processes; returns the learner's summary."""
+    from echo2.runtime.report import plot_run
+
+    workers = LocalWorkers(cfg)
+    view = LiveView(cfg, progress)
+    learner = AsyncLearner(cfg, resume=resume, on_ready=workers.start, on_step=view.update)
+
+    async def main() -> LearnerSummary:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGINT, learner.stop.set)
+            loop.add_signal_handler(signal.SIGTERM, learner.stop.set)
+        return await learner.run()
+
+    try:
+        summary = asyncio.run(main())
+    finally:
+        view.close()
+        codes = workers.stop()
+        if any(c not in (0, None) for c in codes):
+            log.warning("worker exit codes %s (logs in %s/workers)", codes, cfg.train.run_dir)
+    plot_run(Path(summary.run_dir))
+    return summary

@@ -1,0 +1,151 @@
+"""The asynchronous runtime with real processes on loopback: `echo2 run`, and `echo2 learner` +
+`echo2 worker` under faults (a worker killed, the learner killed and resumed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from echo2.runtime.rundir import read_metrics
+
+pytestmark = pytest.mark.integration
+
+P, G = 4, 4  # prompts per step and group size of the tiny overrides
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _echo2(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
+    out = log.open("ab") if log is not None else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "echo2.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+    )
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        rows = read_metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return -1
+    return max((r["step"] for r in rows), default=-1)
+
+
+def test_echo2_run_end_to_end(tiny_overrides, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "echo2.cli",
+        "run",
+        *_sets(tiny_overrides),
+        "--set",
+        "runtime.lease_prompts=4",
+    ]
+    cmd += ["--steps", "30", "--workers", "2", "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "echo2 run:" in res.stdout
+    rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(r["store/staleness_max"] <= 3 for r in rows)  # S = 3 by default, checked at every step
+    assert all(r["store/rejected"] == 0 for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["version"] == 30 and summary["staleness_max"] <= 3
+    assert (run_dir / "run.png").stat().st_size > 0
+    assert len(list((run_dir / "workers").glob("*.log"))) == 2
+    for log in (run_dir / "workers").glob("*.log"):
+        assert '"rollouts_submitted"' in log.read_text()  # each worker left cleanly with its report
+
+
+def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_path):
+    """Kill one worker, then kill -9 the learner and resume it: training finishes, every accepted
+    group is accounted for exactly once, and every learner step trained on exactly P groups."""
+    run_dir = tmp_path / "run"
+    steps = 120
+    http, bcast = _free_port(), _free_port()
+    args = [*_sets(tiny_overrides), "--steps", str(steps), "--no-progress"]
+    args += _sets([
+        f"runtime.port={http}", f"runtime.broadcast_port={bcast}", "runtime.lease_prompts=2",
+        "runtime.lease_ttl_s=2", "runtime.heartbeat_s=0.5", "runtime.heartbeat_timeout_s=3",
+        "train.checkpoint_every=8", "train.eval_every=1000",
+    ])  # fmt: skip
+    learner = _echo2("learner", *args, log=tmp_path / "learner.log")
+    started = [learner]
+    try:
+        _wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
+        env = {**os.environ, "ECHO2_JOIN_TOKEN": (run_dir / "join_token").read_text().strip()}
+        url = f"http://127.0.0.1:{http}"
+        workers = [
+            _echo2(
+                "worker",
+                "--join",
+                url,
+                "--name",
+                f"w{i}",
+                "--max-rollouts-per-s",
+                "150",
+                env=env,
+                log=tmp_path / f"worker{i}.log",
+            )
+            for i in range(2)
+        ]
+        started += workers
+        _wait_for(lambda: _last_step(run_dir) >= 20, 120, "step 20")
+        workers[1].kill()  # a worker dies holding leases: they expire and their prompts are issued again
+        _wait_for(lambda: _last_step(run_dir) >= 50, 120, "step 50 with one worker")
+        learner.kill()  # the learner dies between checkpoints
+        learner.wait(10)
+        crashed_at = _last_step(run_dir)
+        learner = _echo2("learner", *args, "--resume", log=tmp_path / "learner.log")
+        started.append(learner)
+        assert learner.wait(180) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert workers[0].wait(30) == 0  # the surviving worker followed the restart and left cleanly
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
+    resumed = [r["step"] for r in rows][[r["step"] for r in rows].index(crashed_at) + 1 :]
+    assert resumed[0] <= crashed_at + 1 and resumed[0] % 8 == 1  # right after its last checkpoint
+    if crashed_at % 8:  # the steps after that checkpoint were lost: their groups went back to the buffer
+        assert (
+            f"{P * (crashed_at - resumed[0] + 1)} groups put back" in (tmp_path / "learner.log").read_text()
+        )
+    assert resumed[-1] == steps
+    assert all(r["store/staleness_max"] <= 3 for r in rows)
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    admitted = db.execute("SELECT value FROM counters WHERE name = 'admitted'").fetchone()[0]
+    stored = db.execute("SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups").fetchone()[0]
+    per_step = dict(db.execute("SELECT consumed_step, COUNT(*) FROM rollout_groups WHERE consumed_step > 0 "
+                               "GROUP BY consumed_step").fetchall())  # fmt: skip
+    expired = db.execute("SELECT value FROM counters WHERE name = 'leases_expired'").fetchone()
+    db.close()
+    assert admitted == stored  # every accepted trajectory is in the ledger: none lost
+    assert per_step == {s: P for s in range(1, steps + 1)}  # each group under one step: none twice
+    assert expired is not None and expired[0] >= 1  # the dead worker's leases expired

@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import socket
 import tempfile
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -78,7 +80,11 @@ class RolloutWorker:
         self._hb_busy = 0.0
         self._cred: str | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._model_lock = asyncio.Lock()  # held while generating: weights change only between generations
+        self._retry_after = 0.5  # seconds to wait after a refused lease
+        self.node: Any = None  # the broadcast node while joined (a TcpWorkerNode)
+        self._model_lock = threading.Lock()  # held while generating: weights change only between generations
+        self._leases: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()  # to the generator
+        self._results: asyncio.Queue[tuple[str, int, Any, float] | BaseException] = asyncio.Queue()
 
     # ---- HTTP -------------------------------------------------------------------------------------------
     async def _call(
@@ -122,7 +128,6 @@ class RolloutWorker:
     async def _fetch_snapshot(self) -> None:
         """Install the latest snapshot over HTTP, verified against the signed manifest."""
         from echo2.broadcast.manifest import Manifest, blob_ok, verify_manifest
-        from echo2.models.snapshot import install_blob
 
         status, info = await self._call("GET", "/version")
         if status != 200 or info.get("manifest") is None:
@@ -140,24 +145,34 @@ class RolloutWorker:
                 "HTTP snapshot does not match manifest v%d (a newer one was published?)", manifest.version
             )
             return
-        await asyncio.to_thread(install_blob, self.policy.model, blob)
-        self.installed = manifest.version
-        self.counters.installs += 1
-        self.counters.http_installs += 1
-        log.info("installed v%d over HTTP", manifest.version)
+        if await asyncio.to_thread(self._install, blob, manifest.version):
+            self.counters.http_installs += 1
+            log.info("installed v%d over HTTP", manifest.version)
 
-    async def _maybe_install(self) -> None:
+    def _install(self, blob: Any, version: int) -> bool:
+        """Load ``version`` unless something newer is already in (any thread; waits for a generation)."""
         from echo2.models.snapshot import install_blob
 
+        with self._model_lock:
+            if version <= self.installed:
+                return False
+            install_blob(self.policy.model, blob)
+            self.installed = version
+            self.counters.installs += 1
+            return True
+
+    def _install_pending(self) -> None:
+        """Switch to the newest snapshot the broadcast delivered, if any (any thread), and ack it."""
         snap = self._pending
-        if snap is None or snap.manifest.version <= self.installed:
+        if snap is None or not self._install(snap.data, snap.manifest.version):
             return
-        self._pending = None
-        await asyncio.to_thread(install_blob, self.policy.model, snap.data)
-        self.installed = snap.manifest.version
-        self.counters.installs += 1
-        if self.node is not None:
-            await self.node.report_installed(self.installed)
+        node = self.node
+        if node is not None:
+            v = snap.manifest.version
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.report_installed(v)))
+
+    async def _maybe_install(self) -> None:
+        await asyncio.to_thread(self._install_pending)
 
     async def _follow_broadcast(self) -> None:
         """Keep a broadcast node joined (re-joining after a learner restart) and collect snapshots."""
@@ -177,9 +192,8 @@ class RolloutWorker:
             self.node = node
             async for snap in node.snapshots():
                 self._pending = snap
-                if not self._model_lock.locked():  # idle: switch now, else right after this generation
-                    async with self._model_lock:
-                        await self._maybe_install()
+                if not self._model_lock.locked():  # idle: switch now, else the generator switches next
+                    await self._maybe_install()
             self.node = None
             if not self.finished:
                 log.info("broadcast connection lost; re-joining")
@@ -222,7 +236,13 @@ class RolloutWorker:
             }
         return data
 
-    async def _submit(self, lease_id: str, version: int, batch: Any) -> None:
+    def _lease_request(self) -> dict[str, Any]:
+        return {"max_prompts": self.cfg.runtime.lease_prompts, "installed_version": self.installed}
+
+    async def _submit(
+        self, lease_id: str, version: int, batch: Any, want_lease: bool
+    ) -> dict[str, Any] | None:
+        """Submit one generation's groups; with ``want_lease`` the reply carries the next lease."""
         G = self.cfg.grpo.group_size
         ts = batch.trajectories
         groups = [
@@ -241,17 +261,25 @@ class RolloutWorker:
             }
             for i in range(0, len(ts), G)
         ]
-        status, data = await self._call(
-            "POST", "/submit", {"lease_id": lease_id, "policy_version": version, "groups": groups}
-        )
+        body: dict[str, Any] = {"lease_id": lease_id, "policy_version": version, "groups": groups}
+        if want_lease:
+            body["next_lease"] = self._lease_request()
+        status, data = await self._call("POST", "/submit", body)
         if status == 200:
             self.counters.rollouts_submitted += int(data["admitted"])
             self.counters.rollouts_dropped += int(data["dropped_stale"])
-        elif status == 409:  # a retried submission that had landed before the connection broke
+            nxt = data.get("next_lease")
+            return nxt if isinstance(nxt, dict) and "error" not in nxt else None
+        if status == 409:  # a retried submission that had landed before the connection broke
             log.info("lease %s was already submitted", lease_id)
         else:
             self.counters.submissions_rejected += 1
             log.warning("submission refused (%d): %s", status, data)
+        return None
+
+    async def _submit_then_lease(self, lease_id: str, version: int, batch: Any) -> dict[str, Any]:
+        nxt = await self._submit(lease_id, version, batch, want_lease=True)
+        return nxt if nxt is not None else await self._lease()
 
     async def run(self) -> WorkerCounters:
         from echo2.broadcast.manifest import key_from_text
@@ -259,11 +287,10 @@ class RolloutWorker:
         from echo2.data.tasks.base import build_task
         from echo2.models.policy import Policy, configure_torch
         from echo2.models.snapshot import build_from_skeleton
-        from echo2.rollout.collect import collect_groups
         from echo2.rollout.engines.hf import HFEngine
-        from echo2.types import Prompt
 
         timeout = aiohttp.ClientTimeout(total=120, connect=10)
+        self._loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession(timeout=timeout) as session:
             self._session = session
             reg = await self._register()
@@ -293,66 +320,25 @@ class RolloutWorker:
             task = build_task(cfg.task, cfg.seed)
             await self._fetch_snapshot()
             log.info("worker %s ready at v%d", self.worker_id, self.installed)
-            self.node = None
             bg = [
                 asyncio.ensure_future(self._follow_broadcast()),
                 asyncio.ensure_future(self._heartbeats(float(reg["heartbeat_s"]))),
             ]
-            submit: asyncio.Future[None] | None = None
-            nxt: asyncio.Future[dict[str, Any]] | None = None
-            n = 0
+            gen_thread = threading.Thread(
+                target=self._generate_forever, args=(engine, task), name="echo2-generate", daemon=True
+            )
+            gen_thread.start()
+            inflight = 0  # leases handed to the generator and not yet back
             try:
-                while not self.finished:
-                    await self._maybe_install()
-                    t_wait = time.perf_counter()
-                    lease = await (nxt if nxt is not None else self._lease())
-                    nxt = None
-                    if lease.get("lease_id") is None:
-                        if lease.get("reason") == "finished":
-                            self.finished = True
-                            break
-                        if lease.get("reason") == "stale_weights":
-                            await self._catch_up(int(lease["min_version"]))
-                        else:
-                            await asyncio.sleep(float(lease.get("retry_after_s", 0.5)))
-                        self.counters.idle_s += time.perf_counter() - t_wait
-                        continue
-                    self.counters.idle_s += time.perf_counter() - t_wait
-                    if int(lease["min_version"]) > self.installed:
-                        await self._catch_up(int(lease["min_version"]))
-                    prompts = [Prompt(**p) for p in lease["prompts"]]
-                    n += 1
-                    t0 = time.perf_counter()
-                    async with self._model_lock:  # no install while these weights generate
-                        version = self.installed
-                        gen = asyncio.ensure_future(
-                            asyncio.to_thread(
-                                collect_groups, self.policy, engine, task, prompts, int(lease["group_size"]),
-                                seed=zlib.crc32(f"{self.worker_id}:{n}".encode()), policy_version=version,
-                                group_prefix=lease["lease_id"],
-                            )
-                        )  # fmt: skip
-                        nxt = asyncio.ensure_future(self._lease())  # the next lease travels meanwhile
-                        batch = await gen
-                    await self._maybe_install()
-                    if self.opts.max_rollouts_per_s:
-                        floor = len(batch.trajectories) / self.opts.max_rollouts_per_s
-                        await asyncio.sleep(max(0.0, floor - (time.perf_counter() - t0)))
-                    busy = time.perf_counter() - t0
-                    self.counters.gen_s += busy
-                    self.counters.leases += 1
-                    self._hb_rollouts += len(batch.trajectories)
-                    self._hb_busy += busy
-                    if submit is not None:
-                        await submit
-                    submit = asyncio.ensure_future(self._submit(lease["lease_id"], version, batch))
-                if submit is not None:
-                    await submit
+                inflight = await self._produce()
             finally:
                 self.finished = True
-                for fut in (nxt, submit):
-                    if fut is not None and not fut.done():
-                        fut.cancel()
+                with contextlib.suppress(Exception):  # what is generated still lands
+                    for _ in range(inflight):
+                        got = await asyncio.wait_for(self._results.get(), 30.0)
+                        if not isinstance(got, BaseException):
+                            await asyncio.wait_for(self._submit(*got[:3], want_lease=False), 10.0)
+                self._leases.put(None)
                 if self.node is not None:
                     await self.node.close()
                 for t in bg:
@@ -360,6 +346,83 @@ class RolloutWorker:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.gather(*bg, return_exceptions=True)
         return self.counters
+
+    async def _produce(self) -> int:
+        """Keep the generator thread fed with up to two leases (one generating, one waiting), submit
+        each finished batch with the next lease request in one round trip; returns leases in flight."""
+        inflight, refused = 0, False
+        while not self.finished:
+            t_wait = time.perf_counter()
+            if inflight < 2 and self._results.empty() and not refused:
+                lease = await self._lease()
+            elif inflight > 0:
+                got = await self._results.get()
+                inflight -= 1
+                if isinstance(got, BaseException):
+                    raise got
+                lease_id, version, batch, busy = got
+                self.counters.gen_s += busy
+                self.counters.leases += 1
+                self._hb_rollouts += len(batch.trajectories)
+                self._hb_busy += busy
+                lease = await self._submit_then_lease(lease_id, version, batch)
+            else:  # refused and nothing generating: wait as told
+                await asyncio.sleep(self._retry_after)
+                self.counters.idle_s += time.perf_counter() - t_wait
+                refused = False
+                continue
+            refused = lease.get("lease_id") is None
+            if refused:
+                if lease.get("reason") == "finished":
+                    self.finished = True
+                    break
+                if lease.get("reason") == "stale_weights":
+                    await self._catch_up(int(lease["min_version"]))
+                    refused = False
+                self._retry_after = float(lease.get("retry_after_s", 0.5))
+                if inflight == 0:
+                    self.counters.idle_s += time.perf_counter() - t_wait
+                continue
+            if int(lease["min_version"]) > self.installed:
+                await self._catch_up(int(lease["min_version"]))
+            self._leases.put(lease)
+            inflight += 1
+        return inflight
+
+    def _generate_forever(self, engine: Any, task: Any) -> None:
+        """The generator thread: leases in, graded version-tagged batches out, back to back; a newer
+        snapshot is switched in between two generations, never during one."""
+        from echo2.rollout.collect import collect_groups
+        from echo2.types import Prompt
+
+        n = 0
+        while (lease := self._leases.get()) is not None:
+            try:
+                self._install_pending()
+                n += 1
+                prompts = [Prompt(**p) for p in lease["prompts"]]
+                t0 = time.perf_counter()
+                with self._model_lock:
+                    version = self.installed
+                    batch = collect_groups(
+                        self.policy, engine, task, prompts, int(lease["group_size"]),
+                        seed=zlib.crc32(f"{self.worker_id}:{n}".encode()), policy_version=version,
+                        group_prefix=lease["lease_id"],
+                    )  # fmt: skip
+                if self.opts.max_rollouts_per_s:
+                    time.sleep(
+                        max(
+                            0.0,
+                            len(batch.trajectories) / self.opts.max_rollouts_per_s
+                            - (time.perf_counter() - t0),
+                        )
+                    )
+                item: tuple[str, int, Any, float] | BaseException = (
+                    lease["lease_id"], version, batch, time.perf_counter() - t0,
+                )  # fmt: skip
+            except Exception as exc:  # surfaces in the event loop, which stops the worker
+                item = exc
+            self._loop.call_soon_threadsafe(self._results.put_nowait, item)
 
     async def _catch_up(self, min_version: int) -> None:
         """Wait briefly for the broadcast to deliver ``min_version``; else fetch it over HTTP."""

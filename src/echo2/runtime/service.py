@@ -329,46 +329,51 @@ class LearnerService:
     async def lease(self, request: web.Request) -> web.Response:
         rec = self._auth(request)
         body = await self._json(request)
+        grant = self._grant(rec, body)
+        if "error" in grant:
+            raise _error(web.HTTPUnprocessableEntity, "schema", grant["detail"])
+        return web.json_response(grant)
+
+    def _grant(self, rec: WorkerRecord, body: dict[str, Any]) -> dict[str, Any]:
+        """A lease of up to ``max_prompts`` prompts, or why not (and when to ask again)."""
         n, installed = body.get("max_prompts"), body.get("installed_version")
         if not (isinstance(n, int) and n >= 1 and isinstance(installed, int)):
-            raise _error(
-                web.HTTPUnprocessableEntity,
-                "schema",
-                "lease needs max_prompts (int >= 1) and installed_version (int)",
-            )
+            return {
+                "error": "schema",
+                "detail": "lease needs max_prompts (int >= 1) and installed_version (int)",
+            }
         n = min(n, self.cfg.runtime.lease_prompts)
         retry = self.cfg.runtime.heartbeat_s / 4
         G = self.cfg.grpo.group_size
         if self.finished:
-            return web.json_response({"lease_id": None, "reason": "finished", "retry_after_s": retry})
+            return {"lease_id": None, "reason": "finished", "retry_after_s": retry}
         if rec.worker_id not in self.active_ids():
-            return web.json_response({"lease_id": None, "reason": "inactive", "retry_after_s": retry * 4})
+            return {"lease_id": None, "reason": "inactive", "retry_after_s": retry * 4}
         if installed < self.min_version:
-            return web.json_response(
-                {
-                    "lease_id": None,
-                    "reason": "stale_weights",
-                    "min_version": self.min_version,
-                    "retry_after_s": retry,
-                }
-            )
+            return {
+                "lease_id": None,
+                "reason": "stale_weights",
+                "min_version": self.min_version,
+                "retry_after_s": retry,
+            }
         if self.store.outstanding_rollouts() + n * G > self.inflight_cap:
-            return web.json_response({"lease_id": None, "reason": "buffer_full", "retry_after_s": retry})
+            return {"lease_id": None, "reason": "buffer_full", "retry_after_s": retry}
         prompts = self.prompts.take(n)
         lease_id = self.store.issue_lease(rec.worker_id, prompts, time.time(), self.cfg.runtime.lease_ttl_s)
-        return web.json_response(
-            {
-                "lease_id": lease_id,
-                "prompts": [asdict(p) for p in prompts],
-                "group_size": G,
-                "min_version": self.min_version,
-                "expires_in_s": self.cfg.runtime.lease_ttl_s,
-            }
-        )
+        return {
+            "lease_id": lease_id,
+            "prompts": [asdict(p) for p in prompts],
+            "group_size": G,
+            "min_version": self.min_version,
+            "expires_in_s": self.cfg.runtime.lease_ttl_s,
+        }
 
     async def submit(self, request: web.Request) -> web.Response:
+        """A submission, optionally carrying ``next_lease`` (a lease request answered in the same round
+        trip: over a WAN link that halves the requests a worker makes per generation)."""
         rec = self._auth(request)
         body = await self._json(request)
+        next_lease = body.pop("next_lease", None)
         latest = self.published[0] if self.published is not None else -1
         try:
             sub = validate_submission(body, self.limits, latest)
@@ -380,7 +385,10 @@ class LearnerService:
         rec.rollouts += result.admitted
         if result.admitted:
             self.data_ready()
-        return web.json_response({"admitted": result.admitted, "dropped_stale": result.dropped_stale})
+        reply: dict[str, Any] = {"admitted": result.admitted, "dropped_stale": result.dropped_stale}
+        if isinstance(next_lease, dict):
+            reply["next_lease"] = self._grant(rec, next_lease)
+        return web.json_response(reply)
 
     async def get_version(self, request: web.Request) -> web.Response:
         self._auth(request)

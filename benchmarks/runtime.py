@@ -1,0 +1,443 @@
+"""Issue 5 benchmark: real asynchronous runs on this machine, each study writing JSON + PNG.
+
+    python benchmarks/runtime.py --study overlap     # echo2 run (S=3) vs echo2 train, same budget, 3 seeds
+    python benchmarks/runtime.py --study staleness   # reward / accuracy vs step for S in {0,1,3,6,11}
+    python benchmarks/runtime.py --study bubble      # measured bubble vs N, planner N_min, simulator beside
+    python benchmarks/runtime.py --study worker      # a worker's delivered rollouts/s vs a bare HF loop
+    python benchmarks/runtime.py --study all
+
+Every run is a real `echo2` process (learner + worker processes on loopback) on the embedded
+default; nothing here is copied from anywhere. Run it alone on the machine: the studies compare
+wall-clock numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from echo2.planner import capacity  # noqa: E402
+from echo2.runtime.rundir import read_metrics  # noqa: E402
+
+log = logging.getLogger("runtime_bench")
+
+
+def echo2(*args: str, log_to: Path) -> None:
+    """Run one echo2 command to completion (its output goes to a log file)."""
+    log_to.parent.mkdir(parents=True, exist_ok=True)
+    with log_to.open("w") as fh:
+        t0 = time.perf_counter()
+        rc = subprocess.call(
+            [sys.executable, "-m", "echo2.cli", *args, "--no-progress"], stdout=fh, stderr=fh
+        )
+    log.info("echo2 %s -> rc %d in %.0f s", " ".join(args[:1]), rc, time.perf_counter() - t0)
+    if rc != 0:
+        raise RuntimeError(f"echo2 {' '.join(args)} failed (rc {rc}); see {log_to}")
+
+
+def evals(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run_dir) if r.get("reward/accuracy") is not None]
+
+
+def steps_of(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
+
+
+def smoothed_final(run_dir: Path, k: int = 3) -> float:
+    """Mean of the last k held-out evaluations (one evaluation of 256 prompts moves by ~3 points)."""
+    ev = evals(run_dir)
+    return statistics.fmean(r["reward/accuracy"] for r in ev[-k:])
+
+
+def _plt():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ---- (1) overlap pays ------------------------------------------------------------------------------------
+def study_overlap(out: Path, minutes: float, seeds: list[int]) -> dict[str, Any]:
+    runs = out / "runtime_runs"
+    res: dict[str, Any] = {"minutes": minutes, "seeds": seeds, "sync": [], "async": []}
+    for seed in seeds:  # interleaved, so drift in the machine's load hits both alike
+        for kind, cmd in (("sync", "train"), ("async", "run")):
+            d = runs / f"overlap_{kind}_s{seed}"
+            echo2(
+                cmd,
+                "--seed",
+                str(seed),
+                "--max-minutes",
+                str(minutes),
+                "--run-dir",
+                str(d),
+                log_to=d.with_suffix(".log"),
+            )
+            summary = json.loads((d / "summary.json").read_text())
+            res[kind].append(
+                {
+                    "seed": seed,
+                    "steps": summary["steps"],
+                    "initial_accuracy": summary["initial_accuracy"],
+                    "final_accuracy": summary["final_accuracy"],
+                    "final_smoothed": smoothed_final(d),
+                    "curve": [(r["time_s"], r["reward/accuracy"]) for r in evals(d)],
+                }
+            )
+    for kind in ("sync", "async"):
+        res[f"{kind}_median_final"] = statistics.median(r["final_accuracy"] for r in res[kind])
+        res[f"{kind}_median_smoothed"] = statistics.median(r["final_smoothed"] for r in res[kind])
+        res[f"{kind}_median_steps"] = statistics.median(r["steps"] for r in res[kind])
+    res["met"] = res["async_median_smoothed"] >= res["sync_median_smoothed"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, color in (("sync", "C0"), ("async", "C3")):
+        for i, r in enumerate(res[kind]):
+            t, a = zip(*r["curve"], strict=True)
+            label = f"echo2 {'train (sync)' if kind == 'sync' else 'run (S=3)'}" if i == 0 else None
+            ax.plot(t, a, color=color, alpha=0.7, lw=1, label=label)
+    ax.set(
+        xlabel="wall clock (s)", ylabel="held-out accuracy", title=f"Overlap pays: {len(seeds)} seeds each"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "runtime_overlap.png", dpi=110)
+    return res
+
+
+# ---- (2) staleness sweep (Fig. 3b) -----------------------------------------------------------------------
+def study_staleness(out: Path, steps: int, values: list[int], seed: int) -> dict[str, Any]:
+    runs = out / "runtime_runs"
+    res: dict[str, Any] = {"steps": steps, "seed": seed, "runs": {}}
+    for S in values:
+        d = runs / f"staleness_S{S}"
+        echo2(
+            "run", "--staleness", str(S), "--steps", str(steps), "--seed", str(seed), "--run-dir", str(d),
+            "--set", "train.max_minutes=30", "--set", "train.eval_every=50", "--set", "train.eval_size=512",
+            log_to=d.with_suffix(".log"),
+        )  # fmt: skip
+        rows = steps_of(d)
+        res["runs"][str(S)] = {
+            "final_accuracy": evals(d)[-1]["reward/accuracy"],
+            "final_smoothed": smoothed_final(d, 2),
+            "staleness_max": max(r["store/staleness_max"] for r in rows),
+            "staleness_mean": statistics.fmean(r["store/staleness_mean"] for r in rows),
+            "wall_s": rows[-1]["time_s"],
+            "reward_curve": [(r["step"], r["reward/mean"]) for r in rows],
+            "accuracy_curve": [(r["step"], r["reward/accuracy"]) for r in evals(d)],
+        }
+    runs_ = res["runs"]
+    if "0" in runs_ and "3" in runs_:
+        res["s3_minus_s0_points"] = 100 * (runs_["3"]["final_accuracy"] - runs_["0"]["final_accuracy"])
+        res["met"] = abs(res["s3_minus_s0_points"]) <= 5.0
+    res["staleness_never_exceeds_S"] = all(r["staleness_max"] <= int(S) for S, r in runs_.items())
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for S, r in runs_.items():
+        st, rw = zip(*r["reward_curve"], strict=True)
+        k = 25  # moving average over steps
+        smooth = [statistics.fmean(rw[max(0, i - k) : i + 1]) for i in range(len(rw))]
+        axes[0].plot(st, smooth, label=f"S = {S}")
+        axes[1].plot(*zip(*r["accuracy_curve"], strict=True), "o-", label=f"S = {S}")
+    axes[0].set(
+        xlabel="learner step", ylabel="train reward (25-step mean)", title="Reward vs staleness (Fig. 3b)"
+    )
+    axes[1].set(xlabel="learner step", ylabel="held-out accuracy", title="Held-out accuracy")
+    for ax in axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "runtime_staleness.png", dpi=110)
+    return res
+
+
+# ---- (3) bubble vs workers (Fig. 3c), planner N_min, simulator beside ----------------------------------
+def study_bubble(out: Path, ns: list[int], throttle: float, minutes: float, warmup: int) -> dict[str, Any]:
+    from echo2.config import load_config
+    from echo2.sim.engine import SimParams, SimWorker, simulate
+
+    cfg = load_config()
+    R, S, kappa = cfg.grpo.rollouts_per_step, cfg.async_.staleness, cfg.async_.effective_kappa
+    lease = cfg.runtime.lease_prompts * cfg.grpo.group_size
+    runs = out / "runtime_runs"
+    rows_out = []
+    for n in ns:
+        d = runs / f"bubble_N{n}"
+        echo2(
+            "run", "--workers", str(n), "--max-minutes", str(minutes), "--run-dir", str(d),
+            "--set", f"runtime.worker_max_rollouts_per_s={throttle}",
+            "--set", "runtime.sustain_s=1e9",  # keep all N active: this study measures the pool as given
+            "--set", "train.eval_every=100000",
+            log_to=d.with_suffix(".log"),
+        )  # fmt: skip
+        rows = steps_of(d)[warmup:]
+        idle = sum(r["learner/t_idle_s"] for r in rows)
+        train = sum(r["learner/t_train_s"] for r in rows)
+        bc = [r["broadcast/t_bcast_s"] for r in rows if r.get("broadcast/t_bcast_s") is not None]
+        mu = [r["pool/mu_pool"] / n for r in rows[len(rows) // 2 :]]
+        rows_out.append(
+            {
+                "n": n,
+                "steps": len(rows),
+                "bubble_measured": capacity.bubble_ratio(idle, train),
+                "t_train_s": train / len(rows),
+                "t_bcast_s": statistics.median(bc) if bc else 0.0,
+                "mu_worker": statistics.median(mu),
+            }
+        )
+    # planner inputs measured on the real runs: medians over all runs
+    t_train = statistics.median(r["t_train_s"] for r in rows_out)
+    t_bcast = statistics.median(r["t_bcast_s"] for r in rows_out)
+    mu_w = statistics.median(r["mu_worker"] for r in rows_out)
+    mu_min = capacity.mu_min(kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=R)
+    n_min = capacity.n_min(mu_min, mu_w)
+    for r in rows_out:  # the simulator, fed with each run's own measured T_train and the shared rates
+        params = SimParams(
+            rollouts_per_step=R, group_size=lease, t_train_s=r["t_train_s"], staleness=S, kappa=kappa,
+            learner_usd_per_hour=cfg.runtime.learner_usd_per_hour, snapshot_bytes=3.2e6, b0_bps=1e11,
+            strategy="tree-pipelined", steps=max(60, r["steps"] + warmup), reload_s=r["t_bcast_s"],
+            noise_sigma=0.05, straggler_prob=0.0, overlap_generation=True, warmup_steps=warmup,
+            buffer_steps=min(cfg.runtime.max_inflight_batches, S + 1), record_metrics=False,
+        )  # fmt: skip
+        workers = [SimWorker(f"w{i}", "cpu", 0.35, mu_w, 1e11) for i in range(r["n"])]
+        r["bubble_sim"] = simulate(params, workers, [w.worker_id for w in workers]).summary["bubble_ratio"]
+        r["abs_diff"] = abs(r["bubble_sim"] - r["bubble_measured"])
+    knee = next((r["n"] for r in rows_out if r["bubble_measured"] <= 0.05), None)
+    res = {
+        "throttle_rollouts_per_s": throttle,
+        "minutes_per_run": minutes,
+        "warmup_steps": warmup,
+        "R": R,
+        "kappa": kappa,
+        "staleness": S,
+        "t_train_s": t_train,
+        "t_bcast_s": t_bcast,
+        "mu_worker": mu_w,
+        "mu_min": mu_min,
+        "n_min": n_min,
+        "knee_measured": knee,
+        "knee_rule": "smallest N with measured bubble ratio <= 5%",
+        "runs": rows_out,
+        "knee_within_one": knee is not None and abs(knee - n_min) <= 1,
+        "sim_within_0_1": all(r["abs_diff"] <= 0.1 for r in rows_out),
+    }
+    res["met"] = res["knee_within_one"] and res["sim_within_0_1"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(ns, [r["bubble_measured"] for r in rows_out], "o-", label="measured (echo2 run)")
+    ax.plot(ns, [r["bubble_sim"] for r in rows_out], "s--", label="simulator, same inputs")
+    ax.axvline(n_min, color="k", ls=":", label=f"planner N_min = {n_min}")
+    ax.set(
+        xlabel="rollout workers N",
+        ylabel="learner bubble ratio",
+        title=f"Bubble vs workers (S = {S}, kappa = {kappa})",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "runtime_bubble.png", dpi=110)
+    return res
+
+
+# ---- (4) worker overhead vs a bare HF-engine loop ------------------------------------------------------
+T_TRAIN_S = 0.2  # the embedded default's measured seconds per update (results/learning.json)
+
+
+async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> dict[str, Any]:
+    """A learner node without training: the real API, store and broadcast, and a loop that takes each
+    batch as soon as it is complete, while versions advance every ``T_TRAIN_S`` and a snapshot is
+    published every kappa versions, the cadence of the real learner: the worker installs and relays
+    snapshots as often as in a run, but never waits for the learner to consume."""
+    from aiohttp import web
+
+    from echo2.broadcast.manifest import new_signing_key
+    from echo2.broadcast.publisher import TcpPublisher
+    from echo2.broadcast.registry import get_strategy
+    from echo2.data.store import TrajectoryStore
+    from echo2.data.tasks.base import build_task
+    from echo2.models.policy import load_policy
+    from echo2.models.snapshot import skeleton_files, snapshot_blob
+    from echo2.runtime.service import LearnerService
+
+    policy = load_policy(cfg)
+    key = new_signing_key()
+    pub = TcpPublisher(key, get_strategy("tree-pipelined"), 256 << 10)
+    await pub.start()
+    store = TrajectoryStore(tmp / "store.sqlite", cfg.async_.staleness, cfg.grpo.group_size)
+    token = "bench-token-0123456789abcdef"
+    svc = LearnerService(
+        cfg, store, build_task(cfg.task, cfg.seed), tmp, token, key.verifier().to_text(), pub.address,
+        skeleton_files(policy.source, policy.model, policy.tokenizer, tmp / "skeleton"),
+        vocab_size=int(policy.model.config.vocab_size),
+    )  # fmt: skip
+    blob = snapshot_blob(policy.model)
+    man = await pub.publish(0, blob)
+    svc.set_published(0, man.to_dict(), blob)
+    runner = web.AppRunner(svc.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
+    cmd = [
+        sys.executable,
+        "-m",
+        "echo2.cli",
+        "worker",
+        "--join",
+        f"http://127.0.0.1:{port}",
+        "--name",
+        "bench",
+    ]
+    with (tmp / "worker.log").open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=fh, env=env)
+    last_pub = time.perf_counter()
+    version, k, taken, taken_mark = 0, 0, 0, 0
+    t_warm: float | None = None
+    t_mark: float | None = None
+    t_end = math.inf
+    try:
+        while time.perf_counter() < t_end:
+            if time.perf_counter() - last_pub >= T_TRAIN_S:  # versions advance at the learner's pace
+                last_pub = time.perf_counter()
+                version += 1
+                svc.version = version
+                if version % cfg.async_.effective_kappa == 0:
+                    man = await pub.publish(version, blob)
+                    svc.set_published(version, man.to_dict(), blob)
+            batch = store.take_batch(cfg.grpo.prompts_per_step, version, step=k + 1)
+            if batch is None:
+                await asyncio.sleep(0.005)
+                continue
+            k += 1
+            taken += sum(len(g) for g in batch)
+            now = time.perf_counter()
+            if t_warm is None and version >= 3:  # the worker is up and installs snapshots
+                t_warm = now + warmup
+            if t_mark is None and t_warm is not None and now >= t_warm:
+                t_mark, taken_mark = now, taken
+                t_end = t_mark + seconds
+    finally:
+        svc.finished = True
+        await asyncio.sleep(1.0)
+        proc.terminate()
+        proc.wait(10)
+        await pub.close()
+        await runner.cleanup()
+        store.close()
+    assert t_mark is not None
+    return {
+        "delivered_rollouts": taken - taken_mark,
+        "seconds": time.perf_counter() - t_mark,
+        "versions": version,
+    }
+
+
+def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
+    """collect_groups on the same model with the worker's batch (one lease), back to back."""
+    import random
+
+    from echo2.data.tasks.base import build_task
+    from echo2.models.policy import configure_torch, load_policy
+    from echo2.rollout.collect import collect_groups
+    from echo2.rollout.engines.hf import HFEngine
+
+    configure_torch(cfg)
+    policy = load_policy(cfg)
+    task = build_task(cfg.task, cfg.seed)
+    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+    rng = random.Random(0)
+    n, k = 0, 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        prompts = task.sample_train(rng, cfg.runtime.lease_prompts)
+        b = collect_groups(
+            policy, engine, task, prompts, cfg.grpo.group_size, seed=k, policy_version=0, group_prefix=str(k)
+        )
+        n += len(b.trajectories)
+        k += 1
+    return {"rollouts": n, "seconds": time.perf_counter() - t0}
+
+
+def study_worker(out: Path, seconds: float, overrides: list[str] = []) -> dict[str, Any]:
+    import tempfile
+
+    from echo2.config import load_config
+
+    cfg = load_config(overrides=["runtime.sustain_s=1e9", *overrides])
+    with tempfile.TemporaryDirectory() as tmp:
+        served = asyncio.run(_serve_drain(cfg, seconds, 3.0, Path(tmp)))
+    bare = _bare_loop(cfg, seconds)
+    worker_rate = served["delivered_rollouts"] / served["seconds"]
+    bare_rate = bare["rollouts"] / bare["seconds"]
+    res = {
+        "seconds": seconds,
+        "batch_rollouts": cfg.runtime.lease_prompts * cfg.grpo.group_size,
+        "worker_delivered_rollouts_per_s": worker_rate,
+        "bare_loop_rollouts_per_s": bare_rate,
+        "ratio": worker_rate / bare_rate,
+        "served": served,
+        "bare": bare,
+        "met": worker_rate / bare_rate >= 0.9,
+    }
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.bar(
+        ["bare HF loop", "echo2 worker\n(delivered, end to end)"],
+        [bare_rate, worker_rate],
+        color=["C0", "C3"],
+    )
+    ax.axhline(0.9 * bare_rate, color="k", ls=":", label="0.9 x bare")
+    ax.set(ylabel="rollouts / s", title=f"Worker throughput: {res['ratio']:.2f} x bare")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "runtime_worker.png", dpi=110)
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", choices=["overlap", "staleness", "bubble", "worker", "all"], default="all")
+    p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--overlap-minutes", type=float, default=3.0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--staleness-steps", type=int, default=300)
+    p.add_argument("--staleness-values", type=int, nargs="+", default=[0, 1, 3, 6, 11])
+    p.add_argument("--bubble-ns", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    p.add_argument("--bubble-throttle", type=float, default=400.0, help="rollouts/s per worker")
+    p.add_argument("--bubble-minutes", type=float, default=1.0)
+    p.add_argument("--worker-seconds", type=float, default=30.0)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    a.out.mkdir(parents=True, exist_ok=True)
+    studies = ["worker", "bubble", "staleness", "overlap"] if a.study == "all" else [a.study]
+    for study in studies:
+        if study == "overlap":
+            res = study_overlap(a.out, a.overlap_minutes, a.seeds)
+        elif study == "staleness":
+            res = study_staleness(a.out, a.staleness_steps, a.staleness_values, a.seeds[0])
+        elif study == "bubble":
+            res = study_bubble(a.out, a.bubble_ns, a.bubble_throttle, a.bubble_minutes, warmup=10)
+        else:
+            res = study_worker(a.out, a.worker_seconds)
+        (a.out / f"runtime_{study}.json").write_text(json.dumps(res, indent=1))
+        summary = {k: v for k, v in res.items() if not isinstance(v, list | dict)}
+        log.info("%s: %s", study, json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

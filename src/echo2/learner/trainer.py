@@ -36,6 +36,18 @@ class UpdateStats:
     t_train_s: float  # wall seconds of this update
     tokens: int  # completion tokens trained on
 
+    def metrics(self) -> dict[str, float]:
+        """The ``learner/`` metrics of SPEC §7 this update produced."""
+        return {
+            "learner/loss": self.loss,
+            "learner/kl": self.kl,
+            "learner/clipfrac": self.clipfrac,
+            "learner/grad_norm": self.grad_norm,
+            "learner/is_weight_mean": self.is_weight_mean,
+            "learner/t_train_s": self.t_train_s,
+            "learner/version": self.version,
+        }
+
 
 @dataclass(frozen=True)
 class PackedBatch:

@@ -219,7 +219,9 @@ class RolloutWorker:
                 self.finished = self.finished or bool(data.get("finished"))
             elif status in (401, 403):
                 log.warning("credential refused (%s); registering again", data.get("detail"))
-                await self._register()
+                self.worker_id = (await self._register())["worker_id"]
+                if self.node is not None:  # re-join the broadcast under the new id and credential
+                    await self.node.close()
             await asyncio.sleep(every)
 
     async def _lease(self) -> dict[str, Any]:
@@ -409,6 +411,7 @@ class RolloutWorker:
                         seed=zlib.crc32(f"{self.worker_id}:{n}".encode()), policy_version=version,
                         group_prefix=lease["lease_id"],
                     )  # fmt: skip
+                self._install_pending()  # a snapshot that arrived meanwhile goes in now, not after a pause
                 if self.opts.max_rollouts_per_s:
                     time.sleep(
                         max(

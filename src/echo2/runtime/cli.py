@@ -56,11 +56,9 @@ def _learner(args: argparse.Namespace) -> int:
     from echo2.runtime.learner import AsyncLearner, Endpoints
 
     def ready(ep: Endpoints) -> None:
-        print(
-            f"learner ready. On each rollout machine run:\n  ECHO2_JOIN_TOKEN=$(cat {ep.run_dir}/join_token) "
-            f"echo2 worker --join {ep.url}",
-            flush=True,
-        )
+        token = "<runtime.join_token>" if cfg.runtime.join_token else f"$(cat {ep.run_dir}/join_token)"
+        print("learner ready. On each rollout machine run:", flush=True)
+        print(f"  ECHO2_JOIN_TOKEN={token} echo2 worker --join {ep.url}", flush=True)
 
     learner = AsyncLearner(cfg, resume=args.resume, on_ready=ready)
 

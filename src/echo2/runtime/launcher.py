@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.config import Config
+from echo2.errors import Echo2Error
 from echo2.runtime.learner import AsyncLearner, Endpoints, LearnerSummary
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ class LocalWorkers:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = Path(cfg.train.run_dir) / "workers"
 
     def start(self, ep: Endpoints) -> None:
-        logs = Path(ep.run_dir) / "workers"
+        logs = self.logs = Path(ep.run_dir) / "workers"
         logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, TOKEN_ENV: ep.token}
         for i in range(self.cfg.runtime.workers):
@@ -61,6 +63,12 @@ class LocalWorkers:
                     )
                 )
         log.info("started %d local workers: pids %s", len(self.procs), [p.pid for p in self.procs])
+
+    def check(self) -> None:
+        """Raise when every local worker has exited (nothing would ever feed the learner)."""
+        if self.procs and all(p.poll() is not None for p in self.procs):
+            codes = [p.returncode for p in self.procs]
+            raise Echo2Error(f"all {len(self.procs)} local workers exited (codes {codes}); see {self.logs}")
 
     def stop(self, grace_s: float = 10.0) -> list[int | None]:
         """Wait for the workers to leave on their own (the learner told them), then terminate."""
@@ -124,7 +132,9 @@ def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> Learn
 
     workers = LocalWorkers(cfg)
     view = LiveView(cfg, progress)
-    learner = AsyncLearner(cfg, resume=resume, on_ready=workers.start, on_step=view.update)
+    learner = AsyncLearner(
+        cfg, resume=resume, on_ready=workers.start, on_step=view.update, on_tick=workers.check
+    )
 
     async def main() -> LearnerSummary:
         loop = asyncio.get_running_loop()

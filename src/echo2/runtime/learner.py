@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import secrets
 import shutil
 import time
@@ -78,11 +79,13 @@ class AsyncLearner:
         resume: bool = False,
         on_ready: Callable[[Endpoints], None] | None = None,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.resume = resume
         self.on_ready = on_ready
         self.on_step = on_step
+        self.on_tick = on_tick  # called about once a second (the launcher checks its workers; may raise)
         self.stop = asyncio.Event()
 
     async def run(self) -> LearnerSummary:
@@ -164,9 +167,8 @@ class AsyncLearner:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         url = f"http://{rt.advertise_host or rt.host}:{port}"
         endpoints = Endpoints(url, publisher.address, token, str(run_path))
-        (run_path / "learner.json").write_text(
-            json.dumps({**asdict(endpoints), "broadcast": list(publisher.address)})
-        )
+        public = {"url": url, "broadcast": list(publisher.address), "pid": os.getpid()}  # no token here
+        (run_path / "learner.json").write_text(json.dumps(public))
         log.info(
             "learner API at %s, broadcast at %s:%d; join token in %s",
             url,
@@ -217,20 +219,22 @@ class AsyncLearner:
         staleness_max = 0
         steps = 0
         last_ckpt = str(ckpt or "")
-        last_expire = 0.0
+        last_tick = 0.0
         try:
             while trainer.version < cfg.train.steps and not self.stop.is_set():
                 # ---- wait for R admissible trajectories: the bubble ------------------------------------
                 t_wait = time.perf_counter()
                 batch = None
                 while batch is None:
+                    if time.perf_counter() - last_tick >= 1.0:  # housekeeping, busy or not
+                        service.expire_leases()
+                        service.control()
+                        if self.on_tick is not None:
+                            self.on_tick()
+                        last_tick = time.perf_counter()
                     batch = store.take_batch(P, trainer.version, step=trainer.version + 1)
                     if batch is not None or self.stop.is_set() or time.perf_counter() - t_start >= budget_s:
                         break
-                    if time.perf_counter() - last_expire >= 1.0:
-                        service.expire_leases()
-                        service.control()
-                        last_expire = time.perf_counter()
                     ready.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(ready.wait(), 0.25)
@@ -267,15 +271,9 @@ class AsyncLearner:
                 record: dict[str, Any] = {
                     "step": stats.version,
                     "time_s": now - t_start,
-                    "learner/loss": stats.loss,
-                    "learner/kl": stats.kl,
-                    "learner/clipfrac": stats.clipfrac,
-                    "learner/grad_norm": stats.grad_norm,
-                    "learner/is_weight_mean": stats.is_weight_mean,
-                    "learner/t_train_s": stats.t_train_s,
+                    **stats.metrics(),
                     "learner/t_idle_s": t_idle,
                     "learner/bubble_ratio": capacity.bubble_ratio(t_idle, stats.t_train_s),
-                    "learner/version": stats.version,
                     **st.metrics(),
                     "store/staleness_mean": v_t - sum(versions) / len(versions),
                     "store/staleness_max": delta,

@@ -269,3 +269,33 @@ def test_worker_holding_only_the_public_key_cannot_forge_for_peers() -> None:
     forged = build_manifest(b"poisoned weights", 7, CHUNK, b"a secret the worker made up!")
     with pytest.raises(ManifestError, match="expects 'ed25519'"):
         verify_manifest(forged, PUBLIC)
+
+
+def test_publisher_admits_only_authorized_members(caplog: pytest.LogCaptureFixture) -> None:
+    """With an ``authorize`` callback (the runtime's credential check) a join under a wrong or missing
+    credential is refused with a logged reason, and the authorized worker still installs."""
+    creds = {"good": "secret-good"}
+
+    async def main() -> tuple[list[str], dict[str, bytes], bool, bool]:
+        def authorize(worker: str, credential: object) -> bool:
+            return isinstance(credential, str) and creds.get(worker) == credential
+
+        pub = TcpPublisher(KEY, get_strategy("tree-pipelined"), chunk_size=CHUNK, authorize=authorize)
+        await pub.start()
+        good = TcpWorkerNode("good", pub.address, PUBLIC, credential="secret-good")
+        forged = TcpWorkerNode("good2", pub.address, PUBLIC, credential="secret-good")  # another id
+        anonymous = TcpWorkerNode("anon", pub.address, PUBLIC)
+        for nd in (good, forged, anonymous):
+            await nd.start()
+        await asyncio.wait_for(asyncio.gather(forged.wait_closed(), anonymous.wait_closed()), 10)
+        await pub.wait_members(1, 10)
+        got: dict[str, bytes] = {}
+        await _broadcast(pub, [good], got)
+        members = pub.members()
+        await _shutdown(pub, [good])
+        return members, got, forged._closed.is_set(), anonymous._closed.is_set()
+
+    members, got, forged_closed, anon_closed = asyncio.run(main())
+    assert members == ["good"] and got["good"] == BLOB
+    assert forged_closed and anon_closed
+    assert "credential refused" in caplog.text

@@ -228,3 +228,16 @@ def test_registry_survives_a_restart(tmp_path):
         ).status
 
     assert run(second, make_service(tmp_path))[0] == 200
+
+
+def test_broadcast_membership_needs_the_workers_own_credential(tmp_path):
+    async def body(client):
+        resp = await client.post("/v1/register", json={"token": TOKEN, "name": "a"})
+        return await resp.json()
+
+    svc = make_service(tmp_path)
+    reg, _ = run(body, svc)
+    wid, cred = reg["worker_id"], reg["credential"]
+    assert svc.authorize_broadcast(wid, cred)
+    assert not svc.authorize_broadcast(wid, None) and not svc.authorize_broadcast(wid, "forged")
+    assert not svc.authorize_broadcast("someone-else", cred)  # a credential is bound to its worker id

@@ -292,8 +292,6 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
     batch as soon as it is complete, while versions advance every ``T_TRAIN_S`` and a snapshot is
     published every kappa versions, the cadence of the real learner: the worker installs and relays
     snapshots as often as in a run, but never waits for the learner to consume."""
-    from aiohttp import web
-
     from echo2.broadcast.manifest import new_signing_key
     from echo2.broadcast.publisher import TcpPublisher
     from echo2.broadcast.registry import get_strategy
@@ -317,11 +315,7 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
     blob = snapshot_blob(policy.model)
     man = await pub.publish(0, blob)
     svc.set_published(0, man.to_dict(), blob)
-    runner = web.AppRunner(svc.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await svc.serve("127.0.0.1", 0)
     env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
     cmd = [
         sys.executable,

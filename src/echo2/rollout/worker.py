@@ -74,7 +74,6 @@ class RolloutWorker:
         self.counters = WorkerCounters()
         self.installed = -1
         self.finished = False
-        self.active = True
         self._pending: Any = None  # newest InstalledSnapshot from the broadcast plane not yet loaded
         self._hb_rollouts = 0
         self._hb_busy = 0.0
@@ -215,7 +214,6 @@ class RolloutWorker:
                 self.finished = True
                 break
             if status == 200:
-                self.active = bool(data.get("active"))
                 self.finished = self.finished or bool(data.get("finished"))
             elif status in (401, 403):
                 log.warning("credential refused (%s); registering again", data.get("detail"))

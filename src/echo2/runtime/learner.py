@@ -33,12 +33,12 @@ from typing import Any
 
 from echo2.config import Config
 from echo2.errors import Echo2Error, InfeasibleError, TrainingDivergedError
+from echo2.planner import capacity
+from echo2.runtime.rundir import OPTIM_FILE, STATE_FILE
 
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 3  # steps of T_train measured before the controller gets a target
-STATE_FILE = "trainer_state.json"
-OPTIM_FILE = "optimizer.pt"
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,7 @@ class AsyncLearner:
 
     async def run(self) -> LearnerSummary:
         import torch
-        from aiohttp import web
 
-        from echo2.broadcast.manifest import key_from_text, new_signing_key
         from echo2.broadcast.publisher import TcpPublisher
         from echo2.broadcast.registry import get_strategy
         from echo2.data.store import TrajectoryStore
@@ -100,7 +98,6 @@ class AsyncLearner:
         from echo2.learner.trainer import GRPOTrainer
         from echo2.models.policy import configure_torch, load_checkpoint, load_policy
         from echo2.models.snapshot import skeleton_files, snapshot_blob
-        from echo2.planner import capacity
         from echo2.rollout.engines.hf import HFEngine
         from echo2.rollout.evaluate import evaluate
         from echo2.runtime.rundir import RunDir
@@ -143,7 +140,7 @@ class AsyncLearner:
         if ckpt is not None:
             requeued = store.requeue_after(version0)
             log.info("resuming at version %d from %s; %d groups put back", version0, ckpt, requeued)
-        key = _persistent_key(run_path, key_from_text, new_signing_key)
+        key = _persistent_key(run_path)
         token = rt.join_token or _persistent_token(run_path)
         service_box: list[LearnerService] = []
         publisher = TcpPublisher(
@@ -160,11 +157,7 @@ class AsyncLearner:
         service.version = version0
         ready = asyncio.Event()
         service.data_ready = ready.set
-        runner = web.AppRunner(service.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, rt.host, rt.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await service.serve(rt.host, rt.port)
         url = f"http://{rt.advertise_host or rt.host}:{port}"
         endpoints = Endpoints(url, publisher.address, token, str(run_path))
         public = {"url": url, "broadcast": list(publisher.address), "pid": os.getpid()}  # no token here
@@ -197,12 +190,7 @@ class AsyncLearner:
                 bcast.update(m)
 
         def save(name: str) -> str:
-            path = run.checkpoint_dir(name)
-            policy.save(path)
-            torch.save(trainer.optimizer.state_dict(), path / OPTIM_FILE)
-            (path / STATE_FILE).write_text(json.dumps({"version": trainer.version}) + "\n")
-            run.prune_checkpoints()
-            return str(path)
+            return run.save_checkpoint(name, policy, trainer.version, trainer.optimizer)
 
         await publish(version0)
         if self.on_ready is not None:
@@ -261,7 +249,7 @@ class AsyncLearner:
                 if len(t_trains) == WARMUP_STEPS or (
                     len(t_trains) > WARMUP_STEPS and len(t_trains) % 20 == 0
                 ):
-                    self._retarget(service, capacity, kappa, t_trains, bcast, R)
+                    self._retarget(service, kappa, t_trains, bcast, R)
                 now = time.perf_counter()
                 step_wall, last_end = now - last_end, now
                 usd_step = service.usd_per_hour() * step_wall / 3600
@@ -310,11 +298,7 @@ class AsyncLearner:
             run.write_summary({"error": str(exc), "last_good_checkpoint": good, "version": trainer.version})
             raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
         finally:
-            if (
-                steps
-                and trainer.version % cfg.train.checkpoint_every
-                and not str(last_ckpt).endswith(f"step_{trainer.version:06d}")
-            ):
+            if steps and trainer.version % cfg.train.checkpoint_every:  # the loop did not save this one
                 last_ckpt = await asyncio.to_thread(save, f"step_{trainer.version:06d}")
             service.finished = True
             await asyncio.sleep(
@@ -353,9 +337,7 @@ class AsyncLearner:
         return summary
 
     @staticmethod
-    def _retarget(
-        service: Any, capacity: Any, kappa: int, t_trains: list[float], bcast: dict[str, float], R: int
-    ) -> None:
+    def _retarget(service: Any, kappa: int, t_trains: list[float], bcast: dict[str, float], R: int) -> None:
         """mu_target = gamma * mu_min(kappa) from the measured T_train and T_bcast (SPEC §3)."""
         recent = t_trains[-20:]
         t_train = sum(recent) / len(recent)
@@ -373,9 +355,11 @@ class AsyncLearner:
         service.set_target(target)
 
 
-def _persistent_key(run_path: Path, key_from_text: Any, new_signing_key: Any) -> Any:
+def _persistent_key(run_path: Path) -> Any:
     """The run's manifest signing key, kept in the run directory (owner-only) so a restarted learner
     signs with the key its workers already trust."""
+    from echo2.broadcast.manifest import key_from_text, new_signing_key
+
     path = run_path / "learner_key"
     if path.is_file():
         return key_from_text(path.read_text().strip())

@@ -9,6 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+STATE_FILE = "trainer_state.json"  # {"version": v}: the policy version the checkpoint's weights are
+OPTIM_FILE = "optimizer.pt"  # optimizer state, for a learner that resumes
+
 
 class RunDir:
     def __init__(self, path: str | Path, config: dict[str, Any], keep_checkpoints: int = 2) -> None:
@@ -30,6 +33,19 @@ class RunDir:
 
     def checkpoint_dir(self, name: str) -> Path:
         return self.checkpoints / name
+
+    def save_checkpoint(self, name: str, policy: Any, version: int, optimizer: Any = None) -> str:
+        """Weights + tokenizer, the version (and the optimizer state when given) under
+        ``checkpoints/<name>``; older ``step_*`` directories are pruned. Returns the path."""
+        path = self.checkpoint_dir(name)
+        policy.save(path)
+        if optimizer is not None:
+            import torch
+
+            torch.save(optimizer.state_dict(), path / OPTIM_FILE)
+        (path / STATE_FILE).write_text(json.dumps({"version": version}) + "\n")
+        self.prune_checkpoints()
+        return str(path)
 
     def prune_checkpoints(self, protect: str = "last_good") -> None:
         """Keep the newest ``keep_checkpoints`` ``step_*`` directories (and ``protect``)."""

@@ -196,6 +196,15 @@ class LearnerService:
         )
         return app
 
+    async def serve(self, host: str, port: int) -> tuple[web.AppRunner, int]:
+        """Start serving the API on ``host:port`` (0 = any free port); returns the runner (call its
+        ``cleanup()`` to stop) and the bound port."""
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        return runner, int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
     @web.middleware
     async def _count_errors(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         try:

@@ -60,11 +60,7 @@ def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
     budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else float("inf")
 
     def save(name: str) -> str:
-        path = run.checkpoint_dir(name)
-        policy.save(path)
-        (path / "trainer_state.json").write_text(f'{{"version": {trainer.version}}}\n')
-        run.prune_checkpoints()
-        return str(path)
+        return run.save_checkpoint(name, policy, trainer.version)
 
     first = evaluate(policy, engine, task, eval_prompts)
     log.info("starting checkpoint %s: held-out accuracy %.3f", policy.source, first.accuracy)

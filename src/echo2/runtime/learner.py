@@ -252,7 +252,8 @@ class AsyncLearner:
                     self._retarget(service, kappa, t_trains, bcast, R)
                 now = time.perf_counter()
                 step_wall, last_end = now - last_end, now
-                usd_step = service.usd_per_hour() * step_wall / 3600
+                usd_h = service.usd_per_hour()
+                usd_step = usd_h * step_wall / 3600
                 usd_total += usd_step
                 st = store.stats()
                 rewards = [t.reward for t in flat]
@@ -271,7 +272,7 @@ class AsyncLearner:
                     "pool/active_workers": len(service.active_ids()),
                     "cost/usd_per_step": usd_step,
                     "cost/usd_total": usd_total,
-                    "cost/usd_per_hour": service.usd_per_hour(),
+                    "cost/usd_per_hour": usd_h,
                     "reward/mean": sum(rewards) / len(rewards),
                     "reward/unparsed": sum(1 for t in flat if not t.meta.get("parsed", True)),
                 }

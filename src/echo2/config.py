@@ -128,7 +128,14 @@ class GRPOConfig(_Section):
     lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon_c")
-    is_cap: float = Field(2.0, ge=1.0, description="cap C of truncated importance weights sampler->learner")
+    is_cap: float = Field(
+        2.0, ge=1.0, description="cap C: of the IS weight sampler->learner (proximal), dual clip (sampler)"
+    )
+    clip_anchor: Literal["sampler", "proximal"] = Field(
+        "sampler",
+        description="PPO clip against the policy that generated the tokens (coupled) or the learner's "
+        "weights at the start of the update (decoupled, with a truncated IS weight)",
+    )
     kl_beta: float = Field(0.0, ge=0.0, description="weight beta of the KL penalty to the frozen reference")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="how per-token losses become one scalar (learner/grpo.py)"

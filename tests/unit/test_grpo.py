@@ -102,10 +102,69 @@ def test_grpo_loss_stale_sample_is_weighted_and_kl_added():
         is_cap=1.5,
         kl_beta=0.1,
         logp_ref_BT=ref,
+        clip_anchor="proximal",
     )
     assert loss.item() == pytest.approx(-1.5 + 0.1 * 0.193147, abs=1e-6)
     assert stats.is_truncated_frac == 1.0
     assert stats.kl == pytest.approx(0.193147, abs=1e-6)
+
+
+def test_coupled_clip_stops_pushing_a_stale_token_the_learner_already_moved():
+    # sampler p = .25, learner (prox = current, one minibatch) p = .5: ratio to the sampler 2 > 1.2.
+    # Decoupled: ratio to prox is 1, so the token is still pushed, with weight min(2, C).
+    # Coupled: the clip against the sampler is active and A > 0, so no gradient.
+    sampler = torch.tensor([[math.log(0.25)]])
+    grads = {}
+    for anchor in ("proximal", "sampler"):
+        logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        loss, stats = grpo.grpo_loss(
+            logp, logp.detach(), sampler, torch.tensor([1.0]), torch.ones(1, 1),
+            clip_eps=0.2, is_cap=2.0, clip_anchor=anchor,
+        )  # fmt: skip
+        loss.backward()
+        grads[anchor] = logp.grad.item()
+        if anchor == "sampler":
+            assert loss.item() == pytest.approx(-1.2) and stats.clipfrac == 1.0
+    assert grads == {"proximal": pytest.approx(-2.0), "sampler": 0.0}
+
+
+def test_coupled_dual_clip_bounds_negative_advantage():
+    # A = -1, ratio to the sampler e^2 ~ 7.4: plain PPO would give loss 7.4 with a growing gradient;
+    # the dual clip caps the loss at C * |A| = 3 with no gradient.
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    sampler = torch.tensor([[-2.0]])
+    loss, _ = grpo.grpo_loss(
+        logp, logp.detach(), sampler, torch.tensor([-1.0]), torch.ones(1, 1),
+        clip_eps=0.2, is_cap=3.0, clip_anchor="sampler",
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(3.0)
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    # a moderately stale token (ratio 1.5 < C) with A < 0 keeps the PPO gradient -A * ratio
+    logp2 = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    loss2, _ = grpo.grpo_loss(
+        logp2, logp2.detach(), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1),
+        clip_eps=0.2, is_cap=3.0, clip_anchor="sampler",
+    )  # fmt: skip
+    loss2.backward()
+    assert loss2.item() == pytest.approx(1.5) and logp2.grad.item() == pytest.approx(1.5)
+
+
+def test_anchors_agree_on_fresh_data():
+    torch.manual_seed(0)
+    base = torch.randn(3, 4)
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.0, -0.5, 0.0])
+    out = []
+    for anchor in grpo.CLIP_ANCHORS:
+        logp = base.clone().requires_grad_(True)
+        loss, _ = grpo.grpo_loss(logp, base, base, adv, mask, clip_eps=0.2, is_cap=2.0, clip_anchor=anchor)
+        loss.backward()
+        out.append((loss.item(), logp.grad.clone()))
+    assert out[0][0] == pytest.approx(out[1][0])
+    assert torch.allclose(out[0][1], out[1][1])
+    with pytest.raises(ValueError, match="clip_anchor"):
+        grpo.grpo_loss(base, base, base, adv, mask, clip_eps=0.2, is_cap=2.0, clip_anchor="learner")
 
 
 def test_grpo_loss_masked_tokens_do_not_count():

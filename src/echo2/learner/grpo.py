@@ -9,13 +9,25 @@ Three policies meet in one update:
     (detached; equal to the current policy on the first minibatch);
   - the current policy being optimised: ``logp``.
 
-Per token (``A`` the sequence's group advantage)::
+Per token (``A`` the sequence's group advantage), with the clip anchored at the proximal policy
+(``clip_anchor="proximal"``, the decoupled objective)::
 
     w      = min(exp(logp_prox - logp_sampler), C)                 truncated IS weight (detached)
     ratio  = exp(logp - logp_prox)
     pg     = -w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)  PPO clipped surrogate
     kl     = exp(logp_ref - logp) - (logp_ref - logp) - 1          k3 estimator, >= 0
     loss_t = pg + beta * kl
+
+or anchored at the sampler (``clip_anchor="sampler"``, the coupled objective; the default)::
+
+    ratio  = exp(logp - logp_sampler)
+    surr   = min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
+    pg     = -(max(surr, C * A) if A < 0 else surr)                 dual clip bounds A < 0 by C
+
+The decoupled form has a trust region only between minibatches of one update: with one minibatch
+``ratio == 1`` and a stale token is only reweighted by ``w``. The coupled form clips against the policy
+that generated the token, so a token the learner has already moved past ``1 +- eps`` since then adds no
+more gradient in that direction. On fresh data (``logp_sampler == logp_prox``) both are the same.
 
 Group advantage (GRPO): ``A_i = (r_i - mean_G r) / (std_G r + eps)`` (or without the std division,
 Dr. GRPO style, when ``scale_by_std=False``). A group whose rewards are all equal carries no signal
@@ -35,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+CLIP_ANCHORS = ("sampler", "proximal")
 
 
 def group_advantages(rewards_PG: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -87,8 +100,8 @@ class LossStats:
     pg_loss: float  # aggregated clipped surrogate
     kl: float  # aggregated k3 KL to the reference (0 when beta == 0 and no reference given)
     clipfrac: float  # share of valid tokens where the PPO clip was active
-    is_weight_mean: float  # mean truncated IS weight over valid tokens
-    is_truncated_frac: float  # share of valid tokens whose IS weight hit the cap
+    is_weight_mean: float  # mean IS weight sampler -> learner over valid tokens (truncated when decoupled)
+    is_truncated_frac: float  # share of valid tokens whose IS weight (ratio when coupled) hit the cap
 
 
 def grpo_loss(
@@ -103,19 +116,31 @@ def grpo_loss(
     kl_beta: float = 0.0,
     logp_ref_BT: torch.Tensor | None = None,
     loss_agg: str = "token-mean",
+    clip_anchor: str = "sampler",
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO objective of the module docstring; returns the scalar loss and its diagnostics."""
     if kl_beta > 0.0 and logp_ref_BT is None:
         raise ValueError("kl_beta > 0 needs logp_ref_BT")
+    if clip_anchor not in CLIP_ANCHORS:
+        raise ValueError(f"clip_anchor must be one of {CLIP_ANCHORS}, got {clip_anchor!r}")
     logp_prox_BT = logp_prox_BT.detach()
+    logp_sampler_BT = logp_sampler_BT.detach()
     mask_BT = mask_BT.to(logp_BT.dtype)
     A_B1 = advantages_B[:, None].to(logp_BT.dtype)
 
-    w_BT = truncated_is_weights(logp_prox_BT, logp_sampler_BT, is_cap)
-    ratio_BT = torch.exp(logp_BT - logp_prox_BT)
+    if clip_anchor == "proximal":
+        w_BT = truncated_is_weights(logp_prox_BT, logp_sampler_BT, is_cap)
+        ratio_BT = torch.exp(logp_BT - logp_prox_BT)
+    else:
+        w_BT = torch.exp(logp_BT - logp_sampler_BT).detach()  # reported only: the ratio carries the IS
+        ratio_BT = torch.exp(logp_BT - logp_sampler_BT)
     surr1_BT = ratio_BT * A_B1
     surr2_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A_B1
-    pg_BT = -w_BT * torch.minimum(surr1_BT, surr2_BT)
+    surr_BT = torch.minimum(surr1_BT, surr2_BT)
+    if clip_anchor == "proximal":
+        pg_BT = -w_BT * surr_BT
+    else:  # dual clip: a stale token with A < 0 and a large ratio cannot dominate the update
+        pg_BT = -torch.where(A_B1 < 0, torch.maximum(surr_BT, is_cap * A_B1), surr_BT)
     pg = aggregate(pg_BT, mask_BT, loss_agg)
 
     kl = torch.zeros((), dtype=logp_BT.dtype)

@@ -156,6 +156,7 @@ class GRPOTrainer:
                 kl_beta=cfg.kl_beta,
                 logp_ref_BT=logp_ref_BT,
                 loss_agg=cfg.loss_agg,
+                clip_anchor=cfg.clip_anchor,
             )
             if not torch.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)

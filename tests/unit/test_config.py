@@ -34,6 +34,7 @@ def test_toml_then_overrides(tmp_path):
         ("grpo.num_minibatches=3", "divisible by num_minibatches"),
         ("task.name=chess", "task"),
         ("grpo.loss_agg=sum", "grpo.loss_agg"),
+        ("grpo.clip_anchor=learner", "grpo.clip_anchor"),
     ],
 )
 def test_invalid_values_name_the_field(override, needle):

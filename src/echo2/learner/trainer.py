@@ -133,7 +133,7 @@ class GRPOTrainer:
             raise ValueError(f"{len(groups)} groups cannot be split into {n_mb} whole-group minibatches")
         rows_per_mb = len(groups) // n_mb * G
         logp_prox_BT = None
-        if n_mb > 1:  # the proximal policy must be frozen before the first optimizer step
+        if n_mb > 1 and cfg.clip_anchor == "proximal":  # frozen before the first optimizer step
             with torch.no_grad():
                 logp_prox_BT = completion_logprobs(self.model, batch, self.temperature)
         losses, klv, clipf, gnorms, isw = [], [], [], [], []

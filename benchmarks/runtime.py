@@ -436,36 +436,57 @@ def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
     return {"rollouts": n, "seconds": time.perf_counter() - t0}
 
 
-def study_worker(out: Path, seconds: float, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+def study_worker(out: Path, seconds: float, trials: int, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``trials`` interleaved pairs (served worker, then bare loop, ``seconds`` each); the ratio of each
+    pair and their median, so drift in the shared machine's load hits both sides of a pair alike."""
     import tempfile
 
     from echo2.config import load_config
 
     cfg = load_config(overrides=["runtime.sustain_s=1e9", *overrides])
-    with tempfile.TemporaryDirectory() as tmp:
-        served = asyncio.run(_serve_drain(cfg, seconds, 3.0, Path(tmp)))
-    bare = _bare_loop(cfg, seconds)
-    worker_rate = served["delivered_rollouts"] / served["seconds"]
-    bare_rate = bare["rollouts"] / bare["seconds"]
+    pairs = []
+    for _ in range(trials):
+        with tempfile.TemporaryDirectory() as tmp:
+            served = asyncio.run(_serve_drain(cfg, seconds, 3.0, Path(tmp)))
+        bare = _bare_loop(cfg, seconds)
+        worker_rate = served["delivered_rollouts"] / served["seconds"]
+        bare_rate = bare["rollouts"] / bare["seconds"]
+        pairs.append(
+            {
+                "worker_delivered_rollouts_per_s": worker_rate,
+                "bare_loop_rollouts_per_s": bare_rate,
+                "ratio": worker_rate / bare_rate,
+                "served": served,
+                "bare": bare,
+            }
+        )
+        log.info("worker pair %d: %.3f x", len(pairs), pairs[-1]["ratio"])
+    ratio = statistics.median(p["ratio"] for p in pairs)
+    worker_rate = statistics.median(p["worker_delivered_rollouts_per_s"] for p in pairs)
     res = {
         "seconds": seconds,
+        "trials": trials,
         "batch_rollouts": cfg.runtime.lease_prompts * cfg.grpo.group_size,
+        "ratios": [p["ratio"] for p in pairs],
+        "ratio": ratio,
         "worker_delivered_rollouts_per_s": worker_rate,
-        "bare_loop_rollouts_per_s": bare_rate,
-        "ratio": worker_rate / bare_rate,
-        "served": served,
-        "bare": bare,
-        "met": worker_rate / bare_rate >= 0.9,
+        "bare_loop_rollouts_per_s": statistics.median(p["bare_loop_rollouts_per_s"] for p in pairs),
+        "pairs": pairs,
+        "met": ratio >= 0.9,
     }
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.bar(
-        ["bare HF loop", "echo2 worker\n(delivered, end to end)"],
-        [bare_rate, worker_rate],
-        color=["C0", "C3"],
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = range(1, trials + 1)
+    ax.plot(xs, [p["bare_loop_rollouts_per_s"] for p in pairs], "o-", color="C0", label="bare HF loop")
+    ax.plot(xs, [p["worker_delivered_rollouts_per_s"] for p in pairs], "o-", color="C3",
+            label="echo2 worker (delivered, end to end)")  # fmt: skip
+    ax.plot(xs, [0.9 * p["bare_loop_rollouts_per_s"] for p in pairs], ":", color="k", label="0.9 x bare")
+    ax.set(
+        xlabel="interleaved pair",
+        ylabel="rollouts / s",
+        title=f"Worker throughput: median {ratio:.2f} x bare ({trials} pairs)",
+        xticks=list(xs),
     )
-    ax.axhline(0.9 * bare_rate, color="k", ls=":", label="0.9 x bare")
-    ax.set(ylabel="rollouts / s", title=f"Worker throughput: {res['ratio']:.2f} x bare")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "runtime_worker.png", dpi=110)
@@ -483,7 +504,8 @@ def main() -> int:
     p.add_argument("--bubble-ns", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     p.add_argument("--bubble-throttle", type=float, default=400.0, help="rollouts/s per worker")
     p.add_argument("--bubble-minutes", type=float, default=1.0)
-    p.add_argument("--worker-seconds", type=float, default=30.0)
+    p.add_argument("--worker-seconds", type=float, default=20.0)
+    p.add_argument("--worker-trials", type=int, default=5, help="interleaved worker / bare-loop pairs")
     p.add_argument("--reuse", action="store_true", help="analyse finished runs under OUT/runtime_runs again")
     a = p.parse_args()
     global REUSE
@@ -499,7 +521,7 @@ def main() -> int:
         elif study == "bubble":
             res = study_bubble(a.out, a.bubble_ns, a.bubble_throttle, a.bubble_minutes, warmup=10)
         else:
-            res = study_worker(a.out, a.worker_seconds)
+            res = study_worker(a.out, a.worker_seconds, a.worker_trials)
         (a.out / f"runtime_{study}.json").write_text(json.dumps(res, indent=1))
         summary = {k: v for k, v in res.items() if not isinstance(v, list | dict)}
         log.info("%s: %s", study, json.dumps(summary))

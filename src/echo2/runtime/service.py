@@ -283,13 +283,7 @@ class LearnerService:
             float(rate or DEFAULT_RATE),
             last_seen_s=self.clock(),
         )
-        self.workers[wid] = rec
-        self._by_cred[rec.credential_sha256] = wid
-        self.controller.add_candidate(
-            Candidate(wid, rec.hardware or "worker", rec.usd_per_hour, rec.rollouts_per_s),
-            active=True,
-            now_s=self.clock(),
-        )
+        self._enroll(rec)
         self._save_registry()
         log.info("registered %s (%s, %s, $%.2f/h)", wid, name, hardware or "?", rec.usd_per_hour)
         return web.json_response(
@@ -418,7 +412,17 @@ class LearnerService:
         self._auth(request)
         return web.json_response({"files": self.skeleton})
 
-    # ---- persistence of the registry ---------------------------------------------------------------
+    # ---- the registry --------------------------------------------------------------------------------
+    def _enroll(self, rec: WorkerRecord) -> None:
+        """Index a registered (or restored) worker and offer it to the controller, active."""
+        self.workers[rec.worker_id] = rec
+        self._by_cred[rec.credential_sha256] = rec.worker_id
+        self.controller.add_candidate(
+            Candidate(rec.worker_id, rec.hardware or "worker", rec.usd_per_hour, rec.rollouts_per_s),
+            active=True,
+            now_s=self.clock(),
+        )
+
     def _registry_path(self) -> Path:
         return self.run_path / "workers.json"
 
@@ -435,13 +439,7 @@ class LearnerService:
         for d in json.loads(path.read_text()):
             rec = WorkerRecord(**d)
             rec.last_seen_s = self.clock()  # give it one heartbeat timeout to come back
-            self.workers[rec.worker_id] = rec
-            self._by_cred[rec.credential_sha256] = rec.worker_id
-            self.controller.add_candidate(
-                Candidate(rec.worker_id, rec.hardware or "worker", rec.usd_per_hour, rec.rollouts_per_s),
-                active=True,
-                now_s=self.clock(),
-            )
+            self._enroll(rec)
         log.info("restored %d registered workers from %s", len(self.workers), path)
 
 

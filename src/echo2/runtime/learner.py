@@ -357,24 +357,22 @@ class AsyncLearner:
 
 
 def _persistent_key(run_path: Path) -> Any:
-    """The run's manifest signing key, kept in the run directory (owner-only) so a restarted learner
-    signs with the key its workers already trust."""
+    """The run's manifest signing key, kept in the run directory so a restarted learner signs with
+    the key its workers already trust."""
     from echo2.broadcast.manifest import key_from_text, new_signing_key
 
-    path = run_path / "learner_key"
-    if path.is_file():
-        return key_from_text(path.read_text().strip())
-    key = new_signing_key()
-    path.touch(mode=0o600)
-    path.write_text(key.to_text())
-    return key
+    return key_from_text(_persistent_secret(run_path / "learner_key", lambda: new_signing_key().to_text()))
 
 
 def _persistent_token(run_path: Path) -> str:
-    path = run_path / "join_token"
+    return _persistent_secret(run_path / "join_token", lambda: secrets.token_urlsafe(24))
+
+
+def _persistent_secret(path: Path, make: Callable[[], str]) -> str:
+    """The secret stored at ``path``, or a new one from ``make`` written there owner-only."""
     if path.is_file():
         return path.read_text().strip()
-    token = secrets.token_urlsafe(24)
+    text = make()
     path.touch(mode=0o600)
-    path.write_text(token)
-    return token
+    path.write_text(text)
+    return text

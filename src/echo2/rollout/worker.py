@@ -223,11 +223,7 @@ class RolloutWorker:
             await asyncio.sleep(every)
 
     async def _lease(self) -> dict[str, Any]:
-        status, data = await self._call(
-            "POST",
-            "/lease",
-            {"max_prompts": self.cfg.runtime.lease_prompts, "installed_version": self.installed},
-        )
+        status, data = await self._call("POST", "/lease", self._lease_request())
         if status != 200:
             return {
                 "lease_id": None,

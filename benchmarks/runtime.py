@@ -179,13 +179,18 @@ def study_staleness(
 ) -> dict[str, Any]:
     runs = out / "runtime_runs"
     res: dict[str, Any] = {"steps": steps, "seed": seed, "runs": {}}
-    for S in values:
-        d = runs / f"staleness_S{S}"
+
+    def staleness_run(S: int, run_seed: int, name: str) -> Path:
+        d = runs / name
         echo2(
-            "run", "--staleness", str(S), "--steps", str(steps), "--seed", str(seed), "--run-dir", str(d),
+            "run", "--staleness", str(S), "--steps", str(steps), "--seed", str(run_seed), "--run-dir", str(d),
             "--set", "train.max_minutes=30", "--set", "train.eval_every=50", "--set", "train.eval_size=512",
             log_to=d.with_suffix(".log"),
         )  # fmt: skip
+        return d
+
+    for S in values:
+        d = staleness_run(S, seed, f"staleness_S{S}")
         rows = steps_of(d)
         res["runs"][str(S)] = {
             "final_accuracy": evals(d)[-1]["reward/accuracy"],
@@ -203,12 +208,7 @@ def study_staleness(
         for extra in extra_seeds:
             acc = {}
             for S in (0, 3):
-                d = runs / f"staleness_S{S}_seed{extra}"
-                echo2(
-                    "run", "--staleness", str(S), "--steps", str(steps), "--seed", str(extra),
-                    "--run-dir", str(d), "--set", "train.max_minutes=30", "--set", "train.eval_every=50",
-                    "--set", "train.eval_size=512", log_to=d.with_suffix(".log"),
-                )  # fmt: skip
+                d = staleness_run(S, extra, f"staleness_S{S}_seed{extra}")
                 acc[S] = evals(d)[-1]["reward/accuracy"]
             diffs.append(100 * (acc[3] - acc[0]))
         res["s3_minus_s0_points_per_seed"] = diffs

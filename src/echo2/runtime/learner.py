@@ -34,7 +34,7 @@ from typing import Any
 from echo2.config import Config
 from echo2.errors import Echo2Error, InfeasibleError, TrainingDivergedError
 from echo2.planner import capacity
-from echo2.runtime.rundir import OPTIM_FILE, STATE_FILE
+from echo2.runtime.rundir import OPTIM_FILE, STATE_FILE, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,6 @@ class LearnerSummary:
     bubble_ratio: float  # total idle / (idle + train) over the run
     staleness_max: int  # max Delta(t) over all steps (never above S)
     last_checkpoint: str  # newest checkpoint directory
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest ``checkpoints/step_*`` with a trainer state, if any."""
-    found = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / STATE_FILE).is_file())
-    return found[-1] if found else None
 
 
 class AsyncLearner:

@@ -13,6 +13,12 @@ STATE_FILE = "trainer_state.json"  # {"version": v}: the policy version the chec
 OPTIM_FILE = "optimizer.pt"  # optimizer state, for a learner that resumes
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest ``checkpoints/step_*`` with a trainer state, if any."""
+    found = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / STATE_FILE).is_file())
+    return found[-1] if found else None
+
+
 class RunDir:
     def __init__(self, path: str | Path, config: dict[str, Any], keep_checkpoints: int = 2) -> None:
         self.path = Path(path)

@@ -47,7 +47,7 @@ class LocalWorkers:
         self.logs = Path(cfg.train.run_dir) / "workers"
 
     def start(self, ep: Endpoints) -> None:
-        logs = self.logs = Path(ep.run_dir) / "workers"
+        logs = self.logs
         logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, TOKEN_ENV: ep.token}
         for i in range(self.cfg.runtime.workers):
@@ -149,6 +149,6 @@ def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> Learn
         view.close()
         codes = workers.stop()
         if any(c not in (0, None) for c in codes):
-            log.warning("worker exit codes %s (logs in %s/workers)", codes, cfg.train.run_dir)
+            log.warning("worker exit codes %s (logs in %s)", codes, workers.logs)
     plot_run(Path(summary.run_dir))
     return summary

@@ -14,8 +14,9 @@ def plot_run(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
-    evals = [r for r in read_metrics(run_dir) if r.get("reward/accuracy") is not None]
+    records = read_metrics(run_dir)
+    rows = [r for r in records if "learner/t_train_s" in r]
+    evals = [r for r in records if r.get("reward/accuracy") is not None]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     t = [r["time_s"] for r in rows]
     ax = axes[0]

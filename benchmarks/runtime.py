@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -354,6 +355,8 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
     blob = snapshot_blob(policy.model)
     man = await pub.publish(0, blob)
     svc.set_published(0, man.to_dict(), blob)
+    ready = asyncio.Event()  # set on every admitted submission, as the real learner waits on it
+    svc.data_ready = ready.set
     runner, port = await svc.serve("127.0.0.1", 0)
     env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
     cmd = [
@@ -384,7 +387,9 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
                     svc.set_published(version, man.to_dict(), blob)
             batch = store.take_batch(cfg.grpo.prompts_per_step, version, step=k + 1)
             if batch is None:
-                await asyncio.sleep(0.005)
+                ready.clear()
+                with contextlib.suppress(TimeoutError):  # until data lands or the next version is due
+                    await asyncio.wait_for(ready.wait(), T_TRAIN_S - (time.perf_counter() - last_pub))
                 continue
             k += 1
             taken += sum(len(g) for g in batch)
@@ -394,6 +399,7 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
             if t_mark is None and t_warm is not None and now >= t_warm:
                 t_mark, taken_mark = now, taken
                 t_end = t_mark + seconds
+        t_stop = time.perf_counter()  # the counting window ends here, before the shutdown below
     finally:
         svc.finished = True
         await asyncio.sleep(1.0)
@@ -405,7 +411,7 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
     assert t_mark is not None
     return {
         "delivered_rollouts": taken - taken_mark,
-        "seconds": time.perf_counter() - t_mark,
+        "seconds": t_stop - t_mark,
         "versions": version,
     }
 

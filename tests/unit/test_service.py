@@ -216,6 +216,59 @@ def test_heartbeat_validates_and_reports_activity(tmp_path):
     assert svc.controller.measured_rate(wid) == pytest.approx(16.0)  # first measurement replaces the prior
 
 
+BAD_BODIES = [  # endpoint, body, (field named first in the detail, what it says of it)
+    ("register", {"token": TOKEN, "name": ""}, ("name", "at least 1 character")),
+    ("register", {"token": TOKEN, "usd_per_hour": -1}, ("usd_per_hour", "greater than or equal to 0")),
+    ("register", {"token": TOKEN, "usd_per_hour": True}, ("usd_per_hour", "a valid number")),
+    ("register", {"token": TOKEN, "rollouts_per_s": 0}, ("rollouts_per_s", "greater than 0")),
+    ("register", {"token": TOKEN, "hardware": "x" * 129}, ("hardware", "at most 128 characters")),
+    ("register", {"token": TOKEN, "gpu": "H100"}, ("gpu", "Extra inputs are not permitted")),
+    ("heartbeat", {"rollouts": -1, "busy_s": 0.5, "installed_version": 0}, ("rollouts", "greater than")),
+    ("heartbeat", {"rollouts": True, "busy_s": 0.5, "installed_version": 0}, ("rollouts", "a valid integer")),
+    ("heartbeat", {"rollouts": 8, "busy_s": "x", "installed_version": 0}, ("busy_s", "a valid number")),
+    ("heartbeat", {"rollouts": 8, "busy_s": 0.5}, ("installed_version", "Field required")),
+    ("lease", {"max_prompts": 0, "installed_version": 0}, ("max_prompts", "greater than or equal to 1")),
+    ("lease", {"max_prompts": 2, "installed_version": 0.5}, ("installed_version", "a valid integer")),
+    ("lease", {"max_prompts": 2, "installed_version": -2}, ("installed_version", "equal to -1")),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "bad", "detail"), BAD_BODIES)
+def test_bad_bodies_get_422_naming_the_field(tmp_path, endpoint, bad, detail):
+    async def body(client):
+        auth = await register(client)
+        resp = await client.post(f"/v1/{endpoint}", json=bad, headers=auth)
+        ok = await client.post("/v1/lease", json={"max_prompts": 1, "installed_version": 0}, headers=auth)
+        return resp.status, await resp.json(), ok.status
+
+    svc = make_service(tmp_path)
+    (status, reply, ok), stats = run(body, svc)
+    assert status == 422 and reply["error"] == "schema"
+    field, says = detail
+    assert reply["detail"].startswith(f"{field}: ") and says in reply["detail"], reply["detail"]
+    assert stats.rejected_by_reason["schema"] == 1 and ok == 200  # counted, and the learner keeps serving
+    assert len(svc.workers) == 1  # a refused registration enrols nobody
+
+
+def test_a_bad_next_lease_keeps_the_submission(tmp_path):
+    async def body(client):
+        auth = await register(client)
+        le = await lease(client, auth)
+        bad = {**payload(le), "next_lease": {"max_prompts": "two", "installed_version": 0}}
+        first = await (await client.post("/v1/submit", json=bad, headers=auth)).json()
+        le2 = await lease(client, auth)
+        good = {**payload(le2), "next_lease": {"max_prompts": 2, "installed_version": 0}}
+        second = await (await client.post("/v1/submit", json=good, headers=auth)).json()
+        return first, second
+
+    svc = make_service(tmp_path)
+    (first, second), stats = run(body, svc)
+    assert first["admitted"] == 4 and first["next_lease"]["error"] == "schema"
+    assert first["next_lease"]["detail"].startswith("next_lease: max_prompts: Input should be a valid int")
+    assert second["admitted"] == 4 and second["next_lease"]["lease_id"]
+    assert stats.rejected_by_reason["schema"] == 1 and stats.admitted == 8
+
+
 def test_registry_survives_a_restart(tmp_path):
     async def first(client):
         return await register(client)

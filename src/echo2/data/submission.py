@@ -32,7 +32,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr, ValidationError
 
@@ -124,12 +124,13 @@ class Submission:
 
 # --- pass 1: schema -------------------------------------------------------------------------------------
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True)  # for every API body: exact types, no unknown keys
+M = TypeVar("M", bound=BaseModel)
 _META_TYPES = (str, int, float, bool)  # plus None; checked by hand (a pydantic union reports 5 errors)
 
 
 class _SampleModel(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     prompt_ids: list[StrictInt]
     completion_ids: list[StrictInt]
@@ -139,14 +140,14 @@ class _SampleModel(BaseModel):
 
 
 class _GroupModel(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     prompt_id: StrictStr
     samples: list[_SampleModel]
 
 
 class _BodyModel(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     lease_id: StrictStr
     policy_version: StrictInt
@@ -162,6 +163,14 @@ def _loc_path(loc: Sequence[int | str]) -> str:
         else:
             out += f".{part}" if out else str(part)
     return out or "body"
+
+
+def parse_model(model: type[M], body: object) -> M:
+    """``model.model_validate(body)``, or :class:`Rejected` (``schema``) naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise _schema_error(err) from None
 
 
 def _schema_error(err: ValidationError) -> Rejected:
@@ -255,10 +264,7 @@ def validate_submission(body: object, limits: SubmissionLimits, latest_published
         groups_raw = body.get("groups")
         if isinstance(groups_raw, list) and len(groups_raw) > limits.max_groups:
             raise Rejected("oversized", f"groups: {len(groups_raw)} groups > limit {limits.max_groups}")
-    try:
-        m = _BodyModel.model_validate(body)
-    except ValidationError as err:
-        raise _schema_error(err) from None
+    m = parse_model(_BodyModel, body)
 
     if not 1 <= len(m.lease_id) <= MAX_ID_CHARS:
         raise Rejected("schema", f"lease_id: length {len(m.lease_id)} outside 1..{MAX_ID_CHARS}")

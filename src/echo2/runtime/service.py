@@ -13,7 +13,9 @@ Endpoints (JSON; every one but ``register`` needs ``Authorization: Bearer <crede
 
 The run's join token is exchanged once for a per-worker credential (only its SHA-256 is kept, in
 ``workers.json`` of the run directory, so credentials survive a learner restart). A missing credential
-gets 401, a wrong one 403. Every rejection is counted by reason in the store (``store/rejected/*``).
+gets 401, a wrong one 403. Bodies are parsed by strict pydantic models (``RegisterBody``,
+``HeartbeatBody``, ``LeaseBody``; submissions by ``data/submission.py``); a refusal names the field.
+Every rejection is counted by reason in the store (``store/rejected/*``).
 
 Work in flight is capped: a lease is granted only while leased-but-unsubmitted plus buffered rollouts
 stay within ``min(max_inflight_batches, S + 1) * R``, and only to a worker whose installed version
@@ -34,22 +36,59 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel, Field
 
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
-from echo2.data.submission import Rejected, SubmissionLimits, validate_submission
+from echo2.data.submission import STRICT, Rejected, SubmissionLimits, parse_model, validate_submission
 from echo2.data.tasks.base import Task
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import ControllerConfig, Heartbeat, PoolController
 from echo2.types import Prompt
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 API = "/v1"
 DEFAULT_RATE = 1.0  # rollouts/s assumed for a worker that registers without an estimate
+
+
+Version = Annotated[int, Field(ge=-1)]  # a snapshot version; -1 = none installed yet
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class RegisterBody(BaseModel):
+    """``POST /v1/register`` (the token is checked first, so a stranger learns nothing of the schema)."""
+
+    model_config = STRICT
+
+    token: str
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "worker"
+    hardware: Annotated[str, Field(max_length=128)] = ""
+    usd_per_hour: NonNegFloat = 0.0
+    rollouts_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+
+
+class HeartbeatBody(BaseModel):
+    """``POST /v1/heartbeat``: rollouts generated and seconds busy since the last one."""
+
+    model_config = STRICT
+
+    rollouts: Annotated[int, Field(ge=0)]
+    busy_s: NonNegFloat
+    installed_version: Version
+
+
+class LeaseBody(BaseModel):
+    """``POST /v1/lease``, or the ``next_lease`` of a submission."""
+
+    model_config = STRICT
+
+    max_prompts: Annotated[int, Field(ge=1)]
+    installed_version: Version
 
 
 @dataclass
@@ -241,6 +280,13 @@ class LearnerService:
             raise _error(web.HTTPBadRequest, "malformed", "body must be a JSON object")
         return body
 
+    @staticmethod
+    def _parse(model: type[M], body: dict[str, Any]) -> M:
+        try:
+            return parse_model(model, body)
+        except Rejected as exc:
+            raise _error(web.HTTPUnprocessableEntity, exc.reason, exc.detail) from None
+
     def authorize_broadcast(self, worker_id: str, credential: object) -> bool:
         """Only registered workers join the snapshot topology, under their own id."""
         if not isinstance(credential, str):
@@ -255,37 +301,21 @@ class LearnerService:
             raise _error(web.HTTPUnauthorized, "auth", "register needs the run's join token")
         if not hmac.compare_digest(token.encode(), self.join_token.encode()):
             raise _error(web.HTTPForbidden, "auth", "wrong join token")
-        name, hardware = body.get("name", "worker"), body.get("hardware", "")
-        price, rate = body.get("usd_per_hour", 0.0), body.get("rollouts_per_s")
-        if (
-            not isinstance(name, str)
-            or not 0 < len(name) <= 64
-            or not isinstance(hardware, str)
-            or len(hardware) > 128
-        ):
-            raise _error(web.HTTPUnprocessableEntity, "schema", "name must be 1-64 chars, hardware <= 128")
-        if not _finite_nonneg(price):
-            raise _error(
-                web.HTTPUnprocessableEntity,
-                "schema",
-                f"usd_per_hour must be a finite number >= 0, got {price!r}",
-            )
-        if rate is not None and not (_finite_nonneg(rate) and rate > 0):
-            raise _error(web.HTTPUnprocessableEntity, "schema", f"rollouts_per_s must be > 0, got {rate!r}")
+        req = self._parse(RegisterBody, body)
         credential = secrets.token_urlsafe(32)
         wid = f"w{len(self.workers)}-{secrets.token_hex(3)}"
         rec = WorkerRecord(
             wid,
-            name,
+            req.name,
             _sha(credential),
-            float(price),
-            hardware,
-            float(rate or DEFAULT_RATE),
+            req.usd_per_hour,
+            req.hardware,
+            req.rollouts_per_s or DEFAULT_RATE,
             last_seen_s=self.clock(),
         )
         self._enroll(rec)
         self._save_registry()
-        log.info("registered %s (%s, %s, $%.2f/h)", wid, name, hardware or "?", rec.usd_per_hour)
+        log.info("registered %s (%s, %s, $%.2f/h)", wid, rec.name, rec.hardware or "?", rec.usd_per_hour)
         return web.json_response(
             {
                 "worker_id": wid,
@@ -299,26 +329,15 @@ class LearnerService:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         rec = self._auth(request)
-        body = await self._json(request)
-        rollouts, busy, installed = body.get("rollouts"), body.get("busy_s"), body.get("installed_version")
-        if not (
-            isinstance(rollouts, int)
-            and rollouts >= 0
-            and _finite_nonneg(busy)
-            and isinstance(installed, int)
-        ):
-            raise _error(
-                web.HTTPUnprocessableEntity, "schema",
-                "heartbeat needs rollouts (int >= 0), busy_s (finite >= 0), installed_version (int)",
-            )  # fmt: skip
-        if self.published is not None and installed > self.published[0]:
+        hb = self._parse(HeartbeatBody, await self._json(request))
+        if self.published is not None and hb.installed_version > self.published[0]:
             raise _error(
                 web.HTTPUnprocessableEntity,
                 "future_version",
-                f"installed_version {installed} was never published",
+                f"installed_version: {hb.installed_version} was never published",
             )
-        rec.installed_version = installed
-        self.controller.observe(Heartbeat(rec.worker_id, self.clock(), rollouts, float(busy)))
+        rec.installed_version = hb.installed_version
+        self.controller.observe(Heartbeat(rec.worker_id, self.clock(), hb.rollouts, hb.busy_s))
         self.control()
         return web.json_response(
             {
@@ -331,21 +350,11 @@ class LearnerService:
 
     async def lease(self, request: web.Request) -> web.Response:
         rec = self._auth(request)
-        body = await self._json(request)
-        grant = self._grant(rec, body)
-        if "error" in grant:
-            raise _error(web.HTTPUnprocessableEntity, "schema", grant["detail"])
-        return web.json_response(grant)
+        return web.json_response(self._grant(rec, self._parse(LeaseBody, await self._json(request))))
 
-    def _grant(self, rec: WorkerRecord, body: dict[str, Any]) -> dict[str, Any]:
+    def _grant(self, rec: WorkerRecord, req: LeaseBody) -> dict[str, Any]:
         """A lease of up to ``max_prompts`` prompts, or why not (and when to ask again)."""
-        n, installed = body.get("max_prompts"), body.get("installed_version")
-        if not (isinstance(n, int) and n >= 1 and isinstance(installed, int)):
-            return {
-                "error": "schema",
-                "detail": "lease needs max_prompts (int >= 1) and installed_version (int)",
-            }
-        n = min(n, self.cfg.runtime.lease_prompts)
+        n, installed = min(req.max_prompts, self.cfg.runtime.lease_prompts), req.installed_version
         retry = self.cfg.runtime.heartbeat_s / 4
         G = self.cfg.grpo.group_size
         if self.finished:
@@ -389,8 +398,12 @@ class LearnerService:
         if result.admitted:
             self.data_ready()
         reply: dict[str, Any] = {"admitted": result.admitted, "dropped_stale": result.dropped_stale}
-        if isinstance(next_lease, dict):
-            reply["next_lease"] = self._grant(rec, next_lease)
+        if next_lease is not None:  # the submission stands even if this part is bad
+            try:
+                reply["next_lease"] = self._grant(rec, parse_model(LeaseBody, next_lease))
+            except Rejected as exc:
+                self.store.record_rejection(exc.reason)
+                reply["next_lease"] = {"error": exc.reason, "detail": f"next_lease: {exc.detail}"}
         return web.json_response(reply)
 
     async def get_version(self, request: web.Request) -> web.Response:
@@ -461,10 +474,6 @@ def _error(cls: type[web.HTTPException], reason: str, detail: str) -> web.HTTPEx
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _finite_nonneg(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def _max_prompt_tokens(cfg: Config) -> int:

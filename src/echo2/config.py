@@ -209,6 +209,12 @@ class RuntimeConfig(_Section):
     lease_ttl_s: float = Field(
         30.0, gt=0.0, description="a lease not submitted within this long is re-issued"
     )
+    max_leases_per_worker: int = Field(
+        4,
+        ge=1,
+        description="open leases one worker may hold (a worker keeps 2 in flight); bounds what one "
+        "worker that never submits can tie up until its leases expire",
+    )
     max_inflight_batches: float = Field(
         2.0, ge=1.0, description="cap on leased + buffered rollouts, in learner batches R (clamped to S + 1)"
     )

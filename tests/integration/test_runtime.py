@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
+import math
 import os
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -149,3 +155,112 @@ def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_pa
     assert admitted == stored  # every accepted trajectory is in the ledger: none lost
     assert per_step == {s: P for s in range(1, steps + 1)}  # each group under one step: none twice
     assert expired is not None and expired[0] >= 1  # the dead worker's leases expired
+
+
+def _post(url: str, body: object, cred: str | None = None) -> tuple[int, dict]:  # type: ignore[type-arg]
+    """POST raw bytes, or ``body`` as JSON; (status, decoded JSON reply)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()  # NaN stays NaN: hostile JSON
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    if cred is not None:
+        req.add_header("Authorization", f"Bearer {cred}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+    except urllib.error.URLError:  # the learner is gone (it finished, or it died: the test tells which)
+        return 0, {}
+
+
+def _payload(le: dict, version: int = 0, token: int = 5, reward: float = 1.0, n: int = G) -> dict:  # type: ignore[type-arg]
+    """A submission for lease ``le``, well formed unless an argument says otherwise."""
+    sample = {"prompt_ids": [token], "completion_ids": [token], "sampler_logprobs": [-1.0], "reward": reward}
+    groups = [{"prompt_id": p["prompt_id"], "samples": [sample] * n} for p in le["prompts"]]
+    return {"lease_id": le["lease_id"], "policy_version": version, "groups": groups}
+
+
+def _hostile(
+    api: str, token: str, broadcast: tuple[str, int], one_round: threading.Event, done: threading.Event
+) -> dict[str, int]:
+    """A registered worker that sends every kind of garbage, round after round, until ``done`` (sets
+    ``one_round`` after its first whole round); the status codes it got, counted."""
+    got: dict[str, int] = {}
+
+    def note(what: str, status: int) -> None:
+        if status:  # 0: the learner has finished and is gone
+            key = f"{what}:{status}"
+            got[key] = got.get(key, 0) + 1
+
+    status, reg = _post(f"{api}/register", {"token": token, "name": "hostile", "usd_per_hour": 0.01})
+    assert status == 200, reg
+    cred = reg["credential"]
+    while not done.is_set():
+        note("forged", _post(f"{api}/lease", {}, cred="forged")[0])
+        note("no_credential", _post(f"{api}/submit", {})[0])
+        note("not_json", _post(f"{api}/submit", b"\x00\xff{oops", cred)[0])
+        note("oversized", _post(f"{api}/submit", b"x" * (2 << 20), cred)[0])
+        future = {"rollouts": 1, "busy_s": 0.1, "installed_version": 10**6}
+        note("future_heartbeat", _post(f"{api}/heartbeat", future, cred)[0])
+        with contextlib.suppress(OSError), socket.create_connection(broadcast, timeout=5) as s:
+            s.sendall(b"\xde\xad\xbe\xef" * 4096)  # junk on the broadcast port
+        status, le = _post(f"{api}/lease", {"max_prompts": 2, "installed_version": 0}, cred)
+        if status != 200 or not le.get("lease_id"):
+            time.sleep(0.2)
+            continue
+
+        sub = f"{api}/submit"
+        note("token_range", _post(sub, _payload(le, token=10**6), cred)[0])
+        note("future_version", _post(sub, _payload(le, version=10**6), cred)[0])
+        note("nan_reward", _post(sub, _payload(le, reward=math.nan), cred)[0])
+        note("group_size", _post(sub, _payload(le, n=G - 1), cred)[0])
+        note("valid", _post(sub, _payload(le), cred)[0])  # trusted rewards: a bad worker can still do this
+        note("replay", _post(sub, _payload(le), cred)[0])
+        one_round.set()
+    return got
+
+
+def test_a_hostile_worker_cannot_crash_or_stall_the_learner(tiny_overrides, tmp_path):
+    """A registered worker floods every endpoint with garbage while an honest worker trains: each
+    piece gets its 4xx and is counted, and the learner finishes every step."""
+    run_dir = tmp_path / "run"
+    steps = 40
+    http = _free_port()
+    args = [*_sets(tiny_overrides), "--steps", str(steps), "--no-progress"]
+    args += _sets([f"runtime.port={http}", "runtime.lease_prompts=2", "runtime.max_request_mb=1",
+                   "train.eval_every=1000"])  # fmt: skip
+    learner = _echo2("learner", *args, log=tmp_path / "learner.log")
+    started = [learner]
+    one_round, done = threading.Event(), threading.Event()
+    try:
+        _wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
+        info = json.loads((run_dir / "learner.json").read_text())
+        token = (run_dir / "join_token").read_text().strip()
+        api = f"http://127.0.0.1:{http}/v1"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            hostile = pool.submit(_hostile, api, token, tuple(info["broadcast"]), one_round, done)
+            assert one_round.wait(60), "the hostile worker never got a lease"  # then the honest one joins
+            env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
+            honest = _echo2("worker", "--join", f"http://127.0.0.1:{http}", "--name", "honest", env=env,
+                            log=tmp_path / "worker.log")  # fmt: skip
+            started.append(honest)
+            rc = learner.wait(240)
+            done.set()
+            got = hostile.result(60)
+        assert rc == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert honest.wait(30) == 0
+    finally:
+        done.set()
+        for p in started:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    want = {"forged": 403, "no_credential": 401, "not_json": 400, "oversized": 413, "future_heartbeat": 422,
+            "token_range": 422, "future_version": 422, "nan_reward": 422, "group_size": 422, "valid": 200,
+            "replay": 409}  # fmt: skip
+    assert {k.split(":")[0]: int(k.split(":")[1]) for k in got} == want, got  # each got its one status
+    rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # training went on, every step
+    last = rows[-1]
+    for reason in ("auth", "malformed", "oversized", "future_version", "token_range", "reward", "replay"):
+        assert last[f"store/rejected/{reason}"] >= 1, reason  # counted by reason
+    assert "Traceback" not in (tmp_path / "learner.log").read_text()

@@ -196,6 +196,18 @@ def test_lease_caps_work_in_flight_and_refuses_stale_weights(tmp_path):
     assert stale["reason"] == "stale_weights" and stale["min_version"] == 2
 
 
+def test_one_worker_cannot_hold_more_than_its_share_of_leases(tmp_path):
+    async def body(client):
+        greedy, other = await register(client, "greedy"), await register(client, "other")
+        hoard = [await lease(client, greedy) for _ in range(3)]
+        return hoard, await lease(client, other)
+
+    svc = make_service(tmp_path, "runtime.max_leases_per_worker=2")
+    (hoard, other), stats = run(body, svc)
+    assert [bool(le["lease_id"]) for le in hoard] == [True, True, False]
+    assert hoard[2]["reason"] == "too_many_leases" and other["lease_id"] and stats.leases_open == 3
+
+
 def test_heartbeat_validates_and_reports_activity(tmp_path):
     async def body(client):
         auth = await register(client)

@@ -271,6 +271,13 @@ class TrajectoryStore:
         row = self._db.execute("SELECT worker_id FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
         return None if row is None else str(row[0])
 
+    def open_leases(self, worker_id: str) -> int:
+        """Leases issued to ``worker_id`` that are still ``open`` (neither submitted nor expired)."""
+        (n,) = self._db.execute(
+            "SELECT COUNT(*) FROM leases WHERE state = 'open' AND worker_id = ?", (worker_id,)
+        ).fetchone()
+        return int(n)
+
     def expire_leases(self, now: float) -> list[Prompt]:
         """Mark open leases with ``expires_at <= now`` as ``expired``; returns their prompts to lease again.
 

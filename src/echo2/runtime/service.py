@@ -249,15 +249,19 @@ class LearnerService:
         try:
             return await handler(request)
         except web.HTTPException as exc:
-            if exc.status >= 400:
-                reason = getattr(exc, "echo2_reason", None) or _REASON_BY_STATUS.get(
-                    exc.status, f"http_{exc.status}"
-                )
-                self.store.record_rejection(reason)
-                log.warning(
-                    "%s %s from %s: %d %s", request.method, request.path, request.remote, exc.status, exc.text
-                )
-            raise
+            if exc.status < 400:
+                raise
+            ours = getattr(exc, "echo2_reason", None)
+            reason = ours or _REASON_BY_STATUS.get(exc.status, f"http_{exc.status}")
+            self.store.record_rejection(reason)
+            log.warning(
+                "%s %s from %s: %d %s", request.method, request.path, request.remote, exc.status, exc.text
+            )
+            if ours is not None:
+                raise
+            # raised by aiohttp itself (body too large, no such route, ...): the same JSON shape as ours
+            keep = {k: v for k, v in exc.headers.items() if k.lower() not in _BODY_HEADERS}
+            return web.json_response({"error": reason, "detail": exc.text}, status=exc.status, headers=keep)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> WorkerRecord:
@@ -370,6 +374,8 @@ class LearnerService:
             }
         if self.store.outstanding_rollouts() + n * G > self.inflight_cap:
             return {"lease_id": None, "reason": "buffer_full", "retry_after_s": retry}
+        if self.store.open_leases(rec.worker_id) >= self.cfg.runtime.max_leases_per_worker:
+            return {"lease_id": None, "reason": "too_many_leases", "retry_after_s": retry}
         prompts = self.prompts.take(n)
         lease_id = self.store.issue_lease(rec.worker_id, prompts, time.time(), self.cfg.runtime.lease_ttl_s)
         return {
@@ -456,6 +462,7 @@ class LearnerService:
         log.info("restored %d registered workers from %s", len(self.workers), path)
 
 
+_BODY_HEADERS = ("content-type", "content-length")
 _REASON_BY_STATUS = {
     400: "malformed",
     401: "auth",

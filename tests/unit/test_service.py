@@ -160,14 +160,17 @@ def test_oversized_body_is_413_and_the_learner_keeps_serving(tmp_path):
     async def body(client):
         auth = await register(client)
         big = await client.post("/v1/submit", data=b"x" * (2 << 20), headers=auth)
+        nowhere = await client.post("/v1/nowhere", json={}, headers=auth)
         le = await lease(client, auth)
         ok = await client.post("/v1/submit", json=payload(le), headers=auth)
-        return big.status, ok.status
+        return (big.status, nowhere.status, ok.status), await big.json(), await nowhere.json()
 
     svc = make_service(tmp_path, "runtime.max_request_mb=1")
-    statuses, stats = run(body, svc)
-    assert statuses == (413, 200)
-    assert stats.rejected_by_reason["oversized"] == 1
+    (statuses, big, nowhere), stats = run(body, svc)
+    assert statuses == (413, 404, 200)
+    assert big["error"] == "oversized" and "1048576" in big["detail"]  # aiohttp's refusal, in our JSON
+    assert nowhere["error"] == "not_found"
+    assert stats.rejected_by_reason["oversized"] == 1 and stats.rejected_by_reason["not_found"] == 1
 
 
 def test_other_workers_lease_is_forbidden(tmp_path):

@@ -7,7 +7,7 @@ from echo2.errors import CheckpointError, TrainingDivergedError
 from echo2.learner.trainer import GRPOTrainer
 from echo2.models.policy import load_checkpoint, load_policy
 from echo2.models.warmstart import warmstart_checkpoint
-from echo2.runtime.rundir import read_metrics
+from echo2.runtime.rundir import RunDir, read_metrics
 from echo2.runtime.sync import run_sync
 
 
@@ -66,6 +66,30 @@ def test_sync_loop_writes_run_dir_with_spec_metric_names(tiny_overrides, tmp_pat
     assert json.loads((run / "config.json").read_text())["grpo"]["group_size"] == 4
     assert (run / "checkpoints" / "step_000006" / "model.safetensors").is_file()
     assert json.loads((run / "summary.json").read_text())["steps"] == 6
+
+
+def test_a_second_run_in_the_same_directory_replaces_the_first(tiny_overrides, tmp_path):
+    run_sync(load_config(overrides=[*tiny_overrides, "train.steps=6"]), progress=False)
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    summary = run_sync(load_config(overrides=[*tiny_overrides, "train.steps=2"]), progress=False)
+    records = read_metrics(summary.run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2]  # nothing of the first run
+    assert not (tmp_path / "run" / "checkpoints" / "step_000006").exists()
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # only a run's own outputs go
+
+
+def test_run_dir_resume_keeps_the_metrics_and_a_fresh_one_does_not(tmp_path):
+    first = RunDir(tmp_path, {})
+    first.log({"step": 1})
+    (first.checkpoint_dir("step_000001")).mkdir(parents=True)
+    first.close()
+    resumed = RunDir(tmp_path, {}, resume=True)
+    resumed.log({"step": 2})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()
+    RunDir(tmp_path, {}).close()
+    assert read_metrics(tmp_path) == [] and not (tmp_path / "checkpoints").exists()
 
 
 def test_divergence_keeps_last_good_checkpoint(tiny_overrides, tmp_path, monkeypatch):

@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -108,18 +107,8 @@ class AsyncLearner:
         ckpt = latest_checkpoint(run_path) if self.resume else None
         if self.resume and ckpt is None:
             raise Echo2Error(f"--resume: no checkpoint with {STATE_FILE} under {run_path / 'checkpoints'}")
-        if not self.resume and run_path.exists():
-            for stale in (
-                "store.sqlite",
-                "store.sqlite-wal",
-                "store.sqlite-shm",
-                "workers.json",
-                "metrics.jsonl",
-            ):
-                (run_path / stale).unlink(missing_ok=True)
-            shutil.rmtree(run_path / "checkpoints", ignore_errors=True)
+        run = RunDir(run_path, cfg.to_dict(), resume=self.resume)  # a fresh run clears the earlier one's
         policy = load_checkpoint(ckpt, cfg.model.chat_template) if ckpt else load_policy(cfg)
-        run = RunDir(run_path, cfg.to_dict())
         version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
         trainer = GRPOTrainer(
             policy.model, cfg.grpo, cfg.sampling.temperature, policy.pad_id, version=version0

@@ -4,13 +4,30 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.json"  # {"version": v}: the policy version the checkpoint's weights are
 OPTIM_FILE = "optimizer.pt"  # optimizer state, for a learner that resumes
+# What one run writes into its directory. A fresh run in a used directory starts without them, so two
+# runs never share a metrics.jsonl; a resumed run keeps them (the join token and the signing key stay
+# either way: workers of the directory's earlier run can still join).
+RUN_FILES = (
+    "metrics.jsonl",
+    "summary.json",
+    "run.png",
+    "activation.jsonl",
+    "workers.json",
+    "store.sqlite",
+    "store.sqlite-wal",
+    "store.sqlite-shm",
+)
+RUN_DIRS = ("checkpoints", "workers")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -20,8 +37,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, config: dict[str, Any], keep_checkpoints: int = 2) -> None:
+    def __init__(
+        self, path: str | Path, config: dict[str, Any], keep_checkpoints: int = 2, resume: bool = False
+    ) -> None:
+        """Open ``path`` for a run: a fresh one (the default) first removes an earlier run's outputs
+        (:data:`RUN_FILES`, :data:`RUN_DIRS`); with ``resume`` they stay and metrics are appended."""
         self.path = Path(path)
+        if not resume:
+            clear_run(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.keep_checkpoints = keep_checkpoints
         (self.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -65,6 +88,18 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+
+
+def clear_run(path: Path) -> None:
+    """Remove what an earlier run wrote into ``path`` (nothing else there is touched)."""
+    found = [n for n in RUN_FILES if (path / n).is_file()] + [n for n in RUN_DIRS if (path / n).is_dir()]
+    if not found:
+        return
+    log.info("%s held an earlier run; starting fresh (removing %s)", path, ", ".join(found))
+    for name in RUN_FILES:
+        (path / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(path / name, ignore_errors=True)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import math
 import os
@@ -168,8 +169,9 @@ def _post(url: str, body: object, cred: str | None = None) -> tuple[int, dict]: 
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
-    except urllib.error.URLError:  # the learner is gone (it finished, or it died: the test tells which)
-        return 0, {}
+    except (urllib.error.URLError, ConnectionError, http.client.HTTPException):
+        return 0, {}  # no reply: the learner is gone (finished or died: the test tells which), or it
+        # dropped the connection, which the test counts as no answer, not as the status it wants
 
 
 def _payload(le: dict, version: int = 0, token: int = 5, reward: float = 1.0, n: int = G) -> dict:  # type: ignore[type-arg]

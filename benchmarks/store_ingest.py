@@ -236,6 +236,12 @@ def plot(r: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _repo_relative(path: Path) -> str:
+    """``path`` relative to the repository (the JSON is committed: no machine paths in it)."""
+    p = path.resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else "outside the repository"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0, help="length of the sustained run")
@@ -257,7 +263,7 @@ def main() -> int:
         "prompt_tokens": "8-12",
         "completion_tokens": "6-10",
         "durability": "SQLite WAL, synchronous=FULL, one transaction per submission",
-        "db_dir": str(out),
+        "db_dir": _repo_relative(out),
     }
     r["machine"] = {
         "cpus": os.cpu_count(),

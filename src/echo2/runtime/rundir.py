@@ -96,10 +96,11 @@ def clear_run(path: Path) -> None:
     if not found:
         return
     log.info("%s held an earlier run; starting fresh (removing %s)", path, ", ".join(found))
-    for name in RUN_FILES:
-        (path / name).unlink(missing_ok=True)
-    for name in RUN_DIRS:
-        shutil.rmtree(path / name, ignore_errors=True)
+    for name in found:
+        if name in RUN_DIRS:
+            shutil.rmtree(path / name, ignore_errors=True)
+        else:
+            (path / name).unlink(missing_ok=True)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

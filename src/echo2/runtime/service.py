@@ -36,21 +36,27 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from aiohttp import web
 from pydantic import BaseModel, Field
 
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
-from echo2.data.submission import STRICT, Rejected, SubmissionLimits, parse_model, validate_submission
+from echo2.data.submission import (
+    STRICT,
+    M,
+    Rejected,
+    SubmissionLimits,
+    parse_model,
+    validate_submission,
+)
 from echo2.data.tasks.base import Task
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import ControllerConfig, Heartbeat, PoolController
 from echo2.types import Prompt
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 
 API = "/v1"
 DEFAULT_RATE = 1.0  # rollouts/s assumed for a worker that registers without an estimate

@@ -24,6 +24,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from echo2.config import ControllerConfig  # noqa: E402
+from echo2.physics.broadcast import mbps_to_bytes_per_s  # noqa: E402
 from echo2.planner import capacity  # noqa: E402
 from echo2.planner.activation import Candidate, exact, greedy, greedy_prefix, random_nocost  # noqa: E402
 from echo2.planner.catalog import parse_scenario, read_toml  # noqa: E402
@@ -187,14 +189,24 @@ def staleness_fuzz(n_runs: int, seed: int = 1) -> dict[str, Any]:
     if staleness ever exceeds S or the conservative bound; we also count SPEC-form bound excesses."""
     rng = random.Random(seed)
     rows = []
-    from echo2.planner.controller import ControllerConfig
-
+    # the simulator's paper-scale thresholds (the shared defaults of echo2.config suit minute-long runs)
+    paper_ctl = ControllerConfig.model_validate(
+        {
+            "heartbeat_timeout_s": 90.0,
+            "rate_halflife_s": 600.0,
+            "low_band": 0.05,
+            "high_band": 0.10,
+            "sustain_s": 300.0,
+            "cooldown_s": 900.0,
+            "replace_prior": False,
+        }
+    )
     for k in range(n_runs):
         s_budget = rng.choice([1, 2, 3, 4, 6, 8])
         kappa = max(1, s_budget - 1)
         t_train = rng.uniform(200, 2000)
         g = rng.uniform(1e9, 16e9)
-        bw = rng.choice([100e6, 200e6, 1e9])
+        bw = mbps_to_bytes_per_s(rng.choice([100, 200, 1000]))
         n = rng.randint(2, 60)
         rate = rng.uniform(0.1, 1.0)
         ws = [
@@ -210,8 +222,8 @@ def staleness_fuzz(n_runs: int, seed: int = 1) -> dict[str, Any]:
             kappa=kappa,
             learner_usd_per_hour=12.24,
             snapshot_bytes=g,
-            b0_bps=rng.choice([300e6, 500e6, 800e6]),
-            strategy=rng.choice(["star_unlimited", "star_limited", "tree_pipelined"]),
+            b0_bytes_per_s=mbps_to_bytes_per_s(rng.choice([300, 500, 800])),
+            strategy=rng.choice(["star-unlimited", "star-limited", "tree-pipelined"]),
             steps=40,
             seed=k,
             reload_s=rng.uniform(0, 120),
@@ -219,7 +231,7 @@ def staleness_fuzz(n_runs: int, seed: int = 1) -> dict[str, Any]:
             straggler_prob=rng.uniform(0, 0.1),
             overlap_generation=rng.random() < 0.3,
             mu_target=n * rate * 0.8,
-            controller=ControllerConfig() if churn else None,
+            controller=paper_ctl if churn else None,
             churn_mean_lifetime_s=rng.uniform(5, 50) * t_train if churn else None,
             join_interval_s=t_train if churn else None,
         )
@@ -257,7 +269,7 @@ def speed(repeats: int = 3) -> dict[str, Any]:
     (controller and churn off). Best of ``repeats`` wall-clock runs each."""
     sc, _ = load_sim_scenario(str(ROOT / "configs" / "sim_speed_1000.toml"))
     fixed = experiments.with_overrides(
-        sc, **{"controller.enabled": False, "churn.mean_lifetime_s": None, "churn.join_interval_s": None}
+        sc, **{"sim.controller": False, "churn.mean_lifetime_s": None, "churn.join_interval_s": None}
     )
     out: dict[str, Any] = {"cpus": os.cpu_count()}
     for name, scen in (("controller_churn", sc), ("fixed_1000", fixed)):

@@ -18,6 +18,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo2.errors import ConfigError
+from echo2.physics.broadcast import StrategyName
+from echo2.physics.rules import DEFAULT_GAMMA, kappa_from_staleness
+
+EngineName = Literal["hf"]  # rollout engines (rollout/engines/: the registry maps each name to a class)
 
 
 class _Section(BaseModel):
@@ -87,7 +91,12 @@ class ArithmeticTaskConfig(_Section):
     operators: str = Field(
         "+", min_length=1, description="operators drawn from, any of '+-*' (difficulty knob)"
     )
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of problem space held out for eval")
+    eval_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of problems (up to commuting) held out as the test split"
+    )
+    validation_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of problems held out as the validation split (warm start)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ArithmeticTaskConfig:
@@ -96,6 +105,11 @@ class ArithmeticTaskConfig(_Section):
             raise ValueError(f"operators may only contain '+', '-', '*', got {''.join(sorted(bad))!r}")
         if self.max_value <= self.min_value:
             raise ValueError(f"max_value={self.max_value} must exceed min_value={self.min_value}")
+        if self.eval_fraction + self.validation_fraction >= 1.0:
+            raise ValueError(
+                f"eval_fraction + validation_fraction = {self.eval_fraction + self.validation_fraction:g} "
+                "must be < 1 to leave problems to train on"
+            )
         return self
 
 
@@ -106,9 +120,22 @@ class MathTaskConfig(_Section):
     train_path: str | None = Field(
         None, description="JSONL with 'question' and 'answer' fields; unset = bundled sample"
     )
-    eval_path: str | None = Field(None, description="held-out JSONL; unset = a split of train_path")
-    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="held-out share when eval_path is unset")
+    eval_path: str | None = Field(None, description="test-split JSONL; unset = a split of train_path")
+    eval_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="share of train_path held out as the test split if no eval_path"
+    )
+    validation_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of train_path held out as the validation split (warm start)"
+    )
     prompt_template: str = Field("{question}\nAnswer: ", description="format string with a {question} slot")
+
+    @model_validator(mode="after")
+    def _check(self) -> MathTaskConfig:
+        held = self.validation_fraction + (self.eval_fraction if self.eval_path is None else 0.0)
+        if held >= 1.0:
+            names = "validation_fraction" + (" + eval_fraction" if self.eval_path is None else "")
+            raise ValueError(f"{names} = {held:g} must be < 1 to leave problems of train_path to train on")
+        return self
 
 
 TaskConfig = Annotated[ArithmeticTaskConfig | MathTaskConfig, Field(discriminator="name")]
@@ -120,11 +147,68 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(8, ge=1, description="longest completion, in tokens")
 
 
+class BatchConfig(_Section):
+    """Rollouts one learner update consumes: ``R = prompts * group_size`` (SPEC §3). Shared by the run,
+    plan and simulate configs (``[batch]``)."""
+
+    prompts: int = Field(32, ge=1, description="prompts per learner update")
+    group_size: int = Field(8, ge=2, description="rollouts per prompt, one GRPO group (>= 2 to normalise)")
+
+    @property
+    def rollouts(self) -> int:
+        """R in SPEC §3: trajectories consumed by one learner update."""
+        return self.prompts * self.group_size
+
+
+class StalenessConfig(_Section):
+    """Bounded staleness (SPEC §2) and the provisioning slack (SPEC §3). Shared by the run, plan and
+    simulate configs (``[staleness]``); ``echo2 train`` is the synchronous case and runs with S = 0."""
+
+    S: int = Field(3, ge=0, description="staleness budget: trajectories need v >= v_t - S")
+    kappa: int | None = Field(None, ge=1, description="publish every kappa updates; unset = max(1, S - 1)")
+    gamma: float = Field(
+        DEFAULT_GAMMA,
+        ge=1.0,
+        allow_inf_nan=False,
+        description="provisioning slack: mu_target = gamma * mu_min, T_bcast at q = 1/gamma installed",
+    )
+
+    @property
+    def effective_kappa(self) -> int:
+        return self.kappa if self.kappa is not None else kappa_from_staleness(self.S)
+
+
+class ControllerConfig(_Section):
+    """Thresholds of the closed-loop pool controller (SPEC §5, ``planner/controller.py``); all times in
+    seconds. Shared by the run and simulate configs (``[controller]``). The defaults suit a run of
+    minutes on one machine; paper-scale simulations set their own in their scenario file."""
+
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0.0, allow_inf_nan=False, description="a worker silent this long counts as lost"
+    )
+    rate_halflife_s: float = Field(
+        10.0, gt=0.0, allow_inf_nan=False, description="half-life of the measured-rate average (generating s)"
+    )
+    low_band: float = Field(
+        0.05, ge=0.0, lt=1.0, description="shortfall when mu_pool < (1 - low_band) * target"
+    )
+    high_band: float = Field(
+        0.10, ge=0.0, allow_inf_nan=False, description="release only if (1 + high_band) * target stays"
+    )
+    sustain_s: float = Field(
+        5.0, gt=0.0, allow_inf_nan=False, description="a shortfall or surplus must last this long"
+    )
+    cooldown_s: float = Field(
+        20.0, ge=0.0, allow_inf_nan=False, description="no release this soon after an activation"
+    )
+    replace_prior: bool = Field(
+        True, description="the first measured rate replaces a worker's own estimate (rough priors)"
+    )
+
+
 class GRPOConfig(_Section):
     """GRPO with the off-policy corrections of the paper's App. D (see learner/grpo.py)."""
 
-    prompts_per_step: int = Field(32, ge=1, description="prompts per learner update")
-    group_size: int = Field(8, ge=2, description="rollouts per prompt (R = prompts_per_step * group_size)")
     lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon_c")
@@ -144,32 +228,15 @@ class GRPOConfig(_Section):
     num_minibatches: int = Field(1, ge=1, description="optimizer steps per update (one learner version)")
     max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping threshold")
 
-    @property
-    def rollouts_per_step(self) -> int:
-        """R in SPEC §3: trajectories consumed by one learner update."""
-        return self.prompts_per_step * self.group_size
-
     @model_validator(mode="after")
-    def _minibatches_divide(self) -> GRPOConfig:
-        if self.prompts_per_step % self.num_minibatches:
+    def _dual_clip_acts(self) -> GRPOConfig:
+        if self.clip_anchor == "sampler" and self.is_cap <= 1.0 + self.clip_eps:
             raise ValueError(
-                f"prompts_per_step={self.prompts_per_step} must be divisible by num_minibatches="
-                f"{self.num_minibatches} (minibatches keep GRPO groups whole)"
+                f"is_cap={self.is_cap:g} must exceed 1 + clip_eps = {1.0 + self.clip_eps:g}: with the "
+                "sampler anchor it is the dual-clip constant C, and at C <= 1 + clip_eps the dual clip "
+                "cuts inside the PPO clip (raise is_cap, or lower clip_eps)"
             )
         return self
-
-
-class AsyncConfig(_Section):
-    """Bounded staleness (SPEC §2) of ``echo2 run``; ``echo2 train`` is the synchronous case and
-    always runs with S = 0."""
-
-    staleness: int = Field(3, ge=0, description="budget S: trajectories need v >= v_t - S")
-    kappa: int | None = Field(None, ge=1, description="publish every kappa updates; unset = max(1, S - 1)")
-    gamma: float = Field(1.1, ge=1.0, description="provisioning headroom: mu_target = gamma * mu_min")
-
-    @property
-    def effective_kappa(self) -> int:
-        return self.kappa if self.kappa is not None else max(1, self.staleness - 1)
 
 
 class TrainConfig(_Section):
@@ -203,7 +270,11 @@ class RuntimeConfig(_Section):
     )
     port: int = Field(0, ge=0, lt=65536, description="HTTP API port; 0 = any free port")
     broadcast_port: int = Field(0, ge=0, lt=65536, description="snapshot broadcast TCP port; 0 = any free")
-    strategy: str = Field("tree-pipelined", description="broadcast strategy (see echo2 bench-broadcast)")
+    strategy: StrategyName = Field(
+        "tree-pipelined",
+        description="broadcast strategy: star-unlimited, star-limited, tree-pipelined, relay-chain or "
+        "tree-chains (echo2.physics.broadcast.StrategyName; see echo2 bench-broadcast)",
+    )
     chunk_kb: int = Field(256, ge=4, description="snapshot chunk size, KiB")
     lease_prompts: int = Field(8, ge=1, description="prompts per lease (one worker generation batch)")
     lease_ttl_s: float = Field(
@@ -219,13 +290,7 @@ class RuntimeConfig(_Section):
         2.0, ge=1.0, description="cap on leased + buffered rollouts, in learner batches R (clamped to S + 1)"
     )
     heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between worker heartbeats")
-    heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="a worker silent this long counts as lost")
-    sustain_s: float = Field(
-        5.0, gt=0.0, description="controller: a shortfall or surplus must last this long"
-    )
-    cooldown_s: float = Field(
-        20.0, ge=0.0, description="controller: no release this soon after an activation"
-    )
+    engine: EngineName = Field("hf", description="rollout engine of the workers `echo2 run` starts")
     worker_usd_per_hour: float = Field(
         0.35, ge=0.0, description="price local workers register with (RTX 5090)"
     )
@@ -242,12 +307,14 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -257,8 +324,17 @@ class Config(_Section):
             data = {**data, "task": {"name": "arithmetic", **data["task"]}}
         return data
 
+    @model_validator(mode="after")
+    def _minibatches_divide(self) -> Config:
+        if self.batch.prompts % self.grpo.num_minibatches:
+            raise ValueError(
+                f"batch.prompts={self.batch.prompts} must be divisible by grpo.num_minibatches="
+                f"{self.grpo.num_minibatches} (minibatches keep GRPO groups whole)"
+            )
+        return self
+
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+        return self.model_dump(mode="json")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Strategy plans: coverage, learner load, per-worker upload balance, tree depth; the pure bounds."""
+"""Strategy plans: coverage, learner load, per-worker upload balance, tree depth; the registry (the bounds
+and predicted times are echo2.physics.broadcast, tested in test_physics.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from collections import Counter
 import pytest
 
 from echo2.broadcast.pipelined import RelayChain, TreeChains, TreePipelined, striped_tree_plan
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.registry import get_strategy, registry
 from echo2.broadcast.star import StarLimited, StarUnlimited
-from echo2.broadcast.strategy import LEARNER, Plan, lower_bound, star_limited_time
+from echo2.broadcast.strategy import LEARNER, Plan
 from echo2.errors import ConfigError
+from echo2.physics.broadcast import STRATEGY_NAMES, homogeneous_time, lower_bound
 
 
 def _sources(plan: Plan) -> dict[tuple[str, int], str]:
@@ -84,18 +86,19 @@ def test_star_pulls_everything_from_the_learner() -> None:
     assert StarUnlimited().learner_uplink_capped is False and StarLimited().learner_uplink_capped is True
 
 
-def test_lower_bound_by_hand() -> None:
-    # G = 100 MB, B_w = 12.5 MB/s (100 Mbit), B0 = 37.5 MB/s (300 Mbit)
+def test_bounds_in_the_harness_units() -> None:
+    # the harness works in bytes and bytes/s like echo2.physics: G = 100 MB, B_w = 12.5 MB/s (100 Mbit),
+    # B0 = 37.5 MB/s (300 Mbit). T*(N=4) = max(8, 2.67, 4.57) = 8 s; Star-Limited N=16: 16*100/37.5 = 42.67 s
     g, bw, b0 = 100e6, 12.5e6, 37.5e6
-    # N=4: max(8, 2.67, 4*100/(37.5+50)=4.57) = 8 s -> the worker downlink binds
     assert lower_bound(g, b0, bw, 4) == pytest.approx(8.0)
-    # B0 < B_w: max(G/B_w=8, G/B0=16, N*G/(B0+N*B_w)) = 16 for N=1 with B0=6.25 MB/s
-    assert lower_bound(g, 6.25e6, bw, 1) == pytest.approx(16.0)
-    # Star-Limited, N=16: max(8, 16*100/37.5 = 42.67)
-    assert star_limited_time(g, b0, bw, 16) == pytest.approx(42.666, rel=1e-3)
+    assert homogeneous_time("star-limited", g, b0, bw, 16) == pytest.approx(42.666, rel=1e-3)
 
 
-def test_registry_rejects_unknown_names() -> None:
-    assert get_strategy("tree-pipelined").name == "tree-pipelined"
-    with pytest.raises(ConfigError, match="unknown broadcast strategy"):
+def test_registry_holds_every_strategy_name_and_rejects_others() -> None:
+    assert tuple(registry()) == STRATEGY_NAMES
+    for name in STRATEGY_NAMES:
+        assert get_strategy(name).name == name
+    with pytest.raises(
+        ConfigError, match="unknown broadcast strategy 'gossip'; choose one of star-unlimited"
+    ):
         get_strategy("gossip")

@@ -1,16 +1,23 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from echo2.config import Config, load_config
+from echo2.config import BatchConfig, Config, ControllerConfig, StalenessConfig, load_config
 from echo2.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_defaults_validate_and_couple_kappa_to_staleness():
     cfg = load_config()
     assert cfg.task.name == "arithmetic"
-    assert cfg.grpo.rollouts_per_step == cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    assert cfg.batch.rollouts == cfg.batch.prompts * cfg.batch.group_size == 32 * 8
     # the default S = 3 with kappa = max(1, S - 1): S = 3 -> 2, S = 0 -> 1
-    assert cfg.async_.staleness == 3 and cfg.async_.effective_kappa == 2
-    assert load_config(overrides=["async.staleness=0"]).async_.effective_kappa == 1
+    assert cfg.staleness.S == 3 and cfg.staleness.effective_kappa == 2
+    assert load_config(overrides=["staleness.S=0"]).staleness.effective_kappa == 1
+    assert cfg.staleness.gamma == 1.1
 
 
 def test_toml_then_overrides(tmp_path):
@@ -24,23 +31,40 @@ def test_toml_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("grpo.group_size=1", "grpo.group_size"),
+        ("batch.group_size=1", "batch.group_size"),
         ("sampling.top_p=1.5", "sampling.top_p"),
         ("grpo.is_cap=0.5", "grpo.is_cap"),
-        ("async.kappa=0", "async.kappa"),
+        ("staleness.kappa=0", "staleness.kappa"),
+        ("staleness.S=-1", "staleness.S"),
+        ("staleness.gamma=0.9", "staleness.gamma"),
         ("grpo.lr=-1", "grpo.lr"),
         ("grpo.bogus=1", "grpo.bogus"),
         ('task.operators="+/"', "operators may only contain"),
-        ("grpo.num_minibatches=3", "divisible by num_minibatches"),
+        ("grpo.num_minibatches=3", "divisible by grpo.num_minibatches"),
         ("task.name=chess", "task"),
         ("grpo.loss_agg=sum", "grpo.loss_agg"),
         ("grpo.clip_anchor=learner", "grpo.clip_anchor"),
+        ("controller.low_band=1.5", "controller.low_band"),
+        ("runtime.engine=vllm", "runtime.engine"),
+        # the old dialect names are refused, not silently ignored
+        ("async.staleness=3", "async"),
+        ("grpo.prompts_per_step=8", "grpo.prompts_per_step"),
+        ("runtime.sustain_s=5", "runtime.sustain_s"),
     ],
 )
 def test_invalid_values_name_the_field(override, needle):
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[override])
     assert needle in str(exc.value)
+
+
+def test_a_dual_clip_that_cannot_act_is_refused():
+    # sampler anchor: C is the dual-clip bound; at C <= 1 + eps it cuts inside the PPO clip
+    with pytest.raises(ConfigError, match=r"is_cap=1.2 must exceed 1 \+ clip_eps = 1.2"):
+        load_config(overrides=["grpo.is_cap=1.2", "grpo.clip_eps=0.2"])
+    assert load_config(overrides=["grpo.is_cap=1.21", "grpo.clip_eps=0.2"]).grpo.is_cap == 1.21
+    # the decoupled form uses C as a truncation cap, where C = 1 is meaningful
+    assert load_config(overrides=["grpo.is_cap=1", "grpo.clip_anchor=proximal"]).grpo.is_cap == 1
 
 
 def test_missing_and_malformed_files(tmp_path):
@@ -58,6 +82,26 @@ def test_malformed_override():
 
 
 def test_config_round_trips_through_json():
-    cfg = load_config(overrides=["async.staleness=4"])
+    cfg = load_config(overrides=["staleness.S=4"])
     again = Config.model_validate(cfg.to_dict())
-    assert again == cfg and "async" in cfg.to_dict()
+    assert again == cfg and cfg.to_dict()["staleness"]["S"] == 4
+
+
+def test_the_training_config_in_configs_is_the_default_run():
+    cfg = load_config(CONFIGS / "train_arithmetic.toml")
+    assert cfg == load_config()  # every value it states is the default, so it documents them truthfully
+
+
+def test_run_plan_and_simulate_configs_share_their_sections():
+    from echo2.planner.catalog import PlanScenario
+    from echo2.sim.config import SimScenario
+
+    plan = PlanScenario.model_fields
+    assert plan["batch"].annotation is BatchConfig and plan["staleness"].annotation is StalenessConfig
+    assert Config.model_fields["controller"].annotation is ControllerConfig
+    assert SimScenario.model_fields["controller"].annotation is ControllerConfig
+
+
+def test_importing_the_config_does_not_import_torch():
+    code = "import sys, echo2.config; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

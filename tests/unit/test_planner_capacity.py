@@ -1,4 +1,5 @@
-"""SPEC section 3 equations, with the arithmetic worked by hand in the comments."""
+"""SPEC section 3 equations, with the arithmetic worked by hand in the comments (kappa from S, the
+bubble ratio and the broadcast times are tested with echo2.physics in test_physics.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,11 @@ import math
 import pytest
 
 from echo2.errors import ConfigError, InfeasibleError
-from echo2.planner import capacity, dissemination
+from echo2.physics.rules import kappa_from_staleness
+from echo2.planner import capacity
 
 # The paper's setting: R = 128 x 16 = 2048, T_train = 1631.2 s, S = 3 -> kappa = 2, T_bcast = 1437 s
 R, T, TB, K = 2048, 1631.2, 1437.0, 2
-
-
-def test_kappa_from_staleness_default_coupling() -> None:
-    # kappa = max(1, S - 1)
-    assert [capacity.kappa_from_staleness(s) for s in (0, 1, 2, 3, 4, 11)] == [1, 1, 1, 2, 3, 10]
-    with pytest.raises(ConfigError, match="staleness S"):
-        capacity.kappa_from_staleness(-1)
 
 
 def test_mu_min_paper_setting() -> None:
@@ -93,19 +88,22 @@ def test_staleness_bounds_paper_setting() -> None:
     # a slow pool loosens the conservative bound: mu = 0.5 -> R/mu = 4096 s;
     # (1437 + 4096)/1631.2 = 3.392 -> 4; 2 + 4 - 1 = 5
     assert capacity.staleness_bound_conservative(kappa=K, t_train=T, t_bcast=TB, rollouts=R, mu_pool=0.5) == 5
+    # the same rule with an explicit latency: 1437 + 800 = 2237 s -> 2 + ceil(1.371) - 1 = 3; a rollout
+    # that also waited 3276 s in a FIFO store: 5513 s / 1631.2 = 3.38 -> 2 + 4 - 1 = 5; no latency: kappa - 1
+    assert capacity.staleness_bound_after(kappa=K, t_train=T, latency=TB + 800.0) == 3
+    assert capacity.staleness_bound_after(kappa=K, t_train=T, latency=TB + 800.0 + 3276.0) == 5
+    assert capacity.staleness_bound_after(kappa=K, t_train=T, latency=0.0) == 1
 
 
 def test_with_kappa_s_minus_1_tight_bound_is_at_most_s() -> None:
     # SPEC: with kappa = S - 1 and T_bcast < T_train, Delta_max <= S
     for s in range(2, 12):
-        k = capacity.kappa_from_staleness(s)
+        k = kappa_from_staleness(s)
         for tb in (0.0, 100.0, 900.0, 1600.0):
             assert capacity.staleness_bound_tight(kappa=k, t_train=T, t_bcast=tb) <= s
 
 
-def test_bubble_ratio_and_cycle_model() -> None:
-    assert capacity.bubble_ratio(0.0, 0.0) == 0.0
-    assert capacity.bubble_ratio(1.0, 3.0) == 0.25  # 1 / (1 + 3)
+def test_cycle_bubble_model() -> None:
     mu = capacity.mu_min(kappa=K, t_train=T, t_bcast=TB, rollouts=R)
     assert capacity.cycle_bubble_ratio(kappa=K, t_train=T, t_bcast=TB, rollouts=R, mu_pool=mu * 1.01) == 0.0
     # half of mu_min: cycle = 1437 + 2 x 1825.4 = 5087.8 s; bubble = 1 - 3262.4 / 5087.8 = 0.35878
@@ -125,28 +123,3 @@ def test_cost_and_saving_paper_arithmetic() -> None:
     # savings 1 - 6.81479/10.25576 = 33.55%, 1 - 6.81479/10.75964 = 36.66%
     assert capacity.saving(echo, sync) == pytest.approx(0.33552, abs=1e-5)
     assert capacity.saving(echo, async_) == pytest.approx(0.36663, abs=1e-5)
-
-
-def test_dissemination_closed_forms() -> None:
-    g, b0, bw = 1e9, 1e9, 1e8  # 8 Gbit snapshot, 1 Gbit/s uplink, 100 Mbit/s links
-    # T* = max(8e9/1e8, 8e9/1e9, N 8e9/(1e9 + N 1e8)) = 80 s for any N (third term < 80)
-    assert dissemination.lower_bound(g_bytes=g, b0_bps=b0, bw_bps=bw, n=1000) == pytest.approx(80.0)
-    assert dissemination.star_unlimited(g_bytes=g, bw_bps=bw) == pytest.approx(80.0)
-    # Star-Limited: max(80, N x 8) -> 80 s up to N = 10, then linear: 160 s at 20, 8000 s at 1000
-    assert dissemination.star_limited(g_bytes=g, b0_bps=b0, bw_bps=bw, n=10) == pytest.approx(80.0)
-    assert dissemination.star_limited(g_bytes=g, b0_bps=b0, bw_bps=bw, n=20) == pytest.approx(160.0)
-    assert dissemination.star_limited(g_bytes=g, b0_bps=b0, bw_bps=bw, n=1000) == pytest.approx(8000.0)
-    # Tree-Pipelined: k = B0/B_w = 10 chains at line rate; m = 1e9 / 4 MiB = 239 chunks
-    plan = dissemination.tree_pipelined(g_bytes=g, b0_bps=b0, bw_bps=bw, n=100, hop_latency_s=0.0)
-    assert plan.chains == 10 and plan.depth == 10 and plan.rate_bps == pytest.approx(1e8)
-    # T = (239 + 10 - 1) x 4 MiB x 8 / 1e8 = 248 x 0.33554 = 83.21 s
-    assert plan.seconds == pytest.approx(248 * 4 * 2**20 * 8 / 1e8, rel=1e-9)
-    # fill grows with the chain depth N/k: fine for a 16.38 GB snapshot (Qwen3-8B) at 1,000 workers,
-    # (4096 chunks + 99 hops) x 0.3355 s + 100 x 0.05 s = 1412 s vs T* = 1310 s -> 1.08x
-    g8b = 16.38e9
-    for n in (1, 10, 100, 1000):
-        t = dissemination.tree_pipelined(g_bytes=g8b, b0_bps=b0, bw_bps=bw, n=n).seconds
-        assert t <= 1.1 * dissemination.lower_bound(g_bytes=g8b, b0_bps=b0, bw_bps=bw, n=n)
-    # ... but a 1 GB snapshot has only 239 chunks for 100 hops: (239 + 99) x 0.3355 + 5 = 118 s = 1.48 x T*
-    t = dissemination.tree_pipelined(g_bytes=g, b0_bps=b0, bw_bps=bw, n=1000).seconds
-    assert t == pytest.approx((239 + 99) * 4 * 2**20 * 8 / 1e8 + 100 * 0.05, rel=1e-9)

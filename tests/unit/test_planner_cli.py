@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from echo2.cli.plan import PLAN
 from echo2.errors import ConfigError, InfeasibleError
-from echo2.planner.cli import PLAN
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = str(ROOT / "configs" / "plan_paper_qwen3_8b.toml")
@@ -37,12 +37,13 @@ def test_paper_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["baselines"]["verl-sync"]["saving"] == pytest.approx(0.3355, abs=1e-4)
     assert plan["baselines"]["verl-async"]["saving"] == pytest.approx(0.3666, abs=1e-4)
     assert plan["staleness_bound"] == 3
-    assert set(plan["t_bcast_estimates_s"]) == {
-        "star_unlimited",
-        "star_limited",
-        "tree_pipelined",
-        "lower_bound",
-    }
+    est = plan["t_bcast_estimates_s"]
+    assert set(est) == {"star-unlimited", "star-limited", "tree-pipelined", "lower_bound"}
+    # 8 workers on 100 Mbit/s = 12.5 MB/s links, 16.38 GB, B0 = 62.5 MB/s -> k = 5 chains, depth 2:
+    # G/B_w + (2 - 1) x 4 MiB / B_w + 2 x 0.05 + reload 127 = 1310.4 + 0.33554 + 0.1 + 127 = 1437.836 s
+    assert est["tree-pipelined"] == pytest.approx(1310.4 + 4 * 2**20 / 12.5e6 + 0.1 + 127, rel=1e-9)
+    # Star-Limited: 8 x 16.38e9 / 62.5e6 = 2096.64 s + 127
+    assert est["star-limited"] == pytest.approx(2096.64 + 127, rel=1e-9)
 
 
 def test_short_name_and_text_report(capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,7 +89,18 @@ def test_flags_only_homogeneous(capsys: pytest.CaptureFixture[str]) -> None:
         (["--t-train", "100"], ConfigError, "--worker-rate"),
         (["nope_not_a_config"], ConfigError, "no config named"),
         # Star-Limited: T_bcast grows with N faster than the extra workers help -> no fixed point
-        (["table2_ablation", "--strategy", "star_limited"], InfeasibleError, "no self-consistent plan"),
+        (["table2_ablation", "--strategy", "star-limited"], InfeasibleError, "no self-consistent plan"),
+        # one spelling of the strategy names everywhere; a wrong one lists the choices
+        (
+            [PAPER, "--strategy", "tree_pipelined"],
+            ConfigError,
+            "'star-unlimited', 'star-limited', 'tree-pipelined'",
+        ),
+        (
+            ["--t-train", "100", "--t-bcast", "5", "--worker-rate", "1", "--rollouts-per-step", "100"],
+            ConfigError,
+            r"multiple of the group size \(batch.group_size = 8\)",
+        ),
     ],
 )
 def test_bad_input_raises_user_errors(argv: list[str], exc: type[Exception], match: str) -> None:
@@ -131,8 +143,9 @@ def test_infeasible_json_still_prints_an_object(capsys: pytest.CaptureFixture[st
 
 def test_cli_modules_import_light() -> None:
     code = (
-        "import sys, echo2.planner.cli, echo2.sim.cli; "
-        "heavy = [m for m in ('numpy', 'scipy', 'pydantic', 'matplotlib') if m in sys.modules]; "
+        "import sys, echo2.cli, echo2.cli.plan, echo2.cli.simulate, echo2.cli.run, echo2.cli.train; "
+        "echo2.cli.build_parser(); "
+        "heavy = [m for m in ('torch', 'numpy', 'scipy', 'pydantic', 'matplotlib') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

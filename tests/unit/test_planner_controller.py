@@ -5,13 +5,21 @@ from __future__ import annotations
 import random
 
 import pytest
+from pydantic import ValidationError
 
+from echo2.config import ControllerConfig
 from echo2.errors import ConfigError
 from echo2.planner.activation import Candidate
-from echo2.planner.controller import ControllerConfig, Heartbeat, PoolController
+from echo2.planner.controller import Heartbeat, PoolController
 
 CFG = ControllerConfig(
-    heartbeat_timeout_s=90, rate_halflife_s=300, low_band=0.05, high_band=0.10, sustain_s=300, cooldown_s=900
+    heartbeat_timeout_s=90,
+    rate_halflife_s=300,
+    low_band=0.05,
+    high_band=0.10,
+    sustain_s=300,
+    cooldown_s=900,
+    replace_prior=False,
 )
 
 
@@ -115,7 +123,7 @@ def test_surplus_releases_most_expensive_after_cooldown_and_keeps_margin() -> No
 def test_api_errors() -> None:
     with pytest.raises(ConfigError, match="mu_target"):
         PoolController(0.0)
-    with pytest.raises(ConfigError, match="sustain_s"):
+    with pytest.raises(ValidationError, match="sustain_s"):  # the shared [controller] section validates
         ControllerConfig(sustain_s=0)
     ctl = PoolController(1.0)
     with pytest.raises(ConfigError, match="unknown worker"):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from echo2.cli.simulate import SIMULATE
 from echo2.errors import ConfigError
 from echo2.runtime.rundir import read_metrics
 from echo2.sim import experiments
-from echo2.sim.cli import SIMULATE
 from echo2.sim.config import load_sim_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,9 +38,9 @@ def test_run_writes_spec_metrics_jsonl_and_png(tmp_path: Path) -> None:
 def test_bcast_sweep_cli(tmp_path: Path) -> None:
     assert _run(["fig4_bcast", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "fig4_bcast_sim.json").read_text())
-    star = r["sim"]["star_limited"]
-    # Star-Limited grows ~linearly: 1000 workers x 16.38 GB x 8 / 500 Mbit/s = 262,080 s
-    assert star[-1] == pytest.approx(1000 * 16.38e9 * 8 / 500e6, rel=1e-6)
+    star = r["sim"]["star-limited"]
+    # Star-Limited grows ~linearly: 1000 workers x 16.38 GB / 62.5 MB/s (500 Mbit/s) = 262,080 s
+    assert star[-1] == pytest.approx(1000 * 16.38e9 / 62.5e6, rel=1e-6)
     assert r["tree_over_lower_bound_max"] <= 1.10
     assert (tmp_path / "fig4_bcast_sim.png").exists()
 
@@ -77,6 +77,14 @@ def test_bad_configs(tmp_path: Path) -> None:
         _run([str(bad)])
     bad.write_text(text.replace("[sim]\n", "[sim]\nfixed_workers = { rtx9999 = 3 }\n"))
     with pytest.raises(ConfigError, match="unknown worker type 'rtx9999'"):
+        _run([str(bad)])
+    bad.write_text(text.replace("heartbeat_timeout_s = 120", "enabled = true\nheartbeat_timeout_s = 120"))
+    with pytest.raises(ConfigError, match=r"controller.enabled is now sim.controller"):
+        _run([str(bad)])
+    bad.write_text(text.replace('strategy = "tree-pipelined"', 'strategy = "tree_pipelined"'))
+    with pytest.raises(
+        ConfigError, match=r"network.strategy: Input should be 'star-unlimited', 'star-limited'"
+    ):
         _run([str(bad)])
     with pytest.raises(ConfigError, match="--steps"):
         _run(["paper_qwen3_8b", "--steps", "0", "--out", str(tmp_path)])

@@ -6,9 +6,11 @@ import math
 
 import pytest
 
+from echo2.config import ControllerConfig
 from echo2.planner import capacity
-from echo2.planner.controller import ControllerConfig
-from echo2.sim.engine import SimParams, SimWorker, simulate
+from echo2.sim.engine import SimParams, SimWorker, _Sim, simulate
+
+MBIT100 = 12.5e6  # 100 Mbit/s in bytes/s
 
 SPEC7 = {
     "learner/bubble_ratio",
@@ -39,8 +41,8 @@ def _params(**kw: object) -> SimParams:
         kappa=2,
         learner_usd_per_hour=12.24,
         snapshot_bytes=16.38e9,
-        b0_bps=500e6,
-        strategy="tree_pipelined",
+        b0_bytes_per_s=62.5e6,  # 500 Mbit/s
+        strategy="tree-pipelined",
         steps=30,
         reload_s=127,
         seed=0,
@@ -50,7 +52,7 @@ def _params(**kw: object) -> SimParams:
 
 
 def _workers(n: int, rate: float = 0.32, price: float = 0.35) -> list[SimWorker]:
-    return [SimWorker(f"w{i}", "rtx5090", price, rate, 100e6) for i in range(n)]
+    return [SimWorker(f"w{i}", "rtx5090", price, rate, MBIT100) for i in range(n)]
 
 
 def _run(n: int, **kw: object):  # type: ignore[no-untyped-def]
@@ -113,7 +115,7 @@ def test_cost_accounting_matches_the_planner() -> None:
 
 def test_star_limited_broadcast_creates_a_bubble() -> None:
     # 9 workers through a 500 Mbit/s uplink: 9 x 262 s + 127 = 2486 s > the 1825 s the pool can spare
-    tree, star = _run(9), _run(9, strategy="star_limited")
+    tree, star = _run(9), _run(9, strategy="star-limited")
     assert star.summary["t_bcast_mean_s"] > 2400 > tree.summary["t_bcast_mean_s"]
     assert star.summary["bubble_ratio"] > 0.1 and tree.summary["bubble_ratio"] <= 0.02
 
@@ -124,7 +126,15 @@ def test_controller_holds_the_pool_through_churn() -> None:
     p = _params(
         steps=120,
         mu_target=2.468,
-        controller=ControllerConfig(sustain_s=600, cooldown_s=1800),
+        controller=ControllerConfig(
+            heartbeat_timeout_s=90,
+            rate_halflife_s=600,
+            low_band=0.05,
+            high_band=0.10,
+            sustain_s=600,
+            cooldown_s=1800,
+            replace_prior=False,
+        ),
         churn_mean_lifetime_s=36000.0,
         join_interval_s=3600.0,
         seed=3,
@@ -144,10 +154,34 @@ def test_controller_holds_the_pool_through_churn() -> None:
 
 def test_speed_smoke() -> None:
     # 300 workers x 100 steps stays well under a second of wall time on an idle core
-    ws = [SimWorker(f"w{i}", "g", 0.35, 0.32, 200e6) for i in range(300)]
+    ws = [SimWorker(f"w{i}", "g", 0.35, 0.32, 25e6) for i in range(300)]
     p = _params(
-        rollouts_per_step=4096, t_train_s=110, snapshot_bytes=1.2e9, b0_bps=1e9, reload_s=10, steps=100
+        rollouts_per_step=4096,
+        t_train_s=110,
+        snapshot_bytes=1.2e9,
+        b0_bytes_per_s=125e6,
+        reload_s=10,
+        steps=100,
     )
     res = simulate(p, ws, [w.worker_id for w in ws])
     assert res.summary["steps"] == 100
     assert res.summary["wall_s"] < 10.0  # generous: the machine is shared
+
+
+def test_batches_are_the_oldest_admissible_groups_by_arrival() -> None:
+    # the real TrajectoryStore.take_batch: drop v < v_t - S, then take the earliest arrivals (FIFO).
+    # v_t = 5, S = 3 -> floor 2. Arrivals: v1 (stale), v3, v5, v4; R = 2 groups of 16.
+    sim = _Sim(_params(rollouts_per_step=32, group_size=16), [], [])
+    sim.version = 5
+    for t, v in enumerate((1, 3, 5, 4)):  # arrivals at t = 0, 1, 2, 3 s
+        sim.now = float(t)
+        sim._deliver(v)
+    sim.now = 10.0
+    sim._try_train()
+    # v1 dropped; the batch is v3 + v5 (first to arrive), not v5 + v4 (freshest) nor v3 + v4 (lowest)
+    assert sim.dropped == 16
+    assert sim.store == {4: 16} and list(sim.fifo) == [(4, 3.0)]
+    # staleness: oldest in the batch 5 - 3 = 2; mean (2 x 16 + 0 x 16) / 32 = 1.0
+    assert sim.batch_stats == (2, 1.0)
+    # the v3 group waited longest: taken at 10 s, arrived at 1 s
+    assert sim.wait_max == 9.0

@@ -23,6 +23,9 @@ that gains nothing and, while the learner streams, overloads the root's downlink
 N-1 peer streams > B_w), which costs TCP losses at small N. So when the publisher knows the link
 rates, each learner stream is capped at ``RATE_MATCH * B_w / N`` (and never below B0/N's fair share
 when B0 < B_w, where the learner link is the bottleneck anyway).
+
+Predicted times (planner and simulator): :mod:`echo2.physics.broadcast`, whose chain model covers
+``relay-chain`` (one chain) and ``tree-chains`` / ``tree-pipelined`` (k striped chains).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from echo2.broadcast.strategy import LEARNER, Assignment, Plan
+from echo2.physics.broadcast import StrategyName
 
 RATE_MATCH = 1.1  # learner stripe streams run this much above B_w/N (slack for jitter)
 
@@ -71,7 +75,7 @@ def striped_tree_plan(
 class TreePipelined:
     """ECHO-2 peer-assisted pipelined broadcast; ``fanout=0`` means N-1 (depth-2 trees, the default)."""
 
-    name: str = "tree-pipelined"  # registry key
+    name: StrategyName = "tree-pipelined"  # registry key
     learner_uplink_capped: bool = True  # the learner uplink is capped at B0 on the harness
     fanout: int = 0  # children per relay in each stripe tree; 0 = all other workers, 1 = chains
 
@@ -87,7 +91,7 @@ class TreePipelined:
 class RelayChain:
     """One fan-out-1 chain learner -> w0 -> w1 -> ... (no striping): the relay-throughput probe."""
 
-    name: str = "relay-chain"  # registry key
+    name: StrategyName = "relay-chain"  # registry key
     learner_uplink_capped: bool = True  # the learner uplink is capped at B0 on the harness
 
     def plan(self, workers: Sequence[str], n_chunks: int) -> Plan:
@@ -101,7 +105,7 @@ class RelayChain:
 class TreeChains:
     """Tree-Pipelined with fan-out-1 stripe chains (the paper-literal variant; one in + one out per link)."""
 
-    name: str = "tree-chains"  # registry key
+    name: StrategyName = "tree-chains"  # registry key
     learner_uplink_capped: bool = True  # the learner uplink is capped at B0 on the harness
 
     def plan(self, workers: Sequence[str], n_chunks: int) -> Plan:

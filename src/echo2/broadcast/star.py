@@ -2,6 +2,8 @@
 
 Star-Unlimited and Star-Limited share the plan; they differ only in whether the learner uplink is
 capped at B0 on the harness (Star-Unlimited is the ideal reference, Star-Limited the naive baseline).
+Their predicted times are ``star_unlimited_times`` / ``star_limited_times`` in
+:mod:`echo2.physics.broadcast`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from echo2.broadcast.strategy import LEARNER, Assignment, Plan
+from echo2.physics.broadcast import StrategyName
 
 
 def star_plan(workers: Sequence[str], n_chunks: int) -> Plan:
@@ -21,7 +24,7 @@ def star_plan(workers: Sequence[str], n_chunks: int) -> Plan:
 class StarUnlimited:
     """Push to all with the learner uplink uncapped: T = G/B_w."""
 
-    name: str = "star-unlimited"  # registry key
+    name: StrategyName = "star-unlimited"  # registry key
     learner_uplink_capped: bool = False  # the harness leaves the learner uplink unshaped
 
     def plan(self, workers: Sequence[str], n_chunks: int) -> Plan:
@@ -35,7 +38,7 @@ class StarUnlimited:
 class StarLimited:
     """Push to all through the capped uplink B0: T = max(G/B_w, N*G/B0), linear in N."""
 
-    name: str = "star-limited"  # registry key
+    name: StrategyName = "star-limited"  # registry key
     learner_uplink_capped: bool = True  # the harness caps the learner uplink at B0
 
     def plan(self, workers: Sequence[str], n_chunks: int) -> Plan:

@@ -1,7 +1,10 @@
 """Typed planning scenario: worker catalog, learner, batch, staleness, network, baselines (pydantic).
 
-A scenario is what `echo2 plan` reads from TOML (and what `echo2 simulate` extends). Validation
-errors surface as one-line :class:`echo2.errors.ConfigError` messages naming the field and the rule.
+A scenario is what `echo2 plan` reads from TOML (and what `echo2 simulate` extends). The ``[batch]`` and
+``[staleness]`` sections are the run config's own models (:class:`echo2.config.BatchConfig`,
+:class:`echo2.config.StalenessConfig`), so a run, a plan and a simulation read them the same way.
+Validation errors surface as one-line :class:`echo2.errors.ConfigError` messages naming the field and
+the rule.
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from echo2.config import BatchConfig, StalenessConfig
 from echo2.errors import ConfigError
-
-Strategy = Literal["star_unlimited", "star_limited", "tree_pipelined"]
+from echo2.physics.broadcast import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_HOP_LATENCY_S,
+    StrategyName,
+    mbps_to_bytes_per_s,
+)
 
 
 class _Model(BaseModel):
@@ -27,8 +35,13 @@ class WorkerType(_Model):
     name: str = Field(min_length=1)  # catalog key, e.g. "rtx5090"
     usd_per_hour: float = Field(gt=0, allow_inf_nan=False)  # c_i: rental price of one worker, $/h
     rollouts_per_s: float = Field(gt=0, allow_inf_nan=False)  # mu_i: delivered rollouts/s of one worker
-    bandwidth_mbps: float = Field(default=100.0, gt=0, allow_inf_nan=False)  # B_w: link, both directions
+    bandwidth_mbps: float = Field(default=100.0, gt=0, allow_inf_nan=False)  # B_w: link, both ways, Mbit/s
     count: int = Field(default=1000, ge=0)  # availability: how many of this type can be rented now
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """B_w in bytes/s (the unit of :mod:`echo2.physics.broadcast`)."""
+        return mbps_to_bytes_per_s(self.bandwidth_mbps)
 
 
 class ModelSpec(_Model):
@@ -36,6 +49,11 @@ class ModelSpec(_Model):
 
     name: str = "model"  # display name, e.g. "Qwen3-8B"
     snapshot_gb: float = Field(gt=0, allow_inf_nan=False)  # G: bytes per snapshot / 1e9 (bf16: 2 x params)
+
+    @property
+    def snapshot_bytes(self) -> float:
+        """G in bytes."""
+        return self.snapshot_gb * 1e9
 
 
 class LearnerSpec(_Model):
@@ -46,34 +64,25 @@ class LearnerSpec(_Model):
     t_train_s: float = Field(gt=0, allow_inf_nan=False)  # T_train: seconds per update
 
 
-class BatchSpec(_Model):
-    """Rollouts consumed per update: R = prompts x group_size."""
-
-    prompts: int = Field(default=128, ge=1)  # prompts per update
-    group_size: int = Field(default=16, ge=1)  # rollouts per prompt (GRPO group)
-
-    @property
-    def rollouts(self) -> int:
-        return self.prompts * self.group_size
-
-
-class StalenessSpec(_Model):
-    """The staleness budget and the scheduler slack."""
-
-    S: int = Field(default=3, ge=0)  # staleness budget: admit only v >= v_t - S
-    kappa: int | None = Field(default=None, ge=1)  # publication period; default max(1, S - 1)
-    gamma: float = Field(default=1.1, ge=1, allow_inf_nan=False)  # mu_target = gamma * mu_min
-
-
 class NetworkSpec(_Model):
     """Links and the broadcast strategy whose T_bcast feeds the provisioning rule."""
 
-    b0_mbps: float = Field(default=500.0, gt=0, allow_inf_nan=False)  # learner uplink B0
+    b0_mbps: float = Field(default=500.0, gt=0, allow_inf_nan=False)  # learner uplink B0, Mbit/s
     reload_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)  # snapshot reload time on a worker
-    chunk_mb: float = Field(default=4.0, gt=0, allow_inf_nan=False)  # relay chunk size (Tree-Pipelined)
-    hop_latency_s: float = Field(default=0.05, ge=0, allow_inf_nan=False)  # per-hop WAN latency
-    strategy: Strategy = "tree_pipelined"  # whose T_bcast estimate the plan uses
+    chunk_mb: float = Field(default=DEFAULT_CHUNK_BYTES / 2**20, gt=0, allow_inf_nan=False)  # chunk, MiB
+    hop_latency_s: float = Field(default=DEFAULT_HOP_LATENCY_S, ge=0, allow_inf_nan=False)  # per relay hop
+    strategy: StrategyName = "tree-pipelined"  # whose T_bcast estimate the plan uses
     t_bcast_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # measured T_bcast override
+
+    @property
+    def b0_bytes_per_s(self) -> float:
+        """B0 in bytes/s."""
+        return mbps_to_bytes_per_s(self.b0_mbps)
+
+    @property
+    def chunk_bytes(self) -> float:
+        """Relay chunk in bytes (``chunk_mb`` MiB)."""
+        return self.chunk_mb * 2**20
 
 
 class Baseline(_Model):
@@ -89,8 +98,8 @@ class PlanScenario(_Model):
 
     model: ModelSpec | None = None  # the policy (snapshot size); needed unless network.t_bcast_s is set
     learner: LearnerSpec  # learner price and T_train
-    batch: BatchSpec = BatchSpec()  # R
-    staleness: StalenessSpec = StalenessSpec()  # S, kappa, gamma
+    batch: BatchConfig = Field(default_factory=BatchConfig)  # R = prompts x group_size
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)  # S, kappa, gamma
     network: NetworkSpec = NetworkSpec()  # B0, reload, strategy
     workers: tuple[WorkerType, ...]  # the catalog
     baselines: tuple[Baseline, ...] = ()  # centralized clusters to compare with

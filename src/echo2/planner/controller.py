@@ -23,6 +23,9 @@ Rules (thresholds with hysteresis, sustained deviation, one cool-down):
   activation happened in the last ``cooldown_s`` -> release it (one per call).
 Activation fills to 1.0x target but release needs (1 + high_band)x after the release, and a
 shortfall needs (1 - low_band)x, so one decision cannot undo the previous one: no flapping.
+
+The thresholds are :class:`echo2.config.ControllerConfig` (the ``[controller]`` section the run and
+simulate configs share; its defaults are the only controller defaults).
 """
 
 from __future__ import annotations
@@ -32,33 +35,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from echo2.config import ControllerConfig
 from echo2.errors import ConfigError
 from echo2.planner.activation import Candidate
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """Thresholds of the closed loop; all times in seconds."""
-
-    heartbeat_timeout_s: float = 90.0  # silent this long -> worker lost (a_i = 0)
-    rate_halflife_s: float = 600.0  # half-life of the measured-rate average, in generating seconds
-    low_band: float = 0.05  # shortfall when mu_pool < (1 - low_band) * mu_target
-    high_band: float = 0.10  # release only if mu_pool - mu_j >= (1 + high_band) * mu_target
-    sustain_s: float = 300.0  # a deviation must persist this long before the controller acts
-    cooldown_s: float = 900.0  # no release within this long after an activation
-    replace_prior: bool = False  # the first measured rate replaces the estimate (for rough priors)
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_timeout_s", "rate_halflife_s", "sustain_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"controller.{name} must be > 0, got {v!r}")
-        for name in ("low_band", "high_band", "cooldown_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ConfigError(f"controller.{name} must be >= 0, got {v!r}")
-        if self.low_band >= 1:
-            raise ConfigError(f"controller.low_band must be < 1, got {self.low_band!r}")
 
 
 @dataclass(frozen=True)

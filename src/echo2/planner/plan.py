@@ -1,9 +1,10 @@
 """Compose a capacity plan from a scenario (pure): what `echo2 plan` prints.
 
 Steps (SPEC sections 2, 3, 5):
-1. ``kappa`` from the config, else ``max(1, S - 1)``.
-2. ``T_bcast``: the measured override if given, else the chosen strategy's estimate for the
-   active-set size; since T_bcast(N) and N depend on each other, iterate N -> T_bcast(N) -> mu_min
+1. ``kappa`` from the config, else ``max(1, S - 1)`` (:func:`echo2.physics.rules.kappa_from_staleness`).
+2. ``T_bcast``: the measured override if given, else the chosen strategy's homogeneous estimate for
+   the active-set size (:func:`echo2.physics.broadcast.estimates`, the simulator's model with all
+   links equal); since T_bcast(N) and N depend on each other, iterate N -> T_bcast(N) -> mu_min
    -> active set -> N until N repeats (Star-Limited can diverge: then the plan is infeasible).
 3. ``mu_min``, ``mu_target = gamma * mu_min``; the active set by the scenario's activation policy.
 4. Step time from the cycle model ``max(kappa*T_train, T_bcast + kappa*R/mu_pool) / kappa``,
@@ -16,29 +17,35 @@ import math
 from typing import Any
 
 from echo2.errors import InfeasibleError
-from echo2.planner import capacity, dissemination
+from echo2.physics import broadcast
+from echo2.physics.rules import bubble_ratio
+from echo2.planner import capacity
 from echo2.planner.activation import Activation, activate, expand_catalog
 from echo2.planner.catalog import PlanScenario
 
-MBPS = 1e6
+# the strategies the plan reports estimates for: the three of SPEC section 4 plus the scenario's own
+_REPORTED: tuple[broadcast.StrategyName, ...] = ("star-unlimited", "star-limited", "tree-pipelined")
 
 
 def t_bcast_estimates(sc: PlanScenario, n: int) -> dict[str, float] | None:
-    """Estimated T_bcast (s, reload included) per strategy for ``n`` workers; None without a snapshot size.
+    """Estimated T_bcast (s, reload included) per strategy for ``n`` workers, plus ``lower_bound``
+    (``T*`` + reload); None without a snapshot size.
 
     The worker link is the slowest link in the catalog (a chain runs at its slowest member).
     """
     if sc.model is None:
         return None
     net = sc.network
-    return dissemination.estimate_all(
-        g_bytes=sc.model.snapshot_gb * 1e9,
-        b0_bps=net.b0_mbps * MBPS,
-        bw_bps=min(w.bandwidth_mbps for w in sc.workers) * MBPS,
-        n=max(1, n),
-        reload_s=net.reload_s,
-        chunk_bytes=net.chunk_mb * 2**20,
+    shown = tuple(dict.fromkeys((*_REPORTED, net.strategy)))
+    return broadcast.estimates(
+        sc.model.snapshot_bytes,
+        net.b0_bytes_per_s,
+        min(w.link_bytes_per_s for w in sc.workers),
+        max(1, n),
+        chunk_bytes=net.chunk_bytes,
         hop_latency_s=net.hop_latency_s,
+        reload_s=net.reload_s,
+        strategies=shown,
     )
 
 
@@ -53,7 +60,7 @@ def _choose(sc: PlanScenario, kappa: int, t_bcast: float) -> tuple[float, Activa
 
 def make_plan(sc: PlanScenario) -> dict[str, Any]:
     """The full plan as a JSON-ready dict (keys documented in docs/planner.md)."""
-    kappa = sc.staleness.kappa or capacity.kappa_from_staleness(sc.staleness.S)
+    kappa = sc.staleness.effective_kappa
     t_train = sc.learner.t_train_s
     r = sc.batch.rollouts
     if sc.network.t_bcast_s is not None:
@@ -74,7 +81,7 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
                 raise InfeasibleError(
                     f"no self-consistent plan with the {sc.network.strategy} broadcast: at N = {n} workers "
                     f"T_bcast = {t_bcast:.0f} s, and the pool that would hide it needs more workers, whose "
-                    f"broadcast takes longer still ({exc}); use tree_pipelined, raise kappa / S, "
+                    f"broadcast takes longer still ({exc}); use tree-pipelined, raise kappa / S, "
                     "or give a measured --t-bcast"
                 ) from None
             n_new = len(act.selected)
@@ -127,7 +134,7 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
         "mu_pool": mu_pool,
         "workers_usd_per_hour": act.usd_per_hour if sc.priced else None,
         "step_s": step_s,
-        "bubble_ratio_expected": 1.0 - kappa * t_train / cycle,
+        "bubble_ratio_expected": bubble_ratio(kappa * t_train, cycle),
         "staleness_bound": min(sc.staleness.S, conservative),
         "staleness_bound_conservative": conservative,
         "staleness_bound_tight": tight,
@@ -158,7 +165,7 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
 
 def infeasible_plan(sc: PlanScenario, exc: InfeasibleError) -> dict[str, Any]:
     """What `--json` prints when no plan exists: the capacity numbers that are defined, and why."""
-    kappa = sc.staleness.kappa or capacity.kappa_from_staleness(sc.staleness.S)
+    kappa = sc.staleness.effective_kappa
     return {
         "kappa": kappa,
         "staleness": sc.staleness.S,

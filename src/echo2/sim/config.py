@@ -1,5 +1,9 @@
 """Simulation scenario: a planning scenario (echo2.planner.catalog) plus [sim], [controller], [churn]
-and [experiment] tables. Loaded from TOML; errors are one-line ConfigErrors naming the field."""
+and [experiment] tables. Loaded from TOML; errors are one-line ConfigErrors naming the field.
+
+``[batch]``, ``[staleness]`` and ``[controller]`` are the run config's own section models
+(:mod:`echo2.config`); ``sim.controller = true`` turns the closed loop on.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from echo2.config import ControllerConfig
 from echo2.errors import ConfigError
-from echo2.planner.catalog import PlanScenario, Strategy, find_config, format_validation_error, read_toml
+from echo2.physics.broadcast import StrategyName
+from echo2.planner.catalog import PlanScenario, find_config, format_validation_error, read_toml
 
 
 class _Model(BaseModel):
@@ -25,22 +31,11 @@ class SimSection(_Model):
     straggler_prob: float = Field(default=0.02, ge=0, le=1)  # chance a group straggles
     straggler_factor: float = Field(default=3.0, ge=1)  # slowdown of a straggling group
     overlap_generation: bool = False  # keep generating with the old version during broadcasts
-    strategy: Strategy | None = None  # broadcast strategy; default network.strategy
+    strategy: StrategyName | None = None  # broadcast strategy; default network.strategy
     warmup_steps: int | None = Field(default=None, ge=0)  # left out of steady-state stats
     fixed_workers: dict[str, int] | None = None  # type -> count active at t=0; None: the plan's set
     control_interval_s: float = Field(default=30.0, gt=0)  # heartbeat + decision period
-
-
-class ControllerSection(_Model):
-    """The closed loop (echo2.planner.controller.ControllerConfig)."""
-
-    enabled: bool = False  # run the controller
-    heartbeat_timeout_s: float = Field(default=90.0, gt=0)  # silent this long -> lost
-    rate_halflife_s: float = Field(default=600.0, gt=0)  # measured-rate average half-life
-    low_band: float = Field(default=0.05, ge=0, lt=1)  # shortfall threshold below target
-    high_band: float = Field(default=0.10, ge=0)  # release only if this far above target after
-    sustain_s: float = Field(default=300.0, gt=0)  # deviation must last this long
-    cooldown_s: float = Field(default=900.0, ge=0)  # no release this soon after an activation
+    controller: bool = False  # run the closed-loop controller with the [controller] thresholds
 
 
 class ChurnSection(_Model):
@@ -65,7 +60,7 @@ class SimScenario(_Model):
 
     plan: PlanScenario  # model, learner, batch, staleness, network, workers, baselines
     sim: SimSection = SimSection()  # run behaviour
-    controller: ControllerSection = ControllerSection()  # closed loop
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)  # closed-loop thresholds
     churn: ChurnSection = ChurnSection()  # leaving / joining
     experiment: ExperimentSection = ExperimentSection()  # what to run
 
@@ -75,6 +70,11 @@ _SIM_KEYS = ("sim", "controller", "churn", "experiment")
 
 def parse_sim_scenario(data: dict[str, Any], where: str = "scenario") -> SimScenario:
     """Split a TOML dict into plan sections and sim sections and validate both."""
+    ctl = data.get("controller")
+    if isinstance(ctl, dict) and "enabled" in ctl:
+        raise ConfigError(
+            f"{where}: controller.enabled is now sim.controller (put controller = true under [sim])"
+        )
     plan = {k: v for k, v in data.items() if k not in _SIM_KEYS}
     rest = {k: v for k, v in data.items() if k in _SIM_KEYS}
     try:

@@ -1,15 +1,18 @@
 """Discrete-event simulator of the whole ECHO-2 system (SPEC sections 2-5), on a small heap queue.
 
 What is simulated (one event loop, times in seconds, deterministic under ``seed``):
-- learner: waits until the store holds R admissible rollouts (``v >= v_t - S``), takes the R
-  freshest, trains ``T_train``, bumps ``v``; publishes a snapshot when ``v mod kappa == 0``.
+- learner: drops every buffered rollout that fails the admission rule ``v >= v_t - S``
+  (:func:`echo2.physics.rules.is_admissible`), waits until the store holds R rollouts, takes the R
+  *oldest* by arrival (whole groups, first in first out, as the real ``TrajectoryStore.take_batch``
+  does), trains ``T_train``, bumps ``v``; publishes a snapshot when ``v mod kappa == 0``.
 - workers: generate GRPO groups of ``group_size`` rollouts with the newest installed version; a
   group takes ``group_size / mu_i`` times a mean-one lognormal noise, times ``straggler_factor``
   with probability ``straggler_prob`` (normalized so mu_i stays the mean delivered rate).
   By default a worker stops starting groups at a publication and resumes once the new snapshot is
   installed: the serialized cycle that SPEC section 3's overlap condition (1) describes
   (``overlap_generation=True`` lets workers keep generating with the old version instead).
-- broadcast: per-worker completion times from :mod:`echo2.sim.broadcast` plus ``reload_s``.
+- broadcast: per-worker completion times from :mod:`echo2.physics.broadcast` plus ``reload_s``
+  (bytes and bytes/s); ``T_bcast`` is read when ``install_quorum(N, gamma)`` workers installed.
 - controller: :class:`echo2.planner.controller.PoolController` fed with heartbeats every
   ``control_interval_s``; its decisions activate / release workers (an activated worker downloads
   the latest snapshot straight from the learner before generating).
@@ -18,8 +21,11 @@ What is simulated (one event loop, times in seconds, deterministic under ``seed`
 - cost: the learner and every active worker are billed per second.
 
 Invariants checked every step (``SimulationInvariantError``): observed staleness <= S; at the end,
-the maximum observed staleness <= the conservative bound of SPEC section 3 evaluated with the
-run's worst measured T_bcast, slowest pool and shortest step.
+the maximum observed staleness <= ``kappa + ceil((T_bcast_all + d_max + W_max) / T_train) - 1``
+(:func:`echo2.planner.capacity.staleness_bound_after`) with the run's slowest complete dissemination,
+longest group and longest wait of a taken group in the FIFO store. SPEC section 3's conservative form
+(``R/mu_pool`` instead of the store wait) assumes no backlog of older rollouts; it is reported, not
+asserted.
 
 SimPy was not used: every process here is a one-shot timer, and a bare ``heapq`` loop runs the
 1,000-worker x 500-step case several times faster than generator processes would.
@@ -32,17 +38,27 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from echo2.config import ControllerConfig
 from echo2.errors import ConfigError
+from echo2.physics.broadcast import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_HOP_LATENCY_S,
+    StrategyName,
+    completion_times,
+    star_unlimited_times,
+    strategy_name,
+)
+from echo2.physics.rules import DEFAULT_GAMMA, bubble_ratio, install_quorum, is_admissible
 from echo2.planner import capacity
 from echo2.planner.activation import Candidate
-from echo2.planner.controller import ControllerConfig, Heartbeat, PoolController
-from echo2.sim.broadcast import completion_times
+from echo2.planner.controller import Heartbeat, PoolController
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +77,7 @@ class SimWorker:
     type_name: str  # catalog type
     usd_per_hour: float  # c_i
     rollouts_per_s: float  # mu_i: true mean delivered rate
-    link_bps: float  # B_i, both directions
+    link_bytes_per_s: float  # B_i in bytes/s, both directions
 
 
 @dataclass(frozen=True)
@@ -74,15 +90,15 @@ class SimParams:
     staleness: int  # S: admission v >= v_t - S
     kappa: int  # publication period
     learner_usd_per_hour: float  # learner node price
-    snapshot_bytes: float  # G
-    b0_bps: float  # learner uplink
-    strategy: str  # broadcast strategy
+    snapshot_bytes: float  # G, bytes
+    b0_bytes_per_s: float  # learner uplink B0, bytes/s
+    strategy: StrategyName  # broadcast strategy
     steps: int  # learner steps to simulate
     seed: int = 0  # RNG seed: same seed, same run
     reload_s: float = 0.0  # snapshot reload on a worker after download
-    chunk_bytes: float = 4 * 2**20  # relay chunk (Tree-Pipelined)
-    hop_latency_s: float = 0.05  # per-hop WAN latency (Tree-Pipelined)
-    gamma: float = 1.1  # q = 1/gamma: T_bcast is measured when this fraction has installed
+    chunk_bytes: float = DEFAULT_CHUNK_BYTES  # relay chunk (chain strategies)
+    hop_latency_s: float = DEFAULT_HOP_LATENCY_S  # per-hop WAN latency (chain strategies)
+    gamma: float = DEFAULT_GAMMA  # q = 1/gamma: T_bcast is measured when this fraction has installed
     noise_sigma: float = 0.15  # lognormal sigma of one group's duration
     straggler_prob: float = 0.02  # chance a group straggles
     straggler_factor: float = 3.0  # how much longer a straggling group takes
@@ -110,6 +126,7 @@ class SimParams:
             raise ConfigError(f"need S >= 0 and kappa >= 1, got S={self.staleness}, kappa={self.kappa}")
         if self.controller is not None and self.mu_target is None:
             raise ConfigError("a controller needs mu_target")
+        strategy_name(self.strategy)  # a bad name fails here, listing the choices
 
 
 @dataclass
@@ -158,7 +175,9 @@ class _Sim:
         self.wait_start = 0.0
         self.step = 0
         self.step_start = 0.0
-        self.store: dict[int, int] = {}
+        self.store: dict[int, int] = {}  # version -> rollouts buffered (admission bookkeeping)
+        self.fifo: deque[tuple[int, float]] = deque()  # (version, arrival time) per group: take order
+        self.wait_max = 0.0  # longest a taken group sat in the store (for the FIFO staleness invariant)
         self.store_total = 0
         self.in_flight = 0  # rollouts of groups being generated
         self.blocked: set[str] = set()  # idle workers held back by backpressure
@@ -226,7 +245,7 @@ class _Sim:
         else:  # fetch the newest snapshot straight from the learner
             v = self._published()
             w.awaiting = v
-            dt = self.p.snapshot_bytes * 8 / w.spec.link_bps
+            dt = float(star_unlimited_times(self.p.snapshot_bytes, [w.spec.link_bytes_per_s])[0])
             self._push(self.now + dt + self.p.reload_s, _INSTALL, w, v)
 
     def _deactivate(self, w: _W) -> None:
@@ -264,16 +283,22 @@ class _Sim:
         self._push(self.now + dur, _DONE, (w, w.installed, dur), w.token)
 
     # ---- learner ------------------------------------------------------------------------------------
-    def _admissible(self) -> int:
-        floor = self.version - self.p.staleness
-        return sum(c for v, c in self.store.items() if v >= floor)
+    def _deliver(self, version: int) -> None:
+        """A group generated by ``version`` arrives at the store (appended: arrival order is take order)."""
+        g = self.p.group_size
+        self.store[version] = self.store.get(version, 0) + g
+        self.fifo.append((version, self.now))
+        self.store_total += g
+        self.admitted += g
 
     def _drop_stale(self) -> None:
-        floor = self.version - self.p.staleness
-        for v in [v for v in self.store if v < floor]:
+        stale = [v for v in self.store if not is_admissible(v, self.version, self.p.staleness)]
+        for v in stale:
             c = self.store.pop(v)
             self.store_total -= c
             self.dropped += c
+        if stale:
+            self.fifo = deque(grp for grp in self.fifo if grp[0] in self.store)
         if self.blocked and self.store_total + self.in_flight < self.cap:
             for wid in sorted(self.blocked):
                 self.blocked.discard(wid)
@@ -282,21 +307,20 @@ class _Sim:
     def _try_train(self) -> None:
         if not self.waiting or self.step >= self.p.steps:
             return
-        self._drop_stale()
+        self._drop_stale()  # what is left is admissible
         r = self.p.rollouts_per_step
-        if self._admissible() < r:
+        if self.store_total < r:
             return
-        need, oldest, stale_sum = r, self.version, 0.0
-        for v in sorted(self.store, reverse=True):  # the R freshest admissible rollouts
-            take = min(need, self.store[v])
-            self.store[v] -= take
+        g = self.p.group_size
+        oldest, stale_sum = self.version, 0.0
+        for _ in range(r // g):  # the R/g earliest-arrived admissible groups (TrajectoryStore.take_batch)
+            v, arrived = self.fifo.popleft()
+            self.store[v] -= g
             if not self.store[v]:
                 del self.store[v]
-            need -= take
-            oldest = v
-            stale_sum += (self.version - v) * take
-            if need == 0:
-                break
+            oldest = min(oldest, v)
+            stale_sum += (self.version - v) * g
+            self.wait_max = max(self.wait_max, self.now - arrived)
         self.store_total -= r
         if self.blocked:
             for wid in sorted(self.blocked):
@@ -331,7 +355,7 @@ class _Sim:
                 "learner/version": self.version,
                 "learner/t_train_s": p.t_train_s,
                 "learner/t_idle_s": idle,
-                "learner/bubble_ratio": capacity.bubble_ratio(idle, p.t_train_s),
+                "learner/bubble_ratio": bubble_ratio(p.t_train_s, length),
                 "store/size": self.store_total,
                 "store/admitted": self.admitted,
                 "store/dropped_stale": self.dropped,
@@ -364,13 +388,13 @@ class _Sim:
         targets = [w for w in self.ws.values() if w.active and w.present]
         if not targets:
             return
-        links = np.array([w.spec.link_bps for w in targets])
+        links = np.array([w.spec.link_bytes_per_s for w in targets])
         key = (p.strategy, np.sort(links).tobytes())
         cached = self.bcast_cache.get(key)
         if cached is None:
             order = np.argsort(links, kind="stable")
             times_sorted = completion_times(
-                p.strategy, p.snapshot_bytes, links[order], p.b0_bps, p.chunk_bytes, p.hop_latency_s
+                p.strategy, p.snapshot_bytes, links[order], p.b0_bytes_per_s, p.chunk_bytes, p.hop_latency_s
             )
             cached = times_sorted
             self.bcast_cache[key] = cached
@@ -391,7 +415,7 @@ class _Sim:
             return
         got.sort()
         k = len(got)
-        self.t_bcast.append(got[max(0, math.ceil(k / self.p.gamma) - 1)])  # fraction q = 1/gamma installed
+        self.t_bcast.append(got[install_quorum(k, self.p.gamma) - 1])  # fraction q = 1/gamma installed
         self.t_bcast_all.append(got[-1])  # dissemination complete: the last worker installed
         self.install_p90.append(got[max(0, math.ceil(0.9 * k) - 1)])
 
@@ -444,7 +468,7 @@ class _Sim:
             tmpl.type_name,
             tmpl.usd_per_hour,
             tmpl.rollouts_per_s,
-            tmpl.link_bps,
+            tmpl.link_bytes_per_s,
         )
         self.ws[spec.worker_id] = _W(spec)
         if self.ctl is not None:
@@ -481,9 +505,7 @@ class _Sim:
                 self.in_flight -= g
                 w.rollouts_since += g
                 w.busy_since += dur
-                self.store[v] = self.store.get(v, 0) + g
-                self.store_total += g
-                self.admitted += g
+                self._deliver(v)
                 self._start(w)
                 if self.waiting:
                     self._try_train()
@@ -524,22 +546,19 @@ class _Sim:
                 rollouts=p.rollouts_per_step,
                 mu_pool=mu_min_obs,
             )
-            # the same bound with dissemination *complete* (last install) and whole-group generation:
-            # R rollouts take up to R/mu_pool plus one (longest) group once every worker has installed
+            # what this run guarantees, FIFO store included: a rollout of version v was started before
+            # v + kappa was installed (at most T_bcast complete after its publication), took at most
+            # the longest group to generate, then waited in the store until taken; so the learner was
+            # at most kappa + ceil((T_all + group + wait) / T_train) - 1 versions ahead of it
             t_all = max(self.t_bcast_all) if self.t_bcast_all else 0.0
-            bound_discrete = capacity.staleness_bound_conservative(
-                kappa=p.kappa,
-                t_train=p.t_train_s,
-                t_bcast=t_all + self.group_s_max,
-                rollouts=p.rollouts_per_step,
-                mu_pool=mu_min_obs,
+            bound_discrete = capacity.staleness_bound_after(
+                kappa=p.kappa, t_train=p.t_train_s, latency=t_all + self.group_s_max + self.wait_max
             )
             if self.staleness_max > bound_discrete:
                 raise SimulationInvariantError(
-                    f"observed staleness {self.staleness_max} exceeds the conservative bound "
-                    f"{bound_discrete} "
-                    f"(T_bcast complete {t_all:.1f} s + one group {self.group_s_max:.1f} s, "
-                    f"mu_pool {mu_min_obs:.3f}/s)"
+                    f"observed staleness {self.staleness_max} exceeds the bound {bound_discrete} "
+                    f"(T_bcast complete {t_all:.1f} s + one group {self.group_s_max:.1f} s "
+                    f"+ longest store wait {self.wait_max:.1f} s)"
                 )
         steady = self.step_len[warm:] or [0.0]
         usd_steady = None
@@ -551,7 +570,7 @@ class _Sim:
             "wall_s": wall_s,
             "events": events,
             "warmup_steps": warm,
-            "bubble_ratio": capacity.bubble_ratio(idle_total, train_total),
+            "bubble_ratio": bubble_ratio(train_total, idle_total + train_total),
             "idle_per_step_s": idle_total / max(1, len(idle)),
             "step_s_mean": float(np.mean(steady)),
             "staleness_max": self.staleness_max,
@@ -559,6 +578,7 @@ class _Sim:
             "staleness_bound_conservative": bound,
             "staleness_bound_conservative_discrete": bound_discrete,
             "staleness_within_spec_bound": bound is None or self.staleness_max <= bound,
+            "store_wait_max_s": self.wait_max,
             "t_bcast_mean_s": float(np.mean(self.t_bcast)) if self.t_bcast else None,
             "t_bcast_max_s": t_bcast_max if self.t_bcast else None,
             "usd_total": self.usd,

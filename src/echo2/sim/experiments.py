@@ -11,16 +11,18 @@ from typing import Any
 import numpy as np
 
 from echo2.errors import InfeasibleError
-from echo2.planner import capacity, dissemination
+from echo2.physics import broadcast
+from echo2.physics.rules import kappa_from_staleness, knee
+from echo2.planner import capacity
 from echo2.planner.activation import Candidate, activate
-from echo2.planner.controller import ControllerConfig
 from echo2.planner.plan import make_plan
-from echo2.sim.broadcast import completion_times
 from echo2.sim.config import SimScenario
 from echo2.sim.engine import SimParams, SimResult, SimWorker, simulate
 
 log = logging.getLogger(__name__)
-MBPS = 1e6
+
+# Fig. 4 compares the three strategies of SPEC section 4 (tree-chains has the same model as tree-pipelined)
+BCAST_STRATEGIES: tuple[broadcast.StrategyName, ...] = ("star-unlimited", "star-limited", "tree-pipelined")
 
 # SPEC section 6, Table 2 of the paper (Qwen3-8B, mixed-price pool): reference values to print beside ours
 PAPER_TABLE2 = {
@@ -46,7 +48,7 @@ def with_overrides(sc: SimScenario, **changes: Any) -> SimScenario:
 def workers_of(sc: SimScenario) -> list[SimWorker]:
     """Every worker of the catalog (``count`` per type), ids ``<type>-<j>`` like the planner's."""
     return [
-        SimWorker(f"{w.name}-{j}", w.name, w.usd_per_hour, w.rollouts_per_s, w.bandwidth_mbps * MBPS)
+        SimWorker(f"{w.name}-{j}", w.name, w.usd_per_hour, w.rollouts_per_s, w.link_bytes_per_s)
         for w in sc.plan.workers
         for j in range(w.count)
     ]
@@ -73,19 +75,6 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         cands = [Candidate(w.worker_id, w.type_name, w.usd_per_hour, w.rollouts_per_s) for w in workers]
         act = activate(policy or sc.plan.activation, cands, plan["mu_target"], seed=seed)
         active = [c.worker_id for c in act.selected]
-    c = sc.controller
-    ctl = (
-        ControllerConfig(
-            heartbeat_timeout_s=c.heartbeat_timeout_s,
-            rate_halflife_s=c.rate_halflife_s,
-            low_band=c.low_band,
-            high_band=c.high_band,
-            sustain_s=c.sustain_s,
-            cooldown_s=c.cooldown_s,
-        )
-        if c.enabled
-        else None
-    )
     p = sc.plan
     if p.model is None:
         raise InfeasibleError("the simulator needs [model] snapshot_gb to model broadcasts")
@@ -96,13 +85,13 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         staleness=p.staleness.S,
         kappa=plan["kappa"],
         learner_usd_per_hour=p.learner.usd_per_hour or 0.0,
-        snapshot_bytes=p.model.snapshot_gb * 1e9,
-        b0_bps=p.network.b0_mbps * MBPS,
+        snapshot_bytes=p.model.snapshot_bytes,
+        b0_bytes_per_s=p.network.b0_bytes_per_s,
         strategy=sc.sim.strategy or p.network.strategy,
         steps=sc.sim.steps,
         seed=seed,
         reload_s=p.network.reload_s,
-        chunk_bytes=p.network.chunk_mb * 2**20,
+        chunk_bytes=p.network.chunk_bytes,
         hop_latency_s=p.network.hop_latency_s,
         gamma=p.staleness.gamma,
         noise_sigma=sc.sim.noise_sigma,
@@ -111,7 +100,7 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         overlap_generation=sc.sim.overlap_generation,
         warmup_steps=sc.sim.warmup_steps,
         mu_target=plan["mu_target"],
-        controller=ctl,
+        controller=sc.controller if sc.sim.controller else None,
         control_interval_s=sc.sim.control_interval_s,
         churn_mean_lifetime_s=sc.churn.mean_lifetime_s,
         join_interval_s=sc.churn.join_interval_s,
@@ -128,13 +117,15 @@ def run(sc: SimScenario) -> tuple[SimResult, dict[str, Any]]:
 def bubble_sweep(sc: SimScenario) -> dict[str, Any]:
     """Fig. 3c: steady-state bubble ratio vs number of workers, one curve per S, N_min marked.
 
-    Uses the catalog's first worker type as a homogeneous pool. The knee is the smallest N whose
-    simulated bubble is <= 2%. The analytic curve is the cycle model (capacity.cycle_bubble_ratio).
+    Uses the catalog's first worker type as a homogeneous pool. The knee is
+    :func:`echo2.physics.rules.knee` of the simulated curve (the smallest N whose bubble is <= 5%, the
+    rule the measured curve uses too). The analytic curve is the cycle model
+    (capacity.cycle_bubble_ratio).
     """
     wt = sc.plan.workers[0]
     curves: dict[str, Any] = {}
     for s_budget in sc.experiment.staleness:
-        kappa = capacity.kappa_from_staleness(s_budget)
+        kappa = kappa_from_staleness(s_budget)
         sc_s = with_overrides(sc, **{"plan.staleness.S": s_budget, "plan.staleness.kappa": kappa})
         try:
             plan = make_plan(sc_s.plan)
@@ -161,7 +152,6 @@ def bubble_sweep(sc: SimScenario) -> dict[str, Any]:
                     mu_pool=n * wt.rollouts_per_s,
                 )
             )
-        knee = next((n for n, b in zip(ns, sim_b, strict=True) if b <= 0.02), None)
         curves[str(s_budget)] = {
             "feasible": True,
             "kappa": kappa,
@@ -173,7 +163,7 @@ def bubble_sweep(sc: SimScenario) -> dict[str, Any]:
             "bubble_sim": sim_b,
             "bubble_analytic": ana_b,
             "staleness_max": smax,
-            "knee": knee,
+            "knee": knee(ns, sim_b),
             "bubble_at_n_gamma": sim_b[n_gamma - 1] if n_gamma <= len(ns) else None,
             "bubble_at_n_min_minus_2": sim_b[n_min - 3] if n_min >= 3 else None,
             "staleness_within_budget": bound_ok,
@@ -184,14 +174,15 @@ def bubble_sweep(sc: SimScenario) -> dict[str, Any]:
 def bcast_sweep(sc: SimScenario) -> dict[str, Any]:
     """Fig. 4: T_bcast (last worker, reload included) vs N for the three strategies, with T*.
 
-    Sim values come from the simulator's per-worker bandwidth model; ``analytic`` are the planner's
-    closed forms; ``lower_bound`` is T* + reload.
+    One model for the planner and the simulator (:mod:`echo2.physics.broadcast`): each point is the
+    last worker's completion time on N equal links, which is exactly the planner's estimate;
+    ``lower_bound`` is T* + reload.
     """
     p = sc.plan
     assert p.model is not None
-    g = p.model.snapshot_gb * 1e9
-    bw = p.workers[0].bandwidth_mbps * MBPS
-    b0 = p.network.b0_mbps * MBPS
+    g = p.model.snapshot_bytes
+    bw = p.workers[0].link_bytes_per_s
+    b0 = p.network.b0_bytes_per_s
     out: dict[str, Any] = {
         "ns": list(sc.experiment.ns),
         "b0_mbps": p.network.b0_mbps,
@@ -199,38 +190,31 @@ def bcast_sweep(sc: SimScenario) -> dict[str, Any]:
         "snapshot_gb": p.model.snapshot_gb,
         "reload_s": p.network.reload_s,
         "sim": {},
-        "analytic": {},
     }
-    for strat in dissemination.STRATEGIES:
-        sim_t, ana_t = [], []
-        for n in sc.experiment.ns:
-            t = completion_times(
-                strat, g, np.full(n, bw), b0, p.network.chunk_mb * 2**20, p.network.hop_latency_s
-            )
-            sim_t.append(float(t.max()) + p.network.reload_s)
-            est = dissemination.estimate_all(
-                g_bytes=g,
-                b0_bps=b0,
-                bw_bps=bw,
-                n=n,
-                reload_s=p.network.reload_s,
-                chunk_bytes=p.network.chunk_mb * 2**20,
+    for strat in BCAST_STRATEGIES:
+        out["sim"][strat] = [
+            broadcast.homogeneous_time(
+                strat,
+                g,
+                b0,
+                bw,
+                n,
+                chunk_bytes=p.network.chunk_bytes,
                 hop_latency_s=p.network.hop_latency_s,
+                reload_s=p.network.reload_s,
             )
-            ana_t.append(est[strat])
-        out["sim"][strat] = sim_t
-        out["analytic"][strat] = ana_t
-    out["lower_bound"] = [
-        dissemination.lower_bound(g_bytes=g, b0_bps=b0, bw_bps=bw, n=n) + p.network.reload_s
-        for n in sc.experiment.ns
-    ]
-    tree = np.array(out["sim"]["tree_pipelined"])
+            for n in sc.experiment.ns
+        ]
+    out["lower_bound"] = [broadcast.lower_bound(g, b0, bw, n) + p.network.reload_s for n in sc.experiment.ns]
+    tree = np.array(out["sim"]["tree-pipelined"])
     lb = np.array(out["lower_bound"])
     out["tree_over_lower_bound_max"] = float((tree / lb).max())
     return out
 
 
-def _row(sc: SimScenario, *, policy: str, strategy: str, extra: int = 0, seeds: int = 1) -> dict[str, Any]:
+def _row(
+    sc: SimScenario, *, policy: str, strategy: broadcast.StrategyName, extra: int = 0, seeds: int = 1
+) -> dict[str, Any]:
     rows = []
     for k in range(seeds):
         s = setup(with_overrides(sc, **{"sim.strategy": strategy}), policy=policy, seed=sc.sim.seed + k)
@@ -270,10 +254,10 @@ def ablation(sc: SimScenario) -> dict[str, Any]:
     cost-aware = random ("NoCost") activation + Tree-Pipelined, averaged over ``experiment.seeds``.
     """
     rows = {
-        "full": _row(sc, policy="greedy", strategy="tree_pipelined"),
-        "no_p2p": _row(sc, policy="greedy", strategy="star_limited"),
-        "no_p2p_plus1": _row(sc, policy="greedy", strategy="star_limited", extra=1),
-        "no_cost_aware": _row(sc, policy="random", strategy="tree_pipelined", seeds=sc.experiment.seeds),
+        "full": _row(sc, policy="greedy", strategy="tree-pipelined"),
+        "no_p2p": _row(sc, policy="greedy", strategy="star-limited"),
+        "no_p2p_plus1": _row(sc, policy="greedy", strategy="star-limited", extra=1),
+        "no_cost_aware": _row(sc, policy="random", strategy="tree-pipelined", seeds=sc.experiment.seeds),
     }
     full = rows["full"]["usd_per_step"]
     for r in rows.values():

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from echo2.physics.rules import KNEE_THRESHOLD
+
 
 def _plt() -> Any:
     import matplotlib
@@ -64,7 +66,8 @@ def plot_metrics(
 
 
 def plot_bubble(result: dict[str, Any], path: Path, title: str = "") -> Path:
-    """Fig. 3c: bubble ratio vs workers, one curve per S (markers: simulated; dashed: cycle model)."""
+    """Fig. 3c: bubble ratio vs workers, one curve per S (markers: simulated; dashed: cycle model;
+    grey line: the knee threshold of :func:`echo2.physics.rules.knee`)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (s, c) in enumerate(result["curves"].items()):
@@ -75,7 +78,7 @@ def plot_bubble(result: dict[str, Any], path: Path, title: str = "") -> Path:
         ax.plot(c["ns"], c["bubble_analytic"], "--", color=color, lw=0.8)
         ax.axvline(c["n_min"], color=color, ls=":", lw=1)
         ax.annotate(f"N_min={c['n_min']}", (c["n_min"], 0.9 - 0.07 * i), color=color, fontsize=7)
-    ax.axhline(0.02, color="gray", lw=0.5)
+    ax.axhline(KNEE_THRESHOLD, color="gray", lw=0.5)
     ax.set_xlabel("workers")
     ax.set_ylabel("learner/bubble_ratio (steady state)")
     ax.set_ylim(-0.02, 1.0)
@@ -85,17 +88,11 @@ def plot_bubble(result: dict[str, Any], path: Path, title: str = "") -> Path:
 
 
 def plot_bcast(result: dict[str, Any], path: Path, title: str = "") -> Path:
-    """Fig. 4: T_bcast vs N for the three strategies (log x), with the lower bound T*."""
+    """Fig. 4: T_bcast vs N for the strategies of the sweep (log x), with the lower bound T*."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    names = {
-        "star_unlimited": "Star-Unlimited",
-        "star_limited": "Star-Limited",
-        "tree_pipelined": "Tree-Pipelined",
-    }
-    for i, (k, label) in enumerate(names.items()):
-        ax.plot(result["ns"], result["sim"][k], "o-", color=f"C{i}", ms=3, label=f"{label} (sim)")
-        ax.plot(result["ns"], result["analytic"][k], "--", color=f"C{i}", lw=0.8)
+    for i, (k, ys) in enumerate(result["sim"].items()):
+        ax.plot(result["ns"], ys, "o-", color=f"C{i}", ms=3, label=k)
     ax.plot(result["ns"], result["lower_bound"], "k:", label="T* + reload")
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -1,19 +1,25 @@
-"""The task adapter contract (SPEC §1) and its typed registry.
+"""The task adapter contract (SPEC §1): the ``Task`` protocol and the helpers adapters share.
 
-A task builds prompts ``x`` (a train stream and a fixed held-out split), defines the reward
+A task builds prompts ``x`` (a train stream and two fixed held-out splits), defines the reward
 ``R(x, y)``, and says how a trajectory's metadata ``Ω`` becomes learner-side signals (a per-token
-loss mask). A new task is a new adapter class plus its config model, registered here.
+loss mask). A new task is a new adapter module plus its config model, registered in
+``echo2.data.tasks.registry``. This module imports no adapter: adapters import it, never the reverse.
+
+Three splits, disjoint by *problem* (each adapter defines when two prompts are the same problem):
+
+- **train** — ``sample_train``; never yields a validation or test problem.
+- **validation** — ``validation_prompts``; for decisions made while training (warm start stops on it).
+- **test** — ``eval_prompts``; only reported, never used to decide anything.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
-from echo2.config import ArithmeticTaskConfig, MathTaskConfig, TaskConfig
 from echo2.types import Prompt
 
 
@@ -31,11 +37,16 @@ class Task(Protocol):
     name: str
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
-        """``n`` training prompts drawn with ``rng`` (never from the held-out split)."""
+        """``n`` training prompts drawn with ``rng`` (never a validation or test problem)."""
+        ...
+
+    def validation_prompts(self, n: int) -> list[Prompt]:
+        """The first ``n`` prompts of the fixed validation split (same list on every call), disjoint
+        by problem from train and test; what training-time decisions (early stopping) look at."""
         ...
 
     def eval_prompts(self, n: int) -> list[Prompt]:
-        """The first ``n`` prompts of the fixed held-out split (same list on every call)."""
+        """The first ``n`` prompts of the fixed test split (same list on every call); reported only."""
         ...
 
     def grade(self, prompt: Prompt, completion: str) -> Grade:
@@ -59,26 +70,15 @@ def stable_fraction(key: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def _build_arithmetic(cfg: TaskConfig, seed: int) -> Task:
-    from echo2.data.tasks.arithmetic import ArithmeticTask
-
-    assert isinstance(cfg, ArithmeticTaskConfig)
-    return ArithmeticTask(cfg, seed)
+Split = Literal["train", "validation", "test"]
 
 
-def _build_math(cfg: TaskConfig, seed: int) -> Task:
-    from echo2.data.tasks.math import MathTask
-
-    assert isinstance(cfg, MathTaskConfig)
-    return MathTask(cfg, seed)
-
-
-TASKS: dict[type[ArithmeticTaskConfig] | type[MathTaskConfig], Callable[[TaskConfig, int], Task]] = {
-    ArithmeticTaskConfig: _build_arithmetic,
-    MathTaskConfig: _build_math,
-}
-
-
-def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
-    """The registered adapter for ``cfg`` (the config class is the registry key)."""
-    return TASKS[type(cfg)](cfg, seed)
+def split_of(u: float, test_fraction: float, validation_fraction: float) -> Split:
+    """The split of a problem whose stable hash is ``u`` in [0, 1): test = ``[0, test_fraction)``,
+    validation = ``[test_fraction, test_fraction + validation_fraction)``, train = the rest.
+    Pass ``test_fraction=0`` when the test split comes from elsewhere (a separate file)."""
+    if u < test_fraction:
+        return "test"
+    if u < test_fraction + validation_fraction:
+        return "validation"
+    return "train"

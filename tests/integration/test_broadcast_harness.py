@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from echo2.broadcast.harness import Harness, Scenario
-from echo2.broadcast.worker import Faults
+from echo2_bench.faults import Faults
+from echo2_bench.harness import Harness, Scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -12,7 +12,9 @@ from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.strategy import Strategy
 from echo2.broadcast.wire import encode, read_header, write_frame
-from echo2.broadcast.worker import Faults, TcpWorkerNode
+from echo2.broadcast.worker import TcpWorkerNode
+from echo2.physics.rules import DEFAULT_GAMMA
+from echo2_bench.faults import Faults, FaultTap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 KEY = new_signing_key()  # the learner's key pair
@@ -72,7 +74,11 @@ def test_every_worker_installs_the_exact_blob(name: str) -> None:
         # Peer-assisted strategies send G once from the learner; star sends it N times.
         expected = len(BLOB) if name.startswith("tree") else 4 * len(BLOB)
         assert stats.learner_bytes == expected
-        assert set(stats.metrics()) == {"broadcast/t_bcast_s", "broadcast/bytes", "broadcast/install_p90_s"}
+        assert set(stats.metrics(DEFAULT_GAMMA)) == {
+            "broadcast/t_bcast_s",
+            "broadcast/bytes",
+            "broadcast/install_p90_s",
+        }
         assert all(nd.counters.stream_failures == 0 for nd in nodes)
 
     asyncio.run(go())
@@ -139,11 +145,12 @@ def test_a_bad_relay_does_not_stop_the_others(behavior: str, caplog: pytest.LogC
 def test_corrupting_relay_is_fully_detected() -> None:
     async def go() -> None:
         kw = {i: {"max_bad_chunks": 10**9} for i in range(4)}
-        kw[1]["faults"] = Faults(corrupt_every=3)
+        tap = FaultTap(Faults(corrupt_every=3), "w1")
+        kw[1]["tap"] = tap
         pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 4, node_kw=kw)
         await _broadcast(pub, nodes, got)
         await _shutdown(pub, nodes)
-        injected = nodes[1].counters.corrupted_sent
+        injected = tap.corrupted_sent
         detected = sum(nd.counters.corrupt_detected for nd in nodes)
         assert injected > 0 and detected == injected
         assert got == {f"w{i}": BLOB for i in range(4)}  # 0 bad installs

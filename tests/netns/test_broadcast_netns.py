@@ -6,8 +6,9 @@ import subprocess
 
 import pytest
 
-from echo2.broadcast.netns import NetnsTopology, netns_available
-from echo2.broadcast.strategy import lower_bound
+from echo2.physics.broadcast import lower_bound
+from echo2_bench import BENCHMARKS_DIR
+from echo2_bench.netns import NetnsTopology, netns_available
 
 pytestmark = [
     pytest.mark.netns,
@@ -33,7 +34,7 @@ def test_topology_is_removed_even_when_the_body_fails() -> None:
 
 
 def test_shaped_links_separate_star_limited_from_tree_pipelined() -> None:
-    from echo2.broadcast.harness import Harness, Scenario
+    from echo2_bench.harness import Harness, Scenario
 
     g, bw, ratio, n = 3_000_000, 16e6, 3.0, 4
     common = dict(size=g, chunk=16 << 10, b0_bps=bw * ratio, bw_bps=bw, timeout=90, pace=0.95)
@@ -60,7 +61,7 @@ def test_ctrl_c_mid_run_removes_namespaces_and_processes(tmp_path) -> None:
     import time
     from pathlib import Path
 
-    cmd = [sys.executable, "-m", "echo2.broadcast.cli", "--mode", "netns", "--ns", "4",
+    cmd = [sys.executable, str(BENCHMARKS_DIR / "broadcast.py"), "--mode", "netns", "--ns", "4",
            "--strategies", "star-limited", "--no-faults", "--no-relay", "--size-mb", "4",
            "--out", str(tmp_path / "b.json")]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -4,6 +4,9 @@ For each announced version the node opens one pull stream per source in its plan
 stalls (no frame within ``stall_timeout``), breaks, sends an error, or sends a chunk that fails its
 digest hands its missing chunks to a repair stream from the learner, which always holds the snapshot.
 Meanwhile the node's own chunk server relays every verified chunk to whoever pulls it.
+
+A node carries no fault logic of its own: an optional :class:`ChunkTap` sees every chunk it stores
+and every chunk it serves, which is where the benchmark harness plugs in its fault injection.
 """
 
 from __future__ import annotations
@@ -11,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from echo2.broadcast.api import InstalledSnapshot
 from echo2.broadcast.manifest import (
@@ -36,13 +37,20 @@ from echo2.errors import Echo2Error
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Faults:
-    """Fault injection for the harness and tests (all off by default)."""
+class ChunkTap(Protocol):
+    """Optional hook on a node's chunk flow; the node never needs one (default None: no calls at all).
 
-    die_at: float = 0.0  # SIGKILL itself once this fraction of chunks arrived (0 = never)
-    stall_at: float = 0.0  # SIGSTOP itself (freeze, sockets stay open) at this fraction (0 = never)
-    corrupt_every: int = 0  # flip a byte in every k-th chunk it relays (0 = never)
+    Tests and the benchmark harness (``benchmarks/echo2_bench/faults.py``) use it to kill, freeze or
+    corrupt a relay at a chosen point. Both methods run inline on the node's event loop.
+    """
+
+    def on_received(self, index: int, fraction: float) -> None:
+        """Chunk ``index`` arrived, verified and stored; ``fraction`` of this version's chunks are held."""
+        ...
+
+    def on_serve(self, index: int, payload: bytes | memoryview) -> bytes | memoryview:
+        """Chunk ``index`` is about to be sent to a peer; return the bytes to send instead."""
+        ...
 
 
 @dataclass
@@ -55,7 +63,6 @@ class NodeCounters:
     rejected_manifests: int = 0  # announcements refused (auth, shape, stale)
     bytes_received: int = 0  # payload bytes read
     bytes_relayed: int = 0  # payload bytes served to peers
-    corrupted_sent: int = 0  # chunks this node deliberately corrupted (fault injection ground truth)
 
 
 @dataclass
@@ -85,7 +92,7 @@ class TcpWorkerNode:
         serve_wait_timeout: float = 60.0,
         max_repairs: int = 5,
         max_bad_chunks: int = 3,
-        faults: Faults | None = None,
+        tap: ChunkTap | None = None,
         credential: str | None = None,
     ) -> None:
         self.worker_id = worker_id
@@ -99,7 +106,7 @@ class TcpWorkerNode:
         self.serve_wait_timeout = serve_wait_timeout
         self.max_repairs = max_repairs
         self.max_bad_chunks = max_bad_chunks  # corrupt chunks tolerated from one source before dropping it
-        self.faults = faults or Faults()
+        self.tap = tap  # hook on stored / served chunks (harness fault injection); None = no hook
         self.counters = NodeCounters()
         self.installed_version = -1
         self._buffers: dict[int, SnapshotBuffer] = {}  # installed (relayable) + in-progress versions
@@ -111,7 +118,6 @@ class TcpWorkerNode:
         self._ctl: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._ctl_lock = asyncio.Lock()
         self._ctl_task: asyncio.Task[None] | None = None
-        self._served = 0
         self._announced = asyncio.Event()  # pulsed whenever a new version is announced to this node
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -338,7 +344,8 @@ class TcpWorkerNode:
                             raise ProtocolError(f"{bad} corrupt chunks; dropping source")
                         continue
                     buffer.put(i, payload)
-                    self._check_faults(buffer)
+                    if self.tap is not None:
+                        self.tap.on_received(i, buffer.count / m.n_chunks)
             return
         except asyncio.CancelledError:
             raise
@@ -390,15 +397,6 @@ class TcpWorkerNode:
             await asyncio.sleep(delay)
         await self._pull(transfer, source, chunks, repairs)
 
-    def _check_faults(self, buffer: SnapshotBuffer) -> None:
-        f, frac = self.faults, buffer.count / buffer.manifest.n_chunks
-        if f.die_at and frac >= f.die_at:
-            log.warning("worker %s: fault injection: SIGKILL at %.0f%%", self.worker_id, 100 * frac)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if f.stall_at and frac >= f.stall_at:
-            log.warning("worker %s: fault injection: SIGSTOP at %.0f%%", self.worker_id, 100 * frac)
-            os.kill(os.getpid(), signal.SIGSTOP)
-
     # -- serving --------------------------------------------------------------------------------------
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -413,7 +411,7 @@ class TcpWorkerNode:
                 self.uplink,
                 self.serve_wait_timeout,
                 self._count_relayed,
-                self._mangle if self.faults.corrupt_every else None,
+                self.tap.on_serve if self.tap is not None else None,
             )
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # the puller went away; nothing to repair on this side
@@ -436,12 +434,3 @@ class TcpWorkerNode:
 
     def _count_relayed(self, version: int, n: int) -> None:
         self.counters.bytes_relayed += n
-
-    def _mangle(self, index: int, payload: bytes | memoryview) -> bytes | memoryview:
-        self._served += 1
-        if self._served % self.faults.corrupt_every:
-            return payload
-        self.counters.corrupted_sent += 1
-        bad = bytearray(payload)
-        bad[len(bad) // 2] ^= 0xFF
-        return bytes(bad)

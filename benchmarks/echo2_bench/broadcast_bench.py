@@ -1,7 +1,7 @@
 """The broadcast benchmark: the Fig. 4 sweep plus relay-chain, fault and corruption checks.
 
-Used by ``echo2 bench-broadcast`` and ``benchmarks/broadcast.py``. Every number in the JSON is measured
-by the harness in this run; the ``targets`` block compares them to the issue's thresholds.
+Run by ``benchmarks/broadcast.py``. Every number in the JSON is measured by the harness in this run;
+the ``targets`` block compares them to the issue's thresholds.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echo2.broadcast.harness import Harness, Scenario, ScenarioResult
-from echo2.broadcast.netns import netns_available
-from echo2.broadcast.strategy import lower_bound, star_limited_time
-from echo2.broadcast.worker import Faults
+from echo2.physics.broadcast import homogeneous_time, lower_bound
+from echo2.physics.rules import DEFAULT_GAMMA
+from echo2_bench.faults import Faults
+from echo2_bench.harness import Harness, Scenario, ScenarioResult
+from echo2_bench.netns import netns_available
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("star-unlimited", "star-limited", "tree-pipelined")
@@ -36,7 +37,7 @@ class BenchConfig:
     ratio: float = 3.0  # B0 / B_w (the paper's regime: 3 or 8)
     pace: float = 0.95  # netns: nodes pace their uplink at this fraction of their link rate
     stall_timeout: float = 3.0  # seconds without data before a worker abandons a source
-    gamma: float = 1.1  # T_bcast is measured at q = 1/gamma of workers installed
+    gamma: float = DEFAULT_GAMMA  # T_bcast is measured at install_quorum(N, gamma) workers installed
     fault_n: int = 8  # N for the kill / corruption scenarios
     relay_size: int = 64_000_000  # G for the unshaped loopback relay-chain probe
     relay_chunk: int = 1 << 20  # chunk size for the relay-chain probe
@@ -65,12 +66,12 @@ def _row(res: ScenarioResult, cfg: BenchConfig, b0: float, bw: float) -> dict[st
         "strategy": sc.strategy,
         "n": sc.n_workers,
         "t_all_s": res.t_all(),
-        "t_bcast_s": res.t_fraction(1 / cfg.gamma),
+        "t_bcast_s": res.t_bcast(cfg.gamma),
         "install_p90_s": res.t_fraction(0.9),
         "t_first_s": times[0] if times else math.inf,
         "t_star_s": t_star,
         "t_all_over_t_star": res.t_all() / t_star,
-        "star_limited_ideal_s": star_limited_time(g, b0, bw, sc.n_workers),
+        "star_limited_ideal_s": homogeneous_time("star-limited", g, b0, bw, sc.n_workers),
         "learner_bytes": res.learner_bytes,
         "learner_bytes_over_g": res.learner_bytes / g,
         "stream_failures": res.counter("stream_failures"),
@@ -124,7 +125,7 @@ def _faults(h: Harness, cfg: BenchConfig, shaped: dict[str, Any], b0: float, bw:
             "tree-pipelined", n, faults={victim: Faults(corrupt_every=7)}, max_bad_chunks=10**9, **shaped
         )
     )
-    injected = corrupt.counter("corrupted_sent")
+    injected = corrupt.injected("corrupted_sent")
     detected = corrupt.counter("corrupt_detected")
     return {
         "n": n,

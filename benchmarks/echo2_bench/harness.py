@@ -1,8 +1,9 @@
 """Runs one broadcast scenario with real processes: netns (tbf-shaped links) or loopback (app pacing).
 
-A scenario starts a learner process and N worker processes (``echo2.broadcast.proc``), waits for the
-learner to report, stops every process it started by pid, and returns a :class:`ScenarioResult`. The
-netns topology is built once for the largest N and reshaped per scenario; it is always removed.
+A scenario starts a learner process and N worker processes (``python -m echo2_bench.proc``, with
+``benchmarks/`` added to their ``PYTHONPATH``), waits for the learner to report, stops every process it
+started by pid, and returns a :class:`ScenarioResult`. The netns topology is built once for the largest
+N and reshaped per scenario; it is always removed.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from echo2.broadcast.manifest import new_signing_key, synthetic_snapshot
-from echo2.broadcast.netns import HarnessError, NetnsTopology
-from echo2.broadcast.proc import KEY_ENV
 from echo2.broadcast.registry import get_strategy
-from echo2.broadcast.worker import Faults
+from echo2.physics.rules import install_quorum
+from echo2_bench import BENCHMARKS_DIR
+from echo2_bench.faults import Faults
+from echo2_bench.netns import HarnessError, NetnsTopology
+from echo2_bench.proc import KEY_ENV
 
 log = logging.getLogger(__name__)
 PORT = 47000
@@ -71,15 +74,26 @@ class ScenarioResult:
         return max(times) if times else math.inf
 
     def t_fraction(self, q: float) -> float:
+        """Seconds until ``ceil(q * N)`` surviving workers installed (p90: ``q = 0.9``)."""
         times = sorted(self.install_s.get(w, math.inf) for w in self.survivors)
         need = max(1, math.ceil(q * len(times) - 1e-9))
         return times[need - 1]
+
+    def t_bcast(self, gamma: float) -> float:
+        """T_bcast of SPEC §3: seconds until ``install_quorum(N, gamma)`` surviving workers installed."""
+        times = sorted(self.install_s.get(w, math.inf) for w in self.survivors)
+        return times[install_quorum(len(times), gamma) - 1]
 
     def bad_installs(self) -> int:
         return sum(1 for r in self.workers.values() for i in r.get("installs", []) if not i["digest_ok"])
 
     def counter(self, name: str) -> int:
+        """A product ``NodeCounters`` field summed over the workers that reported."""
         return sum(int(r.get("counters", {}).get(name, 0)) for r in self.workers.values())
+
+    def injected(self, name: str) -> int:
+        """A fault-injection ground-truth count (``corrupted_sent``) summed over the workers."""
+        return sum(int(r.get("injected", {}).get(name, 0)) for r in self.workers.values())
 
 
 def _free_port() -> int:
@@ -144,7 +158,7 @@ class Harness:
 
     def _spawn(self, k: int, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
         prefix = self.topology.exec_prefix(k) if self.topology is not None else []
-        cmd = [*prefix, sys.executable, "-m", "echo2.broadcast.proc", *args]
+        cmd = [*prefix, sys.executable, "-m", "echo2_bench.proc", *args]
         with open(log_path, "wb") as fh:
             p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
         self._procs.append(p)
@@ -158,7 +172,8 @@ class Harness:
         strategy = get_strategy(sc.strategy)
         run_dir = Path(tempfile.mkdtemp(prefix=f"{sc.strategy}-n{sc.n_workers}-", dir=self.workdir))
         signing = new_signing_key()  # per run: the learner signs, workers get only the public key
-        env = {**os.environ, KEY_ENV: signing.to_text(), "PYTHONUNBUFFERED": "1"}
+        pythonpath = os.pathsep.join(p for p in (str(BENCHMARKS_DIR), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, KEY_ENV: signing.to_text(), "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
         worker_env = {**env, KEY_ENV: signing.verifier().to_text()}
         expect_digest = hashlib.sha256(synthetic_snapshot(sc.size, seed=sc.seed)).hexdigest()
         b0 = sc.b0_bps if strategy.learner_uplink_capped else None
@@ -176,7 +191,9 @@ class Harness:
             "--chunk", str(sc.chunk), "--seed", str(sc.seed), "--host", host, "--port", str(port),
             "--out", str(run_dir / "learner.json"), *common,
         ]  # fmt: skip
-        survivors = [f"w{i:03d}" for i in range(sc.n_workers) if not _dies(sc.faults.get(i))]
+        survivors = [
+            f"w{i:03d}" for i in range(sc.n_workers) if not sc.faults.get(i, Faults()).removes_worker()
+        ]
         learner_args += ["--expect", str(len(survivors))]
         if sc.rate_match and sc.b0_bps and sc.bw_bps:
             learner_args += ["--b0-bps", str(sc.b0_bps), "--bw-bps", str(sc.bw_bps)]
@@ -229,10 +246,6 @@ class Harness:
             "%s N=%d: T_all=%.2fs (%.0fs wall)", sc.strategy, sc.n_workers, res.t_all(), time.monotonic() - t0
         )
         return res
-
-
-def _dies(f: Faults | None) -> bool:
-    return f is not None and (f.die_at > 0 or f.stall_at > 0)
 
 
 def _is_stopped(pid: int) -> bool:

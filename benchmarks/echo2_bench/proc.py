@@ -1,9 +1,10 @@
-"""Process entry points of the broadcast harness: ``python -m echo2.broadcast.proc learner|worker ...``.
+"""Process entry points of the broadcast harness: ``python -m echo2_bench.proc learner|worker ...``.
 
-The harness (netns or loopback) starts one learner and N workers with these, reads the JSON each writes
-under ``--out``, and stops them by pid. The per-run key travels in ``ECHO2_BCAST_KEY`` (the learner
-gets the Ed25519 key pair, workers only its public half), not argv. Both ends use the product
-classes; nothing here is benchmark-only logic except fault flags.
+The harness (netns or loopback) starts one learner and N workers with these (``benchmarks/`` on
+``PYTHONPATH``), reads the JSON each writes under ``--out``, and stops them by pid. The per-run key
+travels in ``ECHO2_BCAST_KEY`` (the learner gets the Ed25519 key pair, workers only its public half),
+not argv. Both ends use the product classes; the only benchmark logic is the fault flags, which plug a
+:class:`~echo2_bench.faults.FaultTap` into the worker node.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from echo2.broadcast.manifest import key_from_text, synthetic_snapshot
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.wire import Pacer
-from echo2.broadcast.worker import Faults, TcpWorkerNode
+from echo2.broadcast.worker import TcpWorkerNode
+from echo2.physics.rules import DEFAULT_GAMMA
+from echo2_bench.faults import Faults, FaultTap
 
 KEY_ENV = "ECHO2_BCAST_KEY"  # key_from_text form: the learner gets the key pair, workers the public key
 log = logging.getLogger(__name__)
@@ -58,7 +61,7 @@ async def run_learner(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
         "digest": manifest.digest,
         "install_s": stats.install_s,
         "learner_bytes": stats.learner_bytes,
-        "metrics": stats.metrics(),
+        "metrics": stats.metrics(DEFAULT_GAMMA),
     }
 
 
@@ -66,10 +69,11 @@ async def run_worker(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
     key = key_from_text(os.environ[KEY_ENV])
     host, port = a.learner.rsplit(":", 1)
     faults = Faults(die_at=a.die_at, stall_at=a.stall_at, corrupt_every=a.corrupt_every)
+    tap = FaultTap(faults, a.id) if faults != Faults() else None
     node = TcpWorkerNode(
         a.id, (host, int(port)), key, host=a.host, uplink=_pacer(a.uplink_bps),
         downlink=_pacer(a.downlink_bps), stall_timeout=a.stall_timeout, max_bad_chunks=a.max_bad_chunks,
-        faults=faults,
+        tap=tap,
     )  # fmt: skip
     await node.start(join_timeout=a.timeout)
     installs = []
@@ -84,11 +88,12 @@ async def run_worker(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
         installs.append({"v": snap.manifest.version, "digest_ok": ok, "t": time.time()})
         del data
     await node.wait_closed()
-    return {"id": a.id, "installs": installs, "counters": vars(node.counters)}
+    injected = {"corrupted_sent": tap.corrupted_sent if tap is not None else 0}
+    return {"id": a.id, "installs": installs, "counters": vars(node.counters), "injected": injected}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m echo2.broadcast.proc")
+    p = argparse.ArgumentParser(prog="python -m echo2_bench.proc")
     sub = p.add_subparsers(dest="role", required=True)
     lp = sub.add_parser("learner")
     lp.add_argument("--strategy", required=True)

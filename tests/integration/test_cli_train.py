@@ -18,7 +18,7 @@ def echo2(*args, timeout=300):
 def test_help_lists_subcommands():
     out = echo2("--help")
     assert out.returncode == 0
-    for name in ("train", "warmstart", "eval", "plan", "simulate", "bench-broadcast"):
+    for name in ("run", "learner", "worker", "train", "warmstart", "eval", "plan", "simulate"):
         assert name in out.stdout
 
 
@@ -39,7 +39,7 @@ def test_train_end_to_end_then_eval_the_checkpoint(tiny_overrides, tmp_path):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--set", "grpo.group_size=1"], "grpo.group_size"),
+        (["--set", "batch.group_size=1"], "batch.group_size"),
         (["--config", "does-not-exist.toml"], "does not exist"),
         (["--model", "/nonexistent/ckpt"], "does not exist"),
     ],

@@ -98,7 +98,7 @@ def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_pa
     args = [*_sets(tiny_overrides), "--steps", str(steps), "--no-progress"]
     args += _sets([
         f"runtime.port={http}", f"runtime.broadcast_port={bcast}", "runtime.lease_prompts=2",
-        "runtime.lease_ttl_s=2", "runtime.heartbeat_s=0.5", "runtime.heartbeat_timeout_s=3",
+        "runtime.lease_ttl_s=2", "runtime.heartbeat_s=0.5", "controller.heartbeat_timeout_s=3",
         "train.checkpoint_every=8", "train.eval_every=1000",
     ])  # fmt: skip
     learner = _echo2("learner", *args, log=tmp_path / "learner.log")

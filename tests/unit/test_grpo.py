@@ -50,8 +50,15 @@ def test_aggregate_modes_by_hand():
     assert grpo.aggregate(loss, mask, "token-mean").item() == pytest.approx(2.5)
     # seq-mean-token-mean: mean(6/3, 4/1) = 3
     assert grpo.aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
-    # seq-mean-token-sum-norm: 10 / (2 * 3) = 1.6667
-    assert grpo.aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / 6)
+    # seq-mean-token-sum-norm: 10 / (2 * T_max); T_max is a constant, not the batch width 3
+    assert grpo.aggregate(loss, mask, "seq-mean-token-sum-norm", max_tokens=3).item() == pytest.approx(10 / 6)
+    assert grpo.aggregate(loss, mask, "seq-mean-token-sum-norm", max_tokens=8).item() == pytest.approx(
+        10 / 16
+    )
+    with pytest.raises(ValueError, match="constant max_tokens"):
+        grpo.aggregate(loss, mask, "seq-mean-token-sum-norm")  # the batch width is not a constant
+    with pytest.raises(ValueError, match="constant max_tokens"):
+        grpo.aggregate(loss, mask, "seq-mean-token-sum-norm", max_tokens=2)
     with pytest.raises(ValueError, match="loss_agg"):
         grpo.aggregate(loss, mask, "sum")
 

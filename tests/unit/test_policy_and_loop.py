@@ -5,8 +5,8 @@ import pytest
 from echo2.config import load_config
 from echo2.errors import CheckpointError, TrainingDivergedError
 from echo2.learner.trainer import GRPOTrainer
-from echo2.models.policy import load_checkpoint, load_policy
-from echo2.models.warmstart import warmstart_checkpoint
+from echo2.learner.warmstart import starting_checkpoint, warmstart_checkpoint
+from echo2.models.policy import load_checkpoint
 from echo2.runtime.rundir import RunDir, read_metrics
 from echo2.runtime.sync import run_sync
 
@@ -36,7 +36,9 @@ def test_warmstart_is_cached_and_loads_like_any_checkpoint(tiny_overrides):
     policy = load_checkpoint(path)
     assert policy.model.config.model_type == "qwen3"
     # a user pointing model.path at the same directory takes the same code path
-    same = load_policy(load_config(overrides=[*tiny_overrides, f"model.path={str(path)!r}"]))
+    user = load_config(overrides=[*tiny_overrides, f"model.path={str(path)!r}"])
+    assert starting_checkpoint(user) == path and starting_checkpoint(cfg) == path
+    same = load_checkpoint(starting_checkpoint(user))
     assert same.source == str(path)
 
 
@@ -59,11 +61,20 @@ def test_sync_loop_writes_run_dir_with_spec_metric_names(tiny_overrides, tmp_pat
         "store/dropped_stale",
         "store/staleness_max",
         "reward/mean",
+        "learner/step_wall_s",
+        "learner/idle_s/wait",
+        "learner/idle_s/eval",
+        "learner/idle_s/other",
     ):
         assert name in step, name
+    # the bubble is every non-update second of the step: in the synchronous loop generation is "wait"
+    assert step["learner/bubble_ratio"] == pytest.approx(
+        1 - step["learner/t_train_s"] / step["learner/step_wall_s"], abs=0.05
+    )
+    assert step["learner/idle_s/wait"] >= step["rollout/t_gen_s"]
     assert [r["learner/version"] for r in records[1:]] == [1, 2, 3, 4, 5, 6]
     run = tmp_path / "run"
-    assert json.loads((run / "config.json").read_text())["grpo"]["group_size"] == 4
+    assert json.loads((run / "config.json").read_text())["batch"]["group_size"] == 4
     assert (run / "checkpoints" / "step_000006" / "model.safetensors").is_file()
     assert json.loads((run / "summary.json").read_text())["steps"] == 6
 
@@ -95,10 +106,10 @@ def test_run_dir_resume_keeps_the_metrics_and_a_fresh_one_does_not(tmp_path):
 def test_divergence_keeps_last_good_checkpoint(tiny_overrides, tmp_path, monkeypatch):
     real_update = GRPOTrainer.update
 
-    def update(self, trajectories, masks):
+    def update(self, trajectories):
         if self.version == 3:
             raise TrainingDivergedError("loss is nan at version 3, minibatch 0")
-        return real_update(self, trajectories, masks)
+        return real_update(self, trajectories)
 
     monkeypatch.setattr(GRPOTrainer, "update", update)
     cfg = load_config(overrides=[*tiny_overrides, "train.steps=10"])

@@ -172,8 +172,12 @@ def test_validate_exact_detail_and_error_count():
     with pytest.raises(Rejected) as info:
         validate_submission(b, LIMITS, latest_published=0)
     assert info.value.detail.endswith("(and 3 more errors)")
-    with pytest.raises(Rejected, match=r"^schema: body: "):
+    # a body that is not an object is malformed (HTTP 400) wherever it is checked; broken JSON too
+    with pytest.raises(Rejected, match=r"^malformed: body must be a JSON object") as info:
         validate_submission([1, 2], LIMITS, latest_published=0)
+    assert info.value.http_status == 400
+    with pytest.raises(Rejected, match=r"^malformed: body is not JSON"):
+        validate_submission(b"{oops", LIMITS, latest_published=0)
 
 
 @pytest.mark.parametrize("n", [G - 1, G + 1])

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from echo2.config import GRPOConfig
+from echo2.config import GRPOConfig, SamplingConfig
 from echo2.errors import TrainingDivergedError
 from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
 from echo2.types import Trajectory
@@ -23,12 +23,15 @@ def _batch(policy, rewards, version=0, logp=None):
                 policy_version=version,
             )
         )
-    return out, [[1.0, 1.0]] * len(rewards)
+    return out
+
+
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8)
 
 
 def test_pack_aligns_prompt_and_completion(tiny_policy):
-    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1])
-    b = pack(trajs, masks, tiny_policy.pad_id)
+    trajs = _batch(tiny_policy, [1, 0, 0, 1])
+    b = pack(trajs, [[1.0, 1.0]] * len(trajs), tiny_policy.pad_id)
     p = len(trajs[0].prompt_ids)
     assert b.start_B.tolist() == [p] * 4
     assert b.input_ids_BL[0, p:].tolist() == list(trajs[0].completion_ids)
@@ -36,10 +39,10 @@ def test_pack_aligns_prompt_and_completion(tiny_policy):
 
 
 def test_update_bumps_version_and_moves_weights(tiny_policy):
-    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(lr=1e-2), 1.0, tiny_policy.pad_id)
-    trajs, masks = _batch(tiny_policy, [1, 0, 0, 0, 0, 0, 1, 1])
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(lr=1e-2), SAMPLING, tiny_policy.pad_id)
+    trajs = _batch(tiny_policy, [1, 0, 0, 0, 0, 0, 1, 1])
     before = [p.detach().clone() for p in tiny_policy.model.parameters()]
-    stats = trainer.update(trajs, masks)
+    stats = trainer.update(trajs)
     assert stats.version == 1 == trainer.version
     assert stats.t_train_s > 0 and stats.tokens == 16
     assert any(not torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters(), strict=True))
@@ -47,9 +50,9 @@ def test_update_bumps_version_and_moves_weights(tiny_policy):
 
 def test_update_raises_rewarded_completion_probability(tiny_policy):
     """A few updates must make the rewarded completion more likely than the unrewarded one."""
-    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(lr=1e-2), 1.0, tiny_policy.pad_id)
-    trajs, masks = _batch(tiny_policy, [1.0, 0.0, 0.0, 1.0])  # tokens 5 and 8 rewarded, 6 and 7 not
-    b = pack(trajs, masks, tiny_policy.pad_id)
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(lr=1e-2), SAMPLING, tiny_policy.pad_id)
+    trajs = _batch(tiny_policy, [1.0, 0.0, 0.0, 1.0])  # tokens 5 and 8 rewarded, 6 and 7 not
+    b = pack(trajs, [[1.0, 1.0]] * len(trajs), tiny_policy.pad_id)
     with torch.no_grad():
         lp0 = completion_logprobs(tiny_policy.model, b, 1.0)[:, 0]
     for _ in range(5):
@@ -57,7 +60,7 @@ def test_update_raises_rewarded_completion_probability(tiny_policy):
             Trajectory(**{**t.__dict__, "sampler_logprobs": tuple(lp.tolist())})
             for t, lp in zip(trajs, completion_logprobs(tiny_policy.model, b, 1.0).detach(), strict=True)
         ]
-        trainer.update(on_policy, masks)
+        trainer.update(on_policy)
     with torch.no_grad():
         lp1 = completion_logprobs(tiny_policy.model, b, 1.0)[:, 0]
     gain = lp1 - lp0
@@ -65,34 +68,50 @@ def test_update_raises_rewarded_completion_probability(tiny_policy):
 
 
 def test_minibatches_and_kl_reference(tiny_policy):
-    cfg = GRPOConfig(lr=1e-3, kl_beta=0.1, num_minibatches=2, prompts_per_step=2, group_size=4)
-    trainer = GRPOTrainer(tiny_policy.model, cfg, 1.0, tiny_policy.pad_id)
+    cfg = GRPOConfig(lr=1e-3, kl_beta=0.1, num_minibatches=2)
+    trainer = GRPOTrainer(tiny_policy.model, cfg, SAMPLING, tiny_policy.pad_id)
     assert trainer.reference is not None
-    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1, 0, 1, 1, 0])
-    stats = trainer.update(trajs, masks)
+    trajs = _batch(tiny_policy, [1, 0, 0, 1, 0, 1, 1, 0])
+    stats = trainer.update(trajs)
     assert stats.kl >= 0.0 and stats.version == 1
 
 
 def test_nan_loss_stops_before_touching_weights(tiny_policy):
-    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(), 1.0, tiny_policy.pad_id)
-    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1], logp=[(float("nan"), -1.0)] * 4)
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(), SAMPLING, tiny_policy.pad_id)
+    trajs = _batch(tiny_policy, [1, 0, 0, 1], logp=[(float("nan"), -1.0)] * 4)
     before = [p.detach().clone() for p in tiny_policy.model.parameters()]
     with pytest.raises(TrainingDivergedError, match="loss is nan"):
-        trainer.update(trajs, masks)
+        trainer.update(trajs)
     assert all(torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters(), strict=True))
     assert trainer.version == 0
 
 
 def test_groups_not_divisible_into_minibatches_rejected(tiny_policy):
-    cfg = GRPOConfig(num_minibatches=2, prompts_per_step=2, group_size=4)
-    trainer = GRPOTrainer(tiny_policy.model, cfg, 1.0, tiny_policy.pad_id)
-    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1] * 3)  # three groups of 4 for two minibatches
+    cfg = GRPOConfig(num_minibatches=2)
+    trainer = GRPOTrainer(tiny_policy.model, cfg, SAMPLING, tiny_policy.pad_id)
+    trajs = _batch(tiny_policy, [1, 0, 0, 1] * 3)  # three groups of 4 for two minibatches
     with pytest.raises(ValueError, match="3 groups cannot be split into 2"):
-        trainer.update(trajs, masks)
+        trainer.update(trajs)
 
 
 def test_uneven_groups_rejected(tiny_policy):
-    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(), 1.0, tiny_policy.pad_id)
-    trajs, masks = _batch(tiny_policy, [1, 0, 0, 1, 1])  # groups of 4 and 1
+    trainer = GRPOTrainer(tiny_policy.model, GRPOConfig(), SAMPLING, tiny_policy.pad_id)
+    trajs = _batch(tiny_policy, [1, 0, 0, 1, 1])  # groups of 4 and 1
     with pytest.raises(ValueError, match="whole groups"):
-        trainer.update(trajs, masks)
+        trainer.update(trajs)
+
+
+def test_the_task_mask_is_the_one_place_loss_weights_come_from(tiny_policy):
+    """Tokens the task masks out get no gradient: with every token masked the update moves nothing."""
+    masked = GRPOTrainer(
+        tiny_policy.model,
+        GRPOConfig(lr=1e-2),
+        SAMPLING,
+        tiny_policy.pad_id,
+        token_mask=lambda ids, meta: [0.0] * len(ids),
+    )
+    trajs = _batch(tiny_policy, [1, 0, 0, 1])
+    before = [p.detach().clone() for p in tiny_policy.model.parameters()]
+    stats = masked.update(trajs)
+    assert stats.tokens == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters(), strict=True))

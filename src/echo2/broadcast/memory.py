@@ -37,6 +37,21 @@ class InMemoryHub:
         self._receivers: dict[str, InMemoryReceiver] = {}
         self._acked = asyncio.Event()
 
+    # lifecycle (the same calls as the TCP publisher's)
+    async def start(self) -> tuple[str, int]:
+        return self.address
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("memory", 0)  # receivers join the hub object itself (broadcast.factory.open_receiver)
+
+    def members(self) -> list[str]:
+        return list(self._receivers)
+
+    async def close(self) -> None:
+        for rx in list(self._receivers.values()):
+            await rx.close()
+
     # publisher side (SnapshotPublisher)
     async def publish(self, version: int, blob: bytes) -> Manifest:
         if self._latest is not None and version <= self._latest[0].version:
@@ -91,12 +106,25 @@ class InMemoryReceiver:
         self.hub = hub
         self.worker_id = worker_id
         self.installed_version = -1
+        self._closed = asyncio.Event()
+
+    async def start(self, join_timeout: float = 30.0) -> None:
+        """Joined at construction; here for the same lifecycle as a TCP node."""
+
+    async def close(self) -> None:
+        """Leave the hub; :meth:`snapshots` ends."""
+        self.hub.leave(self.worker_id)
+        self._closed.set()
 
     async def snapshots(self) -> AsyncIterator[InstalledSnapshot]:
-        while True:
+        while not self._closed.is_set():
             latest = self.hub._latest
             if latest is None or latest[0].version <= self.installed_version:
-                await self.hub._published.wait()
+                published = asyncio.ensure_future(self.hub._published.wait())
+                closed = asyncio.ensure_future(self._closed.wait())
+                await asyncio.wait({published, closed}, return_when=asyncio.FIRST_COMPLETED)
+                published.cancel()
+                closed.cancel()
                 continue
             manifest, blob = latest
             verify_manifest(manifest, self.hub.key.verifier())

@@ -8,7 +8,7 @@ restart (a new ``TrajectoryStore`` on the same file) loses no accepted group, le
 ``check_same_thread`` guard enforces it). A server that runs requests on several threads must funnel
 store calls through one thread (e.g. its event loop thread, or one executor thread).
 
-**Schema** (``PRAGMA user_version = 1``)::
+**Schema** (``PRAGMA user_version = 2``)::
 
     leases(lease_id PK, worker_id, state IN ('open','expired','submitted'), issued_at, expires_at,
            submitted_at NULL, n_prompts, prompts)
@@ -18,7 +18,7 @@ store calls through one thread (e.g. its event loop thread, or one executor thre
         one row per GRPO group, kept whole; seq is the arrival order (FIFO key, never reused);
         consumed_step is NULL while buffered, -1 once discarded as stale, else the learner step that
         trained on it; rows are never deleted (the ledger), only the samples of pruned / dropped ones;
-        data: JSON [[prompt_ids, completion_ids, sampler_logprobs, reward, meta], ...] (one per sample)
+        data: the group as the protocol codec encodes it (echo2.protocol.encode_group)
     counters(name PK, value)      admitted, dropped_stale (trajectories), leases_expired (leases),
                                   rejected/<reason> (submissions)
     settings(name PK, value)      group_size (checked on reopen), staleness (informational)
@@ -45,11 +45,13 @@ from typing import Any
 
 from echo2.data.submission import Rejected, Submission, is_reason_label
 from echo2.errors import ConfigError
+from echo2.physics.rules import admission_floor
+from echo2.protocol import decode_group, encode_group
 from echo2.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a group's data is the protocol codec's JSON (1: positional arrays)
 DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept in the ledger)
 BUSY_TIMEOUT_MS = 10_000
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
@@ -125,28 +127,6 @@ def _decode_prompts(text: str) -> list[Prompt]:
     return [Prompt(prompt_id=i, text=t, answer=a, meta=m) for i, t, a, m in json.loads(text)]
 
 
-def _encode_group(group: Sequence[Trajectory]) -> str:
-    return _JSON.encode(
-        [[t.prompt_ids, t.completion_ids, t.sampler_logprobs, t.reward, t.meta] for t in group]
-    )
-
-
-def _decode_group(group_id: str, prompt_id: str, version: int, data: str) -> tuple[Trajectory, ...]:
-    return tuple(
-        Trajectory(
-            prompt_id=prompt_id,
-            group_id=group_id,
-            prompt_ids=tuple(p),
-            completion_ids=tuple(c),
-            sampler_logprobs=tuple(lp),
-            reward=r,
-            policy_version=version,
-            meta=m,
-        )
-        for p, c, lp, r, m in json.loads(data)
-    )
-
-
 class TrajectoryStore:
     """Durable, versioned buffer of GRPO groups with leases and bounded-staleness admission.
 
@@ -180,8 +160,11 @@ class TrajectoryStore:
             log.warning("%s: journal_mode is %s, not wal (still durable, slower)", self.path, mode)
         db.execute("PRAGMA synchronous = FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise ConfigError(f"{self.path}: store schema version {version} is newer than {SCHEMA_VERSION}")
+        if version not in (0, SCHEMA_VERSION):
+            raise ConfigError(
+                f"{self.path}: store schema version {version}, this echo2 reads {SCHEMA_VERSION}; "
+                "start a fresh run (without --resume) or use the echo2 that wrote it"
+            )
         with self._tx():
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
@@ -222,7 +205,7 @@ class TrajectoryStore:
 
     def _drop_stale(self, learner_version: int) -> int:
         """Delete buffered groups with ``policy_version < learner_version - S``; trajectories dropped."""
-        floor = learner_version - self.staleness
+        floor = admission_floor(learner_version, self.staleness)
         self._floor = floor
         n = self._db.execute(
             "SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups "
@@ -339,7 +322,7 @@ class TrajectoryStore:
                         "group_size", f"groups[{i}].samples: {len(g)} samples, expected {self.group_size}"
                     )
             n = sum(len(g) for g in sub.groups)
-            floor = learner_version - self.staleness
+            floor = admission_floor(learner_version, self.staleness)
             self._floor = floor
             if sub.policy_version < floor:
                 self._bump("dropped_stale", n)
@@ -355,7 +338,7 @@ class TrajectoryStore:
                             g[0].prompt_id,
                             sub.policy_version,
                             len(g),
-                            _encode_group(g),
+                            encode_group(g),
                         )
                         for g in sub.groups
                     ],
@@ -415,7 +398,7 @@ class TrajectoryStore:
             self._db.executemany(
                 "UPDATE rollout_groups SET consumed_step = ? WHERE seq = ?", [(step, r[0]) for r in rows]
             )
-        return [_decode_group(gid, pid, v, data) for _, gid, pid, v, data in rows]
+        return [decode_group(data, gid, v) for _, gid, _pid, v, data in rows]
 
     def requeue_after(self, step: int) -> int:
         """Groups consumed by a step ``> step`` become buffered again; returns how many.

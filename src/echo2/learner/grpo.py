@@ -37,7 +37,9 @@ Loss aggregation (``loss_agg``), over valid tokens ``m_bt``:
   - ``token-mean`` (default; DAPO): ``Σ_bt m·l / Σ_bt m`` — every token weighs the same, so long
     completions are not down-weighted;
   - ``seq-mean-token-mean`` (original GRPO): ``mean_b (Σ_t m·l / Σ_t m)``;
-  - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``Σ_bt m·l / (B · T_max)`` with a constant ``T_max``.
+  - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``Σ_bt m·l / (B · T_max)`` with a constant ``T_max`` (the
+    longest completion the sampler may produce, ``sampling.max_new_tokens``), never the batch's own
+    padded width, so a token's weight does not depend on which other completions share its batch.
 """
 
 from __future__ import annotations
@@ -80,8 +82,11 @@ def kl_k3(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
     return torch.exp(d_BT) - d_BT - 1.0
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> torch.Tensor:
-    """One scalar from per-token losses (see module docstring for the three modes)."""
+def aggregate(
+    loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, max_tokens: int | None = None
+) -> torch.Tensor:
+    """One scalar from per-token losses (see module docstring for the three modes); ``max_tokens`` is
+    the constant ``T_max`` of ``seq-mean-token-sum-norm`` (required there, at least the batch width)."""
     mask_BT = mask_BT.to(loss_BT.dtype)
     if mode == "token-mean":
         return (loss_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
@@ -89,7 +94,12 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> torch.
         per_seq_B = (loss_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
         return per_seq_B.mean()
     if mode == "seq-mean-token-sum-norm":
-        return (loss_BT * mask_BT).sum() / (loss_BT.shape[0] * loss_BT.shape[1])
+        if max_tokens is None or max_tokens < loss_BT.shape[1]:
+            raise ValueError(
+                f"seq-mean-token-sum-norm needs a constant max_tokens >= the batch width "
+                f"{loss_BT.shape[1]}, got {max_tokens!r}"
+            )
+        return (loss_BT * mask_BT).sum() / (loss_BT.shape[0] * max_tokens)
     raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
 
 
@@ -117,8 +127,10 @@ def grpo_loss(
     logp_ref_BT: torch.Tensor | None = None,
     loss_agg: str = "token-mean",
     clip_anchor: str = "sampler",
+    max_tokens: int | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The GRPO objective of the module docstring; returns the scalar loss and its diagnostics."""
+    """The GRPO objective of the module docstring; returns the scalar loss and its diagnostics.
+    ``max_tokens`` is the constant normaliser of ``loss_agg="seq-mean-token-sum-norm"``."""
     if kl_beta > 0.0 and logp_ref_BT is None:
         raise ValueError("kl_beta > 0 needs logp_ref_BT")
     if clip_anchor not in CLIP_ANCHORS:
@@ -141,11 +153,11 @@ def grpo_loss(
         pg_BT = -w_BT * surr_BT
     else:  # dual clip: a stale token with A < 0 and a large ratio cannot dominate the update
         pg_BT = -torch.where(A_B1 < 0, torch.maximum(surr_BT, is_cap * A_B1), surr_BT)
-    pg = aggregate(pg_BT, mask_BT, loss_agg)
+    pg = aggregate(pg_BT, mask_BT, loss_agg, max_tokens)
 
     kl = torch.zeros((), dtype=logp_BT.dtype)
     if logp_ref_BT is not None:
-        kl = aggregate(kl_k3(logp_BT, logp_ref_BT.detach()), mask_BT, loss_agg)
+        kl = aggregate(kl_k3(logp_BT, logp_ref_BT.detach()), mask_BT, loss_agg, max_tokens)
     loss = pg + kl_beta * kl
 
     with torch.no_grad():

@@ -12,12 +12,14 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from echo2.config import GRPOConfig
+from echo2.config import GRPOConfig, SamplingConfig
+from echo2.data.tasks.base import full_mask
 from echo2.errors import TrainingDivergedError
 from echo2.learner import grpo
 from echo2.types import Trajectory
@@ -95,16 +97,32 @@ def completion_logprobs(
     return grpo.token_logprobs(logits_BTV, batch.targets_BT[rows], temperature)
 
 
+TokenMask = Callable[[Sequence[int], dict[str, Any]], list[float]]  # (completion ids, meta) -> weights
+
+
 class GRPOTrainer:
-    """Owns the policy's optimizer and (when ``kl_beta > 0``) a frozen reference copy."""
+    """Owns the policy's optimizer and (when ``kl_beta > 0``) a frozen reference copy.
+
+    ``token_mask`` is the task adapter's per-token loss mask (``Task.token_mask``): the one place a
+    trajectory's metadata becomes learner-side loss weights. ``sampling`` gives the temperature the
+    sampler's log-probs were taken at and the constant ``max_new_tokens`` of the Dr. GRPO normaliser.
+    """
 
     def __init__(
-        self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float, pad_id: int, version: int = 0
+        self,
+        model: torch.nn.Module,
+        cfg: GRPOConfig,
+        sampling: SamplingConfig,
+        pad_id: int,
+        token_mask: TokenMask = full_mask,
+        version: int = 0,
     ) -> None:
         self.model = model
         self.cfg = cfg
-        self.temperature = temperature
+        self.temperature = sampling.temperature
+        self.max_tokens = sampling.max_new_tokens
         self.pad_id = pad_id
+        self.token_mask = token_mask
         self.version = version
         self.optimizer = torch.optim.AdamW(
             (p for p in model.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -115,7 +133,7 @@ class GRPOTrainer:
             for p in self.reference.parameters():
                 p.requires_grad_(False)
 
-    def update(self, trajectories: Sequence[Trajectory], masks: Sequence[Sequence[float]]) -> UpdateStats:
+    def update(self, trajectories: Sequence[Trajectory]) -> UpdateStats:
         """One learner update on whole GRPO groups (``trajectories`` ordered group by group)."""
         t0 = time.perf_counter()
         cfg = self.cfg
@@ -125,6 +143,7 @@ class GRPOTrainer:
             raise ValueError(f"update needs whole groups of equal size >= 2, got sizes {groups}")
         rewards_PG = torch.tensor([t.reward for t in trajectories], dtype=torch.float32).view(-1, G)
         advantages_B = grpo.group_advantages(rewards_PG, cfg.scale_by_std).flatten()
+        masks = [self.token_mask(t.completion_ids, t.meta) for t in trajectories]
         batch = pack(trajectories, masks, self.pad_id)
 
         self.model.train()
@@ -157,6 +176,7 @@ class GRPOTrainer:
                 logp_ref_BT=logp_ref_BT,
                 loss_agg=cfg.loss_agg,
                 clip_anchor=cfg.clip_anchor,
+                max_tokens=self.max_tokens,
             )
             if not torch.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)

@@ -1,8 +1,10 @@
-"""Loading a policy (model + tokenizer) from a local HF checkpoint directory.
+"""Loading a policy (model + tokenizer) from a local HF checkpoint directory. Loading never trains.
 
 The embedded default goes through the same function: its warm-started checkpoint is an ordinary
 ``save_pretrained`` directory (safetensors), so the code path a user's real checkpoint takes is the
-one every test exercises.
+one every test exercises. Which checkpoint a run starts from (the user's, or the embedded model's
+warm start, trained first when it is not cached) is the learner side's decision:
+``echo2.learner.warmstart.starting_checkpoint``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,25 @@ from echo2.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TextCodec:
+    """Prompt text -> token ids and completion ids -> text, the way every plane agrees on: what a
+    worker needs of a model besides its engine."""
+
+    tokenizer: Any  # transformers tokenizer
+    chat_template: bool  # wrap prompts with the tokenizer's chat template
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.chat_template:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode_completion(self, ids: tuple[int, ...] | list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
 @dataclass
 class Policy:
     """A causal LM with its tokenizer and the token conventions the planes agree on."""
@@ -29,15 +50,15 @@ class Policy:
     chat_template: bool  # wrap prompts with the tokenizer's chat template
     source: str  # the checkpoint directory it was loaded from
 
+    @property
+    def codec(self) -> TextCodec:
+        return TextCodec(self.tokenizer, self.chat_template)
+
     def encode_prompt(self, text: str) -> list[int]:
-        if self.chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.codec.encode_prompt(text)
 
     def decode_completion(self, ids: tuple[int, ...] | list[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.codec.decode_completion(ids)
 
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -82,13 +103,3 @@ def load_checkpoint(path: str | Path, chat_template: bool = False) -> Policy:
     if chat_template and not getattr(tokenizer, "chat_template", None):
         raise CheckpointError(f"model.chat_template is set but the tokenizer in {p} has no chat template")
     return Policy(model, tokenizer, int(eos), int(pad), chat_template, str(p))
-
-
-def load_policy(cfg: Config) -> Policy:
-    """The configured checkpoint, or the embedded model's warm-started one (built and cached on
-    first use)."""
-    if cfg.model.path is not None:
-        return load_checkpoint(cfg.model.path, cfg.model.chat_template)
-    from echo2.models.warmstart import warmstart_checkpoint
-
-    return load_checkpoint(warmstart_checkpoint(cfg), cfg.model.chat_template)

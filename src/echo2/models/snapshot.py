@@ -75,20 +75,29 @@ def skeleton_files(policy_source: str | Path, model: Any, tokenizer: Any, out: P
     return files
 
 
-def build_from_skeleton(files: dict[str, str], where: Path) -> tuple[Any, Any]:
-    """(model, tokenizer) from skeleton files: the architecture with untrained weights, to be filled by
-    :func:`install_blob`."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+def write_skeleton(files: dict[str, str], where: Path) -> None:
+    """Write skeleton files (from :func:`skeleton_files`, as a peer sent them) into ``where``."""
     where.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        if "/" in name or name.startswith("."):
-            raise CheckpointError(f"skeleton file name {name!r} is not a plain file name")
-        (where / name).write_text(text)
     if "config.json" not in files:
         raise CheckpointError("skeleton has no config.json")
-    tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    for name, text in files.items():
+        if "/" in name or "\\" in name or name.startswith("."):
+            raise CheckpointError(f"skeleton file name {name!r} is not a plain file name")
+        (where / name).write_text(text)
+
+
+def tokenizer_from_skeleton(where: Path) -> Any:
+    """The tokenizer of a skeleton directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(where, local_files_only=True)
+
+
+def model_from_skeleton(where: Path) -> Any:
+    """The architecture of a skeleton directory's ``config.json`` with untrained weights, to be filled
+    by :func:`install_blob`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(where, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.eval(), tokenizer
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from echo2.data.tasks.base import Task
-from echo2.models.policy import Policy
-from echo2.rollout.engines.hf import HFEngine
+from echo2.models.policy import TextCodec
+from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt, Trajectory
 
 
@@ -22,15 +22,14 @@ class RolloutBatch:
     """Graded, version-tagged groups and what producing them cost."""
 
     trajectories: list[Trajectory]  # group by group, group_size each
-    masks: list[list[float]]  # per-token loss masks from the task adapter, aligned with trajectories
     unparsed: int  # completions the reward function could not parse (reward 0)
     tokens: int  # completion tokens generated
     t_gen_s: float  # wall seconds spent sampling (grading excluded)
 
 
 def collect_groups(
-    policy: Policy,
-    engine: HFEngine,
+    codec: TextCodec,
+    engine: Engine,
     task: Task,
     prompts: Sequence[Prompt],
     group_size: int,
@@ -41,16 +40,15 @@ def collect_groups(
 ) -> RolloutBatch:
     """Sample ``group_size`` completions of every prompt with the engine's weights (which are
     version ``policy_version``), grade each with the task, and build the trajectories."""
-    encoded = [policy.encode_prompt(p.text) for p in prompts]
+    encoded = [codec.encode_prompt(p.text) for p in prompts]
     t0 = time.perf_counter()
     samples = engine.generate([ids for ids in encoded for _ in range(group_size)], seed=seed)
     t_gen = time.perf_counter() - t0
     trajectories: list[Trajectory] = []
-    masks: list[list[float]] = []
     unparsed = 0
     for i, s in enumerate(samples):
         g = i // group_size
-        grade = task.grade(prompts[g], policy.decode_completion(s.completion_ids))
+        grade = task.grade(prompts[g], codec.decode_completion(s.completion_ids))
         unparsed += not grade.parsed
         meta: dict[str, Any] = {"parsed": grade.parsed, "finished": s.finished}
         trajectories.append(
@@ -65,10 +63,8 @@ def collect_groups(
                 meta=meta,
             )
         )
-        masks.append(task.token_mask(s.completion_ids, meta))
     return RolloutBatch(
         trajectories=trajectories,
-        masks=masks,
         unparsed=unparsed,
         tokens=sum(len(s.completion_ids) for s in samples),
         t_gen_s=t_gen,

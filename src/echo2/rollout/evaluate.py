@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from echo2.data.tasks.base import Task
-from echo2.models.policy import Policy
-from echo2.rollout.engines.hf import HFEngine
+from echo2.models.policy import TextCodec
+from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt
 
 
@@ -19,15 +19,15 @@ class EvalResult:
 
 
 def evaluate(
-    policy: Policy, engine: HFEngine, task: Task, prompts: Sequence[Prompt], batch_size: int = 256
+    codec: TextCodec, engine: Engine, task: Task, prompts: Sequence[Prompt], batch_size: int = 256
 ) -> EvalResult:
     rewards: list[float] = []
     unparsed = 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        samples = engine.generate([policy.encode_prompt(p.text) for p in chunk], seed=0, greedy=True)
+        samples = engine.generate([codec.encode_prompt(p.text) for p in chunk], seed=0, greedy=True)
         for p, s in zip(chunk, samples, strict=True):
-            grade = task.grade(p, policy.decode_completion(s.completion_ids))
+            grade = task.grade(p, codec.decode_completion(s.completion_ids))
             rewards.append(grade.reward)
             unparsed += not grade.parsed
     n = len(rewards)

@@ -1,15 +1,16 @@
 """A rollout worker (SPEC §1 rollout plane): install -> generate -> reward -> push, plus heartbeats.
 
 The worker needs only the learner's URL and the run's join token. It registers (getting a
-credential, the run config, the learner's public manifest key and the broadcast address), builds
-the model skeleton the learner serves, installs the current snapshot over HTTP, and then joins the
-broadcast topology, where it installs every newer snapshot and relays chunks for its peers.
+credential, the part of the run's config it needs, the learner's public manifest key and the
+broadcast address), builds its engine on the model skeleton the learner serves, installs the current
+snapshot over HTTP, and then joins the broadcast plane, where it installs every newer snapshot and
+relays chunks for its peers. Every call to the learner goes through the typed protocol client.
 
-Generation runs in a worker thread so the event loop keeps relaying chunks, heartbeating, submitting
-the previous batch and leasing the next one while the model samples: the network round trips hide
-behind generation. A new snapshot is switched in between generations, never during one; every
-trajectory carries the version that generated it. When the learner is unreachable the worker keeps
-its state and retries; a learner restart is survived (credentials persist on the learner side).
+Generation runs in a thread so the event loop keeps relaying chunks, heartbeating, submitting the
+previous batch and leasing the next one while the engine samples: the network round trips hide behind
+generation. A new snapshot is installed between generations, never during one; every trajectory
+carries the version that generated it. When the learner is unreachable the worker keeps its state and
+retries; a learner restart is survived (credentials persist on the learner side).
 """
 
 from __future__ import annotations
@@ -30,9 +31,22 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from echo2.config import EngineName
 from echo2.errors import Echo2Error
+from echo2.protocol import (
+    HeartbeatRequest,
+    LeaseGrant,
+    LeaseRefusal,
+    LeaseRequest,
+    RegisterRequest,
+    SubmitRequest,
+    group_to_wire,
+)
+from echo2.rollout.client import LearnerClient, LearnerGone, Refused
 
 log = logging.getLogger(__name__)
+
+MAX_LEASES_IN_FLIGHT = 2  # one generating, one waiting: the generator never waits for a round trip
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class WorkerOptions:
     rollouts_per_s: float | None = None  # own throughput estimate (the controller's prior)
     max_rollouts_per_s: float | None = None  # throttle, to emulate slower hardware
     advertise_host: str | None = None  # address peers reach this worker's chunk server at
+    engine: EngineName = "hf"  # rollout engine (rollout/engines registry)
     reconnect_s: float = 120.0  # give up when the learner is unreachable this long
     catchup_s: float = 3.0  # wait this long for the broadcast before fetching a snapshot over HTTP
 
@@ -63,83 +78,108 @@ class WorkerCounters:
     idle_s: float = 0.0  # seconds waiting for a lease
 
 
-class LearnerGone(Echo2Error):
-    """The learner stayed unreachable past ``reconnect_s``."""
+@dataclass(frozen=True)
+class _Generated:
+    """One finished generation, handed from the generator thread to the event loop."""
+
+    lease_id: str  # the lease it answers
+    version: int  # the installed version that generated it
+    groups: list[list[Any]]  # trajectories, one list per leased prompt
+    busy_s: float  # seconds it took (throttle included)
 
 
 class RolloutWorker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
-        self.base = opts.join_url.rstrip("/") + "/v1"
         self.counters = WorkerCounters()
         self.installed = -1
         self.finished = False
         self._pending: Any = None  # newest InstalledSnapshot from the broadcast plane not yet loaded
         self._hb_rollouts = 0
         self._hb_busy = 0.0
-        self._cred: str | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._retry_after = 0.5  # seconds to wait after a refused lease
-        self.node: Any = None  # the broadcast node while joined (a TcpWorkerNode)
-        self._model_lock = threading.Lock()  # held while generating: weights change only between generations
-        self._leases: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()  # to the generator
-        self._results: asyncio.Queue[tuple[str, int, Any, float] | BaseException] = asyncio.Queue()
+        self.node: Any = None  # the broadcast receiver while joined
+        self._engine_lock = threading.Lock()  # held while generating: weights change only between generations
+        self._leases: queue.SimpleQueue[LeaseGrant | None] = queue.SimpleQueue()  # to the generator
+        self._results: asyncio.Queue[_Generated | BaseException] = asyncio.Queue()
 
-    # ---- HTTP -------------------------------------------------------------------------------------------
-    async def _call(
-        self, method: str, path: str, body: dict[str, Any] | None = None, raw: bool = False
-    ) -> tuple[int, Any]:
-        assert self._session is not None
-        headers = {"Authorization": f"Bearer {self._cred}"} if self._cred else {}
-        deadline = time.monotonic() + self.opts.reconnect_s
-        while True:
+    async def run(self) -> WorkerCounters:
+        timeout = aiohttp.ClientTimeout(total=120, connect=10)
+        self._loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            self.client = LearnerClient(
+                self.opts.join_url, session, self.opts.reconnect_s, lambda: self.finished
+            )
+            await self.setup()
+            bg = [asyncio.ensure_future(self._follow_broadcast()), asyncio.ensure_future(self._heartbeats())]
+            threading.Thread(target=self._generate_forever, name="echo2-generate", daemon=True).start()
+            inflight = 0  # leases handed to the generator and not yet back
             try:
-                async with self._session.request(
-                    method, self.base + path, json=body, headers=headers
-                ) as resp:
-                    if raw and resp.status == 200:
-                        return resp.status, (await resp.read(), dict(resp.headers))
-                    try:
-                        data = await resp.json(content_type=None)
-                    except ValueError:
-                        data = {"error": "non-json", "detail": (await resp.text())[:200]}
-                    return resp.status, data
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                if time.monotonic() >= deadline or self.finished:
-                    raise LearnerGone(
-                        f"learner at {self.base} unreachable for {self.opts.reconnect_s:.0f}s: {exc}"
-                    ) from None
-                await asyncio.sleep(0.5)
+                inflight = await self._produce()
+            finally:
+                await self._stop(inflight, bg)
+        return self.counters
 
-    async def _register(self) -> dict[str, Any]:
+    # ---- setup ---------------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Register, build the engine on the learner's model skeleton, install the current snapshot."""
+        import torch
+
+        from echo2.broadcast.manifest import key_from_text
+        from echo2.data.tasks.registry import build_task
+        from echo2.models.policy import TextCodec
+        from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
+        from echo2.rollout.engines import build_engine
+
+        reg = await self._register()
+        st = self.settings = reg.settings
+        if st.threads:
+            torch.set_num_threads(st.threads)
+        torch.manual_seed(st.seed)
+        self.key = key_from_text(reg.public_key)
+        self.broadcast_addr = reg.broadcast
+        self.bind_host, self.advertise_host = _local_address(reg.broadcast[0], self.opts.advertise_host)
+        skeleton = await self.client.model()
+        with tempfile.TemporaryDirectory(prefix="echo2-skeleton-") as tmp:
+            write_skeleton(skeleton.files, Path(tmp))
+            tokenizer = tokenizer_from_skeleton(Path(tmp))
+            eos, pad = int(tokenizer.eos_token_id), tokenizer.pad_token_id
+            pad = int(pad) if pad is not None else eos
+            self.engine = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling)
+        self.codec = TextCodec(tokenizer, st.chat_template)
+        self.task = build_task(st.task, st.seed)
+        await self._fetch_snapshot()
+        log.info("worker %s ready at v%d", self.worker_id, self.installed)
+
+    async def _register(self) -> Any:
         o = self.opts
-        body = {"token": o.token, "name": o.name[:64], "usd_per_hour": o.usd_per_hour, "hardware": o.hardware}
-        if o.rollouts_per_s:
-            body["rollouts_per_s"] = o.rollouts_per_s
-        self._cred = None
-        status, data = await self._call("POST", "/register", body)
-        if status != 200:
-            raise Echo2Error(f"registration refused ({status}): {data.get('detail', data)}")
-        self._cred = data["credential"]
-        return data
+        req = RegisterRequest(
+            token=o.token,
+            name=o.name[:64],
+            usd_per_hour=o.usd_per_hour,
+            hardware=o.hardware,
+            rollouts_per_s=o.rollouts_per_s,
+        )
+        try:
+            reply = await self.client.register(req)
+        except Refused as exc:
+            raise Echo2Error(f"registration refused ({exc})") from None
+        self.worker_id = reply.worker_id
+        return reply
 
     # ---- snapshots ------------------------------------------------------------------------------------
     async def _fetch_snapshot(self) -> None:
         """Install the latest snapshot over HTTP, verified against the signed manifest."""
         from echo2.broadcast.manifest import Manifest, blob_ok, verify_manifest
 
-        status, info = await self._call("GET", "/version")
-        if status != 200 or info.get("manifest") is None:
-            raise Echo2Error(f"learner has no snapshot to fetch ({status}): {info}")
-        manifest = Manifest.from_dict(info["manifest"])
+        info = await self.client.version()
+        if info.manifest is None:
+            raise Echo2Error("the learner has no snapshot to fetch yet")
+        manifest = Manifest.from_dict(info.manifest)
         verify_manifest(manifest, self.key)
         if manifest.version <= self.installed:
             return
-        status, got = await self._call("GET", "/snapshot", raw=True)
-        if status != 200:
-            raise Echo2Error(f"snapshot download failed ({status}): {got}")
-        blob, headers = got
-        if int(headers.get("X-Echo2-Version", -1)) != manifest.version or not blob_ok(manifest, blob):
+        version, blob = await self.client.snapshot()
+        if version != manifest.version or not blob_ok(manifest, blob):
             log.warning(
                 "HTTP snapshot does not match manifest v%d (a newer one was published?)", manifest.version
             )
@@ -150,38 +190,36 @@ class RolloutWorker:
 
     def _install(self, blob: Any, version: int) -> bool:
         """Load ``version`` unless something newer is already in (any thread; waits for a generation)."""
-        from echo2.models.snapshot import install_blob
-
-        with self._model_lock:
+        with self._engine_lock:
             if version <= self.installed:
                 return False
-            install_blob(self.policy.model, blob)
+            self.engine.install(blob)
             self.installed = version
             self.counters.installs += 1
             return True
 
     def _install_pending(self) -> None:
         """Switch to the newest snapshot the broadcast delivered, if any (any thread), and ack it."""
-        snap = self._pending
+        snap, node = self._pending, self.node
         if snap is None or not self._install(snap.data, snap.manifest.version):
             return
-        node = self.node
         if node is not None:
             v = snap.manifest.version
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.report_installed(v)))
 
-    async def _maybe_install(self) -> None:
-        await asyncio.to_thread(self._install_pending)
-
     async def _follow_broadcast(self) -> None:
-        """Keep a broadcast node joined (re-joining after a learner restart) and collect snapshots."""
-        from echo2.broadcast.worker import TcpWorkerNode
+        """Keep a broadcast receiver joined (re-joining after a learner restart) and collect snapshots."""
+        from echo2.broadcast.factory import open_receiver
 
         while not self.finished:
-            node = TcpWorkerNode(
-                self.worker_id, self.broadcast_addr, self.key, host=self.bind_host,
-                advertise_host=self.advertise_host, credential=self._cred,
-            )  # fmt: skip
+            node = open_receiver(
+                self.broadcast_addr,
+                self.worker_id,
+                self.key,
+                credential=self.client.credential,
+                host=self.bind_host,
+                advertise_host=self.advertise_host,
+            )
             try:
                 await node.start(join_timeout=self.opts.reconnect_s)
             except Echo2Error as exc:
@@ -191,245 +229,185 @@ class RolloutWorker:
             self.node = node
             async for snap in node.snapshots():
                 self._pending = snap
-                if not self._model_lock.locked():  # idle: switch now, else the generator switches next
-                    await self._maybe_install()
+                if not self._engine_lock.locked():  # idle: switch now, else the generator switches next
+                    await asyncio.to_thread(self._install_pending)
             self.node = None
             if not self.finished:
                 log.info("broadcast connection lost; re-joining")
                 await asyncio.sleep(1.0)
 
-    # ---- loops ------------------------------------------------------------------------------------------
-    async def _heartbeats(self, every: float) -> None:
-        while not self.finished:
-            body = {
-                "rollouts": self._hb_rollouts,
-                "busy_s": self._hb_busy,
-                "installed_version": self.installed,
-            }
-            self._hb_rollouts, self._hb_busy = 0, 0.0
-            try:
-                status, data = await self._call("POST", "/heartbeat", body)
-            except LearnerGone as exc:
-                log.error("%s", exc)
-                self.finished = True
-                break
-            if status == 200:
-                self.finished = self.finished or bool(data.get("finished"))
-            elif status in (401, 403):
-                log.warning("credential refused (%s); registering again", data.get("detail"))
-                self.worker_id = (await self._register())["worker_id"]
-                if self.node is not None:  # re-join the broadcast under the new id and credential
-                    await self.node.close()
-            await asyncio.sleep(every)
-
-    async def _lease(self) -> dict[str, Any]:
-        status, data = await self._call("POST", "/lease", self._lease_request())
-        if status != 200:
-            return {
-                "lease_id": None,
-                "reason": f"http {status}: {data.get('detail', data)}",
-                "retry_after_s": 1.0,
-            }
-        return data
-
-    def _lease_request(self) -> dict[str, Any]:
-        return {"max_prompts": self.cfg.runtime.lease_prompts, "installed_version": self.installed}
-
-    async def _submit(
-        self, lease_id: str, version: int, batch: Any, want_lease: bool
-    ) -> dict[str, Any] | None:
-        """Submit one generation's groups; with ``want_lease`` the reply carries the next lease."""
-        G = self.cfg.grpo.group_size
-        ts = batch.trajectories
-        groups = [
-            {
-                "prompt_id": ts[i].prompt_id,
-                "samples": [
-                    {
-                        "prompt_ids": list(t.prompt_ids),
-                        "completion_ids": list(t.completion_ids),
-                        "sampler_logprobs": list(t.sampler_logprobs),
-                        "reward": t.reward,
-                        "meta": t.meta,
-                    }
-                    for t in ts[i : i + G]
-                ],
-            }
-            for i in range(0, len(ts), G)
-        ]
-        body: dict[str, Any] = {"lease_id": lease_id, "policy_version": version, "groups": groups}
-        if want_lease:
-            body["next_lease"] = self._lease_request()
-        status, data = await self._call("POST", "/submit", body)
-        if status == 200:
-            self.counters.rollouts_submitted += int(data["admitted"])
-            self.counters.rollouts_dropped += int(data["dropped_stale"])
-            nxt = data.get("next_lease")
-            return nxt if isinstance(nxt, dict) and "error" not in nxt else None
-        if status == 409:  # a retried submission that had landed before the connection broke
-            log.info("lease %s was already submitted", lease_id)
-        else:
-            self.counters.submissions_rejected += 1
-            log.warning("submission refused (%d): %s", status, data)
-        return None
-
-    async def _submit_then_lease(self, lease_id: str, version: int, batch: Any) -> dict[str, Any]:
-        nxt = await self._submit(lease_id, version, batch, want_lease=True)
-        return nxt if nxt is not None else await self._lease()
-
-    async def run(self) -> WorkerCounters:
-        from echo2.broadcast.manifest import key_from_text
-        from echo2.config import Config
-        from echo2.data.tasks.base import build_task
-        from echo2.models.policy import Policy, configure_torch
-        from echo2.models.snapshot import build_from_skeleton
-        from echo2.rollout.engines.hf import HFEngine
-
-        timeout = aiohttp.ClientTimeout(total=120, connect=10)
-        self._loop = asyncio.get_running_loop()
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            self._session = session
-            reg = await self._register()
-            self.worker_id = reg["worker_id"]
-            self.cfg = cfg = Config.model_validate(reg["config"])
-            configure_torch(cfg)
-            self.key = key_from_text(reg["public_key"])
-            self.broadcast_addr = (reg["broadcast"][0], int(reg["broadcast"][1]))
-            self.bind_host, self.advertise_host = _local_address(
-                self.broadcast_addr[0], self.opts.advertise_host
-            )
-            status, skel = await self._call("GET", "/model")
-            if status != 200:
-                raise Echo2Error(f"cannot fetch the model skeleton ({status}): {skel}")
-            with tempfile.TemporaryDirectory(prefix="echo2-skeleton-") as tmp:
-                model, tokenizer = build_from_skeleton(skel["files"], Path(tmp))
-            eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-            self.policy = Policy(
-                model,
-                tokenizer,
-                int(eos),
-                int(pad if pad is not None else eos),
-                cfg.model.chat_template,
-                self.base,
-            )
-            engine = HFEngine(model, self.policy.eos_id, self.policy.pad_id, cfg.sampling)
-            task = build_task(cfg.task, cfg.seed)
-            await self._fetch_snapshot()
-            log.info("worker %s ready at v%d", self.worker_id, self.installed)
-            bg = [
-                asyncio.ensure_future(self._follow_broadcast()),
-                asyncio.ensure_future(self._heartbeats(float(reg["heartbeat_s"]))),
-            ]
-            gen_thread = threading.Thread(
-                target=self._generate_forever, args=(engine, task), name="echo2-generate", daemon=True
-            )
-            gen_thread.start()
-            inflight = 0  # leases handed to the generator and not yet back
-            try:
-                inflight = await self._produce()
-            finally:
-                self.finished = True
-                with contextlib.suppress(Exception):  # what is generated still lands
-                    for _ in range(inflight):
-                        got = await asyncio.wait_for(self._results.get(), 30.0)
-                        if not isinstance(got, BaseException):
-                            await asyncio.wait_for(self._submit(*got[:3], want_lease=False), 10.0)
-                self._leases.put(None)
-                if self.node is not None:
-                    await self.node.close()
-                for t in bg:
-                    t.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asyncio.gather(*bg, return_exceptions=True)
-        return self.counters
-
-    async def _produce(self) -> int:
-        """Keep the generator thread fed with up to two leases (one generating, one waiting), submit
-        each finished batch with the next lease request in one round trip; returns leases in flight."""
-        inflight, refused = 0, False
-        while not self.finished:
-            t_wait = time.perf_counter()
-            if inflight < 2 and self._results.empty() and not refused:
-                lease = await self._lease()
-            elif inflight > 0:
-                got = await self._results.get()
-                inflight -= 1
-                if isinstance(got, BaseException):
-                    raise got
-                lease_id, version, batch, busy = got
-                self.counters.gen_s += busy
-                self.counters.leases += 1
-                self._hb_rollouts += len(batch.trajectories)
-                self._hb_busy += busy
-                lease = await self._submit_then_lease(lease_id, version, batch)
-            else:  # refused and nothing generating: wait as told
-                await asyncio.sleep(self._retry_after)
-                self.counters.idle_s += time.perf_counter() - t_wait
-                refused = False
-                continue
-            refused = lease.get("lease_id") is None
-            if refused:
-                if lease.get("reason") == "finished":
-                    self.finished = True
-                    break
-                if lease.get("reason") == "stale_weights":
-                    await self._catch_up(int(lease["min_version"]))
-                    refused = False
-                self._retry_after = float(lease.get("retry_after_s", 0.5))
-                if inflight == 0:
-                    self.counters.idle_s += time.perf_counter() - t_wait
-                continue
-            if int(lease["min_version"]) > self.installed:
-                await self._catch_up(int(lease["min_version"]))
-            self._leases.put(lease)
-            inflight += 1
-        return inflight
-
-    def _generate_forever(self, engine: Any, task: Any) -> None:
-        """The generator thread: leases in, graded version-tagged batches out, back to back; a newer
-        snapshot is switched in between two generations, never during one."""
-        from echo2.rollout.collect import collect_groups
-        from echo2.types import Prompt
-
-        n = 0
-        while (lease := self._leases.get()) is not None:
-            try:
-                self._install_pending()
-                n += 1
-                prompts = [Prompt(**p) for p in lease["prompts"]]
-                t0 = time.perf_counter()
-                with self._model_lock:
-                    version = self.installed
-                    batch = collect_groups(
-                        self.policy, engine, task, prompts, int(lease["group_size"]),
-                        seed=zlib.crc32(f"{self.worker_id}:{n}".encode()), policy_version=version,
-                        group_prefix=lease["lease_id"],
-                    )  # fmt: skip
-                self._install_pending()  # a snapshot that arrived meanwhile goes in now, not after a pause
-                if self.opts.max_rollouts_per_s:
-                    time.sleep(
-                        max(
-                            0.0,
-                            len(batch.trajectories) / self.opts.max_rollouts_per_s
-                            - (time.perf_counter() - t0),
-                        )
-                    )
-                item: tuple[str, int, Any, float] | BaseException = (
-                    lease["lease_id"], version, batch, time.perf_counter() - t0,
-                )  # fmt: skip
-            except Exception as exc:  # surfaces in the event loop, which stops the worker
-                item = exc
-            self._loop.call_soon_threadsafe(self._results.put_nowait, item)
-
     async def _catch_up(self, min_version: int) -> None:
         """Wait briefly for the broadcast to deliver ``min_version``; else fetch it over HTTP."""
         deadline = time.monotonic() + self.opts.catchup_s
         while time.monotonic() < deadline and not self.finished:
-            await self._maybe_install()
+            await asyncio.to_thread(self._install_pending)
             if self.installed >= min_version:
                 return
             await asyncio.sleep(0.02)
         await self._fetch_snapshot()
+
+    # ---- the control loops ------------------------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        while not self.finished:
+            req = HeartbeatRequest(
+                rollouts=self._hb_rollouts, busy_s=self._hb_busy, installed_version=self.installed
+            )
+            self._hb_rollouts, self._hb_busy = 0, 0.0
+            try:
+                reply = await self.client.heartbeat(req)
+                self.finished = self.finished or reply.finished
+            except LearnerGone as exc:
+                log.error("%s", exc)
+                self.finished = True
+                break
+            except Refused as exc:
+                if exc.status in (401, 403):
+                    log.warning("credential refused (%s); registering again", exc.reply.detail)
+                    await self._register()
+                    if self.node is not None:  # re-join the broadcast under the new id and credential
+                        await self.node.close()
+                else:
+                    log.warning("heartbeat refused: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    def _lease_request(self) -> LeaseRequest:
+        return LeaseRequest(max_prompts=self.settings.lease_prompts, installed_version=self.installed)
+
+    async def _lease(self) -> LeaseGrant | LeaseRefusal | None:
+        """A lease or a refusal; None when the learner refused the request itself (asked again in 1 s)."""
+        try:
+            return await self.client.lease(self._lease_request())
+        except Refused as exc:
+            log.warning("lease request refused: %s", exc)
+            return None
+
+    async def _submit(self, done: _Generated, want_lease: bool) -> LeaseGrant | LeaseRefusal | None:
+        """Submit one generation's groups; with ``want_lease`` the reply carries the next lease."""
+        req = SubmitRequest(
+            lease_id=done.lease_id,
+            policy_version=done.version,
+            groups=[group_to_wire(g) for g in done.groups],
+            next_lease=self._lease_request().model_dump() if want_lease else None,
+        )
+        try:
+            reply = await self.client.submit(req)
+        except Refused as exc:
+            if exc.status == 409:  # a retried submission that had landed before the connection broke
+                log.info("lease %s was already submitted", done.lease_id)
+            else:
+                self.counters.submissions_rejected += 1
+                log.warning("submission refused: %s", exc)
+            return None
+        self.counters.rollouts_submitted += reply.admitted
+        self.counters.rollouts_dropped += reply.dropped_stale
+        return reply.next_lease
+
+    async def _produce(self) -> int:
+        """Keep the generator fed with up to two leases (one generating, one waiting); submit each
+        finished batch with the next lease request in one round trip; returns leases in flight."""
+        inflight, retry_after = 0, 0.0
+        while not self.finished:
+            t_wait = time.perf_counter()
+            if retry_after and inflight == 0:  # refused and nothing generating: wait as told
+                await asyncio.sleep(retry_after)
+                self.counters.idle_s += time.perf_counter() - t_wait
+                retry_after = 0.0
+                continue
+            if inflight < MAX_LEASES_IN_FLIGHT and self._results.empty() and not retry_after:
+                lease = await self._lease()
+            else:
+                lease = await self._take_result()
+                inflight -= 1
+            if isinstance(lease, LeaseGrant):
+                if lease.min_version > self.installed:
+                    await self._catch_up(lease.min_version)
+                self._leases.put(lease)
+                inflight += 1
+                retry_after = 0.0
+                continue
+            retry_after = await self._refused(lease)
+            if inflight == 0:
+                self.counters.idle_s += time.perf_counter() - t_wait
+        return inflight
+
+    async def _take_result(self) -> LeaseGrant | LeaseRefusal | None:
+        """The next finished generation, submitted with a request for the next lease; that lease."""
+        got = await self._results.get()
+        if isinstance(got, BaseException):
+            raise got
+        self.counters.gen_s += got.busy_s
+        self.counters.leases += 1
+        self._hb_rollouts += sum(len(g) for g in got.groups)
+        self._hb_busy += got.busy_s
+        nxt = await self._submit(got, want_lease=True)
+        return nxt if nxt is not None else await self._lease()
+
+    async def _refused(self, refusal: LeaseRefusal | None) -> float:
+        """Act on a refused lease; returns how long to wait before asking again (0: ask now)."""
+        if refusal is None:
+            return 1.0
+        if refusal.reason == "finished":
+            self.finished = True
+            return 0.0
+        if refusal.reason == "stale_weights" and refusal.min_version is not None:
+            await self._catch_up(refusal.min_version)
+            return 0.0
+        return refusal.retry_after_s
+
+    def _generate_forever(self) -> None:
+        """The generator thread: leases in, graded version-tagged groups out, back to back; a newer
+        snapshot is installed between two generations, never during one."""
+        n = 0
+        while (lease := self._leases.get()) is not None:
+            n += 1
+            try:
+                item: _Generated | BaseException = self._generate(
+                    lease, seed=zlib.crc32(f"{self.worker_id}:{n}".encode())
+                )
+            except Exception as exc:  # surfaces in the event loop, which stops the worker
+                item = exc
+            self._loop.call_soon_threadsafe(self._results.put_nowait, item)
+
+    def _generate(self, lease: LeaseGrant, seed: int) -> _Generated:
+        from echo2.rollout.collect import collect_groups
+
+        self._install_pending()
+        t0 = time.perf_counter()
+        with self._engine_lock:
+            version = self.installed
+            batch = collect_groups(
+                self.codec,
+                self.engine,
+                self.task,
+                lease.prompts,
+                lease.group_size,
+                seed=seed,
+                policy_version=version,
+                group_prefix=lease.lease_id,
+            )
+        self._install_pending()  # a snapshot that arrived meanwhile goes in now, not after a pause
+        if self.opts.max_rollouts_per_s:
+            budget = len(batch.trajectories) / self.opts.max_rollouts_per_s
+            time.sleep(max(0.0, budget - (time.perf_counter() - t0)))
+        G, ts = lease.group_size, batch.trajectories
+        groups = [ts[i : i + G] for i in range(0, len(ts), G)]
+        return _Generated(lease.lease_id, version, groups, time.perf_counter() - t0)
+
+    async def _stop(self, inflight: int, background: list[asyncio.Future[None]]) -> None:
+        """What is generated still lands; then leave the broadcast and stop the background tasks."""
+        self.finished = True
+        with contextlib.suppress(Exception):
+            for _ in range(inflight):
+                got = await asyncio.wait_for(self._results.get(), 30.0)
+                if not isinstance(got, BaseException):
+                    await asyncio.wait_for(self._submit(got, want_lease=False), 10.0)
+        self._leases.put(None)
+        if self.node is not None:
+            await self.node.close()
+        for t in background:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.gather(*background, return_exceptions=True)
 
 
 def _local_address(learner_host: str, advertise: str | None) -> tuple[str, str]:

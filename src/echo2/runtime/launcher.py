@@ -3,8 +3,8 @@
 Workers are ordinary ``echo2 worker`` processes (the same command a remote machine runs) started
 with the learner's URL and the join token in their environment; their logs go to
 ``<run_dir>/workers/<name>.log``. The launcher tracks them by pid and stops only those. A live view
-shows version, reward, accuracy, bubble ratio, staleness, active workers and $/h; at the end a summary
-and ``run.png`` land in the run directory.
+(``runtime/view.py``) shows version, reward, accuracy, bubble ratio, staleness, active workers and $/h;
+at the end a summary and ``run.png`` land in the run directory.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from echo2.config import Config
 from echo2.errors import Echo2Error
@@ -32,7 +31,7 @@ def worker_command(url: str, name: str, cfg: Config) -> list[str]:
     """argv of one local ``echo2 worker`` (the token travels in the environment, not argv)."""
     rt = cfg.runtime
     cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", url, "--name", name]
-    cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", "local-cpu"]
+    cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", "local-cpu", "--engine", rt.engine]
     if rt.worker_max_rollouts_per_s:
         cmd += ["--max-rollouts-per-s", str(rt.worker_max_rollouts_per_s)]
     return cmd
@@ -86,52 +85,13 @@ class LocalWorkers:
         return codes
 
 
-class LiveView:
-    """One status line refreshed per step (tqdm), following the wall-clock budget or the step count."""
-
-    def __init__(self, cfg: Config, enabled: bool) -> None:
-        from tqdm.auto import tqdm
-
-        self.budget = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
-        self.acc = float("nan")
-        self.bar = tqdm(
-            total=round(self.budget) if self.budget else cfg.train.steps,
-            unit="s" if self.budget else "step",
-            bar_format="{l_bar}{bar}| {n:.0f}/{total} s [{elapsed}<{remaining}{postfix}]"
-            if self.budget
-            else None,
-            disable=not enabled,
-            desc="echo2 run",
-            dynamic_ncols=True,
-        )
-
-    def update(self, r: dict[str, Any]) -> None:
-        if "reward/accuracy" in r:
-            self.acc = r["reward/accuracy"]
-        if self.budget:
-            self.bar.update(min(r["time_s"], self.bar.total) - self.bar.n)
-        else:
-            self.bar.update(1)
-        self.bar.set_postfix(
-            v=r["learner/version"],
-            reward=f"{r['reward/mean']:.2f}",
-            acc=f"{self.acc:.2f}",
-            bubble=f"{r['learner/bubble_ratio']:.2f}",
-            stale=r["store/staleness_max"],
-            workers=r["pool/active_workers"],
-            usd_h=f"{r['cost/usd_per_hour']:.2f}",
-        )
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> LearnerSummary:
     """Run the learner here and ``runtime.workers`` worker processes; returns the learner's summary."""
     from echo2.runtime.report import plot_run
+    from echo2.runtime.view import ProgressView
 
     workers = LocalWorkers(cfg)
-    view = LiveView(cfg, progress)
+    view = ProgressView(cfg.train, "echo2 run", progress)
     learner = AsyncLearner(
         cfg, resume=resume, on_ready=workers.start, on_step=view.update, on_tick=workers.check
     )

@@ -1,18 +1,19 @@
-"""The learner node: API service + broadcast publisher + the asynchronous GRPO loop (SPEC §1-§3).
+"""The learner node (SPEC §1-§3): ``setup()`` wires the parts, ``main_loop()`` trains.
 
 Each step waits until the store holds ``P`` admissible GRPO groups (``R = P * G`` trajectories with
-``v >= v_t - S``; the wait is the bubble ``T_idle``), makes one update (``v -> v + 1``) and, when
-``v mod kappa == 0``, publishes a snapshot through the broadcast plane. Staleness
-``Delta(t) = v_t - min_v(batch)`` is checked at every step against ``S`` and logged.
+``v >= v_t - S``), makes one update (``v -> v + 1``) and, when ``v mod kappa == 0``, publishes a
+snapshot. Staleness ``Delta(t) = v_t - min_v(batch)`` is checked against ``S`` at every step. Every
+second of the loop that is not an update is bubble, counted by cause (``runtime/bubble.py``).
+
+The parts, one owner each: the worker registry (``registry.py``), the pool controller and its costs
+(``pool.py``), the lease broker (``leases.py``), the intake of submissions (``intake.py``), the
+snapshot publisher (``snapshots.py``) and the HTTP routes (``routes.py``) that adapt the wire protocol
+to them. The learner's version has one provider, the trainer; events are stamped by one injected clock.
 
 Durability: the store is SQLite (WAL); a group is marked consumed by step ``t`` before step ``t``
 trains on it. A checkpoint at version ``v`` holds weights, optimizer state and ``v``; on restart the
 learner reloads it, and every group consumed by a step after ``v`` (whose update was lost) is put
 back, so no accepted trajectory is lost and none is trained into the weights twice.
-
-Cost-aware activation: after ``warmup_steps`` the measured ``T_train`` (mean) and ``T_bcast`` (last
-measured) give ``mu_target = gamma * mu_min(kappa)``, and the pool controller activates / releases
-workers by ``rho_i = c_i / mu_i`` from their heartbeats.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from echo2.config import Config
-from echo2.errors import Echo2Error, InfeasibleError, TrainingDivergedError
-from echo2.planner import capacity
+from echo2.errors import ConfigError, Echo2Error, TrainingDivergedError
 from echo2.runtime.rundir import OPTIM_FILE, STATE_FILE, latest_checkpoint
+from echo2.types import Trajectory
 
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 3  # steps of T_train measured before the controller gets a target
+RETARGET_EVERY = 20  # then re-measure every this many steps (mean of the last ones)
+TICK_S = 1.0  # housekeeping period while waiting (lease expiry, controller, the launcher's check)
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,25 @@ class LearnerSummary:
     steps: int  # learner updates made in this process
     version: int  # final policy version
     resumed_from: int | None  # checkpoint version this process started from (None = fresh)
-    wall_s: float  # seconds from the first step to the end
+    wall_s: float  # seconds of the main loop (setup and the initial evaluation excluded)
     initial_accuracy: float  # held-out accuracy when this process started
     final_accuracy: float  # held-out accuracy at the end
     best_accuracy: float  # best held-out accuracy seen
-    bubble_ratio: float  # total idle / (idle + train) over the run
+    bubble_ratio: float  # 1 - update seconds / wall seconds of the main loop (every cause counts)
     staleness_max: int  # max Delta(t) over all steps (never above S)
     last_checkpoint: str  # newest checkpoint directory
+
+
+def check_reachable(cfg: Config) -> None:
+    """A wildcard bind needs an address peers can dial: refuse ``0.0.0.0`` / ``::`` without
+    ``runtime.advertise_host`` instead of telling workers to connect to a wildcard."""
+    rt = cfg.runtime
+    if rt.host in ("0.0.0.0", "::", "") and not rt.advertise_host:
+        raise ConfigError(
+            f"runtime.host = {rt.host!r} binds every interface, but workers need an address they can "
+            "reach: set runtime.advertise_host to this machine's address as the workers see it "
+            "(e.g. --set runtime.advertise_host=203.0.113.7)"
+        )
 
 
 class AsyncLearner:
@@ -73,270 +88,321 @@ class AsyncLearner:
         on_ready: Callable[[Endpoints], None] | None = None,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         on_tick: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        check_reachable(cfg)
         self.cfg = cfg
         self.resume = resume
         self.on_ready = on_ready
         self.on_step = on_step
         self.on_tick = on_tick  # called about once a second (the launcher checks its workers; may raise)
+        self.clock = clock  # stamps leases, heartbeats and controller decisions
         self.stop = asyncio.Event()
 
     async def run(self) -> LearnerSummary:
+        async with contextlib.AsyncExitStack() as self._resources:  # closes what setup opened, in reverse
+            await self.setup()
+            try:
+                await self.main_loop()
+            except TrainingDivergedError as exc:
+                good = await asyncio.to_thread(self._save, "last_good")
+                self.run_dir.write_summary(
+                    {"error": str(exc), "last_good_checkpoint": good, "version": self.version}
+                )
+                raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
+            finally:
+                await self._finish()
+        return self.summary()
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Load (or resume) the policy and its optimizer, open the store, start the API and the
+        broadcast, publish the starting snapshot, and measure the starting accuracy."""
+        from echo2.models.policy import configure_torch
+        from echo2.models.snapshot import snapshot_blob
+
+        cfg = self.cfg
+        configure_torch(cfg)
+        self.run_path = Path(cfg.train.run_dir)
+        self.ckpt = latest_checkpoint(self.run_path) if self.resume else None
+        if self.resume and self.ckpt is None:
+            raise Echo2Error(
+                f"--resume: no checkpoint with {STATE_FILE} under {self.run_path / 'checkpoints'}"
+            )
+        self._load_learning_plane()
+        await self._open_data_and_network()
+        await self.snapshots.publish(self.version, snapshot_blob(self.policy.model))
+        if self.on_ready is not None:
+            self.on_ready(self.endpoints)
+        first = await asyncio.to_thread(self._evaluate)
+        self.run_dir.log(
+            {
+                "step": self.version,
+                "time_s": 0.0,
+                "learner/version": self.version,
+                "reward/accuracy": first.accuracy,
+            }
+        )
+        self.first_acc = self.best_acc = self.last_acc = first.accuracy
+        self.steps = self.staleness_max = 0  # what the loop did, for the summary
+        self.t_trains: list[float] = []
+        self.usd_total = 0.0
+        self.last_ckpt = str(self.ckpt or "")
+        self._next_tick = 0.0
+
+    def _load_learning_plane(self) -> None:
+        """Run directory, policy (a checkpoint to resume, else the starting checkpoint: the user's or
+        the embedded model's warm start, which is trained here if it is not cached), trainer, task."""
         import torch
 
-        from echo2.broadcast.publisher import TcpPublisher
-        from echo2.broadcast.registry import get_strategy
-        from echo2.data.store import TrajectoryStore
-        from echo2.data.tasks.base import build_task
+        from echo2.data.tasks.registry import build_task
         from echo2.learner.trainer import GRPOTrainer
-        from echo2.models.policy import configure_torch, load_checkpoint, load_policy
-        from echo2.models.snapshot import skeleton_files, snapshot_blob
+        from echo2.learner.warmstart import starting_checkpoint
+        from echo2.models.policy import load_checkpoint
         from echo2.rollout.engines.hf import HFEngine
-        from echo2.rollout.evaluate import evaluate
         from echo2.runtime.rundir import RunDir
-        from echo2.runtime.service import LearnerService
 
-        cfg, rt = self.cfg, self.cfg.runtime
-        S, kappa = cfg.async_.staleness, cfg.async_.effective_kappa
-        P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-        R = P * G
-        run_path = Path(cfg.train.run_dir)
-        strategy = get_strategy(rt.strategy)  # fail on a bad name before anything starts
-        configure_torch(cfg)
-
-        ckpt = latest_checkpoint(run_path) if self.resume else None
-        if self.resume and ckpt is None:
-            raise Echo2Error(f"--resume: no checkpoint with {STATE_FILE} under {run_path / 'checkpoints'}")
-        run = RunDir(run_path, cfg.to_dict(), resume=self.resume)  # a fresh run clears the earlier one's
-        policy = load_checkpoint(ckpt, cfg.model.chat_template) if ckpt else load_policy(cfg)
+        cfg, ckpt = self.cfg, self.ckpt
+        self.run_dir = RunDir(self.run_path, cfg.to_dict(), resume=self.resume)  # fresh: clears an old run
+        self._resources.callback(self.run_dir.close)
+        self.policy = load_checkpoint(ckpt or starting_checkpoint(cfg), cfg.model.chat_template)
         version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
-        trainer = GRPOTrainer(
-            policy.model, cfg.grpo, cfg.sampling.temperature, policy.pad_id, version=version0
+        self.task = build_task(cfg.task, cfg.seed)
+        self.trainer = GRPOTrainer(
+            self.policy.model, cfg.grpo, cfg.sampling, self.policy.pad_id, self.task.token_mask, version0
         )
         if ckpt is not None and (ckpt / OPTIM_FILE).is_file():
-            trainer.optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
-        task = build_task(cfg.task, cfg.seed)
-        engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
-        eval_prompts = task.eval_prompts(cfg.train.eval_size)
+            self.trainer.optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
+        self.engine = HFEngine(self.policy.model, self.policy.eos_id, self.policy.pad_id, cfg.sampling)
+        self.eval_prompts = self.task.eval_prompts(cfg.train.eval_size)
+        self.resumed_from = version0 if ckpt else None
 
-        store = TrajectoryStore(run_path / "store.sqlite", S, G)
-        if ckpt is not None:
-            requeued = store.requeue_after(version0)
-            log.info("resuming at version %d from %s; %d groups put back", version0, ckpt, requeued)
-        key = _persistent_key(run_path)
-        token = rt.join_token or _persistent_token(run_path)
-        service_box: list[LearnerService] = []
-        publisher = TcpPublisher(
-            key, strategy, rt.chunk_kb << 10, host=rt.host, port=rt.broadcast_port,
-            advertise_host=rt.advertise_host, authorize=lambda w, c: service_box[0].authorize_broadcast(w, c),
-        )  # fmt: skip
-        await publisher.start()
-        service = LearnerService(
-            cfg, store, task, run_path, token, key.verifier().to_text(), publisher.address,
-            skeleton_files(policy.source, policy.model, policy.tokenizer, run_path / "skeleton"),
-            vocab_size=int(policy.model.config.vocab_size),
-        )  # fmt: skip
-        service_box.append(service)
-        service.version = version0
-        ready = asyncio.Event()
-        service.data_ready = ready.set
-        runner, port = await service.serve(rt.host, rt.port)
+    async def _open_data_and_network(self) -> None:
+        """The store, the broadcast publisher and the parts that serve workers; then the API."""
+        from echo2.broadcast.factory import open_publisher
+        from echo2.broadcast.registry import get_strategy
+        from echo2.data.store import TrajectoryStore
+        from echo2.models.snapshot import skeleton_files
+        from echo2.runtime.node import assemble, worker_settings
+        from echo2.runtime.registry import WorkerRegistry
+        from echo2.runtime.routes import Identity
+
+        cfg, rt, policy = self.cfg, self.cfg.runtime, self.policy
+        self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
+        self._resources.callback(self.store.close)
+        if self.ckpt is not None:
+            n = self.store.requeue_after(self.version)
+            log.info("resuming at version %d from %s; %d groups put back", self.version, self.ckpt, n)
+        key = _persistent_key(self.run_path)
+        self.token = rt.join_token or _persistent_token(self.run_path)
+        registry = WorkerRegistry(
+            self.run_path, self.token, self.clock
+        )  # the API and the broadcast consult it
+        publisher = open_publisher(
+            "tcp",
+            key,
+            get_strategy(rt.strategy),
+            rt.chunk_kb << 10,
+            host=rt.host,
+            port=rt.broadcast_port,
+            advertise_host=rt.advertise_host,
+            authorize=registry.may_join_broadcast,
+        )
+        broadcast = await publisher.start()
+        skeleton = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
+        identity = Identity(worker_settings(cfg), key.verifier().to_text(), broadcast, skeleton)
+        parts = assemble(
+            cfg,
+            registry,
+            self.store,
+            self.task,
+            publisher,
+            identity,
+            int(policy.model.config.vocab_size),
+            lambda: self.trainer.version,
+            self.clock,
+        )
+        self.pool, self.broker, self.snapshots = parts.pool, parts.broker, parts.snapshots
+        self._resources.push_async_callback(self.snapshots.close)
+        self.data_ready = asyncio.Event()
+        parts.intake.data_ready = self.data_ready.set
+        await self._serve(parts.routes, broadcast)
+
+    async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
+        """Start the API; say where it is (``learner.json`` holds no secret: the token has its own file)."""
+        rt = self.cfg.runtime
+        runner, port = await routes.serve(rt.host, rt.port)
+        self._resources.push_async_callback(runner.cleanup)
         url = f"http://{rt.advertise_host or rt.host}:{port}"
-        endpoints = Endpoints(url, publisher.address, token, str(run_path))
-        public = {"url": url, "broadcast": list(publisher.address), "pid": os.getpid()}  # no token here
-        (run_path / "learner.json").write_text(json.dumps(public))
+        self.endpoints = Endpoints(url, broadcast, self.token, str(self.run_path))
+        public = {"url": url, "broadcast": list(broadcast), "pid": os.getpid()}
+        (self.run_path / "learner.json").write_text(json.dumps(public))
         log.info(
             "learner API at %s, broadcast at %s:%d; join token in %s",
             url,
-            *publisher.address,
-            run_path / "join_token",
+            *broadcast,
+            self.run_path / "join_token",
         )
 
-        bcast: dict[str, float] = {}  # latest broadcast metrics
-        tasks: set[asyncio.Task[None]] = set()
+    # ---- the loop ------------------------------------------------------------------------------------
+    async def main_loop(self) -> None:
+        """Wait for a batch (the bubble), update, then publish / retarget / evaluate / checkpoint / log."""
+        from echo2.runtime.bubble import BubbleMeter
 
-        async def publish(v: int) -> None:
-            blob = snapshot_blob(policy.model)
-            manifest = await publisher.publish(v, blob)
-            service.set_published(v, manifest.to_dict(), blob)
-            members = len(publisher.members())
-            if members:
-                t = asyncio.ensure_future(measure(v, members))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
+        self.meter = BubbleMeter()
+        self.deadline = time.perf_counter() + (self.cfg.train.max_minutes or math.inf) * 60
+        while not self._done():
+            with self.meter.idle("wait"):
+                batch = await self._wait_for_batch()
+            if batch is None:
+                break
+            record = await self._update(batch)
+            await self._after_update(record)
+        if self._out_of_time():
+            log.info("time budget of %g min reached at version %d", self.cfg.train.max_minutes, self.version)
 
-        async def measure(v: int, members: int) -> None:
-            need = max(1, math.ceil(members / cfg.async_.gamma - 1e-9))
-            stats = await publisher.wait_installed(v, count=need, timeout=120.0)
-            m = stats.metrics(cfg.async_.gamma)
-            if math.isfinite(m["broadcast/t_bcast_s"]):
-                bcast.update(m)
+    @property
+    def version(self) -> int:
+        return self.trainer.version
 
-        def save(name: str) -> str:
-            return run.save_checkpoint(name, policy, trainer.version, trainer.optimizer)
+    def _out_of_time(self) -> bool:
+        return time.perf_counter() >= self.deadline
 
-        await publish(version0)
-        if self.on_ready is not None:
-            self.on_ready(endpoints)
-        first = await asyncio.to_thread(evaluate, policy, engine, task, eval_prompts)
-        run.log(
-            {"step": version0, "time_s": 0.0, "learner/version": version0, "reward/accuracy": first.accuracy}
+    def _done(self) -> bool:
+        return self.version >= self.cfg.train.steps or self.stop.is_set() or self._out_of_time()
+
+    async def _wait_for_batch(self) -> list[tuple[Trajectory, ...]] | None:
+        """The ``P`` oldest admissible groups, once the store holds them (None: stopped or out of time);
+        housekeeping runs about once a second, busy or not."""
+        P = self.cfg.batch.prompts
+        while True:
+            if time.perf_counter() >= self._next_tick:
+                self.broker.expire()
+                self.pool.tick()
+                if self.on_tick is not None:
+                    self.on_tick()
+                self._next_tick = time.perf_counter() + TICK_S
+            batch = self.store.take_batch(P, self.version, step=self.version + 1)
+            if batch is not None or self.stop.is_set() or self._out_of_time():
+                return batch
+            self.data_ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.data_ready.wait(), 0.25)
+
+    async def _update(self, batch: list[tuple[Trajectory, ...]]) -> dict[str, Any]:
+        """One GRPO update on the batch; its staleness is checked against S first."""
+        flat = [t for group in batch for t in group]
+        v_t, versions = self.version, [t.policy_version for t in flat]
+        delta = v_t - min(versions)
+        if delta > self.cfg.staleness.S:  # admission makes this impossible; if it happens it is a bug
+            raise Echo2Error(
+                f"staleness {delta} > S = {self.cfg.staleness.S} at step {v_t + 1}: admission failed"
+            )
+        with self.meter.training():
+            stats = await asyncio.to_thread(self.trainer.update, flat)
+        self.steps += 1
+        self.staleness_max = max(self.staleness_max, delta)
+        self.t_trains.append(stats.t_train_s)
+        rewards = [t.reward for t in flat]
+        return {
+            "step": stats.version,
+            **stats.metrics(),
+            "store/staleness_mean": v_t - sum(versions) / len(versions),
+            "store/staleness_max": delta,
+            "reward/mean": sum(rewards) / len(rewards),
+            "reward/unparsed": sum(1 for t in flat if not t.meta.get("parsed", True)),
+        }
+
+    async def _after_update(self, record: dict[str, Any]) -> None:
+        """Publish every kappa versions, retarget the pool, evaluate, checkpoint; then the record."""
+        from echo2.models.snapshot import snapshot_blob
+
+        cfg, v = self.cfg, self.version
+        if v % cfg.staleness.effective_kappa == 0:
+            with self.meter.idle("publish"):
+                await self.snapshots.publish(v, snapshot_blob(self.policy.model))
+        n = len(self.t_trains)
+        if n == WARMUP_STEPS or (n > WARMUP_STEPS and n % RETARGET_EVERY == 0):
+            recent = self.t_trains[-RETARGET_EVERY:]
+            self.pool.retarget(sum(recent) / len(recent), self.snapshots.t_bcast_s)
+        if self.steps % cfg.train.eval_every == 0 or self._done():
+            with self.meter.idle("eval"):
+                ev = await asyncio.to_thread(self._evaluate)
+            self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)
+            record.update({"reward/accuracy": ev.accuracy, "reward/eval_unparsed": ev.unparsed})
+        if v % cfg.train.checkpoint_every == 0:
+            with self.meter.idle("checkpoint"):
+                self.last_ckpt = await asyncio.to_thread(self._save, f"step_{v:06d}")
+            self.store.prune_consumed(v)  # trained into a durable checkpoint: never requeued
+        self._log(record)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """Complete the step's record (bubble by cause, store, pool, cost, broadcast) and write it."""
+        step = self.meter.close_step()
+        usd_h = self.pool.usd_per_hour()
+        usd_step = usd_h * step["learner/step_wall_s"] / 3600
+        self.usd_total += usd_step
+        record.update(
+            {
+                "time_s": self.meter.step_start - self.meter.start,
+                **step,
+                **self.store.stats().metrics(),
+                **self.snapshots.bcast,
+                **self.pool.metrics(),
+                "cost/usd_per_step": usd_step,
+                "cost/usd_total": self.usd_total,
+                "cost/usd_per_hour": usd_h,
+            }
         )
-        best = last_acc = first.accuracy
-        budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else math.inf
-        t_start = last_end = time.perf_counter()
-        idle_total = train_total = usd_total = 0.0
-        t_trains: list[float] = []
-        staleness_max = 0
-        steps = 0
-        last_ckpt = str(ckpt or "")
-        last_tick = 0.0
-        try:
-            while trainer.version < cfg.train.steps and not self.stop.is_set():
-                # ---- wait for R admissible trajectories: the bubble ------------------------------------
-                t_wait = time.perf_counter()
-                batch = None
-                while batch is None:
-                    if time.perf_counter() - last_tick >= 1.0:  # housekeeping, busy or not
-                        service.expire_leases()
-                        service.control()
-                        if self.on_tick is not None:
-                            self.on_tick()
-                        last_tick = time.perf_counter()
-                    batch = store.take_batch(P, trainer.version, step=trainer.version + 1)
-                    if batch is not None or self.stop.is_set() or time.perf_counter() - t_start >= budget_s:
-                        break
-                    ready.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(ready.wait(), 0.25)
-                if batch is None:
-                    break
-                t_idle = time.perf_counter() - t_wait
-                flat = [t for group in batch for t in group]
-                v_t = trainer.version
-                versions = [t.policy_version for t in flat]
-                delta = v_t - min(versions)
-                if delta > S:  # admission makes this impossible; if it happens it is a bug, stop loudly
-                    raise Echo2Error(f"staleness {delta} > S = {S} at step {v_t + 1}: admission failed")
-                staleness_max = max(staleness_max, delta)
-                masks = [task.token_mask(t.completion_ids, t.meta) for t in flat]
-                # ---- one update ------------------------------------------------------------------------
-                stats = await asyncio.to_thread(trainer.update, flat, masks)
-                steps += 1
-                service.version = stats.version
-                idle_total += t_idle
-                train_total += stats.t_train_s
-                t_trains.append(stats.t_train_s)
-                if stats.version % kappa == 0:
-                    await publish(stats.version)
-                if len(t_trains) == WARMUP_STEPS or (
-                    len(t_trains) > WARMUP_STEPS and len(t_trains) % 20 == 0
-                ):
-                    self._retarget(service, kappa, t_trains, bcast, R)
-                now = time.perf_counter()
-                step_wall, last_end = now - last_end, now
-                usd_h = service.usd_per_hour()
-                usd_step = usd_h * step_wall / 3600
-                usd_total += usd_step
-                st = store.stats()
-                rewards = [t.reward for t in flat]
-                record: dict[str, Any] = {
-                    "step": stats.version,
-                    "time_s": now - t_start,
-                    **stats.metrics(),
-                    "learner/t_idle_s": t_idle,
-                    "learner/bubble_ratio": capacity.bubble_ratio(t_idle, stats.t_train_s),
-                    **st.metrics(),
-                    "store/staleness_mean": v_t - sum(versions) / len(versions),
-                    "store/staleness_max": delta,
-                    **bcast,
-                    "pool/mu_pool": service.controller.mu_pool(service.clock()),
-                    "pool/mu_target": service.controller.mu_target if service.target_known else None,
-                    "pool/active_workers": len(service.active_ids()),
-                    "cost/usd_per_step": usd_step,
-                    "cost/usd_total": usd_total,
-                    "cost/usd_per_hour": usd_h,
-                    "reward/mean": sum(rewards) / len(rewards),
-                    "reward/unparsed": sum(1 for t in flat if not t.meta.get("parsed", True)),
-                }
-                out_of_time = now - t_start >= budget_s
-                done = stats.version >= cfg.train.steps or out_of_time or self.stop.is_set()
-                if steps % cfg.train.eval_every == 0 or done:
-                    ev = await asyncio.to_thread(evaluate, policy, engine, task, eval_prompts)
-                    last_acc, best = ev.accuracy, max(best, ev.accuracy)
-                    record["reward/accuracy"] = ev.accuracy
-                    record["reward/eval_unparsed"] = ev.unparsed
-                if stats.version % cfg.train.checkpoint_every == 0:
-                    last_ckpt = await asyncio.to_thread(save, f"step_{stats.version:06d}")
-                    store.prune_consumed(stats.version)  # trained into a saved checkpoint: never requeued
-                run.log(record)
-                if self.on_step is not None:
-                    self.on_step(record)
-                if out_of_time:
-                    log.info(
-                        "time budget of %g min reached at version %d", cfg.train.max_minutes, stats.version
-                    )
-                    break
-        except TrainingDivergedError as exc:
-            good = await asyncio.to_thread(save, "last_good")
-            run.write_summary({"error": str(exc), "last_good_checkpoint": good, "version": trainer.version})
-            raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
-        finally:
-            if steps and trainer.version % cfg.train.checkpoint_every:  # the loop did not save this one
-                last_ckpt = await asyncio.to_thread(save, f"step_{trainer.version:06d}")
-            service.finished = True
-            await asyncio.sleep(
-                min(1.0, 2 * rt.heartbeat_s)
-            )  # let workers hear "finished" on their next call
-            for t in list(tasks):
-                t.cancel()
-            await publisher.close()
-            await runner.cleanup()
-            final_stats = store.stats()
-            store.close()
-            run.close()
-        wall = time.perf_counter() - t_start
+        with self.meter.idle("log"):
+            self.run_dir.log(record)
+            if self.on_step is not None:
+                self.on_step(record)
+
+    def _evaluate(self) -> Any:
+        from echo2.rollout.evaluate import evaluate
+
+        return evaluate(self.policy, self.engine, self.task, self.eval_prompts)
+
+    def _save(self, name: str) -> str:
+        return self.run_dir.save_checkpoint(name, self.policy, self.version, self.trainer.optimizer)
+
+    # ---- the end -------------------------------------------------------------------------------------
+    async def _finish(self) -> None:
+        """Checkpoint what the loop did not and tell workers the run is over (they hear it at their
+        next call); the exit stack then stops serving and closes the store."""
+        if self.steps and self.version % self.cfg.train.checkpoint_every:
+            self.last_ckpt = await asyncio.to_thread(self._save, f"step_{self.version:06d}")
+        self.broker.finished = True
+        await asyncio.sleep(min(1.0, 2 * self.cfg.runtime.heartbeat_s))
+        self.final_store = self.store.stats().metrics()
+
+    def summary(self) -> LearnerSummary:
+        window = self.meter.summary()
         summary = LearnerSummary(
-            run_dir=str(run_path),
-            steps=steps,
-            version=trainer.version,
-            resumed_from=version0 if ckpt else None,
-            wall_s=wall,
-            initial_accuracy=first.accuracy,
-            final_accuracy=last_acc,
-            best_accuracy=best,
-            bubble_ratio=capacity.bubble_ratio(idle_total, train_total) if train_total else 0.0,
-            staleness_max=staleness_max,
-            last_checkpoint=str(last_ckpt),
+            run_dir=str(self.run_path),
+            steps=self.steps,
+            version=self.version,
+            resumed_from=self.resumed_from,
+            wall_s=float(window["window_s"]),
+            initial_accuracy=self.first_acc,
+            final_accuracy=self.last_acc,  # type: ignore[arg-type]
+            best_accuracy=self.best_acc,
+            bubble_ratio=float(window["bubble_ratio"]),  # type: ignore[arg-type]
+            staleness_max=self.staleness_max,
+            last_checkpoint=self.last_ckpt,
         )
         extra = {
-            "store": final_stats.metrics(),
-            "usd_total": usd_total,
-            "t_train_mean_s": sum(t_trains) / len(t_trains) if t_trains else None,
-            "staleness_budget": S,
-            "kappa": kappa,
-            "activation_decisions": service.decisions,
+            "bubble": window,
+            "store": self.final_store,
+            "usd_total": self.usd_total,
+            "t_train_mean_s": sum(self.t_trains) / len(self.t_trains) if self.t_trains else None,
+            "staleness_budget": self.cfg.staleness.S,
+            "kappa": self.cfg.staleness.effective_kappa,
+            "activation_decisions": self.pool.decisions,
         }
-        (run_path / "summary.json").write_text(json.dumps({**asdict(summary), **extra}, indent=2))
+        (self.run_path / "summary.json").write_text(json.dumps({**asdict(summary), **extra}, indent=2))
         return summary
-
-    @staticmethod
-    def _retarget(service: Any, kappa: int, t_trains: list[float], bcast: dict[str, float], R: int) -> None:
-        """mu_target = gamma * mu_min(kappa) from the measured T_train and T_bcast (SPEC §3)."""
-        recent = t_trains[-20:]
-        t_train = sum(recent) / len(recent)
-        t_bcast = bcast.get("broadcast/t_bcast_s", 0.0)
-        try:
-            mu = capacity.mu_min(kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=R)
-        except InfeasibleError as exc:
-            log.warning("capacity model: %s; keeping every worker active", exc)
-            return
-        target = capacity.mu_target(mu, service.cfg.async_.gamma)
-        if not service.target_known:
-            log.info(
-                "measured T_train %.3f s, T_bcast %.3f s: mu_target %.1f rollouts/s", t_train, t_bcast, target
-            )
-        service.set_target(target)
 
 
 def _persistent_key(run_path: Path) -> Any:

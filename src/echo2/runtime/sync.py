@@ -1,17 +1,19 @@
 """``echo2 train``: the synchronous loop (S = 0) in one process — generate, reward, update.
 
-Each step samples ``prompts_per_step`` training prompts, draws ``group_size`` completions of each
+Each step samples ``batch.prompts`` training prompts, draws ``batch.group_size`` completions of each
 with the current weights (version ``v``), grades them with the task adapter, and makes one GRPO
 update (``v -> v + 1``). Held-out greedy accuracy is measured every ``eval_every`` steps and at the
 end. Everything lands in the run directory (config.json, metrics.jsonl, checkpoints, summary.json).
 
-In this synchronous loop the learner is idle while rollouts are generated, so the SPEC §3 bubble
-ratio ``T_idle / (T_idle + T_train)`` is the share of step time spent generating.
+In this synchronous loop the learner is idle while rollouts are generated: the SPEC §3 bubble
+``1 - update seconds / wall seconds`` counts generation as its ``wait`` cause, and evaluation,
+checkpointing and logging as theirs (``runtime/bubble.py``), exactly as the asynchronous learner does.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -27,134 +29,154 @@ log = logging.getLogger(__name__)
 class TrainSummary:
     run_dir: str  # where config.json, metrics.jsonl and checkpoints are
     steps: int  # learner updates done
-    wall_s: float  # seconds from the first step to the end (warm start excluded)
+    wall_s: float  # seconds of the loop (warm start and the initial evaluation excluded)
     initial_accuracy: float  # held-out greedy accuracy of the starting checkpoint
     final_accuracy: float  # held-out greedy accuracy at the end
     best_accuracy: float  # best held-out accuracy seen at any evaluation
+    bubble_ratio: float  # 1 - update seconds / wall seconds of the loop
     last_checkpoint: str  # the checkpoint directory written last
 
 
 def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
-    from tqdm.auto import tqdm
+    return SyncLearner(cfg, progress).run()
 
-    from echo2.data.tasks.base import build_task
-    from echo2.learner.trainer import GRPOTrainer
-    from echo2.models.policy import configure_torch, load_policy
-    from echo2.rollout.collect import collect_groups
-    from echo2.rollout.engines.hf import HFEngine
-    from echo2.rollout.evaluate import evaluate
-    from echo2.runtime.rundir import RunDir
 
-    cfg = cfg.model_copy(deep=True)
-    cfg.async_.staleness = 0  # this loop is the synchronous case by construction; say so in config.json
-    cfg.async_.kappa = 1
-    configure_torch(cfg)
-    policy = load_policy(cfg)
-    run = RunDir(cfg.train.run_dir, cfg.to_dict())
-    task = build_task(cfg.task, cfg.seed)
-    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
-    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampling.temperature, policy.pad_id)
-    rng = random.Random(f"train:{cfg.seed}")
-    eval_prompts = task.eval_prompts(cfg.train.eval_size)
-    P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-    budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else float("inf")
+class SyncLearner:
+    def __init__(self, cfg: Config, progress: bool = True) -> None:
+        self.cfg = cfg.model_copy(deep=True)
+        self.cfg.staleness.S = 0  # the synchronous case by construction; config.json says so
+        self.cfg.staleness.kappa = 1
+        self.progress = progress
 
-    def save(name: str) -> str:
-        return run.save_checkpoint(name, policy, trainer.version)
+    def run(self) -> TrainSummary:
+        from echo2.runtime.view import ProgressView
 
-    first = evaluate(policy, engine, task, eval_prompts)
-    log.info("starting checkpoint %s: held-out accuracy %.3f", policy.source, first.accuracy)
-    run.log(
-        {
-            "step": 0,
-            "time_s": 0.0,
-            "learner/version": 0,
-            "reward/accuracy": first.accuracy,
-            "reward/eval_unparsed": first.unparsed,
-        }
-    )
-    best = last_acc = first.accuracy
-    last_ckpt = ""
-    t_start = time.perf_counter()
-    t_eval_total = 0.0
-    # the bar follows whichever limit binds: the wall-clock budget (seconds) or the step count
-    timed_bar = budget_s < float("inf")
-    bar = tqdm(
-        total=round(budget_s) if timed_bar else cfg.train.steps,
-        unit="s" if timed_bar else "step",
-        bar_format="{l_bar}{bar}| {n:.0f}/{total} s [{elapsed}<{remaining}{postfix}]" if timed_bar else None,
-        disable=not progress,
-        desc="echo2 train",
-        dynamic_ncols=True,
-    )
-    step = 0
-    try:
-        for step in range(1, cfg.train.steps + 1):
+        self.setup()
+        view = ProgressView(self.cfg.train, "echo2 train", self.progress)
+        try:
+            self.main_loop(view.update)
+            if self.steps % self.cfg.train.checkpoint_every:  # the last step was not saved in the loop
+                self.last_ckpt = self._save(f"step_{self.steps:06d}")
+        except TrainingDivergedError as exc:  # raised before the optimizer stepped: weights are good
+            good = self._save("last_good")
+            self.run_dir.write_summary({"error": str(exc), "last_good_checkpoint": good, "steps": self.steps})
+            raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
+        finally:
+            view.close()
+            self.run_dir.close()
+        return self.summary()
+
+    def setup(self) -> None:
+        from echo2.data.tasks.registry import build_task
+        from echo2.learner.trainer import GRPOTrainer
+        from echo2.learner.warmstart import starting_checkpoint
+        from echo2.models.policy import configure_torch, load_checkpoint
+        from echo2.rollout.engines.hf import HFEngine
+        from echo2.runtime.rundir import RunDir
+
+        cfg = self.cfg
+        configure_torch(cfg)
+        self.policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
+        self.run_dir = RunDir(cfg.train.run_dir, cfg.to_dict())
+        self.task = build_task(cfg.task, cfg.seed)
+        self.engine = HFEngine(self.policy.model, self.policy.eos_id, self.policy.pad_id, cfg.sampling)
+        self.trainer = GRPOTrainer(
+            self.policy.model, cfg.grpo, cfg.sampling, self.policy.pad_id, self.task.token_mask
+        )
+        self.rng = random.Random(f"train:{cfg.seed}")
+        self.eval_prompts = self.task.eval_prompts(cfg.train.eval_size)
+        first = self._evaluate()
+        log.info("starting checkpoint %s: held-out accuracy %.3f", self.policy.source, first.accuracy)
+        self.run_dir.log(
+            {
+                "step": 0,
+                "time_s": 0.0,
+                "learner/version": 0,
+                "reward/accuracy": first.accuracy,
+                "reward/eval_unparsed": first.unparsed,
+            }
+        )
+        self.first_acc = self.best_acc = self.last_acc = first.accuracy
+        self.steps, self.last_ckpt = 0, ""
+
+    def main_loop(self, on_step: Any) -> None:
+        from echo2.runtime.bubble import BubbleMeter
+
+        cfg = self.cfg
+        self.meter = BubbleMeter()
+        deadline = time.perf_counter() + (cfg.train.max_minutes or math.inf) * 60
+        while self.steps < cfg.train.steps:
+            record = self.step()
+            out_of_time = time.perf_counter() >= deadline
+            if self.steps % cfg.train.eval_every == 0 or self.steps == cfg.train.steps or out_of_time:
+                with self.meter.idle("eval"):
+                    ev = self._evaluate()
+                self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)
+                record.update({"reward/accuracy": ev.accuracy, "reward/eval_unparsed": ev.unparsed})
+            if self.steps % cfg.train.checkpoint_every == 0:
+                with self.meter.idle("checkpoint"):
+                    self.last_ckpt = self._save(f"step_{self.steps:06d}")
+            record.update({"time_s": self.meter.timer() - self.meter.start, **self.meter.close_step()})
+            with self.meter.idle("log"):
+                self.run_dir.log(record)
+                on_step(record)
+            if out_of_time:
+                log.info("time budget of %g min reached after %d steps", cfg.train.max_minutes, self.steps)
+                break
+
+    def step(self) -> dict[str, Any]:
+        """Generate and grade one batch with the current weights (the learner waits), then update."""
+        from echo2.rollout.collect import collect_groups
+
+        cfg, step = self.cfg, self.steps + 1
+        with self.meter.idle("wait"):
             batch = collect_groups(
-                policy,
-                engine,
-                task,
-                task.sample_train(rng, P),
-                G,
+                self.policy.codec,
+                self.engine,
+                self.task,
+                self.task.sample_train(self.rng, cfg.batch.prompts),
+                cfg.batch.group_size,
                 seed=cfg.seed * 1_000_003 + step,
-                policy_version=trainer.version,
+                policy_version=self.trainer.version,
                 group_prefix=str(step),
             )
-            trajectories, t_gen = batch.trajectories, batch.t_gen_s
-            stats = trainer.update(trajectories, batch.masks)
-            rewards = [t.reward for t in trajectories]
-            record: dict[str, Any] = {
-                "step": step,
-                "time_s": time.perf_counter() - t_start,
-                **stats.metrics(),
-                "learner/bubble_ratio": t_gen / (t_gen + stats.t_train_s),
-                "store/admitted": len(trajectories),
-                "store/dropped_stale": 0,
-                "store/rejected": 0,
-                "store/staleness_mean": 0.0,
-                "store/staleness_max": 0,
-                "rollout/t_gen_s": t_gen,
-                "rollout/tokens": batch.tokens,
-                "reward/mean": sum(rewards) / len(rewards),
-                "reward/unparsed": batch.unparsed,
-            }
-            out_of_time = time.perf_counter() - t_start >= budget_s
-            if step % cfg.train.eval_every == 0 or step == cfg.train.steps or out_of_time:
-                t0 = time.perf_counter()
-                ev = evaluate(policy, engine, task, eval_prompts)
-                t_eval_total += time.perf_counter() - t0
-                last_acc, best = ev.accuracy, max(best, ev.accuracy)
-                record["reward/accuracy"] = ev.accuracy
-                record["reward/eval_unparsed"] = ev.unparsed
-            run.log(record)
-            if step % cfg.train.checkpoint_every == 0:
-                last_ckpt = save(f"step_{step:06d}")
-            bar.update(min(record["time_s"], bar.total) - bar.n if timed_bar else 1)
-            bar.set_postfix(
-                step=step, v=stats.version, reward=f"{record['reward/mean']:.2f}", acc=f"{last_acc:.2f}"
-            )
-            if out_of_time:
-                log.info("time budget of %g min reached after %d steps", cfg.train.max_minutes, step)
-                break
-    except TrainingDivergedError as exc:
-        # the update raised before the optimizer stepped: the weights are still the last good ones
-        good = save("last_good")
-        run.write_summary({"error": str(exc), "last_good_checkpoint": good, "steps": step - 1})
-        run.close()
-        raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
-    finally:
-        bar.close()
-    if step % cfg.train.checkpoint_every:  # the last step was not already checkpointed in the loop
-        last_ckpt = save(f"step_{step:06d}")
-    summary = TrainSummary(
-        run_dir=str(run.path),
-        steps=step,
-        wall_s=time.perf_counter() - t_start,
-        initial_accuracy=first.accuracy,
-        final_accuracy=last_acc,
-        best_accuracy=best,
-        last_checkpoint=last_ckpt,
-    )
-    run.write_summary({**asdict(summary), "eval_s": t_eval_total})
-    run.close()
-    return summary
+        with self.meter.training():
+            stats = self.trainer.update(batch.trajectories)
+        self.steps = step
+        rewards = [t.reward for t in batch.trajectories]
+        return {
+            "step": step,
+            **stats.metrics(),
+            "store/admitted": len(batch.trajectories),
+            "store/dropped_stale": 0,
+            "store/rejected": 0,
+            "store/staleness_mean": 0.0,
+            "store/staleness_max": 0,
+            "rollout/t_gen_s": batch.t_gen_s,
+            "rollout/tokens": batch.tokens,
+            "reward/mean": sum(rewards) / len(rewards),
+            "reward/unparsed": batch.unparsed,
+        }
+
+    def _evaluate(self) -> Any:
+        from echo2.rollout.evaluate import evaluate
+
+        return evaluate(self.policy.codec, self.engine, self.task, self.eval_prompts)
+
+    def _save(self, name: str) -> str:
+        return self.run_dir.save_checkpoint(name, self.policy, self.trainer.version)
+
+    def summary(self) -> TrainSummary:
+        window = self.meter.summary()
+        summary = TrainSummary(
+            run_dir=str(self.run_dir.path),
+            steps=self.steps,
+            wall_s=float(window["window_s"]),  # type: ignore[arg-type]
+            initial_accuracy=self.first_acc,
+            final_accuracy=self.last_acc,
+            best_accuracy=self.best_acc,
+            bubble_ratio=float(window["bubble_ratio"]),
+            last_checkpoint=self.last_ckpt,  # type: ignore[arg-type]
+        )
+        self.run_dir.write_summary({**asdict(summary), "bubble": window})
+        return summary

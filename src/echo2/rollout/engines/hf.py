@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from echo2.config import SamplingConfig
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One generated completion."""
-
-    completion_ids: tuple[int, ...]  # sampled token ids, EOS included when it was drawn
-    logprobs: tuple[float, ...]  # sampler log-prob of each completion token (see module docstring)
-    finished: bool  # True when EOS was drawn before max_new_tokens
+from echo2.rollout.engines.base import Sample
 
 
 def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -44,7 +36,9 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class HFEngine:
-    """Samples completions from a causal LM (any transformers ``*ForCausalLM``)."""
+    """Samples completions from a causal LM (any transformers ``*ForCausalLM``); implements the
+    :class:`~echo2.rollout.engines.base.Engine` seam. The learner wraps its own training model in one
+    (held-out evaluation, the synchronous loop); a worker builds one from the learner's skeleton."""
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, sampling: SamplingConfig) -> None:
         self.model = model
@@ -54,6 +48,22 @@ class HFEngine:
         # transformers 5.x renamed `past_key_values` to `cache`; accept both generations
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_skeleton(
+        cls, skeleton_dir: Path, eos_id: int, pad_id: int, sampling: SamplingConfig
+    ) -> HFEngine:
+        """The architecture of the skeleton's ``config.json`` with untrained weights (the first snapshot
+        fills them)."""
+        from echo2.models.snapshot import model_from_skeleton
+
+        return cls(model_from_skeleton(skeleton_dir), eos_id, pad_id, sampling)
+
+    def install(self, blob: bytes | bytearray | memoryview) -> None:
+        """Load snapshot weights into the model in place (``models/snapshot.py``)."""
+        from echo2.models.snapshot import install_blob
+
+        install_blob(self.model, blob)
 
     @torch.no_grad()
     def generate(

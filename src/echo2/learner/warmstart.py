@@ -2,9 +2,13 @@
 
 Real post-training starts from a pretrained model that solves the task sometimes. The embedded
 model starts from random weights, so echo2 first fits it on reference answers (teacher forcing,
-loss on answer tokens only) and stops at the first held-out evaluation whose greedy accuracy reaches
-``warmstart.target_accuracy``. The result is deterministic in the seed and the configs, and cached
-under a key derived from them, so every run with the same settings starts from the same weights.
+loss on answer tokens only) and stops at the first evaluation on the task's *validation* split
+(never the test split runs report) whose greedy accuracy reaches ``warmstart.target_accuracy``. The
+result is deterministic in the seed and the configs, and cached under a key derived from them, so
+every run with the same settings starts from the same weights.
+
+This is a learner-side step, called explicitly (:func:`starting_checkpoint`): loading a model
+(``models/policy.py``) never trains one.
 """
 
 from __future__ import annotations
@@ -18,12 +22,22 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from echo2.config import Config
+from echo2.types import Prompt
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the recipe changes, so old caches are not reused
+FORMAT_VERSION = 2  # bump when the recipe changes, so old caches are not reused (2: stop on validation)
+
+
+def starting_checkpoint(cfg: Config) -> Path:
+    """The checkpoint a run starts from: ``model.path`` when set, else the embedded model's warm start
+    (trained now if it is not cached)."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    return warmstart_checkpoint(cfg)
 
 
 def cache_root(cfg: Config) -> Path:
@@ -71,7 +85,7 @@ def warmstart_checkpoint(cfg: Config) -> Path:
 def _train(cfg: Config, out: Path) -> dict[str, float | int | str]:
     import torch
 
-    from echo2.data.tasks.base import build_task
+    from echo2.data.tasks.registry import build_task
     from echo2.models.embedded import build_model, build_tokenizer
     from echo2.models.policy import Policy
     from echo2.rollout.engines.hf import HFEngine
@@ -83,53 +97,50 @@ def _train(cfg: Config, out: Path) -> dict[str, float | int | str]:
     policy = Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, False, "embedded")
     task = build_task(cfg.task, cfg.seed)
     engine = HFEngine(model, policy.eos_id, policy.pad_id, cfg.sampling)
-    eval_prompts = task.eval_prompts(ws.eval_size)
+    val_prompts = task.validation_prompts(ws.eval_size)  # never the test split (task.eval_prompts)
     rng = random.Random(f"warmstart:{cfg.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-    log.info(
-        "warm start: supervised training of the embedded model until held-out accuracy >= %.2f",
-        ws.target_accuracy,
-    )
+    log.info("warm start: supervised training until validation accuracy >= %.2f", ws.target_accuracy)
     t0 = time.perf_counter()
-    accuracy = evaluate(policy, engine, task, eval_prompts).accuracy
+    accuracy = evaluate(policy.codec, engine, task, val_prompts).accuracy
     step = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         while accuracy < ws.target_accuracy and step < ws.max_steps:
-            model.train()
-            prompts = task.sample_train(rng, ws.batch_size)
-            rows = [
-                (policy.encode_prompt(p.text), [*policy.encode_prompt(p.answer), policy.eos_id])
-                for p in prompts
-            ]
-            L = max(len(x) + len(y) for x, y in rows)
-            ids = torch.full((len(rows), L), policy.pad_id, dtype=torch.long)
-            labels = torch.full((len(rows), L), -100, dtype=torch.long)
-            attn = torch.zeros((len(rows), L), dtype=torch.long)
-            for i, (x, y) in enumerate(rows):
-                ids[i, : len(x) + len(y)] = torch.tensor(x + y)
-                labels[i, len(x) : len(x) + len(y)] = torch.tensor(y)
-                attn[i, : len(x) + len(y)] = 1
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            loss = _sft_step(policy, opt, task.sample_train(rng, ws.batch_size))
             step += 1
             if step % ws.eval_every == 0:
-                accuracy = evaluate(policy, engine, task, eval_prompts).accuracy
-                log.info(
-                    "warm start step %d: loss %.3f, held-out accuracy %.3f",
-                    step,
-                    float(loss.detach()),
-                    accuracy,
-                )
+                accuracy = evaluate(policy.codec, engine, task, val_prompts).accuracy
+                log.info("warm start step %d: loss %.3f, validation accuracy %.3f", step, loss, accuracy)
     policy.save(out)
     info: dict[str, float | int | str] = {
         "steps": step,
-        "heldout_accuracy": accuracy,
+        "validation_accuracy": accuracy,
         "seconds": round(time.perf_counter() - t0, 2),
         "key": cache_key(cfg),
     }
     log.info("warm start done: %s", info)
     return info
+
+
+def _sft_step(policy: Any, opt: Any, prompts: list[Prompt]) -> float:
+    """One teacher-forced step on reference answers (loss on the answer tokens and EOS only)."""
+    import torch
+
+    model = policy.model
+    model.train()
+    rows = [(policy.encode_prompt(p.text), [*policy.encode_prompt(p.answer), policy.eos_id]) for p in prompts]
+    L = max(len(x) + len(y) for x, y in rows)
+    ids = torch.full((len(rows), L), policy.pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), L), -100, dtype=torch.long)
+    attn = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, : len(x) + len(y)] = torch.tensor(x + y)
+        labels[i, len(x) : len(x) + len(y)] = torch.tensor(y)
+        attn[i, : len(x) + len(y)] = 1
+    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach())

@@ -1,54 +1,72 @@
-"""The learner's HTTP API (runtime/service.py) against a real store, through a real aiohttp server."""
+"""The learner node's HTTP API (runtime/routes.py) over its real parts (registry, pool, lease broker,
+intake, snapshots) and a real store, through a real aiohttp server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from echo2.broadcast.factory import open_publisher
+from echo2.broadcast.manifest import new_signing_key
+from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import StoreStats, TrajectoryStore
-from echo2.data.tasks.base import build_task
-from echo2.runtime.service import LearnerService
+from echo2.data.tasks.registry import build_task
+from echo2.runtime.node import assemble, worker_settings
+from echo2.runtime.registry import WorkerRegistry
+from echo2.runtime.routes import Identity
 
 TOKEN = "join-token-for-tests-0123456789"
 VOCAB = 100
 
 
-def make_service(tmp_path, *overrides: str) -> LearnerService:
+def make_node(tmp_path, *overrides: str) -> SimpleNamespace:
+    """The parts of a learner node wired as ``runtime/learner.py`` wires them (in-memory broadcast,
+    no model); ``node.v`` is the learner version the parts read."""
     cfg = load_config(
         overrides=[
-            "grpo.prompts_per_step=4",
-            "grpo.group_size=2",
+            "batch.prompts=4",
+            "batch.group_size=2",
             "runtime.lease_prompts=2",
             "sampling.max_new_tokens=4",
-            "async.staleness=1",
+            "staleness.S=1",
             *overrides,
         ]
     )
-    store = TrajectoryStore(tmp_path / "store.sqlite", cfg.async_.staleness, cfg.grpo.group_size)
-    svc = LearnerService(
-        cfg, store, build_task(cfg.task, 0), tmp_path, TOKEN, "ed25519-pub:00", ("127.0.0.1", 1),
-        {"config.json": "{}"}, vocab_size=VOCAB,
-    )  # fmt: skip
-    svc.set_published(0, {"version": 0}, b"blob")
-    return svc
+    n = SimpleNamespace(cfg=cfg, v=0)
+    n.store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
+    key = new_signing_key()
+    registry = WorkerRegistry(tmp_path, TOKEN, time.time)
+    publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
+    identity = Identity(
+        worker_settings(cfg), key.verifier().to_text(), ("127.0.0.1", 1), {"config.json": "{}"}
+    )
+    parts = assemble(
+        cfg, registry, n.store, build_task(cfg.task, 0), publisher, identity, VOCAB, lambda: n.v, time.time
+    )
+    n.__dict__.update(vars(parts))
+    return n
 
 
-def run(coro_fn, svc: LearnerService) -> tuple[Any, StoreStats]:
-    """Serve ``svc`` on loopback, run the client coroutine; its result and the store's final stats."""
+def run(coro_fn, node: SimpleNamespace) -> tuple[Any, StoreStats]:
+    """Serve the node on loopback with version 0 published, run the client coroutine; its result and
+    the store's final stats."""
 
     async def main() -> Any:
-        async with TestClient(TestServer(svc.app())) as client:
+        await node.snapshots.publish(0, b"blob")
+        async with TestClient(TestServer(node.routes.app())) as client:
             return await coro_fn(client)
 
     try:
-        return asyncio.run(main()), svc.store.stats()
+        return asyncio.run(main()), node.store.stats()
     finally:
-        svc.store.close()
+        node.store.close()
 
 
 async def register(client: TestClient, name: str = "w") -> dict[str, str]:
@@ -96,10 +114,11 @@ def test_register_needs_the_join_token(tmp_path):
         ok = await client.post("/v1/register", json={"token": TOKEN, "name": "x"})
         return missing.status, wrong.status, bad_price.status, ok.status, await ok.json()
 
-    svc = make_service(tmp_path)
-    (missing, wrong, bad_price, ok, data), _ = run(body, svc)
+    node = make_node(tmp_path)
+    (missing, wrong, bad_price, ok, data), _ = run(body, node)
     assert (missing, wrong, bad_price, ok) == (401, 403, 422, 200)
-    assert data["credential"] and data["config"]["grpo"]["group_size"] == 2
+    assert data["credential"] and data["settings"]["group_size"] == 2
+    assert "grpo" not in data["settings"] and "runtime" not in data["settings"]  # only what a worker needs
     assert json.loads((tmp_path / "workers.json").read_text())[0]["worker_id"] == data["worker_id"]
     assert data["credential"] not in (tmp_path / "workers.json").read_text()  # only its hash is kept
 
@@ -115,8 +134,8 @@ def test_every_worker_endpoint_needs_a_credential(tmp_path):
             out.append((path, none.status, bad.status))
         return out
 
-    svc = make_service(tmp_path)
-    results, stats = run(body, svc)
+    node = make_node(tmp_path)
+    results, stats = run(body, node)
     for path, none, bad in results:
         assert (none, bad) == (401, 403), path
     assert stats.rejected_by_reason["auth"] == 12
@@ -141,8 +160,8 @@ def test_lease_submit_and_rejections_are_counted(tmp_path):
         reply = await ok.json()
         return statuses, reply
 
-    svc = make_service(tmp_path)
-    (statuses, reply), stats = run(body, svc)
+    node = make_node(tmp_path)
+    (statuses, reply), stats = run(body, node)
     assert statuses == {
         "future": 422,
         "vocab": 422,
@@ -151,7 +170,7 @@ def test_lease_submit_and_rejections_are_counted(tmp_path):
         "ok": 200,
         "replay": 409,
     }
-    assert reply == {"admitted": 4, "dropped_stale": 0}
+    assert reply == {"admitted": 4, "dropped_stale": 0, "next_lease": None, "next_lease_error": None}
     by = stats.rejected_by_reason
     assert by["future_version"] == 1 and by["token_range"] == 1 and by["malformed"] == 2 and by["replay"] == 1
 
@@ -165,8 +184,8 @@ def test_oversized_body_is_413_and_the_learner_keeps_serving(tmp_path):
         ok = await client.post("/v1/submit", json=payload(le), headers=auth)
         return (big.status, nowhere.status, ok.status), await big.json(), await nowhere.json()
 
-    svc = make_service(tmp_path, "runtime.max_request_mb=1")
-    (statuses, big, nowhere), stats = run(body, svc)
+    node = make_node(tmp_path, "runtime.max_request_mb=1")
+    (statuses, big, nowhere), stats = run(body, node)
     assert statuses == (413, 404, 200)
     assert big["error"] == "oversized" and "1048576" in big["detail"]  # aiohttp's refusal, in our JSON
     assert nowhere["error"] == "not_found"
@@ -179,7 +198,7 @@ def test_other_workers_lease_is_forbidden(tmp_path):
         le = await lease(client, a)
         return (await client.post("/v1/submit", json=payload(le), headers=b)).status
 
-    assert run(body, make_service(tmp_path))[0] == 403
+    assert run(body, make_node(tmp_path))[0] == 403
 
 
 def test_lease_caps_work_in_flight_and_refuses_stale_weights(tmp_path):
@@ -188,14 +207,19 @@ def test_lease_caps_work_in_flight_and_refuses_stale_weights(tmp_path):
     async def body(client):
         auth = await register(client)
         leases = [await lease(client, auth) for _ in range(5)]
-        svc.version = 3  # learner moved on: version 1 weights are older than v_t - S = 2
+        node.v = 3  # learner moved on: version 1 weights are older than v_t - S = 2
         stale = await lease(client, auth, installed=1)
         return leases, stale
 
-    svc = make_service(tmp_path)
-    (leases, stale), stats = run(body, svc)
-    assert all(le["lease_id"] for le in leases[:4]) and stats.leases_open == 4
-    assert leases[4] == {"lease_id": None, "reason": "buffer_full", "retry_after_s": pytest.approx(0.25)}
+    node = make_node(tmp_path)
+    (leases, stale), stats = run(body, node)
+    assert all(le["kind"] == "grant" for le in leases[:4]) and stats.leases_open == 4
+    assert leases[4] == {
+        "kind": "refusal",
+        "reason": "buffer_full",
+        "retry_after_s": 0.25,
+        "min_version": None,
+    }
     assert stale["reason"] == "stale_weights" and stale["min_version"] == 2
 
 
@@ -205,10 +229,10 @@ def test_one_worker_cannot_hold_more_than_its_share_of_leases(tmp_path):
         hoard = [await lease(client, greedy) for _ in range(3)]
         return hoard, await lease(client, other)
 
-    svc = make_service(tmp_path, "runtime.max_leases_per_worker=2")
-    (hoard, other), stats = run(body, svc)
-    assert [bool(le["lease_id"]) for le in hoard] == [True, True, False]
-    assert hoard[2]["reason"] == "too_many_leases" and other["lease_id"] and stats.leases_open == 3
+    node = make_node(tmp_path, "runtime.max_leases_per_worker=2")
+    (hoard, other), stats = run(body, node)
+    assert [le["kind"] for le in hoard] == ["grant", "grant", "refusal"]
+    assert hoard[2]["reason"] == "too_many_leases" and other["kind"] == "grant" and stats.leases_open == 3
 
 
 def test_heartbeat_validates_and_reports_activity(tmp_path):
@@ -223,12 +247,14 @@ def test_heartbeat_validates_and_reports_activity(tmp_path):
         garbage = await client.post("/v1/heartbeat", json={"rollouts": -1, "busy_s": "x"}, headers=auth)
         return await good.json(), future.status, garbage.status
 
-    svc = make_service(tmp_path)
-    (good, future, garbage), _ = run(body, svc)
+    node = make_node(tmp_path)
+    (good, future, garbage), _ = run(body, node)
     assert good["active"] is True and good["finished"] is False
     assert (future, garbage) == (422, 422)
-    wid = next(iter(svc.workers))
-    assert svc.controller.measured_rate(wid) == pytest.approx(16.0)  # first measurement replaces the prior
+    wid = next(iter(node.registry)).worker_id
+    assert node.pool.controller.measured_rate(wid) == pytest.approx(
+        16.0
+    )  # first measurement replaces the prior
 
 
 BAD_BODIES = [  # endpoint, body, (field named first in the detail, what it says of it)
@@ -256,13 +282,13 @@ def test_bad_bodies_get_422_naming_the_field(tmp_path, endpoint, bad, detail):
         ok = await client.post("/v1/lease", json={"max_prompts": 1, "installed_version": 0}, headers=auth)
         return resp.status, await resp.json(), ok.status
 
-    svc = make_service(tmp_path)
-    (status, reply, ok), stats = run(body, svc)
+    node = make_node(tmp_path)
+    (status, reply, ok), stats = run(body, node)
     assert status == 422 and reply["error"] == "schema"
     field, says = detail
     assert reply["detail"].startswith(f"{field}: ") and says in reply["detail"], reply["detail"]
     assert stats.rejected_by_reason["schema"] == 1 and ok == 200  # counted, and the learner keeps serving
-    assert len(svc.workers) == 1  # a refused registration enrols nobody
+    assert len(node.registry) == 1  # a refused registration enrols nobody
 
 
 def test_a_bad_next_lease_keeps_the_submission(tmp_path):
@@ -276,11 +302,17 @@ def test_a_bad_next_lease_keeps_the_submission(tmp_path):
         second = await (await client.post("/v1/submit", json=good, headers=auth)).json()
         return first, second
 
-    svc = make_service(tmp_path)
-    (first, second), stats = run(body, svc)
-    assert first["admitted"] == 4 and first["next_lease"]["error"] == "schema"
-    assert first["next_lease"]["detail"].startswith("next_lease: max_prompts: Input should be a valid int")
-    assert second["admitted"] == 4 and second["next_lease"]["lease_id"]
+    node = make_node(tmp_path)
+    (first, second), stats = run(body, node)
+    assert (
+        first["admitted"] == 4
+        and first["next_lease"] is None
+        and first["next_lease_error"]["error"] == "schema"
+    )
+    assert first["next_lease_error"]["detail"].startswith(
+        "next_lease: max_prompts: Input should be a valid int"
+    )
+    assert second["admitted"] == 4 and second["next_lease"]["kind"] == "grant"
     assert stats.rejected_by_reason["schema"] == 1 and stats.admitted == 8
 
 
@@ -288,14 +320,14 @@ def test_registry_survives_a_restart(tmp_path):
     async def first(client):
         return await register(client)
 
-    auth, _ = run(first, make_service(tmp_path))
+    auth, _ = run(first, make_node(tmp_path))
 
     async def second(client):
         return (
             await client.post("/v1/lease", json={"max_prompts": 1, "installed_version": 0}, headers=auth)
         ).status
 
-    assert run(second, make_service(tmp_path))[0] == 200
+    assert run(second, make_node(tmp_path))[0] == 200
 
 
 def test_broadcast_membership_needs_the_workers_own_credential(tmp_path):
@@ -303,9 +335,53 @@ def test_broadcast_membership_needs_the_workers_own_credential(tmp_path):
         resp = await client.post("/v1/register", json={"token": TOKEN, "name": "a"})
         return await resp.json()
 
-    svc = make_service(tmp_path)
-    reg, _ = run(body, svc)
-    wid, cred = reg["worker_id"], reg["credential"]
-    assert svc.authorize_broadcast(wid, cred)
-    assert not svc.authorize_broadcast(wid, None) and not svc.authorize_broadcast(wid, "forged")
-    assert not svc.authorize_broadcast("someone-else", cred)  # a credential is bound to its worker id
+    node = make_node(tmp_path)
+    reg, _ = run(body, node)
+    wid, cred, may_join = reg["worker_id"], reg["credential"], node.registry.may_join_broadcast
+    assert may_join(wid, cred)
+    assert not may_join(wid, None) and not may_join(wid, "forged")
+    assert not may_join("someone-else", cred)  # a credential is bound to its worker id
+
+
+def test_the_protocol_models_parse_every_reply_the_routes_send(tmp_path):
+    """The worker's typed client parses exactly what the server sends: one protocol, both ends."""
+    from echo2.protocol import (
+        LEASE_REPLY,
+        HeartbeatReply,
+        ModelReply,
+        RegisterReply,
+        SubmitReply,
+        VersionReply,
+    )
+
+    async def body(client):
+        reg = await client.post("/v1/register", json={"token": TOKEN, "name": "w"})
+        parsed = RegisterReply.model_validate_json(await reg.read())
+        auth = {"Authorization": f"Bearer {parsed.credential}"}
+        hb = await client.post(
+            "/v1/heartbeat", json={"rollouts": 0, "busy_s": 0.0, "installed_version": 0}, headers=auth
+        )
+        le = await client.post("/v1/lease", json={"max_prompts": 2, "installed_version": 0}, headers=auth)
+        grant = LEASE_REPLY.validate_json(await le.read())
+        sub = await client.post("/v1/submit", json=payload(json.loads(grant.model_dump_json())), headers=auth)
+        ver = await client.get("/v1/version", headers=auth)
+        model = await client.get("/v1/model", headers=auth)
+        return (
+            parsed,
+            HeartbeatReply.model_validate_json(await hb.read()),
+            grant,
+            SubmitReply.model_validate_json(await sub.read()),
+            VersionReply.model_validate_json(await ver.read()),
+            ModelReply.model_validate_json(await model.read()),
+        )
+
+    (reg, hb, grant, sub, ver, model), _ = run(body, make_node(tmp_path))
+    assert (
+        reg.settings.group_size == 2
+        and reg.settings.lease_prompts == 2
+        and hb.version == 0
+        and hb.min_version == -1
+    )
+    assert grant.kind == "grant" and len(grant.prompts) == 2 and grant.prompts[0].text.endswith("=")
+    assert sub.admitted == 4 and ver.version == 0 and ver.manifest["version"] == 0
+    assert model.files == {"config.json": "{}"}

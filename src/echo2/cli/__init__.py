@@ -1,8 +1,10 @@
-"""The `echo2` command line: thin entry points, heavy imports deferred into each command's `run`.
+"""The `echo2` command line: the one entry-point package, thin commands, heavy imports deferred.
 
-Every subcommand is a :class:`Command`: a module-level object with a help line, a function that adds
-its arguments, and a function that runs it. Modules that define commands import nothing heavier than
-the standard library at module level, so `echo2 --help` stays instant.
+Every subcommand is a :class:`~echo2.cli.common.Command`: a module-level object with a help line, a
+function that adds its arguments, and a function that runs it (``run.py``: run / learner / worker;
+``train.py``: train / warmstart / eval; ``plan.py``; ``simulate.py``). Modules here import nothing
+heavier than the standard library at module level, so `echo2 --help` stays instant, and nothing in
+the product imports this package back (checked by the import contracts in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -10,36 +12,23 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-
-@dataclass(frozen=True)
-class Command:
-    """One `echo2 <name>` subcommand."""
-
-    help: str  # one line shown by `echo2 --help`
-    add_arguments: Callable[[argparse.ArgumentParser], None]  # declares the subcommand's flags
-    run: Callable[[argparse.Namespace], int]  # runs it; returns the process exit code
+from echo2.cli.common import Command
 
 
 def _commands() -> dict[str, Command]:
-    from echo2.broadcast import cli as broadcast_cli
-    from echo2.learner import cli as learner_cli
-    from echo2.planner import cli as planner_cli
-    from echo2.runtime import cli as runtime_cli
-    from echo2.sim import cli as sim_cli
+    from echo2.cli import plan, run, simulate, train
 
     return {
-        "run": runtime_cli.RUN,
-        "learner": runtime_cli.LEARNER,
-        "worker": runtime_cli.WORKER,
-        "train": learner_cli.TRAIN,
-        "warmstart": learner_cli.WARMSTART,
-        "eval": learner_cli.EVAL,
-        "plan": planner_cli.PLAN,
-        "simulate": sim_cli.SIMULATE,
-        "bench-broadcast": broadcast_cli.BENCH_BROADCAST,
+        "run": run.RUN,
+        "learner": run.LEARNER,
+        "worker": run.WORKER,
+        "train": train.TRAIN,
+        "warmstart": train.WARMSTART,
+        "eval": train.EVAL,
+        "plan": plan.PLAN,
+        "simulate": simulate.SIMULATE,
     }
 
 
@@ -75,7 +64,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"echo2 {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`echo2 run`, `echo2 learner`, `echo2 worker`. Module level imports stay light (stdlib only)."""
+"""`echo2 run`, `echo2 learner`, `echo2 worker`."""
 
 from __future__ import annotations
 
@@ -7,32 +7,24 @@ import asyncio
 import json
 import os
 import signal
+from typing import Any
 
-from echo2.cli import Command
-from echo2.learner.cli import add_config_arguments, load_from_args
+from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
+
+TOKEN_ENV = "ECHO2_JOIN_TOKEN"
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
+    add_budget_arguments(p)
     p.add_argument("--workers", type=int, help="shorthand for --set runtime.workers=N")
-    p.add_argument("--staleness", "-S", type=int, help="shorthand for --set async.staleness=S")
-    p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
-    p.add_argument("--max-minutes", type=float, help="shorthand for --set train.max_minutes=M")
+    p.add_argument("--staleness", "-S", type=int, help="shorthand for --set staleness.S=S")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no live view")
 
 
-def _config(args: argparse.Namespace):  # -> Config
-    for flag, key in (("workers", "runtime.workers"), ("staleness", "async.staleness"),
-                      ("steps", "train.steps"), ("max_minutes", "train.max_minutes")):  # fmt: skip
-        if getattr(args, flag, None) is not None:
-            args.overrides.append(f"{key}={getattr(args, flag)}")
-    return load_from_args(args)
-
-
-def _print_summary(s) -> None:  # type: ignore[no-untyped-def]
+def _print_summary(command: str, s: Any) -> None:
     print(
-        f"\n{s.steps} learner steps (version {s.version}) in {s.wall_s:.0f} s; held-out accuracy "
+        f"\n{command}: {s.steps} learner steps (version {s.version}) in {s.wall_s:.0f} s; held-out accuracy "
         f"{s.initial_accuracy:.1%} -> {s.final_accuracy:.1%} (best {s.best_accuracy:.1%})\n"
         f"bubble ratio {s.bubble_ratio:.1%}, max staleness {s.staleness_max}\n"
         f"run directory: {s.run_dir}  (metrics.jsonl, summary.json, run.png, workers/)\n"
@@ -41,65 +33,73 @@ def _print_summary(s) -> None:  # type: ignore[no-untyped-def]
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = load_from_args(args)
     from echo2.runtime.launcher import run_local
 
-    s = run_local(cfg, progress=not args.no_progress, resume=args.resume)
-    print("\necho2 run:", end="")
-    _print_summary(s)
+    _print_summary("echo2 run", run_local(cfg, progress=not args.no_progress, resume=args.resume))
     return 0
 
 
 def _learner(args: argparse.Namespace) -> int:
     args.overrides.append("runtime.workers=0")
-    cfg = _config(args)
+    cfg = load_from_args(args)
     from echo2.runtime.learner import AsyncLearner, Endpoints
 
     def ready(ep: Endpoints) -> None:
         token = "<runtime.join_token>" if cfg.runtime.join_token else f"$(cat {ep.run_dir}/join_token)"
         print("learner ready. On each rollout machine run:", flush=True)
-        print(f"  ECHO2_JOIN_TOKEN={token} echo2 worker --join {ep.url}", flush=True)
+        print(f"  {TOKEN_ENV}={token} echo2 worker --join {ep.url}", flush=True)
 
     learner = AsyncLearner(cfg, resume=args.resume, on_ready=ready)
 
-    async def main():  # type: ignore[no-untyped-def]
+    async def main() -> Any:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, learner.stop.set)
         loop.add_signal_handler(signal.SIGTERM, learner.stop.set)
         return await learner.run()
 
-    s = asyncio.run(main())
-    print("\necho2 learner:", end="")
-    _print_summary(s)
+    _print_summary("echo2 learner", asyncio.run(main()))
     return 0
 
 
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join", required=True, metavar="URL", help="the learner's API URL")
-    p.add_argument("--token", help="the run's join token (default: $ECHO2_JOIN_TOKEN)")
+    p.add_argument("--token", help=f"the run's join token (default: ${TOKEN_ENV})")
     p.add_argument("--name", help="name shown in the learner's registry (default: host name)")
     p.add_argument("--usd-per-hour", type=float, default=0.35, help="this machine's price ($/h)")
     p.add_argument("--hardware", default="", help="free-text hardware description")
     p.add_argument("--rollouts-per-s", type=float, help="own throughput estimate (the controller's prior)")
     p.add_argument("--max-rollouts-per-s", type=float, help="throttle to emulate slower hardware")
     p.add_argument("--advertise-host", help="address peers reach this worker's chunk server at")
+    p.add_argument("--engine", default="hf", help="rollout engine (default hf)")
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from typing import get_args
+
+    from echo2.config import EngineName
     from echo2.errors import ConfigError
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
 
-    token = args.token or os.environ.get("ECHO2_JOIN_TOKEN")
+    token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
-        raise ConfigError("echo2 worker needs the run's join token: --token or $ECHO2_JOIN_TOKEN")
+        raise ConfigError(f"echo2 worker needs the run's join token: --token or ${TOKEN_ENV}")
+    if args.engine not in get_args(EngineName):
+        raise ConfigError(f"--engine {args.engine!r}: choose one of {list(get_args(EngineName))}")
     opts = WorkerOptions(
-        join_url=args.join, token=token, usd_per_hour=args.usd_per_hour, hardware=args.hardware,
-        rollouts_per_s=args.rollouts_per_s, max_rollouts_per_s=args.max_rollouts_per_s,
-        advertise_host=args.advertise_host, **({"name": args.name} if args.name else {}),
-    )  # fmt: skip
+        join_url=args.join,
+        token=token,
+        usd_per_hour=args.usd_per_hour,
+        hardware=args.hardware,
+        rollouts_per_s=args.rollouts_per_s,
+        max_rollouts_per_s=args.max_rollouts_per_s,
+        advertise_host=args.advertise_host,
+        engine=args.engine,
+        **({"name": args.name} if args.name else {}),
+    )
     worker = RolloutWorker(opts)
 
-    async def main():  # type: ignore[no-untyped-def]
+    async def main() -> Any:
         task = asyncio.ensure_future(worker.run())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,8 +109,7 @@ def _worker(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             return worker.counters
 
-    counters = asyncio.run(main())
-    print(json.dumps(vars(counters)))
+    print(json.dumps(vars(asyncio.run(main()))))
     return 0
 
 

@@ -1,0 +1,59 @@
+"""The broadcast factory: the one place the runtime picks a transport for the snapshot seam.
+
+``tcp`` is the real plane (``TcpPublisher`` on the learner, a ``TcpWorkerNode`` per worker that relays
+chunks to its peers); ``memory`` is the in-process hub (tests, the minimal example, single-process
+runs), whose publisher is also its own address. Both verify every manifest and blob before a worker
+sees a snapshot, and both implement ``broadcast.api``'s ``SnapshotPublisher`` / ``SnapshotReceiver``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from echo2.broadcast.api import SnapshotPublisher, SnapshotReceiver
+from echo2.broadcast.manifest import ManifestKey
+from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.publisher import TcpPublisher
+from echo2.broadcast.strategy import Strategy
+from echo2.broadcast.worker import TcpWorkerNode
+
+BroadcastKind = Literal["tcp", "memory"]
+PublisherAddress = tuple[str, int] | InMemoryHub  # where receivers join: host and port, or the hub itself
+
+
+def open_publisher(
+    kind: BroadcastKind,
+    key: ManifestKey,
+    strategy: Strategy,
+    chunk_size: int,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise_host: str | None = None,
+    authorize: Callable[[str, object], bool] | None = None,
+) -> SnapshotPublisher:
+    """The learner's end of the broadcast plane (call ``await start()`` before publishing)."""
+    if kind == "memory":
+        return InMemoryHub(key, chunk_size)
+    return TcpPublisher(
+        key, strategy, chunk_size, host=host, port=port, advertise_host=advertise_host, authorize=authorize
+    )
+
+
+def open_receiver(
+    publisher: PublisherAddress,
+    worker_id: str,
+    key: ManifestKey,
+    *,
+    credential: str | None = None,
+    host: str = "127.0.0.1",
+    advertise_host: str | None = None,
+) -> SnapshotReceiver:
+    """A worker's end: joins ``publisher`` (call ``await start(join_timeout)``), yields verified
+    snapshots and, over TCP, relays chunks to peers from ``host`` (``advertise_host`` is what they dial)."""
+    if isinstance(publisher, InMemoryHub):
+        return publisher.receiver(worker_id)
+    return TcpWorkerNode(
+        worker_id, publisher, key, host=host, advertise_host=advertise_host, credential=credential
+    )

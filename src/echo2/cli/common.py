@@ -1,0 +1,75 @@
+"""What every `echo2` subcommand shares: the :class:`Command` record and the config flags.
+
+Modules in this package import nothing heavier than the standard library at module level, so
+`echo2 --help` stays instant; each command defers its imports into its ``run``. Nothing in the
+product imports this package back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from echo2.config import Config
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `echo2 <name>` subcommand."""
+
+    help: str  # one line shown by `echo2 --help`
+    add_arguments: Callable[[argparse.ArgumentParser], None]  # declares the subcommand's flags
+    run: Callable[[argparse.Namespace], int]  # runs it; returns the process exit code
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The config flags every training-related command shares."""
+    p.add_argument(
+        "--config", "-c", help="TOML config file (defaults are the embedded tiny model on arithmetic)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config field, e.g. --set grpo.lr=3e-4 (repeatable)",
+    )
+    p.add_argument("--seed", type=int, help="shorthand for --set seed=N")
+    p.add_argument("--run-dir", help="shorthand for --set train.run_dir=PATH")
+    p.add_argument("--model", help="shorthand for --set model.path=DIR (a local HF checkpoint)")
+
+
+def add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """How long a training command runs."""
+    p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    p.add_argument("--max-minutes", type=float, help="shorthand for --set train.max_minutes=M")
+    p.add_argument("--no-progress", action="store_true", help="no live view")
+
+
+SHORTHANDS = (  # flag attribute -> config key
+    ("seed", "seed"),
+    ("steps", "train.steps"),
+    ("max_minutes", "train.max_minutes"),
+    ("workers", "runtime.workers"),
+    ("staleness", "staleness.S"),
+)
+PATH_SHORTHANDS = (("run_dir", "train.run_dir"), ("model", "model.path"))
+
+
+def load_from_args(args: argparse.Namespace) -> Config:
+    """Defaults <- ``--config`` <- ``--set`` <- shorthand flags, validated once."""
+    from echo2.config import load_config
+
+    overrides = list(args.overrides)
+    for flag, key in SHORTHANDS:
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    for flag, key in PATH_SHORTHANDS:
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{key}={json.dumps(getattr(args, flag))}")
+    return load_config(args.config, overrides)

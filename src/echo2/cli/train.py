@@ -1,0 +1,83 @@
+"""`echo2 train`, `echo2 warmstart`, `echo2 eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    add_budget_arguments(p)
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_from_args(args)
+    from echo2.runtime.sync import run_sync
+
+    s = run_sync(cfg, progress=not args.no_progress)
+    print(
+        f"\necho2 train: {s.steps} steps in {s.wall_s:.0f} s; held-out accuracy "
+        f"{s.initial_accuracy:.1%} -> {s.final_accuracy:.1%} (best {s.best_accuracy:.1%}); "
+        f"bubble ratio {s.bubble_ratio:.1%}\n"
+        f"run directory: {s.run_dir}  (metrics.jsonl, config.json, summary.json)\n"
+        f"last checkpoint: {s.last_checkpoint}"
+    )
+    return 0
+
+
+def _warmstart(args: argparse.Namespace) -> int:
+    cfg = load_from_args(args)
+    from echo2.learner.warmstart import warmstart_checkpoint
+    from echo2.models.policy import configure_torch
+
+    configure_torch(cfg)
+    path = warmstart_checkpoint(cfg)
+    print(path)
+    print((path / "warmstart.json").read_text())
+    return 0
+
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--size", type=int, default=None, help="held-out prompts (default train.eval_size)")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    cfg = load_from_args(args)
+    from echo2.data.tasks.registry import build_task
+    from echo2.learner.warmstart import starting_checkpoint
+    from echo2.models.policy import configure_torch, load_checkpoint
+    from echo2.rollout.engines.hf import HFEngine
+    from echo2.rollout.evaluate import evaluate
+
+    configure_torch(cfg)
+    policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
+    task = build_task(cfg.task, cfg.seed)
+    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+    res = evaluate(policy.codec, engine, task, task.eval_prompts(args.size or cfg.train.eval_size))
+    print(
+        json.dumps(
+            {"checkpoint": policy.source, "accuracy": res.accuracy, "unparsed": res.unparsed, "n": res.n}
+        )
+    )
+    return 0
+
+
+TRAIN = Command(
+    help="synchronous GRPO training (S = 0) in one process; writes a run directory",
+    add_arguments=_train_arguments,
+    run=_train,
+)
+WARMSTART = Command(
+    help="build (or find in the cache) the embedded model's warm-started checkpoint and print its path",
+    add_arguments=add_config_arguments,
+    run=_warmstart,
+)
+EVAL = Command(
+    help="held-out greedy accuracy of the configured checkpoint",
+    add_arguments=_eval_arguments,
+    run=_eval,
+)

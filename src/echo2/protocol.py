@@ -1,0 +1,256 @@
+"""The wire protocol between the learner node and its rollout workers: one module, typed on both ends.
+
+Every request and reply of the learner's HTTP API is a pydantic model here; the worker (client,
+``rollout/client.py``) builds and parses them and the learner node (server, ``runtime/routes.py``)
+parses and builds them, so neither side indexes the other's raw dicts. Requests are strict (exact
+JSON types, unknown keys refused: a refusal names the field); replies are parsed leniently about
+extra keys, so a newer learner can add fields without breaking older workers.
+
+Endpoints (JSON; every one but ``register`` needs ``Authorization: Bearer <credential>``)::
+
+    POST /v1/register   RegisterRequest  -> RegisterReply
+    POST /v1/heartbeat  HeartbeatRequest -> HeartbeatReply
+    POST /v1/lease      LeaseRequest     -> LeaseGrant | LeaseRefusal
+    POST /v1/submit     SubmitRequest    -> SubmitReply
+    GET  /v1/version                     -> VersionReply
+    GET  /v1/snapshot                    -> safetensors bytes (header X-Echo2-Version)
+    GET  /v1/model                       -> ModelReply (config + tokenizer files: the skeleton)
+    any refusal                          -> ErrorReply with a 4xx status
+
+The trajectory codec (:func:`group_to_wire`, :func:`group_from_wire`, :func:`encode_group`,
+:func:`decode_group`) is the one place a GRPO group of :class:`~echo2.types.Trajectory` becomes
+bytes and back: the worker uses it to submit, the validator to build what it admits, the store to
+keep it on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, TypeAdapter
+
+from echo2.config import SamplingConfig, TaskConfig
+from echo2.types import Prompt, Trajectory
+
+API = "/v1"
+VERSION_HEADER = "X-Echo2-Version"
+MAX_ID_CHARS = 256  # lease_id / prompt_id length limit
+MAX_INT = 2**53  # counts and versions above this are not plausible (and not exact as JSON doubles)
+
+STRICT = ConfigDict(extra="forbid", strict=True)  # requests: exact types, no unknown keys
+LENIENT = ConfigDict(extra="ignore")  # replies: a newer learner may add fields
+
+Version = Annotated[int, Field(ge=-1, le=MAX_INT)]  # a snapshot version; -1 = none installed yet
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Ident = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+# ---- requests (worker -> learner) -------------------------------------------------------------------
+class RegisterRequest(BaseModel):
+    """``POST /v1/register``: join the run with its token (checked before the rest of the body)."""
+
+    model_config = STRICT
+
+    token: str  # the run's join token, exchanged once for a per-worker credential
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "worker"  # shown in the registry
+    hardware: Annotated[str, Field(max_length=128)] = ""  # free-text description (GPU model, ...)
+    usd_per_hour: NonNegFloat = 0.0  # this machine's price c_i
+    rollouts_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # own estimate
+
+
+class HeartbeatRequest(BaseModel):
+    """``POST /v1/heartbeat``: what the worker did since its last heartbeat."""
+
+    model_config = STRICT
+
+    rollouts: Count  # rollouts generated since the last heartbeat
+    busy_s: NonNegFloat  # seconds spent generating since the last heartbeat (installing excluded)
+    installed_version: Version  # newest snapshot it has installed
+
+
+class LeaseRequest(BaseModel):
+    """``POST /v1/lease``, or the ``next_lease`` of a submission."""
+
+    model_config = STRICT
+
+    max_prompts: Annotated[int, Field(ge=1, le=MAX_INT)]  # most prompts it wants
+    installed_version: Version  # the snapshot it would generate with
+
+
+class SampleWire(BaseModel):
+    """One completion of a group on the wire (its prompt and version are the group's and the lease's)."""
+
+    model_config = STRICT
+
+    prompt_ids: list[StrictInt]  # token ids of the prompt as the policy saw it
+    completion_ids: list[StrictInt]  # sampled token ids
+    sampler_logprobs: list[StrictFloat]  # per-token log-probs under the sampler
+    reward: StrictFloat  # r = R(x, y) from the task adapter
+    meta: dict[StrictStr, Any] = {}  # Ω: parse status, truncation, ... (scalars only, checked)
+
+
+class GroupWire(BaseModel):
+    """One GRPO group: ``group_size`` completions of one leased prompt."""
+
+    model_config = STRICT
+
+    prompt_id: StrictStr  # the leased prompt this group answers
+    samples: list[SampleWire]  # its completions, in sampling order
+
+
+class SubmitRequest(BaseModel):
+    """``POST /v1/submit``: one group per leased prompt, in lease order, all from one version."""
+
+    model_config = STRICT
+
+    lease_id: StrictStr  # the lease this answers
+    policy_version: StrictInt  # version of the weights that generated every sample
+    groups: list[GroupWire]  # one per leased prompt
+    next_lease: dict[str, Any] | None = None  # a LeaseRequest answered in the same round trip
+
+
+# ---- replies (learner -> worker) --------------------------------------------------------------------
+class WorkerSettings(BaseModel):
+    """The part of the run's config a worker needs (it never gets the whole tree)."""
+
+    model_config = LENIENT
+
+    seed: int  # seeds the worker's sampler
+    task: TaskConfig  # the task adapter that grades completions
+    sampling: SamplingConfig  # temperature, top-p, max new tokens
+    group_size: int  # samples per GRPO group
+    lease_prompts: int  # prompts to ask for per lease
+    chat_template: bool  # wrap prompts with the tokenizer's chat template
+    threads: int | None  # torch intra-op threads (None = torch's default)
+    heartbeat_s: float  # seconds between heartbeats
+
+
+class RegisterReply(BaseModel):
+    model_config = LENIENT
+
+    worker_id: str  # the id the learner assigned
+    credential: str  # bearer credential for every later call (and the broadcast join)
+    public_key: str  # the learner's manifest verification key (``key_from_text`` form)
+    broadcast: tuple[str, int]  # host and port of the snapshot broadcast
+    settings: WorkerSettings  # what this worker needs of the run's config
+
+
+class HeartbeatReply(BaseModel):
+    model_config = LENIENT
+
+    active: bool  # the controller wants this worker generating
+    version: int  # the learner's version v_t
+    min_version: int  # oldest admissible generating version v_t - S
+    finished: bool  # the run is over: stop
+
+
+class LeaseGrant(BaseModel):
+    model_config = LENIENT
+
+    kind: Literal["grant"] = "grant"
+    lease_id: str  # answer it with a submission of the same id
+    prompts: list[Prompt]  # the prompts to sample, in order
+    group_size: int  # completions per prompt
+    min_version: int  # generate with at least this version (else the groups are dropped as stale)
+    expires_in_s: float  # after this the prompts are leased to someone else (a late answer still counts)
+
+
+LeaseRefusalReason = Literal["finished", "inactive", "stale_weights", "buffer_full", "too_many_leases"]
+
+
+class LeaseRefusal(BaseModel):
+    model_config = LENIENT
+
+    kind: Literal["refusal"] = "refusal"
+    reason: LeaseRefusalReason  # why no lease now
+    retry_after_s: float  # ask again after this long
+    min_version: int | None = None  # with stale_weights: install at least this version first
+
+
+LeaseReply = Annotated[LeaseGrant | LeaseRefusal, Field(discriminator="kind")]
+LEASE_REPLY: TypeAdapter[LeaseGrant | LeaseRefusal] = TypeAdapter(LeaseReply)
+
+
+class ErrorReply(BaseModel):
+    """Every 4xx: a stable reason code (a metric label) and a detail naming the field and the limit."""
+
+    model_config = LENIENT
+
+    error: str  # reason code, counted as store/rejected/<error>
+    detail: str  # what was wrong
+
+
+class SubmitReply(BaseModel):
+    model_config = LENIENT
+
+    admitted: int  # trajectories stored for training
+    dropped_stale: int  # trajectories accepted but too old (v < v_t - S)
+    next_lease: LeaseReply | None = None  # the answer to ``next_lease``, when asked and well formed
+    next_lease_error: ErrorReply | None = None  # why ``next_lease`` was refused (the submission stands)
+
+
+class VersionReply(BaseModel):
+    model_config = LENIENT
+
+    version: int | None  # newest published snapshot version (None before the first)
+    manifest: dict[str, Any] | None  # its signed manifest (``broadcast.manifest.Manifest.to_dict``)
+
+
+class ModelReply(BaseModel):
+    model_config = LENIENT
+
+    files: dict[str, str]  # file name -> text: model config and tokenizer files, no weights
+
+
+# ---- the trajectory codec ---------------------------------------------------------------------------
+def group_to_wire(group: Sequence[Trajectory]) -> GroupWire:
+    """A GRPO group (trajectories of one prompt) as it travels and is stored."""
+    if not group:
+        raise ValueError("a group has at least one trajectory")
+    return GroupWire.model_construct(
+        prompt_id=group[0].prompt_id,
+        samples=[
+            SampleWire.model_construct(
+                prompt_ids=list(t.prompt_ids),
+                completion_ids=list(t.completion_ids),
+                sampler_logprobs=list(t.sampler_logprobs),
+                reward=t.reward,
+                meta=dict(t.meta),
+            )
+            for t in group
+        ],
+    )
+
+
+def group_from_wire(group: GroupWire, group_id: str, policy_version: int) -> tuple[Trajectory, ...]:
+    """The trajectories of a (validated) wire group, tagged with their group id and version."""
+    return tuple(
+        Trajectory(
+            prompt_id=group.prompt_id,
+            group_id=group_id,
+            prompt_ids=tuple(s.prompt_ids),
+            completion_ids=tuple(s.completion_ids),
+            sampler_logprobs=tuple(s.sampler_logprobs),
+            reward=s.reward,
+            policy_version=policy_version,
+            meta=dict(s.meta),
+        )
+        for s in group.samples
+    )
+
+
+def encode_group(group: Sequence[Trajectory]) -> str:
+    """JSON text of a group (what the store keeps; NaN is refused, JSON has none)."""
+    return group_to_wire(group).model_dump_json()
+
+
+def decode_group(text: str | bytes, group_id: str, policy_version: int) -> tuple[Trajectory, ...]:
+    """Inverse of :func:`encode_group`."""
+    return group_from_wire(GroupWire.model_validate_json(text), group_id, policy_version)
+
+
+def group_id(lease_id: str, index: int) -> str:
+    """The group id of the ``index``-th group of a lease (unique: lease ids are)."""
+    return f"{lease_id}:{index}"

@@ -1,0 +1,130 @@
+"""The worker's end of the wire protocol: typed calls to the learner's API (``echo2.protocol``).
+
+Every call sends a request model and parses the reply model; a 4xx/5xx reply raises :class:`Refused`
+with the learner's :class:`~echo2.protocol.ErrorReply`. Connection failures are retried for
+``reconnect_s`` (the learner may be restarting), then :class:`LearnerGone` is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import aiohttp
+from pydantic import BaseModel, ValidationError
+
+from echo2.errors import Echo2Error
+from echo2.protocol import (
+    API,
+    LEASE_REPLY,
+    VERSION_HEADER,
+    ErrorReply,
+    HeartbeatReply,
+    HeartbeatRequest,
+    LeaseGrant,
+    LeaseRefusal,
+    LeaseRequest,
+    ModelReply,
+    RegisterReply,
+    RegisterRequest,
+    SubmitReply,
+    SubmitRequest,
+    VersionReply,
+)
+
+R = TypeVar("R", bound=BaseModel)
+RETRY_S = 0.5  # pause between attempts to reach an unreachable learner
+
+
+class LearnerGone(Echo2Error):
+    """The learner stayed unreachable past ``reconnect_s``."""
+
+
+class Refused(Echo2Error):
+    """The learner answered with an error status."""
+
+    def __init__(self, status: int, reply: ErrorReply) -> None:
+        super().__init__(f"{status} {reply.error}: {reply.detail}")
+        self.status = status  # HTTP status
+        self.reply = reply  # reason code and detail
+
+
+class LearnerClient:
+    def __init__(
+        self,
+        join_url: str,
+        session: aiohttp.ClientSession,
+        reconnect_s: float,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.base = join_url.rstrip("/") + API
+        self.session = session
+        self.reconnect_s = reconnect_s
+        self.give_up = give_up  # stop retrying early (the worker is shutting down)
+        self.credential: str | None = None
+
+    async def register(self, req: RegisterRequest) -> RegisterReply:
+        self.credential = None
+        reply = await self._call("POST", "/register", RegisterReply, req)
+        self.credential = reply.credential
+        return reply
+
+    async def heartbeat(self, req: HeartbeatRequest) -> HeartbeatReply:
+        return await self._call("POST", "/heartbeat", HeartbeatReply, req)
+
+    async def lease(self, req: LeaseRequest) -> LeaseGrant | LeaseRefusal:
+        status, body, _ = await self._request("POST", "/lease", req)
+        self._raise_for(status, body)
+        return LEASE_REPLY.validate_json(body)
+
+    async def submit(self, req: SubmitRequest) -> SubmitReply:
+        return await self._call("POST", "/submit", SubmitReply, req)
+
+    async def version(self) -> VersionReply:
+        return await self._call("GET", "/version", VersionReply)
+
+    async def snapshot(self) -> tuple[int, bytes]:
+        """The newest snapshot's version and safetensors bytes (verify them against the manifest)."""
+        status, body, headers = await self._request("GET", "/snapshot")
+        self._raise_for(status, body)
+        return int(headers.get(VERSION_HEADER, -1)), body
+
+    async def model(self) -> ModelReply:
+        return await self._call("GET", "/model", ModelReply)
+
+    # ---- plumbing -----------------------------------------------------------------------------------
+    async def _call(self, method: str, path: str, reply: type[R], req: BaseModel | None = None) -> R:
+        status, body, _ = await self._request(method, path, req)
+        self._raise_for(status, body)
+        return reply.model_validate_json(body)
+
+    async def _request(
+        self, method: str, path: str, req: BaseModel | None = None
+    ) -> tuple[int, bytes, dict[str, str]]:
+        headers = {"Content-Type": "application/json"}
+        if self.credential:
+            headers["Authorization"] = f"Bearer {self.credential}"
+        data = req.model_dump_json() if req is not None else None
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            try:
+                async with self.session.request(method, self.base + path, data=data, headers=headers) as resp:
+                    return resp.status, await resp.read(), dict(resp.headers)
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                if time.monotonic() >= deadline or self.give_up():
+                    raise LearnerGone(
+                        f"learner at {self.base} unreachable for {self.reconnect_s:.0f}s: {exc}"
+                    ) from None
+                await asyncio.sleep(RETRY_S)
+
+    @staticmethod
+    def _raise_for(status: int, body: bytes) -> None:
+        if status == 200:
+            return
+        try:
+            reply = ErrorReply.model_validate_json(body)
+        except ValidationError:
+            reply = ErrorReply(error="non_json", detail=body[:200].decode(errors="replace"))
+        raise Refused(status, reply)

@@ -1,0 +1,57 @@
+"""The engine seam of the rollout plane: what a worker needs from whatever samples completions.
+
+An engine holds one set of weights, samples completions with per-token log-probs, and installs a new
+snapshot between generations (never during one). The worker and the learner's evaluation talk only to
+this protocol; :mod:`echo2.rollout.engines` maps each :data:`echo2.config.EngineName` to a class, so a
+second engine is a new registered class, not a change to worker code.
+
+Log-prob convention every engine must keep: ``Sample.logprobs`` are log-probs under the
+*temperature-scaled* distribution ``softmax(logits / T)``, before nucleus truncation. That is what
+the learner recomputes, so an on-policy sample has importance weight exactly 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from echo2.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated completion."""
+
+    completion_ids: tuple[int, ...]  # sampled token ids, EOS included when it was drawn
+    logprobs: tuple[float, ...]  # sampler log-prob of each completion token (see module docstring)
+    finished: bool  # True when EOS was drawn before max_new_tokens
+
+
+class Engine(Protocol):
+    """Samples completions from one set of weights; a snapshot install swaps the weights."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        seed: int,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> list[Sample]:
+        """One completion per entry of ``prompts`` (repeat a prompt to sample a group); deterministic
+        under ``seed``; ``greedy`` takes the argmax token (held-out evaluation)."""
+        ...
+
+    def install(self, blob: bytes | bytearray | memoryview) -> None:
+        """Load a verified snapshot (safetensors bytes of every weight) in place of the current weights.
+        Called only between generations; raises :class:`echo2.errors.CheckpointError` when the snapshot
+        does not fit the model."""
+        ...
+
+
+class EngineFactory(Protocol):
+    """How a worker builds an engine: from the model skeleton the learner serves (config + tokenizer
+    files in ``skeleton_dir``, no weights: every weight arrives in snapshots)."""
+
+    def __call__(self, skeleton_dir: Path, eos_id: int, pad_id: int, sampling: SamplingConfig) -> Engine: ...

@@ -1,0 +1,103 @@
+"""How the learner node's serving parts are wired: one function, used by the learner, the tests and
+the worker benchmark, so the parts are always assembled the same way.
+
+The parts, one owner each: the worker registry (``registry.py``: membership, credentials, installed
+versions), the pool (``pool.py``: cost-aware activation, $/h), the lease broker (``leases.py``: prompts,
+in-flight cap, admissible-version gate), the intake (``intake.py``: validation + store admission), the
+snapshot publisher (``snapshots.py``) and the HTTP routes (``routes.py``) that adapt the wire protocol
+to them. They never reach into each other: each gets the callables it needs (the learner's version,
+the newest published version, whether a worker is active, the clock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from echo2.broadcast.api import SnapshotPublisher
+from echo2.config import Config
+from echo2.data.store import TrajectoryStore
+from echo2.data.tasks.base import Task
+from echo2.protocol import WorkerSettings
+from echo2.runtime.intake import Intake, submission_limits
+from echo2.runtime.leases import LeaseBroker, PromptSource
+from echo2.runtime.pool import Pool
+from echo2.runtime.registry import WorkerRegistry
+from echo2.runtime.routes import Identity, Routes
+from echo2.runtime.snapshots import Snapshots
+
+
+@dataclass
+class NodeParts:
+    registry: WorkerRegistry
+    pool: Pool
+    broker: LeaseBroker
+    intake: Intake
+    snapshots: Snapshots
+    routes: Routes
+
+
+def worker_settings(cfg: Config) -> WorkerSettings:
+    """The part of the run's config a worker is sent at registration (never the whole tree)."""
+    rt = cfg.runtime
+    return WorkerSettings(
+        seed=cfg.seed,
+        task=cfg.task,
+        sampling=cfg.sampling,
+        group_size=cfg.batch.group_size,
+        lease_prompts=rt.lease_prompts,
+        chat_template=cfg.model.chat_template,
+        threads=cfg.train.resolved_threads(embedded=cfg.model.path is None),
+        heartbeat_s=rt.heartbeat_s,
+    )
+
+
+def assemble(
+    cfg: Config,
+    registry: WorkerRegistry,
+    store: TrajectoryStore,
+    task: Task,
+    publisher: SnapshotPublisher,
+    identity: Identity,
+    vocab_size: int,
+    version: Callable[[], int],
+    clock: Callable[[], float],
+) -> NodeParts:
+    """The serving parts of a learner node over ``store`` and ``registry`` (which the broadcast
+    ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
+    earlier learner process registered in the registry's run directory are restored and offered to the
+    pool."""
+    pool = Pool(
+        registry,
+        cfg.controller,
+        cfg.staleness,
+        cfg.batch.rollouts,
+        cfg.runtime.learner_usd_per_hour,
+        registry.path.parent,
+        clock,
+    )
+    for rec in registry.load():
+        pool.enroll(rec)
+    snapshots = Snapshots(publisher, cfg.staleness.gamma)
+    broker = LeaseBroker(
+        store,
+        PromptSource(task, cfg.seed),
+        cfg.batch,
+        cfg.staleness,
+        cfg.runtime,
+        version,
+        pool.is_active,
+        clock,
+    )
+    intake = Intake(store, submission_limits(cfg, vocab_size), version, lambda: snapshots.version, clock)
+    routes = Routes(
+        registry,
+        pool,
+        broker,
+        intake,
+        snapshots,
+        store,
+        identity,
+        int(cfg.runtime.max_request_mb * (1 << 20)),
+    )
+    return NodeParts(registry, pool, broker, intake, snapshots, routes)

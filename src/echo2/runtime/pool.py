@@ -1,0 +1,114 @@
+"""Cost-aware activation of the registered workers (SPEC §3, §5): the closed-loop controller and what
+the pool costs, fed from the worker registry.
+
+Until ``T_train`` has been measured there is no target, and every worker heard from within the
+heartbeat timeout is active. Then ``mu_target = gamma * mu_min(kappa)`` from the measured ``T_train``
+and ``T_bcast`` (:meth:`Pool.retarget`), and :class:`~echo2.planner.controller.PoolController` activates
+the cheapest workers by ``rho_i = c_i / mu_i`` and releases surplus ones; a worker learns its state at
+its next heartbeat or lease. Every decision is logged to ``activation.jsonl`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from echo2.config import ControllerConfig, StalenessConfig
+from echo2.errors import InfeasibleError
+from echo2.planner import capacity
+from echo2.planner.activation import Candidate
+from echo2.planner.controller import Heartbeat, PoolController
+from echo2.protocol import HeartbeatRequest
+from echo2.runtime.registry import WorkerRecord, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_FILE = "activation.jsonl"
+
+
+class Pool:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        controller: ControllerConfig,
+        staleness: StalenessConfig,
+        rollouts_per_step: int,
+        learner_usd_per_hour: float,
+        run_path: Path,
+        clock: Callable[[], float],
+    ) -> None:
+        self.registry = registry
+        self.staleness = staleness
+        self.rollouts = rollouts_per_step
+        self.learner_usd_per_hour = learner_usd_per_hour
+        self.log_path = run_path / ACTIVATION_FILE
+        self.clock = clock
+        self.controller = PoolController(mu_target=1.0, config=controller)
+        self.target_known = False  # until T_train is measured every live worker is active
+        self.decisions: list[dict[str, Any]] = []  # activation log (also in the run directory)
+
+    def enroll(self, rec: WorkerRecord) -> None:
+        """Offer a registered (or restored) worker to the controller, active."""
+        cand = Candidate(rec.worker_id, rec.hardware or "worker", rec.usd_per_hour, rec.rollouts_per_s)
+        self.controller.add_candidate(cand, active=True, now_s=self.clock())
+
+    def observe(self, rec: WorkerRecord, hb: HeartbeatRequest) -> None:
+        self.controller.observe(Heartbeat(rec.worker_id, self.clock(), hb.rollouts, hb.busy_s))
+
+    def active_ids(self) -> list[str]:
+        if not self.target_known:
+            return self.registry.seen_within(self.controller.config.heartbeat_timeout_s)
+        now = self.clock()
+        return [w for w in self.controller.active_ids() if self.controller.is_alive(w, now)]
+
+    def is_active(self, worker_id: str) -> bool:
+        return worker_id in self.active_ids()
+
+    def retarget(self, t_train_s: float, t_bcast_s: float) -> None:
+        """``mu_target = gamma * mu_min(kappa)`` from measured ``T_train`` and ``T_bcast`` (SPEC §3);
+        when no pool can hide the broadcast, keep every worker active and say why."""
+        kappa = self.staleness.effective_kappa
+        try:
+            mu = capacity.mu_min(kappa=kappa, t_train=t_train_s, t_bcast=t_bcast_s, rollouts=self.rollouts)
+        except InfeasibleError as exc:
+            log.warning("capacity model: %s; keeping every worker active", exc)
+            return
+        target = capacity.mu_target(mu, self.staleness.gamma)
+        if not self.target_known:
+            log.info(
+                "measured T_train %.3f s, T_bcast %.3f s: mu_target %.1f rollouts/s",
+                t_train_s,
+                t_bcast_s,
+                target,
+            )
+        self.controller.set_target(target)
+        self.target_known = True
+
+    def tick(self) -> None:
+        """One controller round: carry out and log its decisions (the worker learns at its next call)."""
+        if not self.target_known:
+            return
+        for d in self.controller.decide(self.clock()):
+            entry = {"time_s": round(self.clock(), 3), **asdict(d)}
+            self.decisions.append(entry)
+            log.info("pool: %s %s (%s)", d.action, d.worker_id, d.reason)
+            with self.log_path.open("a") as fh:
+                fh.write(json.dumps(entry) + "\n")
+
+    def usd_per_hour(self) -> float:
+        """Learner plus every active worker, $/h."""
+        active = self.active_ids()
+        return self.learner_usd_per_hour + math.fsum(self.registry[w].usd_per_hour for w in active)
+
+    def metrics(self) -> dict[str, float | None]:
+        """SPEC §7 ``pool/`` metrics."""
+        return {
+            "pool/mu_pool": self.controller.mu_pool(self.clock()),
+            "pool/mu_target": self.controller.mu_target if self.target_known else None,
+            "pool/active_workers": len(self.active_ids()),
+        }

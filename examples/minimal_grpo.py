@@ -18,8 +18,9 @@ import time
 import torch
 
 from echo2.config import load_config
-from echo2.data.tasks.base import build_task
-from echo2.models.policy import configure_torch, load_policy
+from echo2.data.tasks.registry import build_task
+from echo2.learner.warmstart import starting_checkpoint
+from echo2.models.policy import configure_torch, load_checkpoint
 
 
 @torch.no_grad()
@@ -86,15 +87,16 @@ def accuracy(model, task, tok, prompts, eos, pad, max_new) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=3.0)
+    ap.add_argument("--steps", type=int, default=10**9, help="stop after this many updates")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     cfg = load_config(overrides=[f"seed={args.seed}"])  # the embedded default: tiny Qwen3 + arithmetic
     configure_torch(cfg)
-    policy = load_policy(cfg)  # warm-started checkpoint (built and cached on first use)
+    policy = load_checkpoint(starting_checkpoint(cfg))  # the warm start (built and cached on first use)
     model, tok, eos, pad = policy.model, policy.tokenizer, policy.eos_id, policy.pad_id
     task = build_task(cfg.task, cfg.seed)
-    P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
+    P, G = cfg.batch.prompts, cfg.batch.group_size
     temp, max_new, eps = cfg.sampling.temperature, cfg.sampling.max_new_tokens, cfg.grpo.clip_eps
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.lr, weight_decay=0.0)
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
@@ -102,7 +104,7 @@ def main() -> None:
     print(f"start: held-out accuracy {accuracy(model, task, tok, held_out, eos, pad, max_new):.3f}")
 
     t0, step = time.perf_counter(), 0
-    while time.perf_counter() - t0 < args.minutes * 60:
+    while time.perf_counter() - t0 < args.minutes * 60 and step < args.steps:
         step += 1
         # 1. rollouts: G samples of each of P prompts from the current policy
         prompts = task.sample_train(rng, P)

@@ -80,10 +80,11 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
 
     import torch
 
-    from echo2.data.tasks.base import build_task
-    from echo2.learner.cli import add_config_arguments, load_from_args
+    from echo2.cli.common import add_config_arguments, load_from_args
+    from echo2.data.tasks.registry import build_task
     from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
-    from echo2.models.policy import configure_torch, load_policy
+    from echo2.learner.warmstart import starting_checkpoint
+    from echo2.models.policy import configure_torch, load_checkpoint
     from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine
 
@@ -92,24 +93,24 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
     add_config_arguments(parser)
     cfg = load_from_args(parser.parse_args([*_config_only(extra), "--seed", str(seed)]))
     configure_torch(cfg)
-    policy = load_policy(cfg)
+    policy = load_checkpoint(starting_checkpoint(cfg))
     task = build_task(cfg.task, seed)
     engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
     rollouts = collect_groups(
-        policy,
+        policy.codec,
         engine,
         task,
-        task.sample_train(random.Random(seed), cfg.grpo.prompts_per_step),
-        cfg.grpo.group_size,
+        task.sample_train(random.Random(seed), cfg.batch.prompts),
+        cfg.batch.group_size,
         seed=seed,
         policy_version=0,
         group_prefix="bench",
     )
     # fixed mixed rewards so every group carries signal, whatever the sampled completions were
     trajs = [replace(t, reward=float(i % 3 == 0)) for i, t in enumerate(rollouts.trajectories)]
-    masks = rollouts.masks
     model = policy.model
-    trainer = GRPOTrainer(model, cfg.grpo, cfg.sampling.temperature, policy.pad_id)
+    trainer = GRPOTrainer(model, cfg.grpo, cfg.sampling, policy.pad_id, task.token_mask)
+    masks = [task.token_mask(t.completion_ids, t.meta) for t in trajs]
     bare_opt = torch.optim.AdamW(model.parameters(), lr=1e-12)
     batch = pack(trajs, masks, policy.pad_id)
 
@@ -128,11 +129,11 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
 
     for _ in range(3):  # warm-up both paths
         bare()
-        trainer.update(trajs, masks)
+        trainer.update(trajs)
     t_bare, t_grpo = [], []
     for _ in range(reps):
         t_bare.append(timed(bare))
-        t_grpo.append(timed(lambda: trainer.update(trajs, masks)))
+        t_grpo.append(timed(lambda: trainer.update(trajs)))
     return {
         "rollouts": len(trajs),
         "tokens": int(batch.mask_BT.sum()),

@@ -1,7 +1,8 @@
 """Sustained, durable ingest into the trajectory store: how many trajectories/s can the learner accept?
 
 Each iteration is what the learner node does for one worker submission: issue a lease (8 prompts),
-decode the JSON body a worker would send (8 groups x 8 samples, ~10 prompt + ~8 completion tokens),
+parse the JSON body a worker would send into the protocol's ``SubmitRequest`` (8 groups x 8 samples, ~10
+prompt + ~8 completion tokens; JSON and schema in one pass, as the learner's route does),
 validate it (``validate_submission``) and submit it (``TrajectoryStore.submit``, one fsynced
 transaction). A learner is interleaved: whenever 16 groups are buffered it takes a batch
 (``take_batch``), bumps its version, reads ``stats()`` and ``outstanding_rollouts()`` for its metrics,
@@ -35,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from echo2.data.store import TrajectoryStore  # noqa: E402
-from echo2.data.submission import SubmissionLimits, validate_submission  # noqa: E402
+from echo2.data.submission import SubmissionLimits, parse_model, validate_submission  # noqa: E402
+from echo2.protocol import SubmitRequest  # noqa: E402
 from echo2.types import Prompt  # noqa: E402
 
 log = logging.getLogger("store_ingest")
@@ -101,7 +103,7 @@ def run(seconds: float, db_path: Path, seed: int) -> dict[str, Any]:
         version = max(0, learner_version - rng.randrange(STALENESS))
         raw = json.dumps({"lease_id": lease, "policy_version": version, "groups": groups}).encode()
         c = time.perf_counter()  # encoding above stands in for the worker; not timed
-        body = json.loads(raw)
+        body = parse_model(SubmitRequest, raw)  # JSON and schema in one pass, as the learner's route does
         d = time.perf_counter()
         sub = validate_submission(body, LIMITS, latest_published=learner_version)
         e = time.perf_counter()

@@ -239,6 +239,10 @@ class GRPOConfig(_Section):
         return self
 
 
+# experiment trackers that mirror metrics.jsonl (runtime/sinks.py: the registry maps each name to a sink)
+SinkName = Literal["tensorboard", "wandb", "trackio", "mlflow"]
+
+
 class TrainConfig(_Section):
     steps: int = Field(2000, ge=1, description="learner updates at most")
     max_minutes: float | None = Field(8.0, gt=0.0, description="wall-clock budget; unset = no limit")
@@ -250,6 +254,11 @@ class TrainConfig(_Section):
         None,
         ge=1,
         description="torch intra-op threads; unset = 1 for the embedded model, else torch's default",
+    )
+    report_to: list[SinkName] = Field(
+        default_factory=list,
+        description="experiment trackers that mirror every metrics.jsonl record: tensorboard, wandb "
+        "(offline), trackio, mlflow; each needs its extra, e.g. pip install 'echo2[wandb]'",
     )
 
     def resolved_threads(self, embedded: bool) -> int | None:
@@ -291,6 +300,11 @@ class RuntimeConfig(_Section):
     )
     heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between worker heartbeats")
     engine: EngineName = Field("hf", description="rollout engine of the workers `echo2 run` starts")
+    dashboard: bool = Field(True, description="serve the live dashboard and Prometheus /metrics")
+    dashboard_host: str = Field(
+        "127.0.0.1", description="where the dashboard and /metrics listen (beyond loopback: view token)"
+    )
+    dashboard_port: int = Field(0, ge=0, lt=65536, description="dashboard + /metrics port; 0 = any free port")
     worker_usd_per_hour: float = Field(
         0.35, ge=0.0, description="price local workers register with (RTX 5090)"
     )

@@ -38,3 +38,24 @@ def test_check_raises_only_once_every_worker_has_exited(tmp_path):
         for p in (alive, dead):
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_wildcard_bind_without_an_address_peers_can_reach_is_refused(host):
+    from echo2.errors import ConfigError
+    from echo2.runtime.learner import AsyncLearner
+
+    with pytest.raises(ConfigError, match=r"runtime\.advertise_host"):
+        AsyncLearner(load_config(overrides=[f"runtime.host={host!r}"]))
+    ok = AsyncLearner(load_config(overrides=[f"runtime.host={host!r}", "runtime.advertise_host=203.0.113.7"]))
+    assert ok.cfg.runtime.advertise_host == "203.0.113.7"
+
+
+def test_the_multi_machine_learner_command_says_what_to_set():
+    res = subprocess.run(
+        [sys.executable, "-m", "echo2.cli", "learner", "--set", "runtime.host=0.0.0.0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (
+        res.returncode == 2 and "set runtime.advertise_host" in res.stderr and "Traceback" not in res.stderr
+    )

@@ -58,16 +58,34 @@ class BroadcastStats:
 class SnapshotPublisher(Protocol):
     """Learner side: announce a snapshot to the current members and serve it."""
 
+    async def start(self) -> tuple[str, int]:
+        """Start serving; returns the address receivers join."""
+        ...
+
     async def publish(self, version: int, blob: bytes) -> Manifest: ...
 
     async def wait_installed(
         self, version: int, count: int | None = None, timeout: float = 600.0
     ) -> BroadcastStats: ...
 
+    def stats(self, version: int) -> BroadcastStats:
+        """What ``version``'s dissemination has cost so far (installs acked until now)."""
+        ...
+
+    def members(self) -> list[str]:
+        """Workers joined now (the next publication's targets)."""
+        ...
+
+    async def close(self) -> None: ...
+
 
 class SnapshotReceiver(Protocol):
     """Worker side: yields each newer verified snapshot; the caller acks after loading it."""
 
+    async def start(self, join_timeout: float = 30.0) -> None: ...
+
     def snapshots(self) -> AsyncIterator[InstalledSnapshot]: ...
 
     async def report_installed(self, version: int) -> None: ...
+
+    async def close(self) -> None: ...

@@ -76,6 +76,9 @@ class InMemoryHub:
                 await asyncio.wait_for(self._acked.wait(), deadline - time.monotonic())
             except TimeoutError:
                 break
+        return self.stats(version)
+
+    def stats(self, version: int) -> BroadcastStats:
         assert self._latest is not None
         return BroadcastStats(
             version, self._targets[version], self._latest[0].total_size, dict(self._acks[version])

@@ -119,7 +119,7 @@ class TcpPublisher:
         self._rounds[version] = rnd
         for old in sorted(self._rounds)[: -max(8, self.keep_versions)]:
             del self._rounds[old]
-        log.info(
+        log.debug(
             "publishing v%d: %d bytes in %d chunks to %d workers (%s)",
             version,
             manifest.total_size,
@@ -241,7 +241,7 @@ class TcpPublisher:
         member = _Member(worker, (host, port), writer)
         self._members[worker] = member
         self._joined.set()
-        log.info("worker %s joined from %s:%d (%d members)", worker, host, port, len(self._members))
+        log.debug("worker %s joined from %s:%d (%d members)", worker, host, port, len(self._members))
         try:
             while True:
                 msg = await read_header(reader, 1 << 16)
@@ -259,4 +259,4 @@ class TcpPublisher:
                 del self._members[worker]
             for rnd in self._rounds.values():
                 rnd.changed.set()
-            log.info("worker %s left (%d members)", worker, len(self._members))
+            log.debug("worker %s left (%d members)", worker, len(self._members))

@@ -18,7 +18,7 @@ from echo2.cli.common import Command
 
 
 def _commands() -> dict[str, Command]:
-    from echo2.cli import plan, run, simulate, train
+    from echo2.cli import plan, report, run, simulate, train
 
     return {
         "run": run.RUN,
@@ -29,6 +29,7 @@ def _commands() -> dict[str, Command]:
         "eval": train.EVAL,
         "plan": plan.PLAN,
         "simulate": simulate.SIMULATE,
+        "report": report.REPORT,
     }
 
 
@@ -46,11 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def log_level(args: argparse.Namespace) -> int:
+    """``-v``: DEBUG; else ``--quiet`` (training commands): WARNING; else INFO."""
+    if args.verbose:
+        return logging.DEBUG
+    return logging.WARNING if getattr(args, "quiet", False) else logging.INFO
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=log_level(args),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )

@@ -48,7 +48,23 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     """How long a training command runs."""
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--max-minutes", type=float, help="shorthand for --set train.max_minutes=M")
-    p.add_argument("--no-progress", action="store_true", help="no live view")
+    p.add_argument(
+        "--report-to",
+        metavar="TRACKERS",
+        help="also log metrics to tensorboard,wandb,trackio,mlflow (comma list; shorthand for "
+        '--set train.report_to=["wandb"]; "" for none)',
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no live status area: a plain status line every 10 s instead (also when stdout is not a tty)",
+    )
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="--no-progress plus log level WARNING: only the plain status lines and warnings (-v wins)",
+    )
 
 
 SHORTHANDS = (  # flag attribute -> config key
@@ -72,4 +88,7 @@ def load_from_args(args: argparse.Namespace) -> Config:
     for flag, key in PATH_SHORTHANDS:
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}={json.dumps(getattr(args, flag))}")
+    if getattr(args, "report_to", None) is not None:  # "tensorboard,wandb" -> a TOML list
+        names = [n.strip() for n in args.report_to.split(",") if n.strip()]
+        overrides.append(f"train.report_to={json.dumps(names)}")
     return load_config(args.config, overrides)

@@ -32,11 +32,16 @@ def _print_summary(command: str, s: Any) -> None:
     )
 
 
+def live_view(args: argparse.Namespace) -> bool:
+    """The live status area unless ``--no-progress`` or ``--quiet`` (plain status lines instead)."""
+    return not (args.no_progress or args.quiet)
+
+
 def _run(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
     from echo2.runtime.launcher import run_local
 
-    _print_summary("echo2 run", run_local(cfg, progress=not args.no_progress, resume=args.resume))
+    _print_summary("echo2 run", run_local(cfg, progress=live_view(args), resume=args.resume))
     return 0
 
 
@@ -44,21 +49,26 @@ def _learner(args: argparse.Namespace) -> int:
     args.overrides.append("runtime.workers=0")
     cfg = load_from_args(args)
     from echo2.runtime.learner import AsyncLearner, Endpoints
+    from echo2.runtime.view import ProgressView
 
     def ready(ep: Endpoints) -> None:
         token = "<runtime.join_token>" if cfg.runtime.join_token else f"$(cat {ep.run_dir}/join_token)"
         print("learner ready. On each rollout machine run:", flush=True)
         print(f"  {TOKEN_ENV}={token} echo2 worker --join {ep.url}", flush=True)
+        if ep.dashboard:
+            print(f"live dashboard (and Prometheus /metrics): {ep.dashboard}", flush=True)
 
-    learner = AsyncLearner(cfg, resume=args.resume, on_ready=ready)
-
-    async def main() -> Any:
+    async def main(learner: AsyncLearner) -> Any:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, learner.stop.set)
         loop.add_signal_handler(signal.SIGTERM, learner.stop.set)
         return await learner.run()
 
-    _print_summary("echo2 learner", asyncio.run(main()))
+    with ProgressView(cfg.train, "echo2 learner", live_view(args)) as view:
+        summary = asyncio.run(
+            main(AsyncLearner(cfg, resume=args.resume, on_ready=ready, on_step=view.update))
+        )
+    _print_summary("echo2 learner", summary)
     return 0
 
 

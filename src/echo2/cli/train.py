@@ -15,9 +15,10 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
+    from echo2.cli.run import live_view
     from echo2.runtime.sync import run_sync
 
-    s = run_sync(cfg, progress=not args.no_progress)
+    s = run_sync(cfg, progress=live_view(args))
     print(
         f"\necho2 train: {s.steps} steps in {s.wall_s:.0f} s; held-out accuracy "
         f"{s.initial_accuracy:.1%} -> {s.final_accuracy:.1%} (best {s.best_accuracy:.1%}); "

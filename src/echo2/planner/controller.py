@@ -138,6 +138,10 @@ class PoolController:
         """Current mu_i estimate of one worker, rollouts/s."""
         return self._workers[worker_id].rate
 
+    def is_lost(self, worker_id: str) -> bool:
+        """Timed out and not heard from since (not a candidate until its next heartbeat)."""
+        return self._workers[worker_id].lost
+
     def active_ids(self) -> list[str]:
         """Workers the controller considers active."""
         return [w for w, st in self._workers.items() if st.active]

@@ -101,6 +101,7 @@ class RolloutWorker:
         self._engine_lock = threading.Lock()  # held while generating: weights change only between generations
         self._leases: queue.SimpleQueue[LeaseGrant | None] = queue.SimpleQueue()  # to the generator
         self._results: asyncio.Queue[_Generated | BaseException] = asyncio.Queue()
+        self._heartbeat_task: asyncio.Future[None] | None = None  # started as soon as registered
 
     async def run(self) -> WorkerCounters:
         timeout = aiohttp.ClientTimeout(total=120, connect=10)
@@ -109,8 +110,15 @@ class RolloutWorker:
             self.client = LearnerClient(
                 self.opts.join_url, session, self.opts.reconnect_s, lambda: self.finished
             )
-            await self.setup()
-            bg = [asyncio.ensure_future(self._follow_broadcast()), asyncio.ensure_future(self._heartbeats())]
+            try:
+                await self.setup()
+            except BaseException:
+                self.finished = True
+                if self._heartbeat_task is not None:
+                    self._heartbeat_task.cancel()
+                raise
+            assert self._heartbeat_task is not None
+            bg = [asyncio.ensure_future(self._follow_broadcast()), self._heartbeat_task]
             threading.Thread(target=self._generate_forever, name="echo2-generate", daemon=True).start()
             inflight = 0  # leases handed to the generator and not yet back
             try:
@@ -132,6 +140,9 @@ class RolloutWorker:
 
         reg = await self._register()
         st = self.settings = reg.settings
+        # heartbeats start now, not after the model is built: the controller must not take a worker
+        # that is still loading for a lost one
+        self._heartbeat_task = asyncio.ensure_future(self._heartbeats())
         if st.threads:
             torch.set_num_threads(st.threads)
         torch.manual_seed(st.seed)

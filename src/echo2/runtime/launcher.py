@@ -91,12 +91,8 @@ def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> Learn
     from echo2.runtime.view import ProgressView
 
     workers = LocalWorkers(cfg)
-    view = ProgressView(cfg.train, "echo2 run", progress)
-    learner = AsyncLearner(
-        cfg, resume=resume, on_ready=workers.start, on_step=view.update, on_tick=workers.check
-    )
 
-    async def main() -> LearnerSummary:
+    async def main(learner: AsyncLearner) -> LearnerSummary:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signal.SIGINT, learner.stop.set)
@@ -104,9 +100,12 @@ def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> Learn
         return await learner.run()
 
     try:
-        summary = asyncio.run(main())
+        with ProgressView(cfg.train, "echo2 run", progress) as view:  # closed before the summary prints
+            learner = AsyncLearner(
+                cfg, resume=resume, on_ready=workers.start, on_step=view.update, on_tick=workers.check
+            )
+            summary = asyncio.run(main(learner))
     finally:
-        view.close()
         codes = workers.stop()
         if any(c not in (0, None) for c in codes):
             log.warning("worker exit codes %s (logs in %s)", codes, workers.logs)

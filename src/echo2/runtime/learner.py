@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -51,6 +52,7 @@ class Endpoints:
     broadcast: tuple[str, int]  # snapshot broadcast TCP address
     token: str  # the run's join token
     run_dir: str  # the learner's run directory
+    dashboard: str | None = None  # the live dashboard's URL (with ?token= when it needs one), if on
 
 
 @dataclass(frozen=True)
@@ -135,14 +137,14 @@ class AsyncLearner:
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
         first = await asyncio.to_thread(self._evaluate)
-        self.run_dir.log(
-            {
-                "step": self.version,
-                "time_s": 0.0,
-                "learner/version": self.version,
-                "reward/accuracy": first.accuracy,
-            }
-        )
+        start = {
+            "step": self.version,
+            "time_s": 0.0,
+            "learner/version": self.version,
+            "reward/accuracy": first.accuracy,
+        }
+        self.run_dir.log(start)
+        self.status.record(start)
         self.first_acc = self.best_acc = self.last_acc = first.accuracy
         self.steps = self.staleness_max = 0  # what the loop did, for the summary
         self.t_trains: list[float] = []
@@ -161,9 +163,12 @@ class AsyncLearner:
         from echo2.models.policy import load_checkpoint
         from echo2.rollout.engines.hf import HFEngine
         from echo2.runtime.rundir import RunDir
+        from echo2.runtime.sinks import open_sinks
 
         cfg, ckpt = self.cfg, self.ckpt
-        self.run_dir = RunDir(self.run_path, cfg.to_dict(), resume=self.resume)  # fresh: clears an old run
+        sinks = open_sinks(cfg.train.report_to, self.run_path, self.run_path.resolve().name, cfg.to_dict())
+        # a fresh run clears an old run's outputs (trackers' included); the sinks open on the first record
+        self.run_dir = RunDir(self.run_path, cfg.to_dict(), resume=self.resume, sinks=sinks)
         self._resources.callback(self.run_dir.close)
         self.policy = load_checkpoint(ckpt or starting_checkpoint(cfg), cfg.model.chat_template)
         version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
@@ -222,11 +227,17 @@ class AsyncLearner:
             lambda: self.trainer.version,
             self.clock,
         )
-        self.pool, self.broker, self.snapshots = parts.pool, parts.broker, parts.snapshots
+        self.registry, self.pool, self.broker, self.snapshots = (
+            parts.registry,
+            parts.pool,
+            parts.broker,
+            parts.snapshots,
+        )
         self._resources.push_async_callback(self.snapshots.close)
         self.data_ready = asyncio.Event()
         parts.intake.data_ready = self.data_ready.set
         await self._serve(parts.routes, broadcast)
+        await self._serve_dashboard(parts)
 
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
         """Start the API; say where it is (``learner.json`` holds no secret: the token has its own file)."""
@@ -243,6 +254,37 @@ class AsyncLearner:
             *broadcast,
             self.run_path / "join_token",
         )
+
+    async def _serve_dashboard(self, parts: Any) -> None:
+        """The live dashboard and /metrics (``runtime/dashboard.py``), on their own port; a view token
+        when bound beyond loopback."""
+        from echo2.runtime.dashboard import Dashboard, needs_token
+        from echo2.runtime.status import NodeStatus
+
+        cfg, rt = self.cfg, self.cfg.runtime
+        self.status = NodeStatus(
+            parts.registry,
+            parts.pool,
+            parts.snapshots,
+            cfg.staleness.S,
+            cfg.staleness.effective_kappa,
+            lambda: self.trainer.version,
+            self.clock,
+        )
+        if not rt.dashboard:
+            return
+        token = _persistent_view_token(self.run_path) if needs_token(rt.dashboard_host) else None
+        runner, port = await Dashboard(self.status, token).serve(rt.dashboard_host, rt.dashboard_port)
+        self._resources.push_async_callback(runner.cleanup)
+        wildcard = rt.dashboard_host in ("0.0.0.0", "::", "")
+        host = (rt.advertise_host or rt.host) if wildcard else rt.dashboard_host
+        url = f"http://{host}:{port}/"
+        self.endpoints = dataclasses.replace(
+            self.endpoints, dashboard=url + (f"?token={token}" if token else "")
+        )
+        info = json.loads((self.run_path / "learner.json").read_text())
+        (self.run_path / "learner.json").write_text(json.dumps({**info, "dashboard": url}))  # no token here
+        log.info("dashboard and /metrics at %s%s", url, " (view token in view_token)" if token else "")
 
     # ---- the loop ------------------------------------------------------------------------------------
     async def main_loop(self) -> None:
@@ -356,6 +398,7 @@ class AsyncLearner:
         )
         with self.meter.idle("log"):
             self.run_dir.log(record)
+            self.status.record(record)
             if self.on_step is not None:
                 self.on_step(record)
 
@@ -374,6 +417,8 @@ class AsyncLearner:
         if self.steps and self.version % self.cfg.train.checkpoint_every:
             self.last_ckpt = await asyncio.to_thread(self._save, f"step_{self.version:06d}")
         self.broker.finished = True
+        self.status.finished = True
+        self.registry.save()  # installed versions and admitted counts as they ended
         await asyncio.sleep(min(1.0, 2 * self.cfg.runtime.heartbeat_s))
         self.final_store = self.store.stats().metrics()
 
@@ -415,6 +460,11 @@ def _persistent_key(run_path: Path) -> Any:
 
 def _persistent_token(run_path: Path) -> str:
     return _persistent_secret(run_path / "join_token", lambda: secrets.token_urlsafe(24))
+
+
+def _persistent_view_token(run_path: Path) -> str:
+    """The read-only dashboard credential (never the join token: a viewer cannot enrol as a worker)."""
+    return _persistent_secret(run_path / "view_token", lambda: secrets.token_urlsafe(24))
 
 
 def _persistent_secret(path: Path, make: Callable[[], str]) -> str:

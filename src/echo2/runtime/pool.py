@@ -50,7 +50,9 @@ class Pool:
         self.clock = clock
         self.controller = PoolController(mu_target=1.0, config=controller)
         self.target_known = False  # until T_train is measured every live worker is active
+        self.mu_min: float | None = None  # SPEC §3 mu_min(kappa) from the last measurement
         self.decisions: list[dict[str, Any]] = []  # activation log (also in the run directory)
+        self.last_reason: dict[str, str] = {}  # worker -> why the controller last acted on it
 
     def enroll(self, rec: WorkerRecord) -> None:
         """Offer a registered (or restored) worker to the controller, active."""
@@ -79,6 +81,7 @@ class Pool:
             log.warning("capacity model: %s; keeping every worker active", exc)
             return
         target = capacity.mu_target(mu, self.staleness.gamma)
+        self.mu_min = mu
         if not self.target_known:
             log.info(
                 "measured T_train %.3f s, T_bcast %.3f s: mu_target %.1f rollouts/s",
@@ -96,6 +99,7 @@ class Pool:
         for d in self.controller.decide(self.clock()):
             entry = {"time_s": round(self.clock(), 3), **asdict(d)}
             self.decisions.append(entry)
+            self.last_reason[d.worker_id] = f"{d.action}: {d.reason}"
             log.info("pool: %s %s (%s)", d.action, d.worker_id, d.reason)
             with self.log_path.open("a") as fh:
                 fh.write(json.dumps(entry) + "\n")
@@ -104,6 +108,23 @@ class Pool:
         """Learner plus every active worker, $/h."""
         active = self.active_ids()
         return self.learner_usd_per_hour + math.fsum(self.registry[w].usd_per_hour for w in active)
+
+    def state(self, worker_id: str) -> str:
+        """``active``; ``lost`` (heartbeat timeout); ``released`` (the controller's surplus decision);
+        before a target exists, ``silent`` for a worker not heard from within the heartbeat timeout."""
+        if worker_id in self.active_ids():
+            return "active"
+        if not self.target_known:
+            return "silent"
+        return "lost" if self.controller.is_lost(worker_id) else "released"
+
+    def planned_n_min(self) -> int | None:
+        """SPEC §3 ``N_min = ceil(mu_min / mu_w)`` with mu_w the mean measured rate of the registered
+        workers (None before T_train is measured)."""
+        rates = [self.controller.measured_rate(r.worker_id) for r in self.registry]
+        if self.mu_min is None or not rates:
+            return None
+        return capacity.n_min(self.mu_min, sum(rates) / len(rates))
 
     def metrics(self) -> dict[str, float | None]:
         """SPEC §7 ``pool/`` metrics."""

@@ -1,5 +1,6 @@
 """A run directory: ``config.json``, ``metrics.jsonl`` (one namespaced dict per learner step, SPEC
-§7), ``checkpoints/`` and ``summary.json``. Always on; other sinks are optional extras."""
+§7), ``checkpoints/`` and ``summary.json``. Always on; experiment trackers (``runtime/sinks.py``) are
+optional sinks fed each record right after it is written."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 import logging
 import math
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from echo2.runtime.sinks import TRACKER_DIRS, GuardedSink, MetricSink
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +25,14 @@ RUN_FILES = (
     "metrics.jsonl",
     "summary.json",
     "run.png",
+    "report.html",
     "activation.jsonl",
     "workers.json",
     "store.sqlite",
     "store.sqlite-wal",
     "store.sqlite-shm",
 )
-RUN_DIRS = ("checkpoints", "workers")
+RUN_DIRS = ("checkpoints", "workers", *TRACKER_DIRS)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -38,10 +43,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 class RunDir:
     def __init__(
-        self, path: str | Path, config: dict[str, Any], keep_checkpoints: int = 2, resume: bool = False
+        self,
+        path: str | Path,
+        config: dict[str, Any],
+        keep_checkpoints: int = 2,
+        resume: bool = False,
+        sinks: Sequence[MetricSink] = (),
     ) -> None:
         """Open ``path`` for a run: a fresh one (the default) first removes an earlier run's outputs
-        (:data:`RUN_FILES`, :data:`RUN_DIRS`); with ``resume`` they stay and metrics are appended."""
+        (:data:`RUN_FILES`, :data:`RUN_DIRS`); with ``resume`` they stay and metrics are appended.
+        ``sinks`` get every record after ``metrics.jsonl`` does; one that fails cannot stop the run
+        (:class:`GuardedSink`)."""
         self.path = Path(path)
         if not resume:
             clear_run(self.path)
@@ -49,16 +61,23 @@ class RunDir:
         self.keep_checkpoints = keep_checkpoints
         (self.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+        self.sinks = [GuardedSink(s) for s in sinks]
+        for sink in self.sinks:  # after clearing: a tracker's store starts with this run
+            sink.open()
 
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one record; non-finite floats are written as null (JSON has no NaN)."""
+        """Append one record, then hand it to the sinks; non-finite floats are written as null (JSON
+        has no NaN). A sink's failures so far are counted as ``sinks/failures/<name>``."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean.update({f"sinks/failures/{s.name}": s.failures for s in self.sinks if s.failures})
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
+        for sink in self.sinks:
+            sink.log(clean)
 
     def checkpoint_dir(self, name: str) -> Path:
         return self.checkpoints / name
@@ -88,6 +107,8 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def clear_run(path: Path) -> None:

@@ -17,6 +17,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from echo2.config import Config
@@ -73,11 +74,14 @@ class SyncLearner:
         from echo2.models.policy import configure_torch, load_checkpoint
         from echo2.rollout.engines.hf import HFEngine
         from echo2.runtime.rundir import RunDir
+        from echo2.runtime.sinks import open_sinks
 
         cfg = self.cfg
         configure_torch(cfg)
+        run_path = Path(cfg.train.run_dir)  # sinks first: a missing package fails before the warm start
+        sinks = open_sinks(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
         self.policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
-        self.run_dir = RunDir(cfg.train.run_dir, cfg.to_dict())
+        self.run_dir = RunDir(run_path, cfg.to_dict(), sinks=sinks)
         self.task = build_task(cfg.task, cfg.seed)
         self.engine = HFEngine(self.policy.model, self.policy.eos_id, self.policy.pad_id, cfg.sampling)
         self.trainer = GRPOTrainer(

@@ -1,0 +1,161 @@
+"""What a running learner node looks like from outside: one snapshot of its state, read by the live
+dashboard (``/api/state``) and the Prometheus endpoint (``/metrics``) alike, so the two always agree.
+
+Built from the parts themselves at the moment it is asked for (the registry, the pool, the snapshot
+publisher) plus what the learner's metric records say (fed by :meth:`NodeStatus.record`, the same
+records ``metrics.jsonl`` gets). Nothing here runs per step beyond appending a record.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from echo2.runtime.bubble import CAUSES
+from echo2.runtime.pool import Pool
+from echo2.runtime.registry import WorkerRegistry
+from echo2.runtime.snapshots import Snapshots
+
+SERIES = (  # per-step values the dashboard draws
+    "step",
+    "time_s",
+    "reward/mean",
+    "reward/accuracy",
+    "learner/bubble_ratio",
+    "store/staleness_max",
+    "store/staleness_mean",
+    "cost/usd_total",
+    "cost/usd_per_hour",
+    "pool/active_workers",
+    "pool/mu_pool",
+    "pool/mu_target",
+)
+MAX_POINTS = 2000  # past this the series is thinned to every other point (the whole run stays drawn)
+DECISIONS_SHOWN = 20
+
+
+class NodeStatus:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        pool: Pool,
+        snapshots: Snapshots,
+        staleness: int,
+        kappa: int,
+        version: Callable[[], int],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry, self.pool, self.snapshots = registry, pool, snapshots
+        self.S, self.kappa, self.version, self.clock = staleness, kappa, version, clock
+        self.started = clock()
+        self.finished = False
+        self.series: dict[str, list[Any]] = {k: [] for k in SERIES}
+        self._stride, self._seen = 1, 0
+        self.last: dict[str, Any] = {}  # the newest step record
+        self.accuracy: float | None = None  # the newest held-out accuracy
+        self.staleness_counts = [0] * (staleness + 1)  # steps by their max staleness 0..S
+        self.staleness_sum = 0
+        self.update_s = 0.0  # seconds inside updates, whole loop
+        self.idle_s = dict.fromkeys((*CAUSES, "other"), 0.0)  # idle seconds by cause, whole loop
+
+    def record(self, r: dict[str, Any]) -> None:
+        """Take one learner step record (the one ``metrics.jsonl`` gets)."""
+        if r.get("reward/accuracy") is not None:
+            self.accuracy = r["reward/accuracy"]
+        if "learner/update_s" not in r:  # the initial evaluation's record
+            return
+        self.last = r
+        self.update_s += r["learner/update_s"]
+        for cause in self.idle_s:
+            self.idle_s[cause] += r.get(f"learner/idle_s/{cause}", 0.0)
+        stale = int(r["store/staleness_max"])
+        self.staleness_counts[min(stale, self.S)] += 1
+        self.staleness_sum += stale
+        self._seen += 1
+        if self._seen % self._stride == 0:
+            for k in SERIES:
+                self.series[k].append(_finite(r.get(k)))
+            if len(self.series["step"]) > MAX_POINTS:
+                self.series = {k: v[::2] for k, v in self.series.items()}
+                self._stride *= 2
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The pool as a table: one row per registered worker."""
+        now, ctl = self.clock(), self.pool.controller
+        rows = []
+        for rec in self.registry:
+            mu = ctl.measured_rate(rec.worker_id)
+            rows.append(
+                {
+                    "worker_id": rec.worker_id,
+                    "name": rec.name,
+                    "hardware": rec.hardware,
+                    "usd_per_hour": rec.usd_per_hour,
+                    "mu": mu,
+                    "rho": rec.usd_per_hour / mu if mu > 0 else None,
+                    "state": self.pool.state(rec.worker_id),
+                    "reason": self.pool.last_reason.get(rec.worker_id, ""),
+                    "installed_version": rec.installed_version,
+                    "rollouts": rec.rollouts,
+                    "last_seen_s": round(now - rec.last_seen_s, 3),
+                }
+            )
+        return rows
+
+    def broadcast(self) -> dict[str, Any]:
+        """The newest publication: how many of the workers joined at publication installed it so far."""
+        v = self.snapshots.version
+        out: dict[str, Any] = {"version": v, "members": len(self.snapshots.publisher.members())}
+        if v >= 0:
+            st = self.snapshots.publisher.stats(v)
+            out.update(
+                {
+                    "targets": st.n_workers,
+                    "installed": len(st.install_s),
+                    "bytes": st.total_size,
+                    "learner_bytes": st.learner_bytes,
+                }
+            )
+        out["t_bcast_s"] = self.snapshots.bcast.get("broadcast/t_bcast_s")
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """Everything at once, JSON-ready (``/api/state``)."""
+        wall = self.update_s + sum(self.idle_s.values())
+        last = self.last
+        return {
+            "time": self.clock(),
+            "elapsed_s": self.clock() - self.started,
+            "finished": self.finished,
+            "learner": {
+                "version": self.version(),
+                "staleness_budget": self.S,
+                "kappa": self.kappa,
+                "steps": self._seen,
+                "accuracy": self.accuracy,
+                "bubble_ratio": 1 - self.update_s / wall if wall > 0 else None,
+                "update_s": self.update_s,
+                "idle_s": dict(self.idle_s),
+                "step_s": last.get("learner/step_wall_s"),
+                "t_train_s": last.get("learner/t_train_s"),
+            },
+            "store": {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("store/")},
+            "cost": {"usd_per_hour": self.pool.usd_per_hour(), "usd_total": last.get("cost/usd_total", 0.0)},
+            "pool": {
+                "workers": self.workers(),
+                "active": len(self.pool.active_ids()),
+                "mu_pool": self.pool.controller.mu_pool(self.clock()),
+                "mu_target": self.pool.controller.mu_target if self.pool.target_known else None,
+                "mu_min": self.pool.mu_min,
+                "n_min": self.pool.planned_n_min(),
+            },
+            "decisions": self.pool.decisions[-DECISIONS_SHOWN:],
+            "broadcast": self.broadcast(),
+            "series": self.series,
+        }
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v

@@ -237,7 +237,7 @@ def t_interval(xs: list[float], level: float = 0.95) -> tuple[float, float, floa
     from scipy import stats
 
     n, mean = len(xs), statistics.fmean(xs)
-    half = stats.t.ppf(0.5 + level / 2, n - 1) * statistics.stdev(xs) / math.sqrt(n)
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * statistics.stdev(xs) / math.sqrt(n)
     return mean, mean - half, mean + half
 
 

@@ -25,6 +25,7 @@ keep it on disk.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -247,8 +248,23 @@ def encode_group(group: Sequence[Trajectory]) -> str:
 
 
 def decode_group(text: str | bytes, group_id: str, policy_version: int) -> tuple[Trajectory, ...]:
-    """Inverse of :func:`encode_group`."""
-    return group_from_wire(GroupWire.model_validate_json(text), group_id, policy_version)
+    """Inverse of :func:`encode_group`, for text this codec wrote (the store's own rows): it does not
+    validate again what was validated at the door, it only rebuilds the records (``json.loads``, no
+    pydantic pass: the learner decodes every group it trains on)."""
+    g = json.loads(text)
+    return tuple(
+        Trajectory(
+            prompt_id=g["prompt_id"],
+            group_id=group_id,
+            prompt_ids=tuple(s["prompt_ids"]),
+            completion_ids=tuple(s["completion_ids"]),
+            sampler_logprobs=tuple(s["sampler_logprobs"]),
+            reward=s["reward"],
+            policy_version=policy_version,
+            meta=s["meta"],
+        )
+        for s in g["samples"]
+    )
 
 
 def group_id(lease_id: str, index: int) -> str:

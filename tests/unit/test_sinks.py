@@ -270,3 +270,27 @@ def test_a_fresh_run_clears_the_trackers_stores_and_a_resumed_one_keeps_them(tmp
     assert (run / "wandb" / "old").is_file()
     RunDir(run, CONFIG).close()
     assert not any((run / name).exists() for name in ("tensorboard", "wandb", "trackio", "mlruns"))
+
+
+def test_background_sinks_get_every_record_in_order_and_close_drains_them(tmp_path: Path) -> None:
+    """The learner feeds its trackers from a thread of their own: a slow tracker does not lengthen a
+    step, and closing the run directory waits until every record reached every sink."""
+    import threading
+    import time
+
+    class Slow(MemorySink):
+        name = "slow"
+
+        def log(self, record: dict[str, Any]) -> None:
+            time.sleep(0.02)
+            self.thread = threading.current_thread().name
+            super().log(record)
+
+    slow = Slow()
+    rd = RunDir(tmp_path / "run", {}, sinks=[slow], background=True)
+    t0 = time.perf_counter()
+    for step in range(10):
+        rd.log({"step": step, "time_s": float(step), "learner/loss": 1.0 / (step + 1)})
+    assert time.perf_counter() - t0 < 0.1  # ten 20 ms logs did not run on this thread
+    rd.close()
+    assert [r["step"] for r in slow.records] == list(range(10)) and slow.thread == "echo2-sinks"

@@ -168,7 +168,7 @@ class AsyncLearner:
         cfg, ckpt = self.cfg, self.ckpt
         sinks = open_sinks(cfg.train.report_to, self.run_path, self.run_path.resolve().name, cfg.to_dict())
         # a fresh run clears an old run's outputs (trackers' included); the sinks open on the first record
-        self.run_dir = RunDir(self.run_path, cfg.to_dict(), resume=self.resume, sinks=sinks)
+        self.run_dir = RunDir(self.run_path, cfg.to_dict(), resume=self.resume, sinks=sinks, background=True)
         self._resources.callback(self.run_dir.close)
         self.policy = load_checkpoint(ckpt or starting_checkpoint(cfg), cfg.model.chat_template)
         version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0

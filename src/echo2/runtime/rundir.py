@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import queue
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ RUN_FILES = (
     "store.sqlite-shm",
 )
 RUN_DIRS = ("checkpoints", "workers", *TRACKER_DIRS)
+SINK_DRAIN_S = 60.0  # at close, wait this long for the trackers to take the records still queued
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -49,11 +52,13 @@ class RunDir:
         keep_checkpoints: int = 2,
         resume: bool = False,
         sinks: Sequence[MetricSink] = (),
+        background: bool = False,
     ) -> None:
         """Open ``path`` for a run: a fresh one (the default) first removes an earlier run's outputs
         (:data:`RUN_FILES`, :data:`RUN_DIRS`); with ``resume`` they stay and metrics are appended.
         ``sinks`` get every record after ``metrics.jsonl`` does; one that fails cannot stop the run
-        (:class:`GuardedSink`)."""
+        (:class:`GuardedSink`). With ``background`` they are fed from one thread of their own, in
+        order, so a tracker's latency never lengthens a learner step (``close`` drains the queue)."""
         self.path = Path(path)
         if not resume:
             clear_run(self.path)
@@ -64,6 +69,11 @@ class RunDir:
         self.sinks = [GuardedSink(s) for s in sinks]
         for sink in self.sinks:  # after clearing: a tracker's store starts with this run
             sink.open()
+        self._queue: queue.SimpleQueue[dict[str, Any] | None] | None = None
+        if background and self.sinks:
+            self._queue = queue.SimpleQueue()
+            self._feeder = threading.Thread(target=self._feed, name="echo2-sinks", daemon=True)
+            self._feeder.start()
 
     @property
     def checkpoints(self) -> Path:
@@ -76,8 +86,17 @@ class RunDir:
         clean.update({f"sinks/failures/{s.name}": s.failures for s in self.sinks if s.failures})
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
+        if self._queue is not None:
+            self._queue.put(clean)
+            return
         for sink in self.sinks:
             sink.log(clean)
+
+    def _feed(self) -> None:
+        assert self._queue is not None
+        while (record := self._queue.get()) is not None:
+            for sink in self.sinks:
+                sink.log(record)
 
     def checkpoint_dir(self, name: str) -> Path:
         return self.checkpoints / name
@@ -107,6 +126,9 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+        if self._queue is not None:
+            self._queue.put(None)
+            self._feeder.join(timeout=SINK_DRAIN_S)
         for sink in self.sinks:
             sink.close()
 

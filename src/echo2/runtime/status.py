@@ -32,7 +32,7 @@ SERIES = (  # per-step values the dashboard draws
     "pool/mu_pool",
     "pool/mu_target",
 )
-MAX_POINTS = 2000  # past this the series is thinned to every other point (the whole run stays drawn)
+MAX_POINTS = 300  # past this the series is thinned to every other point (the whole run stays drawn)
 DECISIONS_SHOWN = 20
 
 

@@ -81,7 +81,7 @@ class SyncLearner:
         run_path = Path(cfg.train.run_dir)  # sinks first: a missing package fails before the warm start
         sinks = open_sinks(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
         self.policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
-        self.run_dir = RunDir(run_path, cfg.to_dict(), sinks=sinks)
+        self.run_dir = RunDir(run_path, cfg.to_dict(), sinks=sinks, background=True)
         self.task = build_task(cfg.task, cfg.seed)
         self.engine = HFEngine(self.policy.model, self.policy.eos_id, self.policy.pad_id, cfg.sampling)
         self.trainer = GRPOTrainer(

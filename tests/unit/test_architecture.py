@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,9 @@ def _modules() -> list[tuple[Path, ast.Module]]:
 
 def test_import_contracts_hold():
     """pyproject.toml's import-linter contracts: layers, no cycles, loading never trains."""
-    exe = shutil.which("lint-imports")
+    exe = shutil.which(
+        "lint-imports", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
     if exe is None:
         pytest.fail("lint-imports is missing: install the dev extra (pip install -e '.[dev]')")
     res = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True)

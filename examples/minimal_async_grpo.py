@@ -36,6 +36,7 @@ from echo2.data.submission import validate_submission
 from echo2.data.tasks.registry import build_task
 from echo2.learner.trainer import GRPOTrainer
 from echo2.learner.warmstart import starting_checkpoint
+from echo2.models.delta import decode_full
 from echo2.models.policy import TextCodec, configure_torch, load_checkpoint
 from echo2.models.snapshot import skeleton_files, snapshot_blob, tokenizer_from_skeleton, write_skeleton
 from echo2.protocol import LeaseGrant, LeaseRequest, SubmitRequest, group_to_wire
@@ -68,7 +69,7 @@ class Worker:
         snap = self.pending
         if snap is not None and snap.manifest.version > self.version:
             with self.lock:
-                self.engine.install(snap.data)
+                self.engine.install(decode_full(snap.data))  # a full snapshot (no patches here)
                 self.version = snap.manifest.version
 
     def generate(self, lease: LeaseGrant, seed: int):  # type: ignore[no-untyped-def]

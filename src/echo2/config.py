@@ -269,6 +269,31 @@ class TrainConfig(_Section):
         return 1 if embedded else None
 
 
+class SnapshotConfig(_Section):
+    """What a publication ships (``[snapshot]``): the sampler copy in the precision workers sample
+    with, as a lossless sparse patch against the previous publication, with a full anchor every
+    ``anchor_every`` publications and whenever a patch would not be smaller (docs/broadcast.md)."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="precision of the published weights (the learner trains in float32)"
+    )
+    deltas: bool = Field(
+        True, description="publish patches against the previous version; false = anchors only"
+    )
+    anchor_every: int = Field(
+        20,
+        ge=1,
+        description="a full anchor at least every this many publications (bounds a late joiner's chain)",
+    )
+    max_patch_ratio: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="send an anchor instead when a patch exceeds this fraction of the full snapshot",
+    )
+    zstd_level: int = Field(3, ge=1, le=19, description="zstandard level of patches")
+
+
 class RuntimeConfig(_Section):
     """The asynchronous three-plane runtime (``echo2 run`` / ``echo2 learner`` / ``echo2 worker``)."""
 
@@ -282,7 +307,7 @@ class RuntimeConfig(_Section):
     strategy: StrategyName = Field(
         "tree-pipelined",
         description="broadcast strategy: star-unlimited, star-limited, tree-pipelined, relay-chain or "
-        "tree-chains (echo2.physics.broadcast.StrategyName; see echo2 bench-broadcast)",
+        "tree-chains (echo2.physics.broadcast.StrategyName; see benchmarks/broadcast.py)",
     )
     chunk_kb: int = Field(256, ge=4, description="snapshot chunk size, KiB")
     lease_prompts: int = Field(8, ge=1, description="prompts per lease (one worker generation batch)")
@@ -326,6 +351,7 @@ class Config(_Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -385,3 +385,24 @@ def test_the_protocol_models_parse_every_reply_the_routes_send(tmp_path):
     assert grant.kind == "grant" and len(grant.prompts) == 2 and grant.prompts[0].text.endswith("=")
     assert sub.admitted == 4 and ver.version == 0 and ver.manifest["version"] == 0
     assert model.files == {"config.json": "{}"}
+
+
+def test_snapshot_route_serves_the_chain_from_the_callers_version(tmp_path):
+    from echo2.protocol import decode_chain
+
+    node = make_node(tmp_path)
+
+    async def go(client: TestClient) -> None:
+        auth = await register(client)
+        await node.snapshots.publish(1, b"newer blob")  # raw bytes: a full snapshot, the chain restarts
+        for have in ("-1", "0"):
+            resp = await client.get(f"/v1/snapshot?have={have}", headers=auth)
+            assert resp.status == 200
+            links = decode_chain(await resp.read())
+            assert [(m["version"], bytes(b)) for m, b in links] == [(1, b"newer blob")]
+        resp = await client.get("/v1/snapshot?have=1", headers=auth)
+        assert decode_chain(await resp.read()) == []
+        resp = await client.get("/v1/snapshot?have=latest", headers=auth)
+        assert resp.status == 400 and "have" in (await resp.json())["detail"]
+
+    run(go, node)

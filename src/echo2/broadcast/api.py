@@ -11,16 +11,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from echo2.broadcast.manifest import Manifest
+from echo2.broadcast.manifest import Lineage, Manifest
 from echo2.physics.rules import install_quorum
 
 
 @dataclass(frozen=True)
 class InstalledSnapshot:
-    """A verified snapshot a worker may load (``safetensors.*.load(bytes(data))``)."""
+    """A verified snapshot a worker may install: a full anchor or a patch (``manifest.lineage``),
+    decoded by ``echo2.models.delta``."""
 
     manifest: Manifest  # authenticated manifest; manifest.version is the policy version
-    data: memoryview  # read-only view of the verified safetensors blob (the node's only copy)
+    data: memoryview  # read-only view of the verified blob (the node's only copy)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,9 @@ class SnapshotPublisher(Protocol):
         """Start serving; returns the address receivers join."""
         ...
 
-    async def publish(self, version: int, blob: bytes) -> Manifest: ...
+    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
+        """Sign and announce ``blob`` as ``version``: a full snapshot, or a patch (``lineage``)."""
+        ...
 
     async def wait_installed(
         self, version: int, count: int | None = None, timeout: float = 600.0

@@ -17,6 +17,12 @@ A manifest names its scheme (``auth``) inside the authenticated payload, and a n
 whose scheme is not the one of its key.
 
 Chunk ``i`` covers bytes ``[i*chunk_size, min((i+1)*chunk_size, total_size))``.
+
+A snapshot is either a full **anchor** (the weights as safetensors) or a **patch** against an earlier
+published version (``echo2.models.delta``). Its :class:`Lineage` (kind, base version, digest of the
+base weights, digest of the resulting weights) is part of the signed payload, so a relay cannot
+splice a patch onto the wrong base, and a worker checks the weights it builds against what the
+learner published before it serves them.
 """
 
 from __future__ import annotations
@@ -40,6 +46,41 @@ class ManifestError(Echo2Error):
     """A manifest is malformed or fails authentication; the message says which field or check."""
 
 
+KINDS = ("full", "patch")
+_HEX64 = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What a snapshot's bytes turn into: the full weights (``full``) or a patch of ``base_version``
+    (``patch``), and the digest (``echo2.models.delta.weights_digest``) of the base and of the result.
+    Empty digests mean "not stated" (a blob that is not model weights, as in the transport tests)."""
+
+    kind: str = "full"  # "full" (an anchor) or "patch"
+    base_version: int = -1  # the version a patch applies to; -1 for an anchor
+    base_digest: str = ""  # weights digest of the base (patches only)
+    weights_digest: str = ""  # weights digest of the result of installing this snapshot
+
+    def check(self, version: int) -> None:
+        if self.kind not in KINDS:
+            raise ManifestError(f"manifest.kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("base_digest", "weights_digest"):
+            value = getattr(self, name)
+            if value and (len(value) != 64 or not set(value) <= _HEX64):
+                raise ManifestError(
+                    f"manifest.{name} must be 64 lowercase hex digits or empty, got {value!r}"
+                )
+        if self.kind == "full" and (self.base_version != -1 or self.base_digest):
+            raise ManifestError("a full snapshot's manifest names no base (base_version -1, no base_digest)")
+        if self.kind == "patch":
+            if not 0 <= self.base_version < version:
+                raise ManifestError(
+                    f"a patch's base_version must be in [0, {version}), got {self.base_version}"
+                )
+            if not self.base_digest or not self.weights_digest:
+                raise ManifestError("a patch's manifest must state base_digest and weights_digest")
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Authenticated description of one immutable policy snapshot."""
@@ -50,7 +91,12 @@ class Manifest:
     chunk_digests: tuple[str, ...]  # hex SHA-256 of each chunk, in order
     digest: str  # hex SHA-256 of the whole blob
     auth: str  # authentication scheme of ``mac``: "ed25519" or "hmac-sha256" (itself authenticated)
-    mac: str  # hex signature (Ed25519) or MAC (HMAC-SHA256) over the canonical encoding of the fields above
+    mac: str  # hex signature (Ed25519) or MAC (HMAC-SHA256) over the canonical encoding of the other fields
+    lineage: Lineage = Lineage()  # anchor or patch, base and result digests (signed with the rest)
+
+    @property
+    def kind(self) -> str:
+        return self.lineage.kind
 
     @property
     def n_chunks(self) -> int:
@@ -68,6 +114,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["chunk_digests"] = list(self.chunk_digests)
+        d["lineage"] = asdict(self.lineage)
         return d
 
     @classmethod
@@ -82,6 +129,7 @@ class Manifest:
                 digest=str(d["digest"]),
                 auth=str(d["auth"]),
                 mac=str(d["mac"]),
+                lineage=_lineage(d.get("lineage", {})),
             )
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"manifest is missing or mistypes a field: {exc!r}") from None
@@ -104,6 +152,21 @@ class Manifest:
                 f"manifest has {len(self.chunk_digests)} chunk digests, expected {expected} "
                 f"for total_size={self.total_size} chunk_size={self.chunk_size} (limit {MAX_CHUNKS})"
             )
+        self.lineage.check(self.version)
+
+
+def _lineage(d: object) -> Lineage:
+    if not isinstance(d, Mapping):
+        raise ManifestError(f"manifest.lineage must be an object, got {d!r}")
+    unknown = set(d) - {"kind", "base_version", "base_digest", "weights_digest"}
+    if unknown:
+        raise ManifestError(f"manifest.lineage has unknown fields {sorted(unknown)}")
+    return Lineage(
+        kind=str(d.get("kind", "full")),
+        base_version=_int(d, "base_version") if "base_version" in d else -1,
+        base_digest=str(d.get("base_digest", "")),
+        weights_digest=str(d.get("weights_digest", "")),
+    )
 
 
 def _int(d: Mapping[str, Any], key: str) -> int:
@@ -232,9 +295,16 @@ def digest(data: bytes | bytearray | memoryview) -> str:
 
 
 def _signed_payload(
-    version: int, total_size: int, chunk_size: int, chunk_digests: tuple[str, ...], whole: str, auth: str
+    version: int,
+    total_size: int,
+    chunk_size: int,
+    chunk_digests: tuple[str, ...],
+    whole: str,
+    auth: str,
+    lineage: Lineage,
 ) -> bytes:
     body = {
+        "lineage": asdict(lineage),
         "v": version,
         "total_size": total_size,
         "chunk_size": chunk_size,
@@ -247,10 +317,15 @@ def _signed_payload(
 
 
 def build_manifest(
-    data: bytes | bytearray | memoryview, version: int, chunk_size: int, key: bytes | ManifestKey
+    data: bytes | bytearray | memoryview,
+    version: int,
+    chunk_size: int,
+    key: bytes | ManifestKey,
+    lineage: Lineage | None = None,
 ) -> Manifest:
     """Cut ``data`` into chunks, digest each chunk and the whole, and authenticate with ``key``
-    (the learner's signing key, or a shared HMAC secret given as bytes)."""
+    (the learner's signing key, or a shared HMAC secret given as bytes) together with ``lineage``
+    (default: a full snapshot stating no weights digest)."""
     if chunk_size <= 0 or chunk_size > MAX_CHUNK_SIZE:
         raise ManifestError(f"chunk_size must be in (0, {MAX_CHUNK_SIZE}], got {chunk_size}")
     k = as_key(key)
@@ -259,8 +334,10 @@ def build_manifest(
     n = max(1, -(-total // chunk_size))
     chunk_digests = tuple(digest(view[i * chunk_size : (i + 1) * chunk_size]) for i in range(n))
     whole = digest(view)
-    tag = k.sign(_signed_payload(version, total, chunk_size, chunk_digests, whole, k.alg))
-    return Manifest(version, total, chunk_size, chunk_digests, whole, k.alg, tag)
+    lin = lineage or Lineage()
+    lin.check(version)
+    tag = k.sign(_signed_payload(version, total, chunk_size, chunk_digests, whole, k.alg, lin))
+    return Manifest(version, total, chunk_size, chunk_digests, whole, k.alg, tag, lin)
 
 
 def verify_manifest(manifest: Manifest, key: bytes | ManifestKey) -> None:
@@ -273,7 +350,9 @@ def verify_manifest(manifest: Manifest, key: bytes | ManifestKey) -> None:
         raise ManifestError(
             f"manifest for version {m.version} is authenticated with {m.auth!r}; this node expects {k.alg!r}"
         )
-    payload = _signed_payload(m.version, m.total_size, m.chunk_size, m.chunk_digests, m.digest, m.auth)
+    payload = _signed_payload(
+        m.version, m.total_size, m.chunk_size, m.chunk_digests, m.digest, m.auth, m.lineage
+    )
     if not k.verify(payload, m.mac):
         raise ManifestError(
             f"manifest for version {m.version} fails {k.alg} authentication (wrong key or tampered)"

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from echo2.broadcast.api import BroadcastStats, InstalledSnapshot
 from echo2.broadcast.manifest import (
+    Lineage,
     Manifest,
     ManifestError,
     ManifestKey,
@@ -53,10 +54,10 @@ class InMemoryHub:
             await rx.close()
 
     # publisher side (SnapshotPublisher)
-    async def publish(self, version: int, blob: bytes) -> Manifest:
+    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
         if self._latest is not None and version <= self._latest[0].version:
             raise Echo2Error(f"version {version} is not newer than published {self._latest[0].version}")
-        manifest = build_manifest(blob, version, self.chunk_size, self.key)
+        manifest = build_manifest(blob, version, self.chunk_size, self.key, lineage)
         self._latest = (manifest, blob)
         self._started[version] = time.monotonic()
         self._acks[version] = {}

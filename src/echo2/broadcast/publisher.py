@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from echo2.broadcast.api import BroadcastStats
-from echo2.broadcast.manifest import Manifest, ManifestKey, as_key, build_manifest
+from echo2.broadcast.manifest import Lineage, Manifest, ManifestKey, as_key, build_manifest
 from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
 from echo2.broadcast.strategy import LEARNER, Strategy
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, write_frame
@@ -101,11 +101,12 @@ class TcpPublisher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._joined.wait(), left)
 
-    async def publish(self, version: int, blob: bytes) -> Manifest:
-        """Sign ``blob`` as ``version``, plan over the live members, announce to each, start serving."""
+    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
+        """Sign ``blob`` as ``version`` (an anchor or a patch, ``lineage``), plan over the live members,
+        announce to each, start serving. The bytes travel as they are: a relay never decodes them."""
         if self._buffers and version <= max(self._buffers):
             raise Echo2Error(f"version {version} is not newer than published version {max(self._buffers)}")
-        manifest = build_manifest(blob, version, self.chunk_size, self.key)
+        manifest = await asyncio.to_thread(build_manifest, blob, version, self.chunk_size, self.key, lineage)
         self._buffers[version] = SnapshotBuffer(manifest, blob)
         for old in sorted(self._buffers)[: -self.keep_versions]:
             del self._buffers[old]

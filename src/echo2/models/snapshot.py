@@ -1,4 +1,4 @@
-"""Policy weights <-> the safetensors blob a snapshot carries, and the skeleton a worker builds from.
+"""Policy weights <-> the safetensors blob a full snapshot carries, and the skeleton a worker builds from.
 
 A snapshot holds each tensor once: tied parameters (an LM head sharing the embedding matrix) are
 sent under their first name only, and re-tied on load. A worker needs no local checkpoint: the learner
@@ -9,6 +9,7 @@ the worker instantiates the architecture from them, and every weight then arrive
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +21,26 @@ SKELETON_MAX_FILE = 64 << 20  # largest single skeleton file served (tokenizer.j
 
 
 def snapshot_blob(model: Any) -> bytes:
-    """safetensors bytes of the model's weights, each storage once (first name wins)."""
-    from safetensors.torch import save
+    """A full fp32 snapshot: safetensors bytes of the model's weights, each storage once (first name
+    wins; ``echo2.models.delta.sampler_copy`` in float32)."""
+    from echo2.models.delta import encode_full, sampler_copy
 
-    seen: set[tuple[int, int]] = set()
-    tensors = {}
-    for name, t in model.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        tensors[name] = t.detach().contiguous().cpu()
-    return save(tensors)
+    return encode_full(sampler_copy(model, "float32"))
 
 
 def install_blob(model: Any, blob: bytes | bytearray | memoryview) -> None:
-    """Load snapshot weights into ``model`` in place; every parameter must be covered (tied ones
-    through the tensor they share). Raises CheckpointError naming what does not fit."""
-    import torch
+    """Load a safetensors snapshot (:func:`snapshot_blob`) into ``model`` in place."""
     from safetensors.torch import load
 
-    tensors = load(bytes(blob))
+    install_weights(model, load(bytes(blob)))
+
+
+def install_weights(model: Any, tensors: Mapping[str, Any]) -> None:
+    """Load ``tensors`` (name -> tensor, any float dtype: cast to the model's) into ``model`` in place;
+    every parameter must be covered (tied ones through the tensor they share). Checks every name and
+    shape before changing anything; raises CheckpointError naming what does not fit."""
+    import torch
+
     own = model.state_dict()
     unknown = sorted(set(tensors) - set(own))
     if unknown:

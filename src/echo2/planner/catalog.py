@@ -45,15 +45,34 @@ class WorkerType(_Model):
 
 
 class ModelSpec(_Model):
-    """The policy being trained (only its snapshot size matters here)."""
+    """The policy being trained (only what a publication ships matters here)."""
 
     name: str = "model"  # display name, e.g. "Qwen3-8B"
     snapshot_gb: float = Field(gt=0, allow_inf_nan=False)  # G: bytes per snapshot / 1e9 (bf16: 2 x params)
+    # delta publications: bytes of a patch / G (measured: benchmarks/deltas.py); None = full snapshots
+    patch_ratio: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    anchor_every: int = Field(default=20, ge=1)  # with deltas, a full anchor every this many publications
 
     @property
     def snapshot_bytes(self) -> float:
         """G in bytes."""
         return self.snapshot_gb * 1e9
+
+    def bytes_of_publication(self, index: int) -> float:
+        """Bytes publication number ``index`` (0 = the first) ships: G for an anchor, ``patch_ratio * G``
+        for a patch (``[snapshot]`` of a run: an anchor every ``anchor_every``)."""
+        if self.patch_ratio is None or index % self.anchor_every == 0:
+            return self.snapshot_bytes
+        return self.patch_ratio * self.snapshot_bytes
+
+    @property
+    def publication_bytes(self) -> float:
+        """Mean bytes per publication over an anchor period (G without deltas): what T_bcast in the
+        capacity model is computed from."""
+        if self.patch_ratio is None:
+            return self.snapshot_bytes
+        k = self.anchor_every
+        return self.snapshot_bytes * (1 + (k - 1) * self.patch_ratio) / k
 
 
 class LearnerSpec(_Model):

@@ -29,7 +29,8 @@ _REPORTED: tuple[broadcast.StrategyName, ...] = ("star-unlimited", "star-limited
 
 def t_bcast_estimates(sc: PlanScenario, n: int) -> dict[str, float] | None:
     """Estimated T_bcast (s, reload included) per strategy for ``n`` workers, plus ``lower_bound``
-    (``T*`` + reload); None without a snapshot size.
+    (``T*`` + reload), for the mean bytes per publication (G, or anchors and patches with
+    ``[model] patch_ratio``); None without a snapshot size.
 
     The worker link is the slowest link in the catalog (a chain runs at its slowest member).
     """
@@ -38,7 +39,7 @@ def t_bcast_estimates(sc: PlanScenario, n: int) -> dict[str, float] | None:
     net = sc.network
     shown = tuple(dict.fromkeys((*_REPORTED, net.strategy)))
     return broadcast.estimates(
-        sc.model.snapshot_bytes,
+        sc.model.publication_bytes,
         net.b0_bytes_per_s,
         min(w.link_bytes_per_s for w in sc.workers),
         max(1, n),
@@ -113,6 +114,8 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
     plan: dict[str, Any] = {
         "model": sc.model.name if sc.model else None,
         "snapshot_gb": sc.model.snapshot_gb if sc.model else None,
+        "publication_gb": sc.model.publication_bytes / 1e9 if sc.model else None,
+        "patch_ratio": sc.model.patch_ratio if sc.model else None,
         "rollouts_per_step": r,
         "t_train_s": t_train,
         "staleness": sc.staleness.S,

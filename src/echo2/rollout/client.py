@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
@@ -19,7 +19,6 @@ from echo2.errors import Echo2Error
 from echo2.protocol import (
     API,
     LEASE_REPLY,
-    VERSION_HEADER,
     ErrorReply,
     HeartbeatReply,
     HeartbeatRequest,
@@ -32,6 +31,7 @@ from echo2.protocol import (
     SubmitReply,
     SubmitRequest,
     VersionReply,
+    decode_chain,
 )
 
 R = TypeVar("R", bound=BaseModel)
@@ -49,6 +49,9 @@ class Refused(Echo2Error):
         super().__init__(f"{status} {reply.error}: {reply.detail}")
         self.status = status  # HTTP status
         self.reply = reply  # reason code and detail
+
+
+SNAPSHOT_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10, sock_read=60)
 
 
 class LearnerClient:
@@ -85,11 +88,13 @@ class LearnerClient:
     async def version(self) -> VersionReply:
         return await self._call("GET", "/version", VersionReply)
 
-    async def snapshot(self) -> tuple[int, bytes]:
-        """The newest snapshot's version and safetensors bytes (verify them against the manifest)."""
-        status, body, headers = await self._request("GET", "/snapshot")
+    async def snapshot_chain(self, have: int) -> list[tuple[dict[str, Any], memoryview]]:
+        """The signed links (manifest dict, bytes) from installed version ``have`` to the newest; the
+        caller verifies every one (``ChainError`` if the body itself is malformed)."""
+        # no total timeout: the first anchor of a real model is GBs over a WAN; a stall still ends it
+        status, body, _ = await self._request("GET", f"/snapshot?have={int(have)}", timeout=SNAPSHOT_TIMEOUT)
         self._raise_for(status, body)
-        return int(headers.get(VERSION_HEADER, -1)), body
+        return decode_chain(body)
 
     async def model(self) -> ModelReply:
         return await self._call("GET", "/model", ModelReply)
@@ -101,7 +106,11 @@ class LearnerClient:
         return reply.model_validate_json(body)
 
     async def _request(
-        self, method: str, path: str, req: BaseModel | None = None
+        self,
+        method: str,
+        path: str,
+        req: BaseModel | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
     ) -> tuple[int, bytes, dict[str, str]]:
         headers = {"Content-Type": "application/json"}
         if self.credential:
@@ -110,7 +119,10 @@ class LearnerClient:
         deadline = time.monotonic() + self.reconnect_s
         while True:
             try:
-                async with self.session.request(method, self.base + path, data=data, headers=headers) as resp:
+                extra = {"timeout": timeout} if timeout is not None else {}  # None would mean "no timeout"
+                async with self.session.request(
+                    method, self.base + path, data=data, headers=headers, **extra
+                ) as resp:
                     return resp.status, await resp.read(), dict(resp.headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 if time.monotonic() >= deadline or self.give_up():

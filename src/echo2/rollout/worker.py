@@ -43,6 +43,7 @@ from echo2.protocol import (
     group_to_wire,
 )
 from echo2.rollout.client import LearnerClient, LearnerGone, Refused
+from echo2.rollout.weights import WeightChain, verified_links
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ class WorkerCounters:
     submissions_rejected: int = 0  # submissions answered 4xx
     leases: int = 0  # leases worked on
     installs: int = 0  # snapshots installed (any path)
-    http_installs: int = 0  # of which fetched over HTTP (bootstrap, catch-up)
+    http_installs: int = 0  # of which fetched over HTTP (bootstrap, catch-up, a gap in the chain)
+    install_failures: int = 0  # staged versions refused (digest, base, malformed): the old one kept serving
+    install_s: float = 0.0  # seconds building (decode / patch / digest) and loading installed versions
     gen_s: float = 0.0  # seconds generating (throttle included)
     idle_s: float = 0.0  # seconds waiting for a lease
 
@@ -94,7 +97,9 @@ class RolloutWorker:
         self.counters = WorkerCounters()
         self.installed = -1
         self.finished = False
-        self._pending: Any = None  # newest InstalledSnapshot from the broadcast plane not yet loaded
+        self.weights = WeightChain()  # the published weights being served, and staged installs
+        self._received: dict[int, Any] = {}  # version -> InstalledSnapshot the broadcast delivered
+        self._stage_lock = threading.Lock()  # one staging at a time (it reads and then swaps the weights)
         self._hb_rollouts = 0
         self._hb_busy = 0.0
         self.node: Any = None  # the broadcast receiver while joined
@@ -179,44 +184,60 @@ class RolloutWorker:
 
     # ---- snapshots ------------------------------------------------------------------------------------
     async def _fetch_snapshot(self) -> None:
-        """Install the latest snapshot over HTTP, verified against the signed manifest."""
-        from echo2.broadcast.manifest import Manifest, blob_ok, verify_manifest
+        """Fetch the links from the installed version to the newest over HTTP (the patches after it, or
+        the latest anchor and its patches), verify each against its signed manifest, and install."""
+        from echo2.broadcast.manifest import ManifestError
+        from echo2.protocol import ChainError
 
-        info = await self.client.version()
-        if info.manifest is None:
-            raise Echo2Error("the learner has no snapshot to fetch yet")
-        manifest = Manifest.from_dict(info.manifest)
-        verify_manifest(manifest, self.key)
-        if manifest.version <= self.installed:
+        try:
+            links = verified_links(await self.client.snapshot_chain(self.installed), self.key)
+        except (ChainError, ManifestError) as exc:
+            self.counters.install_failures += 1
+            log.warning("snapshot chain over HTTP refused: %s", exc)
             return
-        version, blob = await self.client.snapshot()
-        if version != manifest.version or not blob_ok(manifest, blob):
-            log.warning(
-                "HTTP snapshot does not match manifest v%d (a newer one was published?)", manifest.version
-            )
-            return
-        if await asyncio.to_thread(self._install, blob, manifest.version):
+        if links and await asyncio.to_thread(self._install, links):
             self.counters.http_installs += 1
-            log.info("installed v%d over HTTP", manifest.version)
+            log.info("installed v%d over HTTP (%d links)", self.installed, len(links))
 
-    def _install(self, blob: Any, version: int) -> bool:
-        """Load ``version`` unless something newer is already in (any thread; waits for a generation)."""
-        with self._engine_lock:
-            if version <= self.installed:
+    def _install(self, links: list[tuple[Any, Any]]) -> bool:
+        """Stage ``links`` on a copy of the weights, load the result between two generations, swap it
+        in (any thread). A link that does not fit leaves the old version serving."""
+        from echo2.errors import CheckpointError
+        from echo2.models.delta import DeltaError
+
+        with self._stage_lock:
+            t0 = time.perf_counter()
+            try:
+                staged = self.weights.stage(links)
+                if staged is None:
+                    return False
+                with self._engine_lock:
+                    self.engine.install(staged.tensors)
+            except (DeltaError, CheckpointError) as exc:
+                self.counters.install_failures += 1
+                log.warning("install refused; v%d keeps serving: %s", self.installed, exc)
                 return False
-            self.engine.install(blob)
-            self.installed = version
+            self.weights.commit(staged)
+            self.installed = staged.version
             self.counters.installs += 1
+            self.counters.install_s += time.perf_counter() - t0
+            for v in [v for v in self._received if v <= staged.version]:
+                del self._received[v]
             return True
 
     def _install_pending(self) -> None:
-        """Switch to the newest snapshot the broadcast delivered, if any (any thread), and ack it."""
-        snap, node = self._pending, self.node
-        if snap is None or not self._install(snap.data, snap.manifest.version):
+        """Install what the broadcast delivered, as far as the chain reaches (any thread), and ack it."""
+        links = [(s.manifest, s.data) for v, s in list(self._received.items()) if v > self.installed]
+        if not links or not self._install(links):
             return
-        if node is not None:
-            v = snap.manifest.version
+        if (node := self.node) is not None:
+            v = self.installed
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.report_installed(v)))
+
+    @property
+    def _gap(self) -> bool:
+        """The broadcast delivered a newer version that the weights held cannot reach (a missed link)."""
+        return max(self._received, default=-1) > self.installed
 
     async def _follow_broadcast(self) -> None:
         """Keep a broadcast receiver joined (re-joining after a learner restart) and collect snapshots."""
@@ -239,9 +260,14 @@ class RolloutWorker:
                 continue
             self.node = node
             async for snap in node.snapshots():
-                self._pending = snap
+                self._received[snap.manifest.version] = snap
+                if snap.manifest.kind == "full":  # an anchor: nothing older is needed any more
+                    for v in [v for v in self._received if v < snap.manifest.version]:
+                        del self._received[v]
                 if not self._engine_lock.locked():  # idle: switch now, else the generator switches next
                     await asyncio.to_thread(self._install_pending)
+                if self._gap:
+                    await self._fetch_snapshot()  # missed a link: the chain from what we hold
             self.node = None
             if not self.finished:
                 log.info("broadcast connection lost; re-joining")

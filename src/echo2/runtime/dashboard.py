@@ -196,6 +196,11 @@ def _broadcast_metrics(st: dict[str, Any]) -> Iterator[Any]:
     b = st["broadcast"]
     yield _gauge("echo2_broadcast_version", "newest published snapshot version", b["version"])
     yield _gauge("echo2_broadcast_installed_workers", "workers that installed it so far", b.get("installed"))
-    yield _gauge("echo2_broadcast_bytes", "bytes of the newest snapshot", b.get("bytes"))
+    yield _gauge(
+        "echo2_broadcast_bytes", "bytes of the newest publication (an anchor or a patch)", b.get("bytes")
+    )
+    yield _gauge(
+        "echo2_broadcast_full_bytes", "bytes of a full snapshot in the publication dtype", b.get("full_bytes")
+    )
     yield _gauge("echo2_broadcast_learner_bytes", "bytes the learner uploaded for it", b.get("learner_bytes"))
     yield _gauge("echo2_broadcast_t_bcast_seconds", "last measured T_bcast", b.get("t_bcast_s"))

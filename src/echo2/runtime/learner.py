@@ -121,7 +121,6 @@ class AsyncLearner:
         """Load (or resume) the policy and its optimizer, open the store, start the API and the
         broadcast, publish the starting snapshot, and measure the starting accuracy."""
         from echo2.models.policy import configure_torch
-        from echo2.models.snapshot import snapshot_blob
 
         cfg = self.cfg
         configure_torch(cfg)
@@ -133,7 +132,7 @@ class AsyncLearner:
             )
         self._load_learning_plane()
         await self._open_data_and_network()
-        await self.snapshots.publish(self.version, snapshot_blob(self.policy.model))
+        await self.snapshots.publish_model(self.version, self.policy.model)
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
         first = await asyncio.to_thread(self._evaluate)
@@ -357,12 +356,10 @@ class AsyncLearner:
 
     async def _after_update(self, record: dict[str, Any]) -> None:
         """Publish every kappa versions, retarget the pool, evaluate, checkpoint; then the record."""
-        from echo2.models.snapshot import snapshot_blob
-
         cfg, v = self.cfg, self.version
         if v % cfg.staleness.effective_kappa == 0:
             with self.meter.idle("publish"):
-                await self.snapshots.publish(v, snapshot_blob(self.policy.model))
+                await self.snapshots.publish_model(v, self.policy.model)
         n = len(self.t_trains)
         if n == WARMUP_STEPS or (n > WARMUP_STEPS and n % RETARGET_EVERY == 0):
             recent = self.t_trains[-RETARGET_EVERY:]
@@ -389,7 +386,7 @@ class AsyncLearner:
                 "time_s": self.meter.step_start - self.meter.start,
                 **step,
                 **self.store.stats().metrics(),
-                **self.snapshots.bcast,
+                **self.snapshots.metrics(),
                 **self.pool.metrics(),
                 "cost/usd_per_step": usd_step,
                 "cost/usd_total": self.usd_total,

@@ -78,7 +78,7 @@ def assemble(
     )
     for rec in registry.load():
         pool.enroll(rec)
-    snapshots = Snapshots(publisher, cfg.staleness.gamma)
+    snapshots = Snapshots(publisher, cfg.staleness.gamma, cfg.snapshot)
     broker = LeaseBroker(
         store,
         PromptSource(task, cfg.seed),

@@ -35,6 +35,7 @@ from echo2.protocol import (
     SubmitRequest,
     VersionReply,
     WorkerSettings,
+    encode_chain,
 )
 from echo2.runtime.intake import Intake
 from echo2.runtime.leases import LeaseBroker
@@ -167,13 +168,20 @@ class Routes:
         return _reply(VersionReply(version=latest[0], manifest=latest[1]))
 
     async def snapshot(self, request: web.Request) -> web.Response:
+        """The links that take the caller's installed version (``?have=V``, default -1) to the newest:
+        the patches after V if the learner still holds them, else the latest anchor and its patches."""
         self._auth(request)
-        latest = self.snapshots.latest
-        if latest is None:
+        if self.snapshots.latest is None:
             raise _error(web.HTTPServiceUnavailable, "not_ready", "no snapshot published yet")
-        v, _, blob = latest
+        try:
+            have = int(request.query.get("have", "-1"))
+        except ValueError:
+            raise _error(web.HTTPBadRequest, "invalid", "have must be an integer version") from None
+        links = self.snapshots.chain_from(have)
         return web.Response(
-            body=blob, content_type="application/octet-stream", headers={VERSION_HEADER: str(v)}
+            body=encode_chain([(link.manifest, link.blob) for link in links]),
+            content_type="application/octet-stream",
+            headers={VERSION_HEADER: str(self.snapshots.version)},
         )
 
     async def model(self, request: web.Request) -> web.Response:

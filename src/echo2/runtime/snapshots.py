@@ -1,12 +1,23 @@
-"""The learner's snapshot publisher: weights -> signed snapshot -> the broadcast plane, and T_bcast back.
+"""The learner's snapshot publisher: weights -> signed anchor or patch -> broadcast plane; T_bcast back.
 
-It owns the broadcast seam's publisher (``broadcast.factory``), keeps the newest published version
-(the one provider of "what was published"), its manifest and bytes for a worker that catches up over
-HTTP, and measures each publication's ``T_bcast``: the seconds until ``install_quorum(members, gamma)``
+It owns the broadcast seam's publisher (``broadcast.factory``) and decides what each publication
+ships (``[snapshot]`` config, docs/broadcast.md): the sampler copy of the weights in the precision
+workers sample with (bf16 by default), as a lossless sparse patch against the previous publication
+(``echo2.models.delta``), or as a full **anchor** every ``anchor_every`` publications and whenever a
+patch would exceed ``max_patch_ratio`` of the full snapshot. Encoding, digesting and signing run off
+the event loop.
+
+It keeps the **chain** (the latest anchor and the patches after it: the one provider of "what was
+published") for a worker that catches up over HTTP: the patches after the version it holds if they
+are in the chain, else the anchor and every patch (:meth:`chain_from`). Beyond the model it trains,
+the learner holds one full copy of the published weights (the previous publication, the base of the
+next patch) and the encoded anchor (bytes shared with the publisher, which also keeps the bytes of
+the version before the newest for workers in the middle of that transfer, ``keep_versions = 2``).
+
+It measures each publication's ``T_bcast``: the seconds until ``install_quorum(members, gamma)``
 workers acked the install (SPEC §3: a fraction ``q = 1/gamma``), in the background so training never
-waits for it. Beyond the model's own weights the learner holds the serialized bytes of the newest
-version (one object, shared by this class and the publisher) and of the version before it, which the
-TCP publisher still serves to workers in the middle of that transfer (its ``keep_versions = 2``).
+waits for it, and reports bytes per publication (``broadcast/publication_bytes``; ``broadcast/bytes``
+is what the learner itself uploaded).
 """
 
 from __future__ import annotations
@@ -14,33 +25,120 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from echo2.broadcast.api import SnapshotPublisher
+from echo2.broadcast.manifest import Lineage
+from echo2.config import SnapshotConfig
 from echo2.physics.rules import install_quorum
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 MEASURE_TIMEOUT_S = 120.0  # stop waiting for install acks of one version after this long
 
 
+@dataclass(frozen=True)
+class Link:
+    """One publication as it is served: version, signed manifest (dict) and the bytes."""
+
+    version: int
+    manifest: dict[str, Any]
+    blob: bytes
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What :meth:`Snapshots.encode` made of the weights (not yet published)."""
+
+    blob: bytes
+    lineage: Lineage
+    weights: dict[str, torch.Tensor]  # the published copy: the next patch's base
+    full_bytes: int  # bytes of the weights in the publication dtype (what an anchor ships, about)
+    encode_s: float  # seconds to copy, diff, compress and digest
+
+
 class Snapshots:
-    def __init__(self, publisher: SnapshotPublisher, gamma: float) -> None:
+    def __init__(self, publisher: SnapshotPublisher, gamma: float, cfg: SnapshotConfig | None = None) -> None:
         self.publisher = publisher
         self.gamma = gamma
-        self.latest: tuple[int, dict[str, Any], bytes] | None = None  # version, manifest, blob
-        self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics
+        self.cfg = cfg or SnapshotConfig()
+        self.chain: list[Link] = []  # the latest anchor, then the patches published after it
+        self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
+        self.publication: dict[str, float] = {}  # what the newest publication shipped
+        self._base: dict[str, torch.Tensor] | None = None  # the newest published weights
+        self._base_digest = ""
         self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def latest(self) -> tuple[int, dict[str, Any], bytes] | None:
+        """The newest publication: version, signed manifest, bytes (None before the first)."""
+        if not self.chain:
+            return None
+        link = self.chain[-1]
+        return link.version, link.manifest, link.blob
 
     @property
     def version(self) -> int:
         """The newest published version (-1 before the first)."""
-        return self.latest[0] if self.latest is not None else -1
+        return self.chain[-1].version if self.chain else -1
 
-    async def publish(self, version: int, blob: bytes) -> None:
-        """Sign and announce ``blob`` as ``version``; measure its dissemination in the background."""
-        manifest = await self.publisher.publish(version, blob)
-        self.latest = (version, manifest.to_dict(), blob)
+    def chain_from(self, have: int) -> list[Link]:
+        """What a worker holding version ``have`` needs to reach the newest: the links after ``have``
+        when it is in the chain (always fewer bytes than the anchor and its patches), else the whole
+        chain, anchor first. Empty when ``have`` is the newest."""
+        versions = [link.version for link in self.chain]
+        if have in versions:
+            return self.chain[versions.index(have) + 1 :]
+        return list(self.chain)
+
+    # ---- publishing ------------------------------------------------------------------------------------
+    async def publish_model(self, version: int, model: Any) -> None:
+        """Publish ``model``'s weights as ``version``: an anchor or a patch (chosen in :meth:`encode`)."""
+        t0 = time.perf_counter()
+        enc = await asyncio.to_thread(self.encode, model)
+        await self.publish(version, enc.blob, enc.lineage)
+        self._base, self._base_digest = enc.weights, enc.lineage.weights_digest
+        self.publication = {
+            "broadcast/publication_bytes": float(len(enc.blob)),
+            "broadcast/full_bytes": float(enc.full_bytes),
+            "broadcast/patch_ratio": len(enc.blob) / max(1, enc.full_bytes),
+            "broadcast/anchor": float(enc.lineage.kind == "full"),
+            "broadcast/encode_s": enc.encode_s,
+            "broadcast/publish_s": time.perf_counter() - t0,  # + chunk digests, signature, announcements
+        }
+
+    def encode(self, model: Any) -> Encoded:
+        """The next publication of ``model`` (any thread; the model must not change meanwhile)."""
+        from echo2.models.delta import encode_full, encode_patch, sampler_copy, weights_digest
+
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        weights = sampler_copy(model, cfg.dtype)
+        digest = weights_digest(weights)
+        full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        # the chain holds the anchor and the patches since: the next one is an anchor once it is K long
+        if cfg.deltas and self._base is not None and len(self.chain) < cfg.anchor_every:
+            patch = encode_patch(self._base, weights, cfg.zstd_level)
+            if len(patch) <= cfg.max_patch_ratio * full_bytes:
+                lineage = Lineage("patch", self.version, self._base_digest, digest)
+                return Encoded(patch, lineage, weights, full_bytes, time.perf_counter() - t0)
+        blob = encode_full(weights)
+        return Encoded(
+            blob, Lineage("full", weights_digest=digest), weights, full_bytes, time.perf_counter() - t0
+        )
+
+    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> None:
+        """Sign and announce ``blob`` as ``version`` (``lineage``: anchor or patch; default a full
+        snapshot of unstated weights); measure its dissemination in the background."""
+        self._base = None  # bytes from elsewhere: the next patch has no known base (publish_model sets it)
+        manifest = (await self.publisher.publish(version, blob, lineage)).to_dict()
+        link = Link(version, manifest, blob)
+        self.chain = [*self.chain, link] if manifest["lineage"]["kind"] == "patch" else [link]
         members = len(self.publisher.members())
         if members:
             task = asyncio.ensure_future(self._measure(version, members))
@@ -53,6 +151,10 @@ class Snapshots:
         metrics = stats.metrics(self.gamma)
         if math.isfinite(metrics["broadcast/t_bcast_s"]):
             self.bcast.update(metrics)
+
+    def metrics(self) -> dict[str, float]:
+        """broadcast/ metrics of the newest measured dissemination and the newest publication."""
+        return {**self.bcast, **self.publication}
 
     @property
     def t_bcast_s(self) -> float:

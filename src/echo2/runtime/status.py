@@ -119,6 +119,10 @@ class NodeStatus:
                 }
             )
         out["t_bcast_s"] = self.snapshots.bcast.get("broadcast/t_bcast_s")
+        pub = self.snapshots.publication
+        if pub:
+            out["kind"] = "anchor" if pub["broadcast/anchor"] else "patch"
+            out["full_bytes"] = pub["broadcast/full_bytes"]
         return out
 
     def state(self) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class ExperimentSection(_Model):
     n_max: int | None = Field(default=None, ge=1)  # bubble_sweep: largest pool (default 2*N_min+2)
     ns: list[int] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000]  # bcast_sweep: pool sizes
     seeds: int = Field(default=5, ge=1)  # ablation: seeds averaged per row (random policy)
+    # ablation: add "+ deltas" rows publishing patches of this size / G (benchmarks/deltas.py measures it)
+    patch_ratio: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
 
 
 class SimScenario(_Model):

@@ -98,6 +98,8 @@ class SimParams:
     reload_s: float = 0.0  # snapshot reload on a worker after download
     chunk_bytes: float = DEFAULT_CHUNK_BYTES  # relay chunk (chain strategies)
     hop_latency_s: float = DEFAULT_HOP_LATENCY_S  # per-hop WAN latency (chain strategies)
+    patch_ratio: float | None = None  # delta publications: patch bytes / G; None = every one full
+    anchor_every: int = 20  # with deltas, a full anchor every this many publications
     gamma: float = DEFAULT_GAMMA  # q = 1/gamma: T_bcast is measured when this fraction has installed
     noise_sigma: float = 0.15  # lognormal sigma of one group's duration
     straggler_prob: float = 0.02  # chance a group straggles
@@ -191,7 +193,8 @@ class _Sim:
         self.install_p90: list[float] = []
         self.t_bcast_all: list[float] = []
         self.group_s_max = 0.0  # longest group generation seen (for the discrete staleness bound)
-        self.bcast_cache: dict[tuple[str, bytes], np.ndarray] = {}
+        self.bcast_cache: dict[tuple[str, float, bytes], np.ndarray] = {}
+        self.n_pubs = 0  # publications so far (anchors and patches alternate by count)
         # cost
         self.rate_usd_h = p.learner_usd_per_hour
         self.usd = 0.0
@@ -389,12 +392,16 @@ class _Sim:
         if not targets:
             return
         links = np.array([w.spec.link_bytes_per_s for w in targets])
-        key = (p.strategy, np.sort(links).tobytes())
+        size = p.snapshot_bytes  # an anchor; with deltas every other publication is a patch
+        if p.patch_ratio is not None and self.n_pubs % p.anchor_every:
+            size = p.patch_ratio * p.snapshot_bytes
+        self.n_pubs += 1
+        key = (p.strategy, size, np.sort(links).tobytes())
         cached = self.bcast_cache.get(key)
         if cached is None:
             order = np.argsort(links, kind="stable")
             times_sorted = completion_times(
-                p.strategy, p.snapshot_bytes, links[order], p.b0_bytes_per_s, p.chunk_bytes, p.hop_latency_s
+                p.strategy, size, links[order], p.b0_bytes_per_s, p.chunk_bytes, p.hop_latency_s
             )
             cached = times_sorted
             self.bcast_cache[key] = cached

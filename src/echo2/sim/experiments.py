@@ -93,6 +93,8 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         reload_s=p.network.reload_s,
         chunk_bytes=p.network.chunk_bytes,
         hop_latency_s=p.network.hop_latency_s,
+        patch_ratio=p.model.patch_ratio,
+        anchor_every=p.model.anchor_every,
         gamma=p.staleness.gamma,
         noise_sigma=sc.sim.noise_sigma,
         straggler_prob=sc.sim.straggler_prob,
@@ -213,11 +215,20 @@ def bcast_sweep(sc: SimScenario) -> dict[str, Any]:
 
 
 def _row(
-    sc: SimScenario, *, policy: str, strategy: broadcast.StrategyName, extra: int = 0, seeds: int = 1
+    sc: SimScenario,
+    *,
+    policy: str,
+    strategy: broadcast.StrategyName,
+    extra: int = 0,
+    seeds: int = 1,
+    patch_ratio: float | None = None,
 ) -> dict[str, Any]:
     rows = []
+    changes: dict[str, Any] = {"sim.strategy": strategy}
+    if patch_ratio is not None:
+        changes["plan.model.patch_ratio"] = patch_ratio
     for k in range(seeds):
-        s = setup(with_overrides(sc, **{"sim.strategy": strategy}), policy=policy, seed=sc.sim.seed + k)
+        s = setup(with_overrides(sc, **changes), policy=policy, seed=sc.sim.seed + k)
         ids = list(s.active_ids)
         if extra:
             by_id = {w.worker_id: w for w in s.workers}
@@ -248,7 +259,10 @@ def _row(
 
 
 def ablation(sc: SimScenario) -> dict[str, Any]:
-    """Table 2: full / without P2P / without P2P + 1 machine / without cost-aware activation.
+    """Table 2: full / without P2P / without P2P + 1 machine / without cost-aware activation, and
+    with ``experiment.patch_ratio`` set, "+ deltas" rows: the full system and the one without P2P
+    publishing patches of that size (an anchor every ``model.anchor_every``; planned with the mean
+    bytes per publication, so the planner may pick fewer machines).
 
     full = greedy activation + Tree-Pipelined; without P2P = same machines + Star-Limited; without
     cost-aware = random ("NoCost") activation + Tree-Pipelined, averaged over ``experiment.seeds``.
@@ -259,6 +273,9 @@ def ablation(sc: SimScenario) -> dict[str, Any]:
         "no_p2p_plus1": _row(sc, policy="greedy", strategy="star-limited", extra=1),
         "no_cost_aware": _row(sc, policy="random", strategy="tree-pipelined", seeds=sc.experiment.seeds),
     }
+    if (r := sc.experiment.patch_ratio) is not None:
+        rows["full_deltas"] = _row(sc, policy="greedy", strategy="tree-pipelined", patch_ratio=r)
+        rows["no_p2p_deltas"] = _row(sc, policy="greedy", strategy="star-limited", patch_ratio=r)
     full = rows["full"]["usd_per_step"]
     for r in rows.values():
         r["cost_vs_full"] = r["usd_per_step"] / full

@@ -113,13 +113,14 @@ def plot_ablation(result: dict[str, Any], path: Path) -> Path:
     plt = _plt()
     rows = list(result["rows"])
     ours = [result["rows"][r]["cost_vs_full"] for r in rows]
-    paper = [result["paper"][r]["cost_vs_full"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    paper_rows = [r for r in rows if r in result["paper"]]  # the "+ deltas" rows are not in the paper
+    paper = [result["paper"][r]["cost_vs_full"] for r in paper_rows]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], ours, 0.4, label="simulated")
-    ax.bar([i + 0.2 for i in x], paper, 0.4, label="paper (Table 2)")
-    ax.set_xticks(list(x), rows, fontsize=8)
-    ax.set_ylim(0.9, max(ours + paper) * 1.05)
+    ax.bar([rows.index(r) + 0.2 for r in paper_rows], paper, 0.4, label="paper (Table 2)")
+    ax.set_xticks(list(x), rows, fontsize=7)
+    ax.set_ylim(min([0.9, *ours]) * 0.98, max(ours + paper) * 1.05)
     ax.set_ylabel("cost per step / full")
     ax.legend(fontsize=8)
     ax.set_title("Ablation: cost per step relative to the full system", fontsize=9)

@@ -12,12 +12,15 @@ the learner recomputes, so an on-policy sample has importance weight exactly 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from echo2.config import SamplingConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,10 @@ class Engine(Protocol):
         under ``seed``; ``greedy`` takes the argmax token (held-out evaluation)."""
         ...
 
-    def install(self, blob: bytes | bytearray | memoryview) -> None:
-        """Load a verified snapshot (safetensors bytes of every weight) in place of the current weights.
-        Called only between generations; raises :class:`echo2.errors.CheckpointError` when the snapshot
-        does not fit the model."""
+    def install(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load verified published weights (name -> tensor, every weight once, in the publication dtype;
+        ``rollout/weights.py`` built and checked them) in place of the current ones. Called only between
+        generations; raises :class:`echo2.errors.CheckpointError` when they do not fit the model."""
         ...
 
 

@@ -14,7 +14,7 @@ be drawn.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -59,11 +59,11 @@ class HFEngine:
 
         return cls(model_from_skeleton(skeleton_dir), eos_id, pad_id, sampling)
 
-    def install(self, blob: bytes | bytearray | memoryview) -> None:
-        """Load snapshot weights into the model in place (``models/snapshot.py``)."""
-        from echo2.models.snapshot import install_blob
+    def install(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load published weights into the model in place, cast to its dtype (``models/snapshot.py``)."""
+        from echo2.models.snapshot import install_weights
 
-        install_blob(self.model, blob)
+        install_weights(self.model, weights)
 
     @torch.no_grad()
     def generate(

@@ -1,0 +1,194 @@
+"""Anchors and patches over the real TCP broadcast plane, checked bit for bit (in one process).
+
+The learner's :class:`~echo2.runtime.snapshots.Snapshots` publishes a tiny model through a
+``TcpPublisher`` (Tree-Pipelined, small chunks so a patch spans many and is relayed); each worker is a
+``TcpWorkerNode`` feeding a :class:`~echo2.rollout.weights.WeightChain`, exactly the worker's staging
+path, and fetches the chain from the learner (through the HTTP body codec and the same verification
+as ``echo2 worker``) whenever it finds a gap. The run contains every case a worker meets:
+
+- anchors (every ``anchor_every``, and one forced by a large update) and chains of patches;
+- a slow worker that misses versions (it sleeps after each install; the node hands it only the newest);
+- a late joiner (joins mid-run, holds nothing: the anchor and the patches since);
+- a relay killed while it holds half of a patch (its node closes; its children repair from the learner);
+- a relay that corrupts one chunk in every five it serves (caught by the chunk digests, refetched).
+
+Every install is compared with the learner's own digest of that version: ``bit_identical`` must equal
+``installs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from echo2.broadcast.manifest import new_signing_key
+from echo2.broadcast.publisher import TcpPublisher
+from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.worker import TcpWorkerNode
+from echo2.config import EmbeddedModelConfig, SnapshotConfig
+from echo2.protocol import decode_chain, encode_chain
+from echo2.rollout.weights import WeightChain, verified_links
+from echo2.runtime.snapshots import Snapshots
+from echo2_bench.faults import Faults, FaultTap
+
+SHAPE = EmbeddedModelConfig(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+class _KillAtHalfOfAPatch:
+    """A ChunkTap that closes its node once it holds half of the chunks of the first patch it receives
+    after ``armed_from`` (the relay dies mid-patch, its sockets with it)."""
+
+    def __init__(self, armed_from: int) -> None:
+        self.node: TcpWorkerNode | None = None
+        self.armed_from = armed_from
+        self.killed_at: int | None = None
+        self.closing: asyncio.Future[None] | None = None
+
+    def on_received(self, index: int, fraction: float) -> None:
+        node = self.node
+        if node is None or self.killed_at is not None or node._transfer is None:
+            return
+        m = node._transfer.manifest
+        if m.version >= self.armed_from and m.kind == "patch" and fraction >= 0.5 and m.n_chunks >= 4:
+            self.killed_at = m.version
+            self.closing = asyncio.ensure_future(node.close())
+
+    def on_serve(self, index: int, payload: bytes | memoryview) -> bytes | memoryview:
+        return payload
+
+
+@dataclass
+class _Worker:
+    name: str
+    node: TcpWorkerNode
+    chain: WeightChain = field(default_factory=WeightChain)
+    slow_s: float = 0.0  # sleep after each install (misses versions)
+    installs: int = 0
+    bit_identical: int = 0
+    http_fetches: int = 0
+    installed: list[int] = field(default_factory=list)
+
+
+async def chain_over_tcp(
+    publications: int = 24, anchor_every: int = 8, chunk: int = 1024, lr: float = 1e-4, seed: int = 0
+) -> dict[str, Any]:
+    import torch
+
+    from echo2.models.embedded import build_model, build_tokenizer
+
+    key = new_signing_key()
+    pub = TcpPublisher(key, get_strategy("tree-pipelined"), chunk_size=chunk)
+    await pub.start()
+    snaps = Snapshots(pub, 1.1, SnapshotConfig(anchor_every=anchor_every))
+    model = build_model(SHAPE, build_tokenizer(), seed)
+    published: dict[int, str] = {}  # version -> the learner's weights digest
+    kinds: dict[int, str] = {}
+
+    def node(name: str, tap: Any = None) -> TcpWorkerNode:
+        return TcpWorkerNode(name, pub.address, key.verifier(), stall_timeout=0.5, tap=tap)
+
+    killer = _KillAtHalfOfAPatch(armed_from=publications // 3)
+    workers = [
+        _Worker("steady", node("steady")),
+        _Worker("relay-killed", node("relay-killed", killer)),
+        _Worker("corrupting-relay", node("corrupting-relay", FaultTap(Faults(corrupt_every=5), "c"))),
+        _Worker("slow", node("slow"), slow_s=0.35),
+    ]
+    killer.node = workers[1].node
+
+    async def fetch(w: _Worker) -> list[Any]:
+        body = encode_chain([(link.manifest, link.blob) for link in snaps.chain_from(w.chain.version)])
+        w.http_fetches += 1
+        return verified_links(decode_chain(body), key.verifier())
+
+    def install(w: _Worker, links: list[Any]) -> None:
+        staged = w.chain.stage(links)
+        if staged is None:
+            return
+        w.chain.commit(staged)
+        w.installs += 1
+        w.installed.append(staged.version)
+        w.bit_identical += int(staged.digest == published[staged.version])
+
+    async def follow(w: _Worker) -> None:
+        received: dict[int, Any] = {}
+        async for snap in w.node.snapshots():
+            received[snap.manifest.version] = (snap.manifest, snap.data)
+            install(w, [link for v, link in received.items() if v > w.chain.version])
+            if max(received) > w.chain.version:  # a gap: the chain from the learner
+                install(w, await fetch(w))
+            received = {v: link for v, link in received.items() if v > w.chain.version}
+            await w.node.report_installed(w.chain.version)
+            if w.slow_s:
+                await asyncio.sleep(w.slow_s)
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for w in workers:
+            await w.node.start()
+            tasks.append(asyncio.create_task(follow(w)))
+        await pub.wait_members(len(workers), 10)
+        g = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        for v in range(publications):
+            if v:
+                step = 1.0 if v == publications // 2 else lr  # one update big enough to force an anchor
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * step)
+            await snaps.publish_model(v, model)
+            link = snaps.chain[-1]
+            published[v] = link.manifest["lineage"]["weights_digest"]
+            kinds[v] = link.manifest["lineage"]["kind"]
+            if v == publications * 2 // 3:  # a late joiner: holds nothing, joins mid-chain
+                late = _Worker("late-joiner", node("late-joiner"))
+                await late.node.start()
+                install(late, await fetch(late))  # what `echo2 worker` does at start
+                workers.append(late)
+                tasks.append(asyncio.create_task(follow(late)))
+            await asyncio.sleep(0.12)
+        last = publications - 1
+        deadline = time.monotonic() + 30
+        alive = [w for w in workers if w.name != "relay-killed"]
+        while time.monotonic() < deadline and any(w.chain.version < last for w in alive):
+            await asyncio.sleep(0.1)
+        for (
+            w
+        ) in alive:  # a worker whose last announcement was superseded asks the learner (as echo2 worker does)
+            if w.chain.version < last:
+                install(w, await fetch(w))
+        wall = time.perf_counter() - t0
+    finally:
+        for t in tasks:
+            t.cancel()
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await w.node.close()
+        await pub.close()
+    installs = sum(w.installs for w in workers)
+    return {
+        "publications": publications,
+        "anchors": sum(k == "full" for k in kinds.values()),
+        "patches": sum(k == "patch" for k in kinds.values()),
+        "installs": installs,
+        "bit_identical": sum(w.bit_identical for w in workers),
+        "relay_killed_at_version": killer.killed_at,
+        "corrupt_chunks_detected": sum(w.node.counters.corrupt_detected for w in workers),
+        "repaired_chunks": sum(w.node.counters.repaired_chunks for w in workers),
+        "wall_s": wall,
+        "workers": {
+            w.name: {
+                "installs": w.installs,
+                "bit_identical": w.bit_identical,
+                "http_fetches": w.http_fetches,
+                "final_version": w.chain.version,
+                "versions_skipped": publications
+                - len(set(w.installed))
+                - (w.installed[0] if w.installed else 0),
+            }
+            for w in workers
+        },
+    }

@@ -1,0 +1,205 @@
+"""Delta publications end to end without a network: the learner's Snapshots decides anchor or patch,
+signs the lineage, keeps the chain; a worker's WeightChain stages links on a copy and refuses what does
+not fit; the HTTP chain codec carries them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from echo2.broadcast.factory import open_publisher
+from echo2.broadcast.manifest import (
+    Lineage,
+    Manifest,
+    ManifestError,
+    build_manifest,
+    new_signing_key,
+    verify_manifest,
+)
+from echo2.broadcast.registry import get_strategy
+from echo2.config import EmbeddedModelConfig, SnapshotConfig
+from echo2.models.delta import DeltaError, decode_full, sampler_copy, weights_digest
+from echo2.models.embedded import build_model, build_tokenizer
+from echo2.protocol import ChainError, decode_chain, encode_chain
+from echo2.rollout.weights import WeightChain
+from echo2.runtime.snapshots import Snapshots
+
+TINY = EmbeddedModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+def tiny_model() -> Any:
+    return build_model(TINY, build_tokenizer(), seed=0)
+
+
+def nudge(model: Any, lr: float, seed: int) -> None:
+    """An optimizer-like step: every weight moves by about ``lr`` (most bf16 values do not change at a
+    small ``lr``, all of them at a large one)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * lr)
+
+
+KINDS: list[str] = []  # the kind of each publication of the newest publish_series
+
+
+def publish_series(cfg: SnapshotConfig, lrs: list[float]) -> tuple[Snapshots, list[str], Any]:
+    """Publish version 0, then one version per entry of ``lrs`` after a nudge of that size; returns the
+    Snapshots, the learner's weights digest of each version, and the key (kinds in ``KINDS``)."""
+    key = new_signing_key()
+    snaps = Snapshots(open_publisher("memory", key, get_strategy("star-limited"), 4096), 1.1, cfg)
+    model = tiny_model()
+    digests: list[str] = []
+    KINDS.clear()
+
+    async def go() -> None:
+        for v in range(len(lrs) + 1):
+            if v:
+                nudge(model, lrs[v - 1], v)
+            await snaps.publish_model(v, model)
+            digests.append(weights_digest(sampler_copy(model, cfg.dtype)))
+            KINDS.append(snaps.chain[-1].manifest["lineage"]["kind"])
+
+    asyncio.run(go())
+    return snaps, digests, key
+
+
+def links_of(snaps: Snapshots, have: int) -> list[tuple[Manifest, memoryview]]:
+    """What a worker holding ``have`` gets over HTTP, through the chain codec, verified as it would."""
+    body = encode_chain([(link.manifest, link.blob) for link in snaps.chain_from(have)])
+    return [(Manifest.from_dict(m), data) for m, data in decode_chain(body)]
+
+
+def test_small_steps_ship_patches_big_ones_and_every_kth_ship_anchors() -> None:
+    cfg = SnapshotConfig(anchor_every=4)
+    lrs = [1e-5, 1e-5, 1.0, 1e-5, 1e-5, 1e-5, 1e-5]  # version 3 changes every value
+    snaps, _, _ = publish_series(cfg, lrs)
+    # v0 anchor; v1, v2 patches; v3 anchor (its patch would be too big); v4-v6 patches; v7 anchor (K = 4)
+    assert KINDS == ["full", "patch", "patch", "full", "patch", "patch", "patch", "full"]
+    assert [link.version for link in snaps.chain] == [7]
+    assert snaps.publication["broadcast/anchor"] == 1.0
+
+
+def test_the_chain_and_its_patch_sizes() -> None:
+    cfg = SnapshotConfig(anchor_every=10)
+    snaps, digests, _ = publish_series(cfg, [1e-5] * 5)
+    assert [link.version for link in snaps.chain] == [0, 1, 2, 3, 4, 5]
+    assert [link.manifest["lineage"]["kind"] for link in snaps.chain] == ["full"] + ["patch"] * 5
+    full = len(snaps.chain[0].blob)
+    assert all(len(link.blob) < 0.5 * full for link in snaps.chain[1:])
+    assert snaps.publication["broadcast/patch_ratio"] < 0.5
+    assert [link.version for link in snaps.chain_from(3)] == [4, 5]
+    assert snaps.chain_from(5) == []
+    assert [link.version for link in snaps.chain_from(-1)] == [0, 1, 2, 3, 4, 5]  # late joiner
+    # the anchor decodes to the published copy, and the lineage names each base's digest
+    assert weights_digest(decode_full(snaps.chain[0].blob)) == digests[0]
+    for v in range(1, 6):
+        lin = snaps.chain[v].manifest["lineage"]
+        assert (lin["base_version"], lin["base_digest"], lin["weights_digest"]) == (
+            v - 1,
+            digests[v - 1],
+            digests[v],
+        )
+
+
+def test_deltas_off_or_fp32_keep_full_snapshots() -> None:
+    snaps, digests, _ = publish_series(SnapshotConfig(deltas=False, dtype="float32"), [1e-5, 1e-5])
+    assert [link.version for link in snaps.chain] == [2]
+    weights = decode_full(snaps.chain[0].blob)
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    assert weights_digest(weights) == digests[2]
+
+
+def test_a_worker_reaches_every_version_bit_for_bit_from_anywhere() -> None:
+    snaps, digests, _ = publish_series(SnapshotConfig(anchor_every=10), [1e-5] * 5)
+    for have in (-1, 0, 2, 4):  # late joiner, and workers that missed links
+        chain = WeightChain()
+        if have >= 0:  # a worker at ``have`` got there through the same chain
+            staged = chain.stage(links_of(snaps, -1)[: have + 1])
+            assert staged is not None and staged.version == have
+            chain.commit(staged)
+        staged = chain.stage(links_of(snaps, have))
+        assert staged is not None and (staged.version, staged.digest) == (5, digests[5])
+        assert weights_digest(staged.tensors) == digests[5]
+
+
+def test_a_gap_stops_the_walk_and_nothing_is_swapped() -> None:
+    snaps, digests, _ = publish_series(SnapshotConfig(anchor_every=10), [1e-5] * 4)
+    links = links_of(snaps, -1)
+    chain = WeightChain()
+    chain.commit(chain.stage(links[:2]))  # holds v1
+    assert chain.stage(links[3:]) is None  # v3, v4 patch v2 and v3: v2 is missing
+    staged = chain.stage([links[4], links[2], links[3]])  # out of order is fine
+    assert staged is not None and staged.digest == digests[4]
+    assert chain.version == 1  # staging never changes what is served
+
+
+def test_a_link_that_does_not_fit_is_refused_and_the_old_version_keeps_serving() -> None:
+    snaps, _, key = publish_series(SnapshotConfig(anchor_every=10), [1e-5] * 2)
+    links = links_of(snaps, -1)
+    chain = WeightChain()
+    chain.commit(chain.stage(links[:2]))
+    served = chain.current
+    m2, data2 = links[2]
+    # a patch signed for another base digest (a learner bug or a spliced chain)
+    lying = Lineage("patch", 1, "0" * 64, m2.lineage.weights_digest)
+    forged = build_manifest(data2, 2, m2.chunk_size, key, lying)
+    with pytest.raises(DeltaError, match="digest"):
+        chain.stage([(forged, data2)])
+    # a patch whose result is not what the learner said it published
+    wrong_result = Lineage("patch", 1, m2.lineage.base_digest, "f" * 64)
+    with pytest.raises(DeltaError, match="not installing"):
+        chain.stage([(build_manifest(data2, 2, m2.chunk_size, key, wrong_result), data2)])
+    # garbage bytes under a well-formed lineage
+    with pytest.raises(DeltaError):
+        chain.stage([(build_manifest(b"junk" * 10, 2, m2.chunk_size, key, m2.lineage), b"junk" * 10)])
+    assert chain.current is served
+
+
+def test_the_lineage_is_signed_and_checked() -> None:
+    key = new_signing_key()
+    lin = Lineage("patch", 3, "a" * 64, "b" * 64)
+    m = build_manifest(b"patch bytes", 4, 1024, key, lin)
+    verify_manifest(m, key.verifier())
+    assert Manifest.from_dict(m.to_dict()) == m
+    for bad in (
+        Lineage("patch", 2, "a" * 64, "b" * 64),  # another base
+        Lineage("full", -1, "", "b" * 64),  # claims to be an anchor
+        Lineage("patch", 3, "a" * 64, "c" * 64),  # another result
+    ):
+        with pytest.raises(ManifestError, match="authentication"):
+            verify_manifest(dataclasses.replace(m, lineage=bad), key.verifier())
+    for bad_dict, match in (
+        ({"kind": "diff"}, "kind"),
+        (
+            {"kind": "patch", "base_version": 4, "base_digest": "a" * 64, "weights_digest": "b" * 64},
+            "base_version",
+        ),
+        ({"kind": "patch", "base_version": 1}, "base_digest"),
+        ({"kind": "full", "base_version": 2}, "names no base"),
+        ({"kind": "full", "weights_digest": "XYZ"}, "hex"),
+        ({"kind": "full", "extra": 1}, "unknown"),
+        ("full", "object"),
+    ):
+        with pytest.raises(ManifestError, match=match):
+            Manifest.from_dict({**m.to_dict(), "lineage": bad_dict})
+
+
+def test_the_chain_codec_refuses_malformed_bodies() -> None:
+    body = encode_chain([({"v": 1}, b"abc"), ({"v": 2}, b"")])
+    assert [(m, bytes(d)) for m, d in decode_chain(body)] == [({"v": 1}, b"abc"), ({"v": 2}, b"")]
+    assert decode_chain(encode_chain([])) == []
+    header_end = len(body) - 3
+    for bad, match in (
+        (b"NOTCHAIN" + body[8:], "magic"),
+        (body[:8] + (10**9).to_bytes(8, "big") + body[16:], "overruns"),
+        (body[:header_end] + b"ab", "overruns"),
+        (body + b"x", "trailing"),
+        (body[:16] + b"[" + body[17:], "header"),
+    ):
+        with pytest.raises(ChainError, match=match):
+            decode_chain(bad)

@@ -431,7 +431,9 @@ def study_accuracy(out: Path, seeds: list[int], steps: int = ACCURACY_STEPS) -> 
                 log_to=d.with_suffix(".log"),
             )
             rows = rt.steps_of(d)
-            pubs = [r for r in rows if "broadcast/publication_bytes" in r]
+            st = json.loads((d / "config.json").read_text())["staleness"]
+            kappa = st["kappa"] or max(1, st["S"] - 1)  # a record carries the newest publication's
+            pubs = [r for r in rows if "broadcast/publication_bytes" in r and r["step"] % kappa == 0]
             scores[side] = rt.smoothed_final(d)
             reports = [worker_report(p) for p in sorted((d / "workers").glob("*.log"))]
             t_train = statistics.median(r["learner/t_train_s"] for r in rows)

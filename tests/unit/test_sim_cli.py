@@ -65,6 +65,10 @@ def test_ablation_orders_the_rows() -> None:
     assert r["full"]["usd_per_step"] < r["no_cost_aware"]["usd_per_step"]
     assert r["no_p2p"]["t_bcast_s"] > r["full"]["t_bcast_s"]
     assert r["full"]["wait_per_step_s"] <= 1.0
+    # "+ deltas" (the config's measured patch_ratio): smaller publications, a smaller pool, cheaper
+    assert r["full_deltas"]["t_bcast_s"] < r["full"]["t_bcast_s"] / 2
+    assert r["full_deltas"]["machines"] < r["full"]["machines"]
+    assert r["full_deltas"]["usd_per_step"] < r["full"]["usd_per_step"]
 
 
 def test_bad_configs(tmp_path: Path) -> None:

@@ -120,6 +120,28 @@ def test_star_limited_broadcast_creates_a_bubble() -> None:
     assert star.summary["bubble_ratio"] > 0.1 and tree.summary["bubble_ratio"] <= 0.02
 
 
+def test_delta_publications_ship_patches_between_anchors() -> None:
+    """Patches of 1% of G between anchors every 5 publications: the star's uplink stops being the
+    bottleneck for patches, the anchors still take the full time, and the bubble goes."""
+    star = _run(9, strategy="star-limited")
+    deltas = _run(9, strategy="star-limited", patch_ratio=0.01, anchor_every=5)
+    assert deltas.summary["t_bcast_max_s"] == pytest.approx(star.summary["t_bcast_max_s"])  # an anchor
+    assert deltas.summary["t_bcast_mean_s"] < 0.4 * star.summary["t_bcast_mean_s"]
+    assert deltas.summary["bubble_ratio"] < star.summary["bubble_ratio"] / 2
+
+
+def test_planner_sizes_the_pool_with_the_mean_publication() -> None:
+    from echo2.planner.catalog import ModelSpec
+
+    full = ModelSpec(snapshot_gb=16.0)
+    deltas = ModelSpec(snapshot_gb=16.0, patch_ratio=0.01, anchor_every=20)
+    assert full.publication_bytes == full.snapshot_bytes == 16e9
+    assert deltas.publication_bytes == pytest.approx(16e9 * (1 + 19 * 0.01) / 20)
+    assert [deltas.bytes_of_publication(i) for i in (0, 1, 19, 20)] == [16e9, 16e7, 16e7, 16e9]
+    with pytest.raises(ValueError):
+        ModelSpec(snapshot_gb=16.0, patch_ratio=1.5)
+
+
 def test_controller_holds_the_pool_through_churn() -> None:
     # 8 active of 12 plus joins; workers leave after ~10 h on average; 120 steps ~ 54 h
     ws = _workers(12)

@@ -359,7 +359,7 @@ class AsyncLearner:
         cfg, v = self.cfg, self.version
         if v % cfg.staleness.effective_kappa == 0:
             with self.meter.idle("publish"):
-                await self.snapshots.publish_model(v, self.policy.model)
+                await self.snapshots.publish_model(v, self.policy.model, wait=False)
         n = len(self.t_trains)
         if n == WARMUP_STEPS or (n > WARMUP_STEPS and n % RETARGET_EVERY == 0):
             recent = self.t_trains[-RETARGET_EVERY:]

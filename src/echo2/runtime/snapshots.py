@@ -4,8 +4,8 @@ It owns the broadcast seam's publisher (``broadcast.factory``) and decides what 
 ships (``[snapshot]`` config, docs/broadcast.md): the sampler copy of the weights in the precision
 workers sample with (bf16 by default), as a lossless sparse patch against the previous publication
 (``echo2.models.delta``), or as a full **anchor** every ``anchor_every`` publications and whenever a
-patch would exceed ``max_patch_ratio`` of the full snapshot. Encoding, digesting and signing run off
-the event loop.
+patch would exceed ``max_patch_ratio`` of the full snapshot. The learner waits only for the copy:
+encoding, digesting, signing and announcing run off the event loop while it trains on.
 
 It keeps the **chain** (the latest anchor and the patches after it: the one provider of "what was
 published") for a worker that catches up over HTTP: the patches after the version it holds if they
@@ -72,6 +72,7 @@ class Snapshots:
         self.publication: dict[str, float] = {}  # what the newest publication shipped
         self._base: dict[str, torch.Tensor] | None = None  # the newest published weights
         self._base_digest = ""
+        self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -97,10 +98,30 @@ class Snapshots:
         return list(self.chain)
 
     # ---- publishing ------------------------------------------------------------------------------------
-    async def publish_model(self, version: int, model: Any) -> None:
-        """Publish ``model``'s weights as ``version``: an anchor or a patch (chosen in :meth:`encode`)."""
+    async def publish_model(self, version: int, model: Any, wait: bool = True) -> None:
+        """Publish ``model``'s weights as ``version``: an anchor or a patch (chosen in :meth:`encode`).
+
+        Only the copy of the weights happens before this returns when ``wait`` is false: encoding,
+        signing and announcing run in the background while the learner trains on, and the next
+        publication waits for this one (it is the next patch's base). ``wait`` (the first version, and
+        anything that needs the publication out) returns once it is announced."""
+        from echo2.models.delta import sampler_copy
+
         t0 = time.perf_counter()
-        enc = await asyncio.to_thread(self.encode, model)
+        weights = await asyncio.to_thread(sampler_copy, model, self.cfg.dtype)
+        await self.flush()
+        self._pending = asyncio.ensure_future(self._publish_weights(version, weights, t0))
+        if wait:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Wait until the publication in progress (if any) is announced; re-raise what it raised."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            await pending
+
+    async def _publish_weights(self, version: int, weights: dict[str, torch.Tensor], t0: float) -> None:
+        enc = await asyncio.to_thread(self.encode, weights)
         await self.publish(version, enc.blob, enc.lineage)
         self._base, self._base_digest = enc.weights, enc.lineage.weights_digest
         self.publication = {
@@ -109,16 +130,16 @@ class Snapshots:
             "broadcast/patch_ratio": len(enc.blob) / max(1, enc.full_bytes),
             "broadcast/anchor": float(enc.lineage.kind == "full"),
             "broadcast/encode_s": enc.encode_s,
-            "broadcast/publish_s": time.perf_counter() - t0,  # + chunk digests, signature, announcements
+            # copy, encode, chunk digests, signature, announcements
+            "broadcast/publish_s": time.perf_counter() - t0,
         }
 
-    def encode(self, model: Any) -> Encoded:
-        """The next publication of ``model`` (any thread; the model must not change meanwhile)."""
-        from echo2.models.delta import encode_full, encode_patch, sampler_copy, weights_digest
+    def encode(self, weights: dict[str, torch.Tensor]) -> Encoded:
+        """The next publication of ``weights`` (a sampler copy; any thread)."""
+        from echo2.models.delta import encode_full, encode_patch, weights_digest
 
         t0 = time.perf_counter()
         cfg = self.cfg
-        weights = sampler_copy(model, cfg.dtype)
         digest = weights_digest(weights)
         full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         # the chain holds the anchor and the patches since: the next one is an anchor once it is K long
@@ -127,10 +148,8 @@ class Snapshots:
             if len(patch) <= cfg.max_patch_ratio * full_bytes:
                 lineage = Lineage("patch", self.version, self._base_digest, digest)
                 return Encoded(patch, lineage, weights, full_bytes, time.perf_counter() - t0)
-        blob = encode_full(weights)
-        return Encoded(
-            blob, Lineage("full", weights_digest=digest), weights, full_bytes, time.perf_counter() - t0
-        )
+        anchor = Lineage("full", weights_digest=digest)
+        return Encoded(encode_full(weights), anchor, weights, full_bytes, time.perf_counter() - t0)
 
     async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> None:
         """Sign and announce ``blob`` as ``version`` (``lineage``: anchor or patch; default a full
@@ -162,6 +181,10 @@ class Snapshots:
         return self.bcast.get("broadcast/t_bcast_s", 0.0)
 
     async def close(self) -> None:
+        try:
+            await self.flush()
+        except Exception:  # closing anyway: say what the last publication ran into
+            log.exception("the last publication failed")
         for task in list(self._tasks):
             task.cancel()
         await self.publisher.close()

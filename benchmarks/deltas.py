@@ -46,6 +46,7 @@ kept), results/deltas.png (bytes) and results/deltas_accuracy.png.
     python benchmarks/deltas.py --study bytes --quick    # smoke run of the script
     python benchmarks/deltas.py --study lossless         # ~10 s
     python benchmarks/deltas.py --study accuracy         # ~20 minutes on 2 cores
+    sudo python benchmarks/deltas.py --study links       # ~10 minutes; network namespaces (root)
 """
 
 from __future__ import annotations
@@ -500,6 +501,122 @@ def study_lossless(seed: int = 0) -> dict[str, Any]:
     return r
 
 
+# ---- links: echo2 run with its workers behind shaped links, full snapshots vs deltas -----------------
+LINK_BW_MBPS = 8.0  # each worker's link, both directions (a rented GPU on a home-class line)
+LINK_B0_MBPS = 16.0  # the learner's uplink
+LINK_STEPS = 200
+
+
+def study_links(out: Path, seed: int = 0, steps: int = LINK_STEPS) -> dict[str, Any]:
+    """``echo2 learner`` in one network namespace and two ``echo2 worker`` processes in two others,
+    behind tbf-shaped links (B_w = 8 Mbit/s each way per worker, B0 = 16 Mbit/s learner uplink;
+    benchmarks/echo2_bench/netns.py), 200 steps, once with fp32 full snapshots (3.2 MB each: ~3.2 s
+    per publication on such a link, against kappa * T_train ~ 0.6 s) and once with bf16 deltas. Reported
+    side by side: bubble and its causes, measured T_bcast, the planner's N_min for the measured T_train,
+    T_bcast and per-worker rate (planner/capacity.py), max staleness, held-out accuracy. No target: the
+    issue asks for the comparison. Needs root."""
+    import secrets
+    import subprocess
+
+    import runtime as rt
+    from echo2.planner import capacity
+    from echo2_bench.netns import NetnsTopology
+
+    runs = out / "deltas_runs"
+    res: dict[str, Any] = {"bw_mbps": LINK_BW_MBPS, "b0_mbps": LINK_B0_MBPS, "steps": steps, "runs": {}}
+    rt.warm_start(seed)
+    for side, extra in (("full_fp32", FULL_FP32), ("deltas_bf16", ())):
+        d = runs / f"links_{side}"
+        d.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(16)
+        with NetnsTopology(3) as topo:
+            topo.shape(0, LINK_B0_MBPS * 1e6, None)
+            for k in (1, 2):
+                topo.shape(k, LINK_BW_MBPS * 1e6, LINK_BW_MBPS * 1e6)
+            host = topo.ip(0)
+            learner_cmd = [
+                *topo.exec_prefix(0), sys.executable, "-m", "echo2.cli", "learner", "--no-progress",
+                "--steps", str(steps), "--seed", str(seed), "--run-dir", str(d),
+                "--set", f"runtime.host={host}", "--set", "runtime.port=18765",
+                "--set", "runtime.broadcast_port=18766", "--set", f"runtime.join_token={token}",
+                "--set", "runtime.dashboard=false", "--set", "train.max_minutes=30",
+                "--set", "train.eval_every=50", "--set", "train.eval_size=512", *extra,
+            ]  # fmt: skip
+            procs = []
+            with (d.parent / f"links_{side}.log").open("w") as fh:
+                learner = subprocess.Popen(learner_cmd, stdout=fh, stderr=fh)
+                procs.append(learner)
+                deadline = time.monotonic() + 120
+                while "learner ready" not in (d.parent / f"links_{side}.log").read_text():
+                    if learner.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"learner did not start; see {fh.name}")
+                    time.sleep(0.5)
+                for k in (1, 2):
+                    wlog = (d / f"worker{k}.log").open("w")
+                    procs.append(
+                        subprocess.Popen(
+                            [
+                                *topo.exec_prefix(k),
+                                sys.executable,
+                                "-m",
+                                "echo2.cli",
+                                "worker",
+                                "--join",
+                                f"http://{host}:18765",
+                                "--token",
+                                token,
+                                "--name",
+                                f"w{k}",
+                            ],
+                            stdout=wlog,
+                            stderr=wlog,
+                        )
+                    )
+                try:
+                    rc = learner.wait(timeout=1800)
+                finally:
+                    for p in procs[1:]:
+                        try:
+                            p.wait(timeout=30)
+                        except subprocess.TimeoutExpired:
+                            p.kill()
+                    if learner.poll() is None:
+                        learner.kill()
+            if rc != 0:
+                raise RuntimeError(f"echo2 learner failed (rc {rc}); see {d.parent / f'links_{side}.log'}")
+        rows = rt.steps_of(d)
+        summary = json.loads((d / "summary.json").read_text())
+        steady = rows[len(rows) // 4 :]  # past the start: the first snapshots and evaluations
+        t_train = statistics.median(r["learner/t_train_s"] for r in steady)
+        t_bcast = statistics.median(r["broadcast/t_bcast_s"] for r in steady if "broadcast/t_bcast_s" in r)
+        per_worker = statistics.median(r["pool/mu_pool"] / 2 for r in steady if r.get("pool/mu_pool"))
+        kappa = max(1, 3 - 1)
+        rollouts = 32 * 8
+        try:
+            mu_min = capacity.mu_min(kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=rollouts)
+            n_min: int | None = capacity.n_min(mu_min, per_worker)
+        except Exception:  # kappa * T_train <= T_bcast: no pool hides the broadcast
+            n_min = None
+        wall = summary["bubble"]
+        res["runs"][side] = {
+            "bubble_ratio": summary["bubble_ratio"],
+            "bubble": wall,
+            "t_train_s": t_train,
+            "t_bcast_s": t_bcast,
+            "kappa_t_train_s": kappa * t_train,
+            "per_worker_rollouts_per_s": per_worker,
+            "n_min_planner": n_min,
+            "staleness_max": max(r["store/staleness_max"] for r in rows),
+            "stale_dropped": rows[-1].get("store/dropped_stale"),
+            "final_smoothed_accuracy": rt.smoothed_final(d),
+            "publication_bytes_median": statistics.median(
+                r["broadcast/publication_bytes"] for r in steady if "broadcast/publication_bytes" in r
+            ),
+            "wall_s": rows[-1]["time_s"],
+        }
+    return res
+
+
 def plot_accuracy(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -514,7 +631,7 @@ def plot_accuracy(res: dict[str, Any], path: Path) -> None:
     ax.set(
         xlabel="learner step",
         ylabel="held-out accuracy",
-        title=f"bf16 deltas vs fp32 full snapshots: {res['deltas_minus_full_points_mean']:+.1f} points "
+        title=f"bf16 deltas vs fp32 full: {res['deltas_minus_full_points_mean']:+.1f} points "
         f"(95% CI {lo:+.1f} .. {hi:+.1f})",
     )
     ax.legend(fontsize=7)
@@ -525,7 +642,10 @@ def plot_accuracy(res: dict[str, Any], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--study", choices=["bytes", "lossless", "accuracy"], required=True, help="which study to run"
+        "--study",
+        choices=["bytes", "lossless", "accuracy", "links"],
+        required=True,
+        help="which study to run",
     )
     ap.add_argument("--seeds", default="0,1,2", help="accuracy: comma-separated seeds")
     ap.add_argument("--out", default=str(ROOT / "results"))
@@ -557,6 +677,10 @@ def main() -> int:
         results["lossless"] = study_lossless(args.seed)
         path.write_text(json.dumps(results, indent=2))
         print(json.dumps(results["lossless"], indent=2))
+    elif args.study == "links":
+        results["links"] = study_links(out, args.seed)
+        path.write_text(json.dumps(results, indent=2))
+        print(json.dumps(results["links"], indent=2))
     elif args.study == "accuracy":
         acc = study_accuracy(out, [int(x) for x in args.seeds.split(",")])
         results["accuracy"] = acc

@@ -215,8 +215,10 @@ def _hostile(
         note("future_version", _post(sub, _payload(le, version=10**6), cred)[0])
         note("nan_reward", _post(sub, _payload(le, reward=math.nan), cred)[0])
         note("group_size", _post(sub, _payload(le, n=G - 1), cred)[0])
-        note("valid", _post(sub, _payload(le), cred)[0])  # trusted rewards: a bad worker can still do this
-        note("replay", _post(sub, _payload(le), cred)[0])
+        # well formed, but not the leased prompt's tokens and a reward nobody earned: refused, and the
+        # lease stays open, so the same body again is refused the same way (not a replay)
+        note("foreign_prompt", _post(sub, _payload(le), cred)[0])
+        note("again", _post(sub, _payload(le), cred)[0])
         one_round.set()
     return got
 
@@ -257,12 +259,13 @@ def test_a_hostile_worker_cannot_crash_or_stall_the_learner(tiny_overrides, tmp_
                 p.send_signal(signal.SIGKILL)
                 p.wait()
     want = {"forged": 403, "no_credential": 401, "not_json": 400, "oversized": 413, "future_heartbeat": 422,
-            "token_range": 422, "future_version": 422, "nan_reward": 422, "group_size": 422, "valid": 200,
-            "replay": 409}  # fmt: skip
+            "token_range": 422, "future_version": 422, "nan_reward": 422, "group_size": 422,
+            "foreign_prompt": 422, "again": 422}  # fmt: skip
     assert {k.split(":")[0]: int(k.split(":")[1]) for k in got} == want, got  # each got its one status
     rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # training went on, every step
     last = rows[-1]
-    for reason in ("auth", "malformed", "oversized", "future_version", "token_range", "reward", "replay"):
+    counted = ("auth", "malformed", "oversized", "future_version", "token_range", "reward", "prompt_mismatch")
+    for reason in counted:
         assert last[f"store/rejected/{reason}"] >= 1, reason  # counted by reason
     assert "Traceback" not in (tmp_path / "learner.log").read_text()

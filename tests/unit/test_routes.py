@@ -26,7 +26,7 @@ TOKEN = "join-token-for-tests-0123456789"
 VOCAB = 100
 
 
-def make_node(tmp_path, *overrides: str) -> SimpleNamespace:
+def make_node(tmp_path, *overrides: str, verifier: Any = None) -> SimpleNamespace:
     """The parts of a learner node wired as ``runtime/learner.py`` wires them (in-memory broadcast,
     no model); ``node.v`` is the learner version the parts read."""
     cfg = load_config(
@@ -47,8 +47,9 @@ def make_node(tmp_path, *overrides: str) -> SimpleNamespace:
     identity = Identity(
         worker_settings(cfg), key.verifier().to_text(), ("127.0.0.1", 1), {"config.json": "{}"}
     )
+    n.task = build_task(cfg.task, 0)
     parts = assemble(
-        cfg, registry, n.store, build_task(cfg.task, 0), publisher, identity, VOCAB, lambda: n.v, time.time
+        cfg, registry, n.store, n.task, publisher, identity, VOCAB, lambda: n.v, time.time, verifier
     )
     n.__dict__.update(vars(parts))
     return n
@@ -406,3 +407,49 @@ def test_snapshot_route_serves_the_chain_from_the_callers_version(tmp_path):
         assert resp.status == 400 and "have" in (await resp.json())["detail"]
 
     run(go, node)
+
+
+def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
+    """A worker's prompt tokens must be the leased prompt's and its rewards what the task gives: a
+    foreign prompt or a forged reward refuses the submission (counted), an honest one is admitted."""
+    from echo2.models.embedded import build_tokenizer
+    from echo2.models.policy import TextCodec
+    from echo2.runtime.verify import Verifier
+    from echo2.types import Prompt
+
+    codec = TextCodec(build_tokenizer(), False)
+    task = build_task(load_config().task, 0)
+    node = make_node(tmp_path, verifier=Verifier(codec, task))
+
+    def honest(lease: dict[str, Any]) -> dict[str, Any]:
+        body = payload(lease)
+        for g, p in zip(body["groups"], lease["prompts"], strict=True):
+            prompt = Prompt(p["prompt_id"], p["text"], p["answer"], p.get("meta", {}))
+            ids = codec.encode_prompt(p["text"])
+            for j, sample in enumerate(g["samples"]):
+                completion = codec.tokenizer(str(j), add_special_tokens=False)["input_ids"] + [1]
+                sample.update(
+                    prompt_ids=ids,
+                    completion_ids=completion,
+                    sampler_logprobs=[-0.5] * len(completion),
+                    reward=task.grade(prompt, codec.decode_completion(completion)).reward,
+                )
+        return body
+
+    async def go(client: TestClient) -> list[tuple[int, str]]:
+        auth = await register(client)
+        out = []
+        for forge in ("prompt", "reward", None):
+            body = honest(await lease(client, auth))
+            if forge == "prompt":
+                body["groups"][0]["samples"][1]["prompt_ids"] = [5, 6, 7]
+            elif forge == "reward":
+                body["groups"][1]["samples"][0]["reward"] = 1e6
+            resp = await client.post("/v1/submit", json=body, headers=auth)
+            out.append((resp.status, (await resp.json()).get("error", "ok")))
+        return out
+
+    got, stats = run(go, node)
+    assert got == [(422, "prompt_mismatch"), (422, "reward_mismatch"), (200, "ok")]
+    assert stats.rejected_by_reason == {"prompt_mismatch": 1, "reward_mismatch": 1}
+    assert stats.admitted == 4  # the honest submission's 2 groups x 2 samples

@@ -48,6 +48,7 @@ REASONS = (
     "wrong_worker",
     "replay",
     "prompt_mismatch",
+    "reward_mismatch",
 )
 # Reasons the HTTP layer adds for what never reaches the validator.
 HTTP_REASONS = ("auth", "malformed")

@@ -1,13 +1,16 @@
 """Intake of the learner node: a worker's submission -> validated trajectories in the store.
 
 Validation (``data/submission.py``, the protocol's codec) checks the body against the run's limits
-and the newest published version; the store checks the lease (exists, this worker's, not answered
-before, same prompts) and applies the admission rule at the learner's current version. Every refusal
+and the newest published version; the verifier (``verify.py``, off the event loop) checks that each
+sample answers the leased prompt with its own tokens and earned the reward it claims; the store checks
+the lease (exists, this worker's, not answered before, same prompts) and applies the admission rule
+at the learner's current version. Every refusal
 is counted by reason in the store (``store/rejected/<reason>``); an admission wakes the learner loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -16,6 +19,7 @@ from echo2.data.store import SubmitResult, TrajectoryStore
 from echo2.data.submission import Rejected, SubmissionLimits, validate_submission
 from echo2.protocol import SubmitRequest
 from echo2.runtime.registry import WorkerRecord
+from echo2.runtime.verify import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +51,24 @@ class Intake:
         version: Callable[[], int],
         published: Callable[[], int],
         clock: Callable[[], float],
+        verifier: Verifier | None = None,
     ) -> None:
         self.store = store
+        self.verifier = verifier  # None: prompts and rewards are taken as claimed (tests without a model)
         self.limits = limits
         self.version = version  # the learner's v_t (the trainer's)
         self.published = published  # newest published snapshot version (-1 before the first)
         self.clock = clock
         self.data_ready: Callable[[], None] = lambda: None  # the learner loop's wake-up
 
-    def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
-        """Validate and store one submission of ``rec``; :class:`Rejected` (already counted) if refused."""
+    async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
+        """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if
+        refused."""
         try:
             sub = validate_submission(body, self.limits, self.published())
+            if self.verifier is not None and self.store.lease_owner(sub.lease_id) == rec.worker_id:
+                prompts = self.store.lease_prompts(sub.lease_id)  # the store's own thread
+                await asyncio.to_thread(self.verifier.check, prompts, sub)
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock())
         except Rejected as exc:
             self.store.record_rejection(exc.reason)

@@ -190,6 +190,7 @@ class AsyncLearner:
         from echo2.runtime.node import assemble, worker_settings
         from echo2.runtime.registry import WorkerRegistry
         from echo2.runtime.routes import Identity
+        from echo2.runtime.verify import Verifier
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.policy
         self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
@@ -225,6 +226,7 @@ class AsyncLearner:
             int(policy.model.config.vocab_size),
             lambda: self.trainer.version,
             self.clock,
+            Verifier(policy.codec, self.task),
         )
         self.registry, self.pool, self.broker, self.snapshots = (
             parts.registry,

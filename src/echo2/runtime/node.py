@@ -25,6 +25,7 @@ from echo2.runtime.pool import Pool
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
+from echo2.runtime.verify import Verifier
 
 
 @dataclass
@@ -62,6 +63,7 @@ def assemble(
     vocab_size: int,
     version: Callable[[], int],
     clock: Callable[[], float],
+    verifier: Verifier | None = None,
 ) -> NodeParts:
     """The serving parts of a learner node over ``store`` and ``registry`` (which the broadcast
     ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
@@ -89,7 +91,9 @@ def assemble(
         pool.is_active,
         clock,
     )
-    intake = Intake(store, submission_limits(cfg, vocab_size), version, lambda: snapshots.version, clock)
+    intake = Intake(
+        store, submission_limits(cfg, vocab_size), version, lambda: snapshots.version, clock, verifier
+    )
     routes = Routes(
         registry,
         pool,

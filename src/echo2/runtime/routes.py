@@ -146,7 +146,7 @@ class Routes:
         rec = self._auth(request)
         body = _parse(SubmitRequest, await request.read())
         try:
-            result = self.intake.accept(rec, body)
+            result = await self.intake.accept(rec, body)
         except Rejected as exc:  # counted by the intake
             return _reply(ErrorReply(error=exc.reason, detail=exc.detail), status=exc.http_status)
         reply = SubmitReply(admitted=result.admitted, dropped_stale=result.dropped_stale)

@@ -294,3 +294,38 @@ def test_background_sinks_get_every_record_in_order_and_close_drains_them(tmp_pa
     assert time.perf_counter() - t0 < 0.1  # ten 20 ms logs did not run on this thread
     rd.close()
     assert [r["step"] for r in slow.records] == list(range(10)) and slow.thread == "echo2-sinks"
+
+
+def test_a_checkpoint_is_whole_on_disk_or_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints are written to a temporary directory, fsynced and renamed: a save that dies midway
+    leaves the previous checkpoint the newest, and its leftover is cleared by the next save."""
+    import os
+
+    from echo2.runtime.rundir import STATE_FILE, latest_checkpoint
+
+    class Policy:
+        def save(self, path: Path) -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "model.safetensors").write_bytes(b"weights")
+
+    class Dies:
+        def state_dict(self) -> dict[str, Any]:
+            raise OSError("disk full")
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(str(fd)), real_fsync(fd))[1])
+    run = tmp_path / "run"
+    rd = RunDir(run, {})
+    first = Path(rd.save_checkpoint("step_000010", Policy(), 10))
+    assert latest_checkpoint(run) == first and (first / STATE_FILE).is_file()
+    assert len(synced) >= 4  # two files, the checkpoint directory, its parent after the rename
+    with pytest.raises(OSError, match="disk full"):
+        rd.save_checkpoint("step_000020", Policy(), 20, optimizer=Dies())
+    assert latest_checkpoint(run) == first  # the torn save is not a checkpoint
+    assert not (run / "checkpoints" / "step_000020").exists()
+    assert any(p.name.startswith(".tmp-") for p in (run / "checkpoints").iterdir())
+    rd.save_checkpoint("step_000030", Policy(), 30)
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step_000010", "step_000030"]  # the leftover is gone
+    rd.close()

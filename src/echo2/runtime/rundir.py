@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import shutil
 import threading
@@ -36,6 +37,30 @@ RUN_FILES = (
 )
 RUN_DIRS = ("checkpoints", "workers", *TRACKER_DIRS)
 SINK_DRAIN_S = 60.0  # at close, wait this long for the trackers to take the records still queued
+
+
+TMP_PREFIX = ".tmp-"  # a checkpoint being written (never matched by ``step_*``)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory (children before parents)."""
+    dirs = [root]
+    for p in sorted(root.rglob("*")):
+        if p.is_dir():
+            dirs.append(p)
+        else:
+            with p.open("rb") as fh:
+                os.fsync(fh.fileno())
+    for d in reversed(dirs):
+        _fsync_dir(d)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -103,14 +128,24 @@ class RunDir:
 
     def save_checkpoint(self, name: str, policy: Any, version: int, optimizer: Any = None) -> str:
         """Weights + tokenizer, the version (and the optimizer state when given) under
-        ``checkpoints/<name>``; older ``step_*`` directories are pruned. Returns the path."""
+        ``checkpoints/<name>``, crash-consistently: written to a temporary directory, every file and
+        the directory fsynced, then renamed into place and the parent fsynced, so a checkpoint either
+        exists whole on disk or not at all (the caller prunes the trajectories it covers only after
+        this returns). Older ``step_*`` directories are pruned. Returns the path."""
         path = self.checkpoint_dir(name)
-        policy.save(path)
+        tmp = self.checkpoints / f"{TMP_PREFIX}{name}"
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover of this very name
+        policy.save(tmp)
         if optimizer is not None:
             import torch
 
-            torch.save(optimizer.state_dict(), path / OPTIM_FILE)
-        (path / STATE_FILE).write_text(json.dumps({"version": version}) + "\n")
+            torch.save(optimizer.state_dict(), tmp / OPTIM_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({"version": version}) + "\n")
+        _fsync_tree(tmp)
+        if path.exists():  # the same name again (a resumed run saving the step it resumed from)
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync_dir(self.checkpoints)
         self.prune_checkpoints()
         return str(path)
 
@@ -120,6 +155,8 @@ class RunDir:
         for old in steps[: -self.keep_checkpoints]:
             if old.name != protect:
                 shutil.rmtree(old, ignore_errors=True)
+        for torn in self.checkpoints.glob(f"{TMP_PREFIX}*"):  # checkpoints a crash left half-written
+            shutil.rmtree(torn, ignore_errors=True)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -52,6 +52,7 @@ kept), results/deltas.png (bytes) and results/deltas_accuracy.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -159,21 +160,10 @@ def synthetic_batch(model: Any, rng: random.Random, shape: dict[str, int], pad_i
     model.eval()
     with torch.no_grad():
         logp = completion_logprobs(model, packed, temperature=1.0)
-    out = []
-    for i, t in enumerate(trajs):
-        lp = tuple(float(x) for x in logp[i, : len(t.completion_ids)])
-        out.append(
-            Trajectory(
-                prompt_id=t.prompt_id,
-                group_id=t.group_id,
-                prompt_ids=t.prompt_ids,
-                completion_ids=t.completion_ids,
-                sampler_logprobs=lp,
-                reward=t.reward,
-                policy_version=t.policy_version,
-            )
-        )
-    return out
+    return [
+        dataclasses.replace(t, sampler_logprobs=tuple(float(x) for x in logp[i, : len(t.completion_ids)]))
+        for i, t in enumerate(trajs)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -414,26 +404,9 @@ def study_accuracy(out: Path, seeds: list[int], steps: int = ACCURACY_STEPS) -> 
         scores = {}
         for side, extra in (("full_fp32", FULL_FP32), ("deltas_bf16", ())):
             d = runs / f"{side}_seed{seed}"
-            rt.echo2(
-                "run",
-                "--steps",
-                str(steps),
-                "--seed",
-                str(seed),
-                "--run-dir",
-                str(d),
-                "--set",
-                "train.max_minutes=30",
-                "--set",
-                "train.eval_every=50",
-                "--set",
-                "train.eval_size=512",
-                *extra,
-                log_to=d.with_suffix(".log"),
-            )
+            rt.scored_run(d, steps, seed, *extra)
             rows = rt.steps_of(d)
-            st = json.loads((d / "config.json").read_text())["staleness"]
-            kappa = st["kappa"] or max(1, st["S"] - 1)  # a record carries the newest publication's
+            kappa = run_kappa(d)  # a record carries the newest publication's metrics: one per kappa
             pubs = [r for r in rows if "broadcast/publication_bytes" in r and r["step"] % kappa == 0]
             scores[side] = rt.smoothed_final(d)
             reports = [worker_report(p) for p in sorted((d / "workers").glob("*.log"))]
@@ -475,6 +448,13 @@ def study_accuracy(out: Path, seeds: list[int], steps: int = ACCURACY_STEPS) -> 
     )
     res["compute_met"] = max(res["publish_over_t_train"], res["install_over_t_train"]) <= COMPUTE_SHARE
     return res
+
+
+def run_kappa(run_dir: Path) -> int:
+    """The publication period of a finished run, from its config.json."""
+    from echo2.config import StalenessConfig
+
+    return StalenessConfig(**json.loads((run_dir / "config.json").read_text())["staleness"]).effective_kappa
 
 
 def worker_report(log: Path) -> dict[str, Any]:
@@ -590,8 +570,9 @@ def study_links(out: Path, seed: int = 0, steps: int = LINK_STEPS) -> dict[str, 
         t_train = statistics.median(r["learner/t_train_s"] for r in steady)
         t_bcast = statistics.median(r["broadcast/t_bcast_s"] for r in steady if "broadcast/t_bcast_s" in r)
         per_worker = statistics.median(r["pool/mu_pool"] / 2 for r in steady if r.get("pool/mu_pool"))
-        kappa = max(1, 3 - 1)
-        rollouts = 32 * 8
+        kappa = run_kappa(d)
+        batch = json.loads((d / "config.json").read_text())["batch"]
+        rollouts = batch["prompts"] * batch["group_size"]
         try:
             mu_min = capacity.mu_min(kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=rollouts)
             n_min: int | None = capacity.n_min(mu_min, per_worker)

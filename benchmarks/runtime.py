@@ -81,6 +81,30 @@ def echo2(*args: str, log_to: Path) -> None:
     (run_dir / "launched.json").write_text(json.dumps({"launched_unix": launched}))
 
 
+def scored_run(d: Path, steps: int, seed: int, *extra: str) -> Path:
+    """``echo2 run`` for a fixed number of steps, scored the way the accuracy studies score it: an
+    evaluation of 512 held-out problems every 50 steps (see :func:`smoothed_final`); ``extra`` are
+    further arguments. Returns the run directory."""
+    echo2(
+        "run",
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--run-dir",
+        str(d),
+        "--set",
+        "train.max_minutes=30",
+        "--set",
+        "train.eval_every=50",
+        "--set",
+        "train.eval_size=512",
+        *extra,
+        log_to=d.with_suffix(".log"),
+    )
+    return d
+
+
 def warm_start(seed: int) -> None:
     """Build (or find) the seed's warm-started checkpoint before either side of a comparison runs."""
     subprocess.run(
@@ -261,25 +285,7 @@ def study_staleness(
 
     def staleness_run(S: int, run_seed: int) -> Path:
         d = runs / (f"staleness_S{S}" if run_seed == seed else f"staleness_S{S}_seed{run_seed}")
-        echo2(
-            "run",
-            "--staleness",
-            str(S),
-            "--steps",
-            str(steps),
-            "--seed",
-            str(run_seed),
-            "--run-dir",
-            str(d),
-            "--set",
-            "train.max_minutes=30",
-            "--set",
-            "train.eval_every=50",
-            "--set",
-            "train.eval_size=512",
-            log_to=d.with_suffix(".log"),
-        )
-        return d
+        return scored_run(d, steps, run_seed, "--staleness", str(S))
 
     for S in values:
         warm_start(seed)

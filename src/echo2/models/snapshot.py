@@ -28,13 +28,6 @@ def snapshot_blob(model: Any) -> bytes:
     return encode_full(sampler_copy(model, "float32"))
 
 
-def install_blob(model: Any, blob: bytes | bytearray | memoryview) -> None:
-    """Load a safetensors snapshot (:func:`snapshot_blob`) into ``model`` in place."""
-    from safetensors.torch import load
-
-    install_weights(model, load(bytes(blob)))
-
-
 def install_weights(model: Any, tensors: Mapping[str, Any]) -> None:
     """Load ``tensors`` (name -> tensor, any float dtype: cast to the model's) into ``model`` in place;
     every parameter must be covered (tied ones through the tensor they share). Checks every name and
@@ -95,7 +88,7 @@ def tokenizer_from_skeleton(where: Path) -> Any:
 
 def model_from_skeleton(where: Path) -> Any:
     """The architecture of a skeleton directory's ``config.json`` with untrained weights, to be filled
-    by :func:`install_blob`."""
+    by :func:`install_weights`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

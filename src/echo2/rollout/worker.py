@@ -95,10 +95,9 @@ class RolloutWorker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
         self.counters = WorkerCounters()
-        self.installed = -1
         self.finished = False
         self.weights = WeightChain()  # the published weights being served, and staged installs
-        self._received: dict[int, Any] = {}  # version -> InstalledSnapshot the broadcast delivered
+        self._received: dict[int, Any] = {}  # version -> InstalledSnapshot delivered, not yet installed
         self._stage_lock = threading.Lock()  # one staging at a time (it reads and then swaps the weights)
         self._hb_rollouts = 0
         self._hb_busy = 0.0
@@ -183,6 +182,11 @@ class RolloutWorker:
         return reply
 
     # ---- snapshots ------------------------------------------------------------------------------------
+    @property
+    def installed(self) -> int:
+        """The version the worker serves (-1 before the first install)."""
+        return self.weights.version
+
     async def _fetch_snapshot(self) -> None:
         """Fetch the links from the installed version to the newest over HTTP (the patches after it, or
         the latest anchor and its patches), verify each against its signed manifest, and install."""
@@ -218,11 +222,8 @@ class RolloutWorker:
                 log.warning("install refused; v%d keeps serving: %s", self.installed, exc)
                 return False
             self.weights.commit(staged)
-            self.installed = staged.version
             self.counters.installs += 1
             self.counters.install_s += time.perf_counter() - t0
-            for v in [v for v in self._received if v <= staged.version]:
-                del self._received[v]
             return True
 
     def _install_pending(self) -> None:
@@ -260,10 +261,11 @@ class RolloutWorker:
                 continue
             self.node = node
             async for snap in node.snapshots():
+                # kept on this loop only (installs run in threads and just read it): nothing already
+                # installed, and nothing older than an anchor
+                floor = snap.manifest.version if snap.manifest.kind == "full" else self.installed + 1
+                self._received = {v: s for v, s in self._received.items() if v >= floor}
                 self._received[snap.manifest.version] = snap
-                if snap.manifest.kind == "full":  # an anchor: nothing older is needed any more
-                    for v in [v for v in self._received if v < snap.manifest.version]:
-                        del self._received[v]
                 if not self._engine_lock.locked():  # idle: switch now, else the generator switches next
                     await asyncio.to_thread(self._install_pending)
                 if self._gap:

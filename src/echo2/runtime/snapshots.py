@@ -57,7 +57,6 @@ class Encoded:
 
     blob: bytes
     lineage: Lineage
-    weights: dict[str, torch.Tensor]  # the published copy: the next patch's base
     full_bytes: int  # bytes of the weights in the publication dtype (what an anchor ships, about)
     encode_s: float  # seconds to copy, diff, compress and digest
 
@@ -70,8 +69,7 @@ class Snapshots:
         self.chain: list[Link] = []  # the latest anchor, then the patches published after it
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped
-        self._base: dict[str, torch.Tensor] | None = None  # the newest published weights
-        self._base_digest = ""
+        self._base: dict[str, torch.Tensor] | None = None  # the newest published weights (chain[-1])
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -123,7 +121,7 @@ class Snapshots:
     async def _publish_weights(self, version: int, weights: dict[str, torch.Tensor], t0: float) -> None:
         enc = await asyncio.to_thread(self.encode, weights)
         await self.publish(version, enc.blob, enc.lineage)
-        self._base, self._base_digest = enc.weights, enc.lineage.weights_digest
+        self._base = weights
         self.publication = {
             "broadcast/publication_bytes": float(len(enc.blob)),
             "broadcast/full_bytes": float(enc.full_bytes),
@@ -146,10 +144,11 @@ class Snapshots:
         if cfg.deltas and self._base is not None and len(self.chain) < cfg.anchor_every:
             patch = encode_patch(self._base, weights, cfg.zstd_level)
             if len(patch) <= cfg.max_patch_ratio * full_bytes:
-                lineage = Lineage("patch", self.version, self._base_digest, digest)
-                return Encoded(patch, lineage, weights, full_bytes, time.perf_counter() - t0)
+                base_digest = self.chain[-1].manifest["lineage"]["weights_digest"]
+                lineage = Lineage("patch", self.version, base_digest, digest)
+                return Encoded(patch, lineage, full_bytes, time.perf_counter() - t0)
         anchor = Lineage("full", weights_digest=digest)
-        return Encoded(encode_full(weights), anchor, weights, full_bytes, time.perf_counter() - t0)
+        return Encoded(encode_full(weights), anchor, full_bytes, time.perf_counter() - t0)
 
     async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> None:
         """Sign and announce ``blob`` as ``version`` (``lineage``: anchor or patch; default a full

@@ -215,12 +215,21 @@ class ChainError(ValueError):
     """A snapshot chain body is malformed; the message says what is wrong."""
 
 
-def encode_chain(links: Sequence[tuple[dict[str, Any], bytes | bytearray | memoryview]]) -> bytes:
-    """``GET /v1/snapshot`` body: magic, 8-byte header length, a JSON header naming each link's signed
-    manifest and size, then the links' bytes in order (each verified by the receiver against its
-    manifest; nothing here is trusted)."""
+Blob = bytes | bytearray | memoryview
+
+
+def chain_parts(links: Sequence[tuple[dict[str, Any], Blob]]) -> list[Blob]:
+    """``GET /v1/snapshot`` body, in the pieces a server writes one after the other (the links' bytes
+    as they are, never copied into one buffer: an anchor of a real model is GBs): magic, 8-byte header
+    length, a JSON header naming each link's signed manifest and size, then the links' bytes in order
+    (each verified by the receiver against its manifest; nothing here is trusted)."""
     header = json.dumps({"links": [{"manifest": m, "size": len(b)} for m, b in links]}).encode()
-    return b"".join([CHAIN_MAGIC, len(header).to_bytes(8, "big"), header, *(bytes(b) for _, b in links)])
+    return [CHAIN_MAGIC + len(header).to_bytes(8, "big") + header, *(b for _, b in links)]
+
+
+def encode_chain(links: Sequence[tuple[dict[str, Any], Blob]]) -> bytes:
+    """The whole body of :func:`chain_parts` as one bytes object (tests, small chains)."""
+    return b"".join(chain_parts(links))
 
 
 def decode_chain(body: bytes) -> list[tuple[dict[str, Any], memoryview]]:

@@ -35,7 +35,7 @@ from echo2.protocol import (
     SubmitRequest,
     VersionReply,
     WorkerSettings,
-    encode_chain,
+    chain_parts,
 )
 from echo2.runtime.intake import Intake
 from echo2.runtime.leases import LeaseBroker
@@ -167,9 +167,10 @@ class Routes:
             return _reply(VersionReply(version=None, manifest=None))
         return _reply(VersionReply(version=latest[0], manifest=latest[1]))
 
-    async def snapshot(self, request: web.Request) -> web.Response:
+    async def snapshot(self, request: web.Request) -> web.StreamResponse:
         """The links that take the caller's installed version (``?have=V``, default -1) to the newest:
-        the patches after V if the learner still holds them, else the latest anchor and its patches."""
+        the patches after V if the learner still holds them, else the latest anchor and its patches.
+        Streamed piece by piece: the learner never copies an anchor to answer."""
         self._auth(request)
         if self.snapshots.latest is None:
             raise _error(web.HTTPServiceUnavailable, "not_ready", "no snapshot published yet")
@@ -177,12 +178,15 @@ class Routes:
             have = int(request.query.get("have", "-1"))
         except ValueError:
             raise _error(web.HTTPBadRequest, "invalid", "have must be an integer version") from None
-        links = self.snapshots.chain_from(have)
-        return web.Response(
-            body=encode_chain([(link.manifest, link.blob) for link in links]),
-            content_type="application/octet-stream",
-            headers={VERSION_HEADER: str(self.snapshots.version)},
-        )
+        parts = chain_parts([(link.manifest, link.blob) for link in self.snapshots.chain_from(have)])
+        resp = web.StreamResponse(headers={VERSION_HEADER: str(self.snapshots.version)})
+        resp.content_type = "application/octet-stream"
+        resp.content_length = sum(len(p) for p in parts)
+        await resp.prepare(request)
+        for part in parts:
+            await resp.write(part)
+        await resp.write_eof()
+        return resp
 
     async def model(self, request: web.Request) -> web.Response:
         self._auth(request)

@@ -11,8 +11,9 @@ It keeps the **chain** (the latest anchor and the patches after it: the one prov
 published") for a worker that catches up over HTTP: the patches after the version it holds if they
 are in the chain, else the anchor and every patch (:meth:`chain_from`). Beyond the model it trains,
 the learner holds one full copy of the published weights (the previous publication, the base of the
-next patch) and the encoded anchor (bytes shared with the publisher, which also keeps the bytes of
-the version before the newest for workers in the middle of that transfer, ``keep_versions = 2``).
+next patch; a second, the new copy, while a publication is encoded) and the encoded anchor (bytes
+shared with the publisher, which also keeps the bytes of the version before the newest for workers in
+the middle of that transfer, ``keep_versions = 2``).
 
 It measures each publication's ``T_bcast``: the seconds until ``install_quorum(members, gamma)``
 workers acked the install (SPEC §3: a fraction ``q = 1/gamma``), in the background so training never

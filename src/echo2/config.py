@@ -294,6 +294,54 @@ class SnapshotConfig(_Section):
     zstd_level: int = Field(3, ge=1, le=19, description="zstandard level of patches")
 
 
+class SecurityConfig(_Section):
+    """What the learner checks of strangers' machines (``[security]``; docs/security.md)."""
+
+    tls: bool = Field(
+        True,
+        description="TLS on the API and broadcast planes with a certificate made for the run; workers "
+        "pin its fingerprint from the join string (false: plain text, for trusted networks only)",
+    )
+    check_fraction: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="share of submissions whose generation is re-checked (log-probs and seeded "
+        "Gumbel-max tokens recomputed with the claimed version's weights); 0 = never",
+    )
+    check_samples: int = Field(2, ge=1, description="completions re-checked per checked submission")
+    logprob_tolerance: float = Field(
+        0.05,
+        gt=0.0,
+        description="largest |claimed - recomputed| sampler log-prob of a token counted as numerical noise",
+    )
+    gumbel_tolerance: float = Field(
+        0.05,
+        gt=0.0,
+        description="a sampled token whose perturbed score is within this of the best (logit units) "
+        "is taken as the seeded draw (numerical noise near ties)",
+    )
+    max_token_misses: float = Field(
+        0.02,
+        ge=0.0,
+        lt=1.0,
+        description="share of a completion's tokens allowed to fail the checks before it is a forgery",
+    )
+    max_workers: int = Field(64, ge=1, description="registrations one join token may make in a run")
+    max_worker_share: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="largest share of the in-flight rollout budget one worker may hold",
+    )
+    max_usd_per_hour: float = Field(
+        100.0, gt=0.0, description="highest price a worker may register with (lower bound: above 0)"
+    )
+    max_rollouts_per_s: float = Field(
+        10000.0, gt=0.0, description="highest own throughput estimate a worker may register with"
+    )
+
+
 class RuntimeConfig(_Section):
     """The asynchronous three-plane runtime (``echo2 run`` / ``echo2 learner`` / ``echo2 worker``)."""
 
@@ -352,6 +400,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -542,7 +542,7 @@ def study_links(out: Path, seed: int = 0, steps: int = LINK_STEPS) -> dict[str, 
                                 "echo2.cli",
                                 "worker",
                                 "--join",
-                                f"http://{host}:18765",
+                                json.loads((d / "learner.json").read_text())["join"],  # URL + pin
                                 "--token",
                                 token,
                                 "--name",

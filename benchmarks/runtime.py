@@ -453,12 +453,15 @@ def study_bubble(out: Path, ns: list[int], throttle: float, minutes: float, warm
 T_TRAIN_S = 0.2  # the embedded default's measured seconds per update (results/learning.json)
 
 
-async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> dict[str, Any]:
+async def _serve_drain(
+    cfg: Any, seconds: float, warmup: float, tmp: Path, tls: bool = False
+) -> dict[str, Any]:
     """A learner node without training: the real parts (``runtime.node.assemble``: registry, pool,
     lease broker, intake, snapshots, routes), store and TCP broadcast, and a loop that takes each batch
     as soon as it is complete, while versions advance every ``T_TRAIN_S`` and a snapshot is published
     every kappa versions, the cadence of the real learner: the worker installs and relays snapshots as
-    often as in a run, but never waits for the learner to consume."""
+    often as in a run, but never waits for the learner to consume. ``tls``: both planes under a run
+    certificate the worker pins (``echo2.transport``), as a real learner serves them by default."""
     import time as _time
 
     from echo2.broadcast.factory import open_publisher
@@ -472,13 +475,15 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
     from echo2.runtime.node import assemble, worker_settings
     from echo2.runtime.registry import WorkerRegistry
     from echo2.runtime.routes import Identity
+    from echo2.transport import join_string, run_identity
 
     policy = load_checkpoint(starting_checkpoint(cfg))
+    cert = run_identity(tmp, ["127.0.0.1"]) if tls else None
     key, token, version = new_signing_key(), "bench-token-0123456789abcdef", [0]
     store = TrajectoryStore(tmp / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
     registry = WorkerRegistry(tmp, token, _time.time)
     pub = open_publisher(
-        "tcp", key, get_strategy("tree-pipelined"), 256 << 10, authorize=registry.may_join_broadcast
+        "tcp", key, get_strategy("tree-pipelined"), 256 << 10, authorize=registry.may_join_broadcast, tls=cert
     )
     broadcast = await pub.start()
     skeleton = skeleton_files(policy.source, policy.model, policy.tokenizer, tmp / "skeleton")
@@ -498,7 +503,7 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
     await parts.snapshots.publish(0, blob)
     ready = asyncio.Event()  # set on every admitted submission, as the real learner waits on it
     parts.intake.data_ready = ready.set
-    runner, port = await parts.routes.serve("127.0.0.1", 0)
+    runner, port = await parts.routes.serve("127.0.0.1", 0, cert.server_context() if cert else None)
     env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
     cmd = [
         sys.executable,
@@ -506,7 +511,7 @@ async def _serve_drain(cfg: Any, seconds: float, warmup: float, tmp: Path) -> di
         "echo2.cli",
         "worker",
         "--join",
-        f"http://127.0.0.1:{port}",
+        join_string(f"{'https' if cert else 'http'}://127.0.0.1:{port}", cert.fingerprint if cert else None),
         "--name",
         "bench",
     ]

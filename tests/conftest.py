@@ -30,9 +30,7 @@ def tiny_overrides(tmp_path) -> list[str]:
     ]
 
 
-@pytest.fixture
-def tiny_policy():
-    """A freshly initialised tiny embedded policy (no warm start)."""
+def _tiny_policy():
     from echo2.config import EmbeddedModelConfig
     from echo2.models.embedded import build_model, build_tokenizer
     from echo2.models.policy import Policy
@@ -41,3 +39,15 @@ def tiny_policy():
     cfg = EmbeddedModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
     model = build_model(cfg, tok, seed=0)
     return Policy(model, tok, tok.eos_token_id, tok.pad_token_id, False, "embedded")
+
+
+@pytest.fixture
+def tiny_policy():
+    """A freshly initialised tiny embedded policy (no warm start)."""
+    return _tiny_policy()
+
+
+@pytest.fixture(scope="module")
+def tiny_policy_module():
+    """The same, shared by a module's tests (which must not change it)."""
+    return _tiny_policy()

@@ -28,6 +28,7 @@ from typing import Any
 from echo2.broadcast.manifest import new_signing_key, synthetic_snapshot
 from echo2.broadcast.registry import get_strategy
 from echo2.physics.rules import install_quorum
+from echo2.transport import run_identity
 from echo2_bench import BENCHMARKS_DIR
 from echo2_bench.faults import Faults
 from echo2_bench.netns import HarnessError, NetnsTopology
@@ -55,6 +56,7 @@ class Scenario:
     load: bool = True  # workers parse the installed safetensors blob before acking
     rate_match: bool = True  # tell the learner B0 and B_w so tree strategies rate-match their stripes
     pace: float = 0.0  # netns: nodes also pace their uplink at pace * link rate in the app (0 = off)
+    tls: bool = False  # TLS on every connection: the learner's run certificate, pinned; peers' ephemeral
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,10 @@ class Harness:
             learner_args += ["--b0-bps", str(sc.b0_bps), "--bw-bps", str(sc.bw_bps)]
         if b0 and (topo is None or sc.pace):
             learner_args += ["--uplink-bps", str(b0 * (sc.pace if topo is not None else 1.0))]
+        pin: list[str] = []
+        if sc.tls:  # the run certificate is made here, so every worker can be handed its pin at start
+            learner_args += ["--tls-dir", str(run_dir)]
+            pin = ["--pin", run_identity(run_dir, [host]).fingerprint]
         t0 = time.monotonic()
         try:
             learner = self._spawn(0, learner_args, env, run_dir / "learner.log")
@@ -210,7 +216,7 @@ class Harness:
                     "--stall-timeout", str(sc.stall_timeout), "--max-bad-chunks", str(sc.max_bad_chunks),
                     "--die-at", str(f.die_at), "--stall-at", str(f.stall_at),
                     "--corrupt-every", str(f.corrupt_every), "--expect-digest", expect_digest,
-                    "--out", str(run_dir / f"w{i:03d}.json"), *common,
+                    "--out", str(run_dir / f"w{i:03d}.json"), *common, *pin,
                 ]  # fmt: skip
                 if sc.load:
                     wargs.append("--load")

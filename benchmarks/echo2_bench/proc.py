@@ -4,7 +4,8 @@ The harness (netns or loopback) starts one learner and N workers with these (``b
 ``PYTHONPATH``), reads the JSON each writes under ``--out``, and stops them by pid. The per-run key
 travels in ``ECHO2_BCAST_KEY`` (the learner gets the Ed25519 key pair, workers only its public half),
 not argv. Both ends use the product classes; the only benchmark logic is the fault flags, which plug a
-:class:`~echo2_bench.faults.FaultTap` into the worker node.
+:class:`~echo2_bench.faults.FaultTap` into the worker node. With ``--tls-dir`` (learner: the run
+certificate there) and ``--pin`` (workers: its fingerprint) the plane runs under TLS, as in a run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.wire import Pacer
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.physics.rules import DEFAULT_GAMMA
+from echo2.transport import run_identity
 from echo2_bench.faults import Faults, FaultTap
 
 KEY_ENV = "ECHO2_BCAST_KEY"  # key_from_text form: the learner gets the key pair, workers the public key
@@ -42,6 +44,7 @@ async def run_learner(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
         key, strategy, a.chunk, host=a.host, port=a.port, uplink=_pacer(a.uplink_bps),
         serve_wait_timeout=a.timeout,
         link_rates=(a.b0_bps / 8, a.bw_bps / 8) if a.b0_bps and a.bw_bps else None,
+        tls=run_identity(Path(a.tls_dir), [a.host]) if a.tls_dir else None,
     )  # fmt: skip
     await pub.start()
     blob = synthetic_snapshot(a.size, seed=a.seed)
@@ -73,7 +76,7 @@ async def run_worker(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
     node = TcpWorkerNode(
         a.id, (host, int(port)), key, host=a.host, uplink=_pacer(a.uplink_bps),
         downlink=_pacer(a.downlink_bps), stall_timeout=a.stall_timeout, max_bad_chunks=a.max_bad_chunks,
-        tap=tap,
+        tap=tap, pin=a.pin or None,
     )  # fmt: skip
     await node.start(join_timeout=a.timeout)
     installs = []
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     lp.add_argument("--join-timeout", type=float, default=120.0)
     lp.add_argument("--b0-bps", type=float, default=0.0, help="known learner uplink (enables rate matching)")
     lp.add_argument("--bw-bps", type=float, default=0.0, help="known per-worker link (enables rate matching)")
+    lp.add_argument("--tls-dir", default="", help="serve TLS with the run certificate in this directory")
     wp = sub.add_parser("worker")
     wp.add_argument("--id", required=True)
     wp.add_argument("--learner", required=True, help="host:port")
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     wp.add_argument("--corrupt-every", type=int, default=0)
     wp.add_argument("--expect-digest", default="")
     wp.add_argument("--load", action="store_true")
+    wp.add_argument("--pin", default="", help="the learner certificate's SHA-256: TLS everywhere")
     for sp in (lp, wp):
         sp.add_argument("--host", default="127.0.0.1")
         sp.add_argument("--uplink-bps", type=float, default=0.0, help="application pacing, bits/s (0 = none)")

@@ -309,7 +309,7 @@ class SecurityConfig(_Section):
         description="share of submissions whose generation is re-checked (log-probs and seeded "
         "Gumbel-max tokens recomputed with the claimed version's weights); 0 = never",
     )
-    check_samples: int = Field(2, ge=1, description="completions re-checked per checked submission")
+    check_samples: int = Field(4, ge=1, description="completions re-checked per checked submission")
     logprob_tolerance: float = Field(
         0.05,
         gt=0.0,
@@ -328,12 +328,6 @@ class SecurityConfig(_Section):
         description="share of a completion's tokens allowed to fail the checks before it is a forgery",
     )
     max_workers: int = Field(64, ge=1, description="registrations one join token may make in a run")
-    max_worker_share: float = Field(
-        0.5,
-        gt=0.0,
-        le=1.0,
-        description="largest share of the in-flight rollout budget one worker may hold",
-    )
     max_usd_per_hour: float = Field(
         100.0, gt=0.0, description="highest price a worker may register with (lower bound: above 0)"
     )
@@ -379,7 +373,7 @@ class RuntimeConfig(_Section):
     )
     dashboard_port: int = Field(0, ge=0, lt=65536, description="dashboard + /metrics port; 0 = any free port")
     worker_usd_per_hour: float = Field(
-        0.35, ge=0.0, description="price local workers register with (RTX 5090)"
+        0.35, gt=0.0, description="price local workers register with (RTX 5090)"
     )
     learner_usd_per_hour: float = Field(12.24, ge=0.0, description="learner price for cost metrics (4x A100)")
     worker_max_rollouts_per_s: float | None = Field(

@@ -58,7 +58,7 @@ class RegisterRequest(BaseModel):
     token: str  # the run's join token, exchanged once for a per-worker credential
     name: Annotated[str, Field(min_length=1, max_length=64)] = "worker"  # shown in the registry
     hardware: Annotated[str, Field(max_length=128)] = ""  # free-text description (GPU model, ...)
-    usd_per_hour: NonNegFloat = 0.0  # this machine's price c_i
+    usd_per_hour: Annotated[float, Field(gt=0, allow_inf_nan=False)]  # this machine's price c_i (> 0)
     rollouts_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # own estimate
 
 
@@ -157,9 +157,12 @@ class LeaseGrant(BaseModel):
     group_size: int  # completions per prompt
     min_version: int  # generate with at least this version (else the groups are dropped as stale)
     expires_in_s: float  # after this the prompts are leased to someone else (a late answer still counts)
+    seed: int  # sample with seeded Gumbel-max under this seed: sample j of prompt i is row i*G + j
 
 
-LeaseRefusalReason = Literal["finished", "inactive", "stale_weights", "buffer_full", "too_many_leases"]
+LeaseRefusalReason = Literal[
+    "finished", "inactive", "stale_weights", "rolled_back", "buffer_full", "too_many_leases"
+]
 
 
 class LeaseRefusal(BaseModel):
@@ -168,7 +171,7 @@ class LeaseRefusal(BaseModel):
     kind: Literal["refusal"] = "refusal"
     reason: LeaseRefusalReason  # why no lease now
     retry_after_s: float  # ask again after this long
-    min_version: int | None = None  # with stale_weights: install at least this version first
+    min_version: int | None = None  # with stale_weights / rolled_back: install at least this version first
 
 
 LeaseReply = Annotated[LeaseGrant | LeaseRefusal, Field(discriminator="kind")]

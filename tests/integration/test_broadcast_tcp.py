@@ -204,7 +204,8 @@ def test_publisher_survives_junk_and_unknown_versions() -> None:
         r, w = await asyncio.open_connection(*pub.address)
         await write_frame(w, {"op": "get", "v": 99, "chunks": [0], "from": "x"})
         h = await read_header(r)
-        assert h["op"] == "error" and "unknown version 99" in h["reason"]
+        assert h["op"] == "error" and "refused: no credential" in h["reason"]  # asks for nothing without one
+        assert await r.read() == b""  # and the connection is closed
         r, w = await asyncio.open_connection(*pub.address)
         await write_frame(w, {"op": "join", "worker": "learner", "host": "h", "port": 1})
         assert await r.read() == b""
@@ -220,6 +221,7 @@ def test_publisher_survives_junk_and_unknown_versions() -> None:
 
 
 def test_worker_refuses_replayed_and_malformed_announcements() -> None:
+    from echo2.broadcast.access import issue
     from echo2.broadcast.manifest import build_manifest
     from echo2.broadcast.store import SnapshotBuffer, serve_get
 
@@ -245,10 +247,11 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
         every = list(range(manifest.n_chunks))
         ann = {
             "op": "announce", "manifest": manifest.to_dict(), "sources": [["learner", every]],
-            "peers": {"learner": list(addr)},
+            "peers": {"learner": list(addr)}, "credential": issue(KEY, 5, "w", "").to_dict(),
         }  # fmt: skip
         await write_frame(writer, {**ann, "manifest": "not a dict"})  # malformed
         await write_frame(writer, {**ann, "sources": [["ghost", [0]]]})  # source without an address
+        await write_frame(writer, {**ann, "credential": issue(KEY, 5, "v", "").to_dict()})  # someone else's
         await write_frame(writer, ann)  # good
         await write_frame(writer, ann)  # replay of the in-flight version
         got: dict[str, bytes] = {}
@@ -259,7 +262,7 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
         assert ack == {"op": "installed", "v": 5}
         await write_frame(writer, ann)  # replay of the installed version
         await asyncio.sleep(0.2)
-        assert node.counters.rejected_manifests == 4 and got == {"w": BLOB}
+        assert node.counters.rejected_manifests == 5 and got == {"w": BLOB}
         await node.close()
         server.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -175,7 +176,8 @@ def test_dashboard_in_a_browser_agrees_with_metrics(tmp_path):
 
     def worker(i: int, hardware: str, usd: str) -> subprocess.Popen[bytes]:
         env = {**os.environ, "ECHO2_JOIN_TOKEN": (run_dir / "join_token").read_text().strip()}
-        wargs = ["--join", f"http://127.0.0.1:{http}", "--name", f"w{i}", "--hardware", hardware]
+        join = json.loads((run_dir / "learner.json").read_text())["join"]  # the URL and its TLS pin
+        wargs = ["--join", join, "--name", f"w{i}", "--hardware", hardware]
         wargs += ["--usd-per-hour", usd, "--max-rollouts-per-s", "100"]
         p = _echo2("worker", *wargs, env=env, log=tmp_path / f"w{i}.log")
         started.append(p)

@@ -3,7 +3,8 @@ import torch
 
 from echo2.config import SamplingConfig
 from echo2.learner.grpo import token_logprobs
-from echo2.rollout.engines.hf import HFEngine, top_p_filter
+from echo2.rollout.engines.hf import HFEngine
+from echo2.rollout.sampling import top_p_filter
 
 
 def test_top_p_keeps_smallest_nucleus():

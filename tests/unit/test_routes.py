@@ -42,7 +42,7 @@ def make_node(tmp_path, *overrides: str, verifier: Any = None) -> SimpleNamespac
     n = SimpleNamespace(cfg=cfg, v=0)
     n.store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
     key = new_signing_key()
-    registry = WorkerRegistry(tmp_path, TOKEN, time.time)
+    registry = WorkerRegistry(tmp_path, TOKEN, time.time, cfg.security.max_workers)
     publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
     identity = Identity(
         worker_settings(cfg), key.verifier().to_text(), ("127.0.0.1", 1), {"config.json": "{}"}
@@ -112,7 +112,7 @@ def test_register_needs_the_join_token(tmp_path):
         missing = await client.post("/v1/register", json={"name": "x"})
         wrong = await client.post("/v1/register", json={"token": "nope", "name": "x"})
         bad_price = await client.post("/v1/register", json={"token": TOKEN, "name": "x", "usd_per_hour": -1})
-        ok = await client.post("/v1/register", json={"token": TOKEN, "name": "x"})
+        ok = await client.post("/v1/register", json={"token": TOKEN, "name": "x", "usd_per_hour": 0.35})
         return missing.status, wrong.status, bad_price.status, ok.status, await ok.json()
 
     node = make_node(tmp_path)
@@ -253,18 +253,29 @@ def test_heartbeat_validates_and_reports_activity(tmp_path):
     assert good["active"] is True and good["finished"] is False
     assert (future, garbage) == (422, 422)
     wid = next(iter(node.registry)).worker_id
-    assert node.pool.controller.measured_rate(wid) == pytest.approx(
-        16.0
-    )  # first measurement replaces the prior
+    # the heartbeat's claim of 8 rollouts is not believed: no rollout was admitted, the prior stands
+    assert node.pool.controller.measured_rate(wid) == pytest.approx(1.0)
 
 
 BAD_BODIES = [  # endpoint, body, (field named first in the detail, what it says of it)
-    ("register", {"token": TOKEN, "name": ""}, ("name", "at least 1 character")),
-    ("register", {"token": TOKEN, "usd_per_hour": -1}, ("usd_per_hour", "greater than or equal to 0")),
+    ("register", {"token": TOKEN, "usd_per_hour": 1.0, "name": ""}, ("name", "at least 1 character")),
+    ("register", {"token": TOKEN, "usd_per_hour": 0}, ("usd_per_hour", "greater than 0")),
     ("register", {"token": TOKEN, "usd_per_hour": True}, ("usd_per_hour", "a valid number")),
-    ("register", {"token": TOKEN, "rollouts_per_s": 0}, ("rollouts_per_s", "greater than 0")),
-    ("register", {"token": TOKEN, "hardware": "x" * 129}, ("hardware", "at most 128 characters")),
-    ("register", {"token": TOKEN, "gpu": "H100"}, ("gpu", "Extra inputs are not permitted")),
+    (
+        "register",
+        {"token": TOKEN, "usd_per_hour": 1.0, "rollouts_per_s": 0},
+        ("rollouts_per_s", "greater than 0"),
+    ),
+    (
+        "register",
+        {"token": TOKEN, "usd_per_hour": 1.0, "hardware": "x" * 129},
+        ("hardware", "at most 128 characters"),
+    ),
+    (
+        "register",
+        {"token": TOKEN, "usd_per_hour": 1.0, "gpu": "H100"},
+        ("gpu", "Extra inputs are not permitted"),
+    ),
     ("heartbeat", {"rollouts": -1, "busy_s": 0.5, "installed_version": 0}, ("rollouts", "greater than")),
     ("heartbeat", {"rollouts": True, "busy_s": 0.5, "installed_version": 0}, ("rollouts", "a valid integer")),
     ("heartbeat", {"rollouts": 8, "busy_s": "x", "installed_version": 0}, ("busy_s", "a valid number")),
@@ -333,7 +344,7 @@ def test_registry_survives_a_restart(tmp_path):
 
 def test_broadcast_membership_needs_the_workers_own_credential(tmp_path):
     async def body(client):
-        resp = await client.post("/v1/register", json={"token": TOKEN, "name": "a"})
+        resp = await client.post("/v1/register", json={"token": TOKEN, "name": "a", "usd_per_hour": 1.0})
         return await resp.json()
 
     node = make_node(tmp_path)
@@ -356,7 +367,7 @@ def test_the_protocol_models_parse_every_reply_the_routes_send(tmp_path):
     )
 
     async def body(client):
-        reg = await client.post("/v1/register", json={"token": TOKEN, "name": "w"})
+        reg = await client.post("/v1/register", json={"token": TOKEN, "name": "w", "usd_per_hour": 1.0})
         parsed = RegisterReply.model_validate_json(await reg.read())
         auth = {"Authorization": f"Bearer {parsed.credential}"}
         hb = await client.post(
@@ -419,7 +430,7 @@ def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
 
     codec = TextCodec(build_tokenizer(), False)
     task = build_task(load_config().task, 0)
-    node = make_node(tmp_path, verifier=Verifier(codec, task))
+    node = make_node(tmp_path, verifier=Verifier(codec, task, eos_id=1, max_new_tokens=4))
 
     def honest(lease: dict[str, Any]) -> dict[str, Any]:
         body = payload(lease)
@@ -437,19 +448,170 @@ def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
         return body
 
     async def go(client: TestClient) -> list[tuple[int, str]]:
-        auth = await register(client)
+        auth, other = await register(client), await register(client, "other")
         out = []
-        for forge in ("prompt", "reward", None):
-            body = honest(await lease(client, auth))
+        for forge in ("prompt", None, "reward", "after"):
+            body = honest(await lease(client, other if forge == "after" else auth))
             if forge == "prompt":
                 body["groups"][0]["samples"][1]["prompt_ids"] = [5, 6, 7]
             elif forge == "reward":
                 body["groups"][1]["samples"][0]["reward"] = 1e6
-            resp = await client.post("/v1/submit", json=body, headers=auth)
+            resp = await client.post("/v1/submit", json=body, headers=other if forge == "after" else auth)
             out.append((resp.status, (await resp.json()).get("error", "ok")))
+        refused = await client.post(
+            "/v1/lease", json={"max_prompts": 1, "installed_version": 0}, headers=auth
+        )
+        out.append((refused.status, (await refused.json())["error"]))
         return out
 
     got, stats = run(go, node)
-    assert got == [(422, "prompt_mismatch"), (422, "reward_mismatch"), (200, "ok")]
-    assert stats.rejected_by_reason == {"prompt_mismatch": 1, "reward_mismatch": 1}
-    assert stats.admitted == 4  # the honest submission's 2 groups x 2 samples
+    # a foreign prompt is refused; a forged reward is evidence of lying: the worker is quarantined
+    assert got == [
+        (422, "prompt_mismatch"),
+        (200, "ok"),
+        (422, "reward_mismatch"),
+        (200, "ok"),
+        (403, "quarantined"),
+    ]
+    assert stats.rejected_by_reason == {"prompt_mismatch": 1, "reward_mismatch": 1, "quarantined": 1}
+    assert stats.admitted == 8 and stats.purged == 4  # the liar's honest-looking groups are purged untrained
+    liar = next(r for r in node.registry if r.name == "w")
+    assert liar.quarantined.startswith("reward_mismatch") and node.pool.state(liar.worker_id) == "quarantined"
+    assert not node.registry.may_join_broadcast(liar.worker_id, "anything")
+    assert stats.size == 4  # what is left to train on is the other worker's alone
+
+
+def test_registrations_prices_and_rates_are_bounded(tmp_path):
+    """One join token makes at most security.max_workers registrations; a price must be > 0 and under
+    the run's limit, a claimed rate under its limit; every refusal is counted and enrols nobody."""
+
+    async def body(client):
+        async def reg(**fields: Any) -> tuple[int, str]:
+            resp = await client.post("/v1/register", json={"token": TOKEN, "usd_per_hour": 0.5, **fields})
+            return resp.status, (await resp.json()).get("error", "ok")
+
+        return [
+            await reg(usd_per_hour=0.0),
+            await reg(usd_per_hour=1e6),
+            await reg(rollouts_per_s=1e15),
+            await reg(name="a"),
+            await reg(name="b"),
+            await reg(name="c"),
+        ]
+
+    node = make_node(tmp_path, "security.max_workers=2", "security.max_usd_per_hour=50")
+    got, stats = run(body, node)
+    assert got == [
+        (422, "schema"),
+        (422, "invalid_price"),
+        (422, "invalid_rate"),
+        (200, "ok"),
+        (200, "ok"),
+        (403, "registration_cap"),
+    ]
+    assert len(node.registry) == 2
+    assert stats.rejected_by_reason == {
+        "schema": 1,
+        "invalid_price": 1,
+        "invalid_rate": 1,
+        "registration_cap": 1,
+    }
+
+
+def test_throughput_comes_from_admitted_rollouts_not_heartbeats(tmp_path):
+    """A heartbeat claiming 1e15 rollouts moves nothing; admitted rollouts over the generating time it
+    reports (never less than half the wall time since the last sample) make the measured rate."""
+    clock = [1000.0]
+
+    async def body(client):
+        liar, honest = await register(client, "liar"), await register(client, "honest")
+        big = {"rollouts": 10**15, "busy_s": 1e-9, "installed_version": 0}
+        await client.post("/v1/heartbeat", json=big, headers=liar)
+        le = await lease(client, honest)
+        resp = await client.post("/v1/submit", json=payload(le), headers=honest)
+        assert resp.status == 200, await resp.text()
+        clock[0] += 4.0
+        hb = {"rollouts": 0, "busy_s": 0.5, "installed_version": 0}  # claims 0.5 s for 4 rollouts
+        await client.post("/v1/heartbeat", json=hb, headers=honest)
+        await client.post("/v1/heartbeat", json=big, headers=liar)
+
+    node = make_node(tmp_path, "controller.replace_prior=true")
+    node.pool.clock = node.registry.clock = lambda: clock[0]
+    run(body, node)
+    rates = {r.name: node.pool.controller.measured_rate(r.worker_id) for r in node.registry}
+    assert rates["liar"] == pytest.approx(1.0)  # its prior: nothing it submitted was admitted
+    assert rates["honest"] == pytest.approx(4 / 2.0)  # 4 admitted over max(0.5 claimed, 0.5 * 4 s wall)
+
+
+def test_claimed_versions_and_completion_shapes_are_checked(tmp_path):
+    """A version older than the worker held at lease time, and a completion that is neither EOS-ended
+    nor max_new_tokens long, are refused (not evidence: nobody is quarantined for them)."""
+    from echo2.models.embedded import build_tokenizer
+    from echo2.models.policy import TextCodec
+    from echo2.runtime.verify import Verifier
+
+    codec = TextCodec(build_tokenizer(), False)
+    task = build_task(load_config().task, 0)
+
+    async def body(client):
+        auth = await register(client)
+        await client.post(
+            "/v1/heartbeat", json={"rollouts": 0, "busy_s": 0.0, "installed_version": 1}, headers=auth
+        )
+        out = []
+        for case in ("deflated", "truncated", "after_eos"):
+            le = await lease(client, auth, installed=1)
+            sub = payload(le, version=0 if case == "deflated" else 1)
+            for g, p in zip(sub["groups"], le["prompts"], strict=True):
+                for s in g["samples"]:
+                    s["prompt_ids"] = codec.encode_prompt(p["text"])
+                    s["completion_ids"] = {"truncated": [5, 6], "after_eos": [5, 1, 6]}.get(case, [5, 1])
+                    s["sampler_logprobs"] = [-0.5] * len(s["completion_ids"])
+                    s["reward"] = 0.0
+            resp = await client.post("/v1/submit", json=sub, headers=auth)
+            out.append((resp.status, (await resp.json()).get("error", "ok")))
+        return out
+
+    node = make_node(tmp_path, verifier=Verifier(codec, task, eos_id=1, max_new_tokens=4))
+    node.v = 1
+
+    async def publish_1(client):
+        await node.snapshots.publish(1, b"blob1")
+        return await body(client)
+
+    got, _ = run(publish_1, node)
+    assert got == [(422, "version_mismatch"), (422, "completion_shape"), (422, "completion_shape")]
+    assert not any(r.quarantined for r in node.registry)
+
+
+def test_the_prompt_source_resumes_where_the_checkpoint_left_it():
+    """A resumed run draws the prompts it would have drawn next (not the run's first ones again), and
+    the prompts of expired leases waiting to be re-issued are kept."""
+    from echo2.runtime.leases import PromptSource
+
+    task = build_task(load_config().task, 0)
+    a = PromptSource(task, seed=3)
+    a.take(5)
+    a.reissue.extend(a.take(2))
+    saved = json.loads(json.dumps(a.state()))  # what the checkpoint's state.json holds
+    b = PromptSource(task, seed=3)
+    b.restore(saved)
+    assert b.take(6) == a.take(6)  # the two re-issued prompts, then the same fresh draws
+    fresh = PromptSource(task, seed=3)
+    fresh.restore(None)  # a checkpoint from before the state was kept
+    assert fresh.take(3) == PromptSource(task, seed=3).take(3)
+
+
+def test_weights_newer_than_the_learner_are_refused_as_rolled_back(tmp_path):
+    """After a learner restarts from an older checkpoint, a worker still holding a version published
+    before the crash is told to drop it: the same number will name other weights."""
+
+    async def body(client):
+        auth = await register(client)
+        resp = await client.post("/v1/lease", json={"max_prompts": 1, "installed_version": 5}, headers=auth)
+        return await resp.json()
+
+    node = make_node(tmp_path)
+    node.v = 3
+    refusal, _ = run(body, node)
+    assert refusal["kind"] == "refusal" and refusal["reason"] == "rolled_back"

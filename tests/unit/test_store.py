@@ -211,9 +211,13 @@ def test_rejected_http_status_and_label():
 
 
 def test_issue_submit_take_roundtrip(store):
-    lease = store.issue_lease("w1", prompts("a", "b"), now=0.0, ttl_s=60.0)
-    assert store.lease_owner(lease) == "w1" and store.lease_owner("nope") is None
-    assert store.lease_prompts(lease) == prompts("a", "b")
+    lease = store.issue_lease(
+        "w1", prompts("a", "b"), now=0.0, ttl_s=60.0, seed=2**53 - 1, installed_version=3
+    )
+    info = store.lease(lease)
+    assert info is not None and store.lease("nope") is None
+    assert (info.worker_id, info.state, info.seed, info.installed_version) == ("w1", "open", 2**53 - 1, 3)
+    assert info.prompts == prompts("a", "b")
     sub = validate_submission(body(lease, ["a", "b"], version=1), LIMITS, latest_published=1)
     res = store.submit(sub, "w1", learner_version=1, now=1.0)
     assert (res.admitted, res.dropped_stale) == (2 * G, 0)
@@ -255,8 +259,6 @@ def test_wrong_worker_unknown_lease_prompt_mismatch(store):
     short = validate_submission(body(lease, ["a"]), LIMITS, latest_published=0)
     with pytest.raises(Rejected, match="prompt_mismatch: groups: 1 groups for a lease of 2 prompts"):
         store.submit(short, "w1", learner_version=0, now=1.0)
-    with pytest.raises(Rejected, match="unknown_lease"):
-        store.lease_prompts("nope")
     # none of the rejections touched the lease: the right worker can still submit it
     st = store.stats()
     assert (st.admitted, st.leases_open) == (0, 1)
@@ -353,7 +355,8 @@ def test_reopen_keeps_buffer_and_counters(tmp_path):
     s = TrajectoryStore(path, staleness=2, group_size=G)
     assert s.stats() == before
     assert before.rejected_by_reason == {"schema": 1, "auth": 1} and before.size == G
-    assert s.lease_prompts(open_lease) == prompts("z") and s.lease_owner(open_lease) == "w2"
+    reopened = s.lease(open_lease)
+    assert reopened is not None and reopened.prompts == prompts("z") and reopened.worker_id == "w2"
     with pytest.raises(Rejected, match="replay"):
         s.submit(sub_a, "w1", learner_version=0, now=5.0)
     assert s.take_batch(1, 0, step=2) == list(sub_c.groups)  # consumed groups are not returned again
@@ -420,7 +423,7 @@ def test_expire_leases_and_late_submission(store):
     assert store.expire_leases(now=100.0) == prompts("c")
     st = store.stats()
     assert (st.leases_expired, st.leases_open, st.admitted) == (2, 0, 2 * G)
-    assert store.lease_owner(other) == "w2"
+    assert store.lease(other).worker_id == "w2"  # type: ignore[union-attr]
 
 
 def test_outstanding_rollouts(store):
@@ -447,8 +450,72 @@ def test_stats_metrics_keys(store):
         "store/admitted",
         "store/dropped_stale",
         "store/rejected",
+        "store/purged",
         "store/rejected/token_range",
     }
     assert isinstance(store.stats(), StoreStats)
     with pytest.raises(ValueError):
         store.record_rejection("bad label!")
+
+
+# --- quarantine, rejection counting, migration ---------------------------------------------------------
+
+
+def test_purge_worker_takes_back_its_buffered_groups_and_leases_only(store):
+    submit_lease(store, ["a"], worker="liar")
+    submit_lease(store, ["b"], worker="honest")
+    submit_lease(store, ["c"], worker="liar")
+    assert store.take_batch(1, 0, step=1) is not None  # "a" (the liar's) was trained on before the purge
+    store.issue_lease("liar", prompts("d", "e"), now=0.0, ttl_s=60.0)
+    purged, back = store.purge_worker("liar")
+    assert purged == G and [p.prompt_id for p in back] == ["d", "e"]  # "c" purged, its open lease back
+    st = store.stats()
+    assert st.purged == G and st.leases_open == 0 and st.metrics()["store/purged"] == G
+    batch = store.take_batch(1, 0, step=2)
+    assert batch is not None and batch[0][0].prompt_id == "b"  # only the honest group is left
+    assert store.take_batch(1, 0, step=3) is None
+    assert store.requeue_after(0) == 2  # a restart requeues what was trained on, never what was purged
+    assert store.purge_worker("nobody") == (0, [])
+
+
+def test_rejections_cost_no_transaction_each_and_survive_a_reopen(tmp_path, monkeypatch):
+    s = TrajectoryStore(tmp_path / "store.db", staleness=2, group_size=G)
+    begun = []
+    real_tx = s._tx
+
+    def counting_tx():
+        begun.append(1)
+        return real_tx()
+
+    monkeypatch.setattr(s, "_tx", counting_tx)
+    for _ in range(100):
+        s.record_rejection("auth")
+    assert begun == [] and s.stats().rejected_by_reason == {"auth": 100}  # counted, not yet written
+    s.issue_lease("w", prompts("a"), now=0.0, ttl_s=1.0)  # the next transaction writes them
+    assert len(begun) == 1
+    s.record_rejection("malformed")
+    s.close()  # and closing writes the rest
+    reopened = TrajectoryStore(tmp_path / "store.db", staleness=2, group_size=G)
+    assert reopened.stats().rejected_by_reason == {"auth": 100, "malformed": 1}
+    reopened.close()
+
+
+def test_a_version_2_store_gains_the_lease_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    s = TrajectoryStore(path, staleness=2, group_size=G)
+    lease, _ = submit_lease(s, ["a"])
+    s.close()
+    db = sqlite3.connect(path)  # make it what the previous release wrote
+    db.executescript(
+        "CREATE TABLE l2 AS SELECT lease_id, worker_id, state, issued_at, expires_at, submitted_at, "
+        "n_prompts, prompts FROM leases; DROP TABLE leases; ALTER TABLE l2 RENAME TO leases; "
+        "PRAGMA user_version = 2;"
+    )
+    db.close()
+    s = TrajectoryStore(path, staleness=2, group_size=G)
+    info = s.lease(lease)
+    assert info is not None and (info.seed, info.installed_version, info.state) == (0, -1, "submitted")
+    assert s.stats().admitted == G
+    s.close()

@@ -4,6 +4,8 @@
 chunks to its peers); ``memory`` is the in-process hub (tests, the minimal example, single-process
 runs), whose publisher is also its own address. Both verify every manifest and blob before a worker
 sees a snapshot, and both implement ``broadcast.api``'s ``SnapshotPublisher`` / ``SnapshotReceiver``.
+Over TCP, ``tls`` (the run's certificate, ``echo2.transport``) puts the plane under TLS, and each
+receiver pins its fingerprint (``pin``); the in-memory hub never leaves the process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.strategy import Strategy
 from echo2.broadcast.worker import TcpWorkerNode
+from echo2.transport import TlsIdentity
 
 BroadcastKind = Literal["tcp", "memory"]
 PublisherAddress = tuple[str, int] | InMemoryHub  # where receivers join: host and port, or the hub itself
@@ -32,13 +35,16 @@ def open_publisher(
     port: int = 0,
     advertise_host: str | None = None,
     authorize: Callable[[str, object], bool] | None = None,
+    tls: TlsIdentity | None = None,
 ) -> SnapshotPublisher:
-    """The learner's end of the broadcast plane (call ``await start()`` before publishing)."""
+    """The learner's end of the broadcast plane (call ``await start()`` before publishing); ``tls``
+    None means plain TCP."""
     if kind == "memory":
         return InMemoryHub(key, chunk_size)
     return TcpPublisher(
-        key, strategy, chunk_size, host=host, port=port, advertise_host=advertise_host, authorize=authorize
-    )
+        key, strategy, chunk_size, host=host, port=port, advertise_host=advertise_host, authorize=authorize,
+        tls=tls,
+    )  # fmt: skip
 
 
 def open_receiver(
@@ -49,11 +55,13 @@ def open_receiver(
     credential: str | None = None,
     host: str = "127.0.0.1",
     advertise_host: str | None = None,
+    pin: str | None = None,
 ) -> SnapshotReceiver:
     """A worker's end: joins ``publisher`` (call ``await start(join_timeout)``), yields verified
-    snapshots and, over TCP, relays chunks to peers from ``host`` (``advertise_host`` is what they dial)."""
+    snapshots and, over TCP, relays chunks to peers from ``host`` (``advertise_host`` is what they dial);
+    ``pin`` (the learner certificate's fingerprint) puts every connection under TLS."""
     if isinstance(publisher, InMemoryHub):
         return publisher.receiver(worker_id)
     return TcpWorkerNode(
-        worker_id, publisher, key, host=host, advertise_host=advertise_host, credential=credential
+        worker_id, publisher, key, host=host, advertise_host=advertise_host, credential=credential, pin=pin
     )

@@ -4,6 +4,12 @@ One TCP port serves two kinds of connection, told apart by the first frame:
 ``join`` (a worker's long-lived control connection: membership, announcements, install acks) and
 ``get`` (a pull stream of chunks). A worker is a member while its control connection is open, so
 workers join the topology of the next version and leave at any time.
+
+With a TLS identity (``tls``: the run's certificate, ``echo2.transport``) the port speaks TLS only;
+workers pin its fingerprint. A worker's join names the fingerprint of its own relay certificate, and
+every announcement hands each member the addresses *and* fingerprints of the peers it pulls from, the
+members it serves (``serve``) and its credential for the version (``access.py``), which a ``get``
+must carry: the learner is the only party that vouches for who is who.
 """
 
 from __future__ import annotations
@@ -14,13 +20,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
 from echo2.broadcast.api import BroadcastStats
 from echo2.broadcast.manifest import Lineage, Manifest, ManifestKey, as_key, build_manifest
 from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
 from echo2.broadcast.strategy import LEARNER, Strategy
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, write_frame
 from echo2.errors import Echo2Error
+from echo2.transport import HANDSHAKE_TIMEOUT_S, TlsIdentity, normalize_pin
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +38,7 @@ log = logging.getLogger(__name__)
 class _Member:
     worker: str  # worker id, unique among live members
     addr: tuple[str, int]  # where its chunk server listens
+    cert: str  # SHA-256 fingerprint of its chunk server's certificate ("" without TLS)
     writer: asyncio.StreamWriter  # control connection
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises control frames
 
@@ -60,6 +70,7 @@ class TcpPublisher:
         keep_versions: int = 2,
         link_rates: tuple[float, float] | None = None,
         authorize: Callable[[str, object], bool] | None = None,
+        tls: TlsIdentity | None = None,
     ) -> None:
         self.key = as_key(key)  # the learner's signing key (or a shared HMAC secret)
         self.strategy = strategy
@@ -71,6 +82,9 @@ class TcpPublisher:
         self.keep_versions = keep_versions  # how many recent versions stay servable
         self.link_rates = link_rates  # (B0, B_w) in bytes/s when known: enables rate-matched stripes
         self.authorize = authorize  # (worker id, credential from the join frame) -> may join; None = anyone
+        self.tls = tls  # the run's certificate and key: TLS on this port (None = plain TCP)
+        self.refusals = ServeCounters()  # pulls refused (no credential, out of bounds, over budget)
+        self._gate = Gate(self.key, tls, self.refusals)
         self._members: dict[str, _Member] = {}
         self._buffers: dict[int, SnapshotBuffer] = {}
         self._rounds: dict[int, _Round] = {}
@@ -79,14 +93,30 @@ class TcpPublisher:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._on_connect, self.host, self.port, limit=1 << 22)
+        tls: dict[str, Any] = {} if self.tls is None else {
+            "ssl": self.tls.server_context(), "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S,
+        }  # fmt: skip
+        self._server = await asyncio.start_server(
+            self._on_connect, self.host, self.port, limit=1 << 22, **tls
+        )
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("publisher listening on %s:%d (strategy %s)", self.host, self.port, self.strategy.name)
+        log.info(
+            "publisher listening on %s:%d (strategy %s, %s)",
+            self.host,
+            self.port,
+            self.strategy.name,
+            f"TLS sha256 {self.fingerprint}" if self.tls else "plain TCP",
+        )
         return self.address
 
     @property
     def address(self) -> tuple[str, int]:
         return self.advertise_host, self.port
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 fingerprint of the certificate this port presents ("" without TLS): workers pin it."""
+        return self.tls.fingerprint if self.tls is not None else ""
 
     def members(self) -> list[str]:
         return list(self._members)
@@ -110,10 +140,15 @@ class TcpPublisher:
         self._buffers[version] = SnapshotBuffer(manifest, blob)
         for old in sorted(self._buffers)[: -self.keep_versions]:
             del self._buffers[old]
+        self._gate.forget_before(min(self._buffers))
         members = dict(self._members)
         plan = self.strategy.plan(list(members), manifest.n_chunks)
-        peers = {w: list(m.addr) for w, m in members.items()}
-        peers[LEARNER] = list(self.address)
+        peers = {w: [*m.addr, m.cert] for w, m in members.items()}
+        peers[LEARNER] = [*self.address, self.fingerprint]
+        serves: dict[str, list[str]] = {w: [] for w in members}  # who pulls from whom, per the plan
+        for w, pulls in plan.items():
+            for src in {a.source for a in pulls} - {LEARNER}:
+                serves[src].append(w)
         rnd = _Round(manifest, time.monotonic(), tuple(members))
         if self.link_rates is not None:
             rnd.stream_rate = self.strategy.learner_stream_rate(len(members), *self.link_rates)
@@ -132,7 +167,10 @@ class TcpPublisher:
         hint = self._stall_hint(len(members), manifest.chunk_size)
         for w, member in members.items():
             sources = [[a.source, list(a.chunks)] for a in plan[w]]
-            msg = {"op": "announce", "manifest": man, "sources": sources, "peers": peers, "stall_hint": hint}
+            msg = {
+                "op": "announce", "manifest": man, "sources": sources, "peers": peers, "stall_hint": hint,
+                "serve": sorted(serves[w]), "credential": issue(self.key, version, w, member.cert).to_dict(),
+            }  # fmt: skip
             self._spawn(self._send(member, msg))
         return manifest
 
@@ -198,29 +236,50 @@ class TcpPublisher:
         try:
             header = await asyncio.wait_for(read_header(reader, MAX_REQUEST), 30.0)
             if header["op"] == "get":
-                v = header.get("v")
-                rnd = self._rounds.get(v) if isinstance(v, int) else None
-                capped = rnd is not None and rnd.stream_rate and not header.get("repair")
-                stream = Pacer(rnd.stream_rate) if capped and rnd is not None and rnd.stream_rate else None
-                await serve_get(
-                    header,
-                    writer,
-                    self._buffers.get,
-                    self.uplink,
-                    self.serve_wait_timeout,
-                    self._count_sent,
-                    stream=stream,
-                )
+                await self._serve(header, writer)
             elif header["op"] == "join":
                 await self._control(header, reader, writer)
             else:
                 raise ProtocolError(f"unexpected first op {header['op']!r}")
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # a peer that goes away mid-stream is routine; its downstream repairs
+        except AccessError as exc:  # counted by the gate
+            log.warning("refused a pull from %s: %s", peer, exc)
         except ProtocolError as exc:
             log.warning("dropping connection from %s: %s", peer, exc)
         finally:
             writer.close()
+
+    async def _serve(self, header: dict, writer: asyncio.StreamWriter) -> None:  # type: ignore[type-arg]
+        """A pull: only by a member this version was announced to, with its credential; bounded."""
+        budget, stream = None, None
+        try:
+            member, v = self._gate.authenticate(header)
+            rnd, buffer = self._rounds.get(v), self._buffers.get(v)
+            if rnd is not None and buffer is not None:  # else "unknown version": no longer served
+                self._gate.require(member in rnd.targets and member in self._members, member, v)
+                budget = self._gate.charge(member, v, rnd.manifest.total_size, rnd.manifest.chunk_size)
+                if rnd.stream_rate and not header.get("repair"):
+                    stream = Pacer(rnd.stream_rate)
+        except AccessError as exc:
+            await write_frame(writer, {"op": "error", "reason": f"refused: {exc}"})
+            raise
+        try:
+            await serve_get(
+                header,
+                writer,
+                lambda _: buffer,
+                self.uplink,
+                self.serve_wait_timeout,
+                self._count_sent,
+                stream=stream,
+                budget=budget,
+            )
+        except AccessError:
+            raise
+        except ProtocolError:
+            self.refusals.bad_requests += 1
+            raise
 
     def _count_sent(self, version: int, n: int) -> None:
         rnd = self._rounds.get(version)
@@ -233,13 +292,19 @@ class TcpPublisher:
             raise ProtocolError("join needs a non-empty string 'worker' (not 'learner') and a 'host'")
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ProtocolError(f"join from {worker!r} has an invalid port {port!r}")
+        cert = hello.get("cert", "")
+        if self.tls is not None:  # a member's relay speaks TLS too; its peers pin what it names here
+            try:
+                cert = normalize_pin(cert if isinstance(cert, str) else "")
+            except ValueError:
+                raise ProtocolError(f"join from {worker!r} names no certificate fingerprint") from None
         if self.authorize is not None and not self.authorize(worker, hello.get("credential")):
             await write_frame(writer, {"op": "error", "reason": f"worker {worker!r}: credential refused"})
             raise ProtocolError(f"join from {worker!r} refused: bad or missing credential")
         if worker in self._members:
             await write_frame(writer, {"op": "error", "reason": f"worker id {worker!r} already joined"})
             raise ProtocolError(f"duplicate worker id {worker!r}")
-        member = _Member(worker, (host, port), writer)
+        member = _Member(worker, (host, port), cert if isinstance(cert, str) else "", writer)
         self._members[worker] = member
         self._joined.set()
         log.debug("worker %s joined from %s:%d (%d members)", worker, host, port, len(self._members))

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from echo2.broadcast.access import AccessError
 from echo2.broadcast.manifest import Manifest
 from echo2.broadcast.wire import Pacer, ProtocolError, write_frame
 
@@ -79,9 +80,16 @@ class SnapshotBuffer:
 
 
 def parse_chunk_list(header: dict[str, Any], n_chunks: int) -> list[int]:
+    """The request's chunk indices: a non-empty list of distinct integers in ``[0, n_chunks)`` (so never
+    more than ``n_chunks``); ProtocolError naming the fault otherwise."""
     chunks = header.get("chunks")
-    if not isinstance(chunks, list) or not all(isinstance(i, int) and 0 <= i < n_chunks for i in chunks):
-        raise ProtocolError(f"'chunks' must be a list of chunk indices in [0, {n_chunks})")
+    if not isinstance(chunks, list) or not 0 < len(chunks) <= n_chunks:
+        size = len(chunks) if isinstance(chunks, list) else type(chunks).__name__
+        raise ProtocolError(f"'chunks' must be a list of 1 to {n_chunks} chunk indices, got {size}")
+    if not all(type(i) is int and 0 <= i < n_chunks for i in chunks):
+        raise ProtocolError(f"'chunks' must hold chunk indices in [0, {n_chunks})")
+    if len(set(chunks)) != len(chunks):
+        raise ProtocolError("'chunks' asks for the same chunk more than once")
     return chunks
 
 
@@ -94,11 +102,14 @@ async def serve_get(
     on_sent: Callable[[int, int], None] | None = None,
     mangle: Callable[[int, bytes | memoryview], bytes | memoryview] | None = None,
     stream: Pacer | None = None,
+    budget: Callable[[int], bool] | None = None,
 ) -> None:
     """Answer one "get" request: stream the asked chunks in order, each as soon as this node has it.
 
     ``on_sent(version, n)`` counts payload bytes; ``mangle`` is the fault-injection hook of the harness;
-    ``stream`` caps this one stream (the learner's rate-matched stripes), ``uplink`` the whole node.
+    ``stream`` caps this one stream (the learner's rate-matched stripes), ``uplink`` the whole node;
+    ``budget(n)`` books each chunk to the requester's allowance (``access.Gate.charge``). A chunk list
+    out of bounds raises ProtocolError, an exhausted budget AccessError, each after an error frame.
     """
     peer = header.get("from", "?")
     version = header.get("v")
@@ -111,9 +122,8 @@ async def serve_get(
     try:
         chunks = parse_chunk_list(header, buffer.manifest.n_chunks)
     except ProtocolError as exc:
-        log.warning("refusing get from %s: %s", peer, exc)
         await write_frame(writer, {"op": "error", "reason": str(exc)})
-        return
+        raise
     # Let the kernel + transport hold a few chunks so the sender is never the one waiting.
     writer.transport.set_write_buffer_limits(high=max(4 << 20, 2 * buffer.manifest.chunk_size))
     for i in chunks:
@@ -125,6 +135,10 @@ async def serve_get(
             await write_frame(writer, {"op": "error", "reason": reason})
             return
         payload: bytes | memoryview = buffer.view(i)
+        if budget is not None and not budget(len(payload)):
+            reason = f"{peer} has had its byte budget of version {version} from this node"
+            await write_frame(writer, {"op": "error", "reason": reason})
+            raise AccessError(reason)
         if stream is not None:
             await stream.consume(len(payload))
         if uplink is not None:

@@ -3,7 +3,14 @@
 For each announced version the node opens one pull stream per source in its plan. A stream that
 stalls (no frame within ``stall_timeout``), breaks, sends an error, or sends a chunk that fails its
 digest hands its missing chunks to a repair stream from the learner, which always holds the snapshot.
-Meanwhile the node's own chunk server relays every verified chunk to whoever pulls it.
+Meanwhile the node's own chunk server relays every verified chunk to the members the learner told it
+to serve, each with its credential for the version (``access.py``), within a per-member byte budget.
+
+Given the learner's certificate fingerprint (``pin``) the node speaks TLS on every connection: it
+pins the learner's certificate on the control connection and on repairs, each peer's certificate (the
+fingerprint the learner announced with the peer's address) on a pull, and serves its own chunks under
+an ephemeral certificate made at start, whose fingerprint its join tells the learner. Without a pin
+everything is plain TCP (``security.tls = false``); the credentials are checked either way.
 
 A node carries no fault logic of its own: an optional :class:`ChunkTap` sees every chunk it stores
 and every chunk it serves, which is where the benchmark harness plugs in its fault injection.
@@ -19,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, pull_request
 from echo2.broadcast.api import InstalledSnapshot
 from echo2.broadcast.manifest import (
     Manifest,
@@ -33,6 +41,7 @@ from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, read_payload, write_frame
 from echo2.errors import Echo2Error
+from echo2.transport import HANDSHAKE_TIMEOUT_S, PinError, client_context, make_identity, open_pinned
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +72,16 @@ class NodeCounters:
     rejected_manifests: int = 0  # announcements refused (auth, shape, stale)
     bytes_received: int = 0  # payload bytes read
     bytes_relayed: int = 0  # payload bytes served to peers
+    pin_failures: int = 0  # sources whose TLS certificate was not the one the learner announced
 
 
 @dataclass
 class _Transfer:
     manifest: Manifest
     buffer: SnapshotBuffer
-    peers: dict[str, tuple[str, int]]
+    peers: dict[str, tuple[str, int, str]]  # source -> host, port, certificate fingerprint ("" = plain)
     stall_timeout: float  # this version's stall timeout: the node's, raised to the learner's hint
+    credential: Credential  # the learner's permission for this node to pull this version
     started: float = field(default_factory=time.monotonic)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -94,9 +105,11 @@ class TcpWorkerNode:
         max_bad_chunks: int = 3,
         tap: ChunkTap | None = None,
         credential: str | None = None,
+        pin: str | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.credential = credential  # sent in the join frame when the publisher checks membership
+        self.pin = pin  # SHA-256 fingerprint of the learner's certificate: TLS everywhere (None = plain)
         self.publisher = publisher
         self.key = as_key(key)  # the learner's public key (or the shared HMAC secret)
         self.host, self.port = host, port
@@ -108,6 +121,11 @@ class TcpWorkerNode:
         self.max_bad_chunks = max_bad_chunks  # corrupt chunks tolerated from one source before dropping it
         self.tap = tap  # hook on stored / served chunks (harness fault injection); None = no hook
         self.counters = NodeCounters()
+        self.refusals = ServeCounters()  # pulls this node's chunk server refused
+        self.tls = make_identity([self.advertise_host]) if pin is not None else None  # own relay cert
+        self._client_ctx = client_context() if pin is not None else None
+        self._gate = Gate(self.key, self.tls, self.refusals)
+        self._serves: dict[int, frozenset[str]] = {}  # version -> members the plan has pulling from here
         self.installed_version = -1
         self._buffers: dict[int, SnapshotBuffer] = {}  # installed (relayable) + in-progress versions
         self._transfer: _Transfer | None = None
@@ -122,13 +140,21 @@ class TcpWorkerNode:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, join_timeout: float = 30.0) -> None:
-        self._server = await asyncio.start_server(self._on_connect, self.host, self.port, limit=1 << 22)
+        tls: dict[str, Any] = {} if self.tls is None else {
+            "ssl": self.tls.server_context(), "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S,
+        }  # fmt: skip
+        self._server = await asyncio.start_server(
+            self._on_connect, self.host, self.port, limit=1 << 22, **tls
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         deadline = time.monotonic() + join_timeout
-        while True:  # the learner may still be starting: retry until the deadline
+        while True:  # the learner may still be starting: retry until the deadline (a wrong pin: never)
             try:
-                reader, writer = await asyncio.open_connection(*self.publisher, limit=1 << 24)
+                reader, writer = await open_pinned(*self.publisher, self.pin, self._client_ctx, 1 << 24)
                 break
+            except PinError:
+                self._server.close()
+                raise
             except OSError as exc:
                 if time.monotonic() >= deadline:
                     raise Echo2Error(f"cannot reach the publisher at {self.publisher}: {exc}") from None
@@ -136,6 +162,7 @@ class TcpWorkerNode:
         self._ctl = (reader, writer)
         hello: dict[str, Any] = {
             "op": "join", "worker": self.worker_id, "host": self.advertise_host, "port": self.port,
+            "cert": self.tls.fingerprint if self.tls is not None else "",
         }  # fmt: skip
         if self.credential is not None:
             hello["credential"] = self.credential
@@ -226,10 +253,16 @@ class TcpWorkerNode:
                     f"or in-flight v{current}"
                 )
             sources = [(str(s), [int(i) for i in ch]) for s, ch in msg["sources"]]
-            peers = {str(k): (str(v[0]), int(v[1])) for k, v in msg["peers"].items()}
+            peers = {str(k): _peer(v) for k, v in msg["peers"].items()}
             if any(s not in peers for s, _ in sources) or LEARNER not in peers:
                 raise ManifestError("announcement names a source without an address")
-        except (ManifestError, KeyError, TypeError, ValueError) as exc:
+            if self.pin is not None and any(len(peers[s][2]) != 64 for s, _ in sources):
+                raise ManifestError("announcement names a source without its certificate fingerprint")
+            credential = Credential.from_dict(msg.get("credential"))
+            if credential.member != self.worker_id or credential.version != manifest.version:
+                raise ManifestError(f"credential is for {credential.member!r} v{credential.version}")
+            serves = frozenset(str(w) for w in msg.get("serve", []))
+        except (ManifestError, AccessError, KeyError, TypeError, ValueError) as exc:
             self.counters.rejected_manifests += 1
             log.warning("worker %s: refusing announcement: %s", self.worker_id, exc)
             raw = msg.get("manifest")
@@ -240,9 +273,10 @@ class TcpWorkerNode:
             self._abandon(self._transfer, f"superseded by v{manifest.version}")
         buffer = SnapshotBuffer(manifest)
         self._buffers[manifest.version] = buffer
+        self._serves[manifest.version] = serves
         hint = msg.get("stall_hint")
         stall = max(self.stall_timeout, float(hint) if isinstance(hint, int | float) else 0.0)
-        transfer = _Transfer(manifest, buffer, peers, stall)
+        transfer = _Transfer(manifest, buffer, peers, stall, credential)
         self._transfer = transfer
         self._announced.set()
         self._announced = asyncio.Event()
@@ -262,6 +296,7 @@ class TcpWorkerNode:
         if not transfer.buffer.complete.is_set():
             transfer.buffer.fail(reason)
             self._buffers.pop(transfer.manifest.version, None)
+            self._serves.pop(transfer.manifest.version, None)
         for task in list(transfer.tasks):
             task.cancel()
         if self._transfer is transfer:
@@ -279,6 +314,8 @@ class TcpWorkerNode:
         self.installed_version = m.version
         for old in [v for v in self._buffers if v < m.version]:
             del self._buffers[old]  # one installed copy is all a node needs
+        self._serves = {v: s for v, s in self._serves.items() if v >= m.version}
+        self._gate.forget_before(m.version)
         self._latest = InstalledSnapshot(m, memoryview(transfer.buffer.buf).toreadonly())
         self._new.set()
         if self._transfer is transfer:
@@ -297,15 +334,16 @@ class TcpWorkerNode:
         writer: asyncio.StreamWriter | None = None
         reason = ""
         try:
+            host, port, cert = transfer.peers[source]
+            if source == LEARNER and self.pin is not None:
+                cert = self.pin  # the learner is pinned from the join string, never from an announcement
+            pin = cert if self.pin is not None else None
             reader, conn = await asyncio.wait_for(
-                asyncio.open_connection(*transfer.peers[source], limit=max(1 << 22, 2 * m.chunk_size)),
+                open_pinned(host, port, pin, self._client_ctx, max(1 << 22, 2 * m.chunk_size)),
                 transfer.stall_timeout,
             )
             writer = conn
-            await write_frame(
-                conn,
-                {"op": "get", "v": m.version, "chunks": todo, "from": self.worker_id, "repair": repairs > 0},
-            )
+            await write_frame(conn, pull_request(transfer.credential, todo, repairs > 0, cert, self.tls))
             bad = 0
             loop = asyncio.get_running_loop()
             async with asyncio.timeout(transfer.stall_timeout) as watchdog:  # one timer, pushed on progress
@@ -355,6 +393,9 @@ class TcpWorkerNode:
             reason = "connection closed mid-stream"
         except (ConnectionError, OSError) as exc:
             reason = f"connection failed: {exc}"
+        except PinError as exc:
+            self.counters.pin_failures += 1
+            reason = str(exc)
         except ProtocolError as exc:
             reason = str(exc)
         finally:
@@ -403,22 +444,46 @@ class TcpWorkerNode:
             header = await asyncio.wait_for(read_header(reader, MAX_REQUEST), 30.0)
             if header["op"] != "get":
                 raise ProtocolError(f"a worker only serves 'get', not {header['op']!r}")
-            await self._await_announce(header.get("v"))
-            await serve_get(
-                header,
-                writer,
-                self._buffers.get,
-                self.uplink,
-                self.serve_wait_timeout,
-                self._count_relayed,
-                self.tap.on_serve if self.tap is not None else None,
-            )
+            await self._serve(header, writer)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # the puller went away; nothing to repair on this side
+        except AccessError as exc:  # counted by the gate
+            log.warning("worker %s: refused a pull: %s", self.worker_id, exc)
         except ProtocolError as exc:
             log.warning("worker %s: dropping a peer connection: %s", self.worker_id, exc)
         finally:
             writer.close()
+
+    async def _serve(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """A pull: only by a member the learner told this node to serve the version to, with its
+        credential and (over TLS) proof; bounded in chunks and in bytes."""
+        budget = None
+        try:
+            member, v = self._gate.authenticate(header)
+            await self._await_announce(v)
+            buffer = self._buffers.get(v)
+            if buffer is not None:  # else: "unknown version" (e.g. abandoned here), the puller repairs
+                self._gate.require(member in self._serves.get(v, ()), member, v)
+                budget = self._gate.charge(member, v, buffer.manifest.total_size, buffer.manifest.chunk_size)
+        except AccessError as exc:
+            await write_frame(writer, {"op": "error", "reason": f"refused: {exc}"})
+            raise
+        try:
+            await serve_get(
+                header,
+                writer,
+                lambda _: buffer,
+                self.uplink,
+                self.serve_wait_timeout,
+                self._count_relayed,
+                self.tap.on_serve if self.tap is not None else None,
+                budget=budget,
+            )
+        except AccessError:
+            raise
+        except ProtocolError:
+            self.refusals.bad_requests += 1
+            raise
 
     async def _await_announce(self, version: object) -> None:
         """A peer may ask for a version whose announcement has not reached this node yet: wait a bit."""
@@ -434,3 +499,9 @@ class TcpWorkerNode:
 
     def _count_relayed(self, version: int, n: int) -> None:
         self.counters.bytes_relayed += n
+
+
+def _peer(entry: Any) -> tuple[str, int, str]:
+    """An announced peer: ``[host, port, certificate fingerprint]`` (the fingerprint "" without TLS)."""
+    host, port, *rest = entry
+    return str(host), int(port), str(rest[0]) if rest else ""

@@ -54,7 +54,7 @@ def _learner(args: argparse.Namespace) -> int:
     def ready(ep: Endpoints) -> None:
         token = "<runtime.join_token>" if cfg.runtime.join_token else f"$(cat {ep.run_dir}/join_token)"
         print("learner ready. On each rollout machine run:", flush=True)
-        print(f"  {TOKEN_ENV}={token} echo2 worker --join {ep.url}", flush=True)
+        print(f"  {TOKEN_ENV}={token} echo2 worker --join '{ep.join}'", flush=True)
         if ep.dashboard:
             print(f"live dashboard (and Prometheus /metrics): {ep.dashboard}", flush=True)
 
@@ -73,7 +73,14 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--join", required=True, metavar="URL", help="the learner's API URL")
+    p.add_argument(
+        "--join",
+        required=True,
+        metavar="URL",
+        help="the learner's join string as `echo2 learner` printed it: https://HOST:PORT#sha256=FINGERPRINT "
+        "(the worker talks only to the certificate with that fingerprint), or http://HOST:PORT on a "
+        "trusted network (security.tls = false)",
+    )
     p.add_argument("--token", help=f"the run's join token (default: ${TOKEN_ENV})")
     p.add_argument("--name", help="name shown in the learner's registry (default: host name)")
     p.add_argument("--usd-per-hour", type=float, default=0.35, help="this machine's price ($/h)")
@@ -90,7 +97,9 @@ def _worker(args: argparse.Namespace) -> int:
     from echo2.config import EngineName
     from echo2.errors import ConfigError
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
+    from echo2.transport import parse_join
 
+    parse_join(args.join)  # a bad join string (https without its fingerprint) is refused before anything
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
         raise ConfigError(f"echo2 worker needs the run's join token: --token or ${TOKEN_ENV}")

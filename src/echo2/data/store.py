@@ -8,19 +8,21 @@ restart (a new ``TrajectoryStore`` on the same file) loses no accepted group, le
 ``check_same_thread`` guard enforces it). A server that runs requests on several threads must funnel
 store calls through one thread (e.g. its event loop thread, or one executor thread).
 
-**Schema** (``PRAGMA user_version = 2``)::
+**Schema** (``PRAGMA user_version = 3``; a version-2 store gains the two lease columns on open)::
 
     leases(lease_id PK, worker_id, state IN ('open','expired','submitted'), issued_at, expires_at,
-           submitted_at NULL, n_prompts, prompts)
+           submitted_at NULL, n_prompts, prompts, seed, installed_version)
         prompts: JSON [[prompt_id, text, answer, meta], ...] in lease order
+        seed: the sampling seed the lease assigned; installed_version: what the worker said it held
     rollout_groups(seq INTEGER PK AUTOINCREMENT, group_id UNIQUE, lease_id, prompt_id, policy_version,
            n_traj, consumed_step NULL, data)
         one row per GRPO group, kept whole; seq is the arrival order (FIFO key, never reused);
-        consumed_step is NULL while buffered, -1 once discarded as stale, else the learner step that
-        trained on it; rows are never deleted (the ledger), only the samples of pruned / dropped ones;
+        consumed_step is NULL while buffered, -1 once discarded as stale, -2 once purged (its worker
+        was quarantined), else the learner step that trained on it; rows are never deleted (the
+        ledger), only the samples of pruned / dropped / purged ones;
         data: the group as the protocol codec encodes it (echo2.protocol.encode_group)
-    counters(name PK, value)      admitted, dropped_stale (trajectories), leases_expired (leases),
-                                  rejected/<reason> (submissions)
+    counters(name PK, value)      admitted, dropped_stale, purged (trajectories), leases_expired
+                                  (leases), rejected/<reason> (submissions)
     settings(name PK, value)      group_size (checked on reopen), staleness (informational)
 
 **Admission** (SPEC §2). At learner version ``v_t`` with budget ``S`` a group of version ``v`` is
@@ -51,8 +53,10 @@ from echo2.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: a group's data is the protocol codec's JSON (1: positional arrays)
+SCHEMA_VERSION = 3  # 3: leases keep their seed and the worker's version (2: without; 1: positional)
 DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept in the ledger)
+PURGED = -2  # consumed_step of a group purged untrained because its worker was quarantined
+REJECTION_FLUSH = 256  # rejections counted in memory are written at the next transaction or at this many
 BUSY_TIMEOUT_MS = 10_000
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
@@ -65,7 +69,9 @@ CREATE TABLE IF NOT EXISTS leases (
     expires_at REAL NOT NULL,
     submitted_at REAL,
     n_prompts INTEGER NOT NULL,
-    prompts TEXT NOT NULL
+    prompts TEXT NOT NULL,
+    seed INTEGER NOT NULL DEFAULT 0,
+    installed_version INTEGER NOT NULL DEFAULT -1
 );
 CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, expires_at);
 CREATE TABLE IF NOT EXISTS rollout_groups (
@@ -94,6 +100,19 @@ class SubmitResult:
 
 
 @dataclass(frozen=True)
+class Lease:
+    """A lease as the store keeps it."""
+
+    lease_id: str
+    worker_id: str  # the worker it was issued to
+    state: str  # open, expired or submitted
+    issued_at: float  # clock time it was issued
+    prompts: list[Prompt]  # in lease order
+    seed: int  # the sampling seed it assigned (row i*G + j samples prompt i's j-th completion)
+    installed_version: int  # the version the worker said it held when it asked for the lease
+
+
+@dataclass(frozen=True)
 class StoreStats:
     """Store counters; ``admitted``, ``dropped_stale`` and ``size`` count trajectories."""
 
@@ -102,6 +121,7 @@ class StoreStats:
     dropped_stale: int  # trajectories discarded as too old, at submit or at take_batch
     rejected: int  # submissions rejected, all reasons
     rejected_by_reason: dict[str, int]  # submissions rejected, per reason code
+    purged: int  # trajectories purged untrained because their worker was quarantined
     leases_open: int  # leases issued and neither submitted nor expired
     leases_expired: int  # leases ever expired
 
@@ -113,6 +133,7 @@ class StoreStats:
             "store/admitted": self.admitted,
             "store/dropped_stale": self.dropped_stale,
             "store/rejected": self.rejected,
+            "store/purged": self.purged,
         }
         for reason, n in sorted(self.rejected_by_reason.items()):
             out[f"store/rejected/{reason}"] = n
@@ -143,6 +164,7 @@ class TrajectoryStore:
         self.staleness = staleness  # S: admissible iff policy_version >= v_t - S
         self.group_size = group_size  # samples per GRPO group
         self._floor: int | None = None  # v_t - S at the last learner version seen; None: none seen yet
+        self._rejections: dict[str, int] = {}  # counted, not yet written (the next transaction does)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
@@ -160,12 +182,15 @@ class TrajectoryStore:
             log.warning("%s: journal_mode is %s, not wal (still durable, slower)", self.path, mode)
         db.execute("PRAGMA synchronous = FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 2, SCHEMA_VERSION):
             raise ConfigError(
                 f"{self.path}: store schema version {version}, this echo2 reads {SCHEMA_VERSION}; "
                 "start a fresh run (without --resume) or use the echo2 that wrote it"
             )
         with self._tx():
+            if version == 2:  # leases gain their seed and the worker's version
+                db.execute("ALTER TABLE leases ADD COLUMN seed INTEGER NOT NULL DEFAULT 0")
+                db.execute("ALTER TABLE leases ADD COLUMN installed_version INTEGER NOT NULL DEFAULT -1")
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
@@ -185,11 +210,15 @@ class TrajectoryStore:
 
     @contextmanager
     def _tx(self) -> Iterator[None]:
-        """One write transaction: committed on success, rolled back on any exception."""
+        """One write transaction: committed on success, rolled back on any exception. Rejections counted
+        since the last one are written with it."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            for reason, n in self._rejections.items():
+                self._bump(f"rejected/{reason}", n)
             self._db.execute("COMMIT")
+            self._rejections.clear()
         except BaseException:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
@@ -224,10 +253,19 @@ class TrajectoryStore:
 
     # --- leases ---------------------------------------------------------------------------------------
 
-    def issue_lease(self, worker_id: str, prompts: Sequence[Prompt], now: float, ttl_s: float) -> str:
+    def issue_lease(
+        self,
+        worker_id: str,
+        prompts: Sequence[Prompt],
+        now: float,
+        ttl_s: float,
+        seed: int = 0,
+        installed_version: int = -1,
+    ) -> str:
         """Lease ``prompts`` to ``worker_id`` until ``now + ttl_s``; returns a new lease id (uuid4 hex).
 
-        The lease is ``open`` and valid while ``now < expires_at``; its prompts are stored with it.
+        The lease is ``open`` and valid while ``now < expires_at``; its prompts, the sampling ``seed`` it
+        assigns and the ``installed_version`` the worker said it held are stored with it.
         """
         if not prompts:
             raise ValueError("a lease needs at least one prompt")
@@ -236,23 +274,69 @@ class TrajectoryStore:
         lease_id = uuid.uuid4().hex
         with self._tx():
             self._db.execute(
-                "INSERT INTO leases (lease_id, worker_id, state, issued_at, expires_at, n_prompts, prompts) "
-                "VALUES (?, ?, 'open', ?, ?, ?, ?)",
-                (lease_id, worker_id, now, now + ttl_s, len(prompts), _encode_prompts(prompts)),
+                "INSERT INTO leases (lease_id, worker_id, state, issued_at, expires_at, n_prompts, prompts, "
+                "seed, installed_version) VALUES (?, ?, 'open', ?, ?, ?, ?, ?, ?)",
+                (
+                    lease_id,
+                    worker_id,
+                    now,
+                    now + ttl_s,
+                    len(prompts),
+                    _encode_prompts(prompts),
+                    seed,
+                    installed_version,
+                ),
             )
         return lease_id
 
-    def lease_prompts(self, lease_id: str) -> list[Prompt]:
-        """The prompts of a lease, in lease order; :class:`Rejected` ``unknown_lease`` if never issued."""
-        row = self._db.execute("SELECT prompts FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+    def lease(self, lease_id: str) -> Lease | None:
+        """The lease ``lease_id``, or None if it was never issued."""
+        row = self._db.execute(
+            "SELECT worker_id, state, issued_at, prompts, seed, installed_version FROM leases "
+            "WHERE lease_id = ?",
+            (lease_id,),
+        ).fetchone()
         if row is None:
-            raise Rejected("unknown_lease", f"lease_id: {lease_id!r} was never issued")
-        return _decode_prompts(row[0])
+            return None
+        owner, state, issued, prompts, seed, installed = row
+        return Lease(
+            lease_id,
+            str(owner),
+            str(state),
+            float(issued),
+            _decode_prompts(prompts),
+            int(seed),
+            int(installed),
+        )
 
-    def lease_owner(self, lease_id: str) -> str | None:
-        """The worker a lease was issued to, or None if it was never issued."""
-        row = self._db.execute("SELECT worker_id FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
-        return None if row is None else str(row[0])
+    def purge_worker(self, worker_id: str) -> tuple[int, list[Prompt]]:
+        """Take back everything ``worker_id`` holds (it was quarantined): its buffered groups are purged
+        untrained (counted ``purged``, in trajectories; kept in the ledger without samples), its open
+        leases expire. Returns the trajectories purged and the prompts of those leases, to lease again.
+        Groups already trained on stay trained on (their step is in the ledger)."""
+        with self._tx():
+            n = self._db.execute(
+                "SELECT COALESCE(SUM(g.n_traj), 0) FROM rollout_groups g JOIN leases l USING (lease_id) "
+                "WHERE g.consumed_step IS NULL AND l.worker_id = ?",
+                (worker_id,),
+            ).fetchone()[0]
+            self._db.execute(
+                f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' WHERE consumed_step IS NULL "
+                "AND lease_id IN (SELECT lease_id FROM leases WHERE worker_id = ?)",
+                (worker_id,),
+            )
+            self._bump("purged", int(n))
+            rows = self._db.execute(
+                "SELECT lease_id, prompts FROM leases WHERE state = 'open' AND worker_id = ? "
+                "ORDER BY issued_at",
+                (worker_id,),
+            ).fetchall()
+            self._db.executemany(
+                "UPDATE leases SET state = 'expired' WHERE lease_id = ?", [(r[0],) for r in rows]
+            )
+            self._bump("leases_expired", len(rows))
+        log.warning("purged %d buffered trajectories and %d open leases of %s", n, len(rows), worker_id)
+        return int(n), [p for _, text in rows for p in _decode_prompts(text)]
 
     def open_leases(self, worker_id: str) -> int:
         """Leases issued to ``worker_id`` that are still ``open`` (neither submitted nor expired)."""
@@ -361,15 +445,26 @@ class TrajectoryStore:
         return result
 
     def record_rejection(self, reason: str) -> None:
-        """Count one rejected submission under ``rejected/<reason>`` (persisted).
+        """Count one rejected submission under ``rejected/<reason>``.
+
+        Counted in memory and written with the next transaction (or once :data:`REJECTION_FLUSH` are
+        pending, or at :meth:`close`): a flood of bad requests never costs a disk sync each. A crash
+        loses at most the counts since the last write, never an accepted group.
 
         ``reason`` is a :class:`Rejected` code, or one of the HTTP layer's own (``auth``, ``malformed``);
         any short lower-case identifier is accepted, anything else raises ValueError (it is a label).
         """
         if not is_reason_label(reason):
             raise ValueError(f"rejection reason {reason!r} is not a short lower-case identifier")
-        with self._tx():
-            self._bump(f"rejected/{reason}", 1)
+        self._rejections[reason] = self._rejections.get(reason, 0) + 1
+        if sum(self._rejections.values()) >= REJECTION_FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the rejection counts held in memory (one transaction)."""
+        if self._rejections:
+            with self._tx():
+                pass
 
     # --- learner side ---------------------------------------------------------------------------------
 
@@ -453,6 +548,8 @@ class TrajectoryStore:
         passed to :meth:`submit` or :meth:`take_batch` (all buffered groups before any such call)."""
         counters: dict[str, Any] = dict(self._db.execute("SELECT name, value FROM counters").fetchall())
         by_reason = {k.split("/", 1)[1]: int(v) for k, v in counters.items() if k.startswith("rejected/")}
+        for reason, n in self._rejections.items():
+            by_reason[reason] = by_reason.get(reason, 0) + n
         (leases_open,) = self._db.execute("SELECT COUNT(*) FROM leases WHERE state = 'open'").fetchone()
         return StoreStats(
             size=self._buffered(),
@@ -460,6 +557,7 @@ class TrajectoryStore:
             dropped_stale=int(counters.get("dropped_stale", 0)),
             rejected=sum(by_reason.values()),
             rejected_by_reason=by_reason,
+            purged=int(counters.get("purged", 0)),
             leases_open=int(leases_open),
             leases_expired=int(counters.get("leases_expired", 0)),
         )
@@ -475,8 +573,12 @@ class TrajectoryStore:
         return int(leased) * self.group_size + self._buffered()
 
     def close(self) -> None:
-        """Close the connection (everything accepted is already on disk)."""
-        self._db.close()
+        """Write the pending rejection counts and close the connection (everything accepted is already
+        on disk)."""
+        try:
+            self.flush()
+        finally:
+            self._db.close()
 
     def __enter__(self) -> TrajectoryStore:
         return self

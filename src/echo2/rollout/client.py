@@ -3,6 +3,11 @@
 Every call sends a request model and parses the reply model; a 4xx/5xx reply raises :class:`Refused`
 with the learner's :class:`~echo2.protocol.ErrorReply`. Connection failures are retried for
 ``reconnect_s`` (the learner may be restarting), then :class:`LearnerGone` is raised.
+
+The client is made from the join string (``echo2.transport.parse_join``): over ``https`` it talks
+only to the certificate whose SHA-256 fingerprint the join string pins (``aiohttp.Fingerprint``,
+checked right after the handshake, before the request is sent: the join token never reaches an
+impostor), and a mismatch raises :class:`~echo2.transport.PinError` at once, never retried.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from echo2.protocol import (
     VersionReply,
     decode_chain,
 )
+from echo2.transport import PinError, parse_join
 
 R = TypeVar("R", bound=BaseModel)
 RETRY_S = 0.5  # pause between attempts to reach an unreachable learner
@@ -62,7 +68,10 @@ class LearnerClient:
         reconnect_s: float,
         give_up: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.base = join_url.rstrip("/") + API
+        join = parse_join(join_url)
+        self.base = join.url + API
+        self.pin = join.pin  # SHA-256 of the learner's certificate (None: plain http); the broadcast's too
+        self._ssl = aiohttp.Fingerprint(bytes.fromhex(join.pin)) if join.pin else None
         self.session = session
         self.reconnect_s = reconnect_s
         self.give_up = give_up  # stop retrying early (the worker is shutting down)
@@ -119,11 +128,19 @@ class LearnerClient:
         deadline = time.monotonic() + self.reconnect_s
         while True:
             try:
-                extra = {"timeout": timeout} if timeout is not None else {}  # None would mean "no timeout"
+                extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}  # None: no timeout
+                if self._ssl is not None:
+                    extra["ssl"] = self._ssl
                 async with self.session.request(
-                    method, self.base + path, data=data, headers=headers, **extra
+                    method, self.base + path, data=data, headers=headers, allow_redirects=False, **extra
                 ) as resp:
                     return resp.status, await resp.read(), dict(resp.headers)
+            except aiohttp.ServerFingerprintMismatch as exc:
+                raise PinError(
+                    f"the learner at {self.base} presented a TLS certificate with sha256 {exc.got.hex()}, "
+                    f"not the {self.pin} of the join string: refusing to talk to it (an impostor on the "
+                    "path, or a learner of another run)"
+                ) from None
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 if time.monotonic() >= deadline or self.give_up():
                     raise LearnerGone(

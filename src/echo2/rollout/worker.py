@@ -1,6 +1,8 @@
 """A rollout worker (SPEC §1 rollout plane): install -> generate -> reward -> push, plus heartbeats.
 
-The worker needs only the learner's URL and the run's join token. It registers (getting a
+The worker needs only the learner's join string (its URL and, over TLS, the fingerprint of its
+certificate, which the worker pins on both the API and the broadcast plane) and the run's join token.
+It registers (getting a
 credential, the part of the run's config it needs, the learner's public manifest key and the
 broadcast address), builds its engine on the model skeleton the learner serves, installs the current
 snapshot over HTTP, and then joins the broadcast plane, where it installs every newer snapshot and
@@ -23,7 +25,6 @@ import socket
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,6 +253,7 @@ class RolloutWorker:
                 credential=self.client.credential,
                 host=self.bind_host,
                 advertise_host=self.advertise_host,
+                pin=self.client.pin,  # the learner's certificate: the broadcast presents the API's
             )
             try:
                 await node.start(join_timeout=self.opts.reconnect_s)
@@ -300,6 +302,13 @@ class RolloutWorker:
                 self.finished = True
                 break
             except Refused as exc:
+                if exc.reply.error == "future_version":  # the learner never published what is held
+                    await self._forget_weights()
+                    continue
+                if exc.reply.error == "quarantined":  # the learner caught this machine's output lying
+                    log.error("the learner quarantined this worker: %s", exc.reply.detail)
+                    self.finished = True
+                    break
                 if exc.status in (401, 403):
                     log.warning("credential refused (%s); registering again", exc.reply.detail)
                     await self._register()
@@ -391,18 +400,26 @@ class RolloutWorker:
         if refusal.reason == "stale_weights" and refusal.min_version is not None:
             await self._catch_up(refusal.min_version)
             return 0.0
+        if refusal.reason == "rolled_back":
+            await self._forget_weights()
+            return 0.0
         return refusal.retry_after_s
+
+    async def _forget_weights(self) -> None:
+        """The learner was rolled back to a checkpoint older than the weights held: their version number
+        will name other weights. Drop them and install the learner's latest anchor and chain."""
+        log.warning("the learner was rolled back below v%d; fetching its weights again", self.installed)
+        with self._stage_lock:
+            self.weights = WeightChain()
+            self._received.clear()
+        await self._fetch_snapshot()
 
     def _generate_forever(self) -> None:
         """The generator thread: leases in, graded version-tagged groups out, back to back; a newer
         snapshot is installed between two generations, never during one."""
-        n = 0
         while (lease := self._leases.get()) is not None:
-            n += 1
-            try:
-                item: _Generated | BaseException = self._generate(
-                    lease, seed=zlib.crc32(f"{self.worker_id}:{n}".encode())
-                )
+            try:  # the lease's seed: the learner re-derives the draws from it (runtime/verify.py)
+                item: _Generated | BaseException = self._generate(lease, seed=lease.seed)
             except Exception as exc:  # surfaces in the event loop, which stops the worker
                 item = exc
             self._loop.call_soon_threadsafe(self._results.put_nowait, item)
@@ -450,13 +467,21 @@ class RolloutWorker:
 
 
 def _local_address(learner_host: str, advertise: str | None) -> tuple[str, str]:
-    """(bind, advertise) for the chunk server: the interface that routes to the learner."""
-    if advertise:
-        return "0.0.0.0", advertise
+    """(bind, advertise) for the chunk server, bound to one interface, never to every one: the
+    advertised address (``--advertise-host``) when it is one of this machine's, else the interface
+    that routes to the learner (behind NAT the advertised address is the router's, which forwards)."""
     host = urlparse(f"//{learner_host}").hostname or learner_host
     if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1", "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        addr = s.getsockname()[0]
-    return "0.0.0.0", addr
+        route = "127.0.0.1"
+    else:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            route = s.getsockname()[0]
+    if not advertise:
+        return route, route
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((advertise, 0))  # succeeds only for an address of this machine
+        return advertise, advertise
+    except OSError:
+        return route, advertise

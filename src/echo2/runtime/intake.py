@@ -2,10 +2,14 @@
 
 Validation (``data/submission.py``, the protocol's codec) checks the body against the run's limits
 and the newest published version; the verifier (``verify.py``, off the event loop) checks that each
-sample answers the leased prompt with its own tokens and earned the reward it claims; the store checks
-the lease (exists, this worker's, not answered before, same prompts) and applies the admission rule
-at the learner's current version. Every refusal
-is counted by reason in the store (``store/rejected/<reason>``); an admission wakes the learner loop.
+sample answers the leased prompt with its own tokens, is well formed, earned the reward it claims and
+claims a version the worker could hold; on a drawn fraction of submissions the generation check
+re-runs completions with the claimed version's weights and the lease's seed; the store checks the
+lease (exists, this worker's, not answered before, same prompts) and applies the admission rule at the
+learner's current version. Every refusal is counted by reason in the store
+(``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
+(the node's ``quarantine``: credential revoked, buffered groups purged, leases taken back); an
+admission wakes the learner loop. Submissions too stale to be admitted are not re-run.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import logging
 from collections.abc import Callable
 
 from echo2.config import Config
-from echo2.data.store import SubmitResult, TrajectoryStore
-from echo2.data.submission import Rejected, SubmissionLimits, validate_submission
+from echo2.data.store import Lease, SubmitResult, TrajectoryStore
+from echo2.data.submission import Rejected, Submission, SubmissionLimits, validate_submission
+from echo2.physics.rules import admission_floor
 from echo2.protocol import SubmitRequest
 from echo2.runtime.registry import WorkerRecord
-from echo2.runtime.verify import Verifier
+from echo2.runtime.verify import EVIDENCE, GenerationCheck, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +57,62 @@ class Intake:
         published: Callable[[], int],
         clock: Callable[[], float],
         verifier: Verifier | None = None,
+        generation: GenerationCheck | None = None,
     ) -> None:
         self.store = store
         self.verifier = verifier  # None: prompts and rewards are taken as claimed (tests without a model)
+        self.generation = generation  # None: generations are never re-run
         self.limits = limits
         self.version = version  # the learner's v_t (the trainer's)
         self.published = published  # newest published snapshot version (-1 before the first)
         self.clock = clock
         self.data_ready: Callable[[], None] = lambda: None  # the learner loop's wake-up
+        self.started = clock()  # leases issued before (by a learner process since rolled back) are not re-run
+        self.quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None  # the node's
+        self.checked_submissions = 0  # submissions whose generation was re-run
+        self.quarantined = 0  # workers quarantined
 
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
         """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if
-        refused."""
+        refused. Evidence of lying (``verify.EVIDENCE``) also quarantines the worker."""
         try:
             sub = validate_submission(body, self.limits, self.published())
-            if self.verifier is not None and self.store.lease_owner(sub.lease_id) == rec.worker_id:
-                prompts = self.store.lease_prompts(sub.lease_id)  # the store's own thread
-                await asyncio.to_thread(self.verifier.check, prompts, sub)
+            lease = self.store.lease(sub.lease_id)  # the store's own thread
+            if lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted":
+                await self._verify(lease, sub)  # else the store refuses it, without the expense
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock())
         except Rejected as exc:
             self.store.record_rejection(exc.reason)
             log.warning("submission from %s rejected: %s", rec.worker_id, exc)
+            if exc.reason in EVIDENCE and not rec.quarantined:
+                self.quarantined += 1
+                self.quarantine(rec, exc)
             raise
         rec.rollouts += result.admitted
         if result.admitted:
             self.data_ready()
         return result
+
+    def metrics(self) -> dict[str, float]:
+        """``security/`` metrics: what the generation check re-ran and what it found (docs/security.md)."""
+        gen = self.generation
+        return {
+            "security/checked_submissions": self.checked_submissions,
+            "security/checked_trajectories": gen.checked if gen else 0,
+            "security/checked_tokens": gen.tokens if gen else 0,
+            "security/worst_passing_logprob_error": gen.worst_passing_error if gen else 0.0,
+            "security/passing_token_misses": gen.passing_misses if gen else 0,
+            "security/quarantined": self.quarantined,
+        }
+
+    async def _verify(self, lease: Lease, sub: Submission) -> None:
+        if self.verifier is not None:
+            await asyncio.to_thread(self.verifier.check, lease, sub)
+        admissible = sub.policy_version >= admission_floor(self.version(), self.store.staleness)
+        # a lease from before this process started may have been answered with weights of a learner
+        # that was rolled back to a checkpoint: the version number may name other weights now
+        if self.generation is not None and admissible and lease.issued_at >= self.started:
+            picks = self.generation.pick(sub)
+            if picks:
+                self.checked_submissions += 1
+                await asyncio.to_thread(self.generation.check, lease, sub, picks)

@@ -1,7 +1,8 @@
 """``echo2 run``: a learner in this process and N rollout worker processes on this machine.
 
 Workers are ordinary ``echo2 worker`` processes (the same command a remote machine runs) started
-with the learner's URL and the join token in their environment; their logs go to
+with the learner's join string (its URL and, over TLS, the fingerprint of its certificate) and the
+join token in their environment; their logs go to
 ``<run_dir>/workers/<name>.log``. The launcher tracks them by pid and stops only those. A live view
 (``runtime/view.py``) shows version, reward, accuracy, bubble ratio, staleness, active workers and $/h;
 at the end a summary and ``run.png`` land in the run directory.
@@ -27,10 +28,11 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "ECHO2_JOIN_TOKEN"
 
 
-def worker_command(url: str, name: str, cfg: Config) -> list[str]:
-    """argv of one local ``echo2 worker`` (the token travels in the environment, not argv)."""
+def worker_command(join: str, name: str, cfg: Config) -> list[str]:
+    """argv of one local ``echo2 worker`` joining with ``join`` (``https://host:port#sha256=<hex>``:
+    a fingerprint is no secret; the token travels in the environment, not argv)."""
     rt = cfg.runtime
-    cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", url, "--name", name]
+    cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", join, "--name", name]
     cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", "local-cpu", "--engine", rt.engine]
     if rt.worker_max_rollouts_per_s:
         cmd += ["--max-rollouts-per-s", str(rt.worker_max_rollouts_per_s)]
@@ -54,7 +56,7 @@ class LocalWorkers:
             with (logs / f"{name}.log").open("ab") as fh:
                 self.procs.append(
                     subprocess.Popen(
-                        worker_command(ep.url, name, self.cfg),
+                        worker_command(ep.join, name, self.cfg),
                         stdout=fh,
                         stderr=subprocess.STDOUT,
                         env=env,

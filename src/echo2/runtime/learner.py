@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -48,10 +49,11 @@ TICK_S = 1.0  # housekeeping period while waiting (lease expiry, controller, the
 class Endpoints:
     """Where workers reach a running learner."""
 
-    url: str  # HTTP API base, e.g. http://127.0.0.1:8765
+    url: str  # HTTP API base, e.g. https://127.0.0.1:8765
     broadcast: tuple[str, int]  # snapshot broadcast TCP address
     token: str  # the run's join token
     run_dir: str  # the learner's run directory
+    join: str  # what a worker is given: the URL and the pinned certificate (https://h:p#sha256=<hex>)
     dashboard: str | None = None  # the live dashboard's URL (with ?token= when it needs one), if on
 
 
@@ -190,7 +192,7 @@ class AsyncLearner:
         from echo2.runtime.node import assemble, worker_settings
         from echo2.runtime.registry import WorkerRegistry
         from echo2.runtime.routes import Identity
-        from echo2.runtime.verify import Verifier
+        from echo2.transport import run_identity
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.policy
         self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
@@ -200,9 +202,9 @@ class AsyncLearner:
             log.info("resuming at version %d from %s; %d groups put back", self.version, self.ckpt, n)
         key = _persistent_key(self.run_path)
         self.token = rt.join_token or _persistent_token(self.run_path)
-        registry = WorkerRegistry(
-            self.run_path, self.token, self.clock
-        )  # the API and the broadcast consult it
+        # the API and the broadcast consult it
+        registry = WorkerRegistry(self.run_path, self.token, self.clock, cfg.security.max_workers)
+        self._tls = run_identity(self.run_path, [rt.advertise_host or rt.host]) if cfg.security.tls else None
         publisher = open_publisher(
             "tcp",
             key,
@@ -212,6 +214,7 @@ class AsyncLearner:
             port=rt.broadcast_port,
             advertise_host=rt.advertise_host,
             authorize=registry.may_join_broadcast,
+            tls=self._tls,  # the API's certificate: workers pin one fingerprint for both planes
         )
         broadcast = await publisher.start()
         skeleton = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
@@ -226,33 +229,49 @@ class AsyncLearner:
             int(policy.model.config.vocab_size),
             lambda: self.trainer.version,
             self.clock,
-            Verifier(policy.codec, self.task),
+            *self._checks(),
         )
-        self.registry, self.pool, self.broker, self.snapshots = (
-            parts.registry,
-            parts.pool,
-            parts.broker,
-            parts.snapshots,
-        )
+        if self.ckpt is not None:
+            parts.broker.prompts.restore(json.loads((self.ckpt / STATE_FILE).read_text()).get("leases"))
+        self.registry, self.pool = parts.registry, parts.pool
+        self.broker, self.snapshots = parts.broker, parts.snapshots
         self._resources.push_async_callback(self.snapshots.close)
         self.data_ready = asyncio.Event()
-        parts.intake.data_ready = self.data_ready.set
+        self.intake = parts.intake
+        self.intake.data_ready = self.data_ready.set
         await self._serve(parts.routes, broadcast)
         await self._serve_dashboard(parts)
 
+    def _checks(self) -> tuple[Any, Any]:
+        """What the learner checks of workers' submissions (``runtime/verify.py``): every one's prompts,
+        rewards and shape; and the sampled re-run of generations on a model of its own (None when
+        ``security.check_fraction`` is 0)."""
+        from echo2.runtime.verify import GenerationCheck, Verifier
+
+        cfg, policy = self.cfg, self.policy
+        verifier = Verifier(policy.codec, self.task, policy.eos_id, cfg.sampling.max_new_tokens)
+        if cfg.security.check_fraction <= 0:
+            return verifier, None
+        return verifier, GenerationCheck(copy.deepcopy(policy.model), cfg.sampling, cfg.security)
+
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
-        """Start the API; say where it is (``learner.json`` holds no secret: the token has its own file)."""
-        rt = self.cfg.runtime
-        runner, port = await routes.serve(rt.host, rt.port)
+        """Start the API (over TLS with the run's certificate unless ``security.tls`` is off); say where
+        it is (``learner.json`` holds no secret: the token has its own file, a fingerprint is public)."""
+        from echo2.transport import join_string
+
+        rt, tls = self.cfg.runtime, self._tls
+        runner, port = await routes.serve(rt.host, rt.port, tls.server_context() if tls else None)
         self._resources.push_async_callback(runner.cleanup)
-        url = f"http://{rt.advertise_host or rt.host}:{port}"
-        self.endpoints = Endpoints(url, broadcast, self.token, str(self.run_path))
-        public = {"url": url, "broadcast": list(broadcast), "pid": os.getpid()}
+        url = f"{'https' if tls else 'http'}://{rt.advertise_host or rt.host}:{port}"
+        join = join_string(url, tls.fingerprint if tls else None)
+        self.endpoints = Endpoints(url, broadcast, self.token, str(self.run_path), join)
+        public = {"url": url, "join": join, "broadcast": list(broadcast), "pid": os.getpid()}
         (self.run_path / "learner.json").write_text(json.dumps(public))
         log.info(
-            "learner API at %s, broadcast at %s:%d; join token in %s",
+            "learner API at %s, broadcast at %s:%d; workers join with %s; join token in %s",
             url,
             *broadcast,
+            join,
             self.run_path / "join_token",
         )
 
@@ -390,6 +409,7 @@ class AsyncLearner:
                 **self.store.stats().metrics(),
                 **self.snapshots.metrics(),
                 **self.pool.metrics(),
+                **self.intake.metrics(),
                 "cost/usd_per_step": usd_step,
                 "cost/usd_total": self.usd_total,
                 "cost/usd_per_hour": usd_h,
@@ -407,7 +427,8 @@ class AsyncLearner:
         return evaluate(self.policy, self.engine, self.task, self.eval_prompts)
 
     def _save(self, name: str) -> str:
-        return self.run_dir.save_checkpoint(name, self.policy, self.version, self.trainer.optimizer)
+        leases = {"leases": self.broker.prompts.state()}  # a resumed run draws on, not from the start
+        return self.run_dir.save_checkpoint(name, self.policy, self.version, self.trainer.optimizer, leases)
 
     # ---- the end -------------------------------------------------------------------------------------
     async def _finish(self) -> None:

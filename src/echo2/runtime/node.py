@@ -13,19 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from echo2.broadcast.api import SnapshotPublisher
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
+from echo2.data.submission import Rejected
 from echo2.data.tasks.base import Task
+from echo2.physics.rules import admission_floor
 from echo2.protocol import WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
 from echo2.runtime.leases import LeaseBroker, PromptSource
 from echo2.runtime.pool import Pool
-from echo2.runtime.registry import WorkerRegistry
+from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
-from echo2.runtime.verify import Verifier
+from echo2.runtime.verify import GenerationCheck, Verifier
 
 
 @dataclass
@@ -64,6 +67,7 @@ def assemble(
     version: Callable[[], int],
     clock: Callable[[], float],
     verifier: Verifier | None = None,
+    generation: GenerationCheck | None = None,
 ) -> NodeParts:
     """The serving parts of a learner node over ``store`` and ``registry`` (which the broadcast
     ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
@@ -91,9 +95,9 @@ def assemble(
         pool.is_active,
         clock,
     )
-    intake = Intake(
-        store, submission_limits(cfg, vocab_size), version, lambda: snapshots.version, clock, verifier
-    )
+    limits = submission_limits(cfg, vocab_size)
+    intake = Intake(store, limits, version, lambda: snapshots.version, clock, verifier, generation)
+    _guard(cfg, intake, snapshots, registry, pool, broker, generation)
     routes = Routes(
         registry,
         pool,
@@ -103,5 +107,36 @@ def assemble(
         store,
         identity,
         int(cfg.runtime.max_request_mb * (1 << 20)),
+        cfg.security,
     )
     return NodeParts(registry, pool, broker, intake, snapshots, routes)
+
+
+def _guard(
+    cfg: Config,
+    intake: Intake,
+    snapshots: Snapshots,
+    registry: WorkerRegistry,
+    pool: Pool,
+    broker: LeaseBroker,
+    generation: GenerationCheck | None,
+) -> None:
+    """Wire the security checks: the generation check keeps the published weights of the admissible
+    versions; evidence of lying quarantines the worker (credential revoked, what it left untrained
+    purged, its leases taken back for others)."""
+    if generation is not None:
+        S = cfg.staleness.S
+
+        def keep(v: int, weights: dict[str, Any]) -> None:
+            generation.keep(v, weights)
+            generation.forget_below(admission_floor(v, S))
+
+        snapshots.on_published = keep
+
+    def quarantine(rec: WorkerRecord, exc: Rejected) -> None:
+        registry.revoke(rec.worker_id, f"{exc.reason}: {exc.detail}")
+        pool.quarantine(rec.worker_id, exc.reason)
+        _, prompts = broker.store.purge_worker(rec.worker_id)
+        broker.prompts.reissue.extend(prompts)
+
+    intake.quarantine = quarantine

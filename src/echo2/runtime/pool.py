@@ -6,6 +6,11 @@ heartbeat timeout is active. Then ``mu_target = gamma * mu_min(kappa)`` from the
 and ``T_bcast`` (:meth:`Pool.retarget`), and :class:`~echo2.planner.controller.PoolController` activates
 the cheapest workers by ``rho_i = c_i / mu_i`` and releases surplus ones; a worker learns its state at
 its next heartbeat or lease. Every decision is logged to ``activation.jsonl`` in the run directory.
+
+A worker's measured rate ``mu_i`` counts the rollouts the learner **admitted** from it (never what its
+heartbeat claims), over the generating time it reports, which is not believed below
+``MIN_BUSY_SHARE`` of the wall time it covers: a lying worker can overstate its rate by at most
+``1 / MIN_BUSY_SHARE``, and one that submits nothing measures 0. A quarantined worker is no candidate.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 log = logging.getLogger(__name__)
 
 ACTIVATION_FILE = "activation.jsonl"
+MIN_BUSY_SHARE = 0.5  # generating time claimed below this share of the wall time is not believed
 
 
 class Pool:
@@ -53,14 +59,41 @@ class Pool:
         self.mu_min: float | None = None  # SPEC §3 mu_min(kappa) from the last measurement
         self.decisions: list[dict[str, Any]] = []  # activation log (also in the run directory)
         self.last_reason: dict[str, str] = {}  # worker -> why the controller last acted on it
+        self._window: dict[str, tuple[float, float, int]] = {}  # worker -> (since, busy_s, admitted then)
 
     def enroll(self, rec: WorkerRecord) -> None:
         """Offer a registered (or restored) worker to the controller, active."""
+        if rec.quarantined:
+            return
         cand = Candidate(rec.worker_id, rec.hardware or "worker", rec.usd_per_hour, rec.rollouts_per_s)
         self.controller.add_candidate(cand, active=True, now_s=self.clock())
+        self._window[rec.worker_id] = (self.clock(), 0.0, rec.rollouts)
 
     def observe(self, rec: WorkerRecord, hb: HeartbeatRequest) -> None:
-        self.controller.observe(Heartbeat(rec.worker_id, self.clock(), hb.rollouts, hb.busy_s))
+        """A heartbeat: liveness; and once rollouts of ``rec`` were admitted since the last rate sample,
+        a sample of admitted rollouts over the claimed generating time (at least ``MIN_BUSY_SHARE`` of
+        the wall time since)."""
+        now = self.clock()
+        since, busy, admitted = self._window.get(rec.worker_id, (now, 0.0, rec.rollouts))
+        busy += hb.busy_s
+        new = rec.rollouts - admitted
+        if new > 0:
+            sample = Heartbeat(rec.worker_id, now, new, max(busy, MIN_BUSY_SHARE * (now - since), 1e-3))
+            self._window[rec.worker_id] = (now, 0.0, rec.rollouts)
+        else:
+            sample = Heartbeat(rec.worker_id, now, 0, 0.0)  # liveness only
+            self._window[rec.worker_id] = (since, busy, admitted)
+        self.controller.observe(sample)
+
+    def quarantine(self, worker_id: str, reason: str) -> None:
+        """A worker caught lying leaves the pool for good (the registry revoked its credential)."""
+        self.controller.remove_candidate(worker_id)
+        self._window.pop(worker_id, None)
+        self.last_reason[worker_id] = f"quarantined: {reason}"
+
+    def rate(self, worker_id: str) -> float:
+        """The measured mu_i of a worker (0 for one quarantined)."""
+        return 0.0 if self.registry[worker_id].quarantined else self.controller.measured_rate(worker_id)
 
     def active_ids(self) -> list[str]:
         if not self.target_known:
@@ -111,7 +144,10 @@ class Pool:
 
     def state(self, worker_id: str) -> str:
         """``active``; ``lost`` (heartbeat timeout); ``released`` (the controller's surplus decision);
-        before a target exists, ``silent`` for a worker not heard from within the heartbeat timeout."""
+        before a target exists, ``silent`` for a worker not heard from within the heartbeat timeout;
+        ``quarantined`` for one caught lying."""
+        if self.registry[worker_id].quarantined:
+            return "quarantined"
         if worker_id in self.active_ids():
             return "active"
         if not self.target_known:
@@ -121,7 +157,7 @@ class Pool:
     def planned_n_min(self) -> int | None:
         """SPEC §3 ``N_min = ceil(mu_min / mu_w)`` with mu_w the mean measured rate of the registered
         workers (None before T_train is measured)."""
-        rates = [self.controller.measured_rate(r.worker_id) for r in self.registry]
+        rates = [self.controller.measured_rate(r.worker_id) for r in self.registry if not r.quarantined]
         if self.mu_min is None or not rates:
             return None
         return capacity.n_min(self.mu_min, sum(rates) / len(rates))

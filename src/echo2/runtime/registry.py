@@ -37,16 +37,20 @@ class WorkerRecord:
     rollouts_per_s: float  # its own estimate at registration (the controller's prior)
     installed_version: int = -1  # newest snapshot it reported installed
     rollouts: int = 0  # rollouts it has had admitted
+    quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
     last_seen_s: float = 0.0  # clock time of its last authenticated call (not persisted)
 
 
 class WorkerRegistry:
     """Membership, credentials and installed versions, persisted in ``run_path / workers.json``."""
 
-    def __init__(self, run_path: Path, join_token: str, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, run_path: Path, join_token: str, clock: Callable[[], float], max_workers: int = 64
+    ) -> None:
         self.path = run_path / REGISTRY_FILE
         self.join_token = join_token
         self.clock = clock
+        self.max_workers = max_workers  # registrations the join token allows in this run
         self._records: dict[str, WorkerRecord] = {}
         self._by_cred: dict[str, str] = {}  # credential sha -> worker id
 
@@ -63,8 +67,14 @@ class WorkerRegistry:
         """Constant-time check of a join token."""
         return hmac.compare_digest(token.encode(), self.join_token.encode())
 
+    @property
+    def full(self) -> bool:
+        """The join token has made all the registrations it may (quarantined workers count too)."""
+        return len(self._records) >= self.max_workers
+
     def register(self, req: RegisterRequest) -> tuple[WorkerRecord, str]:
-        """Enroll a worker whose token was checked; returns its record and its new credential."""
+        """Enroll a worker whose token was checked (and :attr:`full` was not); returns its record and
+        its new credential."""
         credential = secrets.token_urlsafe(32)
         rec = WorkerRecord(
             worker_id=f"w{len(self._records)}-{secrets.token_hex(3)}",
@@ -83,22 +93,37 @@ class WorkerRegistry:
         return rec, credential
 
     def authenticate(self, credential: str) -> WorkerRecord | None:
-        """The worker holding ``credential`` (its last-seen time updated), or None."""
+        """The worker holding ``credential`` (its last-seen time updated; check ``quarantined``), or
+        None."""
         wid = self._by_cred.get(_sha(credential))
         if wid is None:
             return None
         rec = self._records[wid]
-        rec.last_seen_s = self.clock()
+        if not rec.quarantined:
+            rec.last_seen_s = self.clock()
         return rec
 
     def may_join_broadcast(self, worker_id: str, credential: object) -> bool:
-        """Only registered workers join the snapshot topology, and only under their own id."""
-        return isinstance(credential, str) and self._by_cred.get(_sha(credential)) == worker_id
+        """Only registered, trusted workers join the snapshot topology, and only under their own id."""
+        return (
+            isinstance(credential, str)
+            and self._by_cred.get(_sha(credential)) == worker_id
+            and not self._records[worker_id].quarantined
+        )
+
+    def revoke(self, worker_id: str, reason: str) -> None:
+        """Quarantine a worker: its credential opens nothing any more (persisted, so a restart keeps it
+        out); the record stays, with the reason, for the registry's history."""
+        rec = self._records[worker_id]
+        if not rec.quarantined:
+            rec.quarantined = reason
+            self.save()
+            log.warning("quarantined %s (%s): %s", worker_id, rec.name, reason)
 
     def seen_within(self, seconds: float) -> list[str]:
         """Workers heard from in the last ``seconds``."""
         now = self.clock()
-        return [w for w, r in self._records.items() if now - r.last_seen_s <= seconds]
+        return [w for w, r in self._records.items() if now - r.last_seen_s <= seconds and not r.quarantined]
 
     # ---- persistence ---------------------------------------------------------------------------------
     def save(self) -> None:

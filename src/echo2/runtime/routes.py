@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
+from echo2.config import SecurityConfig
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import M, Rejected, parse_model
 from echo2.protocol import (
@@ -67,10 +69,12 @@ class Routes:
         store: TrajectoryStore,
         identity: Identity,
         max_request_bytes: int,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.registry, self.pool, self.broker, self.intake = registry, pool, broker, intake
         self.snapshots, self.store, self.identity = snapshots, store, identity
         self.max_request_bytes = max_request_bytes
+        self.security = security or SecurityConfig()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._count_errors])
@@ -87,12 +91,15 @@ class Routes:
         )
         return app
 
-    async def serve(self, host: str, port: int) -> tuple[web.AppRunner, int]:
-        """Serve on ``host:port`` (0 = any free port); returns the runner (``cleanup()`` stops it) and
-        the bound port."""
+    async def serve(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> tuple[web.AppRunner, int]:
+        """Serve on ``host:port`` (0 = any free port), over TLS with ``ssl_context`` (the run's
+        certificate, ``echo2.transport``; None = plain HTTP); returns the runner (``cleanup()`` stops
+        it) and the bound port."""
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         return runner, int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
 
@@ -104,7 +111,30 @@ class Routes:
             raise _error(web.HTTPUnauthorized, "auth", "register needs the run's join token")
         if not self.registry.token_ok(token):
             raise _error(web.HTTPForbidden, "auth", "wrong join token")
-        rec, credential = self.registry.register(_parse(RegisterRequest, body))
+        if self.registry.full:
+            raise _error(
+                web.HTTPForbidden,
+                "registration_cap",
+                f"the join token has made its {self.registry.max_workers} registrations "
+                "(security.max_workers)",
+            )
+        req = _parse(RegisterRequest, body)
+        sec = self.security
+        if not req.usd_per_hour <= sec.max_usd_per_hour:
+            raise _error(
+                web.HTTPUnprocessableEntity,
+                "invalid_price",
+                f"usd_per_hour: {req.usd_per_hour} above this run's limit {sec.max_usd_per_hour} "
+                "(security.max_usd_per_hour)",
+            )
+        if req.rollouts_per_s is not None and req.rollouts_per_s > sec.max_rollouts_per_s:
+            raise _error(
+                web.HTTPUnprocessableEntity,
+                "invalid_rate",
+                f"rollouts_per_s: {req.rollouts_per_s} above this run's limit {sec.max_rollouts_per_s} "
+                "(security.max_rollouts_per_s)",
+            )
+        rec, credential = self.registry.register(req)
         self.pool.enroll(rec)
         ident = self.identity
         reply = RegisterReply(
@@ -200,6 +230,8 @@ class Routes:
         rec = self.registry.authenticate(header[7:].strip())
         if rec is None:
             raise _error(web.HTTPForbidden, "auth", "unknown credential")
+        if rec.quarantined:
+            raise _error(web.HTTPForbidden, "quarantined", f"credential revoked: {rec.quarantined}")
         return rec
 
     @web.middleware

@@ -126,8 +126,10 @@ class RunDir:
     def checkpoint_dir(self, name: str) -> Path:
         return self.checkpoints / name
 
-    def save_checkpoint(self, name: str, policy: Any, version: int, optimizer: Any = None) -> str:
-        """Weights + tokenizer, the version (and the optimizer state when given) under
+    def save_checkpoint(
+        self, name: str, policy: Any, version: int, optimizer: Any = None, state: dict[str, Any] | None = None
+    ) -> str:
+        """Weights + tokenizer, the version and ``state`` (and the optimizer state when given) under
         ``checkpoints/<name>``, crash-consistently: written to a temporary directory, every file and
         the directory fsynced, then renamed into place and the parent fsynced, so a checkpoint either
         exists whole on disk or not at all (the caller prunes the trajectories it covers only after
@@ -140,7 +142,7 @@ class RunDir:
             import torch
 
             torch.save(optimizer.state_dict(), tmp / OPTIM_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({"version": version}) + "\n")
+        (tmp / STATE_FILE).write_text(json.dumps({**(state or {}), "version": version}) + "\n")
         _fsync_tree(tmp)
         if path.exists():  # the same name again (a resumed run saving the step it resumed from)
             shutil.rmtree(path)

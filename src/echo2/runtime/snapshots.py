@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,8 @@ class Snapshots:
         self._base: dict[str, torch.Tensor] | None = None  # the newest published weights (chain[-1])
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced
         self._tasks: set[asyncio.Task[None]] = set()
+        # told each published version's weights (the generation check keeps the admissible ones)
+        self.on_published: Callable[[int, dict[str, torch.Tensor]], None] = lambda version, weights: None
 
     @property
     def latest(self) -> tuple[int, dict[str, Any], bytes] | None:
@@ -123,6 +126,7 @@ class Snapshots:
         enc = await asyncio.to_thread(self.encode, weights)
         await self.publish(version, enc.blob, enc.lineage)
         self._base = weights
+        self.on_published(version, weights)
         self.publication = {
             "broadcast/publication_bytes": float(len(enc.blob)),
             "broadcast/full_bytes": float(enc.full_bytes),

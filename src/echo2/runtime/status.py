@@ -83,10 +83,10 @@ class NodeStatus:
 
     def workers(self) -> list[dict[str, Any]]:
         """The pool as a table: one row per registered worker."""
-        now, ctl = self.clock(), self.pool.controller
+        now = self.clock()
         rows = []
         for rec in self.registry:
-            mu = ctl.measured_rate(rec.worker_id)
+            mu = self.pool.rate(rec.worker_id)
             rows.append(
                 {
                     "worker_id": rec.worker_id,

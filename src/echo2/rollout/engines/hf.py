@@ -1,9 +1,11 @@
 """Rollout engine on HF transformers: batched sampling with temperature and top-p, returning the
-completion token ids and the sampler's per-token log-probs. Deterministic under a seed.
+completion token ids and the sampler's per-token log-probs. Sampling is seeded Gumbel-max
+(``rollout/sampling.py``): row ``r`` of a call with ``seed`` draws step ``n`` from noise of
+``(seed, r, n)`` alone, so the learner can confirm any token from the claimed weights.
 
 The decode loop drives the model's own forward with a KV cache (``DynamicCache``) instead of
-``generate()``: it keeps exactly the log-probs we need, runs one ``torch.Generator`` for
-reproducibility, and has no per-token processor overhead, which dominates on small models.
+``generate()``: it keeps exactly the log-probs we need, draws with seeded noise, and has no per-token
+processor overhead, which dominates on small models.
 
 Log-prob convention: ``sampler_logprobs`` are log-probs under the *temperature-scaled* distribution
 ``softmax(logits / T)``, before nucleus truncation. This is what the learner recomputes, so an
@@ -21,18 +23,7 @@ import torch
 
 from echo2.config import SamplingConfig
 from echo2.rollout.engines.base import Sample
-
-
-def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the smallest set whose probability mass reaches ``top_p``
-    (the most likely token always stays)."""
-    if top_p >= 1.0:
-        return logits_BV
-    sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
-    cum_BV = torch.softmax(sorted_BV, dim=-1).cumsum(dim=-1)
-    drop_sorted_BV = (cum_BV - torch.softmax(sorted_BV, dim=-1)) >= top_p  # mass before this token
-    drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
-    return logits_BV.masked_fill(drop_BV, float("-inf"))
+from echo2.rollout.sampling import gumbel_draw
 
 
 class HFEngine:
@@ -85,7 +76,7 @@ class HFEngine:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
-        gen = torch.Generator(device=device).manual_seed(seed)
+        rows_B = torch.arange(len(prompts), device=device)  # row r of this call draws with (seed, r)
 
         # left-pad so every row's next token sits in the last column
         width = max(len(p) for p in prompts)
@@ -118,8 +109,7 @@ class HFEngine:
             if greedy:
                 next_B = logits_BV.argmax(dim=-1)
             else:
-                probs_BV = torch.softmax(top_p_filter(logits_BV, self.sampling.top_p), dim=-1)
-                next_B = torch.multinomial(probs_BV, 1, generator=gen).squeeze(-1)
+                next_B = gumbel_draw(logits_BV, self.sampling.top_p, seed, rows_B, n)
             next_B = torch.where(done_B, torch.full_like(next_B, self.pad_id), next_B)
             tokens_BS[:, n] = next_B
             logprobs_BS[:, n] = logp_BV.gather(-1, next_B[:, None]).squeeze(-1)

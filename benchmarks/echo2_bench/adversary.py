@@ -1,0 +1,251 @@
+"""Attackers for the adversary benchmark and its integration test: strangers holding the run's join
+token who set up exactly like a real worker (``RolloutWorker.setup``: register, build the engine on the
+learner's skeleton, install the current snapshot over HTTP, verified) and then lie in one way.
+
+Each attack kind (ATTACKS) turns an honest generation into what that attacker submits:
+
+- sampled checks catch: ``model`` (generates with other weights: the installed ones plus noise),
+  ``logprobs`` (tampered sampler log-probs, which would move the importance weights), ``cherry``
+  (best-of-n: n draws per prompt under other seeds, the best-rewarded submitted as the lease's),
+  ``inflated`` (never installs a newer version, claims the newest published one);
+- every submission is refused: ``reward`` (forged rewards; quarantines), ``prompt`` (foreign prompt
+  tokens), ``deflated`` (claims an older version than it held at lease time), ``replay`` (the same
+  submission twice).
+
+:func:`attack_until_caught` runs trials: each registers a fresh identity and submits until the learner
+answers ``quarantined`` (or a budget runs out), and reports how many submissions each trial took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from echo2.protocol import HeartbeatRequest, LeaseGrant, LeaseRequest, SubmitRequest, group_to_wire
+from echo2.rollout.client import LearnerClient, Refused
+from echo2.rollout.worker import RolloutWorker, WorkerOptions
+from echo2.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+SAMPLED = ("model", "logprobs", "cherry", "inflated")  # caught by the sampled generation check
+DETERMINISTIC = ("reward", "prompt", "deflated", "replay")  # refused on every submission
+ATTACKS = SAMPLED + DETERMINISTIC
+EVIDENCE = ("forged_generation", "reward_mismatch")  # refusals that quarantine (runtime/verify.py)
+CHERRY_N = 4  # draws per prompt a best-of-n attacker picks from
+
+
+@dataclass
+class Trial:
+    """One identity of one attacker: what its submissions got, in order."""
+
+    kind: str
+    worker_id: str
+    outcomes: list[str] = field(default_factory=list)  # "admitted" or the refusal reason, per submission
+    quarantined_after: int | None = None  # submissions until the learner answered "quarantined"
+
+
+class Attacker:
+    """A real worker's setup, then lies of one ``kind`` (the honest generation is its raw material)."""
+
+    def __init__(
+        self, join: str, token: str, kind: str, session: aiohttp.ClientSession, max_prompts: int | None = None
+    ) -> None:
+        if kind not in ATTACKS:
+            raise ValueError(f"unknown attack {kind!r}; one of {ATTACKS}")
+        self.kind = kind
+        self.max_prompts = max_prompts  # prompts per lease (None: what the run's settings say)
+        self.w = RolloutWorker(WorkerOptions(join_url=join, token=token, name=f"attacker-{kind}"))
+        self.w.client = LearnerClient(join, session, reconnect_s=30.0, give_up=lambda: self.w.finished)
+        self._hb: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.w._loop = asyncio.get_running_loop()
+        await self.w.setup()
+        assert self.w._heartbeat_task is not None
+        self.w._heartbeat_task.cancel()  # ours instead: it never re-registers by itself
+        self._hb = asyncio.ensure_future(self._heartbeats())
+        if self.kind == "model":
+            self._perturb()
+
+    async def close(self) -> None:
+        self.w.finished = True
+        if self._hb is not None:
+            self._hb.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._hb
+
+    async def new_identity(self) -> str:
+        await self.w._register()
+        return self.w.worker_id
+
+    async def _heartbeats(self) -> None:
+        while True:
+            with contextlib.suppress(Refused):
+                await self.w.client.heartbeat(
+                    HeartbeatRequest(rollouts=0, busy_s=0.0, installed_version=self.w.installed)
+                )
+            await asyncio.sleep(self.w.settings.heartbeat_s)
+
+    def _perturb(self) -> None:
+        import torch
+
+        model = self.w.engine.model  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+
+    async def submit_one(self) -> str:
+        """Lease, generate, lie, submit once; the outcome ("admitted", "no_lease" or the refusal)."""
+        w = self.w
+        if self.kind != "inflated":
+            await w._fetch_snapshot()  # stay current like an honest worker
+            if self.kind == "model":
+                self._perturb()  # the new weights, perturbed again
+        claim = await self._claimed_version()
+        try:
+            lease = await w.client.lease(
+                LeaseRequest(
+                    max_prompts=self.max_prompts or w.settings.lease_prompts, installed_version=claim
+                )
+            )
+        except Refused as exc:
+            return exc.reply.error
+        if not isinstance(lease, LeaseGrant):
+            await asyncio.sleep(min(lease.retry_after_s, 1.0))
+            return "no_lease"
+        groups = await asyncio.to_thread(self._generate, lease)
+        version = claim - 1 if self.kind == "deflated" else claim
+        req = SubmitRequest(
+            lease_id=lease.lease_id, policy_version=version, groups=[group_to_wire(g) for g in groups]
+        )
+        outcome = await self._submit(req)
+        if self.kind == "replay" and outcome == "admitted":
+            outcome = await self._submit(req)
+        return outcome
+
+    async def _claimed_version(self) -> int:
+        """The version it says it holds: the newest published for an inflating attacker (which keeps the
+        weights it first installed), else the one it holds."""
+        if self.kind == "inflated":
+            latest = (await self.w.client.version()).version
+            return latest if latest is not None else self.w.installed
+        return self.w.installed
+
+    async def _submit(self, req: SubmitRequest) -> str:
+        try:
+            reply = await self.w.client.submit(req)
+        except Refused as exc:
+            return exc.reply.error
+        return "admitted" if reply.admitted else "dropped_stale"
+
+    def _generate(self, lease: LeaseGrant) -> list[list[Trajectory]]:
+        from echo2.rollout.collect import collect_groups
+
+        w, G = self.w, lease.group_size
+
+        def draw(seed: int) -> list[list[Trajectory]]:
+            batch = collect_groups(
+                w.codec,
+                w.engine,
+                w.task,
+                lease.prompts,
+                G,
+                seed=seed,
+                policy_version=w.installed,
+                group_prefix=lease.lease_id,
+            )
+            ts = batch.trajectories
+            return [ts[i : i + G] for i in range(0, len(ts), G)]
+
+        return FORGE[self.kind](self, draw(lease.seed), lease, draw)
+
+
+def _same(att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]) -> Any:
+    return groups
+
+
+def _each(groups: list[list[Trajectory]], **change: Any) -> list[list[Trajectory]]:
+    return [[dataclasses.replace(t, **change) for t in g] for g in groups]
+
+
+def _logprobs(
+    att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]
+) -> Any:
+    return [
+        [dataclasses.replace(t, sampler_logprobs=tuple(lp - 1.0 for lp in t.sampler_logprobs)) for t in g]
+        for g in groups
+    ]
+
+
+def _cherry(
+    att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]
+) -> Any:
+    pools = [groups] + [draw(lease.seed + k) for k in range(1, CHERRY_N)]
+    out = []
+    for i, g in enumerate(groups):
+        out.append([max((p[i][j] for p in pools), key=lambda t: t.reward) for j in range(len(g))])
+    return out
+
+
+def _reward(
+    att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]
+) -> Any:
+    return (
+        _each(groups, reward=1.0)
+        if any(t.reward != 1.0 for g in groups for t in g)
+        else _each(groups, reward=0.0)
+    )
+
+
+def _prompt(
+    att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]
+) -> Any:
+    foreign = tuple(att.w.codec.encode_prompt("1+1="))
+    return _each(groups, prompt_ids=foreign)
+
+
+FORGE: dict[str, Callable[..., list[list[Trajectory]]]] = {
+    "model": _same,  # the engine's weights are perturbed: its honest-looking output is the forgery
+    "logprobs": _logprobs,
+    "cherry": _cherry,
+    "inflated": _same,  # the claimed version is changed at submission (see attack_until_caught)
+    "reward": _reward,
+    "prompt": _prompt,
+    "deflated": _same,
+    "replay": _same,
+}
+
+
+async def attack_until_caught(att: Attacker, trials: int, budget: int) -> list[Trial]:
+    """``trials`` fresh identities of ``att``, each submitting until the learner answers
+    ``quarantined`` or ``budget`` submissions were made (refusals count as submissions; leases the
+    learner did not grant do not)."""
+    out = []
+    for n in range(trials):  # the identity it set up with is the first
+        trial = Trial(att.kind, att.w.worker_id if n == 0 else await att.new_identity())
+        while len(trial.outcomes) < budget:
+            try:
+                outcome = await att.submit_one()
+            except Refused as exc:  # any call of a quarantined identity
+                outcome = exc.reply.error
+            if outcome == "no_lease":
+                continue
+            if outcome == "quarantined":  # refused before submitting: caught earlier
+                trial.quarantined_after = trial.quarantined_after or len(trial.outcomes)
+                break
+            trial.outcomes.append(outcome)
+            if outcome in EVIDENCE:  # this submission got it quarantined
+                trial.quarantined_after = len(trial.outcomes)
+                break
+        out.append(trial)
+        log.info("%s trial %s: %s", att.kind, trial.worker_id, trial.outcomes)
+    return out

@@ -1,0 +1,217 @@
+"""Who may pull which chunks: per-member, per-version credentials and the checks made before a chunk moves.
+
+The publisher issues every member, with each version it announces, a :class:`Credential`: the
+learner's signature (the manifest key, ``manifest.py``) over the run, the version, the member's id,
+the SHA-256 fingerprint of the member's relay certificate and an expiry time. A server (the
+publisher, or a relaying peer, which holds the learner's public key and so needs no call to the
+learner) admits a pull request only if it carries:
+
+- a credential whose signature checks under the run's key, issued for this run, for the version
+  asked, to the member id the request names, and not expired;
+- over TLS, the member's certificate (its fingerprint must be the one the credential names) and a
+  proof of possession: the member's ECDSA signature, by that certificate's key, over
+  ``(this server's certificate fingerprint, member, version)``. A proof is good for one server only
+  (the client pinned that server's certificate), so a peer that saw a request cannot replay it
+  elsewhere, and a stolen credential is useless without the member's key;
+- a member id the server was told to serve for that version: the publisher serves the members it
+  announced the version to; a relay, the members the plan has pulling from it (``serve`` in its
+  announcement);
+
+and a chunk list that is bounded (:func:`~echo2.broadcast.store.parse_chunk_list`: in range, no
+duplicates, no more than the snapshot's chunk count). A server sends one member at most
+``SERVE_BUDGET`` times the version's size (:class:`Budget`), so nobody re-downloads a version
+endlessly. Every refusal is counted (:class:`ServeCounters`) and ends the connection before any chunk
+byte is sent.
+
+With the HMAC scheme (a secret every worker holds) any worker could mint credentials: that scheme
+suits only a fleet whose workers trust each other, as for manifests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from echo2.broadcast.manifest import ManifestKey
+from echo2.broadcast.wire import ProtocolError
+from echo2.transport import TlsIdentity, fingerprint, signed_by
+
+CREDENTIAL_TTL_S = 3600.0  # a credential is good for this long after issue (covers clock skew between hosts)
+SERVE_BUDGET = 3.0  # bytes one server sends one member for one version <= this x the version's size ...
+BUDGET_SLACK_CHUNKS = 4  # ... plus this many chunks (streams cut mid-chunk, small snapshots)
+MAX_CERT_BYTES = 4096  # a member certificate attached to a request is at most this long (DER)
+
+
+class AccessError(ProtocolError):
+    """A pull request without a valid credential, proof or schedule entry; the message says which."""
+
+
+@dataclass(frozen=True)
+class Credential:
+    """The learner's permission for ``member`` to pull ``version`` of run ``run``."""
+
+    run: str  # the run's id (:func:`run_id` of the learner's key)
+    version: int  # the snapshot version it admits pulls of
+    member: str  # the worker id it was issued to
+    cert: str  # SHA-256 fingerprint of the member's relay certificate ("" without TLS)
+    expires: float  # unix time after which servers refuse it
+    sig: str  # the learner's signature (or MAC) over the fields above
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: object) -> Credential:
+        """Parse an untrusted object; AccessError naming the bad field (the signature is not checked)."""
+        if not isinstance(d, Mapping):
+            raise AccessError("no credential: a pull request needs the learner's credential for the version")
+        try:
+            cred = cls(
+                run=d["run"], version=d["version"], member=d["member"], cert=d["cert"],
+                expires=d["expires"], sig=d["sig"],
+            )  # fmt: skip
+        except KeyError as exc:
+            raise AccessError(f"credential is missing {exc}") from None
+        ok = (
+            all(isinstance(x, str) for x in (cred.run, cred.member, cred.cert, cred.sig))
+            and isinstance(cred.version, int)
+            and not isinstance(cred.version, bool)
+            and isinstance(cred.expires, int | float)
+        )
+        if not ok:
+            raise AccessError("credential fields have the wrong types")
+        return cred
+
+
+def run_id(key: ManifestKey) -> str:
+    """A short id of the run: a digest of the learner's verification key (the same on every node)."""
+    return hashlib.sha256(b"echo2-run\0" + key.verifier().to_text().encode()).hexdigest()[:16]
+
+
+def _signed(run: str, version: int, member: str, cert: str, expires: float) -> bytes:
+    body = {"what": "echo2-pull", "run": run, "v": version, "member": member, "cert": cert, "exp": expires}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def issue(
+    key: ManifestKey, version: int, member: str, cert: str, ttl: float = CREDENTIAL_TTL_S
+) -> Credential:
+    """The publisher's credential for ``member`` (relay certificate ``cert``) to pull ``version``."""
+    run, expires = run_id(key), round(time.time() + ttl, 3)
+    sig = key.sign(_signed(run, version, member, cert, expires))
+    return Credential(run, version, member, cert, expires, sig)
+
+
+def proof_payload(server_cert: str, member: str, version: int) -> bytes:
+    """What a member signs to pull ``version`` from the server whose certificate is ``server_cert``."""
+    return f"echo2-get\0{server_cert}\0{member}\0{version}".encode()
+
+
+def pull_request(
+    credential: Credential, chunks: list[int], repair: bool, server_cert: str, me: TlsIdentity | None
+) -> dict[str, Any]:
+    """The ``get`` frame a member sends a server (``server_cert`` "" and ``me`` None without TLS)."""
+    msg: dict[str, Any] = {
+        "op": "get", "v": credential.version, "chunks": chunks, "from": credential.member,
+        "repair": repair, "cred": credential.to_dict(),
+    }  # fmt: skip
+    if me is not None:
+        msg["cert"] = me.cert_der.hex()
+        msg["proof"] = me.sign(proof_payload(server_cert, credential.member, credential.version)).hex()
+    return msg
+
+
+def check_credential(key: ManifestKey, cred: Credential, version: int, member: str) -> None:
+    """AccessError unless ``cred`` is the learner's unexpired credential for ``member`` and ``version``."""
+    if cred.member != member or cred.version != version:
+        raise AccessError(
+            f"credential of {cred.member!r} for v{cred.version} presented by {member!r} for v{version}"
+        )
+    if cred.run != run_id(key):
+        raise AccessError(f"credential of another run ({cred.run})")
+    if not key.verify(_signed(cred.run, cred.version, cred.member, cred.cert, cred.expires), cred.sig):
+        raise AccessError(f"credential of {member!r} for v{version} fails the learner's signature")
+    if cred.expires < time.time():
+        raise AccessError(f"credential of {member!r} for v{version} expired")
+
+
+@dataclass
+class ServeCounters:
+    """What a server (publisher or relay) refused; every refusal also ends its connection."""
+
+    refused_requests: int = 0  # pulls without a valid credential / proof, or from a member not served here
+    bad_requests: int = 0  # pulls with a malformed or out-of-bounds chunk list, or of an unknown version
+    over_budget: int = 0  # pulls stopped at the per-member byte budget of a version
+
+
+class Gate:
+    """A server's check of pull requests: ``authenticate`` and ``require`` before serving, ``charge``
+    for every chunk."""
+
+    def __init__(self, key: ManifestKey, me: TlsIdentity | None, counters: ServeCounters) -> None:
+        self.key = key  # the learner's key (its public half on a relay)
+        self.me = me  # this server's TLS identity (its fingerprint is in every proof); None = plain
+        self.counters = counters
+        self._sent: dict[tuple[str, int], int] = {}  # (member, version) -> payload bytes sent
+
+    def authenticate(self, header: Mapping[str, Any]) -> tuple[str, int]:
+        """(member, version) of a ``get`` whose credential (and, over TLS, certificate and proof)
+        check; AccessError, counted, otherwise. Whether this node serves that member is
+        :meth:`require`'s question."""
+        try:
+            member, version = header.get("from"), header.get("v")
+            if not isinstance(member, str) or not isinstance(version, int) or isinstance(version, bool):
+                raise AccessError("a pull request names its member ('from') and version ('v')")
+            cred = Credential.from_dict(header.get("cred"))
+            check_credential(self.key, cred, version, member)
+            if self.me is not None:
+                self._check_proof(header, cred)
+        except AccessError:
+            self.counters.refused_requests += 1
+            raise
+        return member, version
+
+    def require(self, scheduled: bool, member: str, version: int) -> None:
+        """AccessError, counted, unless ``member`` is ``scheduled`` to pull ``version`` from this node."""
+        if not scheduled:
+            self.counters.refused_requests += 1
+            raise AccessError(f"{member!r} is not a member this node serves v{version} to")
+
+    def _check_proof(self, header: Mapping[str, Any], cred: Credential) -> None:
+        assert self.me is not None
+        cert, proof = header.get("cert"), header.get("proof")
+        if not isinstance(cert, str) or not isinstance(proof, str) or len(cert) > 2 * MAX_CERT_BYTES:
+            raise AccessError("a pull request over TLS carries the member's certificate and proof")
+        try:
+            der, sig = bytes.fromhex(cert), bytes.fromhex(proof)
+        except ValueError:
+            raise AccessError("certificate and proof must be hex") from None
+        if not cred.cert or fingerprint(der) != cred.cert:
+            raise AccessError(f"the certificate {cred.member!r} presents is not the one its credential names")
+        if not signed_by(der, proof_payload(self.me.fingerprint, cred.member, cred.version), sig):
+            raise AccessError(f"{cred.member!r}'s proof is not signed by its certificate's key for this node")
+
+    def charge(self, member: str, version: int, total_size: int, chunk_size: int) -> Callable[[int], bool]:
+        """A callback that books ``n`` bytes to ``member``'s budget for ``version`` and says whether
+        they may still be sent (counted when not)."""
+        limit = SERVE_BUDGET * total_size + BUDGET_SLACK_CHUNKS * chunk_size
+        key = (member, version)
+
+        def book(n: int) -> bool:
+            sent = self._sent.get(key, 0) + n
+            if sent > limit:
+                self.counters.over_budget += 1
+                return False
+            self._sent[key] = sent
+            return True
+
+        return book
+
+    def forget_before(self, version: int) -> None:
+        """Drop the budgets of versions older than ``version`` (no longer served)."""
+        for key in [k for k in self._sent if k[1] < version]:
+            del self._sent[key]

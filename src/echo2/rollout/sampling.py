@@ -1,0 +1,83 @@
+"""Seeded Gumbel-max sampling: a draw anyone holding the weights can re-derive from the seed.
+
+A worker is a stranger's machine, so the learner must be able to confirm that a completion is the one
+the claimed weights and the lease's seed produce. Sampling is therefore Gumbel-max with noise that is
+a pure function of ``(seed, row, step, token)``: at step ``n`` row ``r`` takes
+
+    argmax_v  nucleus_p(logits / T)[v] + g(seed, r, n, v),    g = -log(-log(u)),  u ~ U(0, 1)
+
+which is an exact draw from the temperature-scaled, nucleus-truncated distribution (the Gumbel-max
+trick), and whose noise the learner recomputes for any single step without replaying the others
+(:func:`gumbel_noise`). The uniforms come from a counter-based integer hash evaluated in int64 with
+32-bit lanes (every product stays below 2**63), so they are the same bits on every device; only the
+final ``log`` may differ by an ulp, which the learner's tolerance absorbs.
+
+The noise is predictable to whoever knows the seed; that is harmless: it fixes *which* token the
+claimed weights must have chosen, it does not let a worker choose another one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK = 0xFFFFFFFF
+_M1 = 0x7FEB352D  # odd multipliers below 2**31: x (< 2**32) * M stays below 2**63 in int64
+_M2 = 0x5BD1E995
+_STRIDE = 0x61C88647  # spreads consecutive counters (token ids, rows, steps) over the 32-bit lanes
+_U_SCALE = 1.0 / (1 << 24)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK
+    return x ^ (x >> 15)
+
+
+def _key(seed: int, rows: torch.Tensor, step: int) -> torch.Tensor:
+    """One 32-bit key per row for ``(seed, row, step)``."""
+    lo, hi = seed & _MASK, (seed >> 32) & _MASK
+    k = _mix(torch.tensor(hi, dtype=torch.int64, device=rows.device)) ^ lo
+    k = _mix(k) ^ ((rows.to(torch.int64) * _STRIDE) & _MASK)
+    return _mix(_mix(k) ^ ((step * _STRIDE) & _MASK))
+
+
+def gumbel_noise(seed: int, rows: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise ``[len(rows), vocab]`` (float32) for sampling step ``step`` of the given
+    rows of a generation seeded with ``seed`` (a non-negative integer below 2**64)."""
+    if seed < 0:
+        raise ValueError(f"seed: {seed} must be >= 0")
+    key_B1 = _key(seed, rows, step)[:, None]
+    tokens_V = (torch.arange(vocab, dtype=torch.int64, device=rows.device) * _STRIDE) & _MASK
+    bits_BV = _mix(key_B1 ^ tokens_V[None, :]) >> 8  # 24 uniform bits
+    u_BV = (bits_BV.to(torch.float32) + 0.5) * _U_SCALE  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u_BV))
+
+
+def nucleus_mass_before(logits_BV: torch.Tensor) -> torch.Tensor:
+    """For every token, the probability mass of the tokens strictly more likely than it (in the order
+    nucleus truncation keeps them); a token is in the top-p nucleus iff this is below ``top_p``."""
+    sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
+    probs_BV = torch.softmax(sorted_BV, dim=-1)
+    before_sorted_BV = probs_BV.cumsum(dim=-1) - probs_BV
+    return torch.empty_like(before_sorted_BV).scatter(-1, order_BV, before_sorted_BV)
+
+
+def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the smallest set whose probability mass reaches ``top_p``
+    (the most likely token always stays)."""
+    if top_p >= 1.0:
+        return logits_BV
+    return logits_BV.masked_fill(nucleus_mass_before(logits_BV) >= top_p, float("-inf"))
+
+
+def gumbel_draw(
+    scaled_logits_BV: torch.Tensor, top_p: float, seed: int, rows: torch.Tensor, step: int
+) -> torch.Tensor:
+    """The token each row draws at ``step``: Gumbel-max over the nucleus of temperature-scaled logits."""
+    noise_BV = gumbel_noise(seed, rows, step, scaled_logits_BV.shape[-1]).to(scaled_logits_BV.device)
+    return (top_p_filter(scaled_logits_BV, top_p) + noise_BV).argmax(dim=-1)

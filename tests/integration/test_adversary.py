@@ -1,0 +1,148 @@
+"""Strangers against a real learner: `echo2 run` (tiny model, TLS, one honest worker process) while
+attackers set up exactly like a worker (benchmarks/echo2_bench/adversary.py) and lie. Every generation
+is re-checked here (security.check_fraction = 1) so each forgery is caught at its first submission;
+benchmarks/adversary.py measures the default fraction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from echo2.runtime.rundir import read_metrics
+
+pytestmark = pytest.mark.integration
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        return max((r["step"] for r in read_metrics(run_dir) if "learner/t_train_s" in r), default=-1)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return -1
+
+
+async def _attack(join: str, token: str) -> dict[str, object]:
+    import aiohttp
+
+    from echo2.protocol import HeartbeatRequest, RegisterRequest
+    from echo2.rollout.client import LearnerClient, Refused
+    from echo2_bench.adversary import Attacker, attack_until_caught
+
+    out: dict[str, object] = {}
+    async with aiohttp.ClientSession() as session:
+        for kind in ("model", "logprobs", "reward", "prompt", "deflated", "replay"):
+            att = Attacker(join, token, kind, session, max_prompts=1)
+            await att.start()
+            (trial,) = await attack_until_caught(att, 1, budget=2)
+            out[kind] = (trial.worker_id, trial.outcomes, trial.quarantined_after)
+            await att.close()
+        # a lying heartbeat: 1e15 rollouts in a nanosecond, from a worker that submitted nothing
+        liar = LearnerClient(join, session, reconnect_s=10)
+        reg = await liar.register(RegisterRequest(token=token, name="liar", usd_per_hour=0.1))
+        await liar.heartbeat(HeartbeatRequest(rollouts=10**15, busy_s=1e-9, installed_version=0))
+        out["liar"] = reg.worker_id
+        # no credential, a forged one: no weights
+        anon = LearnerClient(join, session, reconnect_s=10)
+        for cred in (None, "forged-credential"):
+            anon.credential = cred
+            try:
+                await anon.snapshot_chain(-1)
+                out[f"download:{cred}"] = 200
+            except Refused as exc:
+                out[f"download:{cred}"] = exc.status
+        # a registration flood stops at the cap
+        statuses = []
+        for i in range(12):
+            try:
+                await LearnerClient(join, session, reconnect_s=10).register(
+                    RegisterRequest(token=token, name=f"flood{i}", usd_per_hour=0.1)
+                )
+                statuses.append(200)
+            except Refused as exc:
+                statuses.append(exc.status)
+        out["flood"] = statuses
+    return out
+
+
+def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(tiny_overrides, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = [*tiny_overrides, "runtime.workers=1", "runtime.lease_prompts=2", "train.eval_every=1000"]
+    sets += ["security.check_fraction=1.0", "security.check_samples=1000", "security.max_workers=12"]
+    args = [a for s in sets for a in ("--set", s)]
+    log = (tmp_path / "run.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "echo2.cli", "run", *args, "--steps", "100000", "--no-progress"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        # a few steps in: version 0 cannot be deflated
+        _wait_for(lambda: _last_step(run_dir) >= 3, 180, "the learner's third step")
+        info = json.loads((run_dir / "learner.json").read_text())
+        token = (run_dir / "join_token").read_text().strip()
+        got = asyncio.run(asyncio.wait_for(_attack(info["join"], token), 240))
+        time.sleep(3)  # a few more honest steps
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "Traceback" not in text
+
+    # forgeries of the generation and of the reward: caught at the first submission, quarantined
+    for kind, reason in (
+        ("model", "forged_generation"),
+        ("logprobs", "forged_generation"),
+        ("reward", "reward_mismatch"),
+    ):
+        _, outcomes, caught = got[kind]  # type: ignore[misc]
+        assert outcomes == [reason] and caught == 1, (kind, outcomes)
+    # deterministic refusals, every time, nobody quarantined for them
+    assert got["prompt"][1] == ["prompt_mismatch"] * 2  # type: ignore[index]
+    assert got["deflated"][1] == ["version_mismatch"] * 2  # type: ignore[index]
+    assert got["replay"][1] == ["replay"] * 2  # type: ignore[index]  # the original landed, the copy not
+    assert got["download:None"] == 401 and got["download:forged-credential"] == 403
+    # the cap: 1 honest + 6 attackers + the liar = 8 registrations before the flood, 4 more allowed
+    assert got["flood"] == [200] * 4 + [403] * 8
+
+    workers = {w["worker_id"]: w for w in json.loads((run_dir / "workers.json").read_text())}
+    quarantined = {w["name"] for w in workers.values() if w["quarantined"]}
+    assert quarantined == {"attacker-model", "attacker-logprobs", "attacker-reward"}
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    liars = [got[k][0] for k in ("model", "logprobs", "reward", "prompt", "deflated")]  # type: ignore[index]
+    marks = ",".join("?" * len(liars))
+    trained = db.execute(
+        "SELECT COUNT(*) FROM rollout_groups g JOIN leases l USING (lease_id) "
+        f"WHERE l.worker_id IN ({marks}) AND g.consumed_step >= 1",
+        liars,
+    ).fetchone()[0]
+    db.close()
+    assert trained == 0  # not one forged group was trained on
+
+    rows = [r for r in read_metrics(run_dir) if "security/quarantined" in r]
+    last = rows[-1]
+    assert last["security/quarantined"] == 3
+    assert last["security/checked_trajectories"] > 20 and last["security/passing_token_misses"] == 0
+    assert last["store/rejected/registration_cap"] == 8
+    (honest,) = [w for w in workers.values() if not w["name"].startswith(("attacker-", "liar", "flood"))]
+    assert not honest["quarantined"] and honest["rollouts"] > 0  # the honest worker trained on throughout

@@ -1,0 +1,160 @@
+"""broadcast.access: what a pull credential binds, the gate's checks, the byte budget, bounded chunk lists."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from echo2.broadcast.access import (
+    BUDGET_SLACK_CHUNKS,
+    SERVE_BUDGET,
+    AccessError,
+    Credential,
+    Gate,
+    ServeCounters,
+    check_credential,
+    issue,
+    pull_request,
+    run_id,
+)
+from echo2.broadcast.manifest import HmacKey, new_signing_key
+from echo2.broadcast.store import parse_chunk_list
+from echo2.broadcast.wire import ProtocolError
+from echo2.transport import make_identity
+
+KEY = new_signing_key()
+PUBLIC = KEY.verifier()  # what a relaying worker holds
+SERVER = make_identity(["127.0.0.1"])  # the node asked for chunks
+MEMBER = make_identity(["127.0.0.1"])  # the member asking
+
+
+def test_a_credential_checks_with_the_public_key_alone():
+    cred = issue(KEY, 7, "w1", MEMBER.fingerprint)
+    assert cred.run == run_id(KEY) == run_id(PUBLIC)  # the learner and every worker name the run alike
+    check_credential(PUBLIC, cred, 7, "w1")
+    assert Credential.from_dict(cred.to_dict()) == cred  # survives the wire
+
+
+@pytest.mark.parametrize(
+    ("change", "version", "member", "needle"),
+    [
+        ({}, 8, "w1", "for v8"),  # another version
+        ({}, 7, "w2", "presented by 'w2'"),  # another member presenting w1's credential
+        ({"member": "w2"}, 7, "w2", "fails the learner's signature"),  # w1's credential renamed
+        ({"version": 8}, 8, "w1", "fails the learner's signature"),  # ... or re-versioned
+        ({"cert": "00" * 32}, 7, "w1", "fails the learner's signature"),  # ... or re-bound
+        ({"expires": time.time() + 10**6}, 7, "w1", "fails the learner's signature"),  # ... or extended
+        ({"run": "0123456789abcdef"}, 7, "w1", "another run"),
+    ],
+)
+def test_a_changed_or_misused_credential_is_refused(change, version, member, needle):
+    cred = dataclasses.replace(issue(KEY, 7, "w1", MEMBER.fingerprint), **change)
+    with pytest.raises(AccessError, match=needle):
+        check_credential(PUBLIC, cred, version, member)
+
+
+def test_forged_and_expired_credentials_are_refused():
+    forged = issue(new_signing_key(), 7, "w1", MEMBER.fingerprint)  # a worker's own key pair
+    with pytest.raises(AccessError, match="another run"):
+        check_credential(PUBLIC, forged, 7, "w1")
+    forged = dataclasses.replace(forged, run=run_id(KEY))  # even under the right run id
+    with pytest.raises(AccessError, match="signature"):
+        check_credential(PUBLIC, forged, 7, "w1")
+    with pytest.raises(AccessError, match="expired"):
+        check_credential(PUBLIC, issue(KEY, 7, "w1", "", ttl=-1.0), 7, "w1")
+    with pytest.raises(AccessError, match="no credential"):
+        Credential.from_dict(None)
+    with pytest.raises(AccessError, match="missing"):
+        Credential.from_dict({"run": "x"})
+    with pytest.raises(AccessError, match="types"):
+        Credential.from_dict({**issue(KEY, 7, "w1", "").to_dict(), "version": "7"})
+
+
+def test_hmac_runs_issue_credentials_too():
+    key = HmacKey(b"s" * 32)
+    check_credential(key, issue(key, 1, "w0", ""), 1, "w0")
+
+
+def _gate(me=SERVER) -> tuple[Gate, ServeCounters]:
+    counters = ServeCounters()
+    return Gate(PUBLIC, me, counters), counters
+
+
+def test_the_gate_admits_a_member_with_its_credential_and_proof():
+    gate, counters = _gate()
+    req = pull_request(issue(KEY, 3, "w1", MEMBER.fingerprint), [0, 1], False, SERVER.fingerprint, MEMBER)
+    assert gate.authenticate(req) == ("w1", 3)
+    gate.require(True, "w1", 3)
+    assert counters == ServeCounters()
+    with pytest.raises(AccessError, match="not a member this node serves"):
+        gate.require(False, "w1", 3)
+    assert counters.refused_requests == 1
+
+
+def test_the_gate_refuses_what_is_not_the_member_itself():
+    gate, counters = _gate()
+    cred = issue(KEY, 3, "w1", MEMBER.fingerprint)
+    thief = make_identity(["127.0.0.1"])
+    cases = [
+        ("no credential", {"op": "get", "v": 3, "chunks": [0], "from": "w1"}),
+        # w1's credential, shown by someone with another certificate
+        ("not the one its credential names", pull_request(cred, [0], False, SERVER.fingerprint, thief)),
+        # w1's certificate (public) with a proof the thief signed
+        (
+            "not signed by its certificate's key",
+            {**pull_request(cred, [0], False, SERVER.fingerprint, thief), "cert": MEMBER.cert_der.hex()},
+        ),
+        # a genuine request of w1's, made for another server, replayed here
+        ("not signed by its certificate's key", pull_request(cred, [0], False, "ab" * 32, MEMBER)),
+        # over TLS a request without certificate and proof is refused
+        ("carries the member's certificate", pull_request(cred, [0], False, SERVER.fingerprint, None)),
+    ]
+    for needle, req in cases:
+        with pytest.raises(AccessError, match=needle):
+            gate.authenticate(req)
+    assert counters.refused_requests == len(cases)
+
+
+def test_without_tls_the_gate_checks_the_credential_only():
+    gate, _ = _gate(me=None)
+    assert gate.authenticate(pull_request(issue(KEY, 3, "w1", ""), [0], False, "", None)) == ("w1", 3)
+
+
+def test_the_budget_caps_bytes_per_member_and_version():
+    gate, counters = _gate()
+    total, chunk = 1000, 100
+    book = gate.charge("w1", 3, total, chunk)
+    limit = SERVE_BUDGET * total + BUDGET_SLACK_CHUNKS * chunk
+    sent = 0
+    while book(chunk):
+        sent += chunk
+    assert limit - chunk < sent <= limit and counters.over_budget == 1
+    assert gate.charge("w2", 3, total, chunk)(chunk)  # another member has its own budget
+    assert not gate.charge("w1", 3, total, chunk)(chunk)  # a new stream does not reset it
+    gate.forget_before(4)
+    assert gate.charge("w1", 4, total, chunk)(chunk)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "needle"),
+    [
+        ([0] * 1000, "1 to 8 chunk indices"),  # the attack of the issue: 1000 copies of chunk 0
+        ([0, 1, 1], "same chunk more than once"),
+        (list(range(9)), "1 to 8"),  # more than the snapshot has
+        ([8], r"in \[0, 8\)"),
+        ([-1], r"in \[0, 8\)"),
+        ([True], r"in \[0, 8\)"),
+        ([], "1 to 8"),
+        ("0-7", "1 to 8"),
+    ],
+)
+def test_chunk_lists_are_bounded(chunks, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        parse_chunk_list({"chunks": chunks}, 8)
+
+
+def test_a_bounded_chunk_list_passes():
+    assert parse_chunk_list({"chunks": [7, 0, 3]}, 8) == [7, 0, 3]
+    assert parse_chunk_list({"chunks": list(range(8))}, 8) == list(range(8))

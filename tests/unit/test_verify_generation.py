@@ -1,0 +1,156 @@
+"""Seeded Gumbel-max sampling (rollout/sampling.py) and the learner's re-run of it (runtime/verify.py):
+an honest worker's completions pass, every kind of forgery fails."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from echo2.config import SamplingConfig, SecurityConfig
+from echo2.data.store import Lease
+from echo2.data.submission import Rejected, Submission
+from echo2.models.delta import sampler_copy
+from echo2.rollout.engines.hf import HFEngine
+from echo2.rollout.sampling import gumbel_draw, gumbel_noise
+from echo2.runtime.verify import GenerationCheck
+from echo2.types import Prompt, Trajectory
+
+G = 4
+
+
+def test_gumbel_noise_is_a_function_of_seed_row_step_token_alone():
+    a = gumbel_noise(7, torch.tensor([0, 1, 2]), 5, 50)
+    b = gumbel_noise(7, torch.tensor([2]), 5, 50)  # the same row in another batch
+    assert torch.equal(a[2], b[0])
+    assert not torch.equal(a[0], a[1])  # rows differ
+    assert not torch.equal(a[0], gumbel_noise(7, torch.tensor([0]), 6, 50)[0])  # steps differ
+    assert not torch.equal(a[0], gumbel_noise(8, torch.tensor([0]), 5, 50)[0])  # seeds differ
+    assert not torch.equal(a[0], gumbel_noise(7 + 2**32, torch.tensor([0]), 5, 50)[0])  # high bits count
+    assert torch.isfinite(a).all()
+    with pytest.raises(ValueError):
+        gumbel_noise(-1, torch.tensor([0]), 0, 4)
+
+
+def test_gumbel_max_draws_from_the_tempered_nucleus_distribution():
+    """20,000 seeded draws over a 5-token distribution: frequencies within 4 standard errors of the
+    probabilities; tokens outside the top-p nucleus are never drawn."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
+    logits = torch.log(probs)[None].repeat(20_000, 1)
+    rows = torch.arange(20_000)
+    drawn = torch.cat([gumbel_draw(logits[:1000], 1.0, seed, rows[:1000], 0) for seed in range(20)])
+    freq = torch.bincount(drawn, minlength=5).float() / drawn.numel()
+    se = (probs * (1 - probs) / drawn.numel()).sqrt()
+    assert ((freq - probs).abs() <= 4 * se).all(), (freq, probs)
+    nucleus = gumbel_draw(logits[:5000], 0.85, 3, rows[:5000], 1)  # .4 + .3 + .2 reaches .85
+    assert set(nucleus.tolist()) == {0, 1, 2}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_policy_module):
+    """An honest worker's generations with version 1's published (bf16) weights, a check holding the
+    weights of versions 1 and 2 (2 = after a real perturbation of every weight)."""
+    policy = tiny_policy_module
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=8)
+    v1 = sampler_copy(policy.model, "bfloat16")
+    worker = copy.deepcopy(policy.model)
+    from echo2.models.snapshot import install_weights
+
+    install_weights(worker, v1)
+    engine = HFEngine(worker, policy.eos_id, policy.pad_id, sampling)
+    other = copy.deepcopy(policy.model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    v2 = sampler_copy(other, "bfloat16")
+    check = GenerationCheck(copy.deepcopy(policy.model), sampling, SecurityConfig(), rng=random.Random(0))
+    check.keep(1, v1)
+    check.keep(2, v2)
+    prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(3)]
+    encoded = [policy.encode_prompt(p.text) for p in prompts]
+    seed = 123456789
+    samples = engine.generate([ids for ids in encoded for _ in range(G)], seed=seed)
+    groups = tuple(
+        tuple(
+            Trajectory(
+                prompts[i].prompt_id,
+                f"L:{i}",
+                tuple(encoded[i]),
+                samples[i * G + j].completion_ids,
+                samples[i * G + j].logprobs,
+                0.0,
+                1,
+            )
+            for j in range(G)
+        )
+        for i in range(len(prompts))
+    )
+    lease = Lease("L", "w", "open", 0.0, prompts, seed, 1)
+    return check, lease, Submission("L", 1, groups), engine, encoded
+
+
+ALL = [(i, j) for i in range(3) for j in range(G)]
+
+
+def test_honest_completions_pass(setup):
+    check, lease, sub, _, _ = setup
+    verdicts = check.check(lease, sub, ALL)
+    assert len(verdicts) == len(ALL) and all(v.misses == 0 for v in verdicts)
+    assert max(v.max_logprob_error for v in verdicts) < 1e-3  # batched vs unbatched kernels only
+
+
+def _forged(sub: Submission, i: int, j: int, **change) -> Submission:
+    groups = [list(g) for g in sub.groups]
+    groups[i][j] = dataclasses.replace(groups[i][j], **change)
+    return dataclasses.replace(sub, groups=tuple(tuple(g) for g in groups))
+
+
+def test_tampered_logprobs_fail(setup):
+    check, lease, sub, _, _ = setup
+    t = sub.groups[0][1]
+    bad = _forged(sub, 0, 1, sampler_logprobs=tuple(lp - 0.5 for lp in t.sampler_logprobs))
+    with pytest.raises(Rejected, match=r"forged_generation: groups\[0\]\.samples\[1\]"):
+        check.check(lease, bad, [(0, 1)])
+    check.check(lease, bad, [(0, 0)])  # the untouched sample still passes: the check is per completion
+
+
+def test_another_model_or_an_inflated_version_fails(setup):
+    check, lease, sub, _, _ = setup
+    inflated = dataclasses.replace(sub, policy_version=2)  # sampled with 1, claimed 2
+    with pytest.raises(Rejected, match="forged_generation"):
+        check.check(lease, inflated, ALL)
+
+
+def test_cherry_picking_and_another_seed_fail(setup):
+    """Best-of-n: the worker samples other draws (another seed) and submits them as the lease's."""
+    check, lease, sub, engine, encoded = setup
+    redraw = engine.generate([encoded[0]] * G, seed=lease.seed + 1)
+    picked = _forged(sub, 0, 2, completion_ids=redraw[2].completion_ids, sampler_logprobs=redraw[2].logprobs)
+    if picked.groups[0][2].completion_ids == sub.groups[0][2].completion_ids:
+        pytest.skip("the redraw happens to coincide")  # vanishingly unlikely with 8-token completions
+    with pytest.raises(Rejected, match="forged_generation"):
+        check.check(lease, picked, [(0, 2)])
+
+
+def test_unknown_versions_are_not_checked_and_old_ones_are_forgotten(setup):
+    check, lease, sub, _, _ = setup
+    assert check.check(lease, dataclasses.replace(sub, policy_version=7), ALL) == []
+    fresh = GenerationCheck(check.model, check.sampling, SecurityConfig(), rng=random.Random(0))
+    for v in range(5):
+        fresh.keep(v, {})
+    fresh.forget_below(3)
+    assert fresh.versions() == [3, 4]
+
+
+def test_pick_draws_the_configured_fraction(setup):
+    _, _, sub, _, _ = setup
+    check = GenerationCheck(setup[0].model, setup[0].sampling, SecurityConfig(check_fraction=0.25))
+    check.rng = random.Random(1)
+    picks = [check.pick(sub) for _ in range(2000)]
+    drawn = sum(1 for p in picks if p)
+    assert 0.2 < drawn / 2000 < 0.3 and all(len(p) == SecurityConfig().check_samples for p in picks if p)
+    never = GenerationCheck(setup[0].model, setup[0].sampling, SecurityConfig(check_fraction=0.0))
+    assert all(never.pick(sub) == [] for _ in range(100))

@@ -10,7 +10,9 @@ string and token, set up exactly as a real worker sets up:
   version, replay) a few identities submit and every submission must be refused. Afterwards the
   store's ledger says how many of each attacker's groups were trained on, purged or refused.
   Targets, fixed here: sampled attacks quarantined within 5 submissions (median over trials) at the
-  default check fraction; deterministic attacks 100% refused and 0 of their groups trained on.
+  default check fraction; deterministic attacks 100% refused and 0 of their groups trained on (for
+  replay: 0 replayed copies, its first submissions being its own honest work). The forged groups a
+  sampled attacker got trained on before it was caught are reported (ledger "trained").
 - **honest**: every completion of every submission re-run (``security.check_fraction = 1``, all
   samples) on honest workers until >= 10,000 trajectories were checked. Target: 0 quarantines.
 - **cost**: interleaved pairs of runs, the sampled check off (``security.check_fraction = 0``) and
@@ -167,7 +169,10 @@ def study_attacks(out: Path, trials: int) -> dict[str, Any]:
             entry["met"] = entry["median_quarantined_after"] <= TARGET_QUARANTINE
         else:
             entry["refused_share"] = 1 - outcomes.count("admitted") / max(1, len(outcomes))
-            entry["met"] = entry["refused_share"] == 1.0 and entry["ledger"]["trained"] == 0
+            # a replayer's first submission of each lease is its own honest work (admitted, and in the
+            # ledger); what it replays is refused and never stored (group ids are unique)
+            poisoned = 0 if kind == "replay" else entry["ledger"]["trained"]
+            entry["met"] = entry["refused_share"] == 1.0 and poisoned == 0
         per_kind[kind] = entry
     metrics = [r for r in read_metrics(run_dir) if "security/checked_submissions" in r]
     return {

@@ -154,3 +154,21 @@ def test_pick_draws_the_configured_fraction(setup):
     assert 0.2 < drawn / 2000 < 0.3 and all(len(p) == SecurityConfig().check_samples for p in picks if p)
     never = GenerationCheck(setup[0].model, setup[0].sampling, SecurityConfig(check_fraction=0.0))
     assert all(never.pick(sub) == [] for _ in range(100))
+
+
+def test_noise_for_every_step_of_one_row_in_one_call_is_the_same_noise():
+    steps = torch.arange(6)
+    together = gumbel_noise(99, torch.full((6,), 3), steps, 40)
+    one_by_one = torch.cat([gumbel_noise(99, torch.tensor([3]), int(n), 40) for n in steps])
+    assert torch.equal(together, one_by_one)
+
+
+def test_a_batched_rerun_gives_the_single_reruns_verdicts(setup):
+    check, lease, sub, _, _ = setup
+    picks = [(0, 0), (1, 2), (2, 3)]
+    batched = check.check(lease, sub, picks)
+    single = [check.rerun(sub.groups[i][j], lease.seed, i * G + j) for i, j in picks]
+    assert [v.misses for v in batched] == [v.misses for v in single] == [0, 0, 0]
+    assert all(
+        abs(a.max_logprob_error - b.max_logprob_error) < 1e-4 for a, b in zip(batched, single, strict=True)
+    )

@@ -38,17 +38,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _key(seed: int, rows: torch.Tensor, step: int) -> torch.Tensor:
-    """One 32-bit key per row for ``(seed, row, step)``."""
+def _key(seed: int, rows: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row for ``(seed, row, step)`` (``step`` an int, or one per row)."""
     lo, hi = seed & _MASK, (seed >> 32) & _MASK
     k = _mix(torch.tensor(hi, dtype=torch.int64, device=rows.device)) ^ lo
     k = _mix(k) ^ ((rows.to(torch.int64) * _STRIDE) & _MASK)
     return _mix(_mix(k) ^ ((step * _STRIDE) & _MASK))
 
 
-def gumbel_noise(seed: int, rows: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+def gumbel_noise(seed: int, rows: torch.Tensor, step: int | torch.Tensor, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise ``[len(rows), vocab]`` (float32) for sampling step ``step`` of the given
-    rows of a generation seeded with ``seed`` (a non-negative integer below 2**64)."""
+    rows of a generation seeded with ``seed`` (a non-negative integer below 2**64). ``step`` may be a
+    tensor of one step per row: the learner takes every step of one row in one call."""
     if seed < 0:
         raise ValueError(f"seed: {seed} must be >= 0")
     key_B1 = _key(seed, rows, step)[:, None]

@@ -186,10 +186,10 @@ class GenerationCheck:
                 install_weights(self.model, weights)
                 self._loaded = sub.policy_version
             verdicts = []
-            for i, j in picks:
-                t = sub.groups[i][j]
+            trajectories = [sub.groups[i][j] for i, j in picks]
+            for (i, j), t, logits_CV in zip(picks, trajectories, self._logits(trajectories), strict=True):
                 row = i * len(sub.groups[i]) + j  # the row it was sampled in (rollout/collect.py)
-                verdict = self.rerun(t, lease.seed, row)
+                verdict = self.rerun(t, lease.seed, row, logits_CV)
                 verdicts.append(verdict)
                 allowed = math.floor(self.cfg.max_token_misses * verdict.tokens)
                 if verdict.misses <= allowed:
@@ -204,23 +204,42 @@ class GenerationCheck:
                     )
             return verdicts
 
-    def rerun(self, t: Trajectory, seed: int, row: int) -> Verdict:
-        """Recompute one completion's per-step log-probs and seeded draws with the loaded weights."""
+    def _logits(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
+        """The loaded weights' logits at every completion position of each trajectory (``[C, V]``):
+        one forward pass over them all, right-padded (a causal model never attends to the padding)."""
+        import torch
+
+        seqs = [[*t.prompt_ids, *t.completion_ids] for t in trajectories]
+        width = max(len(q) for q in seqs)
+        ids_BT = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask_BT = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, q in enumerate(seqs):
+            ids_BT[b, : len(q)] = torch.tensor(q, dtype=torch.long)
+            mask_BT[b, : len(q)] = 1
+        with torch.no_grad():
+            logits_BTV = self.model(input_ids=ids_BT, attention_mask=mask_BT).logits.float()
+        out = []
+        for b, t in enumerate(trajectories):
+            P, C = len(t.prompt_ids), len(t.completion_ids)
+            out.append(logits_BTV[b, P - 1 : P + C - 1])
+        return out
+
+    def rerun(self, t: Trajectory, seed: int, row: int, logits_CV: torch.Tensor | None = None) -> Verdict:
+        """Recompute one completion's per-step log-probs and seeded draws with the loaded weights
+        (``logits_CV``: their logits at its completion positions, when already computed)."""
         import torch
 
         from echo2.rollout.sampling import gumbel_noise, nucleus_mass_before
 
-        P, C = len(t.prompt_ids), len(t.completion_ids)
-        ids = torch.tensor([[*t.prompt_ids, *t.completion_ids]], dtype=torch.long)
-        with torch.no_grad():
-            logits_CV = self.model(input_ids=ids).logits[0, P - 1 : P + C - 1].float()
+        C = len(t.completion_ids)
+        if logits_CV is None:
+            (logits_CV,) = self._logits([t])
         scaled_CV = logits_CV / self.sampling.temperature
         tokens_C = torch.tensor(t.completion_ids, dtype=torch.long)
         logp_C = torch.log_softmax(scaled_CV, dim=-1).gather(-1, tokens_C[:, None]).squeeze(-1)
         err_C = (logp_C - torch.tensor(t.sampler_logprobs, dtype=torch.float32)).abs()
 
-        rows = torch.tensor([row])
-        noise_CV = torch.cat([gumbel_noise(seed, rows, n, scaled_CV.shape[-1]) for n in range(C)])
+        noise_CV = gumbel_noise(seed, torch.full((C,), row), torch.arange(C), scaled_CV.shape[-1])
         scores_CV = scaled_CV + noise_CV
         top_p = self.sampling.top_p
         if top_p < 1.0:

@@ -78,8 +78,11 @@ def wait_ready(run_dir: Path, proc: subprocess.Popen[bytes], timeout: float = 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"echo2 run exited {proc.returncode}; see {run_dir.with_suffix('.log')}")
-        if (run_dir / "learner.json").is_file() and (run_dir / "metrics.jsonl").is_file():
-            return dict(json.loads((run_dir / "learner.json").read_text()))
+        info = run_dir / "learner.json"  # this process's, not an earlier run's left in the directory
+        if info.is_file() and (run_dir / "metrics.jsonl").is_file():
+            got = dict(json.loads(info.read_text()))
+            if got.get("pid") == proc.pid:
+                return got
         time.sleep(0.5)
     raise RuntimeError("the learner never became ready")
 

@@ -615,3 +615,26 @@ def test_weights_newer_than_the_learner_are_refused_as_rolled_back(tmp_path):
     node.v = 3
     refusal, _ = run(body, node)
     assert refusal["kind"] == "refusal" and refusal["reason"] == "rolled_back"
+
+
+def test_over_long_numbers_get_a_counted_4xx_on_every_endpoint(tmp_path):
+    """A 5,000-digit integer (beyond what JSON parsers convert) or a 30-digit version: a 4xx naming the
+    problem, never a 500, on the unauthenticated register too."""
+    big = "9" * 5000
+
+    async def body(client):
+        out = []
+        for raw in (f'{{"token": "{TOKEN}", "usd_per_hour": {big}}}', f'{{"token": {big}}}'):
+            out.append((await client.post("/v1/register", data=raw)).status)
+        auth = await register(client)
+        hb = f'{{"rollouts": {big}, "busy_s": 1, "installed_version": 0}}'
+        out.append((await client.post("/v1/heartbeat", data=hb, headers=auth)).status)
+        sub = json.dumps(payload(await lease(client, auth)))
+        for v in (big, "9" * 30):
+            raw = sub.replace('"policy_version": 0', f'"policy_version": {v}')
+            out.append((await client.post("/v1/submit", data=raw, headers=auth)).status)
+        return out
+
+    got, stats = run(body, make_node(tmp_path))
+    assert got == [400, 400, 400, 400, 422]
+    assert stats.rejected_by_reason == {"malformed": 4, "future_version": 1}

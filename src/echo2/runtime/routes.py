@@ -290,7 +290,7 @@ def _parse(model: type[M], body: bytes | dict[str, Any]) -> M:
 async def _json_object(request: web.Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer too long to convert
         raise _error(web.HTTPBadRequest, "malformed", f"body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise _error(web.HTTPBadRequest, "malformed", "body must be a JSON object")

@@ -94,3 +94,26 @@ def test_in_memory_hub_delivers_verified_snapshots() -> None:
                 pass
 
     asyncio.run(go())
+
+
+def test_a_measurement_outlives_its_round() -> None:
+    """Waiting for the installs of a version that newer publications retired (a slow pool) returns
+    what was measured instead of failing."""
+    from echo2.broadcast.factory import open_publisher
+    from echo2.broadcast.manifest import new_signing_key
+    from echo2.broadcast.registry import get_strategy
+
+    async def go() -> None:
+        pub = open_publisher("tcp", new_signing_key(), get_strategy("tree-pipelined"), 1 << 10)
+        await pub.start()
+        try:
+            await pub.publish(1, b"v1" * 100)
+            waiting = asyncio.ensure_future(pub.wait_installed(1, count=1, timeout=1.0))
+            for v in range(2, 12):  # more than the publisher keeps
+                await pub.publish(v, b"vx" * 100)
+            stats = await waiting
+            assert stats.version == 1 and stats.install_s == {}
+        finally:
+            await pub.close()
+
+    asyncio.run(go())

@@ -194,10 +194,12 @@ class TcpPublisher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.changed.wait(), min(1.0, max(0.01, deadline - time.monotonic())))
             rnd.changed.clear()
-        return self.stats(version)
+        return self._stats(version, rnd)  # the round itself: newer ones may have retired its entry
 
     def stats(self, version: int) -> BroadcastStats:
-        rnd = self._rounds[version]
+        return self._stats(version, self._rounds[version])
+
+    def _stats(self, version: int, rnd: _Round) -> BroadcastStats:
         return BroadcastStats(
             version=version,
             n_workers=len(rnd.targets),

@@ -12,7 +12,9 @@ string and token, set up exactly as a real worker sets up:
   Targets, fixed here: sampled attacks quarantined within 5 submissions (median over trials) at the
   default check fraction; deterministic attacks 100% refused and 0 of their groups trained on (for
   replay: 0 replayed copies, its first submissions being its own honest work). The forged groups a
-  sampled attacker got trained on before it was caught are reported (ledger "trained").
+  sampled attacker got trained on before it was caught are reported (ledger "trained"). A trial
+  whose identity the pool stopped leasing to (a surplus worker, released by the controller) before
+  it was caught is counted apart ("released_before_caught") and left out of the median.
 - **honest**: every completion of every submission re-run (``security.check_fraction = 1``, all
   samples) on honest workers until >= 10,000 trajectories were checked. Target: 0 quarantines.
 - **cost**: interleaved pairs of runs, the sampled check off (``security.check_fraction = 0``) and
@@ -164,11 +166,16 @@ def study_attacks(out: Path, trials: int) -> dict[str, Any]:
             "seconds_per_trial": statistics.fmean(t["seconds"] for t in ts),
         }
         if kind in SAMPLED:
-            never = sum(1 for c in caught if c is None)
+            # a trial the pool released (no lease for a minute) before it was caught is not a detection
+            # trial: it is counted apart and left out of the median
+            released = [t for t in ts if t["released"] and t["quarantined_after"] is None]
+            judged = [t["quarantined_after"] for t in ts if t not in released]
+            never = sum(1 for c in judged if c is None)
             entry["median_quarantined_after"] = statistics.median(
-                c if c is not None else BUDGET + 1 for c in caught
+                c if c is not None else BUDGET + 1 for c in judged
             )
             entry["not_caught_within_budget"] = never
+            entry["released_before_caught"] = len(released)
             entry["met"] = entry["median_quarantined_after"] <= TARGET_QUARANTINE
         else:
             entry["refused_share"] = 1 - outcomes.count("admitted") / max(1, len(outcomes))

@@ -13,7 +13,8 @@ Each attack kind (ATTACKS) turns an honest generation into what that attacker su
   submission twice).
 
 :func:`attack_until_caught` runs trials: each registers a fresh identity and submits until the learner
-answers ``quarantined`` (or a budget runs out), and reports how many submissions each trial took.
+answers ``quarantined`` (or a budget runs out, or the pool stops leasing to it: ``released``), and
+reports how many submissions each trial took.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ DETERMINISTIC = ("reward", "prompt", "deflated", "replay")  # refused on every s
 ATTACKS = SAMPLED + DETERMINISTIC
 EVIDENCE = ("forged_generation", "reward_mismatch")  # refusals that quarantine (runtime/verify.py)
 CHERRY_N = 4  # draws per prompt a best-of-n attacker picks from
+NO_LEASE_LIMIT = 60  # lease refusals in a row (about a minute) that end a trial as "released"
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Trial:
     worker_id: str
     outcomes: list[str] = field(default_factory=list)  # "admitted" or the refusal reason, per submission
     quarantined_after: int | None = None  # submissions until the learner answered "quarantined"
+    released: bool = False  # the pool stopped leasing to it (a surplus worker) before it was caught
 
 
 class Attacker:
@@ -232,13 +235,19 @@ async def attack_until_caught(att: Attacker, trials: int, budget: int) -> list[T
     out = []
     for n in range(trials):  # the identity it set up with is the first
         trial = Trial(att.kind, att.w.worker_id if n == 0 else await att.new_identity())
+        refused = 0  # lease requests refused in a row
         while len(trial.outcomes) < budget:
             try:
                 outcome = await att.submit_one()
             except Refused as exc:  # any call of a quarantined identity
                 outcome = exc.reply.error
             if outcome == "no_lease":
+                refused += 1
+                if refused >= NO_LEASE_LIMIT:  # released by the controller: it can do no more harm
+                    trial.released = True
+                    break
                 continue
+            refused = 0
             if outcome == "quarantined":  # refused before submitting: caught earlier
                 trial.quarantined_after = trial.quarantined_after or len(trial.outcomes)
                 break

@@ -84,17 +84,22 @@ def pack(trajectories: Sequence[Trajectory], masks: Sequence[Sequence[float]], p
     return PackedBatch(input_ids, attn, targets, mask, logp_s, start)
 
 
-def completion_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float, rows: slice = slice(None)
-) -> torch.Tensor:
-    """Log-probs of the completion tokens under ``model`` (temperature-scaled), ``[B, T]``."""
+def completion_logits(model: torch.nn.Module, batch: PackedBatch, rows: slice = slice(None)) -> torch.Tensor:
+    """``model``'s logits at the positions that predict each completion token, ``[B, T, V]`` (raw: not
+    temperature-scaled; rows past a completion's end hold its last position's)."""
     input_ids_BL = batch.input_ids_BL[rows]
     logits_BLV = model(input_ids=input_ids_BL, attention_mask=batch.attention_mask_BL[rows]).logits
     T = batch.targets_BT.shape[1]
     # the logit at position start-1+j predicts completion token j
     idx_BT = (batch.start_B[rows, None] - 1 + torch.arange(T)[None, :]).clamp(max=input_ids_BL.shape[1] - 1)
-    logits_BTV = logits_BLV.gather(1, idx_BT[..., None].expand(-1, -1, logits_BLV.shape[-1]))
-    return grpo.token_logprobs(logits_BTV, batch.targets_BT[rows], temperature)
+    return logits_BLV.gather(1, idx_BT[..., None].expand(-1, -1, logits_BLV.shape[-1]))
+
+
+def completion_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float, rows: slice = slice(None)
+) -> torch.Tensor:
+    """Log-probs of the completion tokens under ``model`` (temperature-scaled), ``[B, T]``."""
+    return grpo.token_logprobs(completion_logits(model, batch, rows), batch.targets_BT[rows], temperature)
 
 
 TokenMask = Callable[[Sequence[int], dict[str, Any]], list[float]]  # (completion ids, meta) -> weights

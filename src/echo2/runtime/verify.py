@@ -206,37 +206,31 @@ class GenerationCheck:
 
     def _logits(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
         """The loaded weights' logits at every completion position of each trajectory (``[C, V]``):
-        one forward pass over them all, right-padded (a causal model never attends to the padding)."""
+        one forward pass over them all, packed as the trainer packs a batch."""
         import torch
 
-        seqs = [[*t.prompt_ids, *t.completion_ids] for t in trajectories]
-        width = max(len(q) for q in seqs)
-        ids_BT = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask_BT = torch.zeros((len(seqs), width), dtype=torch.long)
-        for b, q in enumerate(seqs):
-            ids_BT[b, : len(q)] = torch.tensor(q, dtype=torch.long)
-            mask_BT[b, : len(q)] = 1
+        from echo2.learner.trainer import completion_logits, pack
+
+        batch = pack(trajectories, [[1.0] * len(t.completion_ids) for t in trajectories], pad_id=0)
         with torch.no_grad():
-            logits_BTV = self.model(input_ids=ids_BT, attention_mask=mask_BT).logits.float()
-        out = []
-        for b, t in enumerate(trajectories):
-            P, C = len(t.prompt_ids), len(t.completion_ids)
-            out.append(logits_BTV[b, P - 1 : P + C - 1])
-        return out
+            logits_BTV = completion_logits(self.model, batch).float()
+        return [logits_BTV[b, : len(t.completion_ids)] for b, t in enumerate(trajectories)]
 
     def rerun(self, t: Trajectory, seed: int, row: int, logits_CV: torch.Tensor | None = None) -> Verdict:
         """Recompute one completion's per-step log-probs and seeded draws with the loaded weights
         (``logits_CV``: their logits at its completion positions, when already computed)."""
         import torch
 
+        from echo2.learner.grpo import token_logprobs
         from echo2.rollout.sampling import gumbel_noise, nucleus_mass_before
 
         C = len(t.completion_ids)
         if logits_CV is None:
             (logits_CV,) = self._logits([t])
-        scaled_CV = logits_CV / self.sampling.temperature
+        temperature = self.sampling.temperature
+        scaled_CV = logits_CV / temperature
         tokens_C = torch.tensor(t.completion_ids, dtype=torch.long)
-        logp_C = torch.log_softmax(scaled_CV, dim=-1).gather(-1, tokens_C[:, None]).squeeze(-1)
+        logp_C = token_logprobs(logits_CV[None], tokens_C[None], temperature)[0]  # as the learner's ratio
         err_C = (logp_C - torch.tensor(t.sampler_logprobs, dtype=torch.float32)).abs()
 
         noise_CV = gumbel_noise(seed, torch.full((C,), row), torch.arange(C), scaled_CV.shape[-1])

@@ -12,29 +12,13 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from waiting import last_step, wait_for
 
 from echo2.runtime.rundir import read_metrics
 
 pytestmark = pytest.mark.integration
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
-
-
-def _last_step(run_dir: Path) -> int:
-    try:
-        return max((r["step"] for r in read_metrics(run_dir) if "learner/t_train_s" in r), default=-1)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return -1
 
 
 async def _attack(join: str, token: str) -> dict[str, object]:
@@ -93,7 +77,7 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     )
     try:
         # a few steps in: version 0 cannot be deflated
-        _wait_for(lambda: _last_step(run_dir) >= 3, 180, "the learner's third step")
+        wait_for(lambda: last_step(run_dir) >= 3, 180, "the learner's third step")
         info = json.loads((run_dir / "learner.json").read_text())
         token = (run_dir / "join_token").read_text().strip()
         got = asyncio.run(asyncio.wait_for(_attack(info["join"], token), 240))

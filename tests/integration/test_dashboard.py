@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -96,14 +97,6 @@ def _echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subproce
     return subprocess.Popen(
         [sys.executable, "-m", "echo2.cli", *args], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env
     )
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
 
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
@@ -185,11 +178,11 @@ def test_dashboard_in_a_browser_agrees_with_metrics(tmp_path):
 
     try:
         up = run_dir / "learner.json"
-        _wait_for(lambda: up.is_file() or learner.poll() is not None, 120, "the learner")
+        wait_for(lambda: up.is_file() or learner.poll() is not None, 120, "the learner")
         assert learner.poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
-        _wait_for(lambda: (run_dir / "view_token").is_file(), 30, "the view token")
+        wait_for(lambda: (run_dir / "view_token").is_file(), 30, "the view token")
         token = (run_dir / "view_token").read_text().strip()
-        _wait_for(lambda: _get(f"{base}/api/state?token={token}")[0] == 200, 30, "the dashboard")
+        wait_for(lambda: _get(f"{base}/api/state?token={token}")[0] == 200, 30, "the dashboard")
 
         # bound beyond loopback: nothing without the view token; the token by query or by header
         assert _get(f"{base}/api/state")[0] == 401

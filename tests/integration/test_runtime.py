@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from waiting import last_step, wait_for
 
 from echo2.runtime.rundir import read_metrics
 
@@ -46,22 +47,6 @@ def _echo2(*args: str, env: dict[str, str] | None = None, log: Path | None = Non
     return subprocess.Popen(
         [sys.executable, "-m", "echo2.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
     )
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
-
-
-def _last_step(run_dir: Path) -> int:
-    try:
-        rows = read_metrics(run_dir)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return -1
-    return max((r["step"] for r in rows), default=-1)
 
 
 def test_echo2_run_end_to_end(tiny_overrides, tmp_path):
@@ -106,7 +91,7 @@ def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_pa
     learner = _echo2("learner", *args, log=tmp_path / "learner.log")
     started = [learner]
     try:
-        _wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
+        wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
         env = {**os.environ, "ECHO2_JOIN_TOKEN": (run_dir / "join_token").read_text().strip()}
         url = json.loads((run_dir / "learner.json").read_text())["join"]  # https + the certificate's pin
         workers = [
@@ -124,12 +109,12 @@ def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_pa
             for i in range(2)
         ]
         started += workers
-        _wait_for(lambda: _last_step(run_dir) >= 20, 120, "step 20")
+        wait_for(lambda: last_step(run_dir) >= 20, 120, "step 20")
         workers[1].kill()  # a worker dies holding leases: they expire and their prompts are issued again
-        _wait_for(lambda: _last_step(run_dir) >= 50, 120, "step 50 with one worker")
+        wait_for(lambda: last_step(run_dir) >= 50, 120, "step 50 with one worker")
         learner.kill()  # the learner dies between checkpoints
         learner.wait(10)
-        crashed_at = _last_step(run_dir)
+        crashed_at = last_step(run_dir)
         learner = _echo2("learner", *args, "--resume", log=tmp_path / "learner.log")
         started.append(learner)
         assert learner.wait(180) == 0, (tmp_path / "learner.log").read_text()[-3000:]
@@ -246,7 +231,7 @@ def test_a_hostile_worker_cannot_crash_or_stall_the_learner(tiny_overrides, tmp_
     started = [learner]
     one_round, done = threading.Event(), threading.Event()
     try:
-        _wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
+        wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
         info = json.loads((run_dir / "learner.json").read_text())
         token = (run_dir / "join_token").read_text().strip()
         api = f"https://127.0.0.1:{http}/v1"

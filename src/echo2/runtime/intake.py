@@ -70,7 +70,7 @@ class Intake:
         self.started = clock()  # leases issued before (by a learner process since rolled back) are not re-run
         self.quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None  # the node's
         self.checked_submissions = 0  # submissions whose generation was re-run
-        self.quarantined = 0  # workers quarantined
+        self.quarantined: Callable[[], int] = lambda: 0  # workers quarantined in this run (the registry's)
 
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
         """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if
@@ -85,7 +85,6 @@ class Intake:
             self.store.record_rejection(exc.reason)
             log.warning("submission from %s rejected: %s", rec.worker_id, exc)
             if exc.reason in EVIDENCE and not rec.quarantined:
-                self.quarantined += 1
                 self.quarantine(rec, exc)
             raise
         rec.rollouts += result.admitted
@@ -102,7 +101,7 @@ class Intake:
             "security/checked_tokens": gen.tokens if gen else 0,
             "security/worst_passing_logprob_error": gen.worst_passing_error if gen else 0.0,
             "security/passing_token_misses": gen.passing_misses if gen else 0,
-            "security/quarantined": self.quarantined,
+            "security/quarantined": self.quarantined(),
         }
 
     async def _verify(self, lease: Lease, sub: Submission) -> None:

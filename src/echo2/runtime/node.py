@@ -140,3 +140,4 @@ def _guard(
         broker.prompts.reissue.extend(prompts)
 
     intake.quarantine = quarantine
+    intake.quarantined = lambda: sum(1 for r in registry if r.quarantined)  # persisted: restarts keep it

@@ -1,0 +1,29 @@
+"""Waiting on real processes from the integration tests (imported by them: pytest puts this directory
+on the path)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from echo2.runtime.rundir import read_metrics
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``pred`` until it holds; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def last_step(run_dir: Path) -> int:
+    """The newest learner step in the run's metrics.jsonl (-1 before the first)."""
+    try:
+        rows = read_metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return -1
+    return max((r["step"] for r in rows), default=-1)

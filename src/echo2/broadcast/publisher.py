@@ -25,7 +25,7 @@ from typing import Any
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
 from echo2.broadcast.api import BroadcastStats
 from echo2.broadcast.manifest import Lineage, Manifest, ManifestKey, as_key, build_manifest
-from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
+from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Strategy
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, write_frame
 from echo2.errors import Echo2Error
@@ -254,34 +254,17 @@ class TcpPublisher:
 
     async def _serve(self, header: dict, writer: asyncio.StreamWriter) -> None:  # type: ignore[type-arg]
         """A pull: only by a member this version was announced to, with its credential; bounded."""
-        budget, stream = None, None
-        try:
-            member, v = self._gate.authenticate(header)
+
+        async def admit(member: str, v: int) -> Admission:
             rnd, buffer = self._rounds.get(v), self._buffers.get(v)
-            if rnd is not None and buffer is not None:  # else "unknown version": no longer served
-                self._gate.require(member in rnd.targets and member in self._members, member, v)
-                budget = self._gate.charge(member, v, rnd.manifest.total_size, rnd.manifest.chunk_size)
-                if rnd.stream_rate and not header.get("repair"):
-                    stream = Pacer(rnd.stream_rate)
-        except AccessError as exc:
-            await write_frame(writer, {"op": "error", "reason": f"refused: {exc}"})
-            raise
-        try:
-            await serve_get(
-                header,
-                writer,
-                lambda _: buffer,
-                self.uplink,
-                self.serve_wait_timeout,
-                self._count_sent,
-                stream=stream,
-                budget=budget,
-            )
-        except AccessError:
-            raise
-        except ProtocolError:
-            self.refusals.bad_requests += 1
-            raise
+            if rnd is None or buffer is None:  # no longer served
+                return None, False, None
+            stream = Pacer(rnd.stream_rate) if rnd.stream_rate and not header.get("repair") else None
+            return buffer, member in rnd.targets and member in self._members, stream
+
+        await serve_pull(
+            self._gate, header, writer, admit, self.uplink, self.serve_wait_timeout, self._count_sent
+        )
 
     def _count_sent(self, version: int, n: int) -> None:
         rnd = self._rounds.get(version)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from echo2.broadcast.access import AccessError
+from echo2.broadcast.access import AccessError, Gate
 from echo2.broadcast.manifest import Manifest
 from echo2.broadcast.wire import Pacer, ProtocolError, write_frame
 
@@ -148,3 +148,51 @@ async def serve_get(
         await write_frame(writer, {"op": "chunk", "v": version, "i": i}, payload)
         if on_sent is not None:
             on_sent(version, len(payload))
+
+
+# (buffer asked for or None: unknown version here; is the member scheduled to pull it from this node;
+# the stream's own pace or None)
+Admission = tuple[SnapshotBuffer | None, bool, Pacer | None]
+
+
+async def serve_pull(
+    gate: Gate,
+    header: dict[str, Any],
+    writer: asyncio.StreamWriter,
+    admit: Callable[[str, int], Awaitable[Admission]],
+    uplink: Pacer | None,
+    wait_timeout: float,
+    on_sent: Callable[[int, int], None] | None = None,
+    mangle: Callable[[int, bytes | memoryview], bytes | memoryview] | None = None,
+) -> None:
+    """One pull from a peer, publisher or relay alike: its credential (``gate.authenticate``), what
+    ``admit(member, version)`` says of it, the schedule (``gate.require``), then :func:`serve_get`
+    within the member's byte budget. A refused credential or schedule gets an error frame before any
+    chunk; every refusal is counted by the gate's counters and raised (AccessError / ProtocolError)."""
+    budget, stream, buffer = None, None, None
+    try:
+        member, version = gate.authenticate(header)
+        buffer, scheduled, stream = await admit(member, version)
+        if buffer is not None:  # else "unknown version": serve_get says so
+            gate.require(scheduled, member, version)
+            budget = gate.charge(member, version, buffer.manifest.total_size, buffer.manifest.chunk_size)
+    except AccessError as exc:
+        await write_frame(writer, {"op": "error", "reason": f"refused: {exc}"})
+        raise
+    try:
+        await serve_get(
+            header,
+            writer,
+            lambda _: buffer,
+            uplink,
+            wait_timeout,
+            on_sent,
+            mangle,
+            stream=stream,
+            budget=budget,
+        )
+    except AccessError:
+        raise
+    except ProtocolError:
+        gate.counters.bad_requests += 1
+        raise

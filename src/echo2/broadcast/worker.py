@@ -37,7 +37,7 @@ from echo2.broadcast.manifest import (
     chunk_ok,
     verify_manifest,
 )
-from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get
+from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, read_payload, write_frame
 from echo2.errors import Echo2Error
@@ -457,33 +457,21 @@ class TcpWorkerNode:
     async def _serve(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         """A pull: only by a member the learner told this node to serve the version to, with its
         credential and (over TLS) proof; bounded in chunks and in bytes."""
-        budget = None
-        try:
-            member, v = self._gate.authenticate(header)
-            await self._await_announce(v)
-            buffer = self._buffers.get(v)
-            if buffer is not None:  # else: "unknown version" (e.g. abandoned here), the puller repairs
-                self._gate.require(member in self._serves.get(v, ()), member, v)
-                budget = self._gate.charge(member, v, buffer.manifest.total_size, buffer.manifest.chunk_size)
-        except AccessError as exc:
-            await write_frame(writer, {"op": "error", "reason": f"refused: {exc}"})
-            raise
-        try:
-            await serve_get(
-                header,
-                writer,
-                lambda _: buffer,
-                self.uplink,
-                self.serve_wait_timeout,
-                self._count_relayed,
-                self.tap.on_serve if self.tap is not None else None,
-                budget=budget,
-            )
-        except AccessError:
-            raise
-        except ProtocolError:
-            self.refusals.bad_requests += 1
-            raise
+
+        async def admit(member: str, v: int) -> Admission:
+            await self._await_announce(v)  # else: "unknown version" (e.g. abandoned here), the puller repairs
+            return self._buffers.get(v), member in self._serves.get(v, ()), None
+
+        await serve_pull(
+            self._gate,
+            header,
+            writer,
+            admit,
+            self.uplink,
+            self.serve_wait_timeout,
+            self._count_relayed,
+            self.tap.on_serve if self.tap is not None else None,
+        )
 
     async def _await_announce(self, version: object) -> None:
         """A peer may ask for a version whose announcement has not reached this node yet: wait a bit."""

@@ -3,7 +3,7 @@ without TLS, side by side (docs/broadcast.md and docs/runtime.md, "Transport sec
 
     sudo nice -n 19 .venv/bin/python benchmarks/tls.py                     # both studies, netns links
     python benchmarks/tls.py --study broadcast --mode loopback              # no root: app-paced links
-    python benchmarks/tls.py --study worker --worker-trials 4
+    python benchmarks/tls.py --study worker --worker-trials 6               # as committed
 
 ``broadcast``: the broadcast harness (``echo2_bench``: a learner process and N worker processes, the
 product classes) runs the same scenario plain and under TLS (the learner's run certificate pinned by

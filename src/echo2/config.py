@@ -21,6 +21,7 @@ from echo2.errors import ConfigError
 from echo2.physics.broadcast import StrategyName
 from echo2.physics.rules import DEFAULT_GAMMA, kappa_from_staleness
 
+USER_CONTEXT_TOKENS = 32768  # longest prompt + completion accepted when the model's context is unknown
 EngineName = Literal["hf"]  # rollout engines (rollout/engines/: the registry maps each name to a class)
 
 
@@ -138,7 +139,83 @@ class MathTaskConfig(_Section):
         return self
 
 
-TaskConfig = Annotated[ArithmeticTaskConfig | MathTaskConfig, Field(discriminator="name")]
+class _EnvironmentFields(_Section):
+    """What every multi-turn environment task shares (the adapter's knobs, ``envs/episodes.py``)."""
+
+    discount: float = Field(
+        1.0, gt=0.0, le=1.0, description="gamma of the episodic return R = sum_t gamma^t r_t over decisions"
+    )
+    max_turns: int = Field(
+        8, ge=1, le=64, description="model decisions per episode before it is cut (counted)"
+    )
+    step_timeout_s: float = Field(
+        5.0, gt=0.0, description="an environment step slower than this ends its episode (counted, reward 0)"
+    )
+    eval_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the test split"
+    )
+    validation_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the validation split"
+    )
+
+
+PokerOpponent = Literal["tag", "station", "lag", "selfplay"]
+POKER_OPPONENTS: tuple[PokerOpponent, ...] = ("tag", "station", "lag", "selfplay")
+
+
+class PokerTaskConfig(_EnvironmentFields):
+    """No-Limit Texas Hold'em on pokerkit (``envs/poker.py``): one hand per episode, the return is the
+    hero's chip change in big blinds."""
+
+    name: Literal["poker"] = "poker"
+    players: int = Field(2, ge=2, le=6, description="seats at the table: 2 = heads-up, 6 = 6-max")
+    stack_bb: int = Field(20, ge=2, le=1000, description="starting stack of every seat, in big blinds")
+    small_blind: int = Field(1, ge=1, description="small blind, in chips")
+    big_blind: int = Field(2, ge=2, description="big blind, in chips")
+    opponents: list[PokerOpponent] = Field(
+        default_factory=lambda: list(POKER_OPPONENTS),
+        min_length=1,
+        description="styles training tables draw opponents from (selfplay: an earlier snapshot)",
+    )
+    selfplay_every: int = Field(
+        20, ge=1, description="a worker keeps every this-many-th installed version as a self-play opponent"
+    )
+    selfplay_pool: int = Field(3, ge=1, le=16, description="earlier snapshots a worker keeps as opponents")
+    eval_deals: int = Field(
+        250, ge=1, description="deals per opponent in evaluation; each is played from every seat (duplicate)"
+    )
+    warmstart_teacher: Literal["tag", "station", "lag"] = Field(
+        "tag", description="the rule-based player the warm start imitates"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> PokerTaskConfig:
+        if self.big_blind <= self.small_blind:
+            raise ValueError(f"big_blind={self.big_blind} must exceed small_blind={self.small_blind}")
+        if self.eval_fraction + self.validation_fraction >= 1.0:
+            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave seeds to train on")
+        return self
+
+
+class GuessTaskConfig(_EnvironmentFields):
+    """Higher-or-lower (``envs/guess.py``): find a hidden integer; the environment answers each guess
+    with ``higher``, ``lower`` or ``correct``. Small, deterministic: the tests' multi-turn task."""
+
+    name: Literal["guess"] = "guess"
+    max_value: int = Field(15, ge=1, le=9999, description="the hidden number is drawn from 0..max_value")
+    max_turns: int = Field(5, ge=1, le=64, description="guesses per episode")
+    discount: float = Field(0.8, gt=0.0, le=1.0, description="gamma: finding it sooner pays more")
+
+    @model_validator(mode="after")
+    def _check(self) -> GuessTaskConfig:
+        if self.eval_fraction + self.validation_fraction >= 1.0:
+            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave seeds to train on")
+        return self
+
+
+TaskConfig = Annotated[
+    ArithmeticTaskConfig | MathTaskConfig | PokerTaskConfig | GuessTaskConfig, Field(discriminator="name")
+]
 
 
 class SamplingConfig(_Section):
@@ -408,6 +485,20 @@ class Config(_Section):
         return data
 
     @model_validator(mode="after")
+    def _episodes_fit(self) -> Config:
+        if self.episodic and self.grpo.loss_agg == "seq-mean-token-sum-norm":
+            raise ValueError(
+                "grpo.loss_agg=seq-mean-token-sum-norm needs a constant completion length; an environment "
+                "task's episodes have none (use token-mean or seq-mean-token-mean)"
+            )
+        if self.episodic and self.context_tokens() < 2 * self.sampling.max_new_tokens + 16:
+            raise ValueError(
+                f"model.embedded.max_positions={self.context_tokens()} leaves no room for a multi-turn "
+                f"episode of sampling.max_new_tokens={self.sampling.max_new_tokens} per action"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _minibatches_divide(self) -> Config:
         if self.batch.prompts % self.grpo.num_minibatches:
             raise ValueError(
@@ -418,6 +509,16 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def context_tokens(self) -> int:
+        """Longest prompt + completion the model attends to: the embedded model's ``max_positions``,
+        else a generous fixed bound (a user checkpoint's own limit is read only where it is loaded)."""
+        return self.model.embedded.max_positions if self.model.path is None else USER_CONTEXT_TOKENS
+
+    @property
+    def episodic(self) -> bool:
+        """Whether the task is a multi-turn environment (``envs/``) rather than single-turn prompts."""
+        return isinstance(self.task, PokerTaskConfig | GuessTaskConfig)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -91,6 +91,7 @@ class SampleWire(BaseModel):
     sampler_logprobs: list[StrictFloat]  # per-token log-probs under the sampler
     reward: StrictFloat  # r = R(x, y) from the task adapter
     meta: dict[StrictStr, Any] = {}  # Ω: parse status, truncation, ... (scalars only, checked)
+    turn_mask: list[StrictInt] = []  # multi-turn: 1 = the policy's token, 0 = the environment's; [] = all 1
 
 
 class GroupWire(BaseModel):
@@ -127,6 +128,7 @@ class WorkerSettings(BaseModel):
     chat_template: bool  # wrap prompts with the tokenizer's chat template
     threads: int | None  # torch intra-op threads (None = torch's default)
     heartbeat_s: float  # seconds between heartbeats
+    max_context: int = 0  # longest prompt + completion the model attends to (bounds an episode); 0 = unknown
 
 
 class RegisterReply(BaseModel):
@@ -278,6 +280,7 @@ def group_to_wire(group: Sequence[Trajectory]) -> GroupWire:
                 sampler_logprobs=list(t.sampler_logprobs),
                 reward=t.reward,
                 meta=dict(t.meta),
+                turn_mask=list(t.turn_mask),
             )
             for t in group
         ],
@@ -296,6 +299,7 @@ def group_from_wire(group: GroupWire, group_id: str, policy_version: int) -> tup
             reward=s.reward,
             policy_version=policy_version,
             meta=dict(s.meta),
+            turn_mask=tuple(s.turn_mask),
         )
         for s in group.samples
     )
@@ -321,6 +325,7 @@ def decode_group(text: str | bytes, group_id: str, policy_version: int) -> tuple
             reward=s["reward"],
             policy_version=policy_version,
             meta=s["meta"],
+            turn_mask=tuple(s.get("turn_mask", ())),  # rows written before multi-turn episodes have none
         )
         for s in g["samples"]
     )

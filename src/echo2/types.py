@@ -28,10 +28,17 @@ class Trajectory:
     reward: float  # scalar r = R(x, y) from the task adapter
     policy_version: int  # version v of the weights that generated y (required, never defaulted)
     meta: dict[str, Any] = field(default_factory=dict)  # Ω: parse status, truncation, worker id, ...
+    # multi-turn episodes (SPEC §8): per completion token, 1 = the policy's own token (trained on), 0 = the
+    # environment's (an observation turn: never trained on, its sampler log-prob is 0); () = all the policy's
+    turn_mask: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.sampler_logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"sampler_logprobs has {len(self.sampler_logprobs)} entries for "
                 f"{len(self.completion_ids)} completion tokens"
+            )
+        if self.turn_mask and len(self.turn_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"turn_mask has {len(self.turn_mask)} entries for {len(self.completion_ids)} completion ids"
             )

@@ -283,9 +283,15 @@ def test_math_numeric_answers_and_explicit_eval_file(tmp_path):
 
 
 def test_registry_builds_every_task():
-    assert set(TASKS) == {ArithmeticTaskConfig, MathTaskConfig}
+    from echo2.config import GuessTaskConfig, PokerTaskConfig
+    from echo2.data.tasks.environment import EnvironmentTask
+
+    assert set(TASKS) == {ArithmeticTaskConfig, MathTaskConfig, PokerTaskConfig, GuessTaskConfig}
     assert isinstance(build_task(ArithmeticTaskConfig(), 0), ArithmeticTask)
     assert isinstance(build_task(MathTaskConfig(), 0), MathTask)
+    for cfg in (PokerTaskConfig(), GuessTaskConfig()):
+        task = build_task(cfg, 0)
+        assert isinstance(task, EnvironmentTask) and task.name == cfg.name
 
 
 @pytest.mark.parametrize("module", ["echo2.data.tasks.base", "echo2.data.tasks"])

@@ -220,25 +220,37 @@ def _check_sample(s: SampleWire, limits: SubmissionLimits, path: str) -> None:
         raise Rejected("reward", f"{path}.reward: {s.reward} is not finite")
     if s.meta:
         _check_meta(s.meta, limits, f"{path}.meta")
+    if s.turn_mask:
+        _check_turn_mask(s.turn_mask, n_c, f"{path}.turn_mask")
+
+
+def _check_turn_mask(mask: list[int], n_completion: int, path: str) -> None:
+    if len(mask) != n_completion:
+        raise Rejected("schema", f"{path}: {len(mask)} entries for {n_completion} completion tokens")
+    if not set(mask) <= {0, 1}:
+        raise Rejected("schema", f"{path}: entries must be 0 (environment) or 1 (policy)")
+    if mask[0] != 1:
+        raise Rejected("schema", f"{path}[0]: an episode's completion starts with the policy's turn")
 
 
 def validate_submission(
     body: SubmitRequest | bytes | str | dict[str, Any], limits: SubmissionLimits, latest_published: int
 ) -> Submission:
     """Check a ``POST /v1/submit`` body (raw, or already parsed into :class:`SubmitRequest` by
-    :func:`parse_model`, the schema pass) and build its trajectories, or raise :class:`Rejected`.
+        :func:`parse_model`, the schema pass) and build its trajectories, or raise :class:`Rejected`.
 
-    Rules (reason in brackets): ``1 <= len(groups) <= max_groups`` [schema if 0, oversized if more];
-    ``0 <= policy_version`` [schema] and ``policy_version <= latest_published`` [future_version]; every
-    group has exactly ``group_size`` samples [group_size]; ``1 <= len(prompt_ids) <= max_prompt_tokens``
-    and ``1 <= len(completion_ids) <= max_completion_tokens`` [schema if empty, oversized if longer];
-    ``0 <= id < vocab_size`` for every token [token_range]; ``len(sampler_logprobs) ==
-    len(completion_ids)``, each finite and ``<= 1e-4`` [logprob]; reward finite [reward]; meta has at
-    most ``max_meta_items`` entries, keys and string values at most ``max_meta_chars`` characters
-    [oversized], floats finite [schema]. ``lease_id`` and ``prompt_id`` are 1..256 characters [schema].
+        Rules (reason in brackets): ``1 <= len(groups) <= max_groups`` [schema if 0, oversized if more];
+        ``0 <= policy_version`` [schema] and ``policy_version <= latest_published`` [future_version]; every
+        group has exactly ``group_size`` samples [group_size]; ``1 <= len(prompt_ids) <= max_prompt_tokens``
+        and ``1 <= len(completion_ids) <= max_completion_tokens`` [schema if empty, oversized if longer];
+        ``0 <= id < vocab_size`` for every token [token_range]; ``len(sampler_logprobs) ==
+        len(completion_ids)``, each finite and ``<= 1e-4`` [logprob]; reward finite [reward]; meta has at
+        most ``max_meta_items`` entries, keys and string values at most ``max_meta_chars`` characters
+        [oversized], floats finite [schema]; a ``turn_mask``, when sent, has one 0/1 entry per completion
+    token and starts with 1 [schema]. ``lease_id`` and ``prompt_id`` are 1..256 characters [schema].
 
-    Trajectory ``group_id`` is ``protocol.group_id(lease_id, i)`` for group ``i``; ``meta`` is kept as
-    sent. The trajectories are built by the protocol's codec, the same one the worker and the store use.
+        Trajectory ``group_id`` is ``protocol.group_id(lease_id, i)`` for group ``i``; ``meta`` is kept as
+        sent. The trajectories are built by the protocol's codec, the same one the worker and the store use.
     """
     m = body if isinstance(body, SubmitRequest) else parse_model(SubmitRequest, body)
     if len(m.groups) > limits.max_groups:

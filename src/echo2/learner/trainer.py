@@ -105,6 +105,15 @@ def completion_logprobs(
 TokenMask = Callable[[Sequence[int], dict[str, Any]], list[float]]  # (completion ids, meta) -> weights
 
 
+def loss_mask(t: Trajectory, token_mask: TokenMask = full_mask) -> list[float]:
+    """Per completion token, its loss weight: the task's mask, times the turn mask of a multi-turn
+    episode (SPEC §8: only the policy's own tokens carry loss; observation turns never do)."""
+    weights = token_mask(t.completion_ids, t.meta)
+    if not t.turn_mask:
+        return weights
+    return [w * m for w, m in zip(weights, t.turn_mask, strict=True)]
+
+
 class GRPOTrainer:
     """Owns the policy's optimizer and (when ``kl_beta > 0``) a frozen reference copy.
 
@@ -148,7 +157,7 @@ class GRPOTrainer:
             raise ValueError(f"update needs whole groups of equal size >= 2, got sizes {groups}")
         rewards_PG = torch.tensor([t.reward for t in trajectories], dtype=torch.float32).view(-1, G)
         advantages_B = grpo.group_advantages(rewards_PG, cfg.scale_by_std).flatten()
-        masks = [self.token_mask(t.completion_ids, t.meta) for t in trajectories]
+        masks = [loss_mask(t, self.token_mask) for t in trajectories]
         batch = pack(trajectories, masks, self.pad_id)
 
         self.model.train()

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from echo2.data.tasks.base import Task
+from echo2.data.tasks.environment import EnvironmentTask, is_episodic
 from echo2.models.policy import TextCodec
 from echo2.rollout.engines.base import Engine
+from echo2.rollout.episodes import evaluate_episodes
 from echo2.types import Prompt
 
 
@@ -19,8 +21,25 @@ class EvalResult:
 
 
 def evaluate(
-    codec: TextCodec, engine: Engine, task: Task, prompts: Sequence[Prompt], batch_size: int = 256
+    codec: TextCodec,
+    engine: Engine,
+    task: Task,
+    prompts: Sequence[Prompt],
+    batch_size: int = 256,
+    *,
+    max_context: int = 0,
+    max_new_tokens: int = 0,
 ) -> EvalResult:
+    """Greedy held-out evaluation. For an environment task, one greedy episode per prompt:
+    ``accuracy`` is then the mean episodic return and ``unparsed`` the share of illegal actions
+    (``max_context`` / ``max_new_tokens`` bound its episodes, as in training)."""
+    if is_episodic(task):
+        assert isinstance(task, EnvironmentTask)
+        returns, illegal, decisions = evaluate_episodes(
+            codec, engine, task, prompts, max_context=max_context, max_new_tokens=max_new_tokens
+        )
+        n = len(returns)
+        return EvalResult(accuracy=sum(returns) / max(n, 1), unparsed=illegal / max(decisions, 1), n=n)
     rewards: list[float] = []
     unparsed = 0
     for i in range(0, len(prompts), batch_size):

@@ -77,8 +77,9 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def gumbel_draw(
-    scaled_logits_BV: torch.Tensor, top_p: float, seed: int, rows: torch.Tensor, step: int
+    scaled_logits_BV: torch.Tensor, top_p: float, seed: int, rows: torch.Tensor, step: int | torch.Tensor
 ) -> torch.Tensor:
-    """The token each row draws at ``step``: Gumbel-max over the nucleus of temperature-scaled logits."""
+    """The token each row draws at ``step`` (one for all rows, or one per row): Gumbel-max over the
+    nucleus of temperature-scaled logits."""
     noise_BV = gumbel_noise(seed, rows, step, scaled_logits_BV.shape[-1]).to(scaled_logits_BV.device)
     return (top_p_filter(scaled_logits_BV, top_p) + noise_BV).argmax(dim=-1)

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from echo2.config import EngineName
+from echo2.config import USER_CONTEXT_TOKENS, EngineName
 from echo2.errors import Echo2Error
 from echo2.protocol import (
     HeartbeatRequest,
@@ -80,6 +80,7 @@ class WorkerCounters:
     install_s: float = 0.0  # seconds building (decode / patch / digest) and loading installed versions
     gen_s: float = 0.0  # seconds generating (throttle included)
     idle_s: float = 0.0  # seconds waiting for a lease
+    env_failures: int = 0  # leases dropped because an environment failed to start (reset raised or hung)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class RolloutWorker:
         self._engine_lock = threading.Lock()  # held while generating: weights change only between generations
         self._leases: queue.SimpleQueue[LeaseGrant | None] = queue.SimpleQueue()  # to the generator
         self._results: asyncio.Queue[_Generated | BaseException] = asyncio.Queue()
+        self.selfplay: Any = None  # rollout/opponents.SelfPlayPool, for a task with self-play opponents
         self._heartbeat_task: asyncio.Future[None] | None = None  # started as soon as registered
 
     async def run(self) -> WorkerCounters:
@@ -161,7 +163,13 @@ class RolloutWorker:
             eos, pad = int(tokenizer.eos_token_id), tokenizer.pad_token_id
             pad = int(pad) if pad is not None else eos
             self.engine = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling)
-        self.codec = TextCodec(tokenizer, st.chat_template)
+            self.codec = TextCodec(tokenizer, st.chat_template)
+            if "selfplay" in getattr(st.task, "opponents", ()):  # earlier versions play the other seats
+                from echo2.rollout.opponents import SelfPlayPool
+
+                opp = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling)
+                every, size = st.task.selfplay_every, st.task.selfplay_pool  # type: ignore[union-attr]
+                self.selfplay = SelfPlayPool(opp, self.codec, every, size, st.sampling.max_new_tokens)
         self.task = build_task(st.task, st.seed)
         await self._fetch_snapshot()
         log.info("worker %s ready at v%d", self.worker_id, self.installed)
@@ -223,6 +231,8 @@ class RolloutWorker:
                 log.warning("install refused; v%d keeps serving: %s", self.installed, exc)
                 return False
             self.weights.commit(staged)
+            if self.selfplay is not None:
+                self.selfplay.offer(staged.version, staged.tensors)
             self.counters.installs += 1
             self.counters.install_s += time.perf_counter() - t0
             return True
@@ -383,6 +393,8 @@ class RolloutWorker:
         got = await self._results.get()
         if isinstance(got, BaseException):
             raise got
+        if not got.groups:  # dropped (an environment failed to start): the lease expires on the learner
+            return await self._lease()
         self.counters.gen_s += got.busy_s
         self.counters.leases += 1
         self._hb_rollouts += sum(len(g) for g in got.groups)
@@ -425,22 +437,32 @@ class RolloutWorker:
             self._loop.call_soon_threadsafe(self._results.put_nowait, item)
 
     def _generate(self, lease: LeaseGrant, seed: int) -> _Generated:
-        from echo2.rollout.collect import collect_groups
+        from echo2.envs.base import EnvError
+        from echo2.rollout.episodes import collect
 
         self._install_pending()
         t0 = time.perf_counter()
+        st = self.settings
         with self._engine_lock:
             version = self.installed
-            batch = collect_groups(
-                self.codec,
-                self.engine,
-                self.task,
-                lease.prompts,
-                lease.group_size,
-                seed=seed,
-                policy_version=version,
-                group_prefix=lease.lease_id,
-            )
+            try:
+                batch = collect(
+                    self.codec,
+                    self.engine,
+                    self.task,
+                    lease.prompts,
+                    lease.group_size,
+                    seed=seed,
+                    policy_version=version,
+                    group_prefix=lease.lease_id,
+                    max_context=st.max_context or USER_CONTEXT_TOKENS,
+                    max_new_tokens=st.sampling.max_new_tokens,
+                    opponent_policy=self.selfplay.policy_for if self.selfplay is not None else None,
+                )
+            except EnvError as exc:  # an environment that cannot even start costs this lease only
+                self.counters.env_failures += 1
+                log.warning("lease %s dropped: %s", lease.lease_id, exc)
+                return _Generated(lease.lease_id, version, [], time.perf_counter() - t0)
         self._install_pending()  # a snapshot that arrived meanwhile goes in now, not after a pause
         if self.opts.max_rollouts_per_s:
             budget = len(batch.trajectories) / self.opts.max_rollouts_per_s

@@ -28,22 +28,19 @@ from echo2.runtime.verify import EVIDENCE, GenerationCheck, Verifier
 
 log = logging.getLogger(__name__)
 
-USER_CHECKPOINT_PROMPT_TOKENS = 32768  # longest prompt accepted when the model's context is unknown
-
 
 def submission_limits(cfg: Config, vocab_size: int) -> SubmissionLimits:
     """What a submission may contain in this run: the model's vocabulary, the group size, the longest
     prompt (the embedded model's context minus the completion budget, else a generous fixed bound)
     and completion, and at most one lease's worth of groups."""
-    if cfg.model.path is None:
-        max_prompt = max(1, cfg.model.embedded.max_positions - cfg.sampling.max_new_tokens)
-    else:
-        max_prompt = USER_CHECKPOINT_PROMPT_TOKENS
+    max_prompt = max(1, cfg.context_tokens() - cfg.sampling.max_new_tokens)
+    # an episode's completion holds every turn after its first observation
+    max_completion = cfg.context_tokens() if cfg.episodic else cfg.sampling.max_new_tokens
     return SubmissionLimits(
         vocab_size=vocab_size,
         group_size=cfg.batch.group_size,
         max_prompt_tokens=max_prompt,
-        max_completion_tokens=cfg.sampling.max_new_tokens,
+        max_completion_tokens=max_completion,
         max_groups=cfg.runtime.lease_prompts,
     )
 

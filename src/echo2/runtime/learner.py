@@ -246,10 +246,12 @@ class AsyncLearner:
         """What the learner checks of workers' submissions (``runtime/verify.py``): every one's prompts,
         rewards and shape; and the sampled re-run of generations on a model of its own (None when
         ``security.check_fraction`` is 0)."""
-        from echo2.runtime.verify import GenerationCheck, Verifier
+        from echo2.runtime.verify import GenerationCheck, make_verifier
 
         cfg, policy = self.cfg, self.policy
-        verifier = Verifier(policy.codec, self.task, policy.eos_id, cfg.sampling.max_new_tokens)
+        verifier = make_verifier(
+            policy.codec, self.task, policy.eos_id, cfg.sampling.max_new_tokens, cfg.context_tokens()
+        )
         if cfg.security.check_fraction <= 0:
             return verifier, None
         return verifier, GenerationCheck(copy.deepcopy(policy.model), cfg.sampling, cfg.security)
@@ -424,7 +426,15 @@ class AsyncLearner:
     def _evaluate(self) -> Any:
         from echo2.rollout.evaluate import evaluate
 
-        return evaluate(self.policy, self.engine, self.task, self.eval_prompts)
+        cfg = self.cfg
+        return evaluate(
+            self.policy.codec,
+            self.engine,
+            self.task,
+            self.eval_prompts,
+            max_context=cfg.context_tokens(),
+            max_new_tokens=cfg.sampling.max_new_tokens,
+        )
 
     def _save(self, name: str) -> str:
         leases = {"leases": self.broker.prompts.state()}  # a resumed run draws on, not from the start

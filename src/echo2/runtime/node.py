@@ -53,6 +53,7 @@ def worker_settings(cfg: Config) -> WorkerSettings:
         chat_template=cfg.model.chat_template,
         threads=cfg.train.resolved_threads(embedded=cfg.model.path is None),
         heartbeat_s=rt.heartbeat_s,
+        max_context=cfg.context_tokens(),
     )
 
 

@@ -130,11 +130,11 @@ class SyncLearner:
 
     def step(self) -> dict[str, Any]:
         """Generate and grade one batch with the current weights (the learner waits), then update."""
-        from echo2.rollout.collect import collect_groups
+        from echo2.rollout.episodes import collect
 
         cfg, step = self.cfg, self.steps + 1
         with self.meter.idle("wait"):
-            batch = collect_groups(
+            batch = collect(
                 self.policy.codec,
                 self.engine,
                 self.task,
@@ -143,6 +143,8 @@ class SyncLearner:
                 seed=cfg.seed * 1_000_003 + step,
                 policy_version=self.trainer.version,
                 group_prefix=str(step),
+                max_context=cfg.context_tokens(),
+                max_new_tokens=cfg.sampling.max_new_tokens,
             )
         with self.meter.training():
             stats = self.trainer.update(batch.trajectories)
@@ -165,7 +167,15 @@ class SyncLearner:
     def _evaluate(self) -> Any:
         from echo2.rollout.evaluate import evaluate
 
-        return evaluate(self.policy.codec, self.engine, self.task, self.eval_prompts)
+        cfg = self.cfg
+        return evaluate(
+            self.policy.codec,
+            self.engine,
+            self.task,
+            self.eval_prompts,
+            max_context=cfg.context_tokens(),
+            max_new_tokens=cfg.sampling.max_new_tokens,
+        )
 
     def _save(self, name: str) -> str:
         return self.run_dir.save_checkpoint(name, self.policy, self.trainer.version)

@@ -18,6 +18,11 @@ A worker is a stranger's machine (docs/security.md). Nothing it claims is believ
   [forged_generation]. A different model, tampered log-probs, an inflated version (the tokens are
   not the claimed version's draw), best-of-n cherry-picking and a made-up completion all fail it;
   honest numerical noise (batched vs unbatched kernels, another GPU) stays inside the tolerances.
+  In a multi-turn episode only the policy's tokens are checked: its token at completion index ``c``
+  was drawn at noise step ``c`` (``rollout/episodes.py``), whatever turn it belongs to.
+- **Episodes** (:class:`EpisodeReplay`, every submission of an environment task): the learner replays
+  each episode from its seed and the policy's actions: every observation turn must be the
+  environment's own tokens, the turn mask exact, and the claimed return the replay's [reward_mismatch].
 
 The checks run off the event loop, one at a time, on models and a tokenizer of their own. A failure
 of ``reward_mismatch`` or ``forged_generation`` is evidence of lying: the intake quarantines the
@@ -43,11 +48,24 @@ if TYPE_CHECKING:
 
     from echo2.data.store import Lease
     from echo2.data.tasks.base import Task
+    from echo2.data.tasks.environment import EnvironmentTask
     from echo2.models.policy import TextCodec
 
 REWARD_TOLERANCE = 1e-6  # a claimed reward this close to the recomputed one is the same reward
 NUCLEUS_SLACK = 1e-3  # probability mass of slack given to the top-p boundary (numerical noise)
-EVIDENCE = frozenset({"reward_mismatch", "forged_generation"})  # refusals that quarantine the worker
+EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch"})  # these quarantine
+
+
+def make_verifier(
+    codec: TextCodec, task: Task, eos_id: int, max_new_tokens: int, max_context: int
+) -> Verifier:
+    """The every-submission checks of ``task``: replayed episodes for an environment, else graded text."""
+    from echo2.data.tasks.environment import EnvironmentTask, is_episodic
+
+    if is_episodic(task):
+        assert isinstance(task, EnvironmentTask)
+        return EpisodeReplay(codec, task, eos_id, max_new_tokens, max_context)
+    return Verifier(codec, task, eos_id, max_new_tokens)
 
 
 class Verifier:
@@ -110,6 +128,115 @@ class Verifier:
                 self._tokens.clear()
             tokens = self._tokens[text] = tuple(self.codec.encode_prompt(text))
         return tokens
+
+
+class _ReplayEngine:
+    """Plays back one claimed episode's policy turns as if they were sampled (the runner's own loop then
+    rebuilds everything else: observations, mask, cut, return). A turn that is not one generation's
+    shape (tokens after EOS, or no EOS before ``max_new_tokens``) is refused."""
+
+    def __init__(self, t: Trajectory, eos_id: int, max_new_tokens: int, where: str) -> None:
+        self.turns: list[tuple[int, ...]] = []
+        run: list[int] = []
+        for tok, m in zip(t.completion_ids, t.turn_mask, strict=True):
+            if m:
+                run.append(tok)
+            elif run:
+                self.turns.append(tuple(run))
+                run = []
+        if run:
+            self.turns.append(tuple(run))
+        for k, turn in enumerate(self.turns):
+            eos = turn.index(eos_id) if eos_id in turn else -1
+            if (eos >= 0 and eos != len(turn) - 1) or (eos < 0 and len(turn) != max_new_tokens):
+                raise Rejected(
+                    "completion_shape",
+                    f"{where}: policy turn {k} of {len(turn)} tokens is not one generation (it ends at EOS "
+                    f"or after max_new_tokens={max_new_tokens})",
+                )
+        self.next = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int, **_: Any) -> list[Any]:
+        from echo2.rollout.engines.base import Sample
+
+        out = []
+        for _p in prompts:  # one episode per replay: one prompt per call
+            turn = self.turns[self.next] if self.next < len(self.turns) else ()
+            self.next += 1
+            out.append(Sample(turn, (0.0,) * len(turn), finished=bool(turn)))
+        return out
+
+
+class _Scripted:
+    """A model opponent's recorded answers, replayed in order."""
+
+    def __init__(self, said: str) -> None:
+        self.said = list(said)
+
+    def __call__(self, observation: str) -> str:
+        return self.said.pop(0) if self.said else ""
+
+
+class EpisodeReplay(Verifier):
+    """Every submission of an environment task: each episode is played again from its seed with the
+    policy turns it claims (and the recorded answers of a model opponent). Its prompt must be the
+    environment's first observation [prompt_mismatch], every observation turn and the turn mask what
+    the environment answers [episode_mismatch], and the return the replay's [reward_mismatch]."""
+
+    def __init__(
+        self, codec: TextCodec, task: EnvironmentTask, eos_id: int, max_new_tokens: int, max_context: int
+    ) -> None:
+        super().__init__(codec, task, eos_id, max_new_tokens)
+        self.env_task = task
+        self.max_context = max_context
+
+    def _prompt_tokens(self, text: str) -> tuple[int, ...]:
+        return ()  # the replay rebuilds the prompt from the seed
+
+    def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> None:
+        from echo2.envs.base import EnvError
+        from echo2.rollout import episodes
+
+        if not t.turn_mask:
+            raise Rejected("episode_mismatch", f"{where}.turn_mask: an episode needs its turn mask")
+        spec = self.env_task.spec
+        engine = _ReplayEngine(t, self.eos_id, self.max_new_tokens, where)
+        stepper = episodes.Stepper(spec.step_timeout_s)
+        try:
+            env = spec.make(prompt, _Scripted(str(t.meta.get("opponent_actions", ""))))
+            try:
+                e = episodes.start(self.codec, env, int(prompt.meta["seed"]), 0, stepper)
+            except EnvError as exc:
+                raise Rejected(
+                    "episode_mismatch", f"{where}: the environment fails at reset ({exc})"
+                ) from None
+            limits = episodes.limits_for(self.env_task, self.max_context, self.max_new_tokens)
+            episodes.play(self.codec, engine, [e], limits, stepper, seed=0)  # type: ignore[arg-type]
+        finally:
+            stepper.close()
+        if tuple(e.prompt_ids) != tuple(t.prompt_ids):
+            raise Rejected("prompt_mismatch", f"{where}.prompt_ids: not the episode's first observation")
+        claimed_error = "env_error" in t.meta
+        if claimed_error and e.error is None:
+            # a step that failed or timed out on the worker's machine: the episode's turns must still be
+            # the environment's up to where it stopped, and its return 0 (a timeout cannot be replayed)
+            n = len(t.completion_ids)
+            e.completion, e.mask, e.error = e.completion[:n], e.mask[:n], "claimed by the worker"
+        if tuple(e.completion) != tuple(t.completion_ids) or tuple(e.mask) != tuple(t.turn_mask):
+            at = next(
+                (k for k, (a, b) in enumerate(zip(e.completion, t.completion_ids, strict=False)) if a != b),
+                min(len(e.completion), len(t.completion_ids)),
+            )
+            raise Rejected(
+                "episode_mismatch",
+                f"{where}.completion_ids: the replayed episode differs from token {at} on (its observations "
+                "or turn mask are not what the environment answers)",
+            )
+        ret = e.ret(spec.discount)
+        if not math.isclose(t.reward, ret, rel_tol=0.0, abs_tol=REWARD_TOLERANCE):
+            raise Rejected(
+                "reward_mismatch", f"{where}.reward: {t.reward!r} claimed, the replay gives {ret!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -247,6 +374,10 @@ class GenerationCheck:
         chosen_C = scores_CV.gather(-1, tokens_C[:, None]).squeeze(-1)
         draw_ok_C = maybe_in_C & (chosen_C >= best_C - self.cfg.gumbel_tolerance)
         lp_ok_C = err_C <= self.cfg.logprob_tolerance
+        if t.turn_mask:  # an episode: only the policy's tokens were drawn (step = completion index)
+            policy_C = torch.tensor(t.turn_mask, dtype=torch.bool)
+            draw_ok_C, lp_ok_C, err_C = draw_ok_C[policy_C], lp_ok_C[policy_C], err_C[policy_C]
+            C = int(policy_C.sum())
         verdict = Verdict(
             tokens=C,
             misses=int((~(draw_ok_C & lp_ok_C)).sum()),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from echo2.config import ArithmeticTaskConfig, MathTaskConfig, TaskConfig
+from echo2.config import ArithmeticTaskConfig, GuessTaskConfig, MathTaskConfig, PokerTaskConfig, TaskConfig
 from echo2.data.tasks.arithmetic import ArithmeticTask
 from echo2.data.tasks.base import Task
+from echo2.data.tasks.environment import EnvironmentTask
 from echo2.data.tasks.math import MathTask
+from echo2.envs.registry import env_spec
 
 
 def _build_arithmetic(cfg: TaskConfig, seed: int) -> Task:
@@ -21,9 +23,16 @@ def _build_math(cfg: TaskConfig, seed: int) -> Task:
     return MathTask(cfg, seed)
 
 
-TASKS: dict[type[ArithmeticTaskConfig] | type[MathTaskConfig], Callable[[TaskConfig, int], Task]] = {
+def _build_environment(cfg: TaskConfig, seed: int) -> Task:
+    assert isinstance(cfg, PokerTaskConfig | GuessTaskConfig)
+    return EnvironmentTask(env_spec(cfg), seed)
+
+
+TASKS: dict[type, Callable[[TaskConfig, int], Task]] = {
     ArithmeticTaskConfig: _build_arithmetic,
     MathTaskConfig: _build_math,
+    PokerTaskConfig: _build_environment,
+    GuessTaskConfig: _build_environment,
 }
 
 

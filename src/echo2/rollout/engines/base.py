@@ -41,9 +41,14 @@ class Engine(Protocol):
         seed: int,
         greedy: bool = False,
         max_new_tokens: int | None = None,
+        rows: Sequence[int] | None = None,
+        first_steps: Sequence[int] | None = None,
     ) -> list[Sample]:
         """One completion per entry of ``prompts`` (repeat a prompt to sample a group); deterministic
-        under ``seed``; ``greedy`` takes the argmax token (held-out evaluation)."""
+        under ``seed``; ``greedy`` takes the argmax token (held-out evaluation). Entry ``b`` draws its
+        ``n``-th token with the seeded noise of row ``rows[b]`` (default ``b``) and step
+        ``first_steps[b] + n`` (default ``n``): a multi-turn episode keeps one row and continues its
+        steps across turns, so every token it drew is re-derivable (``rollout/sampling.py``)."""
         ...
 
     def install(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -63,6 +63,8 @@ class HFEngine:
         seed: int,
         greedy: bool = False,
         max_new_tokens: int | None = None,
+        rows: Sequence[int] | None = None,
+        first_steps: Sequence[int] | None = None,
     ) -> list[Sample]:
         """One completion per entry of ``prompts`` (repeat a prompt to sample a group)."""
         from transformers import DynamicCache
@@ -76,7 +78,12 @@ class HFEngine:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
-        rows_B = torch.arange(len(prompts), device=device)  # row r of this call draws with (seed, r)
+        rows_B = (
+            torch.arange(len(prompts), device=device) if rows is None else torch.tensor(rows, device=device)
+        )
+        steps_B = (
+            torch.zeros_like(rows_B) if first_steps is None else torch.tensor(first_steps, device=device)
+        )
 
         # left-pad so every row's next token sits in the last column
         width = max(len(p) for p in prompts)
@@ -109,7 +116,7 @@ class HFEngine:
             if greedy:
                 next_B = logits_BV.argmax(dim=-1)
             else:
-                next_B = gumbel_draw(logits_BV, self.sampling.top_p, seed, rows_B, n)
+                next_B = gumbel_draw(logits_BV, self.sampling.top_p, seed, rows_B, steps_B + n)
             next_B = torch.where(done_B, torch.full_like(next_B, self.pad_id), next_B)
             tokens_BS[:, n] = next_B
             logprobs_BS[:, n] = logp_BV.gather(-1, next_B[:, None]).squeeze(-1)

@@ -1,0 +1,125 @@
+"""Multi-turn environment tasks (SPEC §8): the task adapter of a text environment (``echo2.envs``).
+
+A prompt of an environment task is an *episode seed*, not a text: ``Prompt.meta["seed"]`` (and, for
+environments with opponents, ``meta["opponent"]``). A GRPO group is ``G`` episodes of the same seed, so
+their returns compare like with like (the same deal, the same hidden number); the rollout plane plays
+them (``rollout/episodes.py``) and the learner replays them to re-check the claimed return
+(``runtime/verify.py``). ``Prompt.text`` only describes the episode for people and logs.
+
+**Splits hold out whole episodes.** The split of a seed is a stable hash of ``"<env>:<seed>"``: test =
+``[0, eval_fraction)``, validation = the next ``validation_fraction``, train = the rest. A seed fixes
+everything random in an episode (poker: the whole deck), so no training episode replays a held-out
+deal. The fixed held-out lists take the seeds 0, 1, 2, ... that fall in their split.
+
+A new environment is an :class:`EnvSpec` (how to build it, which extra prompt fields it draws, who
+teaches its warm start) registered in ``envs/registry.py`` with its config model; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from echo2.data.tasks.base import Grade, Split, full_mask, split_of, stable_fraction
+from echo2.envs.base import TextEnv
+from echo2.types import Prompt
+
+TextPolicy = Callable[[str], str]  # observation text -> action text (a model opponent)
+
+
+class EnvSpec(Protocol):
+    """What an environment tells its task adapter."""
+
+    name: str
+    discount: float  # gamma of the episodic return
+    max_turns: int  # policy decisions per episode before it is cut
+    step_timeout_s: float  # an environment step slower than this ends the episode
+    eval_fraction: float
+    validation_fraction: float
+
+    def make(self, prompt: Prompt, opponent_policy: TextPolicy | None = None) -> TextEnv:
+        """A fresh environment for the episode ``prompt`` names (not reset yet). ``opponent_policy``
+        plays a model opponent (``meta["opponent"] == "selfplay"``), when the environment has one."""
+        ...
+
+    def draw_meta(self, rng: random.Random) -> dict[str, Any]:
+        """Extra prompt fields of a training episode besides its seed (e.g. the opponent)."""
+        ...
+
+    def fixed_meta(self, index: int) -> dict[str, Any]:
+        """Extra prompt fields of the ``index``-th held-out episode (deterministic)."""
+        ...
+
+    def teacher(self, env: TextEnv) -> str:
+        """The action a scripted expert takes in ``env``'s current state (the warm start imitates it)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One decision of an episode, as the replay sees it."""
+
+    action: str  # the policy's decoded action text
+    observation: str  # what the environment answered ("" once done)
+
+
+class EnvironmentTask:
+    """The :class:`~echo2.data.tasks.base.Task` of a multi-turn environment."""
+
+    episodic = True  # rollout and verification dispatch on it (rollout/collect.py, runtime/verify.py)
+
+    def __init__(self, spec: EnvSpec, seed: int = 0) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.seed = seed
+        self._fixed: dict[Split, list[Prompt]] = {"validation": [], "test": []}
+
+    def split(self, episode_seed: int) -> Split:
+        u = stable_fraction(f"{self.name}:{episode_seed}")
+        return split_of(u, self.spec.eval_fraction, self.spec.validation_fraction)
+
+    def prompt(self, episode_seed: int, meta: dict[str, Any]) -> Prompt:
+        tail = "".join(f":{v}" for _, v in sorted(meta.items()))
+        described = " ".join(f"{k} {v}" for k, v in sorted(meta.items()))
+        return Prompt(
+            prompt_id=f"{self.name}:{episode_seed}{tail}",
+            text=f"{self.name} episode {episode_seed} {described}".strip(),
+            answer="",
+            meta={"seed": episode_seed, **meta},
+        )
+
+    def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        while len(out) < n:
+            s = rng.getrandbits(31)
+            if self.split(s) == "train":
+                out.append(self.prompt(s, self.spec.draw_meta(rng)))
+        return out
+
+    def _fixed_prompts(self, split: Split, n: int) -> list[Prompt]:
+        cache = self._fixed[split]
+        s = (cache[-1].meta["seed"] + 1) if cache else 0
+        while len(cache) < n:
+            if self.split(s) == split:
+                cache.append(self.prompt(s, self.spec.fixed_meta(len(cache))))
+            s += 1
+        return cache[:n]
+
+    def validation_prompts(self, n: int) -> list[Prompt]:
+        return self._fixed_prompts("validation", n)
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return self._fixed_prompts("test", n)
+
+    def grade(self, prompt: Prompt, completion: str) -> Grade:
+        raise TypeError(f"{self.name} is an environment: episodes are graded by playing them, not by text")
+
+    def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
+        return full_mask(completion_ids, meta)
+
+
+def is_episodic(task: object) -> bool:
+    """Whether ``task`` is played as multi-turn episodes (an :class:`EnvironmentTask`)."""
+    return bool(getattr(task, "episodic", False))

@@ -524,6 +524,28 @@ class Config(_Section):
 # ---------------------------------------------------------------------------------------------------
 # loading
 
+# `--task NAME`: the embedded default of each task, as overrides under the user's own (one place)
+TASK_PRESETS: dict[str, list[str]] = {
+    "arithmetic": ["task.name=arithmetic"],
+    "math": ["task.name=math"],
+    "guess": [
+        "task.name=guess",
+        "sampling.max_new_tokens=3",  # up to two digits and EOS
+        "model.warmstart.target_accuracy=0.5",  # half of binary search's choices: GRPO has room to learn
+    ],
+    "poker": [
+        "task.name=poker",
+        "model.embedded.max_positions=320",  # a hand of up to 6 decisions of <= 60-character observations
+        "task.max_turns=6",
+        "sampling.max_new_tokens=2",  # one action letter and EOS
+        "model.warmstart.target_accuracy=0.9",  # agreement with the rule-based teacher's decisions
+        "model.warmstart.batch_size=32",
+        "batch.prompts=16",
+        "train.eval_size=200",
+        "train.max_minutes=12",
+    ],
+}
+
 
 def _parse_value(text: str) -> Any:
     """An override's value is read as a TOML value when it is one (``3``, ``1e-4``, ``true``,
@@ -557,6 +579,13 @@ def _format_validation_error(exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{loc or '<root>'}: {msg}")
     return "invalid config: " + "; ".join(lines)
+
+
+def task_preset(name: str) -> list[str]:
+    """The overrides of ``--task NAME``; ConfigError names the known tasks."""
+    if name not in TASK_PRESETS:
+        raise ConfigError(f"--task {name!r}: unknown task; choose one of {', '.join(TASK_PRESETS)}")
+    return list(TASK_PRESETS[name])
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -39,6 +39,10 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one config field, e.g. --set grpo.lr=3e-4 (repeatable)",
     )
+    p.add_argument(
+        "--task",
+        help="the embedded default of a task: arithmetic (default), math, guess, poker (--set wins over it)",
+    )
     p.add_argument("--seed", type=int, help="shorthand for --set seed=N")
     p.add_argument("--run-dir", help="shorthand for --set train.run_dir=PATH")
     p.add_argument("--model", help="shorthand for --set model.path=DIR (a local HF checkpoint)")
@@ -79,9 +83,11 @@ PATH_SHORTHANDS = (("run_dir", "train.run_dir"), ("model", "model.path"))
 
 def load_from_args(args: argparse.Namespace) -> Config:
     """Defaults <- ``--config`` <- ``--set`` <- shorthand flags, validated once."""
-    from echo2.config import load_config
+    from echo2.config import load_config, task_preset
 
-    overrides = list(args.overrides)
+    overrides = (
+        [*task_preset(args.task), *args.overrides] if getattr(args, "task", None) else list(args.overrides)
+    )
     for flag, key in SHORTHANDS:
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
+
+if TYPE_CHECKING:
+    from echo2.config import Config
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,10 +49,20 @@ def _warmstart(args: argparse.Namespace) -> int:
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--size", type=int, default=None, help="held-out prompts (default train.eval_size)")
+    p.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="poker: also play a checkpoint (e.g. the warm start) as an opponent (repeatable)",
+    )
+    p.add_argument("--deals", type=int, help="poker: held-out deals per opponent (default task.eval_deals)")
+    p.add_argument("--json", help="also write the result to this JSON file")
 
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
+    from echo2.config import PokerTaskConfig
     from echo2.data.tasks.registry import build_task
     from echo2.learner.warmstart import starting_checkpoint
     from echo2.models.policy import configure_torch, load_checkpoint
@@ -58,13 +73,57 @@ def _eval(args: argparse.Namespace) -> int:
     policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
     task = build_task(cfg.task, cfg.seed)
     engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
-    res = evaluate(policy.codec, engine, task, task.eval_prompts(args.size or cfg.train.eval_size))
-    print(
-        json.dumps(
-            {"checkpoint": policy.source, "accuracy": res.accuracy, "unparsed": res.unparsed, "n": res.n}
+    if isinstance(cfg.task, PokerTaskConfig):
+        out: dict[str, object] = {
+            "checkpoint": policy.source,
+            "matchups": _poker_table(cfg, args, policy, engine),
+        }
+    else:
+        res = evaluate(
+            policy.codec,
+            engine,
+            task,
+            task.eval_prompts(args.size or cfg.train.eval_size),
+            max_context=cfg.context_tokens(),
+            max_new_tokens=cfg.sampling.max_new_tokens,
         )
-    )
+        out = {"checkpoint": policy.source, "accuracy": res.accuracy, "unparsed": res.unparsed, "n": res.n}
+        print(json.dumps(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def _poker_table(cfg: Config, args: argparse.Namespace, policy: Any, engine: Any) -> list[dict[str, Any]]:
+    """Table 4 for ``policy`` (printed), against the rule-based styles and each ``--against`` checkpoint."""
+    from echo2.config import PokerTaskConfig
+    from echo2.data.tasks.registry import build_task
+    from echo2.errors import ConfigError
+    from echo2.models.policy import load_checkpoint
+    from echo2.rollout.engines.hf import HFEngine
+    from echo2.rollout.matchups import format_table, poker_table
+
+    assert isinstance(cfg.task, PokerTaskConfig)
+    snapshots = {}
+    for spec in args.against:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--against {spec!r} must look like NAME=DIR")
+        snap = load_checkpoint(path, cfg.model.chat_template)
+        snapshots[name] = HFEngine(snap.model, snap.eos_id, snap.pad_id, cfg.sampling)
+    task = build_task(cfg.task, cfg.seed)
+    seeds = [int(p.meta["seed"]) for p in task.eval_prompts(args.deals or cfg.task.eval_deals)]
+    rows = poker_table(
+        policy.codec,
+        engine,
+        cfg.task,
+        seeds,
+        max_context=cfg.context_tokens(),
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        snapshots=snapshots,
+    )
+    print(format_table(rows))
+    return [m.to_dict() for m in rows]
 
 
 TRAIN = Command(
@@ -78,7 +137,7 @@ WARMSTART = Command(
     run=_warmstart,
 )
 EVAL = Command(
-    help="held-out greedy accuracy of the configured checkpoint",
+    help="held-out greedy accuracy of the configured checkpoint (poker: chip change per opponent, Table 4)",
     add_arguments=_eval_arguments,
     run=_eval,
 )

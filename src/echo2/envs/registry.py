@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from echo2.config import GuessTaskConfig, PokerTaskConfig
 from echo2.envs.base import TextEnv
@@ -66,7 +66,7 @@ class GuessSpec(_Common):
         return env.expert_action()
 
 
-RULE_STYLES = ("tag", "station", "lag")
+RULE_STYLES: tuple[Literal["tag", "station", "lag"], ...] = ("tag", "station", "lag")
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class PokerSpec(_Common):
 
     def make(self, prompt: Prompt, opponent_policy: Callable[[str], str] | None = None) -> TextEnv:
         from echo2.envs.poker import PokerEnv, TextPolicyOpponent, rule_player
+        from echo2.envs.poker_players import Style
 
         style = str(prompt.meta.get("opponent", "tag"))
         if style == "selfplay":
@@ -84,7 +85,7 @@ class PokerSpec(_Common):
             return PokerEnv(self.cfg, [TextPolicyOpponent(opponent_policy)])
         if style not in RULE_STYLES:
             raise ValueError(f"{prompt.prompt_id}: unknown opponent {style!r}")
-        return PokerEnv(self.cfg, [rule_player(style)])  # type: ignore[arg-type]
+        return PokerEnv(self.cfg, [rule_player(cast("Style", style))])
 
     def draw_meta(self, rng: random.Random) -> dict[str, Any]:
         return {"opponent": rng.choice(self.cfg.opponents)}

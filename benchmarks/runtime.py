@@ -557,25 +557,37 @@ async def _serve_drain(
 
 
 def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
-    """collect_groups on the same model with the worker's batch (one lease), back to back."""
+    """The worker's rollout function (``rollout.episodes.collect``: single-turn groups, or episodes with
+    the same self-play pool a worker keeps) on the same model with the worker's batch (one lease),
+    back to back."""
+    import copy
     import random
 
     from echo2.data.tasks.registry import build_task
     from echo2.learner.warmstart import starting_checkpoint
+    from echo2.models.delta import sampler_copy
     from echo2.models.policy import configure_torch, load_checkpoint
-    from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine
+    from echo2.rollout.episodes import collect
+    from echo2.rollout.opponents import SelfPlayPool
 
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg))
     task = build_task(cfg.task, cfg.seed)
     engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+    pool = None
+    if "selfplay" in getattr(cfg.task, "opponents", ()):
+        opp = HFEngine(copy.deepcopy(policy.model), policy.eos_id, policy.pad_id, cfg.sampling)
+        pool = SelfPlayPool(
+            opp, policy.codec, cfg.task.selfplay_every, cfg.task.selfplay_pool, cfg.sampling.max_new_tokens
+        )
+        pool.offer(0, sampler_copy(policy.model, cfg.snapshot.dtype))
     rng = random.Random(0)
     n, k = 0, 0
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         prompts = task.sample_train(rng, cfg.runtime.lease_prompts)
-        b = collect_groups(
+        b = collect(
             policy.codec,
             engine,
             task,
@@ -584,13 +596,18 @@ def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
             seed=k,
             policy_version=0,
             group_prefix=str(k),
+            max_context=cfg.context_tokens(),
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            opponent_policy=pool.policy_for if pool is not None else None,
         )
         n += len(b.trajectories)
         k += 1
     return {"rollouts": n, "seconds": time.perf_counter() - t0}
 
 
-def study_worker(out: Path, seconds: float, trials: int, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+def study_worker(
+    out: Path, seconds: float, trials: int, overrides: tuple[str, ...] = (), name: str = "runtime_worker"
+) -> dict[str, Any]:
     """``trials`` interleaved pairs (served worker, then bare loop, ``seconds`` each); the ratio of each
     pair and their median, so drift in the shared machine's load hits both sides of a pair alike."""
     import tempfile
@@ -649,7 +666,7 @@ def study_worker(out: Path, seconds: float, trials: int, overrides: tuple[str, .
     )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "runtime_worker.png", dpi=110)
+    fig.savefig(out / f"{name}.png", dpi=110)
     return res
 
 

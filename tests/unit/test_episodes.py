@@ -97,7 +97,7 @@ def played(tiny_policy_module):
 
 
 def test_an_episode_transcript_alternates_policy_and_environment_turns(played):
-    policy, task, _, _, sub, batch = played
+    policy, _, _, _, sub, batch = played
     assert batch.tokens > 0
     for t in (t for g in sub.groups for t in g):
         assert policy.codec.decode_completion(t.prompt_ids) == "guess 0-15>"
@@ -115,7 +115,7 @@ def test_an_episode_transcript_alternates_policy_and_environment_turns(played):
                 assert ids[-1] == policy.eos_id or len(ids) == SAMPLING.max_new_tokens
             else:
                 assert policy.codec.decode_completion(ids)[-1] == ">"
-        assert all(lp == 0.0 for lp, m in zip(t.sampler_logprobs, t.turn_mask) if not m)
+        assert all(lp == 0.0 for lp, m in zip(t.sampler_logprobs, t.turn_mask, strict=True) if not m)
         assert t.meta["turns"] == sum(m for m, _ in runs)
         assert 0.0 <= t.reward <= 1.0
 
@@ -202,7 +202,7 @@ class _Env:
 @dataclasses.dataclass(frozen=True)
 class _BadSpec(GuessSpec):
     def make(self, prompt, opponent_policy=None):
-        return _Env(str(prompt.meta["seed"] % 2 and "ok" or self.cfg_mode))
+        return _Env("ok" if prompt.meta["seed"] % 2 else self.cfg_mode)
 
     cfg_mode: str = "raise"
 
@@ -282,7 +282,7 @@ def test_replay_admits_honest_episodes_and_refuses_forged_ones(played):
         flipped[env_at] = 1
         with pytest.raises(Rejected):
             replay.check(lease, _forge(sub, 1, 2, turn_mask=tuple(flipped)))
-    with pytest.raises(Rejected, match="prompt_mismatch"):
+    with pytest.raises(Rejected, match="episode_mismatch"):
         replay.check(lease, _forge(sub, 0, 0, prompt_ids=tuple(policy.codec.encode_prompt("guess 0-9>"))))
 
 

@@ -22,10 +22,14 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
 
 
-def _print_summary(command: str, s: Any) -> None:
+def _print_summary(command: str, s: Any, episodic: bool = False) -> None:
+    a, b, best = s.initial_accuracy, s.final_accuracy, s.best_accuracy
+    if episodic:  # an environment's held-out score is its mean episodic return, not a share
+        held = f"held-out mean return {a:+.3f} -> {b:+.3f} (best {best:+.3f})"
+    else:
+        held = f"held-out accuracy {a:.1%} -> {b:.1%} (best {best:.1%})"
     print(
-        f"\n{command}: {s.steps} learner steps (version {s.version}) in {s.wall_s:.0f} s; held-out accuracy "
-        f"{s.initial_accuracy:.1%} -> {s.final_accuracy:.1%} (best {s.best_accuracy:.1%})\n"
+        f"\n{command}: {s.steps} learner steps (version {s.version}) in {s.wall_s:.0f} s; {held}\n"
         f"bubble ratio {s.bubble_ratio:.1%}, max staleness {s.staleness_max}\n"
         f"run directory: {s.run_dir}  (metrics.jsonl, summary.json, run.png, workers/)\n"
         f"last checkpoint: {s.last_checkpoint}"
@@ -41,8 +45,31 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
     from echo2.runtime.launcher import run_local
 
-    _print_summary("echo2 run", run_local(cfg, progress=live_view(args), resume=args.resume))
+    summary = run_local(cfg, progress=live_view(args), resume=args.resume)
+    _print_summary("echo2 run", summary, cfg.episodic)
+    if cfg.task.name == "poker" and summary.last_checkpoint:
+        _poker_report(cfg, summary)
     return 0
+
+
+def _poker_report(cfg: Any, summary: Any) -> None:
+    """After a poker run: Table 4 of its last checkpoint against the rule-based players and the
+    checkpoint it started from, printed and kept in the run directory (matchups.json / .png)."""
+    import json
+    from pathlib import Path
+
+    from echo2.learner.warmstart import starting_checkpoint
+    from echo2.rollout.matchups import evaluate_checkpoint, format_table, plot_table
+
+    run_dir = Path(summary.run_dir)
+    rows = evaluate_checkpoint(cfg, summary.last_checkpoint, {"start": starting_checkpoint(cfg)})
+    print(
+        "\nchip change per hand of the last checkpoint (duplicate deals, from every seat):\n"
+        + format_table(rows)
+    )
+    out = {"checkpoint": str(summary.last_checkpoint), "matchups": [m.to_dict() for m in rows]}
+    (run_dir / "matchups.json").write_text(json.dumps(out, indent=2))
+    plot_table(rows, run_dir / "matchups.png")
 
 
 def _learner(args: argparse.Namespace) -> int:
@@ -68,7 +95,7 @@ def _learner(args: argparse.Namespace) -> int:
         summary = asyncio.run(
             main(AsyncLearner(cfg, resume=args.resume, on_ready=ready, on_step=view.update))
         )
-    _print_summary("echo2 learner", summary)
+    _print_summary("echo2 learner", summary, cfg.episodic)
     return 0
 
 

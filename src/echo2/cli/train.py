@@ -96,32 +96,16 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _poker_table(cfg: Config, args: argparse.Namespace, policy: Any, engine: Any) -> list[dict[str, Any]]:
     """Table 4 for ``policy`` (printed), against the rule-based styles and each ``--against`` checkpoint."""
-    from echo2.config import PokerTaskConfig
-    from echo2.data.tasks.registry import build_task
     from echo2.errors import ConfigError
-    from echo2.models.policy import load_checkpoint
-    from echo2.rollout.engines.hf import HFEngine
-    from echo2.rollout.matchups import format_table, poker_table
+    from echo2.rollout.matchups import evaluate_checkpoint, format_table
 
-    assert isinstance(cfg.task, PokerTaskConfig)
-    snapshots = {}
+    against = {}
     for spec in args.against:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ConfigError(f"--against {spec!r} must look like NAME=DIR")
-        snap = load_checkpoint(path, cfg.model.chat_template)
-        snapshots[name] = HFEngine(snap.model, snap.eos_id, snap.pad_id, cfg.sampling)
-    task = build_task(cfg.task, cfg.seed)
-    seeds = [int(p.meta["seed"]) for p in task.eval_prompts(args.deals or cfg.task.eval_deals)]
-    rows = poker_table(
-        policy.codec,
-        engine,
-        cfg.task,
-        seeds,
-        max_context=cfg.context_tokens(),
-        max_new_tokens=cfg.sampling.max_new_tokens,
-        snapshots=snapshots,
-    )
+        against[name] = path
+    rows = evaluate_checkpoint(cfg, policy.source, against, args.deals)
     print(format_table(rows))
     return [m.to_dict() for m in rows]
 

@@ -30,6 +30,7 @@ fallback) and is counted from ``EnvStep.illegal``.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ from echo2.models.policy import TextCodec
 from echo2.rollout.collect import RolloutBatch, collect_groups
 from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class Stepper:
@@ -180,11 +183,10 @@ def play(
 def _step(codec: TextCodec, e: Episode, action: str, stepper: Stepper) -> None:
     try:
         step = _checked(stepper.call(e.env.step, action))
-    except EnvError as exc:
-        e.over, e.error = True, str(exc)
-        return
-    except Exception as exc:
-        e.over, e.error = True, f"step() raised {type(exc).__name__}: {exc}"
+    except Exception as exc:  # an environment is user code: whatever it raises ends only this episode
+        e.over = True
+        e.error = str(exc) if isinstance(exc, EnvError) else f"step() raised {type(exc).__name__}: {exc}"
+        log.warning("episode (noise row %d) ended by its environment: %s", e.row, e.error)
         return
     e.rewards.append(float(step.reward))
     e.illegal += bool(step.illegal)
@@ -344,6 +346,19 @@ def evaluate_episodes(
     finally:
         stepper.close()
     return returns, illegal, decisions
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """The ``env/`` metrics of a trained batch of episodes: decisions per episode, the share of illegal
+    actions, episodes cut (``max_turns`` / context) and episodes ended by an environment error."""
+    n = max(len(trajectories), 1)
+    turns = sum(int(t.meta.get("turns", 0)) for t in trajectories)
+    return {
+        "env/turns_mean": turns / n,
+        "env/illegal_rate": sum(int(t.meta.get("illegal", 0)) for t in trajectories) / max(turns, 1),
+        "env/cut": float(sum(bool(t.meta.get("cut")) for t in trajectories)),
+        "env/errors": float(sum("env_error" in t.meta for t in trajectories)),
+    }
 
 
 def episode_meta(e: Episode, opponent_said: list[str] | None) -> dict[str, Any]:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-from echo2.config import PokerTaskConfig
+from echo2.config import Config, PokerTaskConfig
 from echo2.models.policy import TextCodec
 from echo2.rollout.engines.base import Engine
 from echo2.rollout.episodes import Limits, Stepper, play, start
@@ -36,9 +37,18 @@ class Matchup:
     ci95: tuple[float, float]  # 95% t-interval of mean_bb over deals
     illegal_rate: float  # the policy's illegal or unparsable answers / its decisions
     decisions: int  # the policy's decisions
+    per_deal: tuple[float, ...] = ()  # each deal's mean chip change over its seats, in deal order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def paired_difference(a: Matchup, b: Matchup) -> tuple[float, tuple[float, float]]:
+    """``a - b`` on the same deals (two policies against one opponent): mean and 95% t-interval of the
+    per-deal differences, so the cards cancel out of the comparison as well."""
+    if len(a.per_deal) != len(b.per_deal) or not a.per_deal:
+        raise ValueError("a paired difference needs the same deals on both sides")
+    return t_interval([x - y for x, y in zip(a.per_deal, b.per_deal, strict=True)])
 
 
 def t_interval(samples: Sequence[float], level: float = 0.95) -> tuple[float, tuple[float, float]]:
@@ -90,7 +100,9 @@ def play_matchup(
         stepper.close()
     samples = [sum(v) / len(v) for v in per_deal.values()]
     mean, ci = t_interval(samples)
-    return Matchup(name, len(samples), len(jobs), mean, ci, illegal / max(decisions, 1), decisions)
+    return Matchup(
+        name, len(samples), len(jobs), mean, ci, illegal / max(decisions, 1), decisions, tuple(samples)
+    )
 
 
 def deal_seeds(task_seeds: Sequence[int]) -> list[int]:
@@ -146,3 +158,58 @@ def poker_table(
         )
         for name, opp in opponents
     ]
+
+
+def evaluate_checkpoint(
+    cfg: Config,
+    checkpoint: str | Path,
+    against: dict[str, str | Path] | None = None,
+    deals: int | None = None,
+) -> list[Matchup]:
+    """Table 4 of the checkpoint at ``checkpoint`` on ``cfg``'s poker task: against the rule-based
+    styles and each ``against`` checkpoint (name -> directory), on ``deals`` held-out deals (default
+    ``task.eval_deals``) of the test split."""
+    from echo2.data.tasks.registry import build_task
+    from echo2.models.policy import load_checkpoint
+    from echo2.rollout.engines.hf import HFEngine
+
+    if not isinstance(cfg.task, PokerTaskConfig):
+        raise ValueError(f"the poker table needs task.name = 'poker', not {cfg.task.name!r}")
+    policy = load_checkpoint(checkpoint, cfg.model.chat_template)
+    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+    snapshots: dict[str, Engine] = {}
+    for name, path in (against or {}).items():
+        snap = load_checkpoint(path, cfg.model.chat_template)
+        snapshots[name] = HFEngine(snap.model, snap.eos_id, snap.pad_id, cfg.sampling)
+    task = build_task(cfg.task, cfg.seed)
+    seeds = [int(p.meta["seed"]) for p in task.eval_prompts(deals or cfg.task.eval_deals)]
+    return poker_table(
+        policy.codec,
+        engine,
+        cfg.task,
+        seeds,
+        max_context=cfg.context_tokens(),
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        snapshots=snapshots,
+    )
+
+
+def plot_table(rows: Sequence[Matchup], path: Path, title: str = "") -> None:
+    """Chip change per hand against each opponent, with its 95% interval, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    xs = range(len(rows))
+    means = [m.mean_bb for m in rows]
+    errs = [[m.mean_bb - m.ci95[0] for m in rows], [m.ci95[1] - m.mean_bb for m in rows]]
+    ax.bar(xs, means, yerr=errs, capsize=4, color=["#4c72b0" if v >= 0 else "#c44e52" for v in means])
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xticks(list(xs), [m.opponent for m in rows])
+    ax.set_ylabel("chips per hand (big blinds)")
+    ax.set_title(title or f"duplicate deals, {rows[0].hands if rows else 0} hands per opponent, 95% CI")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -368,6 +368,8 @@ class AsyncLearner:
         self.staleness_max = max(self.staleness_max, delta)
         self.t_trains.append(stats.t_train_s)
         rewards = [t.reward for t in flat]
+        from echo2.rollout.episodes import episode_metrics
+
         return {
             "step": stats.version,
             **stats.metrics(),
@@ -375,6 +377,7 @@ class AsyncLearner:
             "store/staleness_max": delta,
             "reward/mean": sum(rewards) / len(rewards),
             "reward/unparsed": sum(1 for t in flat if not t.meta.get("parsed", True)),
+            **(episode_metrics(flat) if self.cfg.episodic else {}),
         }
 
     async def _after_update(self, record: dict[str, Any]) -> None:

@@ -180,8 +180,8 @@ class _Scripted:
 class EpisodeReplay(Verifier):
     """Every submission of an environment task: each episode is played again from its seed with the
     policy turns it claims (and the recorded answers of a model opponent). Its prompt must be the
-    environment's first observation [prompt_mismatch], every observation turn and the turn mask what
-    the environment answers [episode_mismatch], and the return the replay's [reward_mismatch]."""
+    environment's first observation, every observation turn and the turn mask what the environment
+    answers [episode_mismatch], and the return the replay's [reward_mismatch]."""
 
     def __init__(
         self, codec: TextCodec, task: EnvironmentTask, eos_id: int, max_new_tokens: int, max_context: int
@@ -214,8 +214,9 @@ class EpisodeReplay(Verifier):
             episodes.play(self.codec, engine, [e], limits, stepper, seed=0)  # type: ignore[arg-type]
         finally:
             stepper.close()
-        if tuple(e.prompt_ids) != tuple(t.prompt_ids):
-            raise Rejected("prompt_mismatch", f"{where}.prompt_ids: not the episode's first observation")
+        if tuple(e.prompt_ids) != tuple(t.prompt_ids):  # the seed's first observation (the opponents'
+            # first moves included): a worker that sends another one made it up
+            raise Rejected("episode_mismatch", f"{where}.prompt_ids: not the episode's first observation")
         claimed_error = "env_error" in t.meta
         if claimed_error and e.error is None:
             # a step that failed or timed out on the worker's machine: the episode's turns must still be

@@ -336,19 +336,24 @@ def study_staleness(
 
 
 # ---- (3) bubble vs workers (Fig. 3c), planner N_min, simulator beside ----------------------------------
-def study_bubble(out: Path, ns: list[int], throttle: float, minutes: float, warmup: int) -> dict[str, Any]:
-    from echo2.config import load_config
+def study_bubble(
+    out: Path, ns: list[int], throttle: float, minutes: float, warmup: int, task: str | None = None
+) -> dict[str, Any]:
+    """``task``: run the study on another task's embedded default (``--task``), e.g. poker."""
+    from echo2.config import load_config, task_preset
     from echo2.sim.engine import SimParams, SimWorker, simulate
 
-    cfg = load_config()
+    cfg = load_config(overrides=task_preset(task) if task else [])
+    task_args = ["--task", task] if task else []
     R, S, kappa = cfg.batch.rollouts, cfg.staleness.S, cfg.staleness.effective_kappa
     lease = cfg.runtime.lease_prompts * cfg.batch.group_size
     runs = out / "runtime_runs"
     rows_out = []
     for n in ns:
-        d = runs / f"bubble_N{n}"
+        d = runs / f"bubble{'_' + task if task else ''}_N{n}"
         echo2(
             "run",
+            *task_args,
             "--workers",
             str(n),
             "--max-minutes",

@@ -227,13 +227,13 @@ def test_garbage_and_illegal_actions_fall_back_to_check_or_fold() -> None:
     assert not env.step("c").illegal
 
 
-def test_raise_that_is_not_possible_falls_back() -> None:
+def test_raise_that_is_not_possible_is_clipped_to_a_call() -> None:
     env = PokerEnv(cfg(2), [Fixed("a")])  # the opponent shoves every time
     env.reset_deal(2, 0)  # hero in the big blind facing the button's all-in
     view = env.hero_view()
     assert view.legal == "fca" and view.raise_to is None and view.history == "a"
-    step = env.step("r")  # no raise over an all-in of an equal stack: fold
-    assert step.illegal and step.done and step.reward == pytest.approx(-1.0)
+    step = env.step("r")  # no raise over an all-in of an equal stack: clipped to the call
+    assert not step.illegal and step.done and step.reward in (-20.0, 0.0, 20.0)
     env.reset_deal(2, 0)
     step = env.step("a")  # calling all-in is "a"
     assert not step.illegal and step.done and step.reward in (-20.0, 0.0, 20.0)

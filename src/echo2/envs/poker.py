@@ -21,12 +21,14 @@ same observations and rewards.
 Actions (:data:`ACTIONS`, one character, so an answer is one token then EOS): ``f`` fold, ``c``
 check or call, ``r`` raise to about the pot (pokerkit's pot-sized raise, clipped to at least the
 legal minimum and at most all-in: where a raise is legal only as all-in, ``r`` is all-in), ``a``
-all-in (a raise to the whole stack, or a call where calling commits the whole stack). Parsing strips
-whitespace and lower-cases the first character.
+all-in (a raise to the whole stack, or a call where calling commits the whole stack). Where no raise
+is possible at all (facing an all-in, or every other player all-in), ``r`` and ``a`` are clipped to
+what is: a check or call (like a raise larger than the stack is clipped to all-in; not illegal).
+Parsing strips whitespace and lower-cases the first character.
 
 Fallback. An unparsable answer (empty, any other character) or a letter not legal now (``f`` when
-checking is free, ``r``/``a`` when no raise is possible, ``a`` when calling is not all-in either)
-is replaced by **check if free, else fold**, and the step reports ``illegal=True``. Opponents'
+checking is free) is replaced by **check if free, else fold**, and the step reports
+``illegal=True``. Opponents'
 illegal answers get the same fallback (counted in ``PokerEnv.opponent_illegal``, never in the
 hero's ``illegal``; a ``TextPolicyOpponent`` applies it itself and counts in its own ``illegal``).
 

@@ -130,6 +130,8 @@ def resolve_action(view: SeatView, text: str) -> tuple[str, bool]:
     letter = parse_action(text)
     if letter is not None and letter in view.legal:
         return letter, False
+    if letter in ("r", "a") and view.raise_to is None:  # no raise possible: clipped to a check / call
+        return "c", False
     return view.fallback, True
 
 

@@ -148,6 +148,9 @@ class _EnvironmentFields(_Section):
     max_turns: int = Field(
         8, ge=1, le=64, description="model decisions per episode before it is cut (counted)"
     )
+    illegal_penalty: float = Field(
+        0.0, ge=0.0, description="subtracted from the reward of a step whose action was illegal (training)"
+    )
     step_timeout_s: float = Field(
         5.0, gt=0.0, description="an environment step slower than this ends its episode (counted, reward 0)"
     )
@@ -537,6 +540,7 @@ TASK_PRESETS: dict[str, list[str]] = {
         "task.name=poker",
         "model.embedded.max_positions=320",  # a hand of up to 6 decisions of <= 60-character observations
         "task.max_turns=6",
+        "task.illegal_penalty=1.0",  # a big blind per illegal action: the fallback is often harmless
         "sampling.max_new_tokens=2",  # one action letter and EOS
         "model.warmstart.target_accuracy=0.9",  # agreement with the rule-based teacher's decisions
         "model.warmstart.batch_size=32",

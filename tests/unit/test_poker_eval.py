@@ -164,3 +164,36 @@ def test_presets_and_config_refusals():
         load_config(overrides=["task.name=poker", "task.small_blind=2", "task.big_blind=2"])
     with pytest.raises(ConfigError, match="opponents"):
         load_config(overrides=["task.name=poker", 'task.opponents=["shark"]'])
+
+
+def test_the_illegal_penalty_is_part_of_the_return_and_of_its_replay(tiny_policy_module):
+    """Always answering "f": illegal wherever checking is free (then it checks); with a penalty of 1
+    per illegal action the trained return is the chip change minus the illegal count, and the learner's
+    replay agrees."""
+    policy = tiny_policy_module
+    engine = _Letters(policy.codec, policy.eos_id, "f")
+    task = EnvironmentTask(PokerSpec(PokerTaskConfig(opponents=["station"], illegal_penalty=1.0)))
+    prompts = task.sample_train(random.Random(8), 6)
+    batch = collect_episodes(
+        policy.codec,
+        engine,
+        task,
+        prompts,
+        2,
+        seed=1,
+        policy_version=0,
+        group_prefix="L",
+        max_context=320,
+        max_new_tokens=2,
+    )
+    assert any(t.meta["illegal"] for t in batch.trajectories)
+    for t in batch.trajectories:
+        env = PokerEnv(task.spec.cfg, [rule_player("station")])
+        env.reset(int(t.prompt_id.split(":")[1]))
+        for _ in range(t.meta["turns"]):
+            if env.step("f").done:
+                break
+        assert t.reward == pytest.approx(env.chip_change_bb - t.meta["illegal"])
+    groups = tuple(tuple(batch.trajectories[i * 2 : (i + 1) * 2]) for i in range(6))
+    replay = EpisodeReplay(policy.codec, task, policy.eos_id, 2, 320)
+    replay.check(Lease("L", "w", "open", 0.0, prompts, 1, 0), Submission("L", 0, groups))

@@ -67,7 +67,7 @@ def _eval(args: argparse.Namespace) -> int:
     from echo2.learner.warmstart import starting_checkpoint
     from echo2.models.policy import configure_torch, load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.rollout.evaluate import evaluate
+    from echo2.rollout.evaluate import evaluate_run
 
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
@@ -79,13 +79,8 @@ def _eval(args: argparse.Namespace) -> int:
             "matchups": _poker_table(cfg, args, policy, engine),
         }
     else:
-        res = evaluate(
-            policy.codec,
-            engine,
-            task,
-            task.eval_prompts(args.size or cfg.train.eval_size),
-            max_context=cfg.context_tokens(),
-            max_new_tokens=cfg.sampling.max_new_tokens,
+        res = evaluate_run(
+            cfg, policy.codec, engine, task, task.eval_prompts(args.size or cfg.train.eval_size)
         )
         out = {"checkpoint": policy.source, "accuracy": res.accuracy, "unparsed": res.unparsed, "n": res.n}
         print(json.dumps(out))

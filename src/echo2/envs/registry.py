@@ -35,6 +35,10 @@ class _Common:
         return int(self.cfg.max_turns)
 
     @property
+    def illegal_penalty(self) -> float:
+        return float(self.cfg.illegal_penalty)
+
+    @property
     def step_timeout_s(self) -> float:
         return float(self.cfg.step_timeout_s)
 

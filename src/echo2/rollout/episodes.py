@@ -12,7 +12,9 @@ action, and so on::
 
 so the learner's loss (masked by ``turn_mask``) trains exactly the policy's tokens, with the
 off-policy correction of single-turn GRPO applied token by token. The reward of the trajectory is the
-episodic return ``R = Σ_t γ^t r_t`` over the policy's decisions ``t``.
+episodic return ``R = Σ_t γ^t (r_t - p·[a_t illegal])`` over the policy's decisions ``t`` (``p``:
+the environment config's ``illegal_penalty``, 0 unless set; held-out evaluation reports the
+environment's own return, without it).
 
 Every episode of a call draws its tokens with one noise row (``rows``) and continues its noise steps
 across turns (``first_steps`` = the token's index in the completion), so the learner re-derives every
@@ -79,18 +81,22 @@ class Episode:
     completion: list[int] = field(default_factory=list)  # actions and observation turns
     logprobs: list[float] = field(default_factory=list)  # sampler log-prob per completion token (0 on obs)
     mask: list[int] = field(default_factory=list)  # 1 = policy token
-    rewards: list[float] = field(default_factory=list)  # r_t per decision
+    rewards: list[float] = field(default_factory=list)  # r_t per decision, as the environment gave it
+    illegal_at: list[bool] = field(default_factory=list)  # per decision: the action was illegal
     actions: list[str] = field(default_factory=list)  # decoded actions, in order
     illegal: int = 0  # actions the environment could not take as written
     over: bool = False
     cut: bool = False  # ended by max_turns / max_context, not by the environment
     error: str | None = None  # the environment misbehaved (the return is 0)
 
-    def ret(self, discount: float) -> float:
-        """The episodic return ``Σ_t γ^t r_t`` (0 after an environment error)."""
+    def ret(self, discount: float, illegal_penalty: float = 0.0) -> float:
+        """The episodic return ``Σ_t γ^t (r_t - p·[a_t illegal])`` (0 after an environment error)."""
         if self.error is not None:
             return 0.0
-        return sum(r * discount**t for t, r in enumerate(self.rewards))
+        return sum(
+            (r - illegal_penalty * bad) * discount**t
+            for t, (r, bad) in enumerate(zip(self.rewards, self.illegal_at, strict=True))
+        )
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,7 @@ def _step(codec: TextCodec, e: Episode, action: str, stepper: Stepper) -> None:
         log.warning("episode (noise row %d) ended by its environment: %s", e.row, e.error)
         return
     e.rewards.append(float(step.reward))
+    e.illegal_at.append(bool(step.illegal))
     e.illegal += bool(step.illegal)
     if step.done:
         e.over = True
@@ -257,7 +264,7 @@ def collect_episodes(
                 prompt_ids=tuple(e.prompt_ids),
                 completion_ids=tuple(e.completion),
                 sampler_logprobs=tuple(e.logprobs),
-                reward=e.ret(spec.discount),
+                reward=e.ret(spec.discount, spec.illegal_penalty),
                 policy_version=policy_version,
                 meta=episode_meta(e, rec.said if rec is not None else None),
                 turn_mask=tuple(e.mask),

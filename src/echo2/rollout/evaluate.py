@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from echo2.config import Config
 from echo2.data.tasks.base import Task
 from echo2.data.tasks.environment import EnvironmentTask, is_episodic
 from echo2.models.policy import TextCodec
@@ -51,3 +52,17 @@ def evaluate(
             unparsed += not grade.parsed
     n = len(rewards)
     return EvalResult(accuracy=sum(rewards) / max(n, 1), unparsed=unparsed / max(n, 1), n=n)
+
+
+def evaluate_run(
+    cfg: Config, codec: TextCodec, engine: Engine, task: Task, prompts: Sequence[Prompt]
+) -> EvalResult:
+    """:func:`evaluate` with the run's bounds on an episode (its context and tokens per action)."""
+    return evaluate(
+        codec,
+        engine,
+        task,
+        prompts,
+        max_context=cfg.context_tokens(),
+        max_new_tokens=cfg.sampling.max_new_tokens,
+    )

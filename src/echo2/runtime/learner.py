@@ -427,17 +427,9 @@ class AsyncLearner:
                 self.on_step(record)
 
     def _evaluate(self) -> Any:
-        from echo2.rollout.evaluate import evaluate
+        from echo2.rollout.evaluate import evaluate_run
 
-        cfg = self.cfg
-        return evaluate(
-            self.policy.codec,
-            self.engine,
-            self.task,
-            self.eval_prompts,
-            max_context=cfg.context_tokens(),
-            max_new_tokens=cfg.sampling.max_new_tokens,
-        )
+        return evaluate_run(self.cfg, self.policy.codec, self.engine, self.task, self.eval_prompts)
 
     def _save(self, name: str) -> str:
         leases = {"leases": self.broker.prompts.state()}  # a resumed run draws on, not from the start

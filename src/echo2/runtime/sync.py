@@ -165,17 +165,9 @@ class SyncLearner:
         }
 
     def _evaluate(self) -> Any:
-        from echo2.rollout.evaluate import evaluate
+        from echo2.rollout.evaluate import evaluate_run
 
-        cfg = self.cfg
-        return evaluate(
-            self.policy.codec,
-            self.engine,
-            self.task,
-            self.eval_prompts,
-            max_context=cfg.context_tokens(),
-            max_new_tokens=cfg.sampling.max_new_tokens,
-        )
+        return evaluate_run(self.cfg, self.policy.codec, self.engine, self.task, self.eval_prompts)
 
     def _save(self, name: str) -> str:
         return self.run_dir.save_checkpoint(name, self.policy, self.trainer.version)

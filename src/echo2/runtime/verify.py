@@ -233,7 +233,7 @@ class EpisodeReplay(Verifier):
                 f"{where}.completion_ids: the replayed episode differs from token {at} on (its observations "
                 "or turn mask are not what the environment answers)",
             )
-        ret = e.ret(spec.discount)
+        ret = e.ret(spec.discount, spec.illegal_penalty)
         if not math.isclose(t.reward, ret, rel_tol=0.0, abs_tol=REWARD_TOLERANCE):
             raise Rejected(
                 "reward_mismatch", f"{where}.reward: {t.reward!r} claimed, the replay gives {ret!r}"

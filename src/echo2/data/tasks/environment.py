@@ -36,6 +36,7 @@ class EnvSpec(Protocol):
     discount: float  # gamma of the episodic return
     max_turns: int  # policy decisions per episode before it is cut
     step_timeout_s: float  # an environment step slower than this ends the episode
+    illegal_penalty: float  # subtracted from the reward of a step whose action was illegal (training)
     eval_fraction: float
     validation_fraction: float
 

@@ -544,7 +544,9 @@ TASK_PRESETS: dict[str, list[str]] = {
         "sampling.max_new_tokens=2",  # one action letter and EOS
         "model.warmstart.target_accuracy=0.9",  # agreement with the rule-based teacher's decisions
         "model.warmstart.batch_size=32",
-        "batch.prompts=16",
+        "batch.prompts=8",  # 8 deals x 16 hands each: a group of 16 sees more than one line of play
+        "batch.group_size=16",
+        "grpo.lr=5e-4",
         "train.eval_size=200",
         "train.max_minutes=12",
     ],

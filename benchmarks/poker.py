@@ -2,6 +2,7 @@
 
     python benchmarks/poker.py --study train        # echo2 run --task poker, then Table 4 of start vs end
     python benchmarks/poker.py --study throughput   # a worker's delivered episodes/s vs a bare loop
+    python benchmarks/poker.py --study bubble       # runtime.py's bubble study on the poker preset
     python benchmarks/poker.py --study all
 
 **train.** One `echo2 run --task poker` (the embedded default: warm start by imitation of the tight-
@@ -22,6 +23,11 @@ Targets, fixed before the run (sidedness in words):
 **throughput.** ``benchmarks/runtime.py``'s worker study on the poker preset: interleaved pairs of
 (a real worker served by a learner node, then the bare rollout function on the same model, lease size
 and self-play pool), ``WORKER_RATIO`` of the bare loop's episodes/s at least (median of pairs).
+
+**bubble.** ``benchmarks/runtime.py``'s bubble study on the poker preset: `echo2 run --task poker` with
+N = 1 to 4 workers throttled to ``--bubble-throttle`` episodes/s each, all kept active; the measured
+bubble's knee must lie within ``KNEE_WITHIN`` worker of the planner's N_min computed from the runs' own
+T_train, T_bcast and per-worker rate (the single-turn study's target, unchanged).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ EVAL_DEALS = 1000  # per opponent; x 2 seats = 2,000 hands
 MIN_IMPROVED = 2  # of the 3 rule-based opponents
 MAX_ILLEGAL = 0.01
 WORKER_RATIO = 0.9
+KNEE_WITHIN = 1
 RULE_STYLES = ("tag", "station", "lag")
 
 
@@ -157,15 +164,26 @@ def study_throughput(out: Path, seconds: float, trials: int) -> dict[str, Any]:
     return res
 
 
+def study_bubble(out: Path, ns: list[int], throttle: float, minutes: float) -> dict[str, Any]:
+    from runtime import study_bubble as runtime_bubble
+
+    res = runtime_bubble(out, ns, throttle, minutes, warmup=5, task="poker")
+    res["target_poker"] = f"measured knee within {KNEE_WITHIN} worker of the planner's N_min"
+    return res
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["train", "throughput", "all"], default="all")
+    p.add_argument("--study", choices=["train", "throughput", "bubble", "all"], default="all")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deals", type=int, default=EVAL_DEALS)
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for the run")
     p.add_argument("--worker-seconds", type=float, default=60.0)
     p.add_argument("--worker-trials", type=int, default=3)
+    p.add_argument("--bubble-ns", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--bubble-throttle", type=float, default=20.0, help="episodes/s per worker")
+    p.add_argument("--bubble-minutes", type=float, default=2.5)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +195,10 @@ def main() -> int:
         res = study_throughput(a.out, a.worker_seconds, a.worker_trials)
         (a.out / "poker_throughput.json").write_text(json.dumps(res, indent=2))
         log.info("throughput: %.3f x (%s)", res["ratio"], res["met"])
+    if a.study in ("bubble", "all"):
+        res = study_bubble(a.out, a.bubble_ns, a.bubble_throttle, a.bubble_minutes)
+        (a.out / "poker_bubble.json").write_text(json.dumps(res, indent=2))
+        log.info("bubble: knee %s, N_min %s", res["knee_measured"], res["n_min"])
     return 0
 
 

@@ -450,7 +450,7 @@ def study_bubble(
     )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "runtime_bubble.png", dpi=110)
+    fig.savefig(out / f"{task + '_' if task else 'runtime_'}bubble.png", dpi=110)
     return res
 
 

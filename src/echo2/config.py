@@ -163,7 +163,9 @@ class _EnvironmentFields(_Section):
 
 
 PokerOpponent = Literal["tag", "station", "lag", "selfplay"]
-POKER_OPPONENTS: tuple[PokerOpponent, ...] = ("tag", "station", "lag", "selfplay")
+# the rule-based tables; add "selfplay" to train against earlier snapshots too (docs/environments.md:
+# against the tag-imitating warm start it rewards bluffing, which the station and lag punish)
+POKER_OPPONENTS: tuple[PokerOpponent, ...] = ("tag", "station", "lag")
 
 
 class PokerTaskConfig(_EnvironmentFields):
@@ -541,9 +543,6 @@ TASK_PRESETS: dict[str, list[str]] = {
         "model.embedded.max_positions=320",  # a hand of up to 6 decisions of <= 60-character observations
         "task.max_turns=6",
         "task.illegal_penalty=1.0",  # a big blind per illegal action: the fallback is often harmless
-        # the rule-based tables only: self-play against the tag-imitating warm start rewards bluffing,
-        # which the station and the loose-aggressive player punish (set it back with task.opponents)
-        'task.opponents=["tag", "station", "lag"]',
         "sampling.max_new_tokens=2",  # one action letter and EOS
         "model.warmstart.target_accuracy=0.9",  # agreement with the rule-based teacher's decisions
         "model.warmstart.batch_size=32",

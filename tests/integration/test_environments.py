@@ -47,7 +47,9 @@ def test_poker_run_trains_on_replayed_episodes_and_prints_table_4(tmp_path):
         "run",
         "--task",
         "poker",
-        *_sets(tmp_path, ["task.eval_deals=8", "task.selfplay_every=2"]),
+        *_sets(
+            tmp_path, ["task.eval_deals=8", "task.selfplay_every=2", 'task.opponents=["selfplay", "tag"]']
+        ),
         "--steps",
         "8",
         "--run-dir",

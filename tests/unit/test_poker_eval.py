@@ -197,3 +197,39 @@ def test_the_illegal_penalty_is_part_of_the_return_and_of_its_replay(tiny_policy
     groups = tuple(tuple(batch.trajectories[i * 2 : (i + 1) * 2]) for i in range(6))
     replay = EpisodeReplay(policy.codec, task, policy.eos_id, 2, 320)
     replay.check(Lease("L", "w", "open", 0.0, prompts, 1, 0), Submission("L", 0, groups))
+
+
+def test_six_max_tables_play_replay_and_evaluate(tiny_policy_module):
+    """6-max with mixed rule-based opponents through the same runner, replay and Table 4 (6 seats)."""
+    policy = tiny_policy_module
+    engine = _Letters(policy.codec, policy.eos_id, "fcr")
+    cfg = PokerTaskConfig(players=6, stack_bb=40)
+    task = EnvironmentTask(PokerSpec(cfg))
+    prompts = task.sample_train(random.Random(4), 3)
+    batch = collect_episodes(
+        policy.codec,
+        engine,
+        task,
+        prompts,
+        2,
+        seed=5,
+        policy_version=0,
+        group_prefix="L",
+        max_context=320,
+        max_new_tokens=2,
+    )
+    groups = tuple(tuple(batch.trajectories[i * 2 : (i + 1) * 2]) for i in range(3))
+    EpisodeReplay(policy.codec, task, policy.eos_id, 2, 320).check(
+        Lease("L", "w", "open", 0.0, prompts, 5, 0), Submission("L", 0, groups)
+    )
+    m = play_matchup(
+        policy.codec,
+        engine,
+        cfg,
+        "lag",
+        rule_player("lag"),
+        deal_seeds(range(4)),
+        max_context=320,
+        max_new_tokens=2,
+    )
+    assert m.hands == 24 and m.deals == 4

@@ -459,11 +459,11 @@ T_TRAIN_S = 0.2  # the embedded default's measured seconds per update (results/l
 
 
 async def _serve_drain(
-    cfg: Any, seconds: float, warmup: float, tmp: Path, tls: bool = False
+    cfg: Any, seconds: float, warmup: float, tmp: Path, tls: bool = False, t_train_s: float = T_TRAIN_S
 ) -> dict[str, Any]:
     """A learner node without training: the real parts (``runtime.node.assemble``: registry, pool,
     lease broker, intake, snapshots, routes), store and TCP broadcast, and a loop that takes each batch
-    as soon as it is complete, while versions advance every ``T_TRAIN_S`` and a snapshot is published
+    as soon as it is complete, while versions advance every ``t_train_s`` and a snapshot is published
     every kappa versions, the cadence of the real learner: the worker installs and relays snapshots as
     often as in a run, but never waits for the learner to consume. ``tls``: both planes under a run
     certificate the worker pins (``echo2.transport``), as a real learner serves them by default."""
@@ -529,7 +529,7 @@ async def _serve_drain(
     t_end = math.inf
     try:
         while time.perf_counter() < t_end:
-            if time.perf_counter() - last_pub >= T_TRAIN_S:  # versions advance at the learner's pace
+            if time.perf_counter() - last_pub >= t_train_s:  # versions advance at the learner's pace
                 last_pub = time.perf_counter()
                 version[0] += 1
                 if version[0] % cfg.staleness.effective_kappa == 0:
@@ -538,7 +538,7 @@ async def _serve_drain(
             if batch is None:
                 ready.clear()
                 with contextlib.suppress(TimeoutError):  # until data lands or the next version is due
-                    await asyncio.wait_for(ready.wait(), T_TRAIN_S - (time.perf_counter() - last_pub))
+                    await asyncio.wait_for(ready.wait(), t_train_s - (time.perf_counter() - last_pub))
                 continue
             k += 1
             taken += sum(len(g) for g in batch)
@@ -611,7 +611,12 @@ def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
 
 
 def study_worker(
-    out: Path, seconds: float, trials: int, overrides: tuple[str, ...] = (), name: str = "runtime_worker"
+    out: Path,
+    seconds: float,
+    trials: int,
+    overrides: tuple[str, ...] = (),
+    name: str = "runtime_worker",
+    t_train_s: float = T_TRAIN_S,
 ) -> dict[str, Any]:
     """``trials`` interleaved pairs (served worker, then bare loop, ``seconds`` each); the ratio of each
     pair and their median, so drift in the shared machine's load hits both sides of a pair alike."""
@@ -623,7 +628,7 @@ def study_worker(
     pairs = []
     for _ in range(trials):
         with tempfile.TemporaryDirectory() as tmp:
-            served = asyncio.run(_serve_drain(cfg, seconds, 3.0, Path(tmp)))
+            served = asyncio.run(_serve_drain(cfg, seconds, 3.0, Path(tmp), t_train_s=t_train_s))
         bare = _bare_loop(cfg, seconds)
         worker_rate = served["delivered_rollouts"] / served["seconds"]
         bare_rate = bare["rollouts"] / bare["seconds"]

@@ -186,10 +186,13 @@ def study_throughput(out: Path, seconds: float, trials: int) -> dict[str, Any]:
     return res
 
 
-def study_bubble(out: Path, ns: list[int], throttle: float, minutes: float) -> dict[str, Any]:
+def study_bubble(
+    out: Path, ns: list[int], throttle: float, minutes: float, overrides: list[str]
+) -> dict[str, Any]:
     from runtime import study_bubble as runtime_bubble
 
-    res = runtime_bubble(out, ns, throttle, minutes, warmup=5, task="poker")
+    res = runtime_bubble(out, ns, throttle, minutes, warmup=5, task="poker", overrides=tuple(overrides))
+    res["overrides"] = overrides
     res["target_poker"] = f"measured knee within {KNEE_WITHIN} worker of the planner's N_min"
     return res
 
@@ -200,7 +203,13 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deals", type=int, default=EVAL_DEALS)
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for the run")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="config override for the runs (train, bubble)",
+    )
     p.add_argument("--worker-seconds", type=float, default=60.0)
     p.add_argument("--worker-trials", type=int, default=3)
     p.add_argument("--bubble-ns", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -218,7 +227,7 @@ def main() -> int:
         (a.out / "poker_throughput.json").write_text(json.dumps(res, indent=2))
         log.info("throughput: %.3f x (%s)", res["ratio"], res["met"])
     if a.study in ("bubble", "all"):
-        res = study_bubble(a.out, a.bubble_ns, a.bubble_throttle, a.bubble_minutes)
+        res = study_bubble(a.out, a.bubble_ns, a.bubble_throttle, a.bubble_minutes, a.overrides)
         (a.out / "poker_bubble.json").write_text(json.dumps(res, indent=2))
         log.info("bubble: knee %s, N_min %s", res["knee_measured"], res["n_min"])
     return 0

@@ -337,14 +337,22 @@ def study_staleness(
 
 # ---- (3) bubble vs workers (Fig. 3c), planner N_min, simulator beside ----------------------------------
 def study_bubble(
-    out: Path, ns: list[int], throttle: float, minutes: float, warmup: int, task: str | None = None
+    out: Path,
+    ns: list[int],
+    throttle: float,
+    minutes: float,
+    warmup: int,
+    task: str | None = None,
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """``task``: run the study on another task's embedded default (``--task``), e.g. poker."""
+    """``task``: run the study on another task's embedded default (``--task``), e.g. poker;
+    ``overrides``: config fields set for every run of the study (``--set``)."""
     from echo2.config import load_config, task_preset
     from echo2.sim.engine import SimParams, SimWorker, simulate
 
-    cfg = load_config(overrides=task_preset(task) if task else [])
+    cfg = load_config(overrides=[*(task_preset(task) if task else []), *overrides])
     task_args = ["--task", task] if task else []
+    task_args += [x for o in overrides for x in ("--set", o)]
     R, S, kappa = cfg.batch.rollouts, cfg.staleness.S, cfg.staleness.effective_kappa
     lease = cfg.runtime.lease_prompts * cfg.batch.group_size
     runs = out / "runtime_runs"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from echo2.data.tasks.base import Grade, Split, full_mask, split_of, stable_fraction
@@ -56,14 +55,6 @@ class EnvSpec(Protocol):
     def teacher(self, env: TextEnv) -> str:
         """The action a scripted expert takes in ``env``'s current state (the warm start imitates it)."""
         ...
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One decision of an episode, as the replay sees it."""
-
-    action: str  # the policy's decoded action text
-    observation: str  # what the environment answered ("" once done)
 
 
 class EnvironmentTask:

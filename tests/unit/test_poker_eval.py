@@ -4,6 +4,7 @@ self-play episode, the self-play pool, and the task presets."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -128,19 +129,23 @@ def selfplay_episodes(tiny_policy_module):
 
 def test_a_self_play_episode_replays_from_its_recorded_opponent(selfplay_episodes):
     lease, sub, replay = selfplay_episodes
-    said = [t.meta.get("opponent_actions", "") for g in sub.groups for t in g]
+    said = [json.loads(t.meta.get("opponent_actions", "[]")) for g in sub.groups for t in g]
     assert any(said), "the opponent acted in some hand"
     replay.check(lease, sub)
     k = next(i for i, s in enumerate(said) if s)
     gi, j = divmod(k, 4)
     t = sub.groups[gi][j]
     other = {"f": "c", "c": "r", "r": "f"}
-    swapped = other[t.meta["opponent_actions"][0]] + t.meta["opponent_actions"][1:]
+    answers = json.loads(t.meta["opponent_actions"])
+    swapped = json.dumps([other[answers[0]], *answers[1:]])
     groups = [list(g) for g in sub.groups]
     groups[gi][j] = dataclasses.replace(t, meta={**t.meta, "opponent_actions": swapped})
     forged = dataclasses.replace(sub, groups=tuple(tuple(g) for g in groups))
     with pytest.raises(Rejected, match=r"episode_mismatch|reward_mismatch"):
         replay.check(lease, forged)
+    groups[gi][j] = dataclasses.replace(t, meta={**t.meta, "opponent_actions": "crf"})  # not a JSON list
+    with pytest.raises(Rejected, match="schema"):
+        replay.check(lease, dataclasses.replace(sub, groups=tuple(tuple(g) for g in groups)))
 
 
 def test_the_self_play_pool_keeps_the_first_and_the_newest_milestones(tiny_policy_module):

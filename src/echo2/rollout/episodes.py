@@ -32,6 +32,7 @@ fallback) and is counted from ``EnvStep.illegal``.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import math
 import time
@@ -84,10 +85,14 @@ class Episode:
     rewards: list[float] = field(default_factory=list)  # r_t per decision, as the environment gave it
     illegal_at: list[bool] = field(default_factory=list)  # per decision: the action was illegal
     actions: list[str] = field(default_factory=list)  # decoded actions, in order
-    illegal: int = 0  # actions the environment could not take as written
     over: bool = False
     cut: bool = False  # ended by max_turns / max_context, not by the environment
     error: str | None = None  # the environment misbehaved (the return is 0)
+
+    @property
+    def illegal(self) -> int:
+        """Actions the environment could not take as written."""
+        return sum(self.illegal_at)
 
     def ret(self, discount: float, illegal_penalty: float = 0.0) -> float:
         """The episodic return ``Σ_t γ^t (r_t - p·[a_t illegal])`` (0 after an environment error)."""
@@ -106,7 +111,6 @@ class Limits:
     max_turns: int  # policy decisions
     max_context: int  # prompt + completion tokens the model can attend to
     max_new_tokens: int  # tokens per action
-    step_timeout_s: float  # per environment call
 
 
 def _checked(step: object) -> EnvStep:
@@ -196,7 +200,6 @@ def _step(codec: TextCodec, e: Episode, action: str, stepper: Stepper) -> None:
         return
     e.rewards.append(float(step.reward))
     e.illegal_at.append(bool(step.illegal))
-    e.illegal += bool(step.illegal)
     if step.done:
         e.over = True
         return
@@ -215,7 +218,7 @@ class _Recorder:
 
     def __call__(self, observation: str) -> str:
         out = self.policy(observation)
-        self.said.append(out.strip()[:1] or "?")  # "?" parses as nothing, like an empty answer
+        self.said.append(out.strip())
         return out
 
 
@@ -322,7 +325,7 @@ def collect(
 
 def limits_for(task: EnvironmentTask, max_context: int, max_new_tokens: int) -> Limits:
     spec = task.spec
-    return Limits(spec.max_turns, max_context, max_new_tokens, spec.step_timeout_s)
+    return Limits(spec.max_turns, max_context, max_new_tokens)
 
 
 def evaluate_episodes(
@@ -374,5 +377,7 @@ def episode_meta(e: Episode, opponent_said: list[str] | None) -> dict[str, Any]:
     if e.error is not None:
         meta["env_error"] = e.error[:200]
     if opponent_said is not None:
-        meta["opponent_actions"] = "".join(opponent_said)[:256]
+        # every answer as given (stripped), never cut: a cut record would not replay; one too long for
+        # the learner's meta bound is refused at the door (oversized) instead
+        meta["opponent_actions"] = json.dumps(opponent_said, separators=(",", ":"))
     return meta

@@ -79,7 +79,7 @@ def play_matchup(
     """The policy of ``engine`` (greedy) against ``opponent`` on ``deal_seeds``, from every seat."""
     from echo2.envs.poker import PokerEnv
 
-    limits = Limits(cfg.max_turns, max_context, max_new_tokens, cfg.step_timeout_s)
+    limits = Limits(cfg.max_turns, max_context, max_new_tokens)
     stepper = Stepper(cfg.step_timeout_s)
     jobs = [(d, seat) for d in deal_seeds for seat in range(cfg.players)]
     per_deal: dict[int, list[float]] = {}

@@ -32,6 +32,7 @@ worker (``intake.py``).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 import threading
@@ -168,10 +169,17 @@ class _ReplayEngine:
 
 
 class _Scripted:
-    """A model opponent's recorded answers, replayed in order."""
+    """A model opponent's recorded answers (``meta["opponent_actions"]``: a JSON list of strings),
+    replayed in order; a record that is not one is refused [schema]."""
 
-    def __init__(self, said: str) -> None:
-        self.said = list(said)
+    def __init__(self, recorded: object, where: str) -> None:
+        try:
+            said = json.loads(recorded) if isinstance(recorded, str) else []
+        except ValueError:
+            said = None
+        if not isinstance(said, list) or not all(isinstance(a, str) for a in said):
+            raise Rejected("schema", f"{where}.meta.opponent_actions: not a JSON list of strings")
+        self.said: list[str] = said
 
     def __call__(self, observation: str) -> str:
         return self.said.pop(0) if self.said else ""
@@ -186,9 +194,12 @@ class EpisodeReplay(Verifier):
     def __init__(
         self, codec: TextCodec, task: EnvironmentTask, eos_id: int, max_new_tokens: int, max_context: int
     ) -> None:
+        from echo2.rollout.episodes import Stepper, limits_for
+
         super().__init__(codec, task, eos_id, max_new_tokens)
         self.env_task = task
-        self.max_context = max_context
+        self.limits = limits_for(task, max_context, max_new_tokens)
+        self.stepper = Stepper(task.spec.step_timeout_s)  # one environment thread for every replay
 
     def _prompt_tokens(self, text: str) -> tuple[int, ...]:
         return ()  # the replay rebuilds the prompt from the seed
@@ -201,19 +212,12 @@ class EpisodeReplay(Verifier):
             raise Rejected("episode_mismatch", f"{where}.turn_mask: an episode needs its turn mask")
         spec = self.env_task.spec
         engine = _ReplayEngine(t, self.eos_id, self.max_new_tokens, where)
-        stepper = episodes.Stepper(spec.step_timeout_s)
+        env = spec.make(prompt, _Scripted(t.meta.get("opponent_actions"), where))
         try:
-            env = spec.make(prompt, _Scripted(str(t.meta.get("opponent_actions", ""))))
-            try:
-                e = episodes.start(self.codec, env, int(prompt.meta["seed"]), 0, stepper)
-            except EnvError as exc:
-                raise Rejected(
-                    "episode_mismatch", f"{where}: the environment fails at reset ({exc})"
-                ) from None
-            limits = episodes.limits_for(self.env_task, self.max_context, self.max_new_tokens)
-            episodes.play(self.codec, engine, [e], limits, stepper, seed=0)  # type: ignore[arg-type]
-        finally:
-            stepper.close()
+            e = episodes.start(self.codec, env, int(prompt.meta["seed"]), 0, self.stepper)
+        except EnvError as exc:
+            raise Rejected("episode_mismatch", f"{where}: the environment fails at reset ({exc})") from None
+        episodes.play(self.codec, engine, [e], self.limits, self.stepper, seed=0)  # type: ignore[arg-type]
         if tuple(e.prompt_ids) != tuple(t.prompt_ids):  # the seed's first observation (the opponents'
             # first moves included): a worker that sends another one made it up
             raise Rejected("episode_mismatch", f"{where}.prompt_ids: not the episode's first observation")

@@ -97,6 +97,8 @@ def study_train(out: Path, seed: int, deals: int, overrides: list[str]) -> dict[
         "wall_minutes": wall_min,
         "eval_seconds": eval_s,
         "steps": summary["steps"],
+        "bubble_ratio": summary["bubble_ratio"],
+        "staleness_max": summary["staleness_max"],
         "t_train_s_median": statistics.median(
             r["learner/t_train_s"]
             for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())

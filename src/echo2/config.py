@@ -22,7 +22,7 @@ from echo2.physics.broadcast import StrategyName
 from echo2.physics.rules import DEFAULT_GAMMA, kappa_from_staleness
 
 USER_CONTEXT_TOKENS = 32768  # longest prompt + completion accepted when the model's context is unknown
-EngineName = Literal["hf"]  # rollout engines (rollout/engines/: the registry maps each name to a class)
+EngineName = Literal["hf", "vllm"]  # rollout engines (rollout/engines/: the registry maps names to classes)
 
 
 class _Section(BaseModel):
@@ -448,7 +448,15 @@ class RuntimeConfig(_Section):
         2.0, ge=1.0, description="cap on leased + buffered rollouts, in learner batches R (clamped to S + 1)"
     )
     heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between worker heartbeats")
-    engine: EngineName = Field("hf", description="rollout engine of the workers `echo2 run` starts")
+    engine: EngineName = Field(
+        "hf", description="rollout engine of the workers `echo2 run` starts: hf or vllm (docs/engines.md)"
+    )
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="compute dtype of a vLLM engine (float32: what the learner re-checks in)"
+    )
+    engine_memory: float = Field(
+        0.3, gt=0.0, le=1.0, description="share of GPU (CPU: host) memory a vLLM engine may claim"
+    )
     dashboard: bool = Field(True, description="serve the live dashboard and Prometheus /metrics")
     dashboard_host: str = Field(
         "127.0.0.1", description="where the dashboard and /metrics listen (beyond loopback: view token)"

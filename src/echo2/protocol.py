@@ -70,6 +70,7 @@ class HeartbeatRequest(BaseModel):
     rollouts: Count  # rollouts generated since the last heartbeat
     busy_s: NonNegFloat  # seconds spent generating since the last heartbeat (installing excluded)
     installed_version: Version  # newest snapshot it has installed
+    install_s: NonNegFloat = 0.0  # seconds its last install took (staging + loading into the engine)
 
 
 class LeaseRequest(BaseModel):

@@ -45,7 +45,7 @@ def test_toml_then_overrides(tmp_path):
         ("grpo.loss_agg=sum", "grpo.loss_agg"),
         ("grpo.clip_anchor=learner", "grpo.clip_anchor"),
         ("controller.low_band=1.5", "controller.low_band"),
-        ("runtime.engine=vllm", "runtime.engine"),
+        ("runtime.engine=sglang", "runtime.engine"),
         # the old dialect names are refused, not silently ignored
         ("async.staleness=3", "async"),
         ("grpo.prompts_per_step=8", "grpo.prompts_per_step"),

@@ -43,8 +43,11 @@ def live_view(args: argparse.Namespace) -> bool:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
+    from echo2.rollout.engines import require_engine
     from echo2.runtime.launcher import run_local
 
+    if cfg.runtime.workers:
+        require_engine(cfg.runtime.engine)  # before the warm start, not when the workers start
     summary = run_local(cfg, progress=live_view(args), resume=args.resume)
     _print_summary("echo2 run", summary, cfg.episodic)
     if cfg.task.name == "poker" and summary.last_checkpoint:
@@ -115,7 +118,19 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts-per-s", type=float, help="own throughput estimate (the controller's prior)")
     p.add_argument("--max-rollouts-per-s", type=float, help="throttle to emulate slower hardware")
     p.add_argument("--advertise-host", help="address peers reach this worker's chunk server at")
-    p.add_argument("--engine", default="hf", help="rollout engine (default hf)")
+    p.add_argument("--engine", default="hf", help="rollout engine: hf (default) or vllm (docs/engines.md)")
+    p.add_argument(
+        "--engine-dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype of the vLLM engine (default float32, what the learner's re-check computes in)",
+    )
+    p.add_argument(
+        "--engine-memory",
+        type=float,
+        default=0.3,
+        help="share of GPU memory (host memory on CPU) the vLLM engine may claim (default 0.3)",
+    )
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -123,6 +138,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from echo2.config import EngineName
     from echo2.errors import ConfigError
+    from echo2.rollout.engines import require_engine
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
     from echo2.transport import parse_join
 
@@ -132,6 +148,9 @@ def _worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"echo2 worker needs the run's join token: --token or ${TOKEN_ENV}")
     if args.engine not in get_args(EngineName):
         raise ConfigError(f"--engine {args.engine!r}: choose one of {list(get_args(EngineName))}")
+    if not 0.0 < args.engine_memory <= 1.0:
+        raise ConfigError(f"--engine-memory {args.engine_memory}: must be in (0, 1]")
+    require_engine(args.engine)  # a missing or broken engine package fails here, before registering
     opts = WorkerOptions(
         join_url=args.join,
         token=token,
@@ -141,6 +160,8 @@ def _worker(args: argparse.Namespace) -> int:
         max_rollouts_per_s=args.max_rollouts_per_s,
         advertise_host=args.advertise_host,
         engine=args.engine,
+        engine_dtype=args.engine_dtype,
+        engine_memory=args.engine_memory,
         **({"name": args.name} if args.name else {}),
     )
     worker = RolloutWorker(opts)

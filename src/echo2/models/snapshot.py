@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,7 @@ def install_weights(model: Any, tensors: Mapping[str, Any]) -> None:
     import torch
 
     own = model.state_dict()
-    unknown = sorted(set(tensors) - set(own))
-    if unknown:
-        raise CheckpointError(f"snapshot has tensors the model lacks: {unknown[:5]}")
-    for name, t in tensors.items():
-        if own[name].shape != t.shape:
-            raise CheckpointError(
-                f"snapshot tensor {name} has shape {tuple(t.shape)}, model {tuple(own[name].shape)}"
-            )
+    _check_known(tensors, {n: tuple(t.shape) for n, t in own.items()})
     with torch.no_grad():
         result = model.load_state_dict(tensors, strict=False)
     covered = {n for n, t in own.items() if n in tensors}
@@ -56,9 +50,65 @@ def install_weights(model: Any, tensors: Mapping[str, Any]) -> None:
         raise CheckpointError(f"snapshot lacks weights for {missing[:5]}")
 
 
+def _check_known(tensors: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Every tensor of ``tensors`` names a weight of ``shapes`` and has its shape (CheckpointError)."""
+    unknown = sorted(set(tensors) - set(shapes))
+    if unknown:
+        raise CheckpointError(f"snapshot has tensors the model lacks: {unknown[:5]}")
+    for name, t in tensors.items():
+        if shapes[name] != tuple(t.shape):
+            raise CheckpointError(f"snapshot tensor {name} has shape {tuple(t.shape)}, model {shapes[name]}")
+
+
+def check_snapshot(tensors: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """``tensors`` is a whole snapshot of a model whose weights have ``shapes`` (one entry per weight a
+    snapshot carries, tied ones once: :func:`snapshot_shapes`): nothing unknown, nothing missing, every
+    shape right. Raises CheckpointError naming what does not fit, before anything is loaded."""
+    _check_known(tensors, shapes)
+    missing = sorted(set(shapes) - set(tensors))
+    if missing:
+        raise CheckpointError(f"snapshot lacks weights for {missing[:5]}")
+
+
+@dataclass(frozen=True)
+class SnapshotLayout:
+    """The weights a snapshot of an architecture carries, and the tied names it leaves out."""
+
+    shapes: dict[str, tuple[int, ...]]  # name -> shape of every weight a snapshot carries
+    ties: dict[str, str]  # tied name left out (e.g. ``lm_head.weight``) -> the name it ships under
+
+    def untied(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """``tensors`` with every tied name added back (the same tensor), for loaders that expect each
+        checkpoint name (vLLM's in-place reload re-creates parameters and so loses ties)."""
+        return {**tensors, **{alias: tensors[name] for alias, name in self.ties.items() if name in tensors}}
+
+
+def snapshot_layout(where: Path) -> SnapshotLayout:
+    """The :class:`SnapshotLayout` of the skeleton's architecture, from a weightless instance on the meta
+    device (tied parameters once, under their first name, as ``models.delta.sampler_copy`` ships them)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(where, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes: dict[str, tuple[int, ...]] = {}
+    first: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():  # the parameter objects: tied ones repeat
+        if id(t) in first:
+            ties[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+            shapes[name] = tuple(t.shape)
+    return SnapshotLayout(shapes, ties)
+
+
 def skeleton_files(policy_source: str | Path, model: Any, tokenizer: Any, out: Path) -> dict[str, str]:
     """Write the model config and tokenizer files (no weights) to ``out``; return name -> text."""
     out.mkdir(parents=True, exist_ok=True)
+    if not getattr(model.config, "architectures", None):  # a model never saved yet: engines dispatch on it
+        model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     files = {}

@@ -62,6 +62,8 @@ class WorkerOptions:
     max_rollouts_per_s: float | None = None  # throttle, to emulate slower hardware
     advertise_host: str | None = None  # address peers reach this worker's chunk server at
     engine: EngineName = "hf"  # rollout engine (rollout/engines registry)
+    engine_dtype: str = "float32"  # compute dtype of an engine that chooses one (vLLM)
+    engine_memory: float = 0.3  # share of accelerator (CPU: host) memory the vLLM engine may claim
     reconnect_s: float = 120.0  # give up when the learner is unreachable this long
     catchup_s: float = 3.0  # wait this long for the broadcast before fetching a snapshot over HTTP
 
@@ -78,6 +80,7 @@ class WorkerCounters:
     http_installs: int = 0  # of which fetched over HTTP (bootstrap, catch-up, a gap in the chain)
     install_failures: int = 0  # staged versions refused (digest, base, malformed): the old one kept serving
     install_s: float = 0.0  # seconds building (decode / patch / digest) and loading installed versions
+    last_install_s: float = 0.0  # of which the last install (reported in heartbeats)
     gen_s: float = 0.0  # seconds generating (throttle included)
     idle_s: float = 0.0  # seconds waiting for a lease
     env_failures: int = 0  # leases dropped because an environment failed to start (reset raised or hung)
@@ -143,7 +146,7 @@ class RolloutWorker:
         from echo2.data.tasks.registry import build_task
         from echo2.models.policy import TextCodec
         from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
-        from echo2.rollout.engines import build_engine
+        from echo2.rollout.engines import EngineOptions, build_engine
 
         reg = await self._register()
         st = self.settings = reg.settings
@@ -162,12 +165,14 @@ class RolloutWorker:
             tokenizer = tokenizer_from_skeleton(Path(tmp))
             eos, pad = int(tokenizer.eos_token_id), tokenizer.pad_token_id
             pad = int(pad) if pad is not None else eos
-            self.engine = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling)
+            o = self.opts
+            eopts = EngineOptions(o.engine_dtype, o.engine_memory, max_context=st.max_context)
+            self.engine = build_engine(o.engine, Path(tmp), eos, pad, st.sampling, eopts)
             self.codec = TextCodec(tokenizer, st.chat_template)
             if "selfplay" in getattr(st.task, "opponents", ()):  # earlier versions play the other seats
                 from echo2.rollout.opponents import SelfPlayPool
 
-                opp = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling)
+                opp = build_engine(o.engine, Path(tmp), eos, pad, st.sampling, eopts)
                 every, size = st.task.selfplay_every, st.task.selfplay_pool  # type: ignore[union-attr]
                 self.selfplay = SelfPlayPool(opp, self.codec, every, size, st.sampling.max_new_tokens)
         self.task = build_task(st.task, st.seed)
@@ -234,7 +239,8 @@ class RolloutWorker:
             if self.selfplay is not None:
                 self.selfplay.offer(staged.version, staged.tensors)
             self.counters.installs += 1
-            self.counters.install_s += time.perf_counter() - t0
+            self.counters.last_install_s = time.perf_counter() - t0
+            self.counters.install_s += self.counters.last_install_s
             return True
 
     def _install_pending(self) -> None:
@@ -301,7 +307,10 @@ class RolloutWorker:
     async def _heartbeats(self) -> None:
         while not self.finished:
             req = HeartbeatRequest(
-                rollouts=self._hb_rollouts, busy_s=self._hb_busy, installed_version=self.installed
+                rollouts=self._hb_rollouts,
+                busy_s=self._hb_busy,
+                installed_version=self.installed,
+                install_s=self.counters.last_install_s,
             )
             self._hb_rollouts, self._hb_busy = 0, 0.0
             try:

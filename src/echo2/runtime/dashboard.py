@@ -179,6 +179,7 @@ def _pool_metrics(st: dict[str, Any]) -> Iterator[Any]:
     per_worker = {  # state key -> (metric, help)
         "active": ("echo2_worker_active", "1 if the controller has the worker active"),
         "installed_version": ("echo2_worker_installed_version", "newest installed snapshot"),
+        "install_s": ("echo2_worker_install_seconds", "seconds the worker's last install took"),
         "mu": ("echo2_worker_rollouts_per_second", "measured mu_i"),
         "usd_per_hour": ("echo2_worker_usd_per_hour", "price c_i"),
         "rollouts": ("echo2_worker_rollouts_admitted", "trajectories admitted"),

@@ -36,6 +36,7 @@ class WorkerRecord:
     hardware: str  # free-text description (GPU model, ...)
     rollouts_per_s: float  # its own estimate at registration (the controller's prior)
     installed_version: int = -1  # newest snapshot it reported installed
+    install_s: float = 0.0  # seconds its last install took, as it reported (not persisted)
     rollouts: int = 0  # rollouts it has had admitted
     quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
     last_seen_s: float = 0.0  # clock time of its last authenticated call (not persisted)
@@ -127,7 +128,10 @@ class WorkerRegistry:
 
     # ---- persistence ---------------------------------------------------------------------------------
     def save(self) -> None:
-        data = [{k: v for k, v in asdict(r).items() if k != "last_seen_s"} for r in self._records.values()]
+        data = [
+            {k: v for k, v in asdict(r).items() if k not in ("last_seen_s", "install_s")}
+            for r in self._records.values()
+        ]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(self.path)

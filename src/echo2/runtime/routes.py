@@ -156,6 +156,7 @@ class Routes:
                 f"installed_version: {hb.installed_version} was never published",
             )
         rec.installed_version = hb.installed_version
+        rec.install_s = hb.install_s
         self.pool.observe(rec, hb)
         self.pool.tick()
         reply = HeartbeatReply(

@@ -98,6 +98,7 @@ class NodeStatus:
                     "state": self.pool.state(rec.worker_id),
                     "reason": self.pool.last_reason.get(rec.worker_id, ""),
                     "installed_version": rec.installed_version,
+                    "install_s": rec.install_s,
                     "rollouts": rec.rollouts,
                     "last_seen_s": round(now - rec.last_seen_s, 3),
                 }

@@ -2,6 +2,8 @@
 
 ``ENGINES`` is the typed registry a worker builds its engine from (``echo2 worker --engine NAME``);
 adding an engine means adding a module with a class that satisfies the protocol and one entry here.
+``hf`` (transformers, the default) needs nothing beyond echo2's dependencies; ``vllm`` needs the vLLM
+package (docs/engines.md), which :func:`require_engine` checks before a worker registers.
 """
 
 from __future__ import annotations
@@ -9,14 +11,27 @@ from __future__ import annotations
 from pathlib import Path
 
 from echo2.config import EngineName, SamplingConfig
-from echo2.rollout.engines.base import Engine, EngineFactory
+from echo2.rollout.engines.base import Engine, EngineFactory, EngineOptions
 from echo2.rollout.engines.hf import HFEngine
+from echo2.rollout.engines.vllm_engine import VLLMEngine, require_vllm
 
-ENGINES: dict[EngineName, EngineFactory] = {"hf": HFEngine.from_skeleton}
+ENGINES: dict[EngineName, EngineFactory] = {"hf": HFEngine.from_skeleton, "vllm": VLLMEngine.from_skeleton}
+
+
+def require_engine(name: EngineName) -> None:
+    """Raise a one-line :class:`echo2.errors.ConfigError` naming what to install when the engine's
+    optional package is missing or does not import (only ``vllm`` has one)."""
+    if name == "vllm":
+        require_vllm()
 
 
 def build_engine(
-    name: EngineName, skeleton_dir: Path, eos_id: int, pad_id: int, sampling: SamplingConfig
+    name: EngineName,
+    skeleton_dir: Path,
+    eos_id: int,
+    pad_id: int,
+    sampling: SamplingConfig,
+    options: EngineOptions | None = None,
 ) -> Engine:
     """The registered engine ``name``, built on the model skeleton in ``skeleton_dir``."""
-    return ENGINES[name](skeleton_dir, eos_id, pad_id, sampling)
+    return ENGINES[name](skeleton_dir, eos_id, pad_id, sampling, options or EngineOptions())

@@ -58,8 +58,23 @@ class Engine(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a worker sizes its engine (``echo2 worker --engine-*`` flags, ``[runtime]`` for the workers
+    ``echo2 run`` starts). Engines take what applies to them: the HF engine computes in float32 and
+    sizes nothing ahead."""
+
+    dtype: str = "float32"  # compute dtype of engines that choose one (vLLM)
+    memory_fraction: float = 0.3  # share of accelerator memory (host memory on CPU) vLLM may claim
+    max_context: int = 0  # longest prompt + completion the engine must hold; 0 = the model's own limit
+    eager: bool | None = None  # vLLM without CUDA graphs / compilation; None = eager on CPU only
+
+
 class EngineFactory(Protocol):
     """How a worker builds an engine: from the model skeleton the learner serves (config + tokenizer
-    files in ``skeleton_dir``, no weights: every weight arrives in snapshots)."""
+    files in ``skeleton_dir``, no weights: every weight arrives in snapshots). The engine must not read
+    ``skeleton_dir`` after it returns (the worker deletes it)."""
 
-    def __call__(self, skeleton_dir: Path, eos_id: int, pad_id: int, sampling: SamplingConfig) -> Engine: ...
+    def __call__(
+        self, skeleton_dir: Path, eos_id: int, pad_id: int, sampling: SamplingConfig, options: EngineOptions
+    ) -> Engine: ...

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from echo2.config import SamplingConfig
-from echo2.rollout.engines.base import Sample
+from echo2.rollout.engines.base import EngineOptions, Sample
 from echo2.rollout.sampling import gumbel_draw
 
 
@@ -42,7 +42,12 @@ class HFEngine:
 
     @classmethod
     def from_skeleton(
-        cls, skeleton_dir: Path, eos_id: int, pad_id: int, sampling: SamplingConfig
+        cls,
+        skeleton_dir: Path,
+        eos_id: int,
+        pad_id: int,
+        sampling: SamplingConfig,
+        options: EngineOptions | None = None,
     ) -> HFEngine:
         """The architecture of the skeleton's ``config.json`` with untrained weights (the first snapshot
         fills them)."""

@@ -60,7 +60,9 @@ def test_vllm_installs_into_the_running_engine_and_refuses_what_does_not_fit(pro
     assert "lacks weights for ['model.norm.weight']" in refused["missing"]
     assert "model.norm.weight has shape (7,)" in refused["reshaped"]
     assert "lacks: ['extra.w']" in refused["unknown"]
-    # a refused install changed nothing: the version installed before still serves
+    # vLLM failing half-way through a load: the version served before is loaded back
+    assert probe["partial_failure"].startswith("vLLM failed loading the new version (device lost)")
+    # a refused or failed install changed nothing: the version installed before still serves
     assert probe["still_new_after_refusals"]["same"] == probe["still_new_after_refusals"]["n"]
 
 
@@ -125,3 +127,19 @@ def test_a_vllm_that_does_not_import_says_why(monkeypatch):
         "vllm is installed but does not import (operator torchvision::nms does not exist): "
         "bash scripts/install-vllm.sh (or pip install 'echo2[vllm]' on a CUDA machine)"
     )
+
+
+@needs_vllm
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_the_prepared_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
+    script = Path(__file__).parents[2] / "benchmarks" / "engines_gpu.py"
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, str(script), "--smoke", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["device"] == "cpu" and got["samples"] == 32
+    for key in ("start_s", "install_full_s", "install_patch_s", "vllm_over_hf"):
+        assert got[key] > 0, key
+    assert 0 < got["patch_bytes"] < got["full_bytes"]

@@ -83,6 +83,23 @@ def main() -> None:
         except CheckpointError as exc:
             refused[name] = str(exc)
     out["refused"] = refused
+
+    real_rpc = vllm.llm.collective_rpc
+
+    def half_then_fail(method, kwargs):  # vLLM loads half of a version, then fails (once)
+        vllm.llm.collective_rpc = real_rpc
+        named = kwargs["weights_iterator"]
+        real_rpc(method, kwargs={"weights_iterator": named[: len(named) // 2]})
+        raise RuntimeError("device lost")
+
+    vllm.llm.collective_rpc = half_then_fail
+    try:
+        vllm.install(sampler_copy(old, "float32"))
+        out["partial_failure"] = ""
+    except CheckpointError as exc:
+        out["partial_failure"] = str(exc)
+    finally:
+        vllm.llm.collective_rpc = real_rpc
     out["still_new_after_refusals"] = compare(*pair(new, s1, seed=14))
     print("PROBE " + json.dumps(out), flush=True)
 

@@ -131,6 +131,7 @@ def test_metrics_parse_and_agree_with_the_state(tmp_path):
     per_worker: dict[str, dict[str, Any]] = {}
     for name, field in (("echo2_worker_usd_per_hour", "usd_per_hour"), ("echo2_worker_active", "active"),
                         ("echo2_worker_installed_version", "installed_version"),
+                        ("echo2_worker_install_seconds", "install_s"),
                         ("echo2_worker_rollouts_admitted", "rollouts"),
                         ("echo2_worker_rollouts_per_second", "mu")):  # fmt: skip
         for s in fams[name].samples:
@@ -146,6 +147,7 @@ def test_metrics_parse_and_agree_with_the_state(tmp_path):
         assert m["usd_per_hour"] == w["usd_per_hour"]
         assert m["active"] == float(w["state"] == "active")
         assert m["installed_version"] == w["installed_version"] and m["rollouts"] == w["rollouts"]
+        assert m["install_s"] == w["install_s"]
         assert m["mu"] == w["mu"]
     assert sorted(w["installed_version"] for w in workers.values()) == [-1, 0]
     assert HOSTILE in {w["name"] for w in workers.values()}

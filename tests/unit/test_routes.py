@@ -239,9 +239,8 @@ def test_one_worker_cannot_hold_more_than_its_share_of_leases(tmp_path):
 def test_heartbeat_validates_and_reports_activity(tmp_path):
     async def body(client):
         auth = await register(client)
-        good = await client.post(
-            "/v1/heartbeat", json={"rollouts": 8, "busy_s": 0.5, "installed_version": 0}, headers=auth
-        )
+        hb = {"rollouts": 8, "busy_s": 0.5, "installed_version": 0, "install_s": 0.25}
+        good = await client.post("/v1/heartbeat", json=hb, headers=auth)
         future = await client.post(
             "/v1/heartbeat", json={"rollouts": 8, "busy_s": 0.5, "installed_version": 9}, headers=auth
         )
@@ -252,7 +251,9 @@ def test_heartbeat_validates_and_reports_activity(tmp_path):
     (good, future, garbage), _ = run(body, node)
     assert good["active"] is True and good["finished"] is False
     assert (future, garbage) == (422, 422)
-    wid = next(iter(node.registry)).worker_id
+    rec = next(iter(node.registry))
+    wid = rec.worker_id
+    assert rec.install_s == 0.25  # what the worker's last install took (a metric, trusted for nothing)
     # the heartbeat's claim of 8 rollouts is not believed: no rollout was admitted, the prior stands
     assert node.pool.controller.measured_rate(wid) == pytest.approx(1.0)
 
@@ -280,6 +281,11 @@ BAD_BODIES = [  # endpoint, body, (field named first in the detail, what it says
     ("heartbeat", {"rollouts": True, "busy_s": 0.5, "installed_version": 0}, ("rollouts", "a valid integer")),
     ("heartbeat", {"rollouts": 8, "busy_s": "x", "installed_version": 0}, ("busy_s", "a valid number")),
     ("heartbeat", {"rollouts": 8, "busy_s": 0.5}, ("installed_version", "Field required")),
+    (
+        "heartbeat",
+        {"rollouts": 8, "busy_s": 0.5, "installed_version": 0, "install_s": -1},
+        ("install_s", "greater than or equal to 0"),
+    ),
     ("lease", {"max_prompts": 0, "installed_version": 0}, ("max_prompts", "greater than or equal to 1")),
     ("lease", {"max_prompts": 2, "installed_version": 0.5}, ("installed_version", "a valid integer")),
     ("lease", {"max_prompts": 2, "installed_version": -2}, ("installed_version", "equal to -1")),

@@ -80,6 +80,7 @@ class VLLMEngine:
         self.eos_id = eos_id
         self.sampling = sampling
         self.last_install_s = 0.0  # seconds the engine took to load the last version (a metric)
+        self._serving: Mapping[str, Any] | None = None  # the version loaded (the worker's own tensors)
 
     @classmethod
     def from_skeleton(
@@ -126,16 +127,26 @@ class VLLMEngine:
 
     def install(self, weights: Mapping[str, Any]) -> None:
         """Load a whole verified version into the running engine (names and shapes checked first, so a
-        snapshot that does not fit changes nothing), then drop cached prefixes of the old weights."""
+        snapshot that does not fit changes nothing), then drop cached prefixes of the old weights.
+        vLLM's reload is not transactional: if it fails part-way, the version served before is loaded
+        back and :class:`CheckpointError` says so."""
         from echo2.models.snapshot import check_snapshot
 
         check_snapshot(weights, self.layout.shapes)
         t0 = time.perf_counter()
-        named = list(self.layout.untied(weights).items())
-        self._thread.submit(self._reload, named).result()
+        try:
+            self._thread.submit(self._reload, weights).result()
+        except Exception as exc:  # vLLM raises many kinds; the engine must not keep half a version
+            if self._serving is None:
+                raise CheckpointError(f"vLLM could not load the first version: {exc}") from exc
+            self._thread.submit(self._reload, self._serving).result()
+            msg = f"vLLM failed loading the new version ({exc}); the old one is back"
+            raise CheckpointError(msg) from exc
+        self._serving = weights
         self.last_install_s = time.perf_counter() - t0
 
-    def _reload(self, named: list[tuple[str, Any]]) -> None:
+    def _reload(self, weights: Mapping[str, Any]) -> None:
+        named = list(self.layout.untied(weights).items())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         self.llm.reset_prefix_cache()
 

@@ -2,7 +2,8 @@
 
 Every call sends a request model and parses the reply model; a 4xx/5xx reply raises :class:`Refused`
 with the learner's :class:`~echo2.protocol.ErrorReply`. Connection failures are retried for
-``reconnect_s`` (the learner may be restarting), then :class:`LearnerGone` is raised.
+``reconnect_s`` (the learner may be restarting), then :class:`LearnerGone` is raised; a 503 (a learner
+that is up but not ready, e.g. restarted and not yet republished) is retried as long, then returned.
 
 The client is made from the join string (``echo2.transport.parse_join``): over ``https`` it talks
 only to the certificate whose SHA-256 fingerprint the join string pins (``aiohttp.Fingerprint``,
@@ -134,7 +135,11 @@ class LearnerClient:
                 async with self.session.request(
                     method, self.base + path, data=data, headers=headers, allow_redirects=False, **extra
                 ) as resp:
-                    return resp.status, await resp.read(), dict(resp.headers)
+                    status, body = resp.status, await resp.read()
+                    if status != 503 or time.monotonic() >= deadline or self.give_up():
+                        return status, body, dict(resp.headers)
+                # 503: up but not ready (a restarted learner serves before it republishes): try again
+                await asyncio.sleep(RETRY_S)
             except aiohttp.ServerFingerprintMismatch as exc:
                 raise PinError(
                     f"the learner at {self.base} presented a TLS certificate with sha256 {exc.got.hex()}, "

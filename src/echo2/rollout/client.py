@@ -147,7 +147,9 @@ class LearnerClient:
                     "path, or a learner of another run)"
                 ) from None
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                if time.monotonic() >= deadline or self.give_up():
+                if self.give_up():
+                    raise LearnerGone(f"learner at {self.base} unreachable while stopping: {exc}") from None
+                if time.monotonic() >= deadline:
                     raise LearnerGone(
                         f"learner at {self.base} unreachable for {self.reconnect_s:.0f}s: {exc}"
                     ) from None

@@ -133,6 +133,10 @@ class RolloutWorker:
             inflight = 0  # leases handed to the generator and not yet back
             try:
                 inflight = await self._produce()
+            except LearnerGone:
+                if not self.finished:  # gone while the run was on: an error
+                    raise
+                log.info("the learner finished and closed")  # a request raced its shutdown: a clean end
             finally:
                 await self._stop(inflight, bg)
         return self.counters

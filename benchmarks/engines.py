@@ -16,6 +16,10 @@ completions, and over the tokens of identical completions the max and mean |log-
 Targets, fixed before the run: greedy identical >= ``GREEDY_MIN`` (one-sided); log-prob difference max
 <= ``LOGPROB_MAX`` and mean <= ``LOGPROB_MEAN`` (one-sided, upper): the issue's fp32 bounds.
 
+Then, reported without a target, a *bfloat16* vLLM engine's seeded samples of the same prompts (the
+bf16 publication of the same checkpoint) through the learner's own float32 re-check at the default
+tolerances (``GenerationCheck.rerun``): how many completions an honest bf16 worker would have flagged.
+
 **speed.** Each (engine, model) in its own process with the same 2 cores (HF: 2 torch threads; vLLM:
 its OpenMP threads bound to the same cores), one lease of work per call (``LEASE_PROMPTS`` prompts x
 ``GROUP`` samples), one untimed warm-up call, then ``CALLS`` timed calls; rollouts/s = samples /
@@ -180,6 +184,64 @@ def study_parity() -> dict[str, Any]:
         and res["logprob_abs_diff_mean"] <= LOGPROB_MEAN
     )
     return res
+
+
+def bf16_against_the_check() -> dict[str, Any]:
+    """A bfloat16 vLLM engine's samples (the parity study's prompts and seed) put through the learner's
+    own re-check (float32, default tolerances, ``GenerationCheck.rerun``): how often an honest bf16
+    worker would be flagged. Reported, no target. Its own process: one vLLM engine per process."""
+    import math
+
+    import torch
+
+    from echo2.config import SecurityConfig
+    from echo2.models.delta import sampler_copy
+    from echo2.models.snapshot import install_weights, skeleton_files
+    from echo2.rollout.engines import EngineOptions, build_engine
+    from echo2.rollout.engines.hf import HFEngine
+    from echo2.runtime.verify import GenerationCheck
+    from echo2.types import Trajectory
+
+    torch.set_num_threads(2)
+    cfg, policy = _default_policy()
+    published = sampler_copy(policy.model, "bfloat16")  # what workers receive (the default publication)
+    install_weights(policy.model, published)  # the learner re-checks these weights, in float32
+    prompts = _prompts(cfg, policy, PARITY_PROMPTS)
+    fp32 = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling).generate(prompts, seed=12345)
+    with tempfile.TemporaryDirectory() as tmp:
+        skeleton_files(policy.source, policy.model, policy.tokenizer, Path(tmp))
+        opts = EngineOptions(dtype="bfloat16", max_context=policy.model.config.max_position_embeddings)
+        eng = build_engine("vllm", Path(tmp), policy.eos_id, policy.pad_id, cfg.sampling, opts)
+    eng.install(published)
+    out = eng.generate(prompts, seed=12345)
+    security = SecurityConfig()
+    check = GenerationCheck(policy.model, cfg.sampling, security)
+    flagged, draw, lp, tokens, worst = 0, 0, 0, 0, 0.0
+    for row, (p, s) in enumerate(zip(prompts, out, strict=True)):
+        t = Trajectory(str(row), str(row), tuple(p), s.completion_ids, s.logprobs, 0.0, 0)
+        v = check.rerun(t, 12345, row)
+        flagged += v.misses > math.floor(security.max_token_misses * v.tokens)
+        draw, lp, tokens, worst = (
+            draw + v.draw_misses,
+            lp + v.logprob_misses,
+            tokens + v.tokens,
+            max(worst, v.max_logprob_error),
+        )
+    same = sum(a.completion_ids == b.completion_ids for a, b in zip(out, fp32, strict=True))
+    return {
+        "completions": len(out),
+        "identical_to_fp32_engine": same / len(out),
+        "tokens": tokens,
+        "draw_misses": draw,
+        "logprob_misses": lp,
+        "max_logprob_error": worst,
+        "completions_flagged": flagged,
+        "tolerances": {
+            "logprob": security.logprob_tolerance,
+            "gumbel": security.gumbel_tolerance,
+            "max_token_misses": security.max_token_misses,
+        },
+    }
 
 
 # ---- speed and install (one engine per process) ------------------------------------------------------
@@ -416,16 +478,22 @@ def main() -> None:
 
 
 def _run_parity_child() -> dict[str, Any]:
+    res = _run_function_child("study_parity")
+    res["bf16_engine"] = _run_function_child("bf16_against_the_check")
+    return res
+
+
+def _run_function_child(function: str) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-c",
         f"import sys, json; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
-        "import engines; print('RESULT ' + json.dumps(engines.study_parity()))",
+        f"import engines; print('RESULT ' + json.dumps(engines.{function}()))",
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
     if res.returncode != 0 or not line:
-        raise RuntimeError(f"parity failed: {res.stderr[-2000:]}")
+        raise RuntimeError(f"{function} failed: {res.stderr[-2000:]}")
     return json.loads(line[-1][len("RESULT ") :])
 
 

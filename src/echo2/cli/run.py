@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 from typing import Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
@@ -151,6 +152,13 @@ def _worker(args: argparse.Namespace) -> int:
     if not 0.0 < args.engine_memory <= 1.0:
         raise ConfigError(f"--engine-memory {args.engine_memory}: must be in (0, 1]")
     require_engine(args.engine)  # a missing or broken engine package fails here, before registering
+    if args.engine == "vllm" and args.engine_dtype != "float32":
+        print(
+            f"echo2 worker: warning: --engine-dtype {args.engine_dtype}: the learner re-checks completions "
+            "in float32, and at its default tolerances it flagged 14% of a bf16 engine's completions "
+            "(docs/engines.md); the learner's security.logprob_tolerance must allow for it",
+            file=sys.stderr,
+        )
     opts = WorkerOptions(
         join_url=args.join,
         token=token,

@@ -22,6 +22,7 @@ from echo2.physics.broadcast import StrategyName
 from echo2.physics.rules import DEFAULT_GAMMA, kappa_from_staleness
 
 USER_CONTEXT_TOKENS = 32768  # longest prompt + completion accepted when the model's context is unknown
+FloatDtype = Literal["bfloat16", "float16", "float32"]  # published weights, engine compute
 EngineName = Literal["hf", "vllm"]  # rollout engines (rollout/engines/: the registry maps names to classes)
 
 
@@ -356,7 +357,7 @@ class SnapshotConfig(_Section):
     with, as a lossless sparse patch against the previous publication, with a full anchor every
     ``anchor_every`` publications and whenever a patch would not be smaller (docs/broadcast.md)."""
 
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+    dtype: FloatDtype = Field(
         "bfloat16", description="precision of the published weights (the learner trains in float32)"
     )
     deltas: bool = Field(
@@ -451,7 +452,7 @@ class RuntimeConfig(_Section):
     engine: EngineName = Field(
         "hf", description="rollout engine of the workers `echo2 run` starts: hf or vllm (docs/engines.md)"
     )
-    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+    engine_dtype: FloatDtype = Field(
         "float32", description="compute dtype of a vLLM engine (float32: what the learner re-checks in)"
     )
     engine_memory: float = Field(

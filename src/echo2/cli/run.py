@@ -120,7 +120,7 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rollouts-per-s", type=float, help="throttle to emulate slower hardware")
     p.add_argument("--advertise-host", help="address peers reach this worker's chunk server at")
     p.add_argument("--engine", default="hf", help="rollout engine: hf (default) or vllm (docs/engines.md)")
-    p.add_argument(
+    p.add_argument(  # literals: the parser imports nothing heavy (config.FloatDtype, EngineOptions)
         "--engine-dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
@@ -139,7 +139,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from echo2.config import EngineName
     from echo2.errors import ConfigError
-    from echo2.rollout.engines import require_engine
+    from echo2.rollout.engines import EngineOptions, require_engine
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
     from echo2.transport import parse_join
 
@@ -168,8 +168,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_rollouts_per_s=args.max_rollouts_per_s,
         advertise_host=args.advertise_host,
         engine=args.engine,
-        engine_dtype=args.engine_dtype,
-        engine_memory=args.engine_memory,
+        engine_options=EngineOptions(dtype=args.engine_dtype, memory_fraction=args.engine_memory),
         **({"name": args.name} if args.name else {}),
     )
     worker = RolloutWorker(opts)

@@ -62,7 +62,7 @@ def _check_known(tensors: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
 
 def check_snapshot(tensors: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
     """``tensors`` is a whole snapshot of a model whose weights have ``shapes`` (one entry per weight a
-    snapshot carries, tied ones once: :func:`snapshot_shapes`): nothing unknown, nothing missing, every
+    snapshot carries, tied ones once: :func:`snapshot_layout`): nothing unknown, nothing missing, every
     shape right. Raises CheckpointError naming what does not fit, before anything is loaded."""
     _check_known(tensors, shapes)
     missing = sorted(set(shapes) - set(tensors))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import socket
@@ -44,6 +45,7 @@ from echo2.protocol import (
     group_to_wire,
 )
 from echo2.rollout.client import LearnerClient, LearnerGone, Refused
+from echo2.rollout.engines.base import EngineOptions
 from echo2.rollout.weights import WeightChain, verified_links
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,7 @@ class WorkerOptions:
     max_rollouts_per_s: float | None = None  # throttle, to emulate slower hardware
     advertise_host: str | None = None  # address peers reach this worker's chunk server at
     engine: EngineName = "hf"  # rollout engine (rollout/engines registry)
-    engine_dtype: str = "float32"  # compute dtype of an engine that chooses one (vLLM)
-    engine_memory: float = 0.3  # share of accelerator (CPU: host) memory the vLLM engine may claim
+    engine_options: EngineOptions = field(default_factory=EngineOptions)  # max_context: the learner's
     reconnect_s: float = 120.0  # give up when the learner is unreachable this long
     catchup_s: float = 3.0  # wait this long for the broadcast before fetching a snapshot over HTTP
 
@@ -150,7 +151,7 @@ class RolloutWorker:
         from echo2.data.tasks.registry import build_task
         from echo2.models.policy import TextCodec
         from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
-        from echo2.rollout.engines import EngineOptions, build_engine
+        from echo2.rollout.engines import build_engine
 
         reg = await self._register()
         st = self.settings = reg.settings
@@ -169,14 +170,13 @@ class RolloutWorker:
             tokenizer = tokenizer_from_skeleton(Path(tmp))
             eos, pad = int(tokenizer.eos_token_id), tokenizer.pad_token_id
             pad = int(pad) if pad is not None else eos
-            o = self.opts
-            eopts = EngineOptions(o.engine_dtype, o.engine_memory, max_context=st.max_context)
-            self.engine = build_engine(o.engine, Path(tmp), eos, pad, st.sampling, eopts)
+            eopts = dataclasses.replace(self.opts.engine_options, max_context=st.max_context)
+            self.engine = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts)
             self.codec = TextCodec(tokenizer, st.chat_template)
             if "selfplay" in getattr(st.task, "opponents", ()):  # earlier versions play the other seats
                 from echo2.rollout.opponents import SelfPlayPool
 
-                opp = build_engine(o.engine, Path(tmp), eos, pad, st.sampling, eopts)
+                opp = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts)
                 every, size = st.task.selfplay_every, st.task.selfplay_pool  # type: ignore[union-attr]
                 self.selfplay = SelfPlayPool(opp, self.codec, every, size, st.sampling.max_new_tokens)
         self.task = build_task(st.task, st.seed)

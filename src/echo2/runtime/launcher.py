@@ -34,8 +34,7 @@ def worker_command(join: str, name: str, cfg: Config) -> list[str]:
     rt = cfg.runtime
     cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", join, "--name", name]
     cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", "local-cpu", "--engine", rt.engine]
-    if rt.engine != "hf":
-        cmd += ["--engine-dtype", rt.engine_dtype, "--engine-memory", str(rt.engine_memory)]
+    cmd += ["--engine-dtype", rt.engine_dtype, "--engine-memory", str(rt.engine_memory)]  # hf ignores them
     if rt.worker_max_rollouts_per_s:
         cmd += ["--max-rollouts-per-s", str(rt.worker_max_rollouts_per_s)]
     return cmd

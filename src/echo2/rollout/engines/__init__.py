@@ -12,10 +12,18 @@ from pathlib import Path
 
 from echo2.config import EngineName, SamplingConfig
 from echo2.rollout.engines.base import Engine, EngineFactory, EngineOptions
-from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.engines.vllm_engine import VLLMEngine, require_vllm
 
-ENGINES: dict[EngineName, EngineFactory] = {"hf": HFEngine.from_skeleton, "vllm": VLLMEngine.from_skeleton}
+
+def _hf(
+    skeleton_dir: Path, eos_id: int, pad_id: int, sampling: SamplingConfig, options: EngineOptions
+) -> Engine:
+    from echo2.rollout.engines.hf import HFEngine  # torch is imported when an engine is built, not before
+
+    return HFEngine.from_skeleton(skeleton_dir, eos_id, pad_id, sampling, options)
+
+
+ENGINES: dict[EngineName, EngineFactory] = {"hf": _hf, "vllm": VLLMEngine.from_skeleton}
 
 
 def require_engine(name: EngineName) -> None:

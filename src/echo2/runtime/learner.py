@@ -164,10 +164,11 @@ class AsyncLearner:
         from echo2.models.policy import load_checkpoint
         from echo2.rollout.engines.hf import HFEngine
         from echo2.runtime.rundir import RunDir
-        from echo2.runtime.sinks import open_sinks
+        from echo2.runtime.trackers import start_trackers
 
         cfg, ckpt = self.cfg, self.ckpt
-        sinks = open_sinks(cfg.train.report_to, self.run_path, self.run_path.resolve().name, cfg.to_dict())
+        name = self.run_path.resolve().name
+        sinks = start_trackers(cfg.train.report_to, self.run_path, name, cfg.to_dict())
         # a fresh run clears an old run's outputs (trackers' included); the sinks open on the first record
         self.run_dir = RunDir(self.run_path, cfg.to_dict(), resume=self.resume, sinks=sinks, background=True)
         self._resources.callback(self.run_dir.close)

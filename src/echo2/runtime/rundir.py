@@ -108,7 +108,8 @@ class RunDir:
         """Append one record, then hand it to the sinks; non-finite floats are written as null (JSON
         has no NaN). A sink's failures so far are counted as ``sinks/failures/<name>``."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        clean.update({f"sinks/failures/{s.name}": s.failures for s in self.sinks if s.failures})
+        for sink in self.sinks:
+            clean.update({f"sinks/failures/{name}": n for name, n in sink.failure_counts().items()})
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
         if self._queue is not None:

@@ -17,6 +17,10 @@ A sink imports its library when it is built, so a missing package fails before t
 line naming the pip extra), but opens its store only when :class:`RunDir` calls its ``open()`` (or on
 the first record): the run directory is built after its sinks and first clears an earlier run's
 outputs, these stores included (:data:`TRACKER_DIRS`).
+
+A run (``echo2 run``, ``echo2 train``) does not build these in its own process: it starts
+:class:`~echo2.runtime.trackers.TrackerProcess`, a child that builds them there and is fed the
+records down a pipe, so no tracker holds the learner's interpreter lock.
 """
 
 from __future__ import annotations
@@ -54,6 +58,16 @@ class MetricSink(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
+
+
+def log_many(sink: MetricSink, records: list[dict[str, Any]]) -> None:
+    """Hand ``records`` (in order) to ``sink``: in one write when it has ``log_many``, else one by one."""
+    many = getattr(sink, "log_many", None)
+    if many is not None:
+        many(records)
+        return
+    for record in records:
+        sink.log(record)
 
 
 class MemorySink:
@@ -154,10 +168,14 @@ class TensorBoardSink:
         return writer
 
     def log(self, record: dict[str, Any]) -> None:
+        """One event per record holding all its scalars (what ``add_scalar`` writes, one value each:
+        TensorBoard reads both alike, and one event is a 40th of the writer's work)."""
         if self._writer is None:
             self._writer = self._open(record["step"])
-        for key, value in scalars(record).items():
-            self._writer.add_scalar(key, value, global_step=record["step"])
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in scalars(record).items()]
+        self._writer.file_writer.add_summary(Summary(value=values), global_step=record["step"])
 
     def close(self) -> None:
         if self._writer is not None:
@@ -251,7 +269,8 @@ class MlflowSink:
     state, so a user's own MLflow use in the same process is left alone."""
 
     name: SinkName = "mlflow"
-    _PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
+    _PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
+    _METRICS_PER_BATCH = 1000
     _PARAM_CHARS = 6000  # MLflow's longest param value
 
     def __init__(self, run_path: Path, run_name: str, config: dict[str, Any]) -> None:
@@ -262,7 +281,6 @@ class MlflowSink:
             os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.dir.resolve()}/mlflow.db"
         )
         self._client: Any = None
-        self._pending: Any = None  # the last asynchronous log_batch (mlflow RunOperations)
         self.run_id: str | None = None
 
     def open(self) -> None:
@@ -288,24 +306,20 @@ class MlflowSink:
         self._client, self.run_id = client, run_id
 
     def log(self, record: dict[str, Any]) -> None:
-        self.open()
-        now_ms, step, Metric = int(time.time() * 1000), int(record["step"]), self._mlflow.entities.Metric
-        metrics = [Metric(k, v, now_ms, step) for k, v in scalars(record).items()]
-        self._wait()  # the previous batch (done by now): its failure is raised, and counted, here
-        # asynchronous: a synchronous batch of ~40 metrics costs ~12 ms of the learner's step here
-        self._pending = self._client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+        self.log_many([record])
 
-    def _wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
+    def log_many(self, records: list[dict[str, Any]]) -> None:
+        """All the records' metrics in as few ``log_batch`` calls as MLflow allows: the SQLite store's
+        cost is mostly per call (measured: 11.7 ms per record one by one, 5.2 in batches of 5)."""
+        self.open()
+        now_ms, Metric = int(time.time() * 1000), self._mlflow.entities.Metric
+        metrics = [Metric(k, v, now_ms, int(r["step"])) for r in records for k, v in scalars(r).items()]
+        for i in range(0, len(metrics), self._METRICS_PER_BATCH):
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + self._METRICS_PER_BATCH])
 
     def close(self) -> None:
         if self._client is not None:
-            try:
-                self._wait()
-            finally:
-                self._client.set_terminated(self.run_id)
+            self._client.set_terminated(self.run_id)
 
 
 SinkFactory = Callable[[Path, str, dict[str, Any]], MetricSink]  # (run_path, run_name, config)
@@ -352,12 +366,26 @@ class GuardedSink:
             self._failed(exc, "opening")
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        self.log_many([record])
+
+    def log_many(self, records: list[dict[str, Any]]) -> None:
+        """One write of ``records``; a failure counts once."""
+        if not self.enabled or not records:
             return
         try:
-            self.sink.log(record)
+            log_many(self.sink, records)
         except Exception as exc:
-            self._failed(exc, f"step {record.get('step')}")
+            steps = [r.get("step") for r in records]
+            self._failed(exc, f"step {steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else ""))
+
+    def failure_counts(self) -> dict[str, int]:
+        """Failed writes so far by sink name: this sink's, and those a sink hosting others reports
+        (:class:`~echo2.runtime.trackers.TrackerProcess`)."""
+        hosted = getattr(self.sink, "failure_counts", None)
+        counts = dict(hosted()) if hosted is not None else {}
+        if self.failures:
+            counts[self.name] = self.failures
+        return counts
 
     def _failed(self, exc: Exception, where: str) -> None:
         self.failures += 1

@@ -74,12 +74,12 @@ class SyncLearner:
         from echo2.models.policy import configure_torch, load_checkpoint
         from echo2.rollout.engines.hf import HFEngine
         from echo2.runtime.rundir import RunDir
-        from echo2.runtime.sinks import open_sinks
+        from echo2.runtime.trackers import start_trackers
 
         cfg = self.cfg
         configure_torch(cfg)
         run_path = Path(cfg.train.run_dir)  # sinks first: a missing package fails before the warm start
-        sinks = open_sinks(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
+        sinks = start_trackers(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
         self.policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
         self.run_dir = RunDir(run_path, cfg.to_dict(), sinks=sinks, background=True)
         self.task = build_task(cfg.task, cfg.seed)

@@ -104,23 +104,29 @@ def one_run(run_dir: Path, on: bool, steps: int, seed: int, variant: str = "all"
     }
 
 
+def open_dashboard(pw: Any, url: str, proc: subprocess.Popen[bytes]) -> tuple[Any, Any]:
+    """Headless Chromium (CHROMIUM_ARGS) with the dashboard at ``url`` loaded, once the learner
+    ``proc`` serves it (it needs a few seconds: warm start cache, model, first evaluation)."""
+    browser = pw.chromium.launch(executable_path=chromium(), headless=True, args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            page.goto(url, timeout=5000)
+            return browser, page
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(1)
+
+
 def watch(url: str, proc: subprocess.Popen[bytes], screenshot: Path | None = None) -> int:
     """Open the dashboard in headless Chromium until the run ends; how many times the page rendered.
     With ``screenshot``, the page is saved there once it has a minute of data."""
     from playwright.sync_api import sync_playwright
 
-    deadline = time.monotonic() + 120
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium(), headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        while True:  # the learner needs a few seconds (warm start cache, model, first evaluation)
-            try:
-                page.goto(url, timeout=5000)
-                break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(1)
+        browser, page = open_dashboard(pw, url, proc)
         renders = 0
         while proc.poll() is None:
             time.sleep(1)
@@ -147,6 +153,8 @@ def main() -> int:
         help="what the 'on' side turns on (the target is judged on 'all'; the others attribute it)",
     )
     a = p.parse_args()
+    if a.pairs < 2:
+        p.error("--pairs must be at least 2 (the interval of the mean needs two ratios)")
     if chromium() is None:
         sys.exit("needs chromium from the distribution's packages (apt-get install chromium)")
     subprocess.run([sys.executable, "-m", "echo2.cli", "warmstart"], check=True, capture_output=True)

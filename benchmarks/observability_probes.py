@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from observability import CHROMIUM_ARGS, SINKS, chromium, free_port  # noqa: E402
+from observability import CHROMIUM_ARGS, SINKS, chromium, free_port, open_dashboard  # noqa: E402
 
 RECORD_EVERY_S = 0.35  # about the embedded default's learner step on this machine
 METRICS_PER_RECORD = 45  # about what a learner record holds
@@ -182,14 +182,7 @@ def probe_page(seconds: float = 40.0) -> dict[str, Any]:
     me = os.getpid()
     try:
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium(), headless=True, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            for _ in range(120):
-                try:
-                    page.goto(f"http://127.0.0.1:{port}/", timeout=5000)
-                    break
-                except Exception:
-                    time.sleep(1)
+            browser, page = open_dashboard(pw, f"http://127.0.0.1:{port}/", learner)
             cdp = page.context.new_cdp_session(page)
             cdp.send("Performance.enable")
             time.sleep(20)  # the run is past its start-up

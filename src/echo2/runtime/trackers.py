@@ -51,12 +51,10 @@ STDERR_TAIL = 20  # lines of the child's stderr quoted when it dies
 def _check_installed(name: SinkName) -> None:
     """The one-line error for a tracker that is not installed at all, without importing it (the
     child's import reports the rest: a package that is installed but broken)."""
-    missing = name in sys.modules and sys.modules[name] is None  # what a test's monkeypatch sets
-    if not missing:
-        try:
-            missing = importlib.util.find_spec(name) is None
-        except (ImportError, ValueError):
-            missing = True
+    try:
+        missing = importlib.util.find_spec(name) is None  # also when sys.modules[name] is None
+    except (ImportError, ValueError):
+        missing = True
     if missing:
         raise ConfigError(f"--report-to {name} needs the {name} package: pip install 'echo2[{name}]'")
 
@@ -122,7 +120,7 @@ class TrackerProcess:
             if "log" in msg:
                 level, name, text = msg["log"]
                 logging.getLogger(name).log(int(level), "%s", text)
-            if "ready" in msg or "error" in msg or "closed" in msg:
+            if "ready" in msg or "error" in msg:
                 self._answer.put(msg)
         self._answer.put({"error": "the tracker process exited", "exited": True})
 
@@ -242,37 +240,32 @@ def main() -> int:
 
 
 def _serve(sinks: list[Any], inbox: queue.SimpleQueue[dict[str, Any] | None], reply: Any) -> None:
-    """Open, then write batches of records at most every :data:`FLUSH_S` until ``close`` or EOF."""
+    """Open, then write batches of records at most every :data:`FLUSH_S` until ``close`` or EOF (a
+    record arriving later than that after the last write is written at once)."""
     counts: dict[str, int] = {}
     batch: list[dict[str, Any]] = []
-    last_write, done = 0.0, False
-    while not done:
-        timeout = None if not batch else max(0.0, last_write + FLUSH_S - time.monotonic())
-        try:
-            msg = inbox.get(timeout=timeout)
+    last_write, stop = 0.0, False
+    while not stop:
+        due = last_write + FLUSH_S
+        try:  # None: the learner closed its end of the pipe, which ends the child like "close"
+            msg = inbox.get(timeout=max(0.0, due - time.monotonic()) if batch else None) or {"op": "close"}
         except queue.Empty:
             msg = {"op": "flush"}
-        if msg is None or msg.get("op") == "close":
-            done = True
-        elif msg.get("op") == "open":
+        stop = msg.get("op") == "close"
+        if msg.get("op") == "open":
             for sink in sinks:
                 sink.open()
         elif msg.get("op") == "log":
             batch.append(msg["record"])
-            continue_reading = time.monotonic() < last_write + FLUSH_S
-            if continue_reading:
-                continue
-        if batch:
+        if batch and (stop or time.monotonic() >= due):
             for sink in sinks:
                 sink.log_many(batch)
             batch, last_write = [], time.monotonic()
-        now = {s.name: s.failures for s in sinks if s.failures}
-        if now != counts:
+        if counts != (now := {s.name: s.failures for s in sinks if s.failures}):
             counts = now
             reply({"failures": counts})
     for sink in sinks:
         sink.close()
-    reply({"closed": True, "failures": counts})
 
 
 if __name__ == "__main__":

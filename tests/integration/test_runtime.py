@@ -73,7 +73,11 @@ def test_echo2_run_end_to_end(tiny_overrides, tmp_path):
     assert (run_dir / "run.png").stat().st_size > 0
     assert len(list((run_dir / "workers").glob("*.log"))) == 2
     for log in (run_dir / "workers").glob("*.log"):
-        assert '"rollouts_submitted"' in log.read_text()  # each worker left cleanly with its report
+        report = json.loads(next(x for x in reversed(log.read_text().splitlines()) if x.startswith("{")))
+        assert report["rollouts_submitted"] > 0  # each worker left cleanly with its report
+        assert report["installs"] > 0 and 0 < report["install_cpu_s"] <= report["install_s"] + 0.05
+    publications = [r for r in rows if "broadcast/publish_cpu_s" in r]
+    assert publications and all(0 < r["broadcast/publish_cpu_s"] for r in publications)
 
 
 def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_path):

@@ -171,6 +171,41 @@ def test_patch_is_small_at_rl_learning_rates():
     assert len(patch) / full < 0.8 * info["changed"] / info["elements"]  # < 0.8 bytes per changed bf16
 
 
+def codings(patch: bytes) -> dict[str, int]:
+    """Each changed tensor's position coding, from the patch's table (0: gaps, 1: bitmap)."""
+    table, _ = delta._parse(patch)
+    return {row[0]: row[4] for row in table if row[3]}
+
+
+def test_sparse_changes_are_gap_coded_dense_ones_bitmaps_both_exact(monkeypatch):
+    """The encoder picks gaps below 1/8 of a tensor changed and a bitmap from there on, with and
+    without an exponent cut (floats and integers); every mix round-trips bit for bit, and at half the
+    values changed the bitmap is the smaller coding."""
+    g = torch.Generator().manual_seed(4)
+    master = torch.randn(20_000, generator=g) * 0.02
+    ints = torch.randint(-1000, 1000, (20_000,), generator=g, dtype=torch.int32)
+    base = {"sparse": master.bfloat16(), "dense": master.bfloat16(), "ints_s": ints, "ints_d": ints.clone()}
+    new = {k: t.clone() for k, t in base.items()}
+    new["sparse"] = (master + 3e-6 * torch.randn(master.shape, generator=g)).bfloat16()
+    new["dense"] = (master + 3e-4 * torch.randn(master.shape, generator=g)).bfloat16()
+    new["ints_s"][::50] += 1
+    new["ints_d"][::2] -= 3
+    patch = round_trip(base, new)
+    assert codings(patch) == {
+        "sparse": delta.GAPS,
+        "dense": delta.BITMAP,
+        "ints_s": delta.GAPS,
+        "ints_d": delta.BITMAP,
+    }
+    density = patch_info(round_trip({"w": base["dense"]}, {"w": new["dense"]}))["changed"] / master.numel()
+    assert 0.3 < density < 0.9
+    monkeypatch.setattr(delta, "BITMAP_DENSITY", 2.0)  # a density no tensor reaches: all gap coded
+    gapped = round_trip({"w": base["dense"]}, {"w": new["dense"]})
+    monkeypatch.undo()
+    assert codings(gapped) == {"w": delta.GAPS}
+    assert len(encode_patch({"w": base["dense"]}, {"w": new["dense"]})) < len(gapped)
+
+
 def test_base_is_never_modified():
     base = weights(torch.bfloat16)
     before = {k: t.clone() for k, t in base.items()}
@@ -317,9 +352,9 @@ def _le_planes(values, width: int) -> bytes:
     return np.ascontiguousarray(a.view(np.uint8).reshape(-1, width).T).tobytes()
 
 
-def payload(heads, gaps, signs, flags, values, width: int, pad_sign: bool = False) -> bytes:
-    """Frame content of a patch for tensors of one element width (module docstring, sections 1-5;
-    uint32 heads and gaps)."""
+def payload(heads, gaps, signs, flags, values, width: int, pad_sign: bool = False, bitmap=b"") -> bytes:
+    """Frame content of a patch for tensors of one element width (module docstring, sections 1-6;
+    uint32 heads and gaps; ``bitmap``: the bytes of section 3)."""
     n = len(gaps)
     pad = [0] * ((-n) % 8)
     if pad_sign:
@@ -328,6 +363,7 @@ def payload(heads, gaps, signs, flags, values, width: int, pad_sign: bool = Fals
         [
             _le_planes([x for h in heads for x in h], 4),
             _le_planes(gaps, 4),
+            bitmap,
             np.packbits(np.array(list(signs) + pad, dtype=bool)).tobytes(),
             np.packbits(np.array(flags, dtype=bool)).tobytes(),
             _le_planes(values, width),
@@ -341,7 +377,7 @@ def body(heads=((0, 0),), gaps=(3, 3), signs=(0, 1), flags=(0, 1), values=(2,), 
 
 
 def craft(
-    table, content: bytes, *, magic=b"E2WP", version=1, content_size=True, tail=b"", frame=None
+    table, content: bytes, *, magic=b"E2WP", version=2, content_size=True, tail=b"", frame=None
 ) -> bytes:
     head = json.dumps(table).encode()
     if frame is None:
@@ -350,7 +386,7 @@ def craft(
 
 
 BASE = {"w": torch.arange(16, dtype=torch.int32)}
-TABLE = [["w", "int32", [16], 2]]
+TABLE = [["w", "int32", [16], 2, 0]]
 # positions 2 and 5 change by +1 and -3: gaps 3, 3; signs 0, 1; |d| - 1 = 0, 2 (flag on the second)
 GOOD = body()
 
@@ -365,20 +401,22 @@ def test_crafted_patch_matches_the_spec():
 
 BAD_PATCHES = {
     "bad magic": (craft(TABLE, GOOD, magic=b"E2XX"), "magic"),
-    "unknown version": (craft(TABLE, GOOD, version=2), "version 2"),
-    "short header": (b"E2WP\x01", "shorter than"),
-    "table past the end": (struct.pack("<4sHI", b"E2WP", 1, 1000) + b"[]", "past the end"),
-    "table not json": (struct.pack("<4sHI", b"E2WP", 1, 3) + b"{[x", "not JSON"),
+    "unknown version": (craft(TABLE, GOOD, version=3), "version 3"),
+    "old version": (craft(TABLE, GOOD, version=1), "version 1"),
+    "short header": (b"E2WP\x02", "shorter than"),
+    "table past the end": (struct.pack("<4sHI", b"E2WP", 2, 1000) + b"[]", "past the end"),
+    "table not json": (struct.pack("<4sHI", b"E2WP", 2, 3) + b"{[x", "not JSON"),
     "table not a list": (craft({"w": 1}, GOOD), "not a list"),
-    "bad row": (craft([["w", "int32", [16]]], GOOD), "row 0"),
-    "bool count": (craft([["w", "int32", [16], True]], GOOD), "row 0"),
-    "negative dim": (craft([["w", "int32", [-16], 2]], GOOD), "row 0"),
+    "bad row": (craft([["w", "int32", [16], 2]], GOOD), "row 0"),
+    "unknown coding": (craft([["w", "int32", [16], 2, 2]], GOOD), "row 0"),
+    "bool count": (craft([["w", "int32", [16], True, 0]], GOOD), "row 0"),
+    "negative dim": (craft([["w", "int32", [-16], 2, 0]], GOOD), "row 0"),
     "duplicate name": (craft([*TABLE, *TABLE], GOOD), "twice"),
-    "unknown tensor": (craft([*TABLE, ["v", "int32", [1], 0]], GOOD), "unknown"),
+    "unknown tensor": (craft([*TABLE, ["v", "int32", [1], 0, 0]], GOOD), "unknown"),
     "missing tensor": (craft([], b""), "missing"),
-    "dtype mismatch": (craft([["w", "int64", [16], 2]], GOOD), "dtype"),
-    "shape mismatch": (craft([["w", "int32", [4, 4], 2]], GOOD), "shape"),
-    "count too large": (craft([["w", "int32", [16], 17]], GOOD), "17 changed"),
+    "dtype mismatch": (craft([["w", "int64", [16], 2, 0]], GOOD), "dtype"),
+    "shape mismatch": (craft([["w", "int32", [4, 4], 2, 0]], GOOD), "shape"),
+    "count too large": (craft([["w", "int32", [16], 17, 0]], GOOD), "17 changed"),
     "not a zstd frame": (craft(TABLE, GOOD, frame=b"\x00" * 30), "not a zstandard frame"),
     "empty frame": (craft(TABLE, GOOD, frame=b""), "not a zstandard frame"),
     "truncated frame": (craft(TABLE, GOOD)[:-3], "truncated"),
@@ -397,7 +435,7 @@ BAD_PATCHES = {
     "magnitude overflow": (craft(TABLE, body(values=(2**31,))), "magnitude"),
     "magnitudes missing": (craft(TABLE, body(flags=(1, 1))), "too short"),
     "bytes after the last section": (craft(TABLE, GOOD + b"\x00" * 4), "after its last section"),
-    "counts disagree with the frame": (craft([["w", "int32", [16], 3]], GOOD), "out of range|short|after"),
+    "counts disagree with the frame": (craft([["w", "int32", [16], 3, 0]], GOOD), "out of range|short|after"),
 }
 
 
@@ -420,7 +458,7 @@ def test_gap_overflow_is_refused():
 def test_malformed_hot_positions_and_bool_values_are_refused():
     # bf16: 0.5 has exponent 126, 1.0 has 127; with cut 127 the 0.5s are the hot set
     base = {"h": torch.tensor([0.5, 1.0] * 40, dtype=torch.bfloat16)}
-    table = [["h", "bfloat16", [80], 1]]
+    table = [["h", "bfloat16", [80], 1, 0]]
     ok = craft(table, payload([(127, 1)], [40], [0], [0], [], 2))  # hot rank 39: the last 0.5
     got = apply_patch(base, ok)["h"]
     assert (bits(got) != bits(base["h"])).nonzero().flatten().tolist() == [78]
@@ -429,9 +467,44 @@ def test_malformed_hot_positions_and_bool_values_are_refused():
     with pytest.raises(DeltaError, match="cut"):  # bf16 exponents end at 255
         apply_patch(base, craft(table, payload([(300, 1)], [1], [0], [0], [], 2)))
     flags = {"m": torch.tensor([True, False])}
-    bad = craft([["m", "bool", [2], 1]], payload([(0, 0)], [2], [0], [1], [1], 1))  # False + 2
+    bad = craft([["m", "bool", [2], 1, 0]], payload([(0, 0)], [2], [0], [1], [1], 1))  # False + 2
     with pytest.raises(DeltaError, match="bool"):
         apply_patch(flags, bad)
+
+
+def bitmap(n: int, marked, pad: int = 0) -> bytes:
+    bits = np.zeros(n + (-n) % 8, dtype=bool)
+    bits[list(marked)] = True
+    if pad:
+        bits[n + pad - 1] = True  # a padding bit set
+    return np.packbits(bits).tobytes()
+
+
+def test_crafted_bitmap_patches_decode_or_are_refused():
+    # int32 w of 16, positions 2 and 5 by +1 and -3 as a bitmap (no cut: position order)
+    table = [["w", "int32", [16], 2, 1]]
+    ok = craft(table, payload([(0, 0)], [], [0, 1], [0, 1], [2], 4, bitmap=bitmap(16, [2, 5])))
+    assert torch.equal(apply_patch(BASE, ok)["w"], apply_patch(BASE, craft(TABLE, GOOD))["w"])
+    bad = {
+        "marks": payload([(0, 0)], [], [0, 1], [0, 1], [2], 4, bitmap=bitmap(16, [2, 5, 9])),
+        "hot": payload([(0, 1)], [], [0, 1], [0, 1], [2], 4, bitmap=bitmap(16, [2, 5])),
+        "at least": payload([(0, 0)], [], [0, 1], [0, 0], [], 4, bitmap=b"\x24"),  # one byte short
+    }
+    for match, content in bad.items():
+        with pytest.raises(DeltaError, match=match):
+            apply_patch(BASE, craft(table, content))
+    odd = {"w": torch.arange(12, dtype=torch.int32)}  # 12 bits: 4 padding bits
+    padded = payload([(0, 0)], [], [0, 0], [0, 0], [], 4, bitmap=bitmap(12, [2, 5], pad=2))
+    with pytest.raises(DeltaError, match="padding"):
+        apply_patch(odd, craft([["w", "int32", [12], 2, 1]], padded))
+    # bf16 with cut 127: the 0.5s (even positions) are hot and come first, then the 1.0s
+    h = {"h": torch.tensor([0.5, 1.0] * 40, dtype=torch.bfloat16)}
+    marks = bitmap(80, [39, 40])  # the last hot element (position 78), the first cold one (position 1)
+    got = apply_patch(
+        h,
+        craft([["h", "bfloat16", [80], 2, 1]], payload([(127, 0)], [], [0, 0], [0, 0], [], 2, bitmap=marks)),
+    )
+    assert (bits(got["h"]) != bits(h["h"])).nonzero().flatten().tolist() == [1, 78]
 
 
 def test_decompression_is_bounded_by_the_table():
@@ -457,13 +530,15 @@ def test_decompression_is_bounded_by_the_table():
         apply_patch(BASE, lying)
 
 
-def test_corrupted_or_truncated_real_patches_never_decode_wrongly():
-    """Flip bytes anywhere in a real patch, or cut it short: apply_patch either raises DeltaError
-    (never another exception) or, where a flipped byte carries no information, returns exactly the
-    right weights."""
+@pytest.mark.parametrize("lr", [1e-3, 3e-6], ids=["bitmaps", "gaps"])
+def test_corrupted_or_truncated_real_patches_never_decode_wrongly(lr):
+    """Flip bytes anywhere in a real patch (dense changes: bitmaps; sparse ones: gaps), or cut it
+    short: apply_patch either raises DeltaError (never another exception) or, where a flipped byte
+    carries no information, returns exactly the right weights."""
     base = weights(torch.bfloat16)
-    new = step(base, 1e-3)
+    new = step(base, lr)
     patch = encode_patch(base, new)
+    assert set(codings(patch).values()) == {delta.BITMAP if lr > 1e-4 else delta.GAPS}
     want = weights_digest(new)
     rng = random.Random(0)
     spots = sorted({*range(0, 24), *rng.sample(range(len(patch)), min(150, len(patch)))})

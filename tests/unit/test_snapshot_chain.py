@@ -92,6 +92,9 @@ def test_the_chain_and_its_patch_sizes() -> None:
     full = len(snaps.chain[0].blob)
     assert all(len(link.blob) < 0.5 * full for link in snaps.chain[1:])
     assert snaps.publication["broadcast/patch_ratio"] < 0.5
+    pub = snaps.publication  # the learner's part, in wall time and in CPU seconds of its threads
+    assert 0 < pub["broadcast/encode_s"] <= pub["broadcast/publish_s"]
+    assert 0 < pub["broadcast/publish_cpu_s"] <= pub["broadcast/publish_s"] + 0.05
     assert [link.version for link in snaps.chain_from(3)] == [4, 5]
     assert snaps.chain_from(5) == []
     assert [link.version for link in snaps.chain_from(-1)] == [0, 1, 2, 3, 4, 5]  # late joiner

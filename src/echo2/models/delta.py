@@ -7,14 +7,15 @@ weight of 0.02) for only a few percent of the elements. ``encode_patch`` sends o
 and ``apply_patch`` rebuilds the new copy from the old one; ``weights_digest`` proves the result is
 the very tensor set the learner published.
 
-Patch format v1 (all integers little-endian)::
+Patch format v2 (all integers little-endian)::
 
     b"E2WP" | u16 format version | u32 table length | table (UTF-8 JSON) | one zstandard frame
 
-The table is ``[[name, dtype, shape, changed], ...]``: every tensor of the weights, changed or not,
-names sorted. The frame's header carries its content size, which must not exceed the bound the table
-implies; decompression is capped at that bound, so no patch can inflate beyond what its table allows.
-The frame carries zstandard's content checksum, so corrupted bytes are refused, not decoded.
+The table is ``[[name, dtype, shape, changed, coding], ...]``: every tensor of the weights, changed or
+not, names sorted; ``coding`` says how the tensor's changed positions are coded (0: gaps, 1: a bitmap).
+The frame's header carries its content size, which must not exceed the bound the table implies;
+decompression is capped at that bound, so no patch can inflate beyond what its table
+allows. The frame carries zstandard's content checksum, so corrupted bytes are refused, not decoded.
 
 Per changed element the patch stores where it is and by how much its bits moved:
 
@@ -24,22 +25,32 @@ Per changed element the patch stores where it is and by how much its bits moved:
   Stored as a sign bit and ``|d| - 1`` (almost always 0 at RL learning rates: a one-ulp step).
   Comparing and differencing bits, never float values, keeps NaN payloads, -0.0 and inf exact.
 - *position*: whether an element changes depends mostly on its exponent (one AdamW step of ~lr moves
-  a weight across a rounding boundary with probability ~ lr / ulp). Elements whose exponent lies below
-  a per-tensor *cut* (two binades under the tensor's median exponent) are *hot*; they are ordered by
-  exponent class (8 classes, stable) and the changed ones are coded by their rank in that
-  order, the *cold* ones by their rank among the cold elements. Both ranks are gap coded (``r_0 + 1``,
-  then ``r_i - r_{i-1}``: strictly increasing ranks have gaps >= 1). The decoder derives the hot set
-  and the class order from the base weights alone. Other dtypes (integers, float8) have no hot set.
+  a weight across a rounding boundary with probability ~ lr / ulp). Per float tensor the encoder sends
+  a *cut* (two binades under the tensor's median exponent; 0: none, as for other dtypes and tiny
+  tensors). Elements whose exponent lies below it are *hot* and fall into 8 exponent classes (the
+  lowest also takes all smaller exponents); the others are *cold*. The decoder derives both from the
+  base weights alone.
+
+  - *gaps* (sparse changes, the LLM-RL case): the changed hot elements are coded by their rank in the
+    hot set ordered by class (stable), the cold ones by their rank among the cold elements; both rank
+    lists are gap coded (``r_0 + 1``, then ``r_i - r_{i-1}``: strictly increasing ranks have gaps
+    >= 1). Without a cut the positions themselves are gap coded.
+  - *bitmap* (the encoder's choice once 1/8 of a tensor changed or more): one bit per element, set
+    where it changed, the hot elements first, then the cold ones, each in position order (position
+    order without a cut). Values follow the same order. At such densities a bitmap is smaller than
+    gaps and much cheaper to code.
 
 Frame content, each integer array byte-plane shuffled (all low bytes, then all next bytes, ...) so
 zstandard sees long runs of zero high bytes:
 
-1. per tensor with ``changed > 0``: its cut and its number of hot changes (cut 0: no hot set);
-2. the gaps of all those tensors (hot, then cold, per tensor).
+1. per tensor with ``changed > 0``: its cut and its number of hot changes (0 unless gap coded with a
+   cut);
+2. the gaps of the gap-coded tensors (hot, then cold, per tensor).
 
    1 and 2 are uint32, or uint64 when some tensor has 2**32 elements or more;
-3. their sign bits, packed; 4. bits "|d| > 1", packed (padding bits zero);
-5. the values ``|d| - 1`` of the elements whose bit in 4 is set, grouped by element width (1, 2, 4,
+3. the bitmaps of the bitmap-coded tensors, each packed to whole bytes (padding bits zero);
+4. all sign bits, packed; 5. bits "|d| > 1", packed (padding bits zero);
+6. the values ``|d| - 1`` of the elements whose bit in 5 is set, grouped by element width (1, 2, 4,
    8 bytes), in table order within a group.
 
 Everything in a patch is untrusted: ``apply_patch`` checks the magic, the version, the table against
@@ -54,6 +65,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from echo2.errors import Echo2Error
@@ -63,7 +75,9 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"E2WP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+GAPS, BITMAP = 0, 1  # how a tensor's changed positions are coded (the table's fifth column)
+BITMAP_DENSITY = 1 / 8  # encoder's choice: a bitmap once at least this fraction of a tensor changed
 _PREFIX = struct.Struct("<4sHI")  # magic, format version, table length
 
 _PUBLISH_NAMES = ("bfloat16", "float16", "float32")
@@ -169,10 +183,7 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             f"patch needs the same tensor names: missing in new {missing[:5]}, extra {extra[:5]}"
         )
     table: list[list[Any]] = []
-    heads: list[tuple[int, int]] = []
-    gaps: list[np.ndarray] = []
-    signs: list[np.ndarray] = []
-    extras: list[np.ndarray] = []
+    sec = _Sections()
     for name in sorted(base):
         b, n = base[name], new[name]
         dtype = _dtype_name(b)
@@ -181,35 +192,19 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         if tuple(b.shape) != tuple(n.shape):
             raise DeltaError(f"tensor {name}: shape {tuple(n.shape)} in new, {tuple(b.shape)} in base")
         old_bits, new_bits = _bits(b), _bits(n)
-        pos = np.flatnonzero(old_bits != new_bits)
-        table.append([name, dtype, list(b.shape), int(pos.size)])
-        if pos.size == 0:
+        changed = old_bits != new_bits
+        count = int(np.count_nonzero(changed))
+        coding = BITMAP if count and count >= BITMAP_DENSITY * changed.size else GAPS
+        table.append([name, dtype, list(b.shape), count, coding])
+        if count == 0:
             continue
-        cut = _choose_cut(old_bits, dtype)
-        if cut:
-            hot_set, order = _hot_set(old_bits, dtype, cut)
-            before = np.searchsorted(hot_set, pos)  # hot elements before each changed position
-            is_hot = _hot_mask(old_bits[pos], dtype, cut)
-            rank = np.empty(hot_set.size, np.int64)
-            rank[order] = np.arange(hot_set.size)  # index of each hot element in class order
-            q = rank[before[is_hot]]
-            by_class = np.argsort(q)
-            hot_q, hot_pos = q[by_class], pos[is_hot][by_class]
-            cold_pos = pos[~is_hot]
-            cold_r = cold_pos - before[~is_hot]
-            pos = np.concatenate([hot_pos, cold_pos])
-            gaps.append(np.diff(hot_q, prepend=-1))
-            gaps.append(np.diff(cold_r, prepend=-1))
-            heads.append((cut, int(hot_q.size)))
-        else:
-            gaps.append(np.diff(pos, prepend=-1))
-            heads.append((0, 0))
+        pos = _code_positions(sec, old_bits, changed, dtype, coding)
         floating = b.is_floating_point()
         d = (_key(new_bits[pos], floating) - _key(old_bits[pos], floating)).view(f"u{old_bits.itemsize}")
         negative = d >= d.dtype.type(1 << (8 * old_bits.itemsize - 1))
-        signs.append(negative)
-        extras.append(np.where(negative, np.negative(d), d) - d.dtype.type(1))  # |d| - 1
-    parts = _sections(heads, gaps, signs, extras, _gap_width_of(table))
+        sec.signs.append(negative)
+        sec.extras.append(np.where(negative, np.negative(d), d) - d.dtype.type(1))  # |d| - 1
+    parts = sec.parts(_gap_width_of(table))
     head = json.dumps(table, separators=(",", ":")).encode()
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True)
     cobj = cctx.compressobj(size=sum(p.nbytes for p in parts))
@@ -218,29 +213,82 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     return b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)), head, *frame])
 
 
-def _sections(
-    heads: list[tuple[int, int]],
-    gaps: list[np.ndarray],
-    signs: list[np.ndarray],
-    extras: list[np.ndarray],
-    gap_width: int,
-) -> list[np.ndarray]:
-    """The frame content: per-tensor heads, all gaps, all sign bits, all "|d| > 1" bits, then the
-    values |d| - 1 > 0 grouped by element width (each integer array byte-plane shuffled)."""
+class _Sections:
+    """What :func:`encode_patch` collects per changed tensor, in table order, for the frame."""
+
+    def __init__(self) -> None:
+        self.heads: list[tuple[int, int]] = []
+        self.gaps: list[np.ndarray] = []
+        self.bitmaps: list[np.ndarray] = []
+        self.signs: list[np.ndarray] = []
+        self.extras: list[np.ndarray] = []
+
+    def parts(self, gap_width: int) -> list[np.ndarray]:
+        """The frame content: per-tensor heads, all gaps, all bitmaps, all sign bits, all "|d| > 1"
+        bits, then the values |d| - 1 > 0 grouped by element width (integer arrays byte-plane shuffled)."""
+        import numpy as np
+
+        empty = np.zeros(0, np.uint8)
+        parts = [
+            _shuffle(np.array(self.heads, dtype=f"u{gap_width}").reshape(-1)),
+            _shuffle(np.concatenate(self.gaps).astype(f"u{gap_width}")) if self.gaps else empty,
+            np.concatenate(self.bitmaps) if self.bitmaps else empty,
+            np.packbits(np.concatenate(self.signs)) if self.signs else empty,
+        ]
+        flags = [x != 0 for x in self.extras]
+        parts.append(np.packbits(np.concatenate(flags)) if flags else empty)
+        for width in _WIDTHS:
+            vals = [x[f] for x, f in zip(self.extras, flags, strict=True) if x.itemsize == width]
+            parts.append(_shuffle(np.concatenate(vals)) if vals else empty)
+        return parts
+
+
+def _code_positions(
+    sec: _Sections, old_bits: np.ndarray, changed: np.ndarray, dtype: str, coding: int
+) -> np.ndarray:
+    """Code where a tensor changed (``changed``: its mask) into ``sec``; returns the flat positions in
+    the order the tensor's values are stored."""
     import numpy as np
 
-    empty = np.zeros(0, np.uint8)
-    parts = [
-        _shuffle(np.array(heads, dtype=f"u{gap_width}").reshape(-1)),
-        _shuffle(np.concatenate(gaps).astype(f"u{gap_width}")) if gaps else empty,
-        np.packbits(np.concatenate(signs)) if signs else empty,
-    ]
-    flags = [x != 0 for x in extras]
-    parts.append(np.packbits(np.concatenate(flags)) if flags else empty)
-    for width in _WIDTHS:
-        vals = [x[f] for x, f in zip(extras, flags, strict=True) if x.itemsize == width]
-        parts.append(_shuffle(np.concatenate(vals)) if vals else empty)
-    return parts
+    cut = _choose_cut(old_bits, dtype)
+    sec.heads.append((cut, 0))
+    if coding == BITMAP:
+        if not cut:
+            sec.bitmaps.append(np.packbits(changed))
+            return np.flatnonzero(changed)
+        order = _bitmap_order(old_bits, dtype, cut)
+        in_order = changed[order]
+        sec.bitmaps.append(np.packbits(in_order))
+        return order[in_order]
+    pos = np.flatnonzero(changed)
+    if not cut:
+        sec.gaps.append(np.diff(pos, prepend=-1))
+        return pos
+    hot_set, order = _hot_set(old_bits, dtype, cut)
+    before = np.searchsorted(hot_set, pos)  # hot elements before each changed position
+    is_hot = _hot_mask(old_bits[pos], dtype, cut)
+    rank = np.empty(hot_set.size, np.int64)
+    rank[order] = np.arange(hot_set.size)  # index of each hot element in class order
+    q = rank[before[is_hot]]
+    by_class = np.argsort(q)
+    hot_q, hot_pos = q[by_class], pos[is_hot][by_class]
+    cold_pos = pos[~is_hot]
+    cold_r = cold_pos - before[~is_hot]
+    sec.gaps.append(np.diff(hot_q, prepend=-1))
+    sec.gaps.append(np.diff(cold_r, prepend=-1))
+    sec.heads[-1] = (cut, int(hot_q.size))
+    return np.concatenate([hot_pos, cold_pos])
+
+
+@dataclass(frozen=True)
+class _Changed:
+    """A tensor a patch changes, as its table states it."""
+
+    name: str
+    count: int
+    width: int  # bytes per element
+    coding: int  # GAPS or BITMAP
+    numel: int
 
 
 def apply_patch(
@@ -251,17 +299,50 @@ def apply_patch(
     malformed or was not made against weights shaped like ``base``."""
     import numpy as np
     import torch
-    import zstandard
 
     table, frame = _parse(patch)
+    changed = _changed_tensors(base, table)
+    gw = _gap_width_of(table)
+    buf = np.frombuffer(_inflate(frame, changed, gw), dtype=np.uint8)
+    heads, codes, signs, flags, values = _split(buf, changed, gw)
+    out: dict[str, torch.Tensor] = {row[0]: base[row[0]] for row in table}
+    used = dict.fromkeys(_WIDTHS, 0)
+    at = 0
+    for c, head, code in zip(changed, heads, codes, strict=True):
+        b = base[c.name]
+        old_bits = _bits(b)
+        sl = slice(at, at + c.count)
+        at += c.count
+        pos = _decode_positions(c, old_bits, _dtype_name(b), head, code)
+        f = flags[sl]
+        k = int(np.count_nonzero(f))
+        mag = np.ones(c.count, f"u{c.width}")  # |d|
+        if k:
+            extra = values[c.width][used[c.width] : used[c.width] + k]  # |d| - 1 where it is > 0
+            used[c.width] += k
+            if np.any(extra == 0) or np.any(extra >= extra.dtype.type(1 << (8 * c.width - 1))):
+                raise DeltaError(f"patch tensor {c.name}: a magnitude is out of range")
+            mag[f] += extra
+        d = np.where(signs[sl], np.negative(mag), mag).view(old_bits.dtype)
+        floating = b.is_floating_point()
+        new_bits = old_bits.copy()
+        new_bits[pos] = _key(_key(old_bits[pos], floating) + d, floating)
+        if b.dtype == torch.bool and np.any(new_bits.view(np.uint8) > 1):
+            raise DeltaError(f"patch tensor {c.name}: a bool element gets a value other than 0 or 1")
+        out[c.name] = torch.from_numpy(new_bits).view(b.dtype).reshape(b.shape)
+    return out
+
+
+def _changed_tensors(base: Mapping[str, torch.Tensor], table: list[list[Any]]) -> list[_Changed]:
+    """The tensors the table changes, in table order, after checking the table against ``base``."""
     names = [row[0] for row in table]
     missing, unknown = sorted(set(base) - set(names)), sorted(set(names) - set(base))
     if missing or unknown:
         raise DeltaError(
             f"patch table does not match the base weights: missing {missing[:5]}, unknown {unknown[:5]}"
         )
-    changed = []  # (name, count, element width) of tensors with changes, in table order
-    for name, dtype, shape, count in table:
+    changed = []
+    for name, dtype, shape, count, coding in table:
         b = base[name]
         if dtype != _dtype_name(b):
             raise DeltaError(f"patch tensor {name}: dtype {dtype}, base has {_dtype_name(b)}")
@@ -271,13 +352,24 @@ def apply_patch(
             raise DeltaError(f"patch tensor {name}: {count} changed positions for {b.numel()} elements")
         if count:
             _bits_width(b)  # refuses unsupported dtypes before anything is decompressed
-            changed.append((name, count, b.element_size()))
-    total = sum(c for _, c, _ in changed)
-    gw = _gap_width_of(table)
-    flag_bytes = (total + 7) // 8
-    fixed = 2 * gw * len(changed) + total * gw + 2 * flag_bytes
-    bound = fixed + sum(c * w for _, c, w in changed)
+            changed.append(_Changed(name, count, b.element_size(), coding, b.numel()))
+    return changed
 
+
+def _sizes(changed: list[_Changed], gw: int) -> tuple[int, int, int, int]:
+    """Byte sizes of the sections the table fixes: heads, gaps, bitmaps, and each packed-bit section."""
+    gaps = sum(c.count for c in changed if c.coding == GAPS) * gw
+    bitmaps = sum((c.numel + 7) // 8 for c in changed if c.coding == BITMAP)
+    return 2 * gw * len(changed), gaps, bitmaps, (sum(c.count for c in changed) + 7) // 8
+
+
+def _inflate(frame: memoryview, changed: list[_Changed], gw: int) -> bytes:
+    """The frame's content, decompressed no further than the table allows."""
+    import zstandard
+
+    heads, gaps, bitmaps, flag_bytes = _sizes(changed, gw)
+    fixed = heads + gaps + bitmaps + 2 * flag_bytes
+    bound = fixed + sum(c.count * c.width for c in changed)
     try:
         params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as e:
@@ -300,23 +392,42 @@ def apply_patch(
         raise DeltaError(f"patch data is corrupt, truncated or has trailing bytes: {e}") from e
     if len(payload) < fixed:
         raise DeltaError(f"patch data decompressed to {len(payload)} bytes, the table needs at least {fixed}")
+    return payload
 
-    buf = np.frombuffer(payload, dtype=np.uint8)
-    at = 2 * gw * len(changed)
+
+def _split(
+    buf: np.ndarray, changed: list[_Changed], gw: int
+) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+    """The frame content's sections: heads (one row per changed tensor), each tensor's position code
+    (its gaps or its bitmap), sign bits, "|d| > 1" bits, and the values |d| - 1 > 0 by element width."""
+    import numpy as np
+
+    heads_n, gaps_n, bitmaps_n, flag_bytes = _sizes(changed, gw)
+    total = sum(c.count for c in changed)
+    at = heads_n
     heads = _unshuffle(buf[:at], gw).reshape(-1, 2)
-    all_gaps = _unshuffle(buf[at : at + total * gw], gw)
-    at += total * gw
-    all_signs = _unpack(buf[at : at + flag_bytes], total, "sign")
+    all_gaps = _unshuffle(buf[at : at + gaps_n], gw)
+    at += gaps_n
+    codes, g, m = [], 0, at
+    for c in changed:
+        if c.coding == GAPS:
+            codes.append(all_gaps[g : g + c.count])
+            g += c.count
+        else:
+            codes.append(buf[m : m + (c.numel + 7) // 8])
+            m += (c.numel + 7) // 8
+    at += bitmaps_n
+    signs = _unpack(buf[at : at + flag_bytes], total, "sign")
     at += flag_bytes
-    all_flags = _unpack(buf[at : at + flag_bytes], total, "magnitude")
+    flags = _unpack(buf[at : at + flag_bytes], total, "magnitude")
     at += flag_bytes
     values: dict[int, np.ndarray] = {}  # width -> the values |d| - 1 > 0 of that width, in order
-    starts = np.concatenate([[0], np.cumsum([c for _, c, _ in changed])]).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum([c.count for c in changed])]).astype(np.int64)
     for width in _WIDTHS:
         k = sum(
-            int(np.count_nonzero(all_flags[starts[i] : starts[i + 1]]))
-            for i, (_, _, w) in enumerate(changed)
-            if w == width
+            int(np.count_nonzero(flags[starts[i] : starts[i + 1]]))
+            for i, c in enumerate(changed)
+            if c.width == width
         )
         if at + k * width > len(buf):
             raise DeltaError(f"patch data is {len(buf)} bytes, too short for its {width}-byte magnitudes")
@@ -324,51 +435,35 @@ def apply_patch(
         at += k * width
     if at != len(buf):
         raise DeltaError(f"patch data has {len(buf) - at} bytes after its last section")
-
-    out: dict[str, torch.Tensor] = {name: base[name] for name in names}
-    used = dict.fromkeys(_WIDTHS, 0)
-    for i, (name, count, width) in enumerate(changed):
-        b = base[name]
-        old_bits = _bits(b)
-        sl = slice(int(starts[i]), int(starts[i + 1]))
-        pos = _decode_positions(name, old_bits, _dtype_name(b), heads[i], all_gaps[sl])
-        flags = all_flags[sl]
-        k = int(np.count_nonzero(flags))
-        extra = np.zeros(count, f"u{width}")
-        extra[flags] = values[width][used[width] : used[width] + k]
-        used[width] += k
-        if k and (np.any(extra[flags] == 0) or np.any(extra >= extra.dtype.type(1 << (8 * width - 1)))):
-            raise DeltaError(f"patch tensor {name}: a magnitude is out of range")
-        mag = extra + extra.dtype.type(1)
-        d = np.where(all_signs[sl], np.negative(mag), mag).view(old_bits.dtype)
-        floating = b.is_floating_point()
-        new_bits = old_bits.copy()
-        new_bits[pos] = _key(_key(old_bits[pos], floating) + d, floating)
-        if b.dtype == torch.bool and np.any(new_bits.view(np.uint8) > 1):
-            raise DeltaError(f"patch tensor {name}: a bool element gets a value other than 0 or 1")
-        out[name] = torch.from_numpy(new_bits).view(b.dtype).reshape(b.shape)
-    return out
+    return heads, codes, signs, flags, values
 
 
 def _decode_positions(
-    name: str, old_bits: np.ndarray, dtype: str, head: np.ndarray, gaps: np.ndarray
+    c: _Changed, old_bits: np.ndarray, dtype: str, head: np.ndarray, code: np.ndarray
 ) -> np.ndarray:
     """Flat indices of a tensor's changed elements, in the order its values are stored."""
     import numpy as np
 
     cut, n_hot = int(head[0]), int(head[1])
-    count, numel = gaps.size, old_bits.size
-    if n_hot > count:
-        raise DeltaError(f"patch tensor {name}: {n_hot} hot positions of {count} changed")
+    if n_hot > c.count:
+        raise DeltaError(f"patch tensor {c.name}: {n_hot} hot positions of {c.count} changed")
+    if cut and (dtype not in _EXPONENT or cut > 1 << _EXPONENT[dtype][1]):
+        raise DeltaError(f"patch tensor {c.name}: exponent cut {cut} does not fit dtype {dtype}")
+    if n_hot and (not cut or c.coding == BITMAP):
+        raise DeltaError(f"patch tensor {c.name}: hot positions without an exponent cut and gaps")
+    if c.coding == BITMAP:
+        in_order = _unpack(code, c.numel, "position")
+        if int(np.count_nonzero(in_order)) != c.count:
+            raise DeltaError(
+                f"patch tensor {c.name}: its bitmap marks {int(np.count_nonzero(in_order))} "
+                f"positions, the table says {c.count}"
+            )
+        return _bitmap_order(old_bits, dtype, cut)[in_order] if cut else np.flatnonzero(in_order)
     if not cut:
-        if n_hot:
-            raise DeltaError(f"patch tensor {name}: hot positions without an exponent cut")
-        return _positions(name, gaps, numel)
-    if dtype not in _EXPONENT or cut > 1 << _EXPONENT[dtype][1]:
-        raise DeltaError(f"patch tensor {name}: exponent cut {cut} does not fit dtype {dtype}")
+        return _positions(c.name, code, c.numel)
     hot_set, order = _hot_set(old_bits, dtype, cut)
-    hot_pos = hot_set[order[_positions(name, gaps[:n_hot], hot_set.size)]] if n_hot else hot_set[:0]
-    cold_r = _positions(name, gaps[n_hot:], numel - hot_set.size) if n_hot < count else hot_set[:0]
+    hot_pos = hot_set[order[_positions(c.name, code[:n_hot], hot_set.size)]] if n_hot else hot_set[:0]
+    cold_r = _positions(c.name, code[n_hot:], c.numel - hot_set.size) if n_hot < c.count else hot_set[:0]
     cold_pos = cold_r + np.searchsorted(hot_set - np.arange(hot_set.size), cold_r, side="right")
     return np.concatenate([hot_pos, cold_pos])
 
@@ -450,7 +545,7 @@ _WIDTHS = (1, 2, 4, 8)
 
 # float formats whose exponent classes steer position coding: dtype -> (mantissa bits, exponent bits)
 _EXPONENT = {"bfloat16": (7, 8), "float16": (10, 5), "float32": (23, 8), "float64": (52, 11)}
-_CLASSES = 8  # exponent classes of the hot elements, the lowest also takes all smaller exponents (format v1)
+_CLASSES = 8  # exponent classes of the hot elements, the lowest also takes all smaller exponents (format v2)
 _CUT_OFFSET = -2  # encoder's choice (sent per tensor): the cut is 2 binades below the median exponent
 _SAMPLE_STRIDE = 61  # the median is taken over every 61st element
 
@@ -472,6 +567,15 @@ def _hot_mask(bits: np.ndarray, dtype: str, cut: int) -> np.ndarray:
     mant, _ = _EXPONENT[dtype]
     u = bits.view(f"u{bits.itemsize}")
     return (u & ((1 << (8 * bits.itemsize - 1)) - 1)) < (cut << mant)
+
+
+def _bitmap_order(old_bits: np.ndarray, dtype: str, cut: int) -> np.ndarray:
+    """Flat indices of all elements in a bitmap's order: the hot ones (exponent < cut), then the cold
+    ones, each in position order."""
+    import numpy as np
+
+    hot = _hot_mask(old_bits, dtype, cut)
+    return np.concatenate([np.flatnonzero(hot), np.flatnonzero(~hot)])
 
 
 def _hot_set(old_bits: np.ndarray, dtype: str, cut: int) -> tuple[np.ndarray, np.ndarray]:
@@ -544,15 +648,19 @@ def _parse(patch: bytes | bytearray | memoryview) -> tuple[list[list[Any]], memo
     for i, row in enumerate(table):
         if not (
             isinstance(row, list)
-            and len(row) == 4
+            and len(row) == 5
             and isinstance(row[0], str)
             and isinstance(row[1], str)
             and isinstance(row[2], list)
             and all(type(s) is int and s >= 0 for s in row[2])
             and type(row[3]) is int
             and row[3] >= 0
+            and type(row[4]) is int
+            and row[4] in (GAPS, BITMAP)
         ):
-            raise DeltaError(f"patch table row {i} is not [name, dtype, shape, changed]: {str(row)[:200]}")
+            raise DeltaError(
+                f"patch table row {i} is not [name, dtype, shape, changed, coding]: {str(row)[:200]}"
+            )
         if row[0] in seen:
             raise DeltaError(f"patch table names tensor {row[0]} twice")
         seen.add(row[0])

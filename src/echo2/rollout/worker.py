@@ -82,6 +82,7 @@ class WorkerCounters:
     install_failures: int = 0  # staged versions refused (digest, base, malformed): the old one kept serving
     install_s: float = 0.0  # seconds building (decode / patch / digest) and loading installed versions
     last_install_s: float = 0.0  # of which the last install (reported in heartbeats)
+    install_cpu_s: float = 0.0  # CPU seconds the installing thread spent on them (install_s is wall time)
     gen_s: float = 0.0  # seconds generating (throttle included)
     idle_s: float = 0.0  # seconds waiting for a lease
     env_failures: int = 0  # leases dropped because an environment failed to start (reset raised or hung)
@@ -228,7 +229,7 @@ class RolloutWorker:
         from echo2.models.delta import DeltaError
 
         with self._stage_lock:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 staged = self.weights.stage(links)
                 if staged is None:
@@ -245,6 +246,7 @@ class RolloutWorker:
             self.counters.installs += 1
             self.counters.last_install_s = time.perf_counter() - t0
             self.counters.install_s += self.counters.last_install_s
+            self.counters.install_cpu_s += time.thread_time() - cpu0
             return True
 
     def _install_pending(self) -> None:

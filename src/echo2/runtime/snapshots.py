@@ -60,7 +60,8 @@ class Encoded:
     blob: bytes
     lineage: Lineage
     full_bytes: int  # bytes of the weights in the publication dtype (what an anchor ships, about)
-    encode_s: float  # seconds to copy, diff, compress and digest
+    encode_s: float  # seconds to diff, compress and digest
+    encode_cpu_s: float  # of which CPU seconds of the encoding thread
 
 
 class Snapshots:
@@ -110,9 +111,9 @@ class Snapshots:
         from echo2.models.delta import sampler_copy
 
         t0 = time.perf_counter()
-        weights = await asyncio.to_thread(sampler_copy, model, self.cfg.dtype)
+        weights, copy_cpu_s = await asyncio.to_thread(_cpu_timed, sampler_copy, model, self.cfg.dtype)
         await self.flush()
-        self._pending = asyncio.ensure_future(self._publish_weights(version, weights, t0))
+        self._pending = asyncio.ensure_future(self._publish_weights(version, weights, t0, copy_cpu_s))
         if wait:
             await self.flush()
 
@@ -122,7 +123,9 @@ class Snapshots:
             pending, self._pending = self._pending, None
             await pending
 
-    async def _publish_weights(self, version: int, weights: dict[str, torch.Tensor], t0: float) -> None:
+    async def _publish_weights(
+        self, version: int, weights: dict[str, torch.Tensor], t0: float, copy_cpu_s: float
+    ) -> None:
         enc = await asyncio.to_thread(self.encode, weights)
         await self.publish(version, enc.blob, enc.lineage)
         self._base = weights
@@ -133,15 +136,18 @@ class Snapshots:
             "broadcast/patch_ratio": len(enc.blob) / max(1, enc.full_bytes),
             "broadcast/anchor": float(enc.lineage.kind == "full"),
             "broadcast/encode_s": enc.encode_s,
-            # copy, encode, chunk digests, signature, announcements
+            # copy, encode, chunk digests, signature, announcements (wall time)
             "broadcast/publish_s": time.perf_counter() - t0,
+            # CPU seconds of the threads that copied and encoded (wall time above also counts waiting for
+            # a core and for the interpreter lock, which the update holds between its native calls)
+            "broadcast/publish_cpu_s": copy_cpu_s + enc.encode_cpu_s,
         }
 
     def encode(self, weights: dict[str, torch.Tensor]) -> Encoded:
         """The next publication of ``weights`` (a sampler copy; any thread)."""
         from echo2.models.delta import encode_full, encode_patch, weights_digest
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         cfg = self.cfg
         digest = weights_digest(weights)
         full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -151,9 +157,12 @@ class Snapshots:
             if len(patch) <= cfg.max_patch_ratio * full_bytes:
                 base_digest = self.chain[-1].manifest["lineage"]["weights_digest"]
                 lineage = Lineage("patch", self.version, base_digest, digest)
-                return Encoded(patch, lineage, full_bytes, time.perf_counter() - t0)
+                return Encoded(
+                    patch, lineage, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0
+                )
         anchor = Lineage("full", weights_digest=digest)
-        return Encoded(encode_full(weights), anchor, full_bytes, time.perf_counter() - t0)
+        blob = encode_full(weights)
+        return Encoded(blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0)
 
     async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> None:
         """Sign and announce ``blob`` as ``version`` (``lineage``: anchor or patch; default a full
@@ -192,3 +201,9 @@ class Snapshots:
         for task in list(self._tasks):
             task.cancel()
         await self.publisher.close()
+
+
+def _cpu_timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and the CPU seconds the calling thread spent in it."""
+    cpu0 = time.thread_time()
+    return fn(*args), time.thread_time() - cpu0

@@ -14,7 +14,7 @@ import torch
 import zstandard
 
 from echo2.errors import Echo2Error
-from echo2.models import delta
+from echo2.models import delta, rice
 from echo2.models.delta import (
     DeltaError,
     apply_patch,
@@ -105,7 +105,7 @@ def test_round_trip_small_steps_specials_and_sign_flips(dtype):
     new["b.weight"][100] = float("nan")
     new["steps"][3] = -(2**63)  # integer buffer wraps to its extreme
     assert not bits_equal(base, new)
-    assert delta._choose_cut(delta._bits(base["a.weight"]), str(dtype)[6:]) > 0  # the hot path is in use
+    assert delta._cut(delta._bits(base["a.weight"]), str(dtype)[6:]) > 0  # hot classes are in use
     patch = round_trip(base, new)
     info = patch_info(patch)
     changed = sum(int((bits(base[k]) != bits(new[k])).sum()) for k in base)
@@ -171,39 +171,51 @@ def test_patch_is_small_at_rl_learning_rates():
     assert len(patch) / full < 0.8 * info["changed"] / info["elements"]  # < 0.8 bytes per changed bf16
 
 
-def codings(patch: bytes) -> dict[str, int]:
-    """Each changed tensor's position coding, from the patch's table (0: gaps, 1: bitmap)."""
-    table, _ = delta._parse(patch)
-    return {row[0]: row[4] for row in table if row[3]}
+def position_costs(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
+    """Bits of the Rice streams that code the changed positions; the sum over the classes of
+    n * H(k / n), what coding them costs at best given the classes; and whether some class has more
+    than half of it changed. The classes as the decoder derives them."""
+    from echo2.models import rice
+
+    coded = entropy = 0.0
+    flipped = False
+    for dtype, names in delta._by_dtype(sorted(base), base):
+        old = np.concatenate([delta._bits(base[k]) for k in names])
+        changed = old != np.concatenate([delta._bits(new[k]) for k in names])
+        classes = delta._Classes.of(old, dtype, [base[k].numel() for k in names])
+        counts, gaps, params, _ = classes.code(changed)
+        rem, unary = rice.encode(gaps, params)
+        coded += 8 * (len(rem) + len(unary))
+        flipped |= bool(np.any(2 * counts > classes.sizes))
+        mixed = (counts > 0) & (counts < classes.sizes)
+        n, p = classes.sizes[mixed], counts[mixed] / classes.sizes[mixed]
+        entropy += float(np.sum(n * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))))
+    return coded, entropy, flipped
 
 
-def test_sparse_changes_are_gap_coded_dense_ones_bitmaps_both_exact(monkeypatch):
-    """The encoder picks gaps below 1/8 of a tensor changed and a bitmap from there on, with and
-    without an exponent cut (floats and integers); every mix round-trips bit for bit, and at half the
-    values changed the bitmap is the smaller coding."""
+def test_sparse_and_dense_classes_round_trip_close_to_the_entropy():
+    """Sparse changes (few per class: their ranks are coded) and dense ones (more than half of a class:
+    the unchanged elements' ranks are coded), floats with hot classes and integers; every mix round
+    trips bit for bit, and the Rice-coded positions cost within 0.1 bit per change of the entropy of
+    the changed positions given the classes."""
     g = torch.Generator().manual_seed(4)
-    master = torch.randn(20_000, generator=g) * 0.02
+    master = torch.randn(200_000, generator=g) * 0.02
     ints = torch.randint(-1000, 1000, (20_000,), generator=g, dtype=torch.int32)
     base = {"sparse": master.bfloat16(), "dense": master.bfloat16(), "ints_s": ints, "ints_d": ints.clone()}
     new = {k: t.clone() for k, t in base.items()}
     new["sparse"] = (master + 3e-6 * torch.randn(master.shape, generator=g)).bfloat16()
     new["dense"] = (master + 3e-4 * torch.randn(master.shape, generator=g)).bfloat16()
     new["ints_s"][::50] += 1
-    new["ints_d"][::2] -= 3
-    patch = round_trip(base, new)
-    assert codings(patch) == {
-        "sparse": delta.GAPS,
-        "dense": delta.BITMAP,
-        "ints_s": delta.GAPS,
-        "ints_d": delta.BITMAP,
-    }
-    density = patch_info(round_trip({"w": base["dense"]}, {"w": new["dense"]}))["changed"] / master.numel()
-    assert 0.3 < density < 0.9
-    monkeypatch.setattr(delta, "BITMAP_DENSITY", 2.0)  # a density no tensor reaches: all gap coded
-    gapped = round_trip({"w": base["dense"]}, {"w": new["dense"]})
-    monkeypatch.undo()
-    assert codings(gapped) == {"w": delta.GAPS}
-    assert len(encode_patch({"w": base["dense"]}, {"w": new["dense"]})) < len(gapped)
+    new["ints_d"][torch.rand(20_000, generator=g) < 2 / 3] -= 3  # about two thirds, at random
+    round_trip(base, new)
+    for name in ("sparse", "dense", "ints_s", "ints_d"):
+        one_base, one_new = {"w": base[name]}, {"w": new[name]}
+        k = patch_info(round_trip(one_base, one_new))["changed"]
+        density = k / base[name].numel()
+        assert density < 0.1 if name.startswith(("sparse", "ints_s")) else density > 0.3
+        coded, entropy, flipped = position_costs(one_base, one_new)
+        assert flipped or name not in ("dense", "ints_d"), name  # dense classes code the unchanged
+        assert coded < entropy + 0.1 * k + 16, (name, coded / k, entropy / k)
 
 
 def test_base_is_never_modified():
@@ -352,32 +364,44 @@ def _le_planes(values, width: int) -> bytes:
     return np.ascontiguousarray(a.view(np.uint8).reshape(-1, width).T).tobytes()
 
 
-def payload(heads, gaps, signs, flags, values, width: int, pad_sign: bool = False, bitmap=b"") -> bytes:
-    """Frame content of a patch for tensors of one element width (module docstring, sections 1-6;
-    uint32 heads and gaps; ``bitmap``: the bytes of section 3)."""
-    n = len(gaps)
-    pad = [0] * ((-n) % 8)
-    if pad_sign:
-        pad[0] = 1
+def _packed(bit_string: str, pad: str = "0") -> bytes:
+    """Bits (a string of 0 and 1) packed most significant first, padded with ``pad`` to whole bytes."""
+    bit_string += pad * ((-len(bit_string)) % 8)
+    return bytes(int(bit_string[i : i + 8], 2) for i in range(0, len(bit_string), 8))
+
+
+def rice_streams(gaps, params) -> tuple[bytes, bytes]:
+    """The remainder and unary streams of the module docstrings, written out bit by bit (an
+    independent spelling of echo2.models.rice)."""
+    pairs = list(zip(gaps, params, strict=True))
+    rem = "".join(
+        format(v & ((1 << r) - 1), f"0{r}b") for r in sorted(set(params) - {0}) for v, q in pairs if q == r
+    )
+    unary = "".join("1" * (v >> r) + "0" for v, r in pairs)
+    return _packed(rem), _packed(unary, pad="1")
+
+
+def payload(counts, gaps, params, signs, flags, values, width: int, *, pad_sign=False, rem=None, unary=None):
+    """Frame content of a patch whose changed tensors share one dtype of ``width`` bytes (sections 1-6
+    of the module docstring; uint32 counts). ``rem`` / ``unary`` replace the streams ``gaps`` and
+    ``params`` give."""
+    good_rem, good_unary = rice_streams(gaps, params)
+    n = len(signs)
+    sign_bits = "".join(map(str, signs)) + ("1" if pad_sign and n % 8 else "")
     return b"".join(
         [
-            _le_planes([x for h in heads for x in h], 4),
-            _le_planes(gaps, 4),
-            bitmap,
-            np.packbits(np.array(list(signs) + pad, dtype=bool)).tobytes(),
-            np.packbits(np.array(flags, dtype=bool)).tobytes(),
+            _le_planes(counts, 4),
+            good_rem if rem is None else rem,
+            _packed(sign_bits),
+            _packed("".join(map(str, flags))),
             _le_planes(values, width),
+            good_unary if unary is None else unary,
         ]
     )
 
 
-def body(heads=((0, 0),), gaps=(3, 3), signs=(0, 1), flags=(0, 1), values=(2,), pad_sign=False) -> bytes:
-    """A variant of GOOD (an int32 tensor of 16: positions 2 and 5 change by +1 and -3)."""
-    return payload(heads, gaps, signs, flags, values, 4, pad_sign)
-
-
 def craft(
-    table, content: bytes, *, magic=b"E2WP", version=2, content_size=True, tail=b"", frame=None
+    table, content: bytes, *, magic=b"E2WP", version=3, content_size=True, tail=b"", frame=None
 ) -> bytes:
     head = json.dumps(table).encode()
     if frame is None:
@@ -385,57 +409,73 @@ def craft(
     return struct.pack("<4sHI", magic, version, len(head)) + head + frame + tail
 
 
+# an int32 tensor of 16 (one cold class): positions 2 and 5 change by +1 and -3. Two of 16 coded:
+# Rice parameter floor(log2(floor(0.9624 * (7 + 0.5)))) = 2; ranks 2, 5 are gaps 2, 2; signs 0, 1;
+# |d| - 1 = 0, 2 (flagged on the second)
 BASE = {"w": torch.arange(16, dtype=torch.int32)}
-TABLE = [["w", "int32", [16], 2, 0]]
-# positions 2 and 5 change by +1 and -3: gaps 3, 3; signs 0, 1; |d| - 1 = 0, 2 (flag on the second)
+TABLE = [["w", "int32", [16], 2]]
+
+
+def body(counts=(2,), gaps=(2, 2), params=(2, 2), signs=(0, 1), flags=(0, 1), values=(2,), **kw) -> bytes:
+    """A variant of GOOD."""
+    return payload(counts, gaps, params, signs, flags, values, 4, **kw)
+
+
 GOOD = body()
 
 
 def test_crafted_patch_matches_the_spec():
+    assert rice.parameters(np.array([16]), np.array([2])).tolist() == [2]
+    assert rice_streams([2, 2], [2, 2]) == (b"\xa0", b"\x3f")  # 10 10 0000 | 0 0 111111
     got = apply_patch(BASE, craft(TABLE, GOOD))
     want = BASE["w"].clone()
     want[2] += 1
     want[5] -= 3
     assert torch.equal(got["w"], want)
+    # and the encoder writes exactly this: table and frame content
+    table, frame = delta._parse(encode_patch(BASE, {"w": want}))
+    assert table == TABLE
+    assert zstandard.ZstdDecompressor().decompress(bytes(frame)) == GOOD
 
 
 BAD_PATCHES = {
     "bad magic": (craft(TABLE, GOOD, magic=b"E2XX"), "magic"),
-    "unknown version": (craft(TABLE, GOOD, version=3), "version 3"),
-    "old version": (craft(TABLE, GOOD, version=1), "version 1"),
-    "short header": (b"E2WP\x02", "shorter than"),
-    "table past the end": (struct.pack("<4sHI", b"E2WP", 2, 1000) + b"[]", "past the end"),
-    "table not json": (struct.pack("<4sHI", b"E2WP", 2, 3) + b"{[x", "not JSON"),
+    "unknown version": (craft(TABLE, GOOD, version=4), "version 4"),
+    "old version": (craft(TABLE, GOOD, version=2), "version 2"),
+    "short header": (b"E2WP\x03", "shorter than"),
+    "table past the end": (struct.pack("<4sHI", b"E2WP", 3, 1000) + b"[]", "past the end"),
+    "table not json": (struct.pack("<4sHI", b"E2WP", 3, 3) + b"{[x", "not JSON"),
     "table not a list": (craft({"w": 1}, GOOD), "not a list"),
-    "bad row": (craft([["w", "int32", [16], 2]], GOOD), "row 0"),
-    "unknown coding": (craft([["w", "int32", [16], 2, 2]], GOOD), "row 0"),
-    "bool count": (craft([["w", "int32", [16], True, 0]], GOOD), "row 0"),
-    "negative dim": (craft([["w", "int32", [-16], 2, 0]], GOOD), "row 0"),
+    "bad row": (craft([["w", "int32", [16], 2, 0]], GOOD), "row 0"),
+    "bool count": (craft([["w", "int32", [16], True]], GOOD), "row 0"),
+    "negative dim": (craft([["w", "int32", [-16], 2]], GOOD), "row 0"),
     "duplicate name": (craft([*TABLE, *TABLE], GOOD), "twice"),
-    "unknown tensor": (craft([*TABLE, ["v", "int32", [1], 0, 0]], GOOD), "unknown"),
+    "unknown tensor": (craft([*TABLE, ["v", "int32", [1], 0]], GOOD), "unknown"),
     "missing tensor": (craft([], b""), "missing"),
-    "dtype mismatch": (craft([["w", "int64", [16], 2, 0]], GOOD), "dtype"),
-    "shape mismatch": (craft([["w", "int32", [4, 4], 2, 0]], GOOD), "shape"),
-    "count too large": (craft([["w", "int32", [16], 17, 0]], GOOD), "17 changed"),
+    "dtype mismatch": (craft([["w", "int64", [16], 2]], GOOD), "dtype"),
+    "shape mismatch": (craft([["w", "int32", [4, 4], 2]], GOOD), "shape"),
+    "count too large": (craft([["w", "int32", [16], 17]], GOOD), "17 changed"),
     "not a zstd frame": (craft(TABLE, GOOD, frame=b"\x00" * 30), "not a zstandard frame"),
     "empty frame": (craft(TABLE, GOOD, frame=b""), "not a zstandard frame"),
     "truncated frame": (craft(TABLE, GOOD)[:-3], "truncated"),
     "trailing garbage": (craft(TABLE, GOOD, tail=b"\x00"), "trailing"),
     "second frame": (craft(TABLE, GOOD, tail=zstandard.ZstdCompressor().compress(b"x")), "trailing"),
     "no content size": (craft(TABLE, GOOD, content_size=False), "does not declare its size"),
-    "frame too small": (craft(TABLE, GOOD[:10]), "at least"),
-    "positions not increasing": (craft(TABLE, body(gaps=(3, 0))), "increasing"),
-    "position out of range": (craft(TABLE, body(gaps=(3, 14))), "range"),
-    "huge gap": (craft(TABLE, body(gaps=(3, 2**32 - 1))), "range"),
-    "hot without cut": (craft(TABLE, body(heads=((0, 1),))), "cut"),
-    "cut on an integer dtype": (craft(TABLE, body(heads=((5, 0),))), "cut"),
-    "more hot than changed": (craft(TABLE, body(heads=((5, 3),))), "hot"),
+    "frame too small": (craft(TABLE, GOOD[:5]), "at least"),
+    "class counts disagree with the table": (craft(TABLE, body(counts=(3,))), "add up"),
+    "table disagrees with the frame": (craft([["w", "int32", [16], 3]], GOOD), "add up"),
+    "position out of range": (craft(TABLE, body(gaps=(2, 13))), "out of range"),
+    "huge quotient": (craft(TABLE, body(unary=_packed("1" * 40 + "0" + "0", pad="1"))), "out of range"),
+    "too few unary codes": (craft(TABLE, body(unary=b"\x7f")), "1 codes, 2 expected"),
+    "too many unary codes": (craft(TABLE, body(unary=b"\x1f")), "3 codes, 2 expected"),
+    "a unary byte too many": (craft(TABLE, body(unary=b"\x3f\xff")), "after its last code"),
+    "no unary stream": (craft(TABLE, body(unary=b"")), "0 codes, 2 expected"),
+    "remainder padding set": (craft(TABLE, body(rem=b"\xa1")), "nonzero padding"),
     "sign padding set": (craft(TABLE, body(pad_sign=True)), "padding"),
     "zero magnitude flagged": (craft(TABLE, body(values=(0,))), "magnitude"),
     "magnitude overflow": (craft(TABLE, body(values=(2**31,))), "magnitude"),
-    "magnitudes missing": (craft(TABLE, body(flags=(1, 1))), "too short"),
-    "bytes after the last section": (craft(TABLE, GOOD + b"\x00" * 4), "after its last section"),
-    "counts disagree with the frame": (craft([["w", "int32", [16], 3, 0]], GOOD), "out of range|short|after"),
+    "magnitudes missing": (craft(TABLE, body(flags=(1, 1))), "too short|codes"),
+    "bytes after the last section": (craft(TABLE, GOOD + b"\xff"), "after its last code"),
 }
 
 
@@ -446,65 +486,37 @@ def test_malformed_patch_is_refused(case):
         apply_patch(BASE, patch)
 
 
-def test_gap_overflow_is_refused():
-    """uint64 gaps (tensors of 2**32 elements or more) can sum past int64: a wrap is refused, not used."""
-    with pytest.raises(DeltaError, match="overflow"):
-        delta._positions("w", np.array([2**62, 2**62, 2**62], dtype=np.uint64), 1 << 40)
-    with pytest.raises(DeltaError, match="increasing"):  # >= 2**63: negative as int64
-        delta._positions("w", np.array([1, 2**63], dtype=np.uint64), 1 << 40)
-    assert delta._positions("w", np.array([1, 2, 3], dtype=np.uint64), 7).tolist() == [0, 2, 5]
-
-
-def test_malformed_hot_positions_and_bool_values_are_refused():
-    # bf16: 0.5 has exponent 126, 1.0 has 127; with cut 127 the 0.5s are the hot set
-    base = {"h": torch.tensor([0.5, 1.0] * 40, dtype=torch.bfloat16)}
-    table = [["h", "bfloat16", [80], 1, 0]]
-    ok = craft(table, payload([(127, 1)], [40], [0], [0], [], 2))  # hot rank 39: the last 0.5
-    got = apply_patch(base, ok)["h"]
-    assert (bits(got) != bits(base["h"])).nonzero().flatten().tolist() == [78]
-    with pytest.raises(DeltaError, match="range"):  # hot rank 40 of 40 hot elements
-        apply_patch(base, craft(table, payload([(127, 1)], [41], [0], [0], [], 2)))
-    with pytest.raises(DeltaError, match="cut"):  # bf16 exponents end at 255
-        apply_patch(base, craft(table, payload([(300, 1)], [1], [0], [0], [], 2)))
+def test_crafted_hot_classes_and_bool_values():
+    # bf16 0.25 (exponent 125) and 1.0 (127) alternating: every 61st element samples both, so the cut
+    # is their median 126; the 0.25s (even positions) are hot, in one class, and come first
+    h = {"h": torch.tensor([0.25, 1.0] * 40, dtype=torch.bfloat16)}
+    assert delta._cut(delta._bits(h["h"]), "bfloat16") == 126
+    table = [["h", "bfloat16", [80], 2]]
+    # one change per class: the last hot element (rank 39 of 40, position 78) and the first cold one
+    # (rank 0, position 1); parameter floor(log2(floor(0.9624 * 39.5))) = 5 for both
+    content = payload([1, 1], [39, 0], [5, 5], [0, 0], [0, 0], [], 2)
+    got = apply_patch(h, craft(table, content))["h"]
+    assert (bits(got) != bits(h["h"])).nonzero().flatten().tolist() == [1, 78]
+    assert got[78].item() > 0.25 and got[1].item() > 1.0  # +1 ulp each
+    with pytest.raises(DeltaError, match="out of range"):  # hot rank 40 of 40 hot elements
+        apply_patch(h, craft(table, payload([1, 1], [40, 0], [5, 5], [0, 0], [0, 0], [], 2)))
+    with pytest.raises(DeltaError, match="add up"):  # three changes for the table's two
+        apply_patch(h, craft(table, payload([2, 1], [0, 0, 0], [4, 4, 5], [0] * 3, [0] * 3, [], 2)))
+    one_hot = {"h": torch.tensor([0.25] + [1.0] * 79, dtype=torch.bfloat16)}  # a hot class of one
+    with pytest.raises(DeltaError, match="add up"):  # both changes claimed by it
+        apply_patch(one_hot, craft(table, payload([2, 0], [0, 0], [0, 0], [0, 0], [0, 0], [], 2)))
     flags = {"m": torch.tensor([True, False])}
-    bad = craft([["m", "bool", [2], 1, 0]], payload([(0, 0)], [2], [0], [1], [1], 1))  # False + 2
-    with pytest.raises(DeltaError, match="bool"):
+    bad = craft([["m", "bool", [2], 1]], payload([1], [1], [0], [0], [1], [1], 1))  # False + 2
+    with pytest.raises(DeltaError, match="0 or 1"):
         apply_patch(flags, bad)
 
 
-def bitmap(n: int, marked, pad: int = 0) -> bytes:
-    bits = np.zeros(n + (-n) % 8, dtype=bool)
-    bits[list(marked)] = True
-    if pad:
-        bits[n + pad - 1] = True  # a padding bit set
-    return np.packbits(bits).tobytes()
-
-
-def test_crafted_bitmap_patches_decode_or_are_refused():
-    # int32 w of 16, positions 2 and 5 by +1 and -3 as a bitmap (no cut: position order)
-    table = [["w", "int32", [16], 2, 1]]
-    ok = craft(table, payload([(0, 0)], [], [0, 1], [0, 1], [2], 4, bitmap=bitmap(16, [2, 5])))
-    assert torch.equal(apply_patch(BASE, ok)["w"], apply_patch(BASE, craft(TABLE, GOOD))["w"])
-    bad = {
-        "marks": payload([(0, 0)], [], [0, 1], [0, 1], [2], 4, bitmap=bitmap(16, [2, 5, 9])),
-        "hot": payload([(0, 1)], [], [0, 1], [0, 1], [2], 4, bitmap=bitmap(16, [2, 5])),
-        "at least": payload([(0, 0)], [], [0, 1], [0, 0], [], 4, bitmap=b"\x24"),  # one byte short
-    }
-    for match, content in bad.items():
-        with pytest.raises(DeltaError, match=match):
-            apply_patch(BASE, craft(table, content))
-    odd = {"w": torch.arange(12, dtype=torch.int32)}  # 12 bits: 4 padding bits
-    padded = payload([(0, 0)], [], [0, 0], [0, 0], [], 4, bitmap=bitmap(12, [2, 5], pad=2))
-    with pytest.raises(DeltaError, match="padding"):
-        apply_patch(odd, craft([["w", "int32", [12], 2, 1]], padded))
-    # bf16 with cut 127: the 0.5s (even positions) are hot and come first, then the 1.0s
-    h = {"h": torch.tensor([0.5, 1.0] * 40, dtype=torch.bfloat16)}
-    marks = bitmap(80, [39, 40])  # the last hot element (position 78), the first cold one (position 1)
-    got = apply_patch(
-        h,
-        craft([["h", "bfloat16", [80], 2, 1]], payload([(127, 0)], [], [0, 0], [0, 0], [], 2, bitmap=marks)),
-    )
-    assert (bits(got["h"]) != bits(h["h"])).nonzero().flatten().tolist() == [1, 78]
+def test_a_class_more_than_half_changed_codes_its_unchanged_elements():
+    # 14 of the 16 int32 elements change by +1, all but positions 3 and 9: the 2 unchanged are coded
+    # (ranks 3, 9: gaps 3, 5 with parameter 2), the values of the 14 changed follow in position order
+    content = payload([14], [3, 5], [2, 2], [0] * 14, [0] * 14, [], 4)
+    got = apply_patch(BASE, craft([["w", "int32", [16], 14]], content))["w"]
+    assert (got - BASE["w"]).tolist() == [1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1]
 
 
 def test_decompression_is_bounded_by_the_table():
@@ -530,15 +542,14 @@ def test_decompression_is_bounded_by_the_table():
         apply_patch(BASE, lying)
 
 
-@pytest.mark.parametrize("lr", [1e-3, 3e-6], ids=["bitmaps", "gaps"])
+@pytest.mark.parametrize("lr", [1e-3, 3e-6], ids=["dense", "sparse"])
 def test_corrupted_or_truncated_real_patches_never_decode_wrongly(lr):
-    """Flip bytes anywhere in a real patch (dense changes: bitmaps; sparse ones: gaps), or cut it
-    short: apply_patch either raises DeltaError (never another exception) or, where a flipped byte
-    carries no information, returns exactly the right weights."""
+    """Flip bytes anywhere in a real patch (dense changes, where most classes code their unchanged
+    elements; sparse ones), or cut it short: apply_patch either raises DeltaError (never another
+    exception) or, where a flipped byte carries no information, returns exactly the right weights."""
     base = weights(torch.bfloat16)
     new = step(base, lr)
     patch = encode_patch(base, new)
-    assert set(codings(patch).values()) == {delta.BITMAP if lr > 1e-4 else delta.GAPS}
     want = weights_digest(new)
     rng = random.Random(0)
     spots = sorted({*range(0, 24), *rng.sample(range(len(patch)), min(150, len(patch)))})

@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from echo2.models.delta import (  # noqa: E402
+    FORMAT_VERSION,
     apply_patch,
     encode_full,
     encode_patch,
@@ -293,7 +294,7 @@ def study_bytes(quick: bool = False, seed: int = 0) -> dict:
             "llm_median_ratio_aim": all(v <= AIM_MEDIAN_RATIO for v in llm_medians.values()),
             "digest_ok_fraction": ok / checked >= TARGET_DIGEST_OK,
         },
-        "codec": {"zstd_level": 3, "publish_dtype": "bfloat16"},
+        "codec": {"zstd_level": 3, "publish_dtype": "bfloat16", "patch_format": FORMAT_VERSION},
         "quick": quick,
     }
 

@@ -487,22 +487,23 @@ def test_malformed_patch_is_refused(case):
 
 
 def test_crafted_hot_classes_and_bool_values():
-    # bf16 0.25 (exponent 125) and 1.0 (127) alternating: every 61st element samples both, so the cut
-    # is their median 126; the 0.25s (even positions) are hot, in one class, and come first
-    h = {"h": torch.tensor([0.25, 1.0] * 40, dtype=torch.bfloat16)}
-    assert delta._cut(delta._bits(h["h"]), "bfloat16") == 126
+    # bf16 0.0625 (exponent 123) and 1.0 (127) alternating: every 61st element samples both, so the
+    # cut is one below their median 125; the 0.0625s (even positions) are hot, in one class, and come
+    # first
+    h = {"h": torch.tensor([0.0625, 1.0] * 40, dtype=torch.bfloat16)}
+    assert delta._cut(delta._bits(h["h"]), "bfloat16") == 124
     table = [["h", "bfloat16", [80], 2]]
     # one change per class: the last hot element (rank 39 of 40, position 78) and the first cold one
     # (rank 0, position 1); parameter floor(log2(floor(0.9624 * 39.5))) = 5 for both
     content = payload([1, 1], [39, 0], [5, 5], [0, 0], [0, 0], [], 2)
     got = apply_patch(h, craft(table, content))["h"]
     assert (bits(got) != bits(h["h"])).nonzero().flatten().tolist() == [1, 78]
-    assert got[78].item() > 0.25 and got[1].item() > 1.0  # +1 ulp each
+    assert got[78].item() > 0.0625 and got[1].item() > 1.0  # +1 ulp each
     with pytest.raises(DeltaError, match="out of range"):  # hot rank 40 of 40 hot elements
         apply_patch(h, craft(table, payload([1, 1], [40, 0], [5, 5], [0, 0], [0, 0], [], 2)))
     with pytest.raises(DeltaError, match="add up"):  # three changes for the table's two
         apply_patch(h, craft(table, payload([2, 1], [0, 0, 0], [4, 4, 5], [0] * 3, [0] * 3, [], 2)))
-    one_hot = {"h": torch.tensor([0.25] + [1.0] * 79, dtype=torch.bfloat16)}  # a hot class of one
+    one_hot = {"h": torch.tensor([0.0625] + [1.0] * 79, dtype=torch.bfloat16)}  # a hot class of one
     with pytest.raises(DeltaError, match="add up"):  # both changes claimed by it
         apply_patch(one_hot, craft(table, payload([2, 0], [0, 0], [0, 0], [0, 0], [0, 0], [], 2)))
     flags = {"m": torch.tensor([True, False])}

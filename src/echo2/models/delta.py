@@ -27,7 +27,8 @@ Per changed element the patch stores where it is and by how much its bits moved:
 - *position*: whether an element changes depends mostly on its exponent (one AdamW step of ~lr moves
   a weight across a rounding boundary with probability ~ lr / ulp, and the ulp doubles per binade).
   So elements are grouped into *classes* that the decoder derives from the base alone. A float tensor
-  of 64 elements or more has a *cut*, the median exponent of every 61st element; its elements below
+  of 64 elements or more has a *cut*, one below the median exponent of every 61st element (about
+  15% of a normally distributed tensor lies below it); its elements below
   the cut are *hot* and fall into 10 classes by exponent (the lowest also takes all smaller
   exponents), the others form its *cold* class. Any other tensor is one cold class. The changed
   tensors of one dtype are coded together, and the dtypes in name order (the *patch order*); the
@@ -677,7 +678,8 @@ _WIDTHS = (1, 2, 4, 8)
 # float formats whose exponent classes steer position coding: dtype -> (mantissa bits, exponent bits)
 _EXPONENT = {"bfloat16": (7, 8), "float16": (10, 5), "float32": (23, 8), "float64": (52, 11)}
 _HOT_CLASSES = 10  # exponent classes of the hot elements, the lowest also takes all smaller exponents
-_SAMPLE_STRIDE = 61  # a tensor's cut is the median exponent of every 61st element
+_SAMPLE_STRIDE = 61  # a tensor's cut is one below the median exponent of every 61st element
+_CUT_OFFSET = -1
 _MIN_CUT_ELEMENTS = 64  # smaller tensors (and other dtypes) have no hot elements
 
 
@@ -694,13 +696,13 @@ def _exponents(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 def _cut(old_bits: np.ndarray, dtype: str) -> int:
     """The exponent below which a tensor's elements are hot (their ulp is small, so they are likely
-    to change): the median exponent of a sample of the base; 0 (none) for other dtypes and tiny
-    tensors."""
+    to change): one below the median exponent of a sample of the base; 0 (none) for other dtypes and
+    tiny tensors."""
     import numpy as np
 
     if dtype not in _EXPONENT or old_bits.size < _MIN_CUT_ELEMENTS:
         return 0
-    return int(np.median(_exponents(old_bits[::_SAMPLE_STRIDE], dtype)))
+    return max(0, int(np.median(_exponents(old_bits[::_SAMPLE_STRIDE], dtype))) + _CUT_OFFSET)
 
 
 def _count_width_of(table: list[list[Any]]) -> int:

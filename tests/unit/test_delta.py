@@ -180,10 +180,11 @@ def position_costs(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) 
     coded = entropy = 0.0
     flipped = False
     for dtype, names in delta._by_dtype(sorted(base), base):
-        old = np.concatenate([delta._bits(base[k]) for k in names])
-        changed = old != np.concatenate([delta._bits(new[k]) for k in names])
-        classes = delta._Classes.of(old, dtype, [base[k].numel() for k in names])
-        counts, gaps, params, _ = classes.code(changed)
+        olds = [delta._bits(base[k]) for k in names]
+        classes = delta._Classes.of(olds, dtype)
+        counts, gaps, params, _ = classes.code(
+            [o != delta._bits(new[k]) for o, k in zip(olds, names, strict=True)]
+        )
         rem, unary = rice.encode(gaps, params)
         coded += 8 * (len(rem) + len(unary))
         flipped |= bool(np.any(2 * counts > classes.sizes))

@@ -198,27 +198,29 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         kept = [(p, c) for p, c in zip(pieces, masks, strict=True) if counts[p[0]]]
         if not kept:
             continue
-        # the changed tensors of a dtype, end to end
-        old = np.concatenate([p[1] for p, _ in kept])
-        new_bits = np.concatenate([p[2] for p, _ in kept])
-        changed = np.concatenate([c for _, c in kept])
-        classes = _Classes.of(old, dtype, [p[1].size for p, _ in kept])
-        class_counts, gaps, params, pos = classes.code(changed)
+        olds, news = [p[1] for p, _ in kept], [p[2] for p, _ in kept]
+        class_counts, gaps, params, parts = _Classes.of(olds, dtype).code([c for _, c in kept])
         sec.counts.append(class_counts)
         sec.gaps.append(gaps)
         sec.params.append(params)
         floating = dtype in _EXPONENT
-        d = (_key(new_bits[pos], floating) - _key(old[pos], floating)).view(f"u{old.itemsize}")
-        negative = d >= d.dtype.type(1 << (8 * old.itemsize - 1))
+        # per tensor its hot changes, then per tensor its cold ones: the class order
+        d = np.concatenate(
+            [
+                _key(news[j % len(olds)][pos], floating) - _key(olds[j % len(olds)][pos], floating)
+                for j, pos in enumerate(parts)
+            ]
+        ).view(f"u{olds[0].itemsize}")
+        negative = d >= d.dtype.type(1 << (8 * olds[0].itemsize - 1))
         sec.signs.append(negative)
         sec.extras.append(np.where(negative, np.negative(d), d) - d.dtype.type(1))  # |d| - 1
     table = [[name, _dtype_name(base[name]), list(base[name].shape), counts[name]] for name in names]
     rem, unary = rice.encode(_cat(sec.gaps, np.int64), _cat(sec.params, np.int64))
-    parts = sec.parts(_count_width_of(table), rem, unary)
+    sections = sec.parts(_count_width_of(table), rem, unary)
     head = json.dumps(table, separators=(",", ":")).encode()
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True)
-    cobj = cctx.compressobj(size=sum(len(p) for p in parts))
-    frame = [cobj.compress(p) for p in parts]
+    cobj = cctx.compressobj(size=sum(len(p) for p in sections))
+    frame = [cobj.compress(p) for p in sections]
     frame.append(cobj.flush())
     return b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)), head, *frame])
 
@@ -260,58 +262,50 @@ class _Sections:
 
 @dataclass(frozen=True)
 class _Classes:
-    """The changed tensors of one dtype, end to end, grouped into classes that both sides of a patch
-    derive from the base (module docstring): per tensor of a float dtype, its *hot* elements (exponent
-    below the tensor's cut) fall into ``_HOT_CLASSES`` classes by exponent, and the rest form its
-    *cold* class; other tensors are one cold class. The class order: the hot classes tensor by
-    tensor (ascending exponent within a tensor), then the cold classes tensor by tensor; within a
-    class, position order."""
+    """The changed tensors of one dtype grouped into classes that both sides of a patch derive from
+    the base (module docstring): per tensor of a float dtype, its *hot* elements (exponent below the
+    tensor's cut) fall into ``_HOT_CLASSES`` classes by exponent, and the rest form its *cold* class;
+    other tensors are one cold class. The class order: the hot classes tensor by tensor (ascending
+    exponent within a tensor), then the cold classes tensor by tensor; within a class, position
+    order. Positions are per tensor (flat indices into it)."""
 
     sizes: np.ndarray  # int64: elements per class, in class order
     owner: np.ndarray  # int64: the tensor of each class
     n_hot: int  # the hot classes come first: this many
-    starts: np.ndarray  # int64: each tensor's first flat index, and one past the last
-    hot_mask: np.ndarray  # bool per element: hot
-    hot_flat: np.ndarray  # int64: the hot elements' flat indices, position order
-    hot: np.ndarray  # int64: the same in class order
+    hot_mask: list[np.ndarray]  # per tensor, bool per element: hot
+    hot_flat: list[np.ndarray]  # per tensor, its hot elements in position order
+    hot: list[np.ndarray]  # per tensor, the same in class order
 
     @classmethod
-    def of(cls, old: np.ndarray, dtype: str, sizes: list[int]) -> _Classes:
-        """Classes of tensors of ``dtype`` whose base bits lie end to end in ``old``."""
+    def of(cls, olds: list[np.ndarray], dtype: str) -> _Classes:
+        """Classes of tensors of ``dtype`` with base bits ``olds`` (flat, one array per tensor)."""
         import numpy as np
         import torch
 
-        tensors = len(sizes)
-        starts = np.cumsum([0, *sizes]).astype(np.int64)
-        hot_mask = np.zeros(old.size, dtype=np.bool_)
-        hot_sizes, hot_owner, hot_flat, hot = [], [], [], []
-        for t, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
-            cut = _cut(old[a:b], dtype)
+        hot_sizes, hot_owner, hot_mask, hot_flat, hot = [], [], [], [], []
+        for t, old in enumerate(olds):
+            cut = _cut(old, dtype)
             if not cut:
+                hot_mask.append(np.zeros(old.size, dtype=np.bool_))
+                hot_flat.append(np.zeros(0, dtype=np.int64))
+                hot.append(hot_flat[-1])
                 continue
-            e = _exponents(old[a:b], dtype)
-            np.less(e, cut, out=hot_mask[a:b])
-            here = np.flatnonzero(hot_mask[a:b])
+            e = _exponents(old, dtype)
+            hot_mask.append(e < cut)
+            here = np.flatnonzero(hot_mask[-1])
             lo = cut - _HOT_CLASSES  # class of exponent x: max(x - lo, 0), so 0 .. classes - 1 below the cut
             level = (np.maximum(e[here], lo) - lo if lo >= 0 else e[here] + (-lo)).astype(np.uint8)
             counts = torch.from_numpy(level).bincount().numpy()
             hot_sizes.append(counts[counts > 0])
             hot_owner.append(np.full(hot_sizes[-1].size, t, dtype=np.int64))
-            hot_flat.append(here + a)
-            hot.append(here[np.argsort(level, kind="stable")] + a)
-        empty = np.zeros(0, dtype=np.int64)
-        hot_sizes_a = np.concatenate(hot_sizes).astype(np.int64) if hot_sizes else empty
-        hot_owner_a = np.concatenate(hot_owner) if hot_owner else empty
-        cold = np.asarray(sizes, dtype=np.int64) - np.bincount(hot_owner_a, hot_sizes_a, tensors).astype(int)
-        return cls(
-            np.concatenate([hot_sizes_a, cold]),
-            np.concatenate([hot_owner_a, np.arange(tensors, dtype=np.int64)]),
-            int(hot_sizes_a.size),
-            starts,
-            hot_mask,
-            np.concatenate(hot_flat) if hot_flat else empty,
-            np.concatenate(hot) if hot else empty,
-        )
+            hot_flat.append(here)
+            hot.append(here[np.argsort(level, kind="stable")])
+        hs = np.concatenate(hot_sizes).astype(np.int64) if hot_sizes else np.zeros(0, dtype=np.int64)
+        ho = np.concatenate(hot_owner) if hot_owner else np.zeros(0, dtype=np.int64)
+        cold = np.array([o.size for o in olds], dtype=np.int64) - np.bincount(ho, hs, len(olds)).astype(int)
+        sizes = np.concatenate([hs, cold])
+        owner = np.concatenate([ho, np.arange(len(olds), dtype=np.int64)])
+        return cls(sizes, owner, int(hs.size), hot_mask, hot_flat, hot)
 
     def coded(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per class, for ``counts`` changed elements: how many elements are coded (the changed ones,
@@ -325,51 +319,64 @@ class _Classes:
         m = np.where(flip, self.sizes - counts, counts)
         return m, flip, rice.parameters(self.sizes, m)
 
-    def _cold_rank(self, pos: np.ndarray, t: int) -> np.ndarray:
-        """Ranks within tensor ``t``'s cold class of its cold elements at flat positions ``pos``
+    def _hot_classes(self, t: int) -> slice:
+        """Where tensor ``t``'s hot classes lie in the class order."""
+        import numpy as np
+
+        lo, hi = np.searchsorted(self.owner[: self.n_hot], [t, t + 1])
+        return slice(int(lo), int(hi))
+
+    def _cold_rank(self, t: int, pos: np.ndarray) -> np.ndarray:
+        """Ranks within tensor ``t``'s cold class of its cold elements at positions ``pos``
         (increasing)."""
         import numpy as np
 
-        a, b = self.starts[t], self.starts[t + 1]
-        if 8 * pos.size < b - a:  # few: count the hot elements before each
-            return pos - a - (np.searchsorted(self.hot_flat, pos) - np.searchsorted(self.hot_flat, a))
-        return (np.cumsum(~self.hot_mask[a:b]) - 1)[pos - a]
+        if 8 * pos.size < self.hot_mask[t].size:  # few: count the hot elements before each
+            return pos - np.searchsorted(self.hot_flat[t], pos)
+        return (np.cumsum(~self.hot_mask[t]) - 1)[pos]
 
-    def code(self, changed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For the ``changed`` mask (flat, as ``old`` was): the changed count per class, the gaps of
-        the coded ranks (class by class) with their Rice parameters, and the flat positions of the
-        changed elements in class order (the order their values are stored in)."""
+    def code(self, changed: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+        """For each tensor's ``changed`` mask: the changed count per class, the gaps of the coded ranks
+        (class by class) with their Rice parameters, and the positions of the changed elements in
+        class order: per tensor its hot ones, then per tensor its cold ones (the order their values
+        are stored in)."""
         import numpy as np
 
-        h = self.n_hot
-        in_hot = changed[self.hot]
-        sel = np.flatnonzero(in_hot)
-        hot_starts = np.cumsum(self.sizes[:h]) - self.sizes[:h]
-        k_hot = np.diff(np.searchsorted(sel, [*hot_starts.tolist(), self.hot.size]))
-        cold_changed = np.flatnonzero(changed & ~self.hot_mask)
-        bounds = np.searchsorted(cold_changed, self.starts)
-        counts = np.concatenate([k_hot, np.diff(bounds)]).astype(np.int64)
-        m, flip, params = self.coded(counts)
-        coded = in_hot ^ np.repeat(flip[:h], self.sizes[:h]) if flip[:h].any() else in_hot
-        ranks = [np.flatnonzero(coded) - np.repeat(hot_starts, m[:h])]
-        for t in range(self.starts.size - 1):
-            a, b = self.starts[t], self.starts[t + 1]
-            if flip[h + t]:  # the unchanged cold elements
-                p = np.flatnonzero(~changed[a:b] & ~self.hot_mask[a:b]) + a
+        counts = np.zeros(self.sizes.size, dtype=np.int64)
+        hot_ranks, cold_ranks, hot_pos, cold_pos = [], [], [], []
+        for t, ch in enumerate(changed):
+            classes = self._hot_classes(t)
+            in_hot = ch[self.hot[t]]
+            sel = np.flatnonzero(in_hot)
+            sizes = self.sizes[classes]
+            starts = np.cumsum(sizes) - sizes
+            k = np.diff(np.searchsorted(sel, [*starts.tolist(), in_hot.size]))
+            counts[classes] = k
+            flip = 2 * k > sizes
+            coded = np.flatnonzero(in_hot ^ np.repeat(flip, sizes)) if flip.any() else sel
+            hot_ranks.append(coded - np.repeat(starts, np.where(flip, sizes - k, k)))
+            hot_pos.append(self.hot[t][sel])
+            cold = np.flatnonzero(ch & ~self.hot_mask[t])
+            c = self.n_hot + t
+            counts[c] = cold.size
+            if 2 * cold.size > self.sizes[c]:  # code the unchanged cold elements
+                cold_ranks.append(self._cold_rank(t, np.flatnonzero(~ch & ~self.hot_mask[t])))
             else:
-                p = cold_changed[bounds[t] : bounds[t + 1]]
-            ranks.append(self._cold_rank(p, t))
-        rank = np.concatenate(ranks)
+                cold_ranks.append(self._cold_rank(t, cold))
+            cold_pos.append(cold)
+        m, _, params = self.coded(counts)
+        rank = np.concatenate(hot_ranks + cold_ranks)
         gaps = np.diff(rank, prepend=-1) - 1
         first = (np.cumsum(m) - m)[m > 0]
         gaps[first] = rank[first]  # a class's first rank is its own gap
-        return counts, gaps, np.repeat(params, m), np.concatenate([self.hot[sel], cold_changed])
+        return counts, gaps, np.repeat(params, m), hot_pos + cold_pos
 
     def positions(
         self, counts: np.ndarray, quotients: np.ndarray, remainders: np.ndarray, what: str
-    ) -> np.ndarray:
-        """Flat positions of the changed elements in class order, from the decoded Rice codes of the
-        coded ranks; :class:`DeltaError` (naming ``what``) when a rank does not fit its class."""
+    ) -> list[np.ndarray]:
+        """The positions of the changed elements as :meth:`code` returns them, from the decoded Rice
+        codes of the coded ranks; :class:`DeltaError` (naming ``what``) when a rank does not fit its
+        class."""
         import numpy as np
 
         m, flip, params = self.coded(counts)
@@ -384,30 +391,34 @@ class _Classes:
         rank = ends - np.repeat(before, m[m > 0]) - 1
         if np.any(rank >= n_v):
             raise DeltaError(f"patch {what}: a changed position is out of range")
-        h, hot_m = self.n_hot, int(m[: self.n_hot].sum())
-        hot_starts = np.cumsum(self.sizes[:h]) - self.sizes[:h]
-        idx = rank[:hot_m] + np.repeat(hot_starts, m[:h])
-        if flip[:h].any():
-            mask = np.repeat(flip[:h], self.sizes[:h])
-            mask[idx] ^= True
-            idx = np.flatnonzero(mask)
-        out = [self.hot[idx]]
-        at = hot_m
-        for t in range(self.starts.size - 1):
-            a, b = self.starts[t], self.starts[t + 1]
-            r = rank[at : at + m[h + t]]
-            at += m[h + t]
-            if flip[h + t]:  # the ranks of the unchanged cold elements: the changed ones are the others
-                keep = np.ones(self.sizes[h + t], dtype=np.bool_)
+        at = np.cumsum(m) - m  # where each class's ranks begin
+        hot_pos, cold_pos = [], []
+        for t in range(len(self.hot)):
+            classes = self._hot_classes(t)
+            if classes.stop > classes.start:
+                sizes = self.sizes[classes]
+                starts = np.cumsum(sizes) - sizes
+                r = rank[at[classes.start] : at[classes.stop - 1] + m[classes.stop - 1]]
+                idx = r + np.repeat(starts, m[classes])
+                if flip[classes].any():
+                    mask = np.repeat(flip[classes], sizes)
+                    mask[idx] ^= True
+                    idx = np.flatnonzero(mask)
+                hot_pos.append(self.hot[t][idx])
+            else:
+                hot_pos.append(np.zeros(0, dtype=np.int64))
+            c = self.n_hot + t
+            r = rank[at[c] : at[c] + m[c]]
+            if flip[c]:  # the ranks of the unchanged cold elements: the changed ones are the others
+                keep = np.ones(self.sizes[c], dtype=np.bool_)
                 keep[r] = False
                 r = np.flatnonzero(keep)
-            if 8 * r.size < b - a:  # few: skip the hot elements before each
-                lo, hi = np.searchsorted(self.hot_flat, [a, b])
-                hot_before = self.hot_flat[lo:hi] - a - np.arange(hi - lo)
-                out.append(a + r + np.searchsorted(hot_before, r, side="right"))
+            if 8 * r.size < self.hot_mask[t].size:  # few: skip the hot elements before each
+                hot_before = self.hot_flat[t] - np.arange(self.hot_flat[t].size)
+                cold_pos.append(r + np.searchsorted(hot_before, r, side="right"))
             else:
-                out.append(a + np.flatnonzero(~self.hot_mask[a:b])[r])
-        return np.concatenate(out)
+                cold_pos.append(np.flatnonzero(~self.hot_mask[t])[r])
+        return hot_pos + cold_pos
 
 
 @dataclass(frozen=True)
@@ -418,12 +429,8 @@ class _Group:
     names: list[str]
     counts: list[int]  # changed elements per tensor, as the table states them
     width: int  # bytes per element
-    old: np.ndarray  # the base bits of the tensors, end to end
+    olds: list[np.ndarray]  # the base bits of each tensor, flat
     classes: _Classes
-
-    @property
-    def starts(self) -> np.ndarray:
-        return self.classes.starts
 
     @property
     def changes(self) -> int:
@@ -434,8 +441,7 @@ def apply_patch(
     base: Mapping[str, torch.Tensor], patch: bytes | bytearray | memoryview
 ) -> dict[str, torch.Tensor]:
     """The weights ``patch`` turns ``base`` into, as a new dict. ``base`` is never modified: unchanged
-    tensors are shared with it, changed ones are new (those of one dtype are views of one new
-    buffer). Raises :class:`DeltaError` when the patch is
+    tensors are shared with it, changed ones are new. Raises :class:`DeltaError` when the patch is
     malformed or was not made against weights shaped like ``base``."""
     import numpy as np
     import torch
@@ -454,28 +460,31 @@ def apply_patch(
     for i, g in enumerate(groups):
         codes = slice(sec.code_starts[i], sec.code_starts[i + 1])
         vals = slice(sec.value_starts[i], sec.value_starts[i + 1])
-        pos = g.classes.positions(sec.counts[i], quotients[codes], remainders[codes], f"{g.dtype} tensors")
+        parts = g.classes.positions(sec.counts[i], quotients[codes], remainders[codes], f"{g.dtype} tensors")
         mag = np.ones(g.changes, f"u{g.width}")  # |d|
         extra = sec.magnitudes[i]  # |d| - 1 where it is > 0
         if np.any(extra == 0) or np.any(extra >= extra.dtype.type(1 << (8 * g.width - 1))):
             raise DeltaError(f"patch {g.dtype} tensors: a magnitude is out of range")
         mag[sec.flags[vals]] += extra
+        d = np.where(sec.signs[vals], np.negative(mag), mag).view(g.olds[0].dtype)
         floating = g.dtype in _EXPONENT
-        d = np.where(sec.signs[vals], np.negative(mag), mag).view(g.old.dtype)
-        new_bits = g.old.copy()  # the changed tensors of the dtype, end to end
-        new_bits[pos] = _key(_key(g.old[pos], floating) + d, floating)
-        if g.dtype == "bool" and np.any(new_bits.view(np.uint8) > 1):
-            raise DeltaError(f"patch {g.dtype} tensors: an element gets a value other than 0 or 1")
-        for name, a, b in zip(g.names, g.starts[:-1].tolist(), g.starts[1:].tolist(), strict=True):
+        new_bits = [old.copy() for old in g.olds]
+        at = 0
+        for j, pos in enumerate(parts):  # per tensor its hot changes, then per tensor its cold ones
+            bits = new_bits[j % len(g.olds)]
+            bits[pos] = _key(_key(bits[pos], floating) + d[at : at + pos.size], floating)
+            at += pos.size
+        for name, bits in zip(g.names, new_bits, strict=True):
             t = base[name]
-            out[name] = torch.from_numpy(new_bits[a:b]).view(t.dtype).reshape(t.shape)
+            if t.dtype == torch.bool and np.any(bits.view(np.uint8) > 1):
+                raise DeltaError(f"patch tensor {name}: a bool element gets a value other than 0 or 1")
+            out[name] = torch.from_numpy(bits).view(t.dtype).reshape(t.shape)
     return out
 
 
 def _changed_groups(base: Mapping[str, torch.Tensor], table: list[list[Any]]) -> list[_Group]:
     """The tensors the table changes, by dtype in patch order, after checking the table against
     ``base``; their classes are derived from ``base``."""
-    import numpy as np
 
     names = [row[0] for row in table]
     missing, unknown = sorted(set(base) - set(names)), sorted(set(names) - set(base))
@@ -497,11 +506,11 @@ def _changed_groups(base: Mapping[str, torch.Tensor], table: list[list[Any]]) ->
             counts[name] = count
     groups = []
     for dtype, members in _by_dtype(list(counts), base):
-        sizes = np.array([base[m].numel() for m in members], dtype=np.int64)
-        old = np.concatenate([_bits(base[m]) for m in members])
-        classes = _Classes.of(old, dtype, sizes.tolist())
+        olds = [_bits(base[m]) for m in members]
         width = base[members[0]].element_size()
-        groups.append(_Group(dtype, members, [counts[m] for m in members], width, old, classes))
+        groups.append(
+            _Group(dtype, members, [counts[m] for m in members], width, olds, _Classes.of(olds, dtype))
+        )
     return groups
 
 
@@ -514,7 +523,7 @@ def _inflate(frame: memoryview, groups: list[_Group], cw: int) -> bytes:
 
     flag_bytes = (sum(g.changes for g in groups) + 7) // 8
     fixed = cw * sum(g.classes.sizes.size for g in groups) + 2 * flag_bytes
-    numel = sum(g.old.size for g in groups)
+    numel = sum(old.size for g in groups for old in g.olds)
     bound = fixed + numel // 8 + numel // 3 + 2 + sum(g.changes * g.width for g in groups)
     try:
         params = zstandard.get_frame_parameters(frame)

@@ -533,15 +533,17 @@ def study_accuracy(out: Path, seeds: list[int], steps: int = ACCURACY_STEPS) -> 
 
 
 def sign_cpu_s(size: float, repeats: int = 20) -> float:
-    """Median CPU seconds of the learner's chunk digests and signature (``build_manifest``, 256 KiB
-    chunks, Ed25519) for a publication of ``size`` bytes: publish_cpu_s does not include them."""
+    """Median CPU seconds of the learner's chunk digests and signature (``build_manifest``, chunks of
+    the runtime's default size for it, Ed25519) for a publication of ``size`` bytes: publish_cpu_s
+    does not include them."""
     from echo2.broadcast.manifest import build_manifest, new_signing_key
+    from echo2.physics.broadcast import relay_chunk_bytes
 
     blob, key = os.urandom(int(size)), new_signing_key()
     times = []
     for v in range(repeats):
         c0 = time.thread_time()
-        build_manifest(blob, v, 256 << 10, key)  # the default chunk_kb
+        build_manifest(blob, v, relay_chunk_bytes(len(blob)), key)  # runtime.chunk_kb unset
         times.append(time.thread_time() - c0)
     return statistics.median(times)
 

@@ -434,7 +434,13 @@ class RuntimeConfig(_Section):
         description="broadcast strategy: star-unlimited, star-limited, tree-pipelined, relay-chain or "
         "tree-chains (echo2.physics.broadcast.StrategyName; see benchmarks/broadcast.py)",
     )
-    chunk_kb: int = Field(256, ge=4, description="snapshot chunk size, KiB")
+    chunk_kb: int | None = Field(
+        None,
+        ge=4,
+        le=65536,
+        description="snapshot chunk size, KiB; unset = chosen per publication from its size "
+        "(echo2.physics.broadcast.relay_chunk_bytes: small patches travel in small chunks)",
+    )
     lease_prompts: int = Field(8, ge=1, description="prompts per lease (one worker generation batch)")
     lease_ttl_s: float = Field(
         30.0, gt=0.0, description="a lease not submitted within this long is re-issued"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 
 import numpy as np
@@ -128,8 +129,12 @@ def test_round_trip_through_dict_and_bad_fields() -> None:
     bad = m.to_dict() | {"version": "2"}
     with pytest.raises(ManifestError, match="version"):
         Manifest.from_dict(bad)
-    with pytest.raises(ManifestError, match="chunk digests"):
-        Manifest.from_dict(m.to_dict() | {"chunk_digests": ["0" * 64]})
+    with pytest.raises(ManifestError, match="chunk digests"):  # one digest where five are due
+        Manifest.from_dict(m.to_dict() | {"chunk_digests": base64.b64encode(bytes(32)).decode()})
+    for garbage, match in ((["0" * 64] * 5, "base64"), ("not base64!", "base64"), ("AAAA", "32-byte")):
+        with pytest.raises(ManifestError, match=match):
+            Manifest.from_dict(m.to_dict() | {"chunk_digests": garbage})
+    assert len(m.to_dict()["chunk_digests"]) == 4 * -(-32 * 5 // 3)  # base64 of the raw digests
     with pytest.raises(ManifestError, match="chunk_size"):
         Manifest.from_dict(m.to_dict() | {"chunk_size": 0})
     with pytest.raises(ManifestError, match="missing"):

@@ -3,6 +3,8 @@ by hand (bytes, bytes/s, seconds), and the strategy names every consumer accepts
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -11,6 +13,7 @@ from echo2.broadcast.registry import get_strategy, registry
 from echo2.config import RuntimeConfig
 from echo2.errors import ConfigError
 from echo2.physics import broadcast as pb
+from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.physics.rules import admission_floor, bubble_ratio, is_admissible, kappa_from_staleness, knee
 from echo2.planner.catalog import NetworkSpec
 from echo2.sim.config import SimSection
@@ -190,3 +193,21 @@ def test_planner_simulator_and_registry_accept_the_same_strategy_names() -> None
         for model in (NetworkSpec, SimSection, RuntimeConfig):
             with pytest.raises(ValidationError, match="'star-unlimited', 'star-limited', 'tree-pipelined'"):
                 model(strategy=bad)
+
+
+def test_relay_chunk_size_by_hand() -> None:
+    # c* = sqrt(G * a / (1 + B0/B_w)): G = 8e6 bytes, a = 48, B0/B_w = 3 -> sqrt(9.6e7) = 9798 bytes,
+    # rounded down to whole KiB: 9 KiB
+    assert relay_chunk_bytes(8e6, 3.0) == 9 << 10
+    # it balances the two costs it trades: fill N*c*(1/B0 + 1/B_w) = announcements N*(G/c)*a/B0
+    g, ratio, a, n, bw = 64e6, 3.0, 48.0, 16, 1e6
+    c = math.sqrt(g * a / (1 + ratio))
+    fill = n * c * (1 / (ratio * bw) + 1 / bw)
+    announce = n * (g / c) * a / (ratio * bw)
+    assert fill == pytest.approx(announce)
+    assert relay_chunk_bytes(g, ratio) == int(c) >> 10 << 10
+    assert relay_chunk_bytes(1.55e6, 3.0) == 4 << 10  # a small patch: the floor
+    assert relay_chunk_bytes(1e3) == 4 << 10 and relay_chunk_bytes(0) == 4 << 10
+    assert relay_chunk_bytes(1e15) == 1 << 20  # the ceiling
+    with pytest.raises(ConfigError):
+        relay_chunk_bytes(1e6, ratio=0)

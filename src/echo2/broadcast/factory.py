@@ -29,7 +29,7 @@ def open_publisher(
     kind: BroadcastKind,
     key: ManifestKey,
     strategy: Strategy,
-    chunk_size: int,
+    chunk_size: int | None,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -38,7 +38,7 @@ def open_publisher(
     tls: TlsIdentity | None = None,
 ) -> SnapshotPublisher:
     """The learner's end of the broadcast plane (call ``await start()`` before publishing); ``tls``
-    None means plain TCP."""
+    None means plain TCP; ``chunk_size`` None lets the publisher choose it per snapshot."""
     if kind == "memory":
         return InMemoryHub(key, chunk_size)
     return TcpPublisher(

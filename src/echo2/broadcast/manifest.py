@@ -27,6 +27,8 @@ learner published before it serves them.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import json
@@ -112,8 +114,11 @@ class Manifest:
         return end - start
 
     def to_dict(self) -> dict[str, Any]:
+        """The manifest as it travels (JSON-ready): the chunk digests as one base64 string of the raw
+        32-byte digests end to end (43 characters a chunk instead of 67 as a list of hex strings: every
+        announcement carries them, to every worker, over the learner's uplink)."""
         d = asdict(self)
-        d["chunk_digests"] = list(self.chunk_digests)
+        d["chunk_digests"] = base64.b64encode(b"".join(map(bytes.fromhex, self.chunk_digests))).decode()
         d["lineage"] = asdict(self.lineage)
         return d
 
@@ -125,7 +130,7 @@ class Manifest:
                 version=_int(d, "version"),
                 total_size=_int(d, "total_size"),
                 chunk_size=_int(d, "chunk_size"),
-                chunk_digests=tuple(str(x) for x in d["chunk_digests"]),
+                chunk_digests=_digests(d["chunk_digests"]),
                 digest=str(d["digest"]),
                 auth=str(d["auth"]),
                 mac=str(d["mac"]),
@@ -153,6 +158,19 @@ class Manifest:
                 f"for total_size={self.total_size} chunk_size={self.chunk_size} (limit {MAX_CHUNKS})"
             )
         self.lineage.check(self.version)
+
+
+def _digests(value: object) -> tuple[str, ...]:
+    """Hex chunk digests from their wire form (:meth:`Manifest.to_dict`)."""
+    try:
+        if not isinstance(value, str):
+            raise ValueError(f"a {type(value).__name__}")
+        raw = base64.b64decode(value, validate=True)
+    except (ValueError, binascii.Error) as exc:
+        raise ManifestError(f"manifest.chunk_digests must be a base64 string of digests: {exc}") from None
+    if len(raw) % 32:
+        raise ManifestError(f"manifest.chunk_digests holds {len(raw)} bytes, not whole 32-byte digests")
+    return tuple(raw[i : i + 32].hex() for i in range(0, len(raw), 32))
 
 
 def _lineage(d: object) -> Lineage:

@@ -22,12 +22,13 @@ from echo2.broadcast.manifest import (
     verify_manifest,
 )
 from echo2.errors import Echo2Error
+from echo2.physics.broadcast import relay_chunk_bytes
 
 
 class InMemoryHub:
     """A publisher and any number of receivers sharing one process."""
 
-    def __init__(self, key: bytes | ManifestKey, chunk_size: int = 1 << 20) -> None:
+    def __init__(self, key: bytes | ManifestKey, chunk_size: int | None = 1 << 20) -> None:
         self.key = as_key(key)  # signing key; receivers verify with its public half
         self.chunk_size = chunk_size
         self._latest: tuple[Manifest, bytes] | None = None
@@ -57,7 +58,8 @@ class InMemoryHub:
     async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
         if self._latest is not None and version <= self._latest[0].version:
             raise Echo2Error(f"version {version} is not newer than published {self._latest[0].version}")
-        manifest = build_manifest(blob, version, self.chunk_size, self.key, lineage)
+        chunk = self.chunk_size or relay_chunk_bytes(len(blob))
+        manifest = build_manifest(blob, version, chunk, self.key, lineage)
         self._latest = (manifest, blob)
         self._started[version] = time.monotonic()
         self._acks[version] = {}

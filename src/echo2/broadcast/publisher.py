@@ -29,6 +29,7 @@ from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_
 from echo2.broadcast.strategy import LEARNER, Strategy
 from echo2.broadcast.wire import Pacer, ProtocolError, read_header, write_frame
 from echo2.errors import Echo2Error
+from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.transport import HANDSHAKE_TIMEOUT_S, TlsIdentity, normalize_pin
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class TcpPublisher:
         self,
         key: bytes | ManifestKey,
         strategy: Strategy,
-        chunk_size: int = 1 << 20,
+        chunk_size: int | None = 1 << 20,
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
@@ -74,7 +75,7 @@ class TcpPublisher:
     ) -> None:
         self.key = as_key(key)  # the learner's signing key (or a shared HMAC secret)
         self.strategy = strategy
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size  # None: chosen per snapshot (physics.broadcast.relay_chunk_bytes)
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
         self.uplink = uplink  # application pacing (loopback harness only)
@@ -136,7 +137,10 @@ class TcpPublisher:
         announce to each, start serving. The bytes travel as they are: a relay never decodes them."""
         if self._buffers and version <= max(self._buffers):
             raise Echo2Error(f"version {version} is not newer than published version {max(self._buffers)}")
-        manifest = await asyncio.to_thread(build_manifest, blob, version, self.chunk_size, self.key, lineage)
+        chunk = self.chunk_size or relay_chunk_bytes(
+            len(blob), self.link_rates[0] / self.link_rates[1] if self.link_rates else 1.0
+        )
+        manifest = await asyncio.to_thread(build_manifest, blob, version, chunk, self.key, lineage)
         self._buffers[version] = SnapshotBuffer(manifest, blob)
         for old in sorted(self._buffers)[: -self.keep_versions]:
             del self._buffers[old]

@@ -210,7 +210,7 @@ class AsyncLearner:
             "tcp",
             key,
             get_strategy(rt.strategy),
-            rt.chunk_kb << 10,
+            rt.chunk_kb << 10 if rt.chunk_kb else None,
             host=rt.host,
             port=rt.broadcast_port,
             advertise_host=rt.advertise_host,

@@ -39,7 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ns", type=_ints, default=(4, 8, 16, 32), help="worker counts N (default 4,8,16,32)")
     p.add_argument("--size-mb", type=float, default=8.0, help="snapshot size G in MB (default 8)")
-    p.add_argument("--chunk-kib", type=int, default=16, help="chunk size in KiB (default 16)")
+    p.add_argument(
+        "--chunk-kib",
+        type=_chunk_kib,
+        default=16,
+        help="chunk size in KiB, or 'auto': the publisher picks it per snapshot as the runtime does "
+        "(physics.broadcast.relay_chunk_bytes; default 16)",
+    )
     p.add_argument("--bw-mbps", type=float, default=8.0, help="per-worker link B_w in Mbit/s (default 8)")
     p.add_argument("--ratio", type=float, default=3.0, help="B0/B_w (paper: 3 or 8; default 3)")
     p.add_argument("--strategies", default="star-unlimited,star-limited,tree-pipelined")
@@ -49,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/broadcast.json", help="JSON path (PNG next to it)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-scenario timeout in seconds")
     return p
+
+
+def _chunk_kib(text: str) -> int:
+    """KiB, or 0 for 'auto' (chosen per snapshot)."""
+    return 0 if text == "auto" else int(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in strategies if s not in registry()]
     if unknown:
         raise ConfigError(f"--strategies: unknown {unknown}; choose from {sorted(registry())}")
-    if args.size_mb <= 0 or args.chunk_kib <= 0 or args.bw_mbps <= 0 or args.ratio <= 0:
+    if args.size_mb <= 0 or args.chunk_kib < 0 or args.bw_mbps <= 0 or args.ratio <= 0:
         raise ConfigError("--size-mb, --chunk-kib, --bw-mbps and --ratio must all be > 0")
     if args.mode == "netns" and (why := netns_available()):
         raise HarnessError(f"--mode netns {why}; use --mode loopback")

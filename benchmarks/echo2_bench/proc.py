@@ -41,7 +41,7 @@ async def run_learner(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
     key = key_from_text(os.environ[KEY_ENV])
     strategy = get_strategy(a.strategy)
     pub = TcpPublisher(
-        key, strategy, a.chunk, host=a.host, port=a.port, uplink=_pacer(a.uplink_bps),
+        key, strategy, a.chunk or None, host=a.host, port=a.port, uplink=_pacer(a.uplink_bps),
         serve_wait_timeout=a.timeout,
         link_rates=(a.b0_bps / 8, a.bw_bps / 8) if a.b0_bps and a.bw_bps else None,
         tls=run_identity(Path(a.tls_dir), [a.host]) if a.tls_dir else None,
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     lp.add_argument("--workers", type=int, required=True)
     lp.add_argument("--expect", type=int, default=0, help="installs to wait for (0 = all live)")
     lp.add_argument("--size", type=int, required=True)
-    lp.add_argument("--chunk", type=int, required=True)
+    lp.add_argument("--chunk", type=int, required=True, help="bytes; 0: chosen per snapshot")
     lp.add_argument("--seed", type=int, default=0)
     lp.add_argument("--port", type=int, default=0)
     lp.add_argument("--join-timeout", type=float, default=120.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -130,11 +131,12 @@ def test_round_trip_through_dict_and_bad_fields() -> None:
     with pytest.raises(ManifestError, match="version"):
         Manifest.from_dict(bad)
     with pytest.raises(ManifestError, match="chunk digests"):  # one digest where five are due
-        Manifest.from_dict(m.to_dict() | {"chunk_digests": base64.b64encode(bytes(32)).decode()})
-    for garbage, match in ((["0" * 64] * 5, "base64"), ("not base64!", "base64"), ("AAAA", "32-byte")):
+        Manifest.from_dict(m.to_dict() | {"chunk_digests": base64.b64encode(bytes(16)).decode()})
+    for garbage, match in ((["0" * 32] * 5, "base64"), ("not base64!", "base64"), ("AAAA", "16-byte")):
         with pytest.raises(ManifestError, match=match):
             Manifest.from_dict(m.to_dict() | {"chunk_digests": garbage})
-    assert len(m.to_dict()["chunk_digests"]) == 4 * -(-32 * 5 // 3)  # base64 of the raw digests
+    assert len(m.to_dict()["chunk_digests"]) == 4 * -(-16 * 5 // 3)  # base64 of the raw digests
+    assert m.chunk_digests[0] == hashlib.sha256(b"y" * 1000).hexdigest()[:32]  # SHA-256, first 16 bytes
     with pytest.raises(ManifestError, match="chunk_size"):
         Manifest.from_dict(m.to_dict() | {"chunk_size": 0})
     with pytest.raises(ManifestError, match="missing"):

@@ -196,11 +196,11 @@ def test_planner_simulator_and_registry_accept_the_same_strategy_names() -> None
 
 
 def test_relay_chunk_size_by_hand() -> None:
-    # c* = sqrt(G * a / (1 + B0/B_w)): G = 8e6 bytes, a = 48, B0/B_w = 3 -> sqrt(9.6e7) = 9798 bytes,
-    # rounded down to whole KiB: 9 KiB
-    assert relay_chunk_bytes(8e6, 3.0) == 9 << 10
+    # c* = sqrt(G * a / (1 + B0/B_w)): G = 8e6 bytes, a = 26, B0/B_w = 3 -> sqrt(5.2e7) = 7211 bytes,
+    # rounded down to whole KiB: 7 KiB
+    assert relay_chunk_bytes(8e6, 3.0) == 7 << 10
     # it balances the two costs it trades: fill N*c*(1/B0 + 1/B_w) = announcements N*(G/c)*a/B0
-    g, ratio, a, n, bw = 64e6, 3.0, 48.0, 16, 1e6
+    g, ratio, a, n, bw = 64e6, 3.0, 26.0, 16, 1e6
     c = math.sqrt(g * a / (1 + ratio))
     fill = n * c * (1 / (ratio * bw) + 1 / bw)
     announce = n * (g / c) * a / (ratio * bw)

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 from echo2.errors import Echo2Error
 
 DIGEST = "sha256"
+CHUNK_DIGEST_BYTES = 16  # a chunk's digest: the first 128 bits of its SHA-256 (see chunk_digest)
 MAX_CHUNK_SIZE = 64 << 20  # a manifest asking for chunks above 64 MiB is rejected (bounded memory per chunk)
 MAX_CHUNKS = 1 << 20  # ... and so is one with more than ~1M chunks (bounded manifest size)
 
@@ -90,7 +91,7 @@ class Manifest:
     version: int  # policy version v this snapshot holds (required, never defaulted)
     total_size: int  # G: bytes in the whole safetensors blob
     chunk_size: int  # bytes per chunk (the last chunk may be shorter)
-    chunk_digests: tuple[str, ...]  # hex SHA-256 of each chunk, in order
+    chunk_digests: tuple[str, ...]  # hex chunk_digest of each chunk (SHA-256, first 16 bytes), in order
     digest: str  # hex SHA-256 of the whole blob
     auth: str  # authentication scheme of ``mac``: "ed25519" or "hmac-sha256" (itself authenticated)
     mac: str  # hex signature (Ed25519) or MAC (HMAC-SHA256) over the canonical encoding of the other fields
@@ -115,8 +116,9 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as it travels (JSON-ready): the chunk digests as one base64 string of the raw
-        32-byte digests end to end (43 characters a chunk instead of 67 as a list of hex strings: every
-        announcement carries them, to every worker, over the learner's uplink)."""
+        16-byte digests end to end (22 characters a chunk instead of 67 for a full SHA-256 as a hex
+        string in a list: every announcement carries them, to every worker, over the learner's
+        uplink)."""
         d = asdict(self)
         d["chunk_digests"] = base64.b64encode(b"".join(map(bytes.fromhex, self.chunk_digests))).decode()
         d["lineage"] = asdict(self.lineage)
@@ -168,9 +170,10 @@ def _digests(value: object) -> tuple[str, ...]:
         raw = base64.b64decode(value, validate=True)
     except (ValueError, binascii.Error) as exc:
         raise ManifestError(f"manifest.chunk_digests must be a base64 string of digests: {exc}") from None
-    if len(raw) % 32:
-        raise ManifestError(f"manifest.chunk_digests holds {len(raw)} bytes, not whole 32-byte digests")
-    return tuple(raw[i : i + 32].hex() for i in range(0, len(raw), 32))
+    w = CHUNK_DIGEST_BYTES
+    if len(raw) % w:
+        raise ManifestError(f"manifest.chunk_digests holds {len(raw)} bytes, not whole {w}-byte digests")
+    return tuple(raw[i : i + w].hex() for i in range(0, len(raw), w))
 
 
 def _lineage(d: object) -> Lineage:
@@ -312,6 +315,14 @@ def digest(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def chunk_digest(data: bytes | bytearray | memoryview) -> str:
+    """Hex of the first 16 bytes of the chunk's SHA-256. A relay that wants a forged chunk accepted
+    needs a second preimage of 128 bits (about 2**128 hashes), which is as out of reach as one of
+    256; collisions (2**64) would help only the learner, which signs the manifest. Every install also
+    checks the whole snapshot's full SHA-256 and, for weights, the weights digest."""
+    return hashlib.sha256(data).digest()[:CHUNK_DIGEST_BYTES].hex()
+
+
 def _signed_payload(
     version: int,
     total_size: int,
@@ -350,7 +361,7 @@ def build_manifest(
     view = memoryview(data).cast("B")
     total = len(view)
     n = max(1, -(-total // chunk_size))
-    chunk_digests = tuple(digest(view[i * chunk_size : (i + 1) * chunk_size]) for i in range(n))
+    chunk_digests = tuple(chunk_digest(view[i * chunk_size : (i + 1) * chunk_size]) for i in range(n))
     whole = digest(view)
     lin = lineage or Lineage()
     lin.check(version)
@@ -381,7 +392,7 @@ def chunk_ok(manifest: Manifest, index: int, data: bytes | bytearray | memoryvie
     """True iff ``data`` is exactly chunk ``index`` of the snapshot ``manifest`` describes."""
     if not 0 <= index < manifest.n_chunks or len(data) != manifest.chunk_len(index):
         return False
-    return hmac.compare_digest(digest(data), manifest.chunk_digests[index])
+    return hmac.compare_digest(chunk_digest(data), manifest.chunk_digests[index])
 
 
 def blob_ok(manifest: Manifest, data: bytes | bytearray | memoryview) -> bool:

@@ -43,7 +43,7 @@ StrategyName = Literal["star-unlimited", "star-limited", "tree-pipelined", "rela
 STRATEGY_NAMES: tuple[StrategyName, ...] = get_args(StrategyName)
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20  # relay chunk of the chain model (4 MiB)
-ANNOUNCE_BYTES_PER_CHUNK = 48  # what a chunk adds to each announcement: its digest (base64) and index
+ANNOUNCE_BYTES_PER_CHUNK = 26  # what a chunk adds to each announcement: its 16-byte digest (base64), index
 MIN_AUTO_CHUNK_BYTES = 4 << 10  # below this, per-chunk frames and hashing cost more than they save
 MAX_AUTO_CHUNK_BYTES = 1 << 20
 DEFAULT_HOP_LATENCY_S = 0.05  # per-hop WAN latency of the chain model
@@ -109,8 +109,8 @@ def relay_chunk_bytes(
     time of each of the N streams sharing a link at each of the two hops, ``N*c*(1/B0 + 1/B_w)``; and
     the announcements, which carry ``a`` bytes per chunk to each of the N workers over the learner's
     uplink, ``N*(G/c)*a/B0``. Their sum is smallest at ``c* = sqrt(G*a/(1 + B0/B_w))``, for every N and
-    link speed; e.g. 4.3 KB for a 1.55 MB patch at ``B0/B_w = 3``, 9.8 KB for 8 MB, 0.44 MB for a
-    16 GB anchor. Clamped to ``[lo, hi]`` and rounded down to a whole KiB."""
+    link speed; e.g. 3.2 KB for a 1.55 MB patch at ``B0/B_w = 3`` (so the 4 KiB floor), 7.2 KB for
+    8 MB, 0.32 MB for a 16 GB anchor. Clamped to ``[lo, hi]`` and rounded down to a whole KiB."""
     g = _positive("snapshot size (bytes)", max(g_bytes, 1.0))
     c = math.sqrt(
         g * _positive("announce bytes per chunk", announce_bytes) / (1.0 + _positive("B0/B_w", ratio))

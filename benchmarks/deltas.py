@@ -36,6 +36,11 @@ joiner, a relay killed while it holds half a patch and a relay that corrupts chu
 (``benchmarks/echo2_bench/deltas_chain.py``). Target: 100% of installs bit-identical (weights digest
 equal to the learner's).
 
+Study ``patch`` (``--study patch``, root): the 54M model's median patch at lr 3e-6 (from the ``bytes``
+entry) through the netns broadcast harness at N = 4, 8, 16, with the runtime's per-publication chunk
+size and with a fixed 16 KiB, interleaved, 3 times. Target: median T_all / T* <= 1.25 at every N
+(``study_patch_broadcast``).
+
 Study ``accuracy`` (``--study accuracy``): ``echo2 run`` (S = 3, 2 local workers, 300 steps) with bf16
 deltas (the default) against fp32 full snapshots, 5 seeds (3 in the first reading, whose interval was too
 wide to decide), same cores and warm start per seed.
@@ -53,6 +58,7 @@ kept), results/deltas.png (bytes) and results/deltas_accuracy.png.
     python benchmarks/deltas.py --study lossless         # ~10 s
     python benchmarks/deltas.py --study accuracy         # ~35 minutes on 2 cores
     sudo python benchmarks/deltas.py --study links       # ~10 minutes; network namespaces (root)
+    sudo python benchmarks/deltas.py --study patch       # ~2 minutes; network namespaces (root)
 """
 
 from __future__ import annotations
@@ -585,6 +591,52 @@ LINK_B0_MBPS = 16.0  # the learner's uplink
 LINK_STEPS = 200
 
 
+PATCH_NS = (4, 8, 16)
+PATCH_REPEATS = 3
+TARGET_PATCH_T_STAR = 1.25  # Tree-Pipelined T_all / T* of a patch-sized publication, median of the repeats
+
+
+def study_patch_broadcast(size_bytes: int, repeats: int = PATCH_REPEATS) -> dict[str, Any]:
+    """Study ``patch`` (root): a patch-sized publication (``size_bytes``: the 54M model's median patch
+    at lr 3e-6 from the bytes study) through the netns harness (``benchmarks/echo2_bench``,
+    tbf-shaped: B_w = 8 Mbit/s, B0/B_w = 3), Tree-Pipelined, N = 4, 8, 16, with the chunk size the
+    runtime picks per publication (``physics.broadcast.relay_chunk_bytes``) and with the harness's
+    fixed 16 KiB, interleaved, ``repeats`` times each. Target (fixed before running): the median over
+    the repeats of T_all / T* (T* from the patch's size) <= 1.25 at every N, with the runtime's
+    chunk size."""
+    from echo2.physics.broadcast import relay_chunk_bytes
+    from echo2_bench.broadcast_bench import BenchConfig, run_benchmark
+
+    auto = relay_chunk_bytes(size_bytes, 3.0)
+    sides = {"auto": 0, "fixed_16k": 16 << 10}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+    for rep in range(repeats):
+        for side, chunk in sides.items():
+            cfg = BenchConfig(
+                mode="netns", ns=PATCH_NS, size=size_bytes, chunk=chunk, strategies=("tree-pipelined",),
+                faults=False, relay=False,
+            )  # fmt: skip
+            sweep = run_benchmark(cfg)["sweep"]
+            runs[side].append({str(r["n"]): r["t_all_over_t_star"] for r in sweep})
+            print(f"  patch broadcast {side} repeat {rep + 1}: {runs[side][-1]}", flush=True)
+    medians = {
+        side: {str(n): statistics.median(r[str(n)] for r in rows) for n in PATCH_NS}
+        for side, rows in runs.items()
+    }
+    return {
+        "size_bytes": size_bytes,
+        "bw_mbps": 8.0,
+        "ratio": 3.0,
+        "ns": list(PATCH_NS),
+        "repeats": repeats,
+        "chunk_bytes": {"auto": auto, "fixed_16k": 16 << 10},
+        "t_all_over_t_star": runs,
+        "median_t_all_over_t_star": medians,
+        "target": {"t_all_over_t_star_max": TARGET_PATCH_T_STAR, "reading": "median of the repeats, auto"},
+        "met": all(v <= TARGET_PATCH_T_STAR for v in medians["auto"].values()),
+    }
+
+
 def study_links(out: Path, seed: int = 0, steps: int = LINK_STEPS) -> dict[str, Any]:
     """``echo2 learner`` in one network namespace and two ``echo2 worker`` processes in two others,
     behind tbf-shaped links (B_w = 8 Mbit/s each way per worker, B0 = 16 Mbit/s learner uplink;
@@ -722,7 +774,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--study",
-        choices=["bytes", "steady", "lossless", "accuracy", "links"],
+        choices=["bytes", "steady", "lossless", "accuracy", "links", "patch"],
         required=True,
         help="which study to run",
     )
@@ -766,6 +818,16 @@ def main() -> int:
         results["lossless"] = study_lossless(args.seed)
         path.write_text(json.dumps(results, indent=2))
         print(json.dumps(results["lossless"], indent=2))
+    elif args.study == "patch":
+        series = results["bytes"]["llm"]["series"]
+        size = int(statistics.median(p["patch_bytes"] for p in series[-1]["per_publication"]))
+        results["patch_broadcast"] = study_patch_broadcast(size)
+        path.write_text(json.dumps(results, indent=2))
+        print(
+            json.dumps(
+                {k: v for k, v in results["patch_broadcast"].items() if k != "t_all_over_t_star"}, indent=2
+            )
+        )
     elif args.study == "links":
         results["links"] = study_links(out, args.seed)
         path.write_text(json.dumps(results, indent=2))

@@ -117,3 +117,33 @@ def test_a_measurement_outlives_its_round() -> None:
             await pub.close()
 
     asyncio.run(go())
+
+
+def test_publishers_size_chunks_per_snapshot_unless_told() -> None:
+    """chunk_size None: each publication is cut at relay_chunk_bytes of its own size (and, over TCP,
+    of the link rates the publisher was told); a fixed size stays fixed."""
+    from echo2.broadcast.factory import open_publisher
+    from echo2.broadcast.manifest import new_signing_key
+    from echo2.broadcast.publisher import TcpPublisher
+    from echo2.broadcast.registry import get_strategy
+    from echo2.physics.broadcast import relay_chunk_bytes
+
+    small, large = b"p" * 300_000, b"a" * 20_000_000
+
+    async def go() -> None:
+        hub = InMemoryHub(b"s" * 32, chunk_size=None)
+        assert (await hub.publish(1, small)).chunk_size == relay_chunk_bytes(len(small)) == 4 << 10
+        assert (await hub.publish(2, large)).chunk_size == relay_chunk_bytes(len(large)) > 4 << 10
+        fixed = open_publisher("tcp", new_signing_key(), get_strategy("tree-pipelined"), 64 << 10)
+        rated = TcpPublisher(new_signing_key(), get_strategy("tree-pipelined"), None, link_rates=(3e6, 1e6))
+        for pub in (fixed, rated):
+            await pub.start()
+        try:
+            assert (await fixed.publish(1, large)).chunk_size == 64 << 10
+            assert (await rated.publish(1, large)).chunk_size == relay_chunk_bytes(len(large), 3.0)
+            assert relay_chunk_bytes(len(large), 3.0) < relay_chunk_bytes(len(large))  # a fast uplink
+        finally:
+            await fixed.close()
+            await rated.close()
+
+    asyncio.run(go())

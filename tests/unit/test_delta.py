@@ -180,11 +180,9 @@ def position_costs(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) 
     coded = entropy = 0.0
     flipped = False
     for dtype, names in delta._by_dtype(sorted(base), base):
-        olds = [delta._bits(base[k]) for k in names]
-        classes = delta._Classes.of(olds, dtype)
-        counts, gaps, params, _ = classes.code(
-            [o != delta._bits(new[k]) for o, k in zip(olds, names, strict=True)]
-        )
+        old = np.concatenate([delta._bits(base[k]) for k in names])
+        classes = delta._Classes.of(old, dtype)
+        counts, gaps, params, _ = classes.code(old != np.concatenate([delta._bits(new[k]) for k in names]))
         rem, unary = rice.encode(gaps, params)
         coded += 8 * (len(rem) + len(unary))
         flipped |= bool(np.any(2 * counts > classes.sizes))
@@ -511,6 +509,21 @@ def test_crafted_hot_classes_and_bool_values():
     bad = craft([["m", "bool", [2], 1]], payload([1], [1], [0], [0], [1], [1], 1))  # False + 2
     with pytest.raises(DeltaError, match="0 or 1"):
         apply_patch(flags, bad)
+
+
+def test_the_changes_must_fall_in_the_tensors_the_table_says():
+    # the changed int32 tensors are coded end to end as one class of 24 (v: 0..7, then w: 8..23);
+    # parameter floor(log2(floor(0.9624 * (11 + 0.5)))) = 3 for 2 of 24
+    base = {"v": torch.arange(8, dtype=torch.int32), "w": torch.arange(16, dtype=torch.int32)}
+    table = [["v", "int32", [8], 1], ["w", "int32", [16], 1]]
+    assert rice.parameters(np.array([24]), np.array([2])).tolist() == [3]
+    ok = payload([2], [3, 6], [3, 3], [0, 0], [0, 0], [], 4)  # ranks 3 (v's 3) and 10 (w's 2)
+    got = apply_patch(base, craft(table, ok))
+    assert (got["v"] - base["v"]).nonzero().flatten().tolist() == [3]
+    assert (got["w"] - base["w"]).nonzero().flatten().tolist() == [2]
+    both_in_w = payload([2], [10, 2], [3, 3], [0, 0], [0, 0], [], 4)  # ranks 10 and 13: w's 2 and 5
+    with pytest.raises(DeltaError, match="tensor v: 0 changed positions, the table says 1"):
+        apply_patch(base, craft(table, both_in_w))
 
 
 def test_a_class_more_than_half_changed_codes_its_unchanged_elements():

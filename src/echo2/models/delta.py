@@ -26,27 +26,29 @@ Per changed element the patch stores where it is and by how much its bits moved:
   Comparing and differencing bits, never float values, keeps NaN payloads, -0.0 and inf exact.
 - *position*: whether an element changes depends mostly on its exponent (one AdamW step of ~lr moves
   a weight across a rounding boundary with probability ~ lr / ulp, and the ulp doubles per binade).
-  So elements are grouped into *classes* that the decoder derives from the base alone. A float tensor
-  of 64 elements or more has a *cut*, one below the median exponent of every 61st element (about
-  15% of a normally distributed tensor lies below it); its elements below
-  the cut are *hot* and fall into 10 classes by exponent (the lowest also takes all smaller
-  exponents), the others form its *cold* class. Any other tensor is one cold class. The changed
-  tensors of one dtype are coded together, and the dtypes in name order (the *patch order*); the
-  *class order* of a dtype lists the hot classes tensor by tensor (ascending exponent), then the
-  cold classes tensor by tensor, each in position order. Per class of ``n`` elements of which ``k``
-  changed, the patch codes the ranks within the class of the changed elements, or of the unchanged
-  ones where ``2k > n``: ``m = min(k, n - k)`` strictly increasing ranks as gaps ``rank_0``, then
-  ``rank_i - rank_{i-1} - 1``, each Rice coded (``echo2.models.rice``) with the parameter
-  ``rice.parameters(n, m)``. Changes within a class are close to independent, so the gaps are close
-  to geometric, and this comes within ~0.1 bit per change of the entropy of the positions given
-  their exponents (format v2 coded rank gaps as bytes through zstandard and paid ~1.5 bits more).
+  So elements are grouped into *classes* that the decoder derives from the base alone. The changed
+  tensors of one dtype are coded together, end to end in table order (the dtypes in name order: the
+  *patch order*). A float dtype of 64 elements or more has a *cut*, one below the median exponent of
+  every 61st of those elements (about 15% of normally distributed weights lie below it); the
+  elements below the cut are *hot* and fall into 10 classes by exponent (the lowest also takes all
+  smaller exponents), the others form the *cold* class. Other dtypes are one cold class. The *class
+  order* lists the hot classes that have elements by ascending exponent, then the cold class, each
+  in position order. (Conditioning on the tensor as well gains nothing measurable: AdamW normalises
+  every element's step, so the exponent alone sets how likely it is to cross a rounding boundary.)
+  Per class of ``n`` elements of which ``k`` changed, the patch codes the ranks within the class of
+  the changed elements, or of the unchanged ones where ``2k > n``: ``m = min(k, n - k)`` strictly
+  increasing ranks as gaps ``rank_0``, then ``rank_i - rank_{i-1} - 1``, each Rice coded
+  (``echo2.models.rice``) with the parameter ``rice.parameters(n, m)``. Changes within a class are
+  close to independent, so the gaps are close to geometric, and this comes within ~0.1 bit per
+  change of the entropy of the positions given their exponents (format v2 coded rank gaps as bytes
+  through zstandard and paid ~1.5 bits more).
 
 Frame content, integer arrays byte-plane shuffled (all low bytes, then all next bytes, ...) so
 zstandard sees long runs of zero high bytes:
 
 1. per class (dtypes in patch order, classes in class order; hot classes only where they have
-   elements, every cold class): its changed count (uint32, or uint64 when some tensor has 2**32
-   elements or more);
+   elements, the cold class always): its changed count (uint32, or uint64 when some tensor has
+   2**32 elements or more);
 2. the Rice remainder stream of the coded ranks, in that order;
 3. the sign bits of the changed elements, in that order, packed (padding bits zero);
 4. bits "|d| > 1", likewise;
@@ -198,20 +200,16 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         kept = [(p, c) for p, c in zip(pieces, masks, strict=True) if counts[p[0]]]
         if not kept:
             continue
-        olds, news = [p[1] for p, _ in kept], [p[2] for p, _ in kept]
-        class_counts, gaps, params, parts = _Classes.of(olds, dtype).code([c for _, c in kept])
+        # the changed tensors of a dtype, end to end
+        old = np.concatenate([p[1] for p, _ in kept])
+        new_bits = np.concatenate([p[2] for p, _ in kept])
+        class_counts, gaps, params, pos = _Classes.of(old, dtype).code(np.concatenate([c for _, c in kept]))
         sec.counts.append(class_counts)
         sec.gaps.append(gaps)
         sec.params.append(params)
         floating = dtype in _EXPONENT
-        # per tensor its hot changes, then per tensor its cold ones: the class order
-        d = np.concatenate(
-            [
-                _key(news[j % len(olds)][pos], floating) - _key(olds[j % len(olds)][pos], floating)
-                for j, pos in enumerate(parts)
-            ]
-        ).view(f"u{olds[0].itemsize}")
-        negative = d >= d.dtype.type(1 << (8 * olds[0].itemsize - 1))
+        d = (_key(new_bits[pos], floating) - _key(old[pos], floating)).view(f"u{old.itemsize}")
+        negative = d >= d.dtype.type(1 << (8 * old.itemsize - 1))
         sec.signs.append(negative)
         sec.extras.append(np.where(negative, np.negative(d), d) - d.dtype.type(1))  # |d| - 1
     table = [[name, _dtype_name(base[name]), list(base[name].shape), counts[name]] for name in names]
@@ -262,50 +260,35 @@ class _Sections:
 
 @dataclass(frozen=True)
 class _Classes:
-    """The changed tensors of one dtype grouped into classes that both sides of a patch derive from
-    the base (module docstring): per tensor of a float dtype, its *hot* elements (exponent below the
-    tensor's cut) fall into ``_HOT_CLASSES`` classes by exponent, and the rest form its *cold* class;
-    other tensors are one cold class. The class order: the hot classes tensor by tensor (ascending
-    exponent within a tensor), then the cold classes tensor by tensor; within a class, position
-    order. Positions are per tensor (flat indices into it)."""
+    """The changed tensors of one dtype, end to end, grouped into the classes both sides of a patch
+    derive from the base (module docstring): for a float dtype the elements below the cut are *hot*
+    and fall into ``_HOT_CLASSES`` classes by exponent, the others form the *cold* class; other dtypes
+    are one cold class. Class order: the hot classes by ascending exponent, then the cold class; in a
+    class, position order. Positions are flat indices into the tensors end to end."""
 
-    sizes: np.ndarray  # int64: elements per class, in class order
-    owner: np.ndarray  # int64: the tensor of each class
-    n_hot: int  # the hot classes come first: this many
-    hot_mask: list[np.ndarray]  # per tensor, bool per element: hot
-    hot_flat: list[np.ndarray]  # per tensor, its hot elements in position order
-    hot: list[np.ndarray]  # per tensor, the same in class order
+    sizes: np.ndarray  # int64: elements per class present, in class order (the cold class last, always)
+    hot_mask: np.ndarray  # bool per element: hot
+    hot_flat: np.ndarray  # the hot elements in position order
+    hot: np.ndarray  # the same in class order
 
     @classmethod
-    def of(cls, olds: list[np.ndarray], dtype: str) -> _Classes:
-        """Classes of tensors of ``dtype`` with base bits ``olds`` (flat, one array per tensor)."""
+    def of(cls, old: np.ndarray, dtype: str) -> _Classes:
+        """Classes of the base bits ``old`` (flat) of a dtype's changed tensors."""
         import numpy as np
         import torch
 
-        hot_sizes, hot_owner, hot_mask, hot_flat, hot = [], [], [], [], []
-        for t, old in enumerate(olds):
-            cut = _cut(old, dtype)
-            if not cut:
-                hot_mask.append(np.zeros(old.size, dtype=np.bool_))
-                hot_flat.append(np.zeros(0, dtype=np.int64))
-                hot.append(hot_flat[-1])
-                continue
-            e = _exponents(old, dtype)
-            hot_mask.append(e < cut)
-            here = np.flatnonzero(hot_mask[-1])
-            lo = cut - _HOT_CLASSES  # class of exponent x: max(x - lo, 0), so 0 .. classes - 1 below the cut
-            level = (np.maximum(e[here], lo) - lo if lo >= 0 else e[here] + (-lo)).astype(np.uint8)
-            counts = torch.from_numpy(level).bincount().numpy()
-            hot_sizes.append(counts[counts > 0])
-            hot_owner.append(np.full(hot_sizes[-1].size, t, dtype=np.int64))
-            hot_flat.append(here)
-            hot.append(here[np.argsort(level, kind="stable")])
-        hs = np.concatenate(hot_sizes).astype(np.int64) if hot_sizes else np.zeros(0, dtype=np.int64)
-        ho = np.concatenate(hot_owner) if hot_owner else np.zeros(0, dtype=np.int64)
-        cold = np.array([o.size for o in olds], dtype=np.int64) - np.bincount(ho, hs, len(olds)).astype(int)
-        sizes = np.concatenate([hs, cold])
-        owner = np.concatenate([ho, np.arange(len(olds), dtype=np.int64)])
-        return cls(sizes, owner, int(hs.size), hot_mask, hot_flat, hot)
+        cut = _cut(old, dtype)
+        if not cut:
+            none = np.zeros(0, dtype=np.int64)
+            return cls(np.array([old.size], dtype=np.int64), np.zeros(old.size, dtype=np.bool_), none, none)
+        e = _exponents(old, dtype)
+        hot_mask = e < cut
+        hot_flat = np.flatnonzero(hot_mask)
+        lo = cut - _HOT_CLASSES  # class of exponent x: max(x - lo, 0), so 0 .. classes - 1 below the cut
+        level = (np.maximum(e[hot_flat], lo) - lo if lo >= 0 else e[hot_flat] + (-lo)).astype(np.uint8)
+        counts = torch.from_numpy(level).bincount().numpy().astype(np.int64)
+        sizes = np.append(counts[counts > 0], old.size - hot_flat.size)
+        return cls(sizes, hot_mask, hot_flat, hot_flat[np.argsort(level, kind="stable")])
 
     def coded(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per class, for ``counts`` changed elements: how many elements are coded (the changed ones,
@@ -319,64 +302,40 @@ class _Classes:
         m = np.where(flip, self.sizes - counts, counts)
         return m, flip, rice.parameters(self.sizes, m)
 
-    def _hot_classes(self, t: int) -> slice:
-        """Where tensor ``t``'s hot classes lie in the class order."""
+    def _cold_rank(self, pos: np.ndarray) -> np.ndarray:
+        """Ranks within the cold class of the cold elements at (increasing) positions ``pos``."""
         import numpy as np
 
-        lo, hi = np.searchsorted(self.owner[: self.n_hot], [t, t + 1])
-        return slice(int(lo), int(hi))
+        if 8 * pos.size < self.hot_mask.size:  # few: count the hot elements before each
+            return pos - np.searchsorted(self.hot_flat, pos)
+        return (np.cumsum(~self.hot_mask) - 1)[pos]
 
-    def _cold_rank(self, t: int, pos: np.ndarray) -> np.ndarray:
-        """Ranks within tensor ``t``'s cold class of its cold elements at positions ``pos``
-        (increasing)."""
+    def code(self, changed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For the ``changed`` mask (flat, like ``old``): the changed count per class, the gaps of the
+        coded ranks (class by class) with their Rice parameters, and the positions of the changed
+        elements in class order (the order their values are stored in)."""
         import numpy as np
 
-        if 8 * pos.size < self.hot_mask[t].size:  # few: count the hot elements before each
-            return pos - np.searchsorted(self.hot_flat[t], pos)
-        return (np.cumsum(~self.hot_mask[t]) - 1)[pos]
-
-    def code(self, changed: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
-        """For each tensor's ``changed`` mask: the changed count per class, the gaps of the coded ranks
-        (class by class) with their Rice parameters, and the positions of the changed elements in
-        class order: per tensor its hot ones, then per tensor its cold ones (the order their values
-        are stored in)."""
-        import numpy as np
-
-        counts = np.zeros(self.sizes.size, dtype=np.int64)
-        hot_ranks, cold_ranks, hot_pos, cold_pos = [], [], [], []
-        for t, ch in enumerate(changed):
-            classes = self._hot_classes(t)
-            in_hot = ch[self.hot[t]]
-            sel = np.flatnonzero(in_hot)
-            sizes = self.sizes[classes]
-            starts = np.cumsum(sizes) - sizes
-            k = np.diff(np.searchsorted(sel, [*starts.tolist(), in_hot.size]))
-            counts[classes] = k
-            flip = 2 * k > sizes
-            coded = np.flatnonzero(in_hot ^ np.repeat(flip, sizes)) if flip.any() else sel
-            hot_ranks.append(coded - np.repeat(starts, np.where(flip, sizes - k, k)))
-            hot_pos.append(self.hot[t][sel])
-            cold = np.flatnonzero(ch & ~self.hot_mask[t])
-            c = self.n_hot + t
-            counts[c] = cold.size
-            if 2 * cold.size > self.sizes[c]:  # code the unchanged cold elements
-                cold_ranks.append(self._cold_rank(t, np.flatnonzero(~ch & ~self.hot_mask[t])))
-            else:
-                cold_ranks.append(self._cold_rank(t, cold))
-            cold_pos.append(cold)
-        m, _, params = self.coded(counts)
-        rank = np.concatenate(hot_ranks + cold_ranks)
+        in_hot = changed[self.hot]
+        sel = np.flatnonzero(in_hot)
+        hot_sizes = self.sizes[:-1]
+        starts = np.cumsum(hot_sizes) - hot_sizes
+        cold = np.flatnonzero(changed > self.hot_mask)
+        counts = np.append(np.diff(np.searchsorted(sel, [*starts.tolist(), in_hot.size])), cold.size)
+        m, flip, params = self.coded(counts)
+        coded_hot = np.flatnonzero(in_hot ^ np.repeat(flip[:-1], hot_sizes)) if flip[:-1].any() else sel
+        coded_cold = np.flatnonzero(~changed > self.hot_mask) if flip[-1] else cold  # unchanged cold ones
+        rank = np.concatenate([coded_hot - np.repeat(starts, m[:-1]), self._cold_rank(coded_cold)])
         gaps = np.diff(rank, prepend=-1) - 1
         first = (np.cumsum(m) - m)[m > 0]
         gaps[first] = rank[first]  # a class's first rank is its own gap
-        return counts, gaps, np.repeat(params, m), hot_pos + cold_pos
+        return counts, gaps, np.repeat(params, m), np.concatenate([self.hot[sel], cold])
 
     def positions(
         self, counts: np.ndarray, quotients: np.ndarray, remainders: np.ndarray, what: str
-    ) -> list[np.ndarray]:
-        """The positions of the changed elements as :meth:`code` returns them, from the decoded Rice
-        codes of the coded ranks; :class:`DeltaError` (naming ``what``) when a rank does not fit its
-        class."""
+    ) -> np.ndarray:
+        """Positions of the changed elements in class order, from the decoded Rice codes of the coded
+        ranks; :class:`DeltaError` (naming ``what``) when a rank does not fit its class."""
         import numpy as np
 
         m, flip, params = self.coded(counts)
@@ -391,34 +350,22 @@ class _Classes:
         rank = ends - np.repeat(before, m[m > 0]) - 1
         if np.any(rank >= n_v):
             raise DeltaError(f"patch {what}: a changed position is out of range")
-        at = np.cumsum(m) - m  # where each class's ranks begin
-        hot_pos, cold_pos = [], []
-        for t in range(len(self.hot)):
-            classes = self._hot_classes(t)
-            if classes.stop > classes.start:
-                sizes = self.sizes[classes]
-                starts = np.cumsum(sizes) - sizes
-                r = rank[at[classes.start] : at[classes.stop - 1] + m[classes.stop - 1]]
-                idx = r + np.repeat(starts, m[classes])
-                if flip[classes].any():
-                    mask = np.repeat(flip[classes], sizes)
-                    mask[idx] ^= True
-                    idx = np.flatnonzero(mask)
-                hot_pos.append(self.hot[t][idx])
-            else:
-                hot_pos.append(np.zeros(0, dtype=np.int64))
-            c = self.n_hot + t
-            r = rank[at[c] : at[c] + m[c]]
-            if flip[c]:  # the ranks of the unchanged cold elements: the changed ones are the others
-                keep = np.ones(self.sizes[c], dtype=np.bool_)
-                keep[r] = False
-                r = np.flatnonzero(keep)
-            if 8 * r.size < self.hot_mask[t].size:  # few: skip the hot elements before each
-                hot_before = self.hot_flat[t] - np.arange(self.hot_flat[t].size)
-                cold_pos.append(r + np.searchsorted(hot_before, r, side="right"))
-            else:
-                cold_pos.append(np.flatnonzero(~self.hot_mask[t])[r])
-        return hot_pos + cold_pos
+        hot_sizes, hot_m = self.sizes[:-1], int(m[:-1].sum())
+        idx = rank[:hot_m] + np.repeat(np.cumsum(hot_sizes) - hot_sizes, m[:-1])
+        if flip[:-1].any():
+            mask = np.repeat(flip[:-1], hot_sizes)
+            mask[idx] ^= True
+            idx = np.flatnonzero(mask)
+        r = rank[hot_m:]
+        if flip[-1]:  # the ranks of the unchanged cold elements: the changed ones are the others
+            keep = np.ones(self.sizes[-1], dtype=np.bool_)
+            keep[r] = False
+            r = np.flatnonzero(keep)
+        if 8 * r.size < self.hot_mask.size:  # few: skip the hot elements before each
+            cold = r + np.searchsorted(self.hot_flat - np.arange(self.hot_flat.size), r, side="right")
+        else:
+            cold = np.flatnonzero(~self.hot_mask)[r]
+        return np.concatenate([self.hot[idx], cold])
 
 
 @dataclass(frozen=True)
@@ -429,7 +376,7 @@ class _Group:
     names: list[str]
     counts: list[int]  # changed elements per tensor, as the table states them
     width: int  # bytes per element
-    olds: list[np.ndarray]  # the base bits of each tensor, flat
+    old: np.ndarray  # the base bits of the tensors, end to end (a copy)
     classes: _Classes
 
     @property
@@ -441,8 +388,9 @@ def apply_patch(
     base: Mapping[str, torch.Tensor], patch: bytes | bytearray | memoryview
 ) -> dict[str, torch.Tensor]:
     """The weights ``patch`` turns ``base`` into, as a new dict. ``base`` is never modified: unchanged
-    tensors are shared with it, changed ones are new. Raises :class:`DeltaError` when the patch is
-    malformed or was not made against weights shaped like ``base``."""
+    tensors are shared with it, changed ones are new (those of one dtype are views of one new
+    buffer). Raises :class:`DeltaError` when the patch is malformed or was not made against weights
+    shaped like ``base``."""
     import numpy as np
     import torch
 
@@ -460,31 +408,36 @@ def apply_patch(
     for i, g in enumerate(groups):
         codes = slice(sec.code_starts[i], sec.code_starts[i + 1])
         vals = slice(sec.value_starts[i], sec.value_starts[i + 1])
-        parts = g.classes.positions(sec.counts[i], quotients[codes], remainders[codes], f"{g.dtype} tensors")
+        pos = g.classes.positions(sec.counts[i], quotients[codes], remainders[codes], f"{g.dtype} tensors")
         mag = np.ones(g.changes, f"u{g.width}")  # |d|
         extra = sec.magnitudes[i]  # |d| - 1 where it is > 0
         if np.any(extra == 0) or np.any(extra >= extra.dtype.type(1 << (8 * g.width - 1))):
             raise DeltaError(f"patch {g.dtype} tensors: a magnitude is out of range")
         mag[sec.flags[vals]] += extra
-        d = np.where(sec.signs[vals], np.negative(mag), mag).view(g.olds[0].dtype)
+        d = np.where(sec.signs[vals], np.negative(mag), mag).view(g.old.dtype)
         floating = g.dtype in _EXPONENT
-        new_bits = [old.copy() for old in g.olds]
-        at = 0
-        for j, pos in enumerate(parts):  # per tensor its hot changes, then per tensor its cold ones
-            bits = new_bits[j % len(g.olds)]
-            bits[pos] = _key(_key(bits[pos], floating) + d[at : at + pos.size], floating)
-            at += pos.size
-        for name, bits in zip(g.names, new_bits, strict=True):
+        new_bits = g.old  # a copy of the base's bits: the new buffer
+        new_bits[pos] = _key(_key(new_bits[pos], floating) + d, floating)
+        ends = np.cumsum([base[name].numel() for name in g.names])
+        per_tensor = np.bincount(np.searchsorted(ends, pos, side="right"), minlength=len(g.names))
+        if not np.array_equal(per_tensor, g.counts):
+            bad = int(np.flatnonzero(per_tensor != g.counts)[0])
+            raise DeltaError(
+                f"patch tensor {g.names[bad]}: {per_tensor[bad]} changed positions, "
+                f"the table says {g.counts[bad]}"
+            )
+        for name, a, b in zip(g.names, [0, *ends[:-1].tolist()], ends.tolist(), strict=True):
             t = base[name]
-            if t.dtype == torch.bool and np.any(bits.view(np.uint8) > 1):
+            if t.dtype == torch.bool and np.any(new_bits[a:b].view(np.uint8) > 1):
                 raise DeltaError(f"patch tensor {name}: a bool element gets a value other than 0 or 1")
-            out[name] = torch.from_numpy(bits).view(t.dtype).reshape(t.shape)
+            out[name] = torch.from_numpy(new_bits[a:b]).view(t.dtype).reshape(t.shape)
     return out
 
 
 def _changed_groups(base: Mapping[str, torch.Tensor], table: list[list[Any]]) -> list[_Group]:
     """The tensors the table changes, by dtype in patch order, after checking the table against
     ``base``; their classes are derived from ``base``."""
+    import numpy as np
 
     names = [row[0] for row in table]
     missing, unknown = sorted(set(base) - set(names)), sorted(set(names) - set(base))
@@ -506,10 +459,10 @@ def _changed_groups(base: Mapping[str, torch.Tensor], table: list[list[Any]]) ->
             counts[name] = count
     groups = []
     for dtype, members in _by_dtype(list(counts), base):
-        olds = [_bits(base[m]) for m in members]
+        old = np.concatenate([_bits(base[m]) for m in members])  # a copy, also of a single tensor
         width = base[members[0]].element_size()
         groups.append(
-            _Group(dtype, members, [counts[m] for m in members], width, olds, _Classes.of(olds, dtype))
+            _Group(dtype, members, [counts[m] for m in members], width, old, _Classes.of(old, dtype))
         )
     return groups
 
@@ -523,7 +476,7 @@ def _inflate(frame: memoryview, groups: list[_Group], cw: int) -> bytes:
 
     flag_bytes = (sum(g.changes for g in groups) + 7) // 8
     fixed = cw * sum(g.classes.sizes.size for g in groups) + 2 * flag_bytes
-    numel = sum(old.size for g in groups for old in g.olds)
+    numel = sum(g.old.size for g in groups)
     bound = fixed + numel // 8 + numel // 3 + 2 + sum(g.changes * g.width for g in groups)
     try:
         params = zstandard.get_frame_parameters(frame)
@@ -575,13 +528,10 @@ def _split(buf: np.ndarray, groups: list[_Group], cw: int) -> _Split:
     counts = np.split(_unshuffle(buf[:at], cw).astype(np.int64), np.cumsum(n_classes)[:-1]) if groups else []
     params = []
     for g, k in zip(groups, counts, strict=True):
-        per_tensor = np.bincount(g.classes.owner, weights=k, minlength=len(g.names))
-        over = np.bincount(g.classes.owner, weights=k > g.classes.sizes, minlength=len(g.names))
-        bad = np.flatnonzero((per_tensor != g.counts) | (over > 0))
-        if bad.size:
+        if np.any(k > g.classes.sizes) or int(k.sum()) != g.changes:
             raise DeltaError(
-                f"patch tensor {g.names[bad[0]]}: its class counts do not add up to its "
-                f"{g.counts[bad[0]]} changes"
+                f"patch {g.dtype} tensors: their class counts do not add up to the table's "
+                f"{g.changes} changes"
             )
         m, _, r = g.classes.coded(k)
         params.append(np.repeat(r, m))
@@ -687,9 +637,9 @@ _WIDTHS = (1, 2, 4, 8)
 # float formats whose exponent classes steer position coding: dtype -> (mantissa bits, exponent bits)
 _EXPONENT = {"bfloat16": (7, 8), "float16": (10, 5), "float32": (23, 8), "float64": (52, 11)}
 _HOT_CLASSES = 10  # exponent classes of the hot elements, the lowest also takes all smaller exponents
-_SAMPLE_STRIDE = 61  # a tensor's cut is one below the median exponent of every 61st element
+_SAMPLE_STRIDE = 61  # the cut is one below the median exponent of every 61st element
 _CUT_OFFSET = -1
-_MIN_CUT_ELEMENTS = 64  # smaller tensors (and other dtypes) have no hot elements
+_MIN_CUT_ELEMENTS = 64  # fewer changed elements of a dtype (and other dtypes) have no hot elements
 
 
 def _exponents(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -704,9 +654,9 @@ def _exponents(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _cut(old_bits: np.ndarray, dtype: str) -> int:
-    """The exponent below which a tensor's elements are hot (their ulp is small, so they are likely
-    to change): one below the median exponent of a sample of the base; 0 (none) for other dtypes and
-    tiny tensors."""
+    """The exponent below which elements are hot (their ulp is small, so they are likely to change):
+    one below the median exponent of a sample of the base bits; 0 (none) for other dtypes and fewer
+    than 64 elements."""
     import numpy as np
 
     if dtype not in _EXPONENT or old_bits.size < _MIN_CUT_ELEMENTS:

@@ -179,7 +179,9 @@ def position_costs(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) 
 
     coded = entropy = 0.0
     flipped = False
-    for dtype, names in delta._by_dtype(sorted(base), base):
+    for dtype, names in delta._blocks(
+        [k for k in sorted(base) if not torch.equal(bits(base[k]), bits(new[k]))], base
+    ):
         old = np.concatenate([delta._bits(base[k]) for k in names])
         classes = delta._Classes.of(old, dtype)
         counts, gaps, params, _ = classes.code(old != np.concatenate([delta._bits(new[k]) for k in names]))
@@ -595,3 +597,27 @@ def test_patch_against_the_wrong_base_is_refused_or_detected():
 
 def test_delta_error_is_a_user_facing_error():
     assert issubclass(DeltaError, Echo2Error)
+
+
+def test_blocks_follow_the_spec(monkeypatch):
+    """Changed tensors are coded in blocks: by dtype name, consecutive tensors of one dtype up to the
+    block size together, a larger one alone; a patch across several blocks round trips."""
+    monkeypatch.setattr(delta, "_BLOCK_ELEMENTS", 100)
+    t = {
+        "a": torch.zeros(60, dtype=torch.bfloat16),
+        "b": torch.zeros(30, dtype=torch.bfloat16),
+        "c": torch.zeros(20, dtype=torch.bfloat16),
+        "d": torch.zeros(500, dtype=torch.bfloat16),
+        "e": torch.zeros(5, dtype=torch.bfloat16),
+        "i": torch.zeros(3, dtype=torch.int32),
+    }
+    got = delta._blocks(sorted(t), t)
+    assert got == [
+        ("bfloat16", ["a", "b"]),
+        ("bfloat16", ["c"]),
+        ("bfloat16", ["d"]),
+        ("bfloat16", ["e"]),
+        ("int32", ["i"]),
+    ]
+    base = weights(torch.bfloat16)  # a.weight 3072, b.weight 3000, ...: several blocks of 100
+    round_trip(base, step(base, 3e-4))

@@ -27,14 +27,16 @@ Per changed element the patch stores where it is and by how much its bits moved:
 - *position*: whether an element changes depends mostly on its exponent (one AdamW step of ~lr moves
   a weight across a rounding boundary with probability ~ lr / ulp, and the ulp doubles per binade).
   So elements are grouped into *classes* that the decoder derives from the base alone. The changed
-  tensors of one dtype are coded together, end to end in table order (the dtypes in name order: the
-  *patch order*). A float dtype of 64 elements or more has a *cut*, one below the median exponent of
-  every 61st of those elements (about 15% of normally distributed weights lie below it); the
-  elements below the cut are *hot* and fall into 10 classes by exponent (the lowest also takes all
-  smaller exponents), the others form the *cold* class. Other dtypes are one cold class. The *class
-  order* lists the hot classes that have elements by ascending exponent, then the cold class, each
-  in position order. (Conditioning on the tensor as well gains nothing measurable: AdamW normalises
-  every element's step, so the exponent alone sets how likely it is to cross a rounding boundary.)
+  tensors are coded in *blocks*: by dtype (dtype names sorted), consecutive changed tensors of one
+  dtype in table order, end to end, up to 2**24 elements together (a larger tensor is a block of its
+  own); the blocks in that order are the *patch order*. A float block of 64 elements or more has a
+  *cut*, one below the median exponent of every 61st of its elements (about 15% of normally
+  distributed weights lie below it); the elements below the cut are *hot* and fall into 10 classes
+  by exponent (the lowest also takes all smaller exponents), the others form the *cold* class.
+  Other blocks are one cold class. The *class order* lists the hot classes that have elements by
+  ascending exponent, then the cold class, each in position order. (Conditioning on the tensor as
+  well gains nothing measurable: AdamW normalises every element's step, so the exponent alone sets
+  how likely it is to cross a rounding boundary. Blocks bound the memory a patch takes to code.)
   Per class of ``n`` elements of which ``k`` changed, the patch codes the ranks within the class of
   the changed elements, or of the unchanged ones where ``2k > n``: ``m = min(k, n - k)`` strictly
   increasing ranks as gaps ``rank_0``, then ``rank_i - rank_{i-1} - 1``, each Rice coded
@@ -46,13 +48,13 @@ Per changed element the patch stores where it is and by how much its bits moved:
 Frame content, integer arrays byte-plane shuffled (all low bytes, then all next bytes, ...) so
 zstandard sees long runs of zero high bytes:
 
-1. per class (dtypes in patch order, classes in class order; hot classes only where they have
+1. per class (blocks in patch order, classes in class order; hot classes only where they have
    elements, the cold class always): its changed count (uint32, or uint64 when some tensor has
    2**32 elements or more);
 2. the Rice remainder stream of the coded ranks, in that order;
 3. the sign bits of the changed elements, in that order, packed (padding bits zero);
 4. bits "|d| > 1", likewise;
-5. per dtype, the values ``|d| - 1`` of its elements whose bit in 4 is set, in that order;
+5. per block, the values ``|d| - 1`` of its elements whose bit in 4 is set, in that order;
 6. the Rice unary stream (the rest of the frame).
 
 Everything in a patch is untrusted: ``apply_patch`` checks the magic, the version, the table against
@@ -191,19 +193,14 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             raise DeltaError(f"tensor {name}: dtype {_dtype_name(n)} in new, {_dtype_name(b)} in base")
         if tuple(b.shape) != tuple(n.shape):
             raise DeltaError(f"tensor {name}: shape {tuple(n.shape)} in new, {tuple(b.shape)} in base")
-    counts = dict.fromkeys(names, 0)
+    counts = {name: int(np.count_nonzero(_bits(base[name]) != _bits(new[name]))) for name in names}
     sec = _Sections()
-    for dtype, members in _by_dtype(names, base):
-        pieces = [(m, _bits(base[m]), _bits(new[m])) for m in members]
-        masks = [o != n for _, o, n in pieces]
-        counts.update((m, int(np.count_nonzero(c))) for (m, _, _), c in zip(pieces, masks, strict=True))
-        kept = [(p, c) for p, c in zip(pieces, masks, strict=True) if counts[p[0]]]
-        if not kept:
-            continue
-        # the changed tensors of a dtype, end to end
-        old = np.concatenate([p[1] for p, _ in kept])
-        new_bits = np.concatenate([p[2] for p, _ in kept])
-        class_counts, gaps, params, pos = _Classes.of(old, dtype).code(np.concatenate([c for _, c in kept]))
+    for dtype, members in _blocks([name for name in names if counts[name]], base):
+        olds, news = [_bits(base[m]) for m in members], [_bits(new[m]) for m in members]
+        old, new_bits = (
+            (olds[0], news[0]) if len(members) == 1 else (np.concatenate(olds), np.concatenate(news))
+        )
+        class_counts, gaps, params, pos = _Classes.of(old, dtype).code(old != new_bits)
         sec.counts.append(class_counts)
         sec.gaps.append(gaps)
         sec.params.append(params)
@@ -223,18 +220,28 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     return b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)), head, *frame])
 
 
-def _by_dtype(names: list[str], tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, list[str]]]:
-    """The non-empty tensors among ``names`` by dtype name (sorted), in the order of ``names`` within
-    a dtype: the *patch order* of the module docstring when ``names`` are the changed tensors."""
-    groups: dict[str, list[str]] = {}
+def _blocks(names: list[str], tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, list[str]]]:
+    """The *blocks* of a patch (module docstring) when ``names`` are its changed tensors in table
+    order: by dtype name (sorted), consecutive tensors of one dtype together up to
+    ``_BLOCK_ELEMENTS`` elements, a larger tensor alone."""
+    by_dtype: dict[str, list[str]] = {}
     for name in names:
-        if tensors[name].numel():
-            groups.setdefault(_dtype_name(tensors[name]), []).append(name)
-    return sorted(groups.items())
+        by_dtype.setdefault(_dtype_name(tensors[name]), []).append(name)
+    blocks: list[tuple[str, list[str]]] = []
+    for dtype, members in sorted(by_dtype.items()):
+        size = _BLOCK_ELEMENTS  # start a block with the first member
+        for name in members:
+            n = tensors[name].numel()
+            if size + n > _BLOCK_ELEMENTS:
+                blocks.append((dtype, []))
+                size = 0
+            blocks[-1][1].append(name)
+            size += n
+    return blocks
 
 
 class _Sections:
-    """What :func:`encode_patch` collects per dtype, in patch order, for the frame."""
+    """What :func:`encode_patch` collects per block, in patch order, for the frame."""
 
     def __init__(self) -> None:
         self.counts: list[np.ndarray] = []  # changed elements per class
@@ -260,7 +267,7 @@ class _Sections:
 
 @dataclass(frozen=True)
 class _Classes:
-    """The changed tensors of one dtype, end to end, grouped into the classes both sides of a patch
+    """The changed tensors of a block, end to end, grouped into the classes both sides of a patch
     derive from the base (module docstring): for a float dtype the elements below the cut are *hot*
     and fall into ``_HOT_CLASSES`` classes by exponent, the others form the *cold* class; other dtypes
     are one cold class. Class order: the hot classes by ascending exponent, then the cold class; in a
@@ -273,7 +280,7 @@ class _Classes:
 
     @classmethod
     def of(cls, old: np.ndarray, dtype: str) -> _Classes:
-        """Classes of the base bits ``old`` (flat) of a dtype's changed tensors."""
+        """Classes of the base bits ``old`` (flat) of a block's tensors."""
         import numpy as np
         import torch
 
@@ -369,8 +376,8 @@ class _Classes:
 
 
 @dataclass(frozen=True)
-class _Group:
-    """The tensors of one dtype that a patch changes, in patch order, as the decoder sees them."""
+class _Block:
+    """A block of the tensors a patch changes (module docstring), as the decoder sees it."""
 
     dtype: str
     names: list[str]
@@ -397,15 +404,15 @@ def apply_patch(
     from echo2.models import rice
 
     table, frame = _parse(patch)
-    groups = _changed_groups(base, table)
+    blocks = _changed_blocks(base, table)
     cw = _count_width_of(table)
-    sec = _split(np.frombuffer(_inflate(frame, groups, cw), dtype=np.uint8), groups, cw)
+    sec = _split(np.frombuffer(_inflate(frame, blocks, cw), dtype=np.uint8), blocks, cw)
     try:
         quotients, remainders = rice.decode(sec.rem, sec.unary, sec.params)
     except rice.CodeError as e:
         raise DeltaError(f"patch positions: {e}") from e
     out: dict[str, torch.Tensor] = {row[0]: base[row[0]] for row in table}
-    for i, g in enumerate(groups):
+    for i, g in enumerate(blocks):
         codes = slice(sec.code_starts[i], sec.code_starts[i + 1])
         vals = slice(sec.value_starts[i], sec.value_starts[i + 1])
         pos = g.classes.positions(sec.counts[i], quotients[codes], remainders[codes], f"{g.dtype} tensors")
@@ -434,8 +441,8 @@ def apply_patch(
     return out
 
 
-def _changed_groups(base: Mapping[str, torch.Tensor], table: list[list[Any]]) -> list[_Group]:
-    """The tensors the table changes, by dtype in patch order, after checking the table against
+def _changed_blocks(base: Mapping[str, torch.Tensor], table: list[list[Any]]) -> list[_Block]:
+    """The tensors the table changes, as blocks in patch order, after checking the table against
     ``base``; their classes are derived from ``base``."""
     import numpy as np
 
@@ -457,27 +464,27 @@ def _changed_groups(base: Mapping[str, torch.Tensor], table: list[list[Any]]) ->
         if count:
             _bits_width(b)  # refuses unsupported dtypes before anything is decompressed
             counts[name] = count
-    groups = []
-    for dtype, members in _by_dtype(list(counts), base):
+    blocks = []
+    for dtype, members in _blocks(list(counts), base):
         old = np.concatenate([_bits(base[m]) for m in members])  # a copy, also of a single tensor
         width = base[members[0]].element_size()
-        groups.append(
-            _Group(dtype, members, [counts[m] for m in members], width, old, _Classes.of(old, dtype))
+        blocks.append(
+            _Block(dtype, members, [counts[m] for m in members], width, old, _Classes.of(old, dtype))
         )
-    return groups
+    return blocks
 
 
-def _inflate(frame: memoryview, groups: list[_Group], cw: int) -> bytes:
+def _inflate(frame: memoryview, blocks: list[_Block], cw: int) -> bytes:
     """The frame's content, decompressed no further than the table (and the base's classes) allow:
     the class counts, sign and flag bits exactly; remainders and unary codes of at most one and
     2.67 bits per element (gaps that fit their classes, with the parameters of
     ``rice.parameters``, take at most 0.64 and 1.54); and a value per change."""
     import zstandard
 
-    flag_bytes = (sum(g.changes for g in groups) + 7) // 8
-    fixed = cw * sum(g.classes.sizes.size for g in groups) + 2 * flag_bytes
-    numel = sum(g.old.size for g in groups)
-    bound = fixed + numel // 8 + numel // 3 + 2 + sum(g.changes * g.width for g in groups)
+    flag_bytes = (sum(g.changes for g in blocks) + 7) // 8
+    fixed = cw * sum(g.classes.sizes.size for g in blocks) + 2 * flag_bytes
+    numel = sum(g.old.size for g in blocks)
+    bound = fixed + numel // 8 + numel // 3 + 2 + sum(g.changes * g.width for g in blocks)
     try:
         params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as e:
@@ -507,27 +514,27 @@ def _inflate(frame: memoryview, groups: list[_Group], cw: int) -> bytes:
 class _Split:
     """The frame content's sections (module docstring), checked against the table."""
 
-    counts: list[np.ndarray]  # per group, changed elements per class
-    params: np.ndarray  # the Rice parameter of every coded rank, all groups
-    code_starts: np.ndarray  # where each group's coded ranks begin in ``params`` (and one past the end)
+    counts: list[np.ndarray]  # per block, changed elements per class
+    params: np.ndarray  # the Rice parameter of every coded rank, all blocks
+    code_starts: np.ndarray  # where each block's coded ranks begin in ``params`` (and one past the end)
     rem: np.ndarray  # the remainder stream
-    signs: np.ndarray  # one per changed element, all groups
+    signs: np.ndarray  # one per changed element, all blocks
     flags: np.ndarray  # "|d| > 1", likewise
-    value_starts: np.ndarray  # where each group's changed elements begin in ``signs`` (and the end)
-    magnitudes: list[np.ndarray]  # per group, its values |d| - 1 > 0
+    value_starts: np.ndarray  # where each block's changed elements begin in ``signs`` (and the end)
+    magnitudes: list[np.ndarray]  # per block, its values |d| - 1 > 0
     unary: np.ndarray  # the unary stream
 
 
-def _split(buf: np.ndarray, groups: list[_Group], cw: int) -> _Split:
+def _split(buf: np.ndarray, blocks: list[_Block], cw: int) -> _Split:
     import numpy as np
 
     from echo2.models import rice
 
-    n_classes = [g.classes.sizes.size for g in groups]
+    n_classes = [g.classes.sizes.size for g in blocks]
     at = cw * sum(n_classes)
-    counts = np.split(_unshuffle(buf[:at], cw).astype(np.int64), np.cumsum(n_classes)[:-1]) if groups else []
+    counts = np.split(_unshuffle(buf[:at], cw).astype(np.int64), np.cumsum(n_classes)[:-1]) if blocks else []
     params = []
-    for g, k in zip(groups, counts, strict=True):
+    for g, k in zip(blocks, counts, strict=True):
         if np.any(k > g.classes.sizes) or int(k.sum()) != g.changes:
             raise DeltaError(
                 f"patch {g.dtype} tensors: their class counts do not add up to the table's "
@@ -538,7 +545,7 @@ def _split(buf: np.ndarray, groups: list[_Group], cw: int) -> _Split:
     code_starts = np.cumsum([0, *(p.size for p in params)])
     all_params = _cat(params, np.int64)
     rem_n = rice.remainder_bytes(all_params)
-    total = sum(g.changes for g in groups)
+    total = sum(g.changes for g in blocks)
     flag_bytes = (total + 7) // 8
     if at + rem_n + 2 * flag_bytes > len(buf):
         raise DeltaError(f"patch data is {len(buf)} bytes, too short for its position codes")
@@ -548,9 +555,9 @@ def _split(buf: np.ndarray, groups: list[_Group], cw: int) -> _Split:
     at += flag_bytes
     flags = _unpack(buf[at : at + flag_bytes], total, "magnitude")
     at += flag_bytes
-    value_starts = np.cumsum([0, *(g.changes for g in groups)])
+    value_starts = np.cumsum([0, *(g.changes for g in blocks)])
     magnitudes = []
-    for i, g in enumerate(groups):
+    for i, g in enumerate(blocks):
         n = int(np.count_nonzero(flags[value_starts[i] : value_starts[i + 1]])) * g.width
         if at + n > len(buf):
             raise DeltaError(f"patch data is {len(buf)} bytes, too short for its {g.dtype} magnitudes")
@@ -637,6 +644,7 @@ _WIDTHS = (1, 2, 4, 8)
 # float formats whose exponent classes steer position coding: dtype -> (mantissa bits, exponent bits)
 _EXPONENT = {"bfloat16": (7, 8), "float16": (10, 5), "float32": (23, 8), "float64": (52, 11)}
 _HOT_CLASSES = 10  # exponent classes of the hot elements, the lowest also takes all smaller exponents
+_BLOCK_ELEMENTS = 1 << 24  # changed tensors coded together, at most (a larger tensor alone)
 _SAMPLE_STRIDE = 61  # the cut is one below the median exponent of every 61st element
 _CUT_OFFSET = -1
 _MIN_CUT_ELEMENTS = 64  # fewer changed elements of a dtype (and other dtypes) have no hot elements

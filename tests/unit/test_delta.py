@@ -375,9 +375,7 @@ def rice_streams(gaps, params) -> tuple[bytes, bytes]:
     """The remainder and unary streams of the module docstrings, written out bit by bit (an
     independent spelling of echo2.models.rice)."""
     pairs = list(zip(gaps, params, strict=True))
-    rem = "".join(
-        format(v & ((1 << r) - 1), f"0{r}b") for r in sorted(set(params) - {0}) for v, q in pairs if q == r
-    )
+    rem = "".join(format(v & ((1 << r) - 1), f"0{r}b") if r else "" for v, r in pairs)
     unary = "".join("1" * (v >> r) + "0" for v, r in pairs)
     return _packed(rem), _packed(unary, pad="1")
 

@@ -374,6 +374,18 @@ class _Classes:
             cold = np.flatnonzero(~self.hot_mask)[r]
         return np.concatenate([self.hot[idx], cold])
 
+    def per_tensor(self, pos: np.ndarray, counts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """How many of the changed positions ``pos`` (class order, as :meth:`positions` returns them,
+        ``counts`` per class) fall in each tensor of the block (``ends``: where each one ends)."""
+        import numpy as np
+
+        per = np.zeros(ends.size, dtype=np.int64)
+        at = 0
+        for k in counts.tolist():  # positions increase within a class
+            per += np.diff(np.searchsorted(pos[at : at + k], ends, side="left"), prepend=0)
+            at += k
+        return per
+
 
 @dataclass(frozen=True)
 class _Block:
@@ -416,17 +428,18 @@ def apply_patch(
         codes = slice(sec.code_starts[i], sec.code_starts[i + 1])
         vals = slice(sec.value_starts[i], sec.value_starts[i + 1])
         pos = g.classes.positions(sec.counts[i], quotients[codes], remainders[codes], f"{g.dtype} tensors")
-        mag = np.ones(g.changes, f"u{g.width}")  # |d|
         extra = sec.magnitudes[i]  # |d| - 1 where it is > 0
-        if np.any(extra == 0) or np.any(extra >= extra.dtype.type(1 << (8 * g.width - 1))):
+        if extra.size and (extra.min() == 0 or extra.max() >= extra.dtype.type(1 << (8 * g.width - 1))):
             raise DeltaError(f"patch {g.dtype} tensors: a magnitude is out of range")
-        mag[sec.flags[vals]] += extra
-        d = np.where(sec.signs[vals], np.negative(mag), mag).view(g.old.dtype)
+        d = np.ones(g.changes, f"u{g.width}")  # |d|, then d
+        d[sec.flags[vals]] = extra + extra.dtype.type(1)
+        np.negative(d, out=d, where=sec.signs[vals])
+        d = d.view(g.old.dtype)
         floating = g.dtype in _EXPONENT
         new_bits = g.old  # a copy of the base's bits: the new buffer
         new_bits[pos] = _key(_key(new_bits[pos], floating) + d, floating)
         ends = np.cumsum([base[name].numel() for name in g.names])
-        per_tensor = np.bincount(np.searchsorted(ends, pos, side="right"), minlength=len(g.names))
+        per_tensor = g.classes.per_tensor(pos, sec.counts[i], ends)
         if not np.array_equal(per_tensor, g.counts):
             bad = int(np.flatnonzero(per_tensor != g.counts)[0])
             raise DeltaError(

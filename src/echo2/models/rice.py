@@ -10,9 +10,9 @@ The two halves travel as two bit streams, so that both decode without a scan:
 
 - the *unary* stream holds every value's unary part in value order, padded with one bits to a whole
   byte: value ``i``'s part ends at the ``i``-th zero bit;
-- the *remainder* stream holds, for each parameter ``R >= 1`` in ascending order, the ``R``-bit
-  remainders (most significant bit first) of the values coded with ``R``, in value order, padded
-  with zero bits to a whole byte.
+- the *remainder* stream holds every value's ``r``-bit remainder (most significant bit first) in
+  value order, padded with zero bits to a whole byte; values come in runs of one parameter (a
+  class each, in a patch), which is how both ends process them.
 
 Everything decoded here may come from a stranger: :func:`decode` checks that the streams have
 exactly the bits the parameters call for, and raises :class:`CodeError` naming what does not fit.
@@ -20,6 +20,7 @@ exactly the bits the parameters call for, and raises :class:`CodeError` naming w
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 # geometric value of mean mu is floor(log2(C * (mu + 1/2))) to within the last term of a series,
 # and integer arithmetic makes it the same on every machine
 _C_Q16 = 63072
-MAX_PARAMETER = 62  # Rice parameters stay below the int64 width
+MAX_PARAMETER = 56  # a remainder and its bit offset in a byte fit one 64-bit word
 
 
 class CodeError(ValueError):
@@ -59,11 +60,12 @@ def encode(values: np.ndarray, params: np.ndarray) -> tuple[bytes, bytes]:
     values = np.asarray(values, dtype=np.int64)
     params = np.asarray(params, dtype=np.int64)
     rem_parts = []
-    for r in np.unique(params[params > 0]).tolist():
-        w = _word(r)
-        words = (values[params == r] & ((1 << r) - 1)).astype(f">u{w}")
-        bits = np.unpackbits(words.view(np.uint8).reshape(-1, w), axis=1)
-        rem_parts.append(bits[:, 8 * w - r :].reshape(-1))
+    for a, b, r in _runs(params):
+        if r:
+            w = _word(r)
+            words = (values[a:b] & ((1 << r) - 1)).astype(f">u{w}")
+            bits = np.unpackbits(words.view(np.uint8).reshape(-1, w), axis=1)
+            rem_parts.append(bits[:, 8 * w - r :].reshape(-1))
     rem = np.packbits(np.concatenate(rem_parts)).tobytes() if rem_parts else b""
     lengths = (values >> params) + 1
     total = int(lengths.sum())
@@ -91,20 +93,18 @@ def decode(rem: np.ndarray, unary: np.ndarray, params: np.ndarray) -> tuple[np.n
     need = remainder_bytes(params)
     if rem.size != need:
         raise CodeError(f"remainder stream is {rem.size} bytes, its parameters need {need}")
-    rem_bits = np.unpackbits(rem).view(np.bool_)
-    used = int(params.sum())
-    if np.any(rem_bits[used:]):
+    pad = 8 * need - int(params.sum())
+    if pad and int(rem[-1]) & ((1 << pad) - 1):
         raise CodeError("remainder stream has nonzero padding")
+    # each value's remainder: the 8 bytes from its first bit's byte, as one big-endian word, shifted
+    offsets = np.cumsum(params) - params
+    padded = np.concatenate([rem, np.zeros(8, dtype=np.uint8)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 8)[offsets >> 3]
+    words = np.ascontiguousarray(windows).view(">u8").reshape(-1).astype(np.uint64)
+    shifted = words << (offsets & 7).astype(np.uint64)
+    coded = params > 0
     remainders = np.zeros(count, dtype=np.int64)
-    at = 0
-    for r in np.unique(params[params > 0]).tolist():
-        where = params == r
-        k = int(np.count_nonzero(where))
-        w = _word(r)
-        block = np.zeros((k, 8 * w), dtype=np.bool_)
-        block[:, 8 * w - r :] = rem_bits[at : at + k * r].reshape(k, r)
-        remainders[where] = np.packbits(block, axis=1).reshape(-1).view(f">u{w}")
-        at += k * r
+    remainders[coded] = (shifted[coded] >> (64 - params[coded]).astype(np.uint64)).astype(np.int64)
     bits = np.unpackbits(unary).view(np.bool_)
     zeros = np.flatnonzero(~bits)
     if zeros.size != count:
@@ -114,6 +114,16 @@ def decode(rem: np.ndarray, unary: np.ndarray, params: np.ndarray) -> tuple[np.n
         raise CodeError(f"unary stream has {(bits.size - end) // 8} bytes after its last code")
     quotients = np.diff(zeros, prepend=-1) - 1
     return quotients.astype(np.int64), remainders
+
+
+def _runs(params: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(start, stop, parameter)`` of each run of equal parameters."""
+    import numpy as np
+
+    if not params.size:
+        return []
+    edges = [0, *(np.flatnonzero(np.diff(params)) + 1).tolist(), params.size]
+    return [(a, b, int(params[a])) for a, b in itertools.pairwise(edges)]
 
 
 def _word(r: int) -> int:

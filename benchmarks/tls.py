@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=float, default=8.0, help="G of the WAN regime, MB")
     p.add_argument("--bw-mbps", type=float, default=8.0, help="B_w, Mbit/s")
     p.add_argument("--ratio", type=float, default=3.0, help="B0/B_w")
-    p.add_argument("--chunk-kib", type=int, default=256, help="chunk size (runtime.chunk_kb's default)")
+    p.add_argument(
+        "--chunk-kib", type=int, default=256, help="chunk size (runtime.chunk_kb's default when measured)"
+    )
     p.add_argument("--unshaped-n", type=int, default=4)
     p.add_argument("--unshaped-size-mb", type=float, default=64.0)
     p.add_argument("--reps", type=int, default=3, help="interleaved plain / TLS repetitions per scenario")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -212,8 +213,9 @@ def _reward(
 def _prompt(
     att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]
 ) -> Any:
-    foreign = tuple(att.w.codec.encode_prompt("1+1="))
-    return _each(groups, prompt_ids=foreign)
+    leased = {p.text for p in lease.prompts}  # a small task may lease "1+1=" itself: then it is no forgery
+    text = next(t for k in itertools.count(1) if (t := f"{k}+{k}=") not in leased)
+    return _each(groups, prompt_ids=tuple(att.w.codec.encode_prompt(text)))
 
 
 FORGE: dict[str, Callable[..., list[list[Trajectory]]]] = {

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"--strategies: unknown {unknown}; choose from {sorted(registry())}")
     if args.size_mb <= 0 or args.chunk_kib < 0 or args.bw_mbps <= 0 or args.ratio <= 0:
-        raise ConfigError("--size-mb, --chunk-kib, --bw-mbps and --ratio must all be > 0")
+        raise ConfigError("--size-mb, --bw-mbps and --ratio must be > 0, --chunk-kib > 0 or 'auto'")
     if args.mode == "netns" and (why := netns_available()):
         raise HarnessError(f"--mode netns {why}; use --mode loopback")
     cfg = BenchConfig(

@@ -407,7 +407,7 @@ def apply_patch(
     base: Mapping[str, torch.Tensor], patch: bytes | bytearray | memoryview
 ) -> dict[str, torch.Tensor]:
     """The weights ``patch`` turns ``base`` into, as a new dict. ``base`` is never modified: unchanged
-    tensors are shared with it, changed ones are new (those of one dtype are views of one new
+    tensors are shared with it, changed ones are new (those of one block are views of one new
     buffer). Raises :class:`DeltaError` when the patch is malformed or was not made against weights
     shaped like ``base``."""
     import numpy as np

@@ -296,7 +296,10 @@ class GRPOConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon_c")
     is_cap: float = Field(
-        2.0, ge=1.0, description="cap C: of the IS weight sampler->learner (proximal), dual clip (sampler)"
+        2.0,
+        ge=1.0,
+        le=1e8,
+        description="cap C: of the IS weight sampler->learner (proximal), dual clip (sampler)",
     )
     clip_anchor: Literal["sampler", "proximal"] = Field(
         "sampler",
@@ -410,13 +413,70 @@ class SecurityConfig(_Section):
         lt=1.0,
         description="share of a completion's tokens allowed to fail the checks before it is a forgery",
     )
-    max_workers: int = Field(64, ge=1, description="registrations one join token may make in a run")
+    min_logprob: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="lowest sampler log-prob a submitted token may carry; unset = the lowest seeded "
+        "Gumbel-max can draw at the model's vocabulary (rollout/sampling.py: min_drawn_logprob)",
+    )
+    max_workers: int = Field(
+        64,
+        ge=1,
+        description="registration slots of the join token: an identity holds one while trusted and heard "
+        "from within slot_idle_s, or for slot_idle_s after it was quarantined",
+    )
+    slot_idle_s: float = Field(
+        600.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="an identity silent this long (holding no lease) is retired and frees its slot; a "
+        "quarantined one frees it this long after it was caught",
+    )
+    min_usd_per_hour: float = Field(
+        0.01, gt=0.0, allow_inf_nan=False, description="lowest price a worker may register with"
+    )
     max_usd_per_hour: float = Field(
-        100.0, gt=0.0, description="highest price a worker may register with (lower bound: above 0)"
+        100.0, gt=0.0, allow_inf_nan=False, description="highest price a worker may register with"
     )
     max_rollouts_per_s: float = Field(
         10000.0, gt=0.0, description="highest own throughput estimate a worker may register with"
     )
+    probation_prompts: int = Field(
+        1,
+        ge=1,
+        description="prompts per lease of a worker on probation (none of its work admitted yet, or an "
+        "unreturned lease since)",
+    )
+    probation_share: float = Field(
+        0.125,
+        gt=0.0,
+        le=1.0,
+        description="share of the in-flight budget (leased + buffered rollouts) all workers on "
+        "probation may hold together",
+    )
+    max_unreturned: int = Field(
+        3,
+        ge=1,
+        description="unreturned leases in a row after which a worker is benched (no leases) for "
+        "4 x runtime.lease_ttl_s; each one halves its next lease's time to live",
+    )
+    max_requests_per_s: float = Field(
+        50.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="API requests per second one identity may make (bursts of twice that); more get 429",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, allow_inf_nan=False, description="seconds a request body may take to arrive"
+    )
+
+    @model_validator(mode="after")
+    def _price_range(self) -> SecurityConfig:
+        if self.min_usd_per_hour > self.max_usd_per_hour:
+            raise ValueError(
+                f"min_usd_per_hour={self.min_usd_per_hour} is above max_usd_per_hour={self.max_usd_per_hour}"
+            )
+        return self
 
 
 class RuntimeConfig(_Section):

@@ -44,8 +44,10 @@ STRICT = ConfigDict(extra="forbid", strict=True)  # requests: exact types, no un
 LENIENT = ConfigDict(extra="ignore")  # replies: a newer learner may add fields
 
 Version = Annotated[int, Field(ge=-1, le=MAX_INT)]  # a snapshot version; -1 = none installed yet
+MAX_SECONDS = 86400.0  # no heartbeat interval, generation or install a worker reports lasts longer than a day
+MAX_ROLLOUTS = 10**9  # nor does one heartbeat interval hold more rollouts than this
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 Ident = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 
 
@@ -67,10 +69,10 @@ class HeartbeatRequest(BaseModel):
 
     model_config = STRICT
 
-    rollouts: Count  # rollouts generated since the last heartbeat
-    busy_s: NonNegFloat  # seconds spent generating since the last heartbeat (installing excluded)
+    rollouts: Annotated[int, Field(ge=0, le=MAX_ROLLOUTS)]  # rollouts generated since the last heartbeat
+    busy_s: Seconds  # seconds spent generating since the last heartbeat (installing excluded)
     installed_version: Version  # newest snapshot it has installed
-    install_s: NonNegFloat = 0.0  # seconds its last install took (staging + loading into the engine)
+    install_s: Seconds = 0.0  # seconds its last install took (staging + loading into the engine)
 
 
 class LeaseRequest(BaseModel):
@@ -164,7 +166,15 @@ class LeaseGrant(BaseModel):
 
 
 LeaseRefusalReason = Literal[
-    "finished", "inactive", "stale_weights", "rolled_back", "buffer_full", "too_many_leases"
+    "finished",  # the run is over
+    "inactive",  # the pool controller has not activated this worker
+    "benched",  # too many of its leases went unreturned: no leases for a while (retry_after_s)
+    "stale_weights",  # its weights are older than v_t - S: install min_version first
+    "unpublished_version",  # the learner never published (or does not hold) the version it claims
+    "rolled_back",  # its weights are newer than the learner's: drop them, install the learner's
+    "buffer_full",  # leased + buffered rollouts are at the in-flight cap
+    "probation_full",  # workers on probation hold their whole share of the in-flight cap
+    "too_many_leases",  # it holds as many open leases as its standing allows
 ]
 
 
@@ -174,7 +184,7 @@ class LeaseRefusal(BaseModel):
     kind: Literal["refusal"] = "refusal"
     reason: LeaseRefusalReason  # why no lease now
     retry_after_s: float  # ask again after this long
-    min_version: int | None = None  # with stale_weights / rolled_back: install at least this version first
+    min_version: int | None = None  # stale_weights / unpublished_version / rolled_back: install at least this
 
 
 LeaseReply = Annotated[LeaseGrant | LeaseRefusal, Field(discriminator="kind")]

@@ -15,7 +15,7 @@ from echo2.data.store import Lease
 from echo2.data.submission import Rejected, Submission
 from echo2.models.delta import sampler_copy
 from echo2.rollout.engines.hf import HFEngine
-from echo2.rollout.sampling import gumbel_draw, gumbel_noise
+from echo2.rollout.sampling import GUMBEL_MAX, GUMBEL_MIN, gumbel_draw, gumbel_noise, min_drawn_logprob
 from echo2.runtime.verify import GenerationCheck
 from echo2.types import Prompt, Trajectory
 
@@ -47,6 +47,42 @@ def test_gumbel_max_draws_from_the_tempered_nucleus_distribution():
     assert ((freq - probs).abs() <= 4 * se).all(), (freq, probs)
     nucleus = gumbel_draw(logits[:5000], 0.85, 3, rows[:5000], 1)  # .4 + .3 + .2 reaches .85
     assert set(nucleus.tolist()) == {0, 1, 2}
+
+
+def test_gumbel_noise_is_finite_at_every_uniform_and_bounded():
+    """The extreme uniforms give finite noise (with 24 bits the top one rounded to 1.0 in float32 and
+    its noise was +inf: a token drawn whatever its probability); the bounds are the ones stated."""
+    from echo2.rollout import sampling
+
+    bits = torch.tensor([0, 1, 2**sampling._BITS - 2, 2**sampling._BITS - 1])
+    u = (bits.to(torch.float32) + 0.5) * sampling._U_SCALE
+    assert (u < 1.0).all() and (u > 0.0).all()
+    noise = -torch.log(-torch.log(u))
+    assert torch.isfinite(noise).all()
+    assert noise.min() == pytest.approx(GUMBEL_MIN, abs=1e-5)
+    assert noise.max() == pytest.approx(GUMBEL_MAX, abs=1e-5)
+    wide = gumbel_noise(3, torch.arange(64), 0, 50_000)  # 3.2M draws: every one within the bounds
+    assert GUMBEL_MIN - 1e-5 <= float(wide.min()) and float(wide.max()) <= GUMBEL_MAX + 1e-5
+
+
+def test_no_drawn_token_is_less_likely_than_the_bound():
+    """Adversarial logits (one token far ahead, the rest spread over 40 nats) at vocabularies of 50 and
+    50,000: the log-prob of every drawn token is above min_drawn_logprob(V) (a worst case: it needs the
+    largest noise on the drawn token and the smallest on the favourite, so typical minima sit well above)."""
+    gen = torch.Generator().manual_seed(0)
+    lowest = {}
+    for vocab in (50, 50_000):
+        logits = torch.rand((256, vocab), generator=gen) * -40.0
+        logits[:, 0] = 0.0  # a clear favourite: every other draw needs a large noise gap
+        logp = torch.log_softmax(logits, dim=-1)
+        drawn = torch.cat([gumbel_draw(logits, 1.0, seed, torch.arange(256), 0) for seed in range(8)])
+        got = logp.repeat(8, 1).gather(-1, drawn[:, None]).squeeze(-1)
+        lowest[vocab] = float(got.min())
+        assert lowest[vocab] >= min_drawn_logprob(vocab), (vocab, lowest[vocab])
+    assert min_drawn_logprob(151_936) == pytest.approx(-32.378, abs=1e-3)
+    assert lowest[50_000] < lowest[50]  # rarer tokens get drawn at a larger vocabulary
+    with pytest.raises(ValueError):
+        min_drawn_logprob(0)
 
 
 @pytest.fixture(scope="module")

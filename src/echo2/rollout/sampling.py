@@ -14,9 +14,20 @@ final ``log`` may differ by an ulp, which the learner's tolerance absorbs.
 
 The noise is predictable to whoever knows the seed; that is harmless: it fixes *which* token the
 claimed weights must have chosen, it does not let a worker choose another one.
+
+The uniforms take 23 bits, ``u = (b + 0.5) / 2**23`` for ``b`` in ``[0, 2**23)``: every one is exact
+in float32 (with 24 bits the top one, ``1 - 2**-25``, rounds to 1.0, whose noise is ``+inf``: a token
+drawn whatever its probability, at ``V / 2**24`` of all steps). So the noise lies in
+``[GUMBEL_MIN, GUMBEL_MAX]`` = ``[-log(-log(2**-24)), -log(-log(1 - 2**-24))]`` ~ ``[-2.81, 16.64]``,
+and a drawn token's scaled logit is at most ``GUMBEL_MAX - GUMBEL_MIN`` below the best one's (the
+best token is always in the nucleus). Its log-prob under the temperature-scaled distribution is
+therefore at least ``-(GUMBEL_MAX - GUMBEL_MIN) - ln V``: :func:`min_drawn_logprob`, the bound the
+learner holds every submitted sampler log-prob to (``data/submission.py``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -24,7 +35,11 @@ _MASK = 0xFFFFFFFF
 _M1 = 0x7FEB352D  # odd multipliers below 2**31: x (< 2**32) * M stays below 2**63 in int64
 _M2 = 0x5BD1E995
 _STRIDE = 0x61C88647  # spreads consecutive counters (token ids, rows, steps) over the 32-bit lanes
-_U_SCALE = 1.0 / (1 << 24)
+_BITS = 23  # uniform bits per draw: (b + 0.5) / 2**23 is exact in float32 for every b < 2**23
+_U_SCALE = 1.0 / (1 << _BITS)
+GUMBEL_MIN = -math.log(-math.log(0.5 * _U_SCALE))  # noise of the smallest uniform, ~ -2.81
+GUMBEL_MAX = -math.log(-math.log1p(-0.5 * _U_SCALE))  # noise of the largest uniform, ~ 16.64
+LOGPROB_SLACK = 1.0  # nats below the bound still accepted: a bf16 engine's log-probs are off by ~0.2
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -54,9 +69,19 @@ def gumbel_noise(seed: int, rows: torch.Tensor, step: int | torch.Tensor, vocab:
         raise ValueError(f"seed: {seed} must be >= 0")
     key_B1 = _key(seed, rows, step)[:, None]
     tokens_V = (torch.arange(vocab, dtype=torch.int64, device=rows.device) * _STRIDE) & _MASK
-    bits_BV = _mix(key_B1 ^ tokens_V[None, :]) >> 8  # 24 uniform bits
-    u_BV = (bits_BV.to(torch.float32) + 0.5) * _U_SCALE  # in (0, 1), never 0 or 1
+    bits_BV = _mix(key_B1 ^ tokens_V[None, :]) >> (32 - _BITS)  # 23 uniform bits
+    u_BV = (bits_BV.to(torch.float32) + 0.5) * _U_SCALE  # in (0, 1), never 0 or 1, exact in float32
     return -torch.log(-torch.log(u_BV))
+
+
+def min_drawn_logprob(vocab_size: int) -> float:
+    """The lowest log-prob (temperature-scaled, natural log) a token drawn by :func:`gumbel_draw` can
+    have at a vocabulary of ``vocab_size``, less :data:`LOGPROB_SLACK`: a drawn token ``t`` beat the
+    best token ``b`` (``s_t + g_t >= s_b + g_b``), so ``s_t >= max s - (GUMBEL_MAX - GUMBEL_MIN)``, and
+    ``log p_t = s_t - logsumexp(s) >= s_t - max s - ln V``. At V = 151,936 (Qwen3) it is -32.4."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size: {vocab_size} must be >= 1")
+    return -(GUMBEL_MAX - GUMBEL_MIN) - math.log(vocab_size) - LOGPROB_SLACK
 
 
 def nucleus_mass_before(logits_BV: torch.Tensor) -> torch.Tensor:

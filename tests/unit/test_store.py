@@ -19,7 +19,7 @@ from echo2.types import Prompt
 
 G = 4  # group size in these tests
 LIMITS = SubmissionLimits(
-    vocab_size=512, group_size=G, max_prompt_tokens=32, max_completion_tokens=16, max_groups=4
+    vocab_size=512, group_size=G, max_prompt_tokens=32, max_completion_tokens=16, max_groups=4, min_logprob=-30
 )
 
 
@@ -139,6 +139,10 @@ BAD = [
     (_set("groups.1.samples.0.sampler_logprobs.1", math.nan), "logprob", "sampler_logprobs[1]"),
     (_set("groups.1.samples.0.sampler_logprobs.2", 0.5), "logprob", "sampler_logprobs[2]: log-prob 0.5"),
     (_set("groups.1.samples.0.sampler_logprobs", [-0.1, -0.2]), "logprob", "2 log-probs for 3"),
+    # below what seeded Gumbel-max can draw (the poison that overflowed exp in the loss)
+    (_set("groups.1.samples.0.sampler_logprobs.0", -100.0), "logprob", "log-prob -100.0 is below -30"),
+    (_set("groups.1.samples.0.sampler_logprobs.1", -1e30), "logprob", "sampler_logprobs[1]: log-prob -1e+30"),
+    (_set("groups.1.samples.0.sampler_logprobs.1", -math.inf), "logprob", "not finite"),
     (_set("groups.1.samples.0.meta", {f"k{i}": i for i in range(17)}), "oversized", "17 items"),
     (_set("groups.1.samples.0.meta", {"note": "x" * 257}), "oversized", "257 characters"),
     (_set("groups.0.samples.0.completion_ids", [1] * 17), "oversized", "17 tokens > limit 16"),

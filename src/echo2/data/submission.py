@@ -100,6 +100,7 @@ class SubmissionLimits:
     max_prompt_tokens: int  # longest prompt_ids accepted
     max_completion_tokens: int  # longest completion_ids accepted
     max_groups: int  # most groups in one submission (= most prompts in one lease)
+    min_logprob: float = -math.inf  # lowest sampler log-prob a drawn token can have (rollout/sampling.py)
     max_meta_items: int = 16  # most entries in one sample's meta dict
     max_meta_chars: int = 256  # longest meta key, and longest meta string value, in characters
 
@@ -170,16 +171,22 @@ def _check_tokens(ids: list[int], vocab_size: int, path: str) -> None:
                 raise Rejected("token_range", f"{path}[{j}]: token id {t} outside vocabulary of {vocab_size}")
 
 
-def _check_logprobs(lps: list[float], n_completion: int, path: str) -> None:
+def _check_logprobs(lps: list[float], n_completion: int, lowest: float, path: str) -> None:
     if len(lps) != n_completion:
         raise Rejected("logprob", f"{path}: {len(lps)} log-probs for {n_completion} completion tokens")
-    if all(map(math.isfinite, lps)) and (not lps or max(lps) <= MAX_LOGPROB):
+    if not lps or (all(map(math.isfinite, lps)) and lowest <= min(lps) and max(lps) <= MAX_LOGPROB):
         return
     for j, x in enumerate(lps):
         if not math.isfinite(x):
             raise Rejected("logprob", f"{path}[{j}]: log-prob {x} is not finite")
         if x > MAX_LOGPROB:
             raise Rejected("logprob", f"{path}[{j}]: log-prob {x} > 0 (limit {MAX_LOGPROB})")
+        if x < lowest:
+            raise Rejected(
+                "logprob",
+                f"{path}[{j}]: log-prob {x} is below {lowest:.4g}, the least likely token the seeded "
+                "sampler can draw at this vocabulary (security.min_logprob)",
+            )
 
 
 def _check_meta(meta: dict[str, Any], limits: SubmissionLimits, path: str) -> None:
@@ -215,7 +222,7 @@ def _check_sample(s: SampleWire, limits: SubmissionLimits, path: str) -> None:
         )
     _check_tokens(s.prompt_ids, limits.vocab_size, f"{path}.prompt_ids")
     _check_tokens(s.completion_ids, limits.vocab_size, f"{path}.completion_ids")
-    _check_logprobs(s.sampler_logprobs, n_c, f"{path}.sampler_logprobs")
+    _check_logprobs(s.sampler_logprobs, n_c, limits.min_logprob, f"{path}.sampler_logprobs")
     if not math.isfinite(s.reward):
         raise Rejected("reward", f"{path}.reward: {s.reward} is not finite")
     if s.meta:
@@ -244,7 +251,8 @@ def validate_submission(
         group has exactly ``group_size`` samples [group_size]; ``1 <= len(prompt_ids) <= max_prompt_tokens``
         and ``1 <= len(completion_ids) <= max_completion_tokens`` [schema if empty, oversized if longer];
         ``0 <= id < vocab_size`` for every token [token_range]; ``len(sampler_logprobs) ==
-        len(completion_ids)``, each finite and ``<= 1e-4`` [logprob]; reward finite [reward]; meta has at
+        len(completion_ids)``, each finite, ``<= 1e-4`` and ``>= min_logprob`` [logprob]; reward finite
+        [reward]; meta has at
         most ``max_meta_items`` entries, keys and string values at most ``max_meta_chars`` characters
         [oversized], floats finite [schema]; a ``turn_mask``, when sent, has one 0/1 entry per completion
     token and starts with 1 [schema]. ``lease_id`` and ``prompt_id`` are 1..256 characters [schema].

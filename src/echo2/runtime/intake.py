@@ -32,7 +32,11 @@ log = logging.getLogger(__name__)
 def submission_limits(cfg: Config, vocab_size: int) -> SubmissionLimits:
     """What a submission may contain in this run: the model's vocabulary, the group size, the longest
     prompt (the embedded model's context minus the completion budget, else a generous fixed bound)
-    and completion, and at most one lease's worth of groups."""
+    and completion, at most one lease's worth of groups, and no sampler log-prob below what seeded
+    Gumbel-max can draw at this vocabulary (``security.min_logprob`` when set)."""
+    from echo2.rollout.sampling import min_drawn_logprob
+
+    lowest = cfg.security.min_logprob
     max_prompt = max(1, cfg.context_tokens() - cfg.sampling.max_new_tokens)
     # an episode's completion holds every turn after its first observation
     max_completion = cfg.context_tokens() if cfg.episodic else cfg.sampling.max_new_tokens
@@ -42,6 +46,7 @@ def submission_limits(cfg: Config, vocab_size: int) -> SubmissionLimits:
         max_prompt_tokens=max_prompt,
         max_completion_tokens=max_completion,
         max_groups=cfg.runtime.lease_prompts,
+        min_logprob=min_drawn_logprob(vocab_size) if lowest is None else lowest,
     )
 
 

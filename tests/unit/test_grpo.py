@@ -196,3 +196,45 @@ def test_token_logprobs_matches_log_softmax():
     targets = torch.randint(0, 5, (2, 3))
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
     assert torch.allclose(grpo.token_logprobs(logits, targets, 0.7), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("anchor", grpo.CLIP_ANCHORS)
+def test_poisoned_sampler_logprobs_cannot_make_the_loss_or_its_gradient_non_finite(anchor):
+    """A worker's sampler log-probs of -100, -1e4, -1e30 or -inf on some tokens (A = 0 rows included:
+    unclamped, exp overflows float32 and inf * 0 is nan): the loss and its gradient stay finite, and at
+    -100 they equal the unclamped loss computed in float64, where exp(100) is finite."""
+    torch.manual_seed(1)
+    base = torch.randn(4, 5) - 1.0  # learner log-probs
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.5])
+    mask = torch.ones(4, 5)
+    sampler = base + 0.1 * torch.randn(4, 5)
+    results = {}
+    for poison in (-100.0, -1e4, -1e30, -math.inf):
+        s = sampler.clone()
+        s[:, 1] = poison  # every row, A = 0 included
+        logp = base.clone().requires_grad_(True)
+        loss, stats = grpo.grpo_loss(logp, base, s, adv, mask, clip_eps=0.2, is_cap=3.0, clip_anchor=anchor)
+        loss.backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all(), (poison, loss)
+        assert math.isfinite(stats.is_weight_mean)
+        results[poison] = (loss.item(), logp.grad.clone())
+    # the float64 reference without the clamp: the same loss and gradient at -100
+    s64 = sampler.double()
+    s64[:, 1] = -100.0
+    logp64 = base.double().requires_grad_(True)
+    A = adv.double()[:, None]
+    if anchor == "sampler":
+        ratio = torch.exp(logp64 - s64)
+        surr = torch.minimum(ratio * A, ratio.clamp(0.8, 1.2) * A)
+        pg = -torch.where(A < 0, torch.maximum(surr, 3.0 * A), surr)
+    else:
+        w = torch.exp(base.double() - s64).clamp(max=3.0)
+        ratio = torch.exp(logp64 - base.double())
+        pg = -w * torch.minimum(ratio * A, ratio.clamp(0.8, 1.2) * A)
+    ref = pg.mean()
+    ref.backward()
+    assert results[-100.0][0] == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(results[-100.0][1].double(), logp64.grad, atol=1e-6)
+    for poison in (-1e4, -1e30, -math.inf):  # deeper poison is clipped the same way
+        assert results[poison][0] == pytest.approx(results[-100.0][0], rel=1e-6)
+        assert torch.allclose(results[poison][1], results[-100.0][1])

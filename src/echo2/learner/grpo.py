@@ -29,6 +29,13 @@ The decoupled form has a trust region only between minibatches of one update: wi
 that generated the token, so a token the learner has already moved past ``1 +- eps`` since then adds no
 more gradient in that direction. On fresh data (``logp_sampler == logp_prox``) both are the same.
 
+Log-ratios are clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` (20 nats) before ``exp``: the
+sampler's log-probs come from strangers' machines, and an admitted ``logp_sampler`` of -100 would
+make ``exp`` overflow float32 (``inf * 0 = nan`` in the loss at ``A = 0``, ``0 * inf`` in its gradient).
+Beyond ``e^20`` the clip already holds every token (``C <= 1e8 < e^20`` and ``1 + eps < e^20``: the
+surrogate is ``(1 + eps) A`` or ``C A`` there, with no gradient), so the clamp changes neither the loss
+nor its gradient; below ``e^-20`` it moves them by less than ``2e-9 |A|``.
+
 Group advantage (GRPO): ``A_i = (r_i - mean_G r) / (std_G r + eps)`` (or without the std division,
 Dr. GRPO style, when ``scale_by_std=False``). A group whose rewards are all equal carries no signal
 and gets ``A = 0``.
@@ -49,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOG_RATIO_BOUND = 20.0  # |log-ratio| clamp before exp (module docstring): e^20 ~ 4.9e8, far inside float32
 CLIP_ANCHORS = ("sampler", "proximal")
 
 
@@ -72,7 +80,12 @@ def truncated_is_weights(
 ) -> torch.Tensor:
     """``w = min(exp(logp_prox - logp_sampler), cap)``, detached: corrects for sampling with an older
     policy while bounding the variance a very stale token can inject."""
-    return torch.exp(logp_prox_BT - logp_sampler_BT).clamp(max=cap).detach()
+    return _exp_ratio(logp_prox_BT - logp_sampler_BT).clamp(max=cap).detach()
+
+
+def _exp_ratio(log_ratio_BT: torch.Tensor) -> torch.Tensor:
+    """``exp`` of a log-ratio clamped to ``+-LOG_RATIO_BOUND`` (finite for any finite or infinite input)."""
+    return torch.exp(log_ratio_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def kl_k3(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
@@ -142,10 +155,10 @@ def grpo_loss(
 
     if clip_anchor == "proximal":
         w_BT = truncated_is_weights(logp_prox_BT, logp_sampler_BT, is_cap)
-        ratio_BT = torch.exp(logp_BT - logp_prox_BT)
+        ratio_BT = _exp_ratio(logp_BT - logp_prox_BT)
     else:
-        w_BT = torch.exp(logp_BT - logp_sampler_BT).detach()  # reported only: the ratio carries the IS
-        ratio_BT = torch.exp(logp_BT - logp_sampler_BT)
+        ratio_BT = _exp_ratio(logp_BT - logp_sampler_BT)
+        w_BT = ratio_BT.detach()  # reported only: the ratio carries the IS
     surr1_BT = ratio_BT * A_B1
     surr2_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A_B1
     surr_BT = torch.minimum(surr1_BT, surr2_BT)

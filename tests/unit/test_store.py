@@ -19,7 +19,12 @@ from echo2.types import Prompt
 
 G = 4  # group size in these tests
 LIMITS = SubmissionLimits(
-    vocab_size=512, group_size=G, max_prompt_tokens=32, max_completion_tokens=16, max_groups=4, min_logprob=-30
+    vocab_size=512,
+    group_size=G,
+    max_prompt_tokens=32,
+    max_completion_tokens=16,
+    max_groups=4,
+    min_logprob=-30,
 )
 
 

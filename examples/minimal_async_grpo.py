@@ -107,6 +107,7 @@ class Worker:
             )
             sub = validate_submission(body, limits, published())
             store.submit(sub, self.name, broker.version(), time.time())
+            broker.returned(self.name)  # a returned lease earns the next, larger one (runtime/standing.py)
 
 
 async def main(minutes: float, seed: int, staleness: int) -> tuple[float, float, int, int]:

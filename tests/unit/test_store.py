@@ -460,6 +460,7 @@ def test_stats_metrics_keys(store):
         "store/dropped_stale",
         "store/rejected",
         "store/purged",
+        "store/poisoned",
         "store/rejected/token_range",
     }
     assert isinstance(store.stats(), StoreStats)
@@ -485,6 +486,29 @@ def test_purge_worker_takes_back_its_buffered_groups_and_leases_only(store):
     assert store.take_batch(1, 0, step=3) is None
     assert store.requeue_after(0) == 2  # a restart requeues what was trained on, never what was purged
     assert store.purge_worker("nobody") == (0, [])
+
+
+def test_purged_poison_groups_are_never_requeued_not_even_after_a_restart(tmp_path):
+    """Groups the update left out (non-finite loss) are purged wherever they are, counted, and their
+    workers named; reopening the store and requeueing (what --resume does) never brings them back."""
+    path = tmp_path / "store.db"
+    s = TrajectoryStore(path, staleness=2, group_size=G)
+    submit_lease(s, ["a", "b"], worker="poisoner")
+    submit_lease(s, ["c"], worker="honest")
+    batch = s.take_batch(3, 0, step=1)
+    assert batch is not None
+    poison = [g[0].group_id for g in batch if g[0].prompt_id == "b"]
+    assert s.purge_groups(poison) == ["poisoner"]
+    assert s.purge_groups([]) == []
+    st = s.stats()
+    assert st.poisoned == 1 and st.purged == G and st.metrics()["store/poisoned"] == 1
+    s.close()
+    s = TrajectoryStore(path, staleness=2, group_size=G)  # the learner restarted before a checkpoint
+    assert s.requeue_after(0) == 2  # "a" and "c" go back to be trained on; "b" never
+    again = s.take_batch(2, 0, step=1)
+    assert again is not None and sorted(g[0].prompt_id for g in again) == ["a", "c"]
+    assert s.take_batch(1, 0, step=2) is None
+    s.close()
 
 
 def test_rejections_cost_no_transaction_each_and_survive_a_reopen(tmp_path, monkeypatch):

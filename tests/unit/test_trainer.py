@@ -115,3 +115,42 @@ def test_the_task_mask_is_the_one_place_loss_weights_come_from(tiny_policy):
     stats = masked.update(trajs)
     assert stats.tokens == 0
     assert all(torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters(), strict=True))
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("minibatches", [1, 3])
+def test_isolate_leaves_out_the_poisoned_group_and_trains_on_the_rest(tiny_policy, minibatches):
+    """A group whose reward overflows float32 (1e39: the advantages are nan) makes the loss nan; with
+    isolate=True the update leaves that group out, reports it, and trains on the others exactly as an
+    update without it would (checked against a second trainer that never saw it)."""
+    import copy
+
+    from echo2.learner.trainer import PoisonedBatch
+
+    rewards = [1, 0, 0, 1, 1e39, 0, 1, 0, 0, 0, 1, 1]  # group g1 (rows 4-7) is the poison
+    clean = rewards[:4] + rewards[8:]
+    cfg = GRPOConfig(lr=1e-2, num_minibatches=minibatches)
+    poisoned_model, clean_model = copy.deepcopy(tiny_policy.model), copy.deepcopy(tiny_policy.model)
+    trainer = GRPOTrainer(poisoned_model, cfg, SAMPLING, tiny_policy.pad_id, isolate=True)
+    trajs = _batch(tiny_policy, rewards)
+    with pytest.raises(TrainingDivergedError, match="loss is nan"):  # without isolation: it stops
+        GRPOTrainer(copy.deepcopy(tiny_policy.model), cfg, SAMPLING, tiny_policy.pad_id).update(trajs)
+    stats = trainer.update(trajs)
+    assert stats.excluded == ("g1",) and stats.version == 1 and stats.tokens == 16
+    assert stats.metrics()["learner/excluded_groups"] == 1
+    kept = [t for t in _batch(tiny_policy, rewards) if t.group_id != "g1"]
+    assert [t.reward for t in kept] == clean
+    if minibatches == 1:  # the same update as one that never saw the poison
+        reference = GRPOTrainer(clean_model, GRPOConfig(lr=1e-2), SAMPLING, tiny_policy.pad_id)
+        reference.update(kept)
+        for a, b in zip(_weights(poisoned_model), _weights(clean_model), strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+    # every group poisoned: no step at all, the weights untouched, the groups named
+    before = _weights(poisoned_model)
+    with pytest.raises(PoisonedBatch) as info:
+        trainer.update(_batch(tiny_policy, [1e39, 0, 0, 1] * 3))
+    assert info.value.excluded == ("g0", "g1", "g2") and trainer.version == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(poisoned_model), strict=True))

@@ -171,9 +171,15 @@ def test_cherry_picking_and_another_seed_fail(setup):
         check.check(lease, picked, [(0, 2)])
 
 
-def test_unknown_versions_are_not_checked_and_old_ones_are_forgotten(setup):
+def test_a_version_not_held_is_refused_never_passed_and_old_ones_are_forgotten(setup):
+    """A claim of a version whose weights the check does not hold cannot be re-run: it is refused
+    (unchecked_version), never waved through as checked."""
     check, lease, sub, _, _ = setup
-    assert check.check(lease, dataclasses.replace(sub, policy_version=7), ALL) == []
+    assert not check.holds(7) and check.holds(sub.policy_version)
+    checked = check.checked
+    with pytest.raises(Rejected, match="unchecked_version"):
+        check.check(lease, dataclasses.replace(sub, policy_version=7), ALL)
+    assert check.checked == checked
     fresh = GenerationCheck(check.model, check.sampling, SecurityConfig(), rng=random.Random(0))
     for v in range(5):
         fresh.keep(v, {})

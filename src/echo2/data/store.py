@@ -21,8 +21,8 @@ store calls through one thread (e.g. its event loop thread, or one executor thre
         was quarantined), else the learner step that trained on it; rows are never deleted (the
         ledger), only the samples of pruned / dropped / purged ones;
         data: the group as the protocol codec encodes it (echo2.protocol.encode_group)
-    counters(name PK, value)      admitted, dropped_stale, purged (trajectories), leases_expired
-                                  (leases), rejected/<reason> (submissions)
+    counters(name PK, value)      admitted, dropped_stale, purged (trajectories), poisoned (groups),
+                                  leases_expired (leases), rejected/<reason> (submissions)
     settings(name PK, value)      group_size (checked on reopen), staleness (informational)
 
 **Admission** (SPEC §2). At learner version ``v_t`` with budget ``S`` a group of version ``v`` is
@@ -122,6 +122,7 @@ class StoreStats:
     rejected: int  # submissions rejected, all reasons
     rejected_by_reason: dict[str, int]  # submissions rejected, per reason code
     purged: int  # trajectories purged untrained because their worker was quarantined
+    poisoned: int  # groups purged because their loss or gradient was not finite (of those purged)
     leases_open: int  # leases issued and neither submitted nor expired
     leases_expired: int  # leases ever expired
 
@@ -134,6 +135,7 @@ class StoreStats:
             "store/dropped_stale": self.dropped_stale,
             "store/rejected": self.rejected,
             "store/purged": self.purged,
+            "store/poisoned": self.poisoned,
         }
         for reason, n in sorted(self.rejected_by_reason.items()):
             out[f"store/rejected/{reason}"] = n
@@ -338,6 +340,29 @@ class TrajectoryStore:
         log.warning("purged %d buffered trajectories and %d open leases of %s", n, len(rows), worker_id)
         return int(n), [p for _, text in rows for p in _decode_prompts(text)]
 
+    def purge_groups(self, group_ids: Sequence[str]) -> list[str]:
+        """Purge these groups untrained wherever they are (buffered, or consumed by a step whose update
+        left them out): counted ``purged`` (trajectories) and ``poisoned`` (groups), kept in the ledger
+        without samples, so :meth:`requeue_after` never hands them back. Returns the workers whose
+        leases they answered (each once)."""
+        if not group_ids:
+            return []
+        marks = ",".join("?" * len(group_ids))
+        with self._tx():
+            rows = self._db.execute(
+                f"SELECT g.n_traj, l.worker_id FROM rollout_groups g JOIN leases l USING (lease_id) "
+                f"WHERE g.group_id IN ({marks}) AND g.data != ''",
+                list(group_ids),
+            ).fetchall()
+            self._db.execute(
+                f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' WHERE group_id IN ({marks})",
+                list(group_ids),
+            )
+            self._bump("purged", sum(int(n) for n, _ in rows))
+            self._bump("poisoned", len(rows))
+        log.warning("purged %d groups whose loss or gradient was not finite", len(rows))
+        return sorted({str(w) for _, w in rows})
+
     def open_leases(self, worker_id: str) -> int:
         """Leases issued to ``worker_id`` that are still ``open`` (neither submitted nor expired)."""
         (n,) = self._db.execute(
@@ -345,15 +370,27 @@ class TrajectoryStore:
         ).fetchone()
         return int(n)
 
+    def open_prompts_by_worker(self) -> dict[str, int]:
+        """Prompts of the open leases, per worker holding any."""
+        rows = self._db.execute(
+            "SELECT worker_id, SUM(n_prompts) FROM leases WHERE state = 'open' GROUP BY worker_id"
+        ).fetchall()
+        return {str(w): int(n) for w, n in rows}
+
     def expire_leases(self, now: float) -> list[Prompt]:
         """Mark open leases with ``expires_at <= now`` as ``expired``; returns their prompts to lease again.
 
         A late submission of an expired lease is still accepted (see :meth:`submit`).
         """
+        return [p for _, ps, _ in self.expire_leases_by_worker(now) for p in ps]
+
+    def expire_leases_by_worker(self, now: float) -> list[tuple[str, list[Prompt], float]]:
+        """:meth:`expire_leases`, saying whose each expired lease was and how long it was held:
+        ``(worker_id, its prompts, time to live)`` per lease, oldest first."""
         with self._tx():
             rows = self._db.execute(
-                "SELECT lease_id, prompts FROM leases WHERE state = 'open' AND expires_at <= ? "
-                "ORDER BY issued_at",
+                "SELECT lease_id, prompts, worker_id, expires_at - issued_at FROM leases "
+                "WHERE state = 'open' AND expires_at <= ? ORDER BY issued_at",
                 (now,),
             ).fetchall()
             if rows:
@@ -363,7 +400,7 @@ class TrajectoryStore:
                 self._bump("leases_expired", len(rows))
         if rows:
             log.info("expired %d leases", len(rows))
-        return [p for _, text in rows for p in _decode_prompts(text)]
+        return [(str(w), _decode_prompts(text), float(ttl)) for _, text, w, ttl in rows]
 
     # --- ingest ---------------------------------------------------------------------------------------
 
@@ -558,6 +595,7 @@ class TrajectoryStore:
             rejected=sum(by_reason.values()),
             rejected_by_reason=by_reason,
             purged=int(counters.get("purged", 0)),
+            poisoned=int(counters.get("poisoned", 0)),
             leases_open=int(leases_open),
             leases_expired=int(counters.get("leases_expired", 0)),
         )

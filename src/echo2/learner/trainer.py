@@ -3,8 +3,14 @@
 ``GRPOTrainer.update`` is one call: it packs the batch, computes group advantages, evaluates the
 loss of ``learner/grpo.py`` (one or more minibatches, groups kept whole), clips gradients, steps
 AdamW, and reports the wall time it took as ``t_train_s`` (T_train of SPEC §3). A NaN or inf loss or
-gradient raises :class:`TrainingDivergedError` *before* the optimizer touches the weights, so the
-weights (and any checkpoint) stay those of the last good step.
+gradient never reaches the optimizer, so the weights (and any checkpoint) stay those of the last good
+step. By default it raises :class:`TrainingDivergedError`. With ``isolate=True`` (the asynchronous
+learner, whose data comes from strangers' machines) it first looks for the groups that caused it: each
+group of the minibatch is evaluated alone (forward and backward), the groups whose loss or gradient is
+not finite are left out and the minibatch is evaluated again without them, until it is finite. The
+update then reports them (``UpdateStats.excluded``: their group ids), so the learner can purge them and
+quarantine their workers; only a non-finite minibatch with no such group (the learner's own
+divergence) raises, and a batch whose every group was left out raises :class:`PoisonedBatch` (no step).
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ class UpdateStats:
     is_weight_mean: float  # mean truncated importance weight sampler -> learner
     t_train_s: float  # wall seconds of this update
     tokens: int  # completion tokens trained on
+    excluded: tuple[str, ...] = ()  # group ids left out: their loss or gradient was not finite
 
     def metrics(self) -> dict[str, float]:
         """The ``learner/`` metrics of SPEC §7 this update produced."""
         return {
+            "learner/excluded_groups": len(self.excluded),
             "learner/loss": self.loss,
             "learner/kl": self.kl,
             "learner/clipfrac": self.clipfrac,
@@ -84,7 +92,18 @@ def pack(trajectories: Sequence[Trajectory], masks: Sequence[Sequence[float]], p
     return PackedBatch(input_ids, attn, targets, mask, logp_s, start)
 
 
-def completion_logits(model: torch.nn.Module, batch: PackedBatch, rows: slice = slice(None)) -> torch.Tensor:
+class PoisonedBatch(TrainingDivergedError):
+    """Every group of a batch had a non-finite loss or gradient on its own: no step was made."""
+
+    def __init__(self, excluded: Sequence[str]) -> None:
+        super().__init__(f"every group of the batch has a non-finite loss or gradient: {list(excluded)}")
+        self.excluded = tuple(excluded)  # the group ids, to purge
+
+
+Rows = slice | torch.Tensor  # the rows of a packed batch a minibatch covers (a slice, or their indices)
+
+
+def completion_logits(model: torch.nn.Module, batch: PackedBatch, rows: Rows = slice(None)) -> torch.Tensor:
     """``model``'s logits at the positions that predict each completion token, ``[B, T, V]`` (raw: not
     temperature-scaled; rows past a completion's end hold its last position's)."""
     input_ids_BL = batch.input_ids_BL[rows]
@@ -96,7 +115,7 @@ def completion_logits(model: torch.nn.Module, batch: PackedBatch, rows: slice = 
 
 
 def completion_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float, rows: slice = slice(None)
+    model: torch.nn.Module, batch: PackedBatch, temperature: float, rows: Rows = slice(None)
 ) -> torch.Tensor:
     """Log-probs of the completion tokens under ``model`` (temperature-scaled), ``[B, T]``."""
     return grpo.token_logprobs(completion_logits(model, batch, rows), batch.targets_BT[rows], temperature)
@@ -130,8 +149,10 @@ class GRPOTrainer:
         pad_id: int,
         token_mask: TokenMask = full_mask,
         version: int = 0,
+        isolate: bool = False,
     ) -> None:
         self.model = model
+        self.isolate = isolate  # leave out the groups that make a minibatch non-finite (module docstring)
         self.cfg = cfg
         self.temperature = sampling.temperature
         self.max_tokens = sampling.max_new_tokens
@@ -170,48 +191,37 @@ class GRPOTrainer:
             with torch.no_grad():
                 logp_prox_BT = completion_logprobs(self.model, batch, self.temperature)
         losses, klv, clipf, gnorms, isw = [], [], [], [], []
+        excluded: list[int] = []  # the first row of each group left out
         for k in range(n_mb):
-            rows = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
-            logp_BT = completion_logprobs(self.model, batch, self.temperature, rows)
-            prox_BT = logp_BT.detach() if logp_prox_BT is None else logp_prox_BT[rows]
-            logp_ref_BT = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    logp_ref_BT = completion_logprobs(self.reference, batch, self.temperature, rows)
-            loss, stats = grpo.grpo_loss(
-                logp_BT,
-                prox_BT,
-                batch.logp_sampler_BT[rows],
-                advantages_B[rows],
-                batch.mask_BT[rows],
-                clip_eps=cfg.clip_eps,
-                is_cap=cfg.is_cap,
-                kl_beta=cfg.kl_beta,
-                logp_ref_BT=logp_ref_BT,
-                loss_agg=cfg.loss_agg,
-                clip_anchor=cfg.clip_anchor,
-                max_tokens=self.max_tokens,
-            )
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise TrainingDivergedError(
-                    f"loss is {float(loss.detach())} at version {self.version}, minibatch {k}"
-                )
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            if not math.isfinite(float(grad_norm)):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise TrainingDivergedError(
-                    f"gradient norm is {float(grad_norm)} at version {self.version}, minibatch {k}"
-                )
+            rows: Rows = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
+            while True:  # each round leaves out at least one group, so this ends
+                loss, stats, grad_norm = self._evaluate(batch, advantages_B, rows, logp_prox_BT)
+                if math.isfinite(grad_norm):
+                    break
+                culprits = self._culprits(batch, advantages_B, rows, logp_prox_BT, G) if self.isolate else []
+                if not culprits:
+                    value = float(loss.detach())
+                    what = f"loss is {value}" if not math.isfinite(value) else f"gradient norm is {grad_norm}"
+                    raise TrainingDivergedError(f"{what} at version {self.version}, minibatch {k}")
+                excluded += culprits
+                rows = _without(rows, culprits, G)
+                if not len(rows):
+                    break
+            if not math.isfinite(grad_norm):
+                continue  # every group of this minibatch was left out: no step for it
             self.optimizer.step()
             losses.append(float(loss.detach()))
             klv.append(stats.kl)
             clipf.append(stats.clipfrac)
-            gnorms.append(float(grad_norm))
+            gnorms.append(grad_norm)
             isw.append(stats.is_weight_mean)
+        ids = tuple(trajectories[r].group_id for r in excluded)
+        if not losses:
+            raise PoisonedBatch(ids)
         self.version += 1
+        kept_BT = batch.mask_BT.clone()
+        for r in excluded:
+            kept_BT[r : r + G] = 0
         return UpdateStats(
             version=self.version,
             loss=_mean(losses),
@@ -220,8 +230,75 @@ class GRPOTrainer:
             grad_norm=_mean(gnorms),
             is_weight_mean=_mean(isw),
             t_train_s=time.perf_counter() - t0,
-            tokens=int(batch.mask_BT.gt(0).sum()),
+            tokens=int(kept_BT.gt(0).sum()),
+            excluded=ids,
         )
+
+    def _evaluate(
+        self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, logp_prox_BT: torch.Tensor | None
+    ) -> tuple[torch.Tensor, grpo.LossStats, float]:
+        """Loss and clipped gradient (left in the parameters) of the minibatch ``rows``: ``(loss, stats,
+        grad_norm)``; ``grad_norm`` is nan (and no gradient is left) when the loss is not finite."""
+        cfg = self.cfg
+        logp_BT = completion_logprobs(self.model, batch, self.temperature, rows)
+        prox_BT = logp_BT.detach() if logp_prox_BT is None else logp_prox_BT[rows]
+        logp_ref_BT = None
+        if self.reference is not None:
+            with torch.no_grad():
+                logp_ref_BT = completion_logprobs(self.reference, batch, self.temperature, rows)
+        loss, stats = grpo.grpo_loss(
+            logp_BT,
+            prox_BT,
+            batch.logp_sampler_BT[rows],
+            advantages_B[rows],
+            batch.mask_BT[rows],
+            clip_eps=cfg.clip_eps,
+            is_cap=cfg.is_cap,
+            kl_beta=cfg.kl_beta,
+            logp_ref_BT=logp_ref_BT,
+            loss_agg=cfg.loss_agg,
+            clip_anchor=cfg.clip_anchor,
+            max_tokens=self.max_tokens,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            return loss, stats, math.nan
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss, stats, grad_norm
+
+    def _culprits(
+        self,
+        batch: PackedBatch,
+        advantages_B: torch.Tensor,
+        rows: Rows,
+        logp_prox_BT: torch.Tensor | None,
+        G: int,
+    ) -> list[int]:
+        """The groups of ``rows`` (by their first row) whose loss or gradient alone is not finite: one
+        forward and backward per group, about the cost of the minibatch once more."""
+        firsts = _rows_list(rows)[::G]
+        bad = []
+        for r in firsts:
+            _, _, grad_norm = self._evaluate(batch, advantages_B, slice(r, r + G), logp_prox_BT)
+            if not math.isfinite(grad_norm):
+                bad.append(r)
+        self.optimizer.zero_grad(set_to_none=True)
+        return bad
+
+
+def _rows_list(rows: Rows) -> list[int]:
+    if isinstance(rows, slice):
+        return list(range(rows.start, rows.stop))
+    return [int(r) for r in rows]
+
+
+def _without(rows: Rows, firsts: Sequence[int], G: int) -> torch.Tensor:
+    """``rows`` less the groups starting at ``firsts`` (each ``G`` rows), as an index tensor."""
+    drop = {r + j for r in firsts for j in range(G)}
+    return torch.tensor([r for r in _rows_list(rows) if r not in drop], dtype=torch.long)
 
 
 def _mean(xs: list[float]) -> float:

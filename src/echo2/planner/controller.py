@@ -128,7 +128,21 @@ class PoolController:
             st.rate = max(st.rate, 1e-9)
             st.measured = True
 
+    def charge_idle(self, worker_id: str, busy_s: float) -> None:
+        """``busy_s`` of generating time that delivered nothing (a lease the worker held and never
+        answered): a zero-rate sample over it, with no liveness (unlike a heartbeat)."""
+        st = self._workers.get(worker_id)
+        if st is None or busy_s <= 0:
+            return
+        tau = self.config.rate_halflife_s / math.log(2)
+        st.rate = max(st.rate * math.exp(-busy_s / tau), 1e-9)
+        st.measured = True
+
     # ---- queries ------------------------------------------------------------------------------------
+    def known(self) -> set[str]:
+        """The workers the controller holds as candidates."""
+        return set(self._workers)
+
     def is_alive(self, worker_id: str, now_s: float) -> bool:
         """a_i(t): active and heard from within the heartbeat timeout."""
         st = self._workers[worker_id]

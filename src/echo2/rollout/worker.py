@@ -424,8 +424,8 @@ class RolloutWorker:
         if refusal.reason == "finished":
             self.finished = True
             return 0.0
-        if refusal.reason == "stale_weights" and refusal.min_version is not None:
-            await self._catch_up(refusal.min_version)
+        if refusal.reason in ("stale_weights", "unpublished_version") and refusal.min_version is not None:
+            await self._catch_up(refusal.min_version)  # unpublished: held since a learner restart
             return 0.0
         if refusal.reason == "rolled_back":
             await self._forget_weights()

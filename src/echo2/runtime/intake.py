@@ -10,6 +10,14 @@ learner's current version. Every refusal is counted by reason in the store
 (``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
 (the node's ``quarantine``: credential revoked, buffered groups purged, leases taken back); an
 admission wakes the learner loop. Submissions too stale to be admitted are not re-run.
+
+Every claimed version can be checked, or the claim is refused, deterministically, before anything is
+drawn: a version this learner process never published [unpublished_version] (with kappa = 2 the odd
+ones: the learner holds no weights of them), and any claim answering a lease issued before this process
+started [lease_before_restart] (after a restart from a checkpoint a version number may name other
+weights than the ones the worker sampled with, so its generation cannot be re-run; the lease's prompts
+go out again when it expires). A drawn submission whose version the check does not hold is refused
+[unchecked_version] (it cannot happen for an admissible published version: the check keeps them all).
 """
 
 from __future__ import annotations
@@ -60,8 +68,12 @@ class Intake:
         clock: Callable[[], float],
         verifier: Verifier | None = None,
         generation: GenerationCheck | None = None,
+        is_published: Callable[[int], bool] = lambda version: True,
+        returned: Callable[[str], None] = lambda worker_id: None,
     ) -> None:
         self.store = store
+        self.returned = returned  # a worker answered one of its leases (the lease broker's standing)
+        self.is_published = is_published  # did this learner process publish that version
         self.verifier = verifier  # None: prompts and rewards are taken as claimed (tests without a model)
         self.generation = generation  # None: generations are never re-run
         self.limits = limits
@@ -71,7 +83,7 @@ class Intake:
         self.data_ready: Callable[[], None] = lambda: None  # the learner loop's wake-up
         self.started = clock()  # leases issued before (by a learner process since rolled back) are not re-run
         self.quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None  # the node's
-        self.checked_submissions = 0  # submissions whose generation was re-run
+        self.checked_submissions = 0  # submissions whose generation was re-run (only real re-runs)
         self.quarantined: Callable[[], int] = lambda: 0  # workers quarantined in this run (the registry's)
 
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
@@ -79,8 +91,19 @@ class Intake:
         refused. Evidence of lying (``verify.EVIDENCE``) also quarantines the worker."""
         try:
             sub = validate_submission(body, self.limits, self.published())
+            if not self.is_published(sub.policy_version):
+                raise Rejected(
+                    "unpublished_version",
+                    f"policy_version: {sub.policy_version} was never published by this learner",
+                )
             lease = self.store.lease(sub.lease_id)  # the store's own thread
             if lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted":
+                if lease.issued_at < self.started:
+                    raise Rejected(
+                        "lease_before_restart",
+                        f"lease_id: {sub.lease_id!r} was issued before the learner restarted; its "
+                        "version cannot be checked against the weights that number names now",
+                    )
                 await self._verify(lease, sub)  # else the store refuses it, without the expense
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock())
         except Rejected as exc:
@@ -89,6 +112,7 @@ class Intake:
             if exc.reason in EVIDENCE and not rec.quarantined:
                 self.quarantine(rec, exc)
             raise
+        self.returned(rec.worker_id)
         rec.rollouts += result.admitted
         if result.admitted:
             self.data_ready()
@@ -110,10 +134,14 @@ class Intake:
         if self.verifier is not None:
             await asyncio.to_thread(self.verifier.check, lease, sub)
         admissible = sub.policy_version >= admission_floor(self.version(), self.store.staleness)
-        # a lease from before this process started may have been answered with weights of a learner
-        # that was rolled back to a checkpoint: the version number may name other weights now
-        if self.generation is not None and admissible and lease.issued_at >= self.started:
+        if self.generation is not None and admissible:
             picks = self.generation.pick(sub)
             if picks:
-                self.checked_submissions += 1
+                if not self.generation.holds(sub.policy_version):
+                    raise Rejected(
+                        "unchecked_version",
+                        f"policy_version: {sub.policy_version}: the learner does not hold its weights to "
+                        "re-run the generation",
+                    )
                 await asyncio.to_thread(self.generation.check, lease, sub, picks)
+                self.checked_submissions += 1  # re-run (a forgery raised above: counted by its reason)

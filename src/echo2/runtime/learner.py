@@ -175,8 +175,9 @@ class AsyncLearner:
         self.policy = load_checkpoint(ckpt or starting_checkpoint(cfg), cfg.model.chat_template)
         version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
         self.task = build_task(cfg.task, cfg.seed)
+        policy = self.policy  # isolate: a worker's non-finite group is left out, never fatal
         self.trainer = GRPOTrainer(
-            self.policy.model, cfg.grpo, cfg.sampling, self.policy.pad_id, self.task.token_mask, version0
+            policy.model, cfg.grpo, cfg.sampling, policy.pad_id, self.task.token_mask, version0, isolate=True
         )
         if ckpt is not None and (ckpt / OPTIM_FILE).is_file():
             self.trainer.optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
@@ -234,6 +235,7 @@ class AsyncLearner:
         )
         if self.ckpt is not None:
             parts.broker.prompts.restore(json.loads((self.ckpt / STATE_FILE).read_text()).get("leases"))
+        self.parts = parts
         self.registry, self.pool = parts.registry, parts.pool
         self.broker, self.snapshots = parts.broker, parts.snapshots
         self._resources.push_async_callback(self.snapshots.close)
@@ -322,7 +324,8 @@ class AsyncLearner:
             if batch is None:
                 break
             record = await self._update(batch)
-            await self._after_update(record)
+            if record is not None:  # None: every group of the batch was poison, purged; wait again
+                await self._after_update(record)
         if self._out_of_time():
             log.info("time budget of %g min reached at version %d", self.cfg.train.max_minutes, self.version)
 
@@ -342,8 +345,7 @@ class AsyncLearner:
         P = self.cfg.batch.prompts
         while True:
             if time.perf_counter() >= self._next_tick:
-                self.broker.expire()
-                self.pool.tick()
+                self.parts.housekeeping()
                 if self.on_tick is not None:
                     self.on_tick()
                 self._next_tick = time.perf_counter() + TICK_S
@@ -354,8 +356,12 @@ class AsyncLearner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.data_ready.wait(), 0.25)
 
-    async def _update(self, batch: list[tuple[Trajectory, ...]]) -> dict[str, Any]:
-        """One GRPO update on the batch; its staleness is checked against S first."""
+    async def _update(self, batch: list[tuple[Trajectory, ...]]) -> dict[str, Any] | None:
+        """One GRPO update on the batch; its staleness is checked against S first. Groups the update
+        left out (non-finite loss or gradient) are purged and their workers quarantined; None if that
+        was every group (no update: the rest of the batch, if any, goes back to the buffer)."""
+        from echo2.learner.trainer import PoisonedBatch
+
         flat = [t for group in batch for t in group]
         v_t, versions = self.version, [t.policy_version for t in flat]
         delta = v_t - min(versions)
@@ -364,7 +370,13 @@ class AsyncLearner:
                 f"staleness {delta} > S = {self.cfg.staleness.S} at step {v_t + 1}: admission failed"
             )
         with self.meter.training():
-            stats = await asyncio.to_thread(self.trainer.update, flat)
+            try:
+                stats = await asyncio.to_thread(self.trainer.update, flat)
+            except PoisonedBatch as exc:
+                self._purge_poison(exc.excluded)
+                self.store.requeue_after(self.version)  # what this step took and did not train on
+                return None
+        self._purge_poison(stats.excluded)
         self.steps += 1
         self.staleness_max = max(self.staleness_max, delta)
         self.t_trains.append(stats.t_train_s)
@@ -380,6 +392,19 @@ class AsyncLearner:
             "reward/unparsed": sum(1 for t in flat if not t.meta.get("parsed", True)),
             **(episode_metrics(flat) if self.cfg.episodic else {}),
         }
+
+    def _purge_poison(self, group_ids: tuple[str, ...]) -> None:
+        """Groups whose loss or gradient was not finite: purged (never requeued, not even by --resume)
+        and the workers that sent them quarantined (their other buffered groups purged too)."""
+        from echo2.data.submission import Rejected
+
+        records = {r.worker_id: r for r in self.registry}
+        for worker_id in self.store.purge_groups(group_ids):
+            rec = records.get(worker_id)
+            if rec is not None and not rec.quarantined:
+                why = Rejected("poisoned_update", "a group it sent made the loss or gradient non-finite")
+                self.store.record_rejection(why.reason)
+                self.intake.quarantine(rec, why)
 
     async def _after_update(self, record: dict[str, Any]) -> None:
         """Publish every kappa versions, retarget the pool, evaluate, checkpoint; then the record."""
@@ -416,6 +441,7 @@ class AsyncLearner:
                 **self.snapshots.metrics(),
                 **self.pool.metrics(),
                 **self.intake.metrics(),
+                **self.parts.metrics(),
                 "cost/usd_per_step": usd_step,
                 "cost/usd_total": self.usd_total,
                 "cost/usd_per_hour": usd_h,

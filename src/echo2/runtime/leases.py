@@ -3,14 +3,22 @@
 A lease is granted only (in this order of refusal reasons):
 - while the run is not finished                          [finished]
 - to a worker the pool controller has active              [inactive]
+- that is not benched for leases it left unreturned (``standing.py``)   [benched]
 - whose installed version is still admissible (``>= v_t - S``), so it never generates what the
   learner would discard                                   [stale_weights]
 - and not newer than ``v_t``: such weights were published by a learner process that crashed after
   its last checkpoint, and this one will publish other weights under the same number  [rolled_back]
+- and one this learner process published (so its generation can be re-run)   [unpublished_version]
 - while leased-but-unsubmitted plus buffered rollouts stay within
   ``min(max_inflight_batches, S + 1) * R``                [buffer_full]
-- and the worker holds fewer than ``max_leases_per_worker`` open leases   [too_many_leases]
-  (so one worker ties up at most ``max_leases_per_worker * lease_prompts * G`` of the in-flight budget)
+- for a worker on probation (``standing.py``: nothing returned yet, or an unreturned lease since),
+  while all workers on probation hold at most ``security.probation_share`` of that budget
+                                                          [probation_full]
+- and the worker holds fewer open leases than its standing allows: 1 on probation, then one more per
+  lease returned, up to ``max_leases_per_worker``         [too_many_leases]
+
+A lease on probation has ``security.probation_prompts`` prompts; its time to live halves with every
+unreturned lease in a row (``standing.py``).
 
 Each lease assigns a fresh random sampling seed (the worker samples with seeded Gumbel-max under it,
 so the learner can re-derive any sampled token, ``runtime/verify.py``) and records the version the
@@ -29,11 +37,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from echo2.config import BatchConfig, RuntimeConfig, StalenessConfig
+from echo2.config import BatchConfig, RuntimeConfig, SecurityConfig, StalenessConfig
 from echo2.data.store import TrajectoryStore
 from echo2.data.tasks.base import Task
 from echo2.physics.rules import admission_floor
 from echo2.protocol import LeaseGrant, LeaseRefusal, LeaseRequest
+from echo2.runtime.standing import Standings
 from echo2.types import Prompt
 
 SEED_BITS = 53  # lease seeds stay exact in any JSON reader
@@ -78,16 +87,27 @@ class LeaseBroker:
         version: Callable[[], int],
         is_active: Callable[[str], bool],
         clock: Callable[[], float],
+        security: SecurityConfig | None = None,
+        standings: Standings | None = None,
+        published: Callable[[], set[int]] = set,
     ) -> None:
         self.store = store
         self.prompts = prompts
         self.batch = batch
         self.S = staleness.S
         self.rt = runtime
+        self.sec = security or SecurityConfig()
         self.version = version  # the learner's v_t (the trainer's, read on every call)
         self.is_active = is_active  # the pool controller's say
         self.clock = clock
+        self.standings = standings or Standings(self.sec.max_unreturned, runtime.lease_ttl_s)
+        self.published = published  # the versions this learner process published (empty: not checked)
         self.inflight_cap = int(min(runtime.max_inflight_batches, self.S + 1) * batch.rollouts)
+        # rollouts all workers on probation may hold together (at least one probation lease: else nobody
+        # could ever pass probation)
+        self.probation_cap = max(
+            int(self.sec.probation_share * self.inflight_cap), self.sec.probation_prompts * batch.group_size
+        )
         self.finished = False  # the run is over: no more leases
 
     @property
@@ -96,43 +116,71 @@ class LeaseBroker:
         return admission_floor(self.version(), self.S)
 
     def grant(self, worker_id: str, req: LeaseRequest) -> LeaseGrant | LeaseRefusal:
-        """A lease of up to ``max_prompts`` prompts, or why not (and when to ask again)."""
-        n = min(req.max_prompts, self.rt.lease_prompts)
-        refusal = self._refusal(worker_id, req.installed_version, n)
+        """A lease of up to ``max_prompts`` prompts (fewer on probation), or why not (and when to ask
+        again)."""
+        now = self.clock()
+        self.standings.asked(worker_id, now)
+        probation = self.standings.on_probation(worker_id)
+        n = min(req.max_prompts, self.rt.lease_prompts, self.sec.probation_prompts if probation else 2**62)
+        refusal = self._refusal(worker_id, req.installed_version, n, probation, now)
         if refusal is not None:
             return refusal
         prompts = self.prompts.take(n)
         seed = secrets.randbits(SEED_BITS)  # not the run's seed: workers know that one
-        lease_id = self.store.issue_lease(
-            worker_id, prompts, self.clock(), self.rt.lease_ttl_s, seed, req.installed_version
-        )
+        ttl = self.standings.ttl(worker_id)
+        lease_id = self.store.issue_lease(worker_id, prompts, now, ttl, seed, req.installed_version)
         return LeaseGrant(
             lease_id=lease_id,
             prompts=prompts,
             group_size=self.batch.group_size,
             min_version=self.min_version,
-            expires_in_s=self.rt.lease_ttl_s,
+            expires_in_s=ttl,
             seed=seed,
         )
 
-    def _refusal(self, worker_id: str, installed: int, n: int) -> LeaseRefusal | None:
+    def _refusal(
+        self, worker_id: str, installed: int, n: int, probation: bool, now: float
+    ) -> LeaseRefusal | None:
         retry = self.rt.heartbeat_s / 4
+        G = self.batch.group_size
         if self.finished:
             return LeaseRefusal(reason="finished", retry_after_s=retry)
         if not self.is_active(worker_id):
             return LeaseRefusal(reason="inactive", retry_after_s=retry * 4)
+        if (bench := self.standings.bench_left(worker_id, now)) > 0:
+            return LeaseRefusal(reason="benched", retry_after_s=bench)
         if installed < self.min_version:
             return LeaseRefusal(reason="stale_weights", retry_after_s=retry, min_version=self.min_version)
         if installed > self.version():  # weights of a learner process that was rolled back to a checkpoint
             return LeaseRefusal(reason="rolled_back", retry_after_s=retry, min_version=self.min_version)
-        if self.store.outstanding_rollouts() + n * self.batch.group_size > self.inflight_cap:
+        published = self.published()
+        if published and installed not in published:
+            newest = max(published)
+            return LeaseRefusal(reason="unpublished_version", retry_after_s=retry, min_version=newest)
+        if self.store.outstanding_rollouts() + n * G > self.inflight_cap:
             return LeaseRefusal(reason="buffer_full", retry_after_s=retry)
-        if self.store.open_leases(worker_id) >= self.rt.max_leases_per_worker:
+        if probation:
+            by_worker = self.store.open_prompts_by_worker()
+            held = sum(k for w, k in by_worker.items() if self.standings.on_probation(w))
+            if (held + n) * G > self.probation_cap:
+                return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
+        if self.store.open_leases(worker_id) >= self.standings.max_open(
+            worker_id, self.rt.max_leases_per_worker
+        ):
             return LeaseRefusal(reason="too_many_leases", retry_after_s=retry)
         return None
 
-    def expire(self) -> int:
-        """Leases past their deadline give their prompts back for re-issue; returns how many prompts."""
-        prompts = self.store.expire_leases(self.clock())
-        self.prompts.reissue.extend(prompts)
-        return len(prompts)
+    def returned(self, worker_id: str) -> None:
+        """A lease of ``worker_id`` was answered (the intake accepted its submission)."""
+        self.standings.returned_lease(worker_id)
+
+    def expire(self) -> list[tuple[str, float]]:
+        """Leases past their deadline give their prompts back for re-issue and cost their workers a
+        strike (``standing.py``); returns ``(worker, seconds it held the lease)`` per expired lease."""
+        now = self.clock()
+        owners = []
+        for worker_id, prompts, held_s in self.store.expire_leases_by_worker(now):
+            self.prompts.reissue.extend(prompts)
+            self.standings.expired(worker_id, now)
+            owners.append((worker_id, held_s))
+        return owners

@@ -28,6 +28,7 @@ from echo2.runtime.pool import Pool
 from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
+from echo2.runtime.standing import Standings
 from echo2.runtime.verify import GenerationCheck, Verifier
 
 
@@ -39,6 +40,17 @@ class NodeParts:
     intake: Intake
     snapshots: Snapshots
     routes: Routes
+
+    def housekeeping(self) -> None:
+        """About once a second: expired leases go back (each a strike for its worker, and generating
+        time that delivered nothing for the controller), then one controller round."""
+        for worker_id, held_s in self.broker.expire():
+            self.pool.unreturned(worker_id, held_s)
+        self.pool.tick()
+
+    def metrics(self) -> dict[str, float]:
+        """``leases/`` metrics: what the lease standing ledger counted."""
+        return self.broker.standings.metrics()
 
 
 def worker_settings(cfg: Config) -> WorkerSettings:
@@ -74,30 +86,20 @@ def assemble(
     ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
     earlier learner process registered in the registry's run directory are restored and offered to the
     pool."""
-    pool = Pool(
-        registry,
-        cfg.controller,
-        cfg.staleness,
-        cfg.batch.rollouts,
-        cfg.runtime.learner_usd_per_hour,
-        registry.path.parent,
-        clock,
-    )
-    for rec in registry.load():
-        pool.enroll(rec)
     snapshots = Snapshots(publisher, cfg.staleness.gamma, cfg.snapshot)
-    broker = LeaseBroker(
-        store,
-        PromptSource(task, cfg.seed),
-        cfg.batch,
-        cfg.staleness,
-        cfg.runtime,
-        version,
-        pool.is_active,
-        clock,
-    )
+    pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock)
     limits = submission_limits(cfg, vocab_size)
-    intake = Intake(store, limits, version, lambda: snapshots.version, clock, verifier, generation)
+    intake = Intake(
+        store,
+        limits,
+        version,
+        lambda: snapshots.version,
+        clock,
+        verifier,
+        generation,
+        lambda v: v in snapshots.published,
+        broker.returned,
+    )
     _guard(cfg, intake, snapshots, registry, pool, broker, generation)
     routes = Routes(
         registry,
@@ -111,6 +113,38 @@ def assemble(
         cfg.security,
     )
     return NodeParts(registry, pool, broker, intake, snapshots, routes)
+
+
+def _leasing(
+    cfg: Config,
+    registry: WorkerRegistry,
+    store: TrajectoryStore,
+    task: Task,
+    snapshots: Snapshots,
+    version: Callable[[], int],
+    clock: Callable[[], float],
+) -> tuple[Pool, LeaseBroker]:
+    """The pool (with the workers an earlier learner process registered, restored) and the lease
+    broker, sharing one ledger of lease standings: a heartbeat keeps a worker alive in the pool only
+    while it holds an open lease or asked for one within the heartbeat timeout."""
+    standings = Standings(cfg.security.max_unreturned, cfg.runtime.lease_ttl_s)
+    timeout = cfg.controller.heartbeat_timeout_s
+
+    def working(worker_id: str) -> bool:
+        return standings.asked_within(worker_id, clock(), timeout) or store.open_leases(worker_id) > 0
+
+    rt = cfg.runtime
+    pool = Pool(
+        registry, cfg.controller, cfg.staleness, cfg.batch.rollouts, rt.learner_usd_per_hour,
+        registry.path.parent, clock, working,
+    )  # fmt: skip
+    for rec in registry.load():
+        pool.enroll(rec)
+    broker = LeaseBroker(
+        store, PromptSource(task, cfg.seed), cfg.batch, cfg.staleness, rt, version, pool.is_active, clock,
+        cfg.security, standings, lambda: snapshots.published,
+    )  # fmt: skip
+    return pool, broker
 
 
 def _guard(

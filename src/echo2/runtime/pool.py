@@ -11,6 +11,18 @@ A worker's measured rate ``mu_i`` counts the rollouts the learner **admitted** f
 heartbeat claims), over the generating time it reports, which is not believed below
 ``MIN_BUSY_SHARE`` of the wall time it covers: a lying worker can overstate its rate by at most
 ``1 / MIN_BUSY_SHARE``, and one that submits nothing measures 0. A quarantined worker is no candidate.
+
+No identity counts before it delivers: a registered worker is on **probation** (active: it may lease,
+on the lease broker's probation terms, ``standing.py``) but no candidate of the controller, so its own
+rate estimate moves nothing, until rollouts of it were admitted; it then enters the controller with its
+first measured rate. (A worker restored from an earlier learner process that had delivered enters with
+the small prior ``DEFAULT_RATE`` until measured.) So an identity that registers at 10,000 rollouts/s for
+$0.01/h and only heartbeats can never have a delivering worker released as surplus.
+
+A heartbeat keeps a candidate alive only while it works: it holds an open lease, or asked for one
+within the heartbeat timeout. One that delivered once and then only heartbeats times out as lost, and
+its old rate stops counting. A lease it left unreturned is charged as its time to live of generating
+time that delivered nothing (:meth:`Pool.unreturned`), which pulls its measured rate down.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from echo2.planner import capacity
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import Heartbeat, PoolController
 from echo2.protocol import HeartbeatRequest
-from echo2.runtime.registry import WorkerRecord, WorkerRegistry
+from echo2.runtime.registry import DEFAULT_RATE, WorkerRecord, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +59,10 @@ class Pool:
         learner_usd_per_hour: float,
         run_path: Path,
         clock: Callable[[], float],
+        working: Callable[[str], bool] = lambda worker_id: True,
     ) -> None:
         self.registry = registry
+        self.working = working  # holds an open lease or asked for one lately (the lease broker's say)
         self.staleness = staleness
         self.rollouts = rollouts_per_step
         self.learner_usd_per_hour = learner_usd_per_hour
@@ -60,46 +74,77 @@ class Pool:
         self.decisions: list[dict[str, Any]] = []  # activation log (also in the run directory)
         self.last_reason: dict[str, str] = {}  # worker -> why the controller last acted on it
         self._window: dict[str, tuple[float, float, int]] = {}  # worker -> (since, busy_s, admitted then)
+        self.probation: set[str] = set()  # registered, nothing admitted yet: no controller candidate
 
     def enroll(self, rec: WorkerRecord) -> None:
-        """Offer a registered (or restored) worker to the controller, active."""
+        """A registered (or restored) worker: on probation until it delivers; one restored with admitted
+        rollouts goes to the controller at once, active, with the small prior ``DEFAULT_RATE``."""
         if rec.quarantined:
             return
-        cand = Candidate(rec.worker_id, rec.hardware or "worker", rec.usd_per_hour, rec.rollouts_per_s)
-        self.controller.add_candidate(cand, active=True, now_s=self.clock())
         self._window[rec.worker_id] = (self.clock(), 0.0, rec.rollouts)
+        if rec.rollouts == 0:
+            self.probation.add(rec.worker_id)
+            return
+        self._candidate(rec, DEFAULT_RATE)
+
+    def _candidate(self, rec: WorkerRecord, rate: float) -> None:
+        cand = Candidate(rec.worker_id, rec.hardware or "worker", rec.usd_per_hour, rate)
+        self.controller.add_candidate(cand, active=True, now_s=self.clock())
 
     def observe(self, rec: WorkerRecord, hb: HeartbeatRequest) -> None:
-        """A heartbeat: liveness; and once rollouts of ``rec`` were admitted since the last rate sample,
-        a sample of admitted rollouts over the claimed generating time (at least ``MIN_BUSY_SHARE`` of
-        the wall time since)."""
-        now = self.clock()
-        since, busy, admitted = self._window.get(rec.worker_id, (now, 0.0, rec.rollouts))
+        """A heartbeat: liveness (of a worker that works); and once rollouts of ``rec`` were admitted
+        since the last rate sample, a sample of admitted rollouts over the claimed generating time (at
+        least ``MIN_BUSY_SHARE`` of the wall time since). A worker on probation leaves it with that
+        first sample as its rate."""
+        wid, now = rec.worker_id, self.clock()
+        since, busy, admitted = self._window.get(wid, (now, 0.0, rec.rollouts))
         busy += hb.busy_s
         new = rec.rollouts - admitted
         if new > 0:
-            sample = Heartbeat(rec.worker_id, now, new, max(busy, MIN_BUSY_SHARE * (now - since), 1e-3))
-            self._window[rec.worker_id] = (now, 0.0, rec.rollouts)
+            sample = Heartbeat(wid, now, new, max(busy, MIN_BUSY_SHARE * (now - since), 1e-3))
+            self._window[wid] = (now, 0.0, rec.rollouts)
         else:
-            sample = Heartbeat(rec.worker_id, now, 0, 0.0)  # liveness only
-            self._window[rec.worker_id] = (since, busy, admitted)
-        self.controller.observe(sample)
+            sample = Heartbeat(wid, now, 0, 0.0)  # liveness only
+            self._window[wid] = (since, busy, admitted)
+        if wid in self.probation:
+            if new <= 0:
+                return  # liveness of a probationer is the registry's (last seen)
+            self.probation.discard(wid)
+            self._candidate(rec, sample.rollouts / sample.busy_s)
+            log.info("pool: %s delivered; measured %.1f rollouts/s", wid, sample.rollouts / sample.busy_s)
+        if new > 0 or self.working(wid):
+            self.controller.observe(sample)
+
+    def unreturned(self, worker_id: str, held_s: float) -> None:
+        """A lease of ``worker_id`` expired unanswered after ``held_s``: that long of generating time
+        that delivered nothing (its measured rate decays as over any generating time)."""
+        if worker_id in self.probation or self.registry[worker_id].quarantined:
+            return
+        self.controller.charge_idle(worker_id, held_s)
 
     def quarantine(self, worker_id: str, reason: str) -> None:
         """A worker caught lying leaves the pool for good (the registry revoked its credential)."""
         self.controller.remove_candidate(worker_id)
+        self.probation.discard(worker_id)
         self._window.pop(worker_id, None)
         self.last_reason[worker_id] = f"quarantined: {reason}"
 
     def rate(self, worker_id: str) -> float:
-        """The measured mu_i of a worker (0 for one quarantined)."""
-        return 0.0 if self.registry[worker_id].quarantined else self.controller.measured_rate(worker_id)
+        """The measured mu_i of a worker (0 for one quarantined or on probation)."""
+        if self.registry[worker_id].quarantined or worker_id in self.probation:
+            return 0.0
+        return self.controller.measured_rate(worker_id)
 
     def active_ids(self) -> list[str]:
+        """Before T_train is measured, every worker heard from within the heartbeat timeout; then the
+        controller's active ones that are alive, and the workers on probation heard from."""
+        seen = self.registry.seen_within(self.controller.config.heartbeat_timeout_s)
         if not self.target_known:
-            return self.registry.seen_within(self.controller.config.heartbeat_timeout_s)
+            return seen
         now = self.clock()
-        return [w for w in self.controller.active_ids() if self.controller.is_alive(w, now)]
+        return [w for w in self.controller.active_ids() if self.controller.is_alive(w, now)] + [
+            w for w in seen if w in self.probation
+        ]
 
     def is_active(self, worker_id: str) -> bool:
         return worker_id in self.active_ids()
@@ -144,20 +189,21 @@ class Pool:
 
     def state(self, worker_id: str) -> str:
         """``active``; ``lost`` (heartbeat timeout); ``released`` (the controller's surplus decision);
-        before a target exists, ``silent`` for a worker not heard from within the heartbeat timeout;
+        before a target exists (or on probation), ``silent`` for a worker not heard from within the
+        heartbeat timeout;
         ``quarantined`` for one caught lying."""
         if self.registry[worker_id].quarantined:
             return "quarantined"
         if worker_id in self.active_ids():
             return "active"
-        if not self.target_known:
+        if not self.target_known or worker_id in self.probation:
             return "silent"
         return "lost" if self.controller.is_lost(worker_id) else "released"
 
     def planned_n_min(self) -> int | None:
         """SPEC §3 ``N_min = ceil(mu_min / mu_w)`` with mu_w the mean measured rate of the registered
         workers (None before T_train is measured)."""
-        rates = [self.controller.measured_rate(r.worker_id) for r in self.registry if not r.quarantined]
+        rates = [self.rate(r.worker_id) for r in self.registry if r.worker_id in self.controller.known()]
         if self.mu_min is None or not rates:
             return None
         return capacity.n_min(self.mu_min, sum(rates) / len(rates))

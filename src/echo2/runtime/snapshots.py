@@ -70,6 +70,7 @@ class Snapshots:
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
         self.chain: list[Link] = []  # the latest anchor, then the patches published after it
+        self.published: set[int] = set()  # every version this process published (a claim must be one)
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped
         self._base: dict[str, torch.Tensor] | None = None  # the newest published weights (chain[-1])
@@ -170,6 +171,7 @@ class Snapshots:
         self._base = None  # bytes from elsewhere: the next patch has no known base (publish_model sets it)
         manifest = (await self.publisher.publish(version, blob, lineage)).to_dict()
         link = Link(version, manifest, blob)
+        self.published.add(version)
         self.chain = [*self.chain, link] if manifest["lineage"]["kind"] == "patch" else [link]
         members = len(self.publisher.members())
         if members:

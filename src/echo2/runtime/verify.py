@@ -295,6 +295,11 @@ class GenerationCheck:
     def versions(self) -> list[int]:
         return sorted(self._weights)
 
+    def holds(self, version: int) -> bool:
+        """Whether the weights of ``version`` are held (a claim of it can be re-run)."""
+        with self._wlock:
+            return version in self._weights
+
     def pick(self, sub: Submission) -> list[tuple[int, int]]:
         """The (group, sample) positions to re-check in ``sub``: none unless the submission is drawn
         (probability ``check_fraction``), else ``check_samples`` of them at random."""
@@ -305,12 +310,16 @@ class GenerationCheck:
 
     def check(self, lease: Lease, sub: Submission, picks: Sequence[tuple[int, int]]) -> list[Verdict]:
         """Re-run the picked completions (any thread; one check at a time); raise
-        :class:`Rejected` ``forged_generation`` at the first forgery. A version whose weights are not
-        held (published from raw bytes, or already forgotten) cannot be checked: returns ``[]``."""
+        :class:`Rejected` ``forged_generation`` at the first forgery, ``unchecked_version`` when the
+        claimed version's weights are not held (the intake asks :meth:`holds` first)."""
         with self._wlock:
             weights = self._weights.get(sub.policy_version)
+        if weights is None:
+            raise Rejected(
+                "unchecked_version", f"policy_version: {sub.policy_version}: its weights are not held here"
+            )
         with self._lock:
-            if weights is None or not picks:
+            if not picks:
                 return []
             if self._loaded != sub.policy_version:
                 from echo2.models.snapshot import install_weights

@@ -1,0 +1,100 @@
+"""What each worker's record with leases entitles it to: probation, slow start, strikes, the bench.
+
+A worker is a stranger's machine, and a lease ties up learner budget (``runtime.max_inflight_batches``
+of R rollouts, leased plus buffered) until it is answered or expires. So the budget follows what a
+worker has *returned*, never what it claims (the lease broker, ``leases.py``, asks this ledger):
+
+- **probation**: a worker that has returned no lease yet (a new identity), or none since its last
+  unreturned one, gets leases of ``security.probation_prompts`` prompts, one open at a time, and all
+  workers on probation together hold at most ``security.probation_share`` of the in-flight budget.
+  So K identities that lease and never submit hold at most that share, whatever K is: with the
+  defaults (1 prompt, 1/8 of 2 R) an honest worker keeps 7/8 of the budget, more than the R + 2 leases
+  it needs for the learner to keep forming batches.
+- **slow start**: past probation a worker may hold ``1 + returned`` open leases (leases it returned
+  since its last unreturned one), up to ``runtime.max_leases_per_worker``: holding many leases takes a
+  record of returning them.
+- **strikes**: every lease that expires unreturned is a strike. It sends the worker back to probation,
+  and each strike in a row halves its next leases' time to live (``lease_ttl_s / 2**strikes``), so a
+  hoarder's leases come back sooner; ``security.max_unreturned`` strikes in a row bench it (no leases)
+  for ``BENCH_TTLS`` lease times to live. A returned lease clears the strikes.
+
+Every number here is counted (``leases/unreturned``, ``leases/benched``) and kept in memory only: a
+restarted learner starts every worker on probation again, which costs an honest worker one small lease.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BENCH_TTLS = 4.0  # a benched worker gets no lease for this many runtime.lease_ttl_s
+
+
+@dataclass
+class _Record:
+    returned: int = 0  # leases returned (answered, admitted or stale) since the last unreturned one
+    strikes: int = 0  # unreturned leases in a row
+    benched_until: float = -math.inf  # clock time its bench ends
+    last_asked: float = -math.inf  # clock time of its last lease request (granted or not)
+
+
+class Standings:
+    """The lease record of every worker (event loop only; no I/O)."""
+
+    def __init__(self, max_unreturned: int, lease_ttl_s: float) -> None:
+        self.max_unreturned = max_unreturned
+        self.lease_ttl_s = lease_ttl_s
+        self._workers: dict[str, _Record] = {}
+        self.unreturned = 0  # leases that expired unanswered, all workers
+        self.benched = 0  # times a worker was benched
+
+    def _rec(self, worker_id: str) -> _Record:
+        return self._workers.setdefault(worker_id, _Record())
+
+    def asked(self, worker_id: str, now: float) -> None:
+        """A lease request arrived (granted or refused): the worker is working, or trying to."""
+        self._rec(worker_id).last_asked = now
+
+    def asked_within(self, worker_id: str, now: float, seconds: float) -> bool:
+        rec = self._workers.get(worker_id)
+        return rec is not None and now - rec.last_asked <= seconds
+
+    def returned_lease(self, worker_id: str) -> None:
+        """A lease of this worker was answered (its groups admitted, or found stale)."""
+        rec = self._rec(worker_id)
+        rec.returned += 1
+        rec.strikes = 0
+
+    def expired(self, worker_id: str, now: float) -> None:
+        """A lease of this worker expired unanswered: a strike; back to probation; benched at the
+        ``max_unreturned``-th strike in a row."""
+        rec = self._rec(worker_id)
+        self.unreturned += 1
+        rec.returned = 0
+        rec.strikes += 1
+        if rec.strikes >= self.max_unreturned:
+            rec.benched_until = now + BENCH_TTLS * self.lease_ttl_s
+            rec.strikes = self.max_unreturned - 1  # after the bench, one more strike benches it again
+            self.benched += 1
+
+    def on_probation(self, worker_id: str) -> bool:
+        rec = self._workers.get(worker_id)
+        return rec is None or rec.returned == 0
+
+    def bench_left(self, worker_id: str, now: float) -> float:
+        """Seconds of bench left (0 when not benched)."""
+        rec = self._workers.get(worker_id)
+        return max(0.0, rec.benched_until - now) if rec is not None else 0.0
+
+    def max_open(self, worker_id: str, cap: int) -> int:
+        """Open leases the worker may hold: 1 on probation, then 1 + returned, at most ``cap``."""
+        rec = self._workers.get(worker_id)
+        return 1 if rec is None else max(1, min(cap, 1 + rec.returned))
+
+    def ttl(self, worker_id: str) -> float:
+        """Its next lease's time to live: ``lease_ttl_s / 2**strikes``."""
+        rec = self._workers.get(worker_id)
+        return self.lease_ttl_s / 2 ** (rec.strikes if rec is not None else 0)
+
+    def metrics(self) -> dict[str, float]:
+        return {"leases/unreturned": self.unreturned, "leases/benched": self.benched}

@@ -36,13 +36,17 @@ def make_node(tmp_path, *overrides: str, verifier: Any = None) -> SimpleNamespac
             "runtime.lease_prompts=2",
             "sampling.max_new_tokens=4",
             "staleness.S=1",
+            "security.probation_prompts=2",  # full leases and no shared cap: probation is test_leases.py's
+            "security.probation_share=1.0",
             *overrides,
         ]
     )
     n = SimpleNamespace(cfg=cfg, v=0)
     n.store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
     key = new_signing_key()
-    registry = WorkerRegistry(tmp_path, TOKEN, time.time, cfg.security.max_workers)
+    registry = WorkerRegistry(
+        tmp_path, TOKEN, time.time, cfg.security.max_workers, cfg.security.slot_idle_s
+    )
     publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
     identity = Identity(
         worker_settings(cfg), key.verifier().to_text(), ("127.0.0.1", 1), {"config.json": "{}"}
@@ -204,12 +208,13 @@ def test_other_workers_lease_is_forbidden(tmp_path):
 
 def test_lease_caps_work_in_flight_and_refuses_stale_weights(tmp_path):
     # R = 4 prompts x 2 = 8 rollouts; cap = min(max_inflight_batches 2, S + 1 = 2) * R = 16 rollouts,
-    # and a lease of 2 prompts x 2 is 4 rollouts: four leases fit, the fifth does not
+    # and a lease of 2 prompts x 2 is 4 rollouts: four leases fit, the fifth does not (five workers: a
+    # new one holds one lease at a time)
     async def body(client):
-        auth = await register(client)
-        leases = [await lease(client, auth) for _ in range(5)]
+        auths = [await register(client, f"w{i}") for i in range(5)]
+        leases = [await lease(client, auth) for auth in auths]
         node.v = 3  # learner moved on: version 1 weights are older than v_t - S = 2
-        stale = await lease(client, auth, installed=1)
+        stale = await lease(client, auths[0], installed=1)
         return leases, stale
 
     node = make_node(tmp_path)
@@ -225,15 +230,22 @@ def test_lease_caps_work_in_flight_and_refuses_stale_weights(tmp_path):
 
 
 def test_one_worker_cannot_hold_more_than_its_share_of_leases(tmp_path):
+    """A worker holds one open lease until it returns one, then one more per lease returned, up to
+    runtime.max_leases_per_worker."""
+
     async def body(client):
         greedy, other = await register(client, "greedy"), await register(client, "other")
-        hoard = [await lease(client, greedy) for _ in range(3)]
+        hoard = [await lease(client, greedy) for _ in range(2)]
+        resp = await client.post("/v1/submit", json=payload(hoard[0]), headers=greedy)
+        assert resp.status == 200, await resp.text()
+        hoard += [await lease(client, greedy) for _ in range(3)]
         return hoard, await lease(client, other)
 
     node = make_node(tmp_path, "runtime.max_leases_per_worker=2")
     (hoard, other), stats = run(body, node)
-    assert [le["kind"] for le in hoard] == ["grant", "grant", "refusal"]
-    assert hoard[2]["reason"] == "too_many_leases" and other["kind"] == "grant" and stats.leases_open == 3
+    assert [le["kind"] for le in hoard] == ["grant", "refusal", "grant", "grant", "refusal"]
+    assert hoard[1]["reason"] == hoard[4]["reason"] == "too_many_leases"
+    assert other["kind"] == "grant" and stats.leases_open == 3
 
 
 def test_heartbeat_validates_and_reports_activity(tmp_path):
@@ -254,8 +266,10 @@ def test_heartbeat_validates_and_reports_activity(tmp_path):
     rec = next(iter(node.registry))
     wid = rec.worker_id
     assert rec.install_s == 0.25  # what the worker's last install took (a metric, trusted for nothing)
-    # the heartbeat's claim of 8 rollouts is not believed: no rollout was admitted, the prior stands
-    assert node.pool.controller.measured_rate(wid) == pytest.approx(1.0)
+    # the heartbeat's claim of 8 rollouts is not believed: no rollout was admitted, it stays on
+    # probation, no candidate of the controller, with no rate
+    assert wid in node.pool.probation and wid not in node.pool.controller.known()
+    assert node.pool.rate(wid) == 0.0
 
 
 BAD_BODIES = [  # endpoint, body, (field named first in the detail, what it says of it)
@@ -456,8 +470,14 @@ def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
     async def go(client: TestClient) -> list[tuple[int, str]]:
         auth, other = await register(client), await register(client, "other")
         out = []
+        first = await lease(client, auth)  # refused with a foreign prompt, then answered honestly
         for forge in ("prompt", None, "reward", "after"):
-            body = honest(await lease(client, other if forge == "after" else auth))
+            le = (
+                first
+                if forge in ("prompt", None)
+                else await lease(client, other if forge == "after" else auth)
+            )
+            body = honest(le)
             if forge == "prompt":
                 body["groups"][0]["samples"][1]["prompt_ids"] = [5, 6, 7]
             elif forge == "reward":
@@ -544,8 +564,9 @@ def test_throughput_comes_from_admitted_rollouts_not_heartbeats(tmp_path):
     node = make_node(tmp_path, "controller.replace_prior=true")
     node.pool.clock = node.registry.clock = lambda: clock[0]
     run(body, node)
-    rates = {r.name: node.pool.controller.measured_rate(r.worker_id) for r in node.registry}
-    assert rates["liar"] == pytest.approx(1.0)  # its prior: nothing it submitted was admitted
+    rates = {r.name: node.pool.rate(r.worker_id) for r in node.registry}
+    liar = next(r.worker_id for r in node.registry if r.name == "liar")
+    assert rates["liar"] == 0.0 and liar in node.pool.probation  # nothing of it admitted: no candidate
     assert rates["honest"] == pytest.approx(4 / 2.0)  # 4 admitted over max(0.5 claimed, 0.5 * 4 s wall)
 
 
@@ -560,12 +581,12 @@ def test_claimed_versions_and_completion_shapes_are_checked(tmp_path):
     task = build_task(load_config().task, 0)
 
     async def body(client):
-        auth = await register(client)
-        await client.post(
-            "/v1/heartbeat", json={"rollouts": 0, "busy_s": 0.0, "installed_version": 1}, headers=auth
-        )
         out = []
-        for case in ("deflated", "truncated", "after_eos"):
+        for case in ("deflated", "truncated", "after_eos"):  # an identity each: a refused lease stays open
+            auth = await register(client, case)
+            await client.post(
+                "/v1/heartbeat", json={"rollouts": 0, "busy_s": 0.0, "installed_version": 1}, headers=auth
+            )
             le = await lease(client, auth, installed=1)
             sub = payload(le, version=0 if case == "deflated" else 1)
             for g, p in zip(sub["groups"], le["prompts"], strict=True):

@@ -12,8 +12,9 @@ A lease is granted only (in this order of refusal reasons):
 - while leased-but-unsubmitted plus buffered rollouts stay within
   ``min(max_inflight_batches, S + 1) * R``                [buffer_full]
 - for a worker on probation (``standing.py``: nothing returned yet, or an unreturned lease since),
-  while all workers on probation hold at most ``security.probation_share`` of that budget
-                                                          [probation_full]
+  while all workers on probation hold at most ``security.probation_share`` of that budget, and those
+  with an unreturned lease on their record at most half of it (so identities that hoarded once cannot
+  keep a new worker from its first lease for longer than one lease time to live)   [probation_full]
 - and the worker holds fewer open leases than its standing allows: 1 on probation, then one more per
   lease returned, up to ``max_leases_per_worker``         [too_many_leases]
 
@@ -162,7 +163,9 @@ class LeaseBroker:
         if probation:
             by_worker = self.store.open_prompts_by_worker()
             held = sum(k for w, k in by_worker.items() if self.standings.on_probation(w))
-            if (held + n) * G > self.probation_cap:
+            struck = sum(k for w, k in by_worker.items() if self.standings.struck(w))
+            full = (held + n) * G > self.probation_cap
+            if full or (self.standings.struck(worker_id) and (struck + n) * G > self.probation_cap // 2):
                 return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
         if self.store.open_leases(worker_id) >= self.standings.max_open(
             worker_id, self.rt.max_leases_per_worker

@@ -8,8 +8,10 @@ worker has *returned*, never what it claims (the lease broker, ``leases.py``, as
   unreturned one, gets leases of ``security.probation_prompts`` prompts, one open at a time, and all
   workers on probation together hold at most ``security.probation_share`` of the in-flight budget.
   So K identities that lease and never submit hold at most that share, whatever K is: with the
-  defaults (1 prompt, 1/8 of 2 R) an honest worker keeps 7/8 of the budget, more than the R + 2 leases
-  it needs for the learner to keep forming batches.
+  defaults (1 prompt, 1/8 of 2 R) an honest worker that has delivered keeps 7/8 of the budget, more
+  than the R + 2 leases it needs for the learner to keep forming batches. Workers with a strike on
+  their record hold at most half of the probation share, so once a flood of new identities has
+  left its first leases unreturned, the other half is there for new workers.
 - **slow start**: past probation a worker may hold ``1 + returned`` open leases (leases it returned
   since its last unreturned one), up to ``runtime.max_leases_per_worker``: holding many leases takes a
   record of returning them.
@@ -80,6 +82,11 @@ class Standings:
     def on_probation(self, worker_id: str) -> bool:
         rec = self._workers.get(worker_id)
         return rec is None or rec.returned == 0
+
+    def struck(self, worker_id: str) -> bool:
+        """On probation with an unreturned lease on its record (its last lease expired unanswered)."""
+        rec = self._workers.get(worker_id)
+        return rec is not None and rec.strikes > 0
 
     def bench_left(self, worker_id: str, now: float) -> float:
         """Seconds of bench left (0 when not benched)."""

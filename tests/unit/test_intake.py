@@ -1,0 +1,111 @@
+"""Every claimed version is checkable, or the claim is refused (runtime/intake.py): never published,
+answered across a restart, or not held by the check; security/checked_* count only real re-runs."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from echo2.data.store import TrajectoryStore
+from echo2.data.submission import Rejected, SubmissionLimits
+from echo2.protocol import SubmitRequest
+from echo2.runtime.intake import Intake
+from echo2.types import Prompt
+
+G = 2
+LIMITS = SubmissionLimits(
+    vocab_size=50, group_size=G, max_prompt_tokens=8, max_completion_tokens=8, max_groups=2
+)
+
+
+class FakeCheck:
+    """The generation check's seam: draws every submission, holds the versions it is given."""
+
+    def __init__(self, held: set[int]) -> None:
+        self.held = held
+        self.runs = 0
+        self.checked = self.tokens = self.passing_misses = 0
+        self.worst_passing_error = 0.0
+
+    def pick(self, sub: Any) -> list[tuple[int, int]]:
+        return [(0, 0)]
+
+    def holds(self, version: int) -> bool:
+        return version in self.held
+
+    def check(self, lease: Any, sub: Any, picks: Any) -> list[Any]:
+        self.runs += 1
+        return []
+
+
+def _body(lease_id: str, version: int) -> SubmitRequest:
+    sample = {"prompt_ids": [1], "completion_ids": [2], "sampler_logprobs": [-0.5], "reward": 0.0}
+    return SubmitRequest.model_validate(
+        {
+            "lease_id": lease_id,
+            "policy_version": version,
+            "groups": [{"prompt_id": "p", "samples": [sample] * G}],
+        }
+    )
+
+
+def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[float]) -> tuple[Intake, Any]:
+    store = TrajectoryStore(tmp_path / "s.sqlite", staleness=3, group_size=G)
+    intake = Intake(
+        store, LIMITS, lambda: 4, lambda: max(published), lambda: now[0], None, check,  # type: ignore[arg-type]
+        lambda v: v in published,
+    )  # fmt: skip
+    return intake, store
+
+
+def _submit(intake: Intake, store: TrajectoryStore, version: int, issued: float) -> str:
+    lease = store.issue_lease("w", [Prompt("p", "1+1=", "2")], now=issued, ttl_s=60.0, seed=1)
+    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)
+    try:
+        asyncio.run(intake.accept(rec, _body(lease, version)))  # type: ignore[arg-type]
+    except Rejected as exc:
+        return exc.reason
+    return "admitted"
+
+
+def test_claims_of_unpublished_versions_are_refused_every_time(tmp_path):
+    """kappa = 2: versions 2 and 4 published, 3 never was. 20 forgeries claiming 3: 0 admitted, all
+    refused before anything is drawn (the check never ran), counted; claims of 4 are re-run."""
+    now = [100.0]
+    check = FakeCheck(held={2, 4})
+    intake, store = _intake(tmp_path, {0, 2, 4}, check, now)
+    got = [_submit(intake, store, 3, issued=200.0) for _ in range(20)]
+    assert got == ["unpublished_version"] * 20 and check.runs == 0
+    assert store.stats().rejected_by_reason == {"unpublished_version": 20} and store.stats().admitted == 0
+    assert _submit(intake, store, 4, issued=200.0) == "admitted"
+    assert check.runs == 1 and intake.metrics()["security/checked_submissions"] == 1
+
+
+def test_a_version_the_check_does_not_hold_is_refused_not_counted_as_checked(tmp_path):
+    now = [100.0]
+    check = FakeCheck(held={4})  # 2 is published and admissible (v_t - S = 1) but not held
+    intake, store = _intake(tmp_path, {0, 2, 4}, check, now)
+    assert _submit(intake, store, 2, issued=200.0) == "unchecked_version"
+    assert check.runs == 0 and intake.metrics()["security/checked_submissions"] == 0
+
+
+def test_a_lease_issued_before_a_restart_is_refused(tmp_path):
+    """After a restart from a checkpoint a version number may name other weights than the ones the
+    worker sampled with: a lease issued before this learner process started cannot be checked."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    intake, store = _intake(tmp_path, {4}, check, now)
+    assert _submit(intake, store, 4, issued=50.0) == "lease_before_restart"
+    assert _submit(intake, store, 4, issued=150.0) == "admitted"
+    assert check.runs == 1
+
+
+@pytest.mark.parametrize("reason", ["unpublished_version", "lease_before_restart", "unchecked_version"])
+def test_version_refusals_are_not_evidence(reason):
+    """None of them quarantines: an honest worker after a restart can trigger each."""
+    from echo2.runtime.verify import EVIDENCE
+
+    assert reason not in EVIDENCE

@@ -1,0 +1,163 @@
+"""Leases follow what a worker returned, never what it claims (runtime/standing.py, leases.py, pool.py):
+probation, slow start, strikes and the bench; K identities that lease and never submit cannot starve
+an honest worker; a registration's claimed rate can never release a worker that delivers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from echo2.config import load_config
+from echo2.data.store import TrajectoryStore
+from echo2.data.submission import Submission
+from echo2.data.tasks.registry import build_task
+from echo2.protocol import LeaseGrant, LeaseRefusal, LeaseRequest, RegisterRequest
+from echo2.runtime.leases import LeaseBroker, PromptSource
+from echo2.runtime.pool import Pool
+from echo2.runtime.registry import WorkerRegistry
+from echo2.runtime.standing import BENCH_TTLS, Standings
+from echo2.types import Trajectory
+
+
+def test_standing_probation_slow_start_strikes_and_the_bench():
+    st = Standings(max_unreturned=3, lease_ttl_s=30.0)
+    assert st.on_probation("w") and st.max_open("w", 4) == 1 and st.ttl("w") == 30.0
+    for k in range(1, 6):
+        st.returned_lease("w")
+        assert not st.on_probation("w") and st.max_open("w", 4) == min(4, 1 + k)
+    st.expired("w", now=100.0)  # a strike: back to probation, half the time to live
+    assert st.on_probation("w") and st.max_open("w", 4) == 1 and st.ttl("w") == 15.0
+    st.expired("w", now=115.0)
+    assert st.ttl("w") == 7.5 and st.bench_left("w", 115.0) == 0.0
+    st.expired("w", now=122.5)  # the third in a row: benched
+    assert st.bench_left("w", 122.5) == BENCH_TTLS * 30.0 and st.benched == 1 and st.unreturned == 3
+    assert st.ttl("w") == 7.5  # after the bench one more strike benches it again
+    st.expired("w", now=300.0)
+    assert st.benched == 2
+    st.returned_lease("w")  # a returned lease clears the strikes
+    assert st.ttl("w") == 30.0 and not st.on_probation("w")
+    st.asked("v", now=10.0)
+    assert st.asked_within("v", 15.0, 10.0) and not st.asked_within("v", 25.0, 10.0)
+    assert not st.asked_within("nobody", 0.0, 10.0)
+    assert st.metrics() == {"leases/unreturned": 4, "leases/benched": 2}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _node(tmp_path: Any, *overrides: str) -> tuple[Any, TrajectoryStore, LeaseBroker, Pool, Clock]:
+    """The defaults of the issue's scenario: S = 3, G = 8, R = 256 (cap 512), 8-prompt leases."""
+    cfg = load_config(overrides=list(overrides))
+    clock = Clock()
+    store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
+    registry = WorkerRegistry(tmp_path, "t" * 20, clock, 1000)
+    standings = Standings(cfg.security.max_unreturned, cfg.runtime.lease_ttl_s)
+    pool = Pool(registry, cfg.controller, cfg.staleness, cfg.batch.rollouts, 0.0, tmp_path, clock)
+    broker = LeaseBroker(
+        store, PromptSource(build_task(cfg.task, 0), 0), cfg.batch, cfg.staleness, cfg.runtime,
+        lambda: 10, pool.is_active, clock, cfg.security, standings, lambda: {10},
+    )  # fmt: skip
+    return cfg, store, broker, pool, clock
+
+
+def _register(
+    registry: WorkerRegistry, pool: Pool, name: str, rate: float | None = None, usd: float = 0.35
+) -> str:
+    rec, _ = registry.register(
+        RegisterRequest(token="t" * 20, name=name, usd_per_hour=usd, rollouts_per_s=rate)
+    )
+    pool.enroll(rec)
+    return rec.worker_id
+
+
+def _answer(store: TrajectoryStore, broker: LeaseBroker, grant: LeaseGrant, worker: str) -> int:
+    """Submit well-formed groups for ``grant`` (version 10) and tell the broker, as the intake does."""
+    groups = tuple(
+        tuple(
+            Trajectory(p.prompt_id, f"{grant.lease_id}:{i}", (1,), (2,), (-0.5,), float(j % 2), 10)
+            for j in range(grant.group_size)
+        )
+        for i, p in enumerate(grant.prompts)
+    )
+    res = store.submit(Submission(grant.lease_id, 10, groups), worker, learner_version=10, now=0.0)
+    broker.returned(worker)
+    return res.admitted
+
+
+def _ask(broker: LeaseBroker, worker: str, n: int = 8) -> LeaseGrant | LeaseRefusal:
+    """A lease request, as the route makes it: the call authenticates (the registry's liveness)."""
+    broker.is_active.__self__.registry[worker].last_seen_s = broker.clock()  # type: ignore[attr-defined]
+    return broker.grant(worker, LeaseRequest(max_prompts=n, installed_version=10))
+
+
+@pytest.mark.parametrize("hoarders", [2, 4, 8, 32])
+def test_identities_that_lease_and_never_submit_cannot_starve_an_honest_worker(tmp_path, hoarders):
+    """K identities lease all they can and never answer: together they hold at most probation_share of
+    the in-flight budget (1-prompt leases, one each, K beyond 8 refused), while one honest worker
+    fills a whole learner batch (R = 256) and still gets leases; unreturned leases bench them."""
+    cfg, store, broker, pool, clock = _node(tmp_path)
+    registry = pool.registry
+    honest = _register(registry, pool, "honest")
+    first = _ask(broker, honest)  # it was working before they came
+    assert isinstance(first, LeaseGrant) and len(first.prompts) == cfg.security.probation_prompts == 1
+    _answer(store, broker, first, honest)
+    bad = [_register(registry, pool, f"hoarder{i}") for i in range(hoarders)]
+    grants = [_ask(broker, w) for w in bad for _ in range(3)]
+    held = sum(len(g.prompts) * g.group_size for g in grants if isinstance(g, LeaseGrant))
+    assert held <= cfg.security.probation_share * broker.inflight_cap == 64
+    assert all(len(g.prompts) == 1 for g in grants if isinstance(g, LeaseGrant))
+    reasons = {g.reason for g in grants if isinstance(g, LeaseRefusal)}
+    assert reasons <= {"too_many_leases", "probation_full"} and "too_many_leases" in reasons
+    admitted = 0
+    while admitted < cfg.batch.rollouts:  # the honest worker: lease, answer, repeat
+        grant = _ask(broker, honest)
+        assert isinstance(grant, LeaseGrant), grant
+        admitted += _answer(store, broker, grant, honest)
+    assert store.take_batch(cfg.batch.prompts, 10, step=11) is not None  # the learner gets its batch
+    more = [_ask(broker, honest) for _ in range(cfg.runtime.max_leases_per_worker)]
+    assert all(isinstance(g, LeaseGrant) and len(g.prompts) == 8 for g in more), more  # slow start done
+    for g in more:
+        _answer(store, broker, g, honest)
+    # their leases expire unreturned, round after round: strikes (struck ones share half of the
+    # probation share), shorter leases, then the bench; the honest worker never loses a lease
+    seen = set()
+    for _ in range(2 * cfg.security.max_unreturned):
+        clock.t += cfg.runtime.lease_ttl_s
+        for worker, held_s in broker.expire():
+            pool.unreturned(worker, held_s)
+            assert worker in bad
+        again = [_ask(broker, w) for w in bad]
+        seen |= {g.reason for g in again if isinstance(g, LeaseRefusal)}
+        held = sum(len(g.prompts) * g.group_size for g in again if isinstance(g, LeaseGrant))
+        assert held <= (32 if hoarders <= 8 else 64)  # struck ones: half the probation share
+        ok = _ask(broker, honest)
+        assert isinstance(ok, LeaseGrant), ok
+        _answer(store, broker, ok, honest)
+        store.take_batch(cfg.batch.prompts, 10, step=12)  # the learner trains on what is there
+    assert "benched" in seen and broker.standings.benched >= min(4, hoarders)
+
+
+def test_a_new_worker_gets_past_a_flood_of_fresh_identities(tmp_path):
+    """16 fresh identities fill the whole probation share before a new honest worker asks (and ask
+    first every round): it waits, but every identity that left a lease unreturned may use only half
+    of the share from then on, so once the fresh ones are spent (4 per lease time to live here) the
+    newcomer gets its first lease. The wait is bounded by the identities the token holder has."""
+    cfg, _, broker, pool, clock = _node(tmp_path)
+    bad = [_register(pool.registry, pool, f"hoarder{i}") for i in range(16)]
+    assert sum(isinstance(_ask(broker, w), LeaseGrant) for w in bad) == 8  # 8 x 8 rollouts = the share
+    newcomer = _register(pool.registry, pool, "newcomer")
+    rounds = 0
+    while not isinstance(got := _ask(broker, newcomer), LeaseGrant):
+        assert got.reason == "probation_full"
+        rounds += 1
+        assert rounds <= 1 + 16 // 4, "the newcomer never got past the flood"
+        clock.t += cfg.runtime.lease_ttl_s
+        broker.expire()
+        [_ask(broker, w) for w in bad]  # the hoarders ask first, every round
+    assert rounds >= 2  # it did have to wait for the fresh identities to be spent

@@ -30,6 +30,7 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, TypeAdapter
 
 from echo2.config import SamplingConfig, TaskConfig
@@ -249,21 +250,24 @@ def encode_chain(links: Sequence[tuple[dict[str, Any], Blob]]) -> bytes:
 
 
 def decode_chain(body: bytes) -> list[tuple[dict[str, Any], memoryview]]:
-    """Inverse of :func:`encode_chain`, for untrusted bytes: raises :class:`ChainError` naming the fault."""
+    """Inverse of :func:`encode_chain`, for untrusted bytes: raises :class:`ChainError` naming the fault,
+    never anything else. The header is parsed by pydantic's JSON parser (nesting bounded by its
+    recursion limit, no lone surrogates, no integer too long to convert), so no header, however deep,
+    reaches the caller as a RecursionError or a string nothing can encode."""
     view = memoryview(body)
-    if bytes(view[:8]) != CHAIN_MAGIC:
+    if len(view) < 16 or bytes(view[:8]) != CHAIN_MAGIC:
         raise ChainError("snapshot chain: bad magic")
     n = int.from_bytes(view[8:16], "big")
     if n > len(view) - 16:
         raise ChainError(f"snapshot chain: header of {n} bytes overruns a body of {len(view)}")
     try:
-        header = json.loads(bytes(view[16 : 16 + n]))
+        header = pydantic_core.from_json(bytes(view[16 : 16 + n]))
         raw = header["links"]
         if not isinstance(raw, list) or len(raw) > MAX_CHAIN_LINKS:
             raise ChainError(f"snapshot chain: links must be a list of at most {MAX_CHAIN_LINKS}")
         sizes = [(link["manifest"], link["size"]) for link in raw]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ChainError(f"snapshot chain: malformed header ({exc})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ChainError(f"snapshot chain: malformed header ({str(exc)[:200]!r})") from None
     out, at = [], 16 + n
     for manifest, size in sizes:
         if not isinstance(manifest, dict) or not isinstance(size, int) or isinstance(size, bool) or size < 0:

@@ -44,9 +44,7 @@ def make_node(tmp_path, *overrides: str, verifier: Any = None) -> SimpleNamespac
     n = SimpleNamespace(cfg=cfg, v=0)
     n.store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
     key = new_signing_key()
-    registry = WorkerRegistry(
-        tmp_path, TOKEN, time.time, cfg.security.max_workers, cfg.security.slot_idle_s
-    )
+    registry = WorkerRegistry(tmp_path, TOKEN, time.time, cfg.security.max_workers, cfg.security.slot_idle_s)
     publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
     identity = Identity(
         worker_settings(cfg), key.verifier().to_text(), ("127.0.0.1", 1), {"config.json": "{}"}

@@ -19,9 +19,10 @@ learner) admits a pull request only if it carries:
 
 and a chunk list that is bounded (:func:`~echo2.broadcast.store.parse_chunk_list`: in range, no
 duplicates, no more than the snapshot's chunk count). A server sends one member at most
-``SERVE_BUDGET`` times the version's size (:class:`Budget`), so nobody re-downloads a version
-endlessly. Every refusal is counted (:class:`ServeCounters`) and ends the connection before any chunk
-byte is sent.
+``SERVE_BUDGET`` times the version's size plus ``BUDGET_SLACK_CHUNKS`` chunks (:class:`ByteBudget`,
+the one definition of that rule: the learner's HTTP catch-up route books its chains to one too), so
+nobody re-downloads a version endlessly. Every refusal is counted (:class:`ServeCounters`) and ends
+the connection before any chunk byte is sent.
 
 With the HMAC scheme (a secret every worker holds) any worker could mint credentials: that scheme
 suits only a fleet whose workers trust each other, as for manifests.
@@ -156,7 +157,7 @@ class Gate:
         self.key = key  # the learner's key (its public half on a relay)
         self.me = me  # this server's TLS identity (its fingerprint is in every proof); None = plain
         self.counters = counters
-        self._sent: dict[tuple[str, int], int] = {}  # (member, version) -> payload bytes sent
+        self.budget = ByteBudget()  # payload bytes sent per (member, version)
 
     def authenticate(self, header: Mapping[str, Any]) -> tuple[str, int]:
         """(member, version) of a ``get`` whose credential (and, over TLS, certificate and proof)
@@ -198,20 +199,55 @@ class Gate:
     def charge(self, member: str, version: int, total_size: int, chunk_size: int) -> Callable[[int], bool]:
         """A callback that books ``n`` bytes to ``member``'s budget for ``version`` and says whether
         they may still be sent (counted when not)."""
-        limit = SERVE_BUDGET * total_size + BUDGET_SLACK_CHUNKS * chunk_size
-        key = (member, version)
 
         def book(n: int) -> bool:
-            sent = self._sent.get(key, 0) + n
-            if sent > limit:
-                self.counters.over_budget += 1
-                return False
-            self._sent[key] = sent
-            return True
+            if self.budget.book(member, version, n, total_size, chunk_size):
+                return True
+            self.counters.over_budget += 1
+            return False
 
         return book
 
     def forget_before(self, version: int) -> None:
         """Drop the budgets of versions older than ``version`` (no longer served)."""
+        self.budget.forget_before(version)
+
+
+class ByteBudget:
+    """Bytes one server has sent each member of each version, against the rule: a member gets at most
+    ``SERVE_BUDGET x total_size + BUDGET_SLACK_CHUNKS x chunk_size`` bytes of one version (the slack
+    covers streams cut mid-chunk and snapshots of a few chunks), from this server, ever. A booking that
+    would pass the limit is refused whole and books nothing. Entries of versions no longer served are
+    dropped with :meth:`forget_before`, so the ledger holds members x versions served at most."""
+
+    def __init__(self) -> None:
+        self._sent: dict[tuple[str, int], int] = {}  # (member, version) -> bytes booked
+
+    @staticmethod
+    def limit(total_size: int, chunk_size: int) -> float:
+        """The most bytes of a version of ``total_size`` bytes in chunks of ``chunk_size`` one member
+        may be sent."""
+        return SERVE_BUDGET * total_size + BUDGET_SLACK_CHUNKS * chunk_size
+
+    def sent(self, member: str, version: int) -> int:
+        """Bytes booked to ``member`` for ``version`` so far."""
+        return self._sent.get((member, version), 0)
+
+    def fits(self, member: str, version: int, n: int, total_size: int, chunk_size: int) -> bool:
+        """Whether ``n`` more bytes of ``version`` stay within ``member``'s limit (nothing booked)."""
+        return self.sent(member, version) + n <= self.limit(total_size, chunk_size)
+
+    def book(self, member: str, version: int, n: int, total_size: int, chunk_size: int) -> bool:
+        """Book ``n`` bytes of ``version`` to ``member`` if they fit (True), else book nothing (False)."""
+        if not self.fits(member, version, n, total_size, chunk_size):
+            return False
+        self._sent[(member, version)] = self.sent(member, version) + n
+        return True
+
+    def forget_before(self, version: int) -> None:
+        """Drop the entries of versions older than ``version``."""
         for key in [k for k in self._sent if k[1] < version]:
             del self._sent[key]
+
+    def __len__(self) -> int:
+        return len(self._sent)

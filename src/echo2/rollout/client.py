@@ -3,7 +3,11 @@
 Every call sends a request model and parses the reply model; a 4xx/5xx reply raises :class:`Refused`
 with the learner's :class:`~echo2.protocol.ErrorReply`. Connection failures are retried for
 ``reconnect_s`` (the learner may be restarting), then :class:`LearnerGone` is raised; a 503 (a learner
-that is up but not ready, e.g. restarted and not yet republished) is retried as long, then returned.
+that is up but not ready, e.g. restarted and not yet republished) is retried as long, then returned,
+and so is a 429 ``rate_limited`` (this identity's request rate is over ``security.max_requests_per_s``),
+each retry after the ``Retry-After`` the learner sent (at most what is left of ``reconnect_s``). Any
+other 429, ``over_budget`` above all (this identity was sent its byte budget of a snapshot version:
+asking again cannot help), is returned at once.
 
 The client is made from the join string (``echo2.transport.parse_join``): over ``https`` it talks
 only to the certificate whose SHA-256 fingerprint the join string pins (``aiohttp.Fingerprint``,
@@ -14,6 +18,7 @@ impostor), and a mismatch raises :class:`~echo2.transport.PinError` at once, nev
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -42,7 +47,7 @@ from echo2.protocol import (
 from echo2.transport import PinError, parse_join
 
 R = TypeVar("R", bound=BaseModel)
-RETRY_S = 0.5  # pause between attempts to reach an unreachable learner
+RETRY_S = 0.5  # pause between attempts to reach an unreachable learner (or one not ready: 503)
 
 
 class LearnerGone(Echo2Error):
@@ -136,10 +141,13 @@ class LearnerClient:
                     method, self.base + path, data=data, headers=headers, allow_redirects=False, **extra
                 ) as resp:
                     status, body = resp.status, await resp.read()
-                    if status != 503 or time.monotonic() >= deadline or self.give_up():
+                    pause = _retry_pause(status, body, resp.headers.get("Retry-After"))
+                    left = deadline - time.monotonic()
+                    if pause is None or left <= 0 or self.give_up():
                         return status, body, dict(resp.headers)
-                # 503: up but not ready (a restarted learner serves before it republishes): try again
-                await asyncio.sleep(RETRY_S)
+                # 503: up but not ready (a restarted learner serves before it republishes); 429
+                # rate_limited: asking too often. Either way: again, after the pause
+                await asyncio.sleep(min(pause, left))
             except aiohttp.ServerFingerprintMismatch as exc:
                 raise PinError(
                     f"the learner at {self.base} presented a TLS certificate with sha256 {exc.got.hex()}, "
@@ -164,3 +172,23 @@ class LearnerClient:
         except ValidationError:
             reply = ErrorReply(error="non_json", detail=body[:200].decode(errors="replace"))
         raise Refused(status, reply)
+
+
+def _retry_pause(status: int, body: bytes, retry_after: str | None) -> float | None:
+    """Seconds to wait before asking again, or None when the reply stands: 503 ``RETRY_S``; 429
+    ``rate_limited`` the learner's ``Retry-After`` (seconds; ``RETRY_S`` when absent or unreadable);
+    anything else (``over_budget`` included) stands."""
+    if status == 503:
+        return RETRY_S
+    if status != 429:
+        return None
+    try:
+        if ErrorReply.model_validate_json(body).error != "rate_limited":
+            return None
+    except ValidationError:
+        return None
+    try:
+        pause = float(retry_after) if retry_after is not None else RETRY_S
+    except ValueError:
+        return RETRY_S
+    return pause if math.isfinite(pause) and pause >= 0 else RETRY_S

@@ -218,6 +218,12 @@ class RolloutWorker:
             self.counters.install_failures += 1
             log.warning("snapshot chain over HTTP refused: %s", exc)
             return
+        except Refused as exc:
+            if exc.reply.error != "over_budget":  # this identity pulled the version 3x already
+                raise
+            self.counters.install_failures += 1
+            log.warning("snapshot chain over HTTP: %s", exc)
+            return
         if links and await asyncio.to_thread(self._install, links):
             self.counters.http_installs += 1
             log.info("installed v%d over HTTP (%d links)", self.installed, len(links))

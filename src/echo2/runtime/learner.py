@@ -205,7 +205,8 @@ class AsyncLearner:
         key = _persistent_key(self.run_path)
         self.token = rt.join_token or _persistent_token(self.run_path)
         # the API and the broadcast consult it
-        registry = WorkerRegistry(self.run_path, self.token, self.clock, cfg.security.max_workers)
+        sec = cfg.security
+        registry = WorkerRegistry(self.run_path, self.token, self.clock, sec.max_workers, sec.slot_idle_s)
         self._tls = run_identity(self.run_path, [rt.advertise_host or rt.host]) if cfg.security.tls else None
         publisher = open_publisher(
             "tcp",

@@ -79,7 +79,7 @@ class Pool:
     def enroll(self, rec: WorkerRecord) -> None:
         """A registered (or restored) worker: on probation until it delivers; one restored with admitted
         rollouts goes to the controller at once, active, with the small prior ``DEFAULT_RATE``."""
-        if rec.quarantined:
+        if not rec.trusted:
             return
         self._window[rec.worker_id] = (self.clock(), 0.0, rec.rollouts)
         if rec.rollouts == 0:
@@ -118,7 +118,7 @@ class Pool:
     def unreturned(self, worker_id: str, held_s: float) -> None:
         """A lease of ``worker_id`` expired unanswered after ``held_s``: that long of generating time
         that delivered nothing (its measured rate decays as over any generating time)."""
-        if worker_id in self.probation or self.registry[worker_id].quarantined:
+        if worker_id in self.probation or not self.registry[worker_id].trusted:
             return
         self.controller.charge_idle(worker_id, held_s)
 
@@ -131,7 +131,7 @@ class Pool:
 
     def rate(self, worker_id: str) -> float:
         """The measured mu_i of a worker (0 for one quarantined or on probation)."""
-        if self.registry[worker_id].quarantined or worker_id in self.probation:
+        if not self.registry[worker_id].trusted or worker_id in self.probation:
             return 0.0
         return self.controller.measured_rate(worker_id)
 
@@ -191,9 +191,12 @@ class Pool:
         """``active``; ``lost`` (heartbeat timeout); ``released`` (the controller's surplus decision);
         before a target exists (or on probation), ``silent`` for a worker not heard from within the
         heartbeat timeout;
-        ``quarantined`` for one caught lying."""
-        if self.registry[worker_id].quarantined:
+        ``quarantined`` for one caught lying; ``retired`` for one retired for silence (registry.py)."""
+        rec = self.registry[worker_id]
+        if rec.quarantined:
             return "quarantined"
+        if not rec.trusted:
+            return "retired"
         if worker_id in self.active_ids():
             return "active"
         if not self.target_known or worker_id in self.probation:

@@ -4,6 +4,18 @@ The one list the HTTP API (authentication, heartbeats) and the broadcast plane (
 snapshot topology) both consult. The run's join token is exchanged once for a per-worker bearer
 credential; only the credential's SHA-256 is kept, in ``workers.json`` of the run directory, so
 credentials survive a learner restart and a leaked registry file grants nothing.
+
+**Registration slots.** The join token opens ``max_workers`` slots. An identity holds one while it is
+trusted and was heard from (an authenticated API call) within ``slot_idle_s``, or for ``slot_idle_s``
+after it was quarantined (the time is persisted, so a restart keeps it). A trusted identity silent
+longer is **retired**: it frees its slot, and its credential opens nothing any more (the API answers
+403 ``retired``; the stock worker registers again). An identity restored after a learner restart counts
+as heard from at the restart: the learner's downtime is not the worker's silence. Quarantined and
+retired records stay in the file, for the registry's history.
+
+Every string of a peer that is hashed or compared here (a join token, a credential, as JSON or from a
+header, where they may carry lone surrogates) is encoded with ``surrogatepass``: a check of garbage is
+False, never an exception.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from echo2.protocol import RegisterRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_RATE = 1.0  # rollouts/s assumed for a worker that registers without an estimate
+DEFAULT_SLOT_IDLE_S = 600.0  # = security.slot_idle_s's default (the learner passes the configured value)
 REGISTRY_FILE = "workers.json"
 
 
@@ -39,19 +52,32 @@ class WorkerRecord:
     install_s: float = 0.0  # seconds its last install took, as it reported (not persisted)
     rollouts: int = 0  # rollouts it has had admitted
     quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
+    quarantined_s: float = 0.0  # clock time it was quarantined (its slot frees slot_idle_s later)
+    retired_s: float | None = None  # clock time it was retired for silence (None: not retired)
     last_seen_s: float = 0.0  # clock time of its last authenticated call (not persisted)
+
+    @property
+    def trusted(self) -> bool:
+        """Neither quarantined nor retired: its credential opens the API and the broadcast."""
+        return not self.quarantined and self.retired_s is None
 
 
 class WorkerRegistry:
     """Membership, credentials and installed versions, persisted in ``run_path / workers.json``."""
 
     def __init__(
-        self, run_path: Path, join_token: str, clock: Callable[[], float], max_workers: int = 64
+        self,
+        run_path: Path,
+        join_token: str,
+        clock: Callable[[], float],
+        max_workers: int = 64,
+        slot_idle_s: float = DEFAULT_SLOT_IDLE_S,
     ) -> None:
         self.path = run_path / REGISTRY_FILE
         self.join_token = join_token
-        self.clock = clock
-        self.max_workers = max_workers  # registrations the join token allows in this run
+        self.clock = clock  # wall-clock seconds (quarantine times are persisted)
+        self.max_workers = max_workers  # registration slots of the join token (security.max_workers)
+        self.slot_idle_s = slot_idle_s  # silence that retires an identity (security.slot_idle_s)
         self._records: dict[str, WorkerRecord] = {}
         self._by_cred: dict[str, str] = {}  # credential sha -> worker id
 
@@ -65,13 +91,25 @@ class WorkerRegistry:
         return self._records[worker_id]
 
     def token_ok(self, token: str) -> bool:
-        """Constant-time check of a join token."""
-        return hmac.compare_digest(token.encode(), self.join_token.encode())
+        """Constant-time check of a join token (False for any string that is not it, lone surrogates
+        included)."""
+        return hmac.compare_digest(_bytes(token), _bytes(self.join_token))
+
+    def slots_held(self) -> int:
+        """Identities holding a registration slot now (see the module docstring); retires the trusted
+        ones silent longer than ``slot_idle_s`` first."""
+        self._retire_silent()
+        now = self.clock()
+        return sum(
+            1
+            for r in self._records.values()
+            if r.trusted or (r.quarantined and now - r.quarantined_s < self.slot_idle_s)
+        )
 
     @property
     def full(self) -> bool:
-        """The join token has made all the registrations it may (quarantined workers count too)."""
-        return len(self._records) >= self.max_workers
+        """Every registration slot of the join token is held."""
+        return self.slots_held() >= self.max_workers
 
     def register(self, req: RegisterRequest) -> tuple[WorkerRecord, str]:
         """Enroll a worker whose token was checked (and :attr:`full` was not); returns its record and
@@ -89,42 +127,64 @@ class WorkerRegistry:
         self._index(rec)
         self.save()
         log.info(
-            "registered %s (%s, %s, $%.2f/h)", rec.worker_id, rec.name, rec.hardware or "?", rec.usd_per_hour
+            "registered %s (%r, %r, $%.2f/h)", rec.worker_id, rec.name, rec.hardware or "?", rec.usd_per_hour
         )
         return rec, credential
 
     def authenticate(self, credential: str) -> WorkerRecord | None:
-        """The worker holding ``credential`` (its last-seen time updated; check ``quarantined``), or
-        None."""
+        """The worker holding ``credential``, or None. Check ``quarantined`` and ``retired_s``: a
+        trusted identity silent longer than ``slot_idle_s`` is retired here; a trusted one's last-seen
+        time is updated."""
         wid = self._by_cred.get(_sha(credential))
         if wid is None:
             return None
         rec = self._records[wid]
-        if not rec.quarantined:
+        if self._retire_if_silent(rec):
+            self.save()
+        if rec.trusted:
             rec.last_seen_s = self.clock()
         return rec
 
     def may_join_broadcast(self, worker_id: str, credential: object) -> bool:
         """Only registered, trusted workers join the snapshot topology, and only under their own id."""
-        return (
-            isinstance(credential, str)
-            and self._by_cred.get(_sha(credential)) == worker_id
-            and not self._records[worker_id].quarantined
-        )
+        if not isinstance(credential, str) or self._by_cred.get(_sha(credential)) != worker_id:
+            return False
+        rec = self._records[worker_id]
+        if self._retire_if_silent(rec):
+            self.save()
+        return rec.trusted
 
     def revoke(self, worker_id: str, reason: str) -> None:
-        """Quarantine a worker: its credential opens nothing any more (persisted, so a restart keeps it
-        out); the record stays, with the reason, for the registry's history."""
+        """Quarantine a worker: its credential opens nothing any more (persisted, with the time, so a
+        restart keeps it out and frees its slot ``slot_idle_s`` after the catch); the record stays,
+        with the reason, for the registry's history."""
         rec = self._records[worker_id]
         if not rec.quarantined:
             rec.quarantined = reason
+            rec.quarantined_s = self.clock()
             self.save()
-            log.warning("quarantined %s (%s): %s", worker_id, rec.name, reason)
+            log.warning("quarantined %s (%r): %s", worker_id, rec.name, reason)
 
     def seen_within(self, seconds: float) -> list[str]:
         """Workers heard from in the last ``seconds``."""
         now = self.clock()
-        return [w for w, r in self._records.items() if now - r.last_seen_s <= seconds and not r.quarantined]
+        return [w for w, r in self._records.items() if now - r.last_seen_s <= seconds and r.trusted]
+
+    def _retire_if_silent(self, rec: WorkerRecord) -> bool:
+        """Retire ``rec`` if it is trusted and was not heard from within ``slot_idle_s`` (True: it was
+        retired now; the caller saves)."""
+        now = self.clock()
+        if not rec.trusted or now - rec.last_seen_s <= self.slot_idle_s:
+            return False
+        rec.retired_s = now
+        silent = now - rec.last_seen_s
+        log.info("retired %s (%r): silent for %.0f s (security.slot_idle_s)", rec.worker_id, rec.name, silent)
+        return True
+
+    def _retire_silent(self) -> None:
+        retired = [r for r in list(self._records.values()) if self._retire_if_silent(r)]
+        if retired:
+            self.save()
 
     # ---- persistence ---------------------------------------------------------------------------------
     def save(self) -> None:
@@ -137,8 +197,10 @@ class WorkerRegistry:
         tmp.replace(self.path)
 
     def load(self) -> list[WorkerRecord]:
-        """Restore the workers of an earlier learner process (each gets one heartbeat timeout to come
-        back); returns them."""
+        """Restore the workers of an earlier learner process; returns the trusted ones (those that may
+        come back, for the pool). Each counts as heard from now: it gets the pool's heartbeat timeout
+        to come back before it is taken for lost, and ``slot_idle_s`` before it is retired (the
+        learner's downtime is not its silence). Quarantine and retirement times are kept as saved."""
         if not self.path.is_file():
             return []
         restored = [WorkerRecord(**d) for d in json.loads(self.path.read_text())]
@@ -146,12 +208,18 @@ class WorkerRegistry:
             rec.last_seen_s = self.clock()
             self._index(rec)
         log.info("restored %d registered workers from %s", len(restored), self.path)
-        return restored
+        return [r for r in restored if r.trusted]
 
     def _index(self, rec: WorkerRecord) -> None:
         self._records[rec.worker_id] = rec
         self._by_cred[rec.credential_sha256] = rec.worker_id
 
 
+def _bytes(text: str) -> bytes:
+    """UTF-8 of ``text``, lone surrogates (from a JSON escape, or a header's undecodable bytes) passed
+    through: never raises."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(_bytes(text)).hexdigest()

@@ -52,11 +52,15 @@ def _body(lease_id: str, version: int) -> SubmitRequest:
     )
 
 
+REFUSED: list[tuple[str, str, str]] = []
+
+
 def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[float]) -> tuple[Intake, Any]:
     store = TrajectoryStore(tmp_path / "s.sqlite", staleness=3, group_size=G)
+    REFUSED.clear()
     intake = Intake(
         store, LIMITS, lambda: 4, lambda: max(published), lambda: now[0], None, check,  # type: ignore[arg-type]
-        lambda v: v in published,
+        lambda v: v in published, lambda w: None, lambda *a: REFUSED.append(a),
     )  # fmt: skip
     return intake, store
 
@@ -82,6 +86,8 @@ def test_claims_of_unpublished_versions_are_refused_every_time(tmp_path):
     assert store.stats().rejected_by_reason == {"unpublished_version": 20} and store.stats().admitted == 0
     assert _submit(intake, store, 4, issued=200.0) == "admitted"
     assert check.runs == 1 and intake.metrics()["security/checked_submissions"] == 1
+    # each refused answer was handed to the lease broker (which expires the lease and strikes)
+    assert len(REFUSED) == 20 and {r[2] for r in REFUSED} == {"unpublished_version"}
 
 
 def test_a_version_the_check_does_not_hold_is_refused_not_counted_as_checked(tmp_path):

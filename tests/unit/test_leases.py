@@ -161,3 +161,22 @@ def test_a_new_worker_gets_past_a_flood_of_fresh_identities(tmp_path):
         broker.expire()
         [_ask(broker, w) for w in bad]  # the hoarders ask first, every round
     assert rounds >= 2  # it did have to wait for the fresh identities to be spent
+
+
+def test_a_refused_answer_expires_its_lease_at_once_and_strikes_unless_the_learner_caused_it(tmp_path):
+    from echo2.runtime.leases import NO_FAULT
+
+    cfg, store, broker, pool, _ = _node(tmp_path)
+    w = _register(pool.registry, pool, "w")
+    first = _ask(broker, w)
+    assert isinstance(first, LeaseGrant) and isinstance(_ask(broker, w), LeaseRefusal)  # one at a time
+    broker.refused(w, first.lease_id, "unpublished_version")
+    assert store.lease(first.lease_id).state == "expired"
+    assert [p.prompt_id for p in broker.prompts.reissue] == [p.prompt_id for p in first.prompts]
+    assert broker.standings.struck(w) and broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
+    second = _ask(broker, w)  # its prompts went back and it may lease again at once (on probation)
+    assert isinstance(second, LeaseGrant) and second.expires_in_s == cfg.runtime.lease_ttl_s / 2
+    broker.refused(w, second.lease_id, "lease_before_restart")  # the learner's doing: no strike
+    assert "lease_before_restart" in NO_FAULT and broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
+    broker.refused(w, second.lease_id, "prompt_mismatch")  # no longer open: nothing happens
+    assert broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2

@@ -370,6 +370,19 @@ class TrajectoryStore:
         ).fetchone()
         return int(n)
 
+    def expire_lease(self, lease_id: str) -> list[Prompt]:
+        """Expire one ``open`` lease now (its answer was refused); its prompts, to lease again ([] if it
+        is not open). A later answer is still accepted, as for any expired lease."""
+        with self._tx():
+            row = self._db.execute(
+                "SELECT prompts FROM leases WHERE lease_id = ? AND state = 'open'", (lease_id,)
+            ).fetchone()
+            if row is None:
+                return []
+            self._db.execute("UPDATE leases SET state = 'expired' WHERE lease_id = ?", (lease_id,))
+            self._bump("leases_expired", 1)
+        return _decode_prompts(row[0])
+
     def open_prompts_by_worker(self) -> dict[str, int]:
         """Prompts of the open leases, per worker holding any."""
         rows = self._db.execute(

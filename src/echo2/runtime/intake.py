@@ -8,8 +8,10 @@ re-runs completions with the claimed version's weights and the lease's seed; the
 lease (exists, this worker's, not answered before, same prompts) and applies the admission rule at the
 learner's current version. Every refusal is counted by reason in the store
 (``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
-(the node's ``quarantine``: credential revoked, buffered groups purged, leases taken back); an
-admission wakes the learner loop. Submissions too stale to be admitted are not re-run.
+(the node's ``quarantine``: credential revoked, buffered groups purged, leases taken back); any other
+refused answer to an open lease expires that lease at once (the lease broker's ``refused``: its prompts
+go out again, a strike for the worker); an admission wakes the learner loop. Submissions too stale to
+be admitted are not re-run.
 
 Every claimed version can be checked, or the claim is refused, deterministically, before anything is
 drawn: a version this learner process never published [unpublished_version] (with kappa = 2 the odd
@@ -70,9 +72,11 @@ class Intake:
         generation: GenerationCheck | None = None,
         is_published: Callable[[int], bool] = lambda version: True,
         returned: Callable[[str], None] = lambda worker_id: None,
+        refused: Callable[[str, str, str], None] = lambda worker_id, lease_id, reason: None,
     ) -> None:
         self.store = store
         self.returned = returned  # a worker answered one of its leases (the lease broker's standing)
+        self.refused = refused  # the answer to an open lease (worker, lease, reason) was refused
         self.is_published = is_published  # did this learner process publish that version
         self.verifier = verifier  # None: prompts and rewards are taken as claimed (tests without a model)
         self.generation = generation  # None: generations are never re-run
@@ -89,14 +93,15 @@ class Intake:
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
         """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if
         refused. Evidence of lying (``verify.EVIDENCE``) also quarantines the worker."""
+        lease = None
         try:
             sub = validate_submission(body, self.limits, self.published())
+            lease = self.store.lease(sub.lease_id)  # the store's own thread
             if not self.is_published(sub.policy_version):
                 raise Rejected(
                     "unpublished_version",
                     f"policy_version: {sub.policy_version} was never published by this learner",
                 )
-            lease = self.store.lease(sub.lease_id)  # the store's own thread
             if lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted":
                 if lease.issued_at < self.started:
                     raise Rejected(
@@ -110,7 +115,9 @@ class Intake:
             self.store.record_rejection(exc.reason)
             log.warning("submission from %s rejected: %s", rec.worker_id, exc)
             if exc.reason in EVIDENCE and not rec.quarantined:
-                self.quarantine(rec, exc)
+                self.quarantine(rec, exc)  # its leases too
+            elif lease is not None and lease.worker_id == rec.worker_id and lease.state == "open":
+                self.refused(rec.worker_id, lease.lease_id, exc.reason)
             raise
         self.returned(rec.worker_id)
         rec.rollouts += result.admitted

@@ -19,7 +19,9 @@ A lease is granted only (in this order of refusal reasons):
   lease returned, up to ``max_leases_per_worker``         [too_many_leases]
 
 A lease on probation has ``security.probation_prompts`` prompts; its time to live halves with every
-unreturned lease in a row (``standing.py``).
+unreturned lease in a row (``standing.py``). A lease whose answer is refused expires at once: its
+prompts go out again, and the worker takes a strike as for an unreturned lease (unless the learner
+caused the refusal: a restart, a version it does not hold).
 
 Each lease assigns a fresh random sampling seed (the worker samples with seeded Gumbel-max under it,
 so the learner can re-derive any sampled token, ``runtime/verify.py``) and records the version the
@@ -47,6 +49,8 @@ from echo2.runtime.standing import Standings
 from echo2.types import Prompt
 
 SEED_BITS = 53  # lease seeds stay exact in any JSON reader
+# refusals of an answer that are the learner's doing, not the worker's: no strike (intake.py)
+NO_FAULT = frozenset({"lease_before_restart", "unchecked_version"})
 
 
 class PromptSource:
@@ -106,9 +110,9 @@ class LeaseBroker:
         self.inflight_cap = int(min(runtime.max_inflight_batches, self.S + 1) * batch.rollouts)
         # rollouts all workers on probation may hold together (at least one probation lease: else nobody
         # could ever pass probation)
-        self.probation_cap = max(
-            int(self.sec.probation_share * self.inflight_cap), self.sec.probation_prompts * batch.group_size
-        )
+        one_lease = self.sec.probation_prompts * batch.group_size
+        self.probation_cap = max(int(self.sec.probation_share * self.inflight_cap), one_lease)
+        self.struck_cap = max(self.probation_cap // 2, one_lease)  # of which workers with a strike
         self.finished = False  # the run is over: no more leases
 
     @property
@@ -165,7 +169,7 @@ class LeaseBroker:
             held = sum(k for w, k in by_worker.items() if self.standings.on_probation(w))
             struck = sum(k for w, k in by_worker.items() if self.standings.struck(w))
             full = (held + n) * G > self.probation_cap
-            if full or (self.standings.struck(worker_id) and (struck + n) * G > self.probation_cap // 2):
+            if full or (self.standings.struck(worker_id) and (struck + n) * G > self.struck_cap):
                 return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
         if self.store.open_leases(worker_id) >= self.standings.max_open(
             worker_id, self.rt.max_leases_per_worker
@@ -176,6 +180,15 @@ class LeaseBroker:
     def returned(self, worker_id: str) -> None:
         """A lease of ``worker_id`` was answered (the intake accepted its submission)."""
         self.standings.returned_lease(worker_id)
+
+    def refused(self, worker_id: str, lease_id: str, reason: str) -> None:
+        """The answer to an open lease of ``worker_id`` was refused: the lease expires now (its prompts
+        go out again at once, not after its time to live) and, unless the learner is the cause
+        (:data:`NO_FAULT`), the worker takes a strike as for an unreturned lease."""
+        prompts = self.store.expire_lease(lease_id)
+        self.prompts.reissue.extend(prompts)
+        if prompts and reason not in NO_FAULT:
+            self.standings.expired(worker_id, self.clock())
 
     def expire(self) -> list[tuple[str, float]]:
         """Leases past their deadline give their prompts back for re-issue and cost their workers a

@@ -99,6 +99,7 @@ def assemble(
         generation,
         lambda v: v in snapshots.published,
         broker.returned,
+        broker.refused,
     )
     _guard(cfg, intake, snapshots, registry, pool, broker, generation)
     routes = Routes(

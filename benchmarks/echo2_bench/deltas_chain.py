@@ -70,6 +70,7 @@ class _Worker:
     bit_identical: int = 0
     http_fetches: int = 0
     installed: list[int] = field(default_factory=list)
+    digests: list[tuple[int, str]] = field(default_factory=list)  # (version, digest) of every install
 
 
 async def chain_over_tcp(
@@ -111,7 +112,9 @@ async def chain_over_tcp(
         w.chain.commit(staged)
         w.installs += 1
         w.installed.append(staged.version)
-        w.bit_identical += int(staged.digest == published[staged.version])
+        # compared once the publications are over: a worker may install a version over HTTP before
+        # this loop has written down its digest
+        w.digests.append((staged.version, staged.digest))
 
     async def follow(w: _Worker) -> None:
         received: dict[int, Any] = {}
@@ -161,6 +164,8 @@ async def chain_over_tcp(
             if w.chain.version < last:
                 install(w, await fetch(w))
         wall = time.perf_counter() - t0
+        for w in workers:
+            w.bit_identical = sum(d == published.get(v) for v, d in w.digests)
     finally:
         for t in tasks:
             t.cancel()

@@ -2,7 +2,9 @@
 
 :class:`FaultTap` plugs into the product's ``ChunkTap`` seam (``TcpWorkerNode(tap=...)``); the node
 itself knows nothing of faults. ``corrupted_sent`` is the ground truth the benchmark compares with
-the product's ``corrupt_detected`` counter.
+the product's ``corrupt_detected`` counter. A relay that stalls on purpose (accepts pulls, sends
+nothing, acks every version) is not a tap on an honest node but a node of its own:
+:class:`echo2_bench.stalling.StallingNode`.
 """
 
 from __future__ import annotations

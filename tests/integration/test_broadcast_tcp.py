@@ -259,7 +259,7 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
         ack = await asyncio.wait_for(read_header(reader), 5)
         while ack["op"] == "rejected":
             ack = await asyncio.wait_for(read_header(reader), 5)
-        assert ack == {"op": "installed", "v": 5}
+        assert ack == {"op": "installed", "v": 5, "got": {"learner": manifest.n_chunks}}  # with its receipts
         await write_frame(writer, ann)  # replay of the installed version
         await asyncio.sleep(0.2)
         assert node.counters.rejected_manifests == 5 and got == {"w": BLOB}
@@ -309,3 +309,50 @@ def test_publisher_admits_only_authorized_members(caplog: pytest.LogCaptureFixtu
     assert members == ["good"] and got["good"] == BLOB
     assert forged_closed and anon_closed
     assert "credential refused" in caplog.text
+
+
+def test_a_stalling_relay_costs_the_honest_workers_one_deadline_once() -> None:
+    """Over TLS: three honest nodes (stall_timeout 5 s) and a member that is planned as a relay, accepts
+    every pull, sends nothing and acks every version at once (``echo2_bench.stalling``). In v1 each
+    honest node gives the staller up at its first-chunk deadline (about 1 s here: its other sources
+    deliver in milliseconds), reports it and repairs from the learner: every honest install of v1 within
+    2.5 s (it was 5 s and more: the stall timeout). The 3 reports (>= DEMOTE_AFTER_REPORTS = 2) demote
+    it, so v2-v4 plan nobody on it: every honest install within 1 s. None of its acks counts."""
+    from echo2.broadcast.publisher import DEMOTE_AFTER_REPORTS
+    from echo2.transport import make_identity
+    from echo2_bench.stalling import StallingNode
+
+    ident = make_identity(["127.0.0.1"])
+    honest = [f"w{i}" for i in range(3)]
+
+    async def go() -> None:
+        pub = TcpPublisher(KEY, get_strategy("tree-pipelined"), chunk_size=CHUNK, tls=ident)
+        await pub.start()
+        nodes = [
+            TcpWorkerNode(w, pub.address, PUBLIC, stall_timeout=5.0, pin=ident.fingerprint) for w in honest
+        ]
+        for nd in nodes:
+            await nd.start()
+        staller = StallingNode("zz-staller", pub.address, PUBLIC, pin=ident.fingerprint)
+        await staller.start()
+        await pub.wait_members(4, 10)
+        for v in range(1, 5):
+            got: dict[str, bytes] = {}
+            tasks = [asyncio.create_task(_install(nd, got)) for nd in nodes]
+            await pub.publish(v, BLOB)
+            stats = await pub.wait_installed(v, timeout=20)  # all live members whose ack may count
+            await asyncio.wait_for(asyncio.gather(*tasks), 20)
+            assert got == dict.fromkeys(honest, BLOB)
+            assert sorted(stats.install_s) == honest and stats.n_workers == 4  # the staller never counts
+            assert stats.n_refused == 1 and stats.metrics(DEFAULT_GAMMA)["broadcast/t_bcast_s"] < 5.0
+            worst = max(stats.install_s.values())
+            assert worst <= (2.5 if v == 1 else 1.0), f"v{v}: an honest install took {worst:.2f}s"
+            assert pub.demoted() == ["zz-staller"]  # from v1's reports on
+        assert DEMOTE_AFTER_REPORTS == 2 and pub.counters.stall_reports == 3
+        assert pub.counters.relays_demoted == 1 and pub.counters.acks_refused == 4
+        assert all(nd.counters.stalls_reported == 1 for nd in nodes)  # v1 only: nobody pulls from it later
+        assert staller.counters.acked == 4 and staller.counters.pulls_held == 3
+        await staller.close()
+        await _shutdown(pub, nodes)
+
+    asyncio.run(go())

@@ -33,16 +33,23 @@ class BroadcastStats:
     total_size: int  # G, bytes in the snapshot
     install_s: dict[str, float] = field(default_factory=dict)  # worker -> seconds from publish to install ack
     learner_bytes: int = 0  # payload bytes the learner uploaded for this version (narrow-link cost)
+    n_refused: int = 0  # targeted workers whose ack does not count (reported stalling, bad receipts)
+
+    @property
+    def n_counted(self) -> int:
+        """Targeted workers whose install can count: ``n_workers - n_refused``."""
+        return self.n_workers - self.n_refused
 
     def t_installed(self, fraction: float) -> float:
-        """Seconds until ceil(fraction * n_workers) workers installed (inf if not reached)."""
-        need = max(1, math.ceil(fraction * self.n_workers - 1e-9))
+        """Seconds until ceil(fraction * n_counted) workers installed (inf if not reached)."""
+        need = max(1, math.ceil(fraction * self.n_counted - 1e-9))
         times = sorted(self.install_s.values())
         return times[need - 1] if len(times) >= need else math.inf
 
     def t_quorum(self, gamma: float) -> float:
-        """``T_bcast`` (SPEC §3): seconds until ``install_quorum(n_workers, gamma)`` workers installed."""
-        need = install_quorum(self.n_workers, gamma)
+        """``T_bcast`` (SPEC §3): seconds until ``install_quorum(n_counted, gamma)`` workers installed (a
+        member whose ack the publisher refused is neither waited for nor counted)."""
+        need = install_quorum(self.n_counted, gamma)
         times = sorted(self.install_s.values())
         return times[need - 1] if len(times) >= need else math.inf
 
@@ -56,8 +63,27 @@ class BroadcastStats:
         }
 
 
+@dataclass
+class PublisherCounters:
+    """What the publisher refused or decided about its members (cumulative over the run; SPEC: catch
+    only where tolerance is the point, and count). The in-memory hub has no relays: all stay 0."""
+
+    stall_reports: int = 0  # valid reports of a peer that stalled for its reporter (docs/broadcast.md)
+    reports_refused: int = 0  # stall reports refused: unknown version, not the reporter's source, repeated
+    relays_demoted: int = 0  # members no longer planned as relays after repeated stall reports
+    acks_refused: int = 0  # install acks not counted: receipts inconsistent, or reported stalling
+    bad_frames: int = 0  # connections dropped on a malformed frame (ProtocolError) from a peer
+    peer_errors: int = 0  # connections dropped on an unexpected exception from a peer's bytes
+
+    def metrics(self) -> dict[str, float]:
+        """The counters under their ``broadcast/`` metric names (cumulative)."""
+        return {f"broadcast/{k}": float(v) for k, v in vars(self).items()}
+
+
 class SnapshotPublisher(Protocol):
     """Learner side: announce a snapshot to the current members and serve it."""
+
+    counters: PublisherCounters  # stall reports, demotions, refused acks, refused frames
 
     async def start(self) -> tuple[str, int]:
         """Start serving; returns the address receivers join."""

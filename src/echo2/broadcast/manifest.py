@@ -216,7 +216,8 @@ class HmacKey:
         return hmac.new(self.secret, payload, hashlib.sha256).hexdigest()
 
     def verify(self, payload: bytes, tag: str) -> bool:
-        return hmac.compare_digest(self.sign(payload), tag)
+        """False for a wrong tag, and for one that is not ASCII (a peer's; compare_digest would raise)."""
+        return isinstance(tag, str) and tag.isascii() and hmac.compare_digest(self.sign(payload), tag)
 
     def verifier(self) -> HmacKey:
         """What a worker holds: with a shared secret, the same key."""
@@ -263,7 +264,7 @@ class Ed25519Key:
 
         try:
             Ed25519PublicKey.from_public_bytes(self.public).verify(bytes.fromhex(tag), payload)
-        except (InvalidSignature, ValueError):
+        except (InvalidSignature, ValueError, TypeError):  # TypeError: a tag that is not a string
             return False
         return True
 

@@ -1,7 +1,9 @@
 """In-memory implementation of the broadcast seam (tests, single-process runs, the simulator's glue).
 
 Same contract as the TCP pair: the publisher signs a manifest; each receiver verifies it and the blob
-before yielding, and acks after loading. No copies are made beyond the one blob the hub holds.
+before yielding, and acks after loading. No copies are made beyond the one blob the hub holds. Nothing
+is relayed, so nothing can stall: every ack counts, and ``counters`` (the TCP publisher's
+``PublisherCounters``, for the same metrics) stays at 0.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from echo2.broadcast.api import BroadcastStats, InstalledSnapshot
+from echo2.broadcast.api import BroadcastStats, InstalledSnapshot, PublisherCounters
 from echo2.broadcast.manifest import (
     Lineage,
     Manifest,
@@ -31,6 +33,7 @@ class InMemoryHub:
     def __init__(self, key: bytes | ManifestKey, chunk_size: int | None = 1 << 20) -> None:
         self.key = as_key(key)  # signing key; receivers verify with its public half
         self.chunk_size = chunk_size
+        self.counters = PublisherCounters()  # the TCP publisher's counters; no relays here, so all 0
         self._latest: tuple[Manifest, bytes] | None = None
         self._published = asyncio.Event()
         self._started: dict[int, float] = {}

@@ -10,6 +10,19 @@ workers pin its fingerprint. A worker's join names the fingerprint of its own re
 every announcement hands each member the addresses *and* fingerprints of the peers it pulls from, the
 members it serves (``serve``) and its credential for the version (``access.py``), which a ``get``
 must carry: the learner is the only party that vouches for who is who.
+
+Members are untrusted, so the publisher also keeps their conduct (docs/broadcast.md, "A stalling
+relay"): a member reports on its control connection each peer that stalled for it
+(``{"op": "stalled", "v": v, "source": peer}``); a report counts only for a tracked version, from a
+member that version was announced to, about a peer source of that member's own plan, once per
+(reporter, version, source). A member with ``DEMOTE_AFTER_REPORTS`` counted reports against it is
+demoted: later plans are made over the other members (``strategy.plan_with_leaves``) and it pulls
+every chunk from the learner, so nobody waits on it again. An install ack
+(``{"op": "installed", "v": v, "got": {source: chunks}}``) counts toward ``T_bcast`` only if its
+member was not reported stalling for that version and :func:`receipt_fault` finds nothing wrong with
+its receipts; an ack counted before such a report arrives is withdrawn. A refused ack is final for
+that version. Every refusal is counted (:class:`~echo2.broadcast.api.PublisherCounters`,
+``TcpPublisher.counters``); a malformed control frame drops the member's connection.
 """
 
 from __future__ import annotations
@@ -18,21 +31,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
-from echo2.broadcast.api import BroadcastStats
+from echo2.broadcast.api import BroadcastStats, PublisherCounters
 from echo2.broadcast.manifest import Lineage, Manifest, ManifestKey, as_key, build_manifest
 from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
-from echo2.broadcast.strategy import LEARNER, Strategy
-from echo2.broadcast.wire import Pacer, ProtocolError, read_header, write_frame
+from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves
+from echo2.broadcast.wire import Pacer, ProtocolError, read_header, show, write_frame
 from echo2.errors import Echo2Error
 from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.transport import HANDSHAKE_TIMEOUT_S, TlsIdentity, normalize_pin
 
 log = logging.getLogger(__name__)
+
+DEMOTE_AFTER_REPORTS = 2  # counted stall reports against a member that end its relaying for the run
+MAX_TRACKED = 4096  # members whose reports / demotion the publisher remembers (then: the current ones)
+MAX_ID = 128  # characters of a worker id in a join
+MAX_HOST = 255  # characters of a host name or address in a join
 
 
 @dataclass
@@ -53,6 +71,36 @@ class _Round:
     learner_bytes: int = 0  # payload bytes served for this version
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # pulsed on every ack
     stream_rate: float | None = None  # cap per learner pull stream (bytes/s), None = uncapped
+    plan: Plan = field(default_factory=dict)  # who pulls which chunks from whom this version
+    leaves: frozenset[str] = frozenset()  # demoted targets: everything from the learner, no cap
+    served: dict[str, int] = field(default_factory=dict)  # member -> chunk frames the learner sent it
+    stalled: dict[str, set[str]] = field(default_factory=dict)  # source -> members that reported it
+    refused: set[str] = field(default_factory=set)  # members whose ack of this version does not count
+
+    def sources(self, member: str) -> set[str]:
+        """The sources ``member``'s plan names this version (the learner included when it does)."""
+        return {a.source for a in self.plan.get(member, ())}
+
+
+def receipt_fault(got: Mapping[str, int], sources: set[str], n_chunks: int, served: int) -> str | None:
+    """Why a member's install ack does not count toward ``T_bcast``, or None when it does.
+
+    ``got`` is the member's receipts (source -> chunks it stored from that source), ``sources`` its
+    plan's sources for the version, ``served`` the chunk frames the learner sent it for the version.
+    The ack counts iff every named source is in its plan or is the learner (repairs), the receipts add
+    up to the manifest's chunk count (``sum(got) == n_chunks``: each chunk is stored once), and its
+    learner part is at most what the learner served it (``got[learner] <= served``). A member cannot
+    claim chunks from the learner it never pulled, nor from a peer it was not told to pull from; what
+    peers served it the learner cannot see (see docs/broadcast.md for what a liar can still claim)."""
+    unknown = sorted(set(got) - sources - {LEARNER})
+    if unknown:
+        return f"names sources outside its plan: {show(unknown)}"
+    total = sum(got.values())
+    if total != n_chunks:
+        return f"receipts add up to {total} chunks, the manifest has {n_chunks}"
+    if got.get(LEARNER, 0) > served:
+        return f"claims {got[LEARNER]} chunks from the learner, which served it {served}"
+    return None
 
 
 class TcpPublisher:
@@ -85,6 +133,9 @@ class TcpPublisher:
         self.authorize = authorize  # (worker id, credential from the join frame) -> may join; None = anyone
         self.tls = tls  # the run's certificate and key: TLS on this port (None = plain TCP)
         self.refusals = ServeCounters()  # pulls refused (no credential, out of bounds, over budget)
+        self.counters = PublisherCounters()  # stall reports, demotions, refused acks, refused frames
+        self._reports: dict[str, int] = {}  # member -> counted stall reports against it
+        self._demoted: set[str] = set()  # members that no longer relay (DEMOTE_AFTER_REPORTS)
         self._gate = Gate(self.key, tls, self.refusals)
         self._members: dict[str, _Member] = {}
         self._buffers: dict[int, SnapshotBuffer] = {}
@@ -122,6 +173,10 @@ class TcpPublisher:
     def members(self) -> list[str]:
         return list(self._members)
 
+    def demoted(self) -> list[str]:
+        """Members no longer planned as relays (they pull everything from the learner), sorted."""
+        return sorted(self._demoted)
+
     async def wait_members(self, count: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while len(self._members) < count:
@@ -146,16 +201,17 @@ class TcpPublisher:
             del self._buffers[old]
         self._gate.forget_before(min(self._buffers))
         members = dict(self._members)
-        plan = self.strategy.plan(list(members), manifest.n_chunks)
+        leaves = frozenset(w for w in members if w in self._demoted)
+        plan = plan_with_leaves(self.strategy, list(members), leaves, manifest.n_chunks)
         peers = {w: [*m.addr, m.cert] for w, m in members.items()}
         peers[LEARNER] = [*self.address, self.fingerprint]
         serves: dict[str, list[str]] = {w: [] for w in members}  # who pulls from whom, per the plan
         for w, pulls in plan.items():
             for src in {a.source for a in pulls} - {LEARNER}:
                 serves[src].append(w)
-        rnd = _Round(manifest, time.monotonic(), tuple(members))
-        if self.link_rates is not None:
-            rnd.stream_rate = self.strategy.learner_stream_rate(len(members), *self.link_rates)
+        rnd = _Round(manifest, time.monotonic(), tuple(members), plan=plan, leaves=leaves)
+        if self.link_rates is not None and len(members) > len(leaves):
+            rnd.stream_rate = self.strategy.learner_stream_rate(len(members) - len(leaves), *self.link_rates)
         self._rounds[version] = rnd
         for old in sorted(self._rounds)[: -max(8, self.keep_versions)]:
             del self._rounds[old]
@@ -187,12 +243,20 @@ class TcpPublisher:
     async def wait_installed(
         self, version: int, count: int | None = None, timeout: float = 600.0
     ) -> BroadcastStats:
-        """Wait until ``count`` (default: all targeted, still-live) workers acked ``version``."""
+        """Wait until ``count`` workers acked ``version``, or every targeted, still-live worker whose ack
+        can count did (a member whose ack was refused, or that was reported stalling, is not waited
+        for); ``count`` None waits for the latter."""
         rnd = self._rounds[version]
         deadline = time.monotonic() + timeout
-        while True:
-            live = [w for w in rnd.targets if w in self._members or w in rnd.install_s]
-            need = len(live) if count is None else count
+        while True:  # a member whose ack was refused or will be (reported stalling) is done
+            live = [
+                w
+                for w in rnd.targets
+                if (w in self._members or w in rnd.install_s)
+                and w not in rnd.refused
+                and w not in rnd.stalled
+            ]
+            need = len(live) if count is None else min(count, len(live))
             if len(rnd.install_s) >= need or time.monotonic() >= deadline:
                 break
             with contextlib.suppress(TimeoutError):
@@ -210,6 +274,7 @@ class TcpPublisher:
             total_size=rnd.manifest.total_size,
             install_s=dict(rnd.install_s),
             learner_bytes=rnd.learner_bytes,
+            n_refused=sum(1 for w in rnd.targets if w in rnd.refused or w in rnd.stalled),
         )
 
     async def close(self) -> None:
@@ -252,7 +317,13 @@ class TcpPublisher:
         except AccessError as exc:  # counted by the gate
             log.warning("refused a pull from %s: %s", peer, exc)
         except ProtocolError as exc:
+            self.counters.bad_frames += 1
             log.warning("dropping connection from %s: %s", peer, exc)
+        except Exception as exc:  # a peer's bytes found a case no check names: one line, keep serving
+            self.counters.peer_errors += 1
+            log.warning(
+                "dropping connection from %s on an unexpected %s: %.200s", peer, type(exc).__name__, exc
+            )
         finally:
             writer.close()
 
@@ -263,28 +334,34 @@ class TcpPublisher:
             rnd, buffer = self._rounds.get(v), self._buffers.get(v)
             if rnd is None or buffer is None:  # no longer served
                 return None, False, None
-            stream = Pacer(rnd.stream_rate) if rnd.stream_rate and not header.get("repair") else None
+            capped = rnd.stream_rate and not header.get("repair") and member not in rnd.leaves
+            stream = Pacer(rnd.stream_rate) if capped else None
             return buffer, member in rnd.targets and member in self._members, stream
 
         await serve_pull(
             self._gate, header, writer, admit, self.uplink, self.serve_wait_timeout, self._count_sent
         )
 
-    def _count_sent(self, version: int, n: int) -> None:
+    def _count_sent(self, member: str, version: int, n: int) -> None:
         rnd = self._rounds.get(version)
         if rnd is not None:
             rnd.learner_bytes += n
+            rnd.served[member] = rnd.served.get(member, 0) + 1
 
     async def _control(self, hello: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # type: ignore[type-arg]
         worker, host, port = hello.get("worker"), hello.get("host"), hello.get("port")
-        if not (isinstance(worker, str) and worker and worker != LEARNER and isinstance(host, str)):
-            raise ProtocolError("join needs a non-empty string 'worker' (not 'learner') and a 'host'")
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise ProtocolError(f"join from {worker!r} has an invalid port {port!r}")
+        if not (isinstance(worker, str) and 0 < len(worker) <= MAX_ID and worker != LEARNER):
+            raise ProtocolError(f"join needs a string 'worker' of 1 to {MAX_ID} characters, not 'learner'")
+        if not (isinstance(host, str) and 0 < len(host) <= MAX_HOST):
+            raise ProtocolError(f"join from {worker!r} needs a string 'host' of 1 to {MAX_HOST} characters")
+        if type(port) is not int or not 0 < port < 65536:
+            raise ProtocolError(f"join from {worker!r} has an invalid port {show(port)}")
         cert = hello.get("cert", "")
+        if not isinstance(cert, str):
+            raise ProtocolError(f"join from {worker!r}: 'cert' must be a string")
         if self.tls is not None:  # a member's relay speaks TLS too; its peers pin what it names here
             try:
-                cert = normalize_pin(cert if isinstance(cert, str) else "")
+                cert = normalize_pin(cert)
             except ValueError:
                 raise ProtocolError(f"join from {worker!r} names no certificate fingerprint") from None
         if self.authorize is not None and not self.authorize(worker, hello.get("credential")):
@@ -293,25 +370,87 @@ class TcpPublisher:
         if worker in self._members:
             await write_frame(writer, {"op": "error", "reason": f"worker id {worker!r} already joined"})
             raise ProtocolError(f"duplicate worker id {worker!r}")
-        member = _Member(worker, (host, port), cert if isinstance(cert, str) else "", writer)
+        member = _Member(worker, (host, port), cert, writer)
         self._members[worker] = member
         self._joined.set()
         log.debug("worker %s joined from %s:%d (%d members)", worker, host, port, len(self._members))
         try:
             while True:
                 msg = await read_header(reader, 1 << 16)
-                v = msg.get("v")
-                rnd = self._rounds.get(v) if isinstance(v, int) else None
-                if msg["op"] == "installed" and rnd is not None and worker not in rnd.install_s:
-                    rnd.install_s[worker] = time.monotonic() - rnd.started
-                    rnd.changed.set()
-                elif msg["op"] == "rejected":
-                    log.warning("worker %s rejected v%s: %s", worker, v, msg.get("reason"))
-                elif msg["op"] == "leave":
+                op, v = msg["op"], msg.get("v")
+                if op == "leave":
                     break
+                if op not in ("installed", "stalled", "rejected"):
+                    raise ProtocolError(f"unexpected control op {show(op)} from {worker!r}")
+                if not (type(v) is int or (op == "rejected" and v is None)):
+                    raise ProtocolError(f"{op} from {worker!r} needs an integer 'v', got {show(v)}")
+                if op == "installed":
+                    self._on_installed(worker, v, msg.get("got"))
+                elif op == "stalled":
+                    self._on_stalled(worker, v, msg.get("source"))
+                else:
+                    log.warning("worker %s rejected v%s: %s", worker, v, show(msg.get("reason")))
         finally:
             if self._members.get(worker) is member:
                 del self._members[worker]
             for rnd in self._rounds.values():
                 rnd.changed.set()
             log.debug("worker %s left (%d members)", worker, len(self._members))
+
+    def _on_installed(self, worker: str, v: int, got: object) -> None:
+        """An install ack: counted (its delay since publication) unless :func:`receipt_fault` or a
+        stall report against ``worker`` for ``v`` says otherwise; late or repeated acks are ignored."""
+        if not (isinstance(got, dict) and all(type(c) is int and c >= 0 for c in got.values())):
+            raise ProtocolError(f"installed from {worker!r}: 'got' must map sources to chunk counts")
+        rnd = self._rounds.get(v)
+        if rnd is None or worker not in rnd.targets or worker in rnd.install_s or worker in rnd.refused:
+            return
+        if worker in rnd.stalled:
+            why: str | None = "it was reported stalling for this version"
+        else:
+            why = receipt_fault(got, rnd.sources(worker), rnd.manifest.n_chunks, rnd.served.get(worker, 0))
+        if why is not None:
+            self._refuse_ack(rnd, worker, why)
+            return
+        rnd.install_s[worker] = time.monotonic() - rnd.started
+        rnd.changed.set()
+
+    def _refuse_ack(self, rnd: _Round, worker: str, why: str) -> None:
+        rnd.refused.add(worker)
+        rnd.install_s.pop(worker, None)  # withdrawn if it was counted before a report arrived
+        self.counters.acks_refused += 1
+        rnd.changed.set()
+        log.warning("not counting %s's install of v%d: %s", worker, rnd.manifest.version, why)
+
+    def _on_stalled(self, reporter: str, v: int, source: object) -> None:
+        """A stall report (module docstring): counted, or refused and counted as refused."""
+        if not isinstance(source, str):
+            raise ProtocolError(f"stalled from {reporter!r} needs a string 'source', got {show(source)}")
+        rnd = self._rounds.get(v)
+        why = None
+        if rnd is None or source == LEARNER or source not in rnd.sources(reporter):
+            why = "no such version here" if rnd is None else f"{show(source)} is not a peer it pulls from"
+        elif reporter in rnd.stalled.get(source, ()):
+            why = "already reported"
+        if why is not None:
+            self.counters.reports_refused += 1
+            log.debug("ignoring %s's report of a stall of %s in v%d: %s", reporter, show(source), v, why)
+            return
+        rnd.stalled.setdefault(source, set()).add(reporter)
+        self.counters.stall_reports += 1
+        count = self._reports[source] = self._reports.get(source, 0) + 1
+        log.warning("%s reports that %s stalled for it in v%d (%d reports)", reporter, source, v, count)
+        if source in rnd.install_s:  # it acked before the report arrived: withdrawn
+            self._refuse_ack(rnd, source, f"{reporter} reported it stalling")
+        if count >= DEMOTE_AFTER_REPORTS and source not in self._demoted:
+            self._demoted.add(source)
+            self.counters.relays_demoted += 1
+            log.warning("%s no longer relays: %d stall reports; it pulls from the learner", source, count)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Keep what the publisher remembers of members bounded (MAX_TRACKED): past the bound, only the
+        current members' reports and demotions stay."""
+        if len(self._reports) + len(self._demoted) > MAX_TRACKED:
+            self._reports = {w: c for w, c in self._reports.items() if w in self._members}
+            self._demoted &= set(self._members)

@@ -162,13 +162,14 @@ async def serve_pull(
     admit: Callable[[str, int], Awaitable[Admission]],
     uplink: Pacer | None,
     wait_timeout: float,
-    on_sent: Callable[[int, int], None] | None = None,
+    on_sent: Callable[[str, int, int], None] | None = None,
     mangle: Callable[[int, bytes | memoryview], bytes | memoryview] | None = None,
 ) -> None:
     """One pull from a peer, publisher or relay alike: its credential (``gate.authenticate``), what
     ``admit(member, version)`` says of it, the schedule (``gate.require``), then :func:`serve_get`
     within the member's byte budget. A refused credential or schedule gets an error frame before any
-    chunk; every refusal is counted by the gate's counters and raised (AccessError / ProtocolError)."""
+    chunk; every refusal is counted by the gate's counters and raised (AccessError / ProtocolError).
+    ``on_sent(member, version, n)`` is called once per chunk sent, with its payload bytes."""
     budget, stream, buffer = None, None, None
     try:
         member, version = gate.authenticate(header)
@@ -179,6 +180,7 @@ async def serve_pull(
     except AccessError as exc:
         await write_frame(writer, {"op": "error", "reason": f"refused: {exc}"})
         raise
+    sent = None if on_sent is None else lambda v, n: on_sent(member, v, n)
     try:
         await serve_get(
             header,
@@ -186,7 +188,7 @@ async def serve_pull(
             lambda _: buffer,
             uplink,
             wait_timeout,
-            on_sent,
+            sent,
             mangle,
             stream=stream,
             budget=budget,

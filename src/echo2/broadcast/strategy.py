@@ -10,7 +10,7 @@ lower bound ``T*`` live in :mod:`echo2.physics.broadcast` (bytes and bytes/s, li
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,3 +48,16 @@ class Strategy(Protocol):
     def learner_stream_rate(self, n: int, b0: float, bw: float) -> float | None:
         """Cap (bytes/s) on each learner pull stream given N, B0, B_w in bytes/s; None = no cap."""
         ...
+
+
+def plan_with_leaves(
+    strategy: Strategy, members: Sequence[str], leaves: Collection[str], n_chunks: int
+) -> Plan:
+    """The plan of one version when some members may no longer relay (``leaves``: the publisher demoted
+    them after stall reports, ``publisher.py``): ``strategy`` plans over the other members, in their
+    order, and every leaf pulls every chunk straight from the learner. Nobody pulls from a leaf, so a
+    leaf's chunks cost the learner G each instead of costing its peers a stall."""
+    relays = [w for w in members if w not in leaves]
+    plan = strategy.plan(relays, n_chunks) if relays else {}
+    every = (Assignment(LEARNER, tuple(range(n_chunks))),)
+    return {w: plan.get(w, every) for w in members}

@@ -1,22 +1,38 @@
-"""Framing and pacing for the TCP transport.
+"""Framing, pacing and deadlines for the TCP transport.
 
 A frame is ``u32 header_len | header (UTF-8 JSON object) | payload`` where the payload length is the
 header's ``"n"`` field (0 when absent). Readers enforce limits on both lengths before allocating, so a
 peer cannot make a node buffer more than one chunk.
+
+Every header is a peer's bytes, so :func:`read_header` refuses anything but strict UTF-8 JSON: no
+lone surrogates (``"\\ud800"`` decodes to a string nothing can encode again), no ``NaN`` /
+``Infinity`` (nor a float that overflows to it), no integer past Python's digit limit, containers
+nested at most ``MAX_DEPTH`` deep, a JSON object with a string ``op`` and, when present, a
+non-negative integer ``n``. Each refusal is a :class:`ProtocolError`, never a RecursionError or a
+UnicodeError from deep inside a handler. What each op's fields must be is checked where it is read;
+an announcement's by :func:`parse_announcement`.
+
+:func:`first_chunk_deadline` is how long a pull from a peer may wait for its first chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from echo2.broadcast.strategy import LEARNER
 from echo2.errors import Echo2Error
 
 _LEN = struct.Struct("!I")
 MAX_HEADER = 8 << 20  # manifests with many chunk digests travel in headers
+MAX_DEPTH = 16  # containers a header may nest (the deepest real frame, an announcement, nests 4)
+_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # an escape in U+D800..U+DFFF (maybe half a pair)
 
 
 class ProtocolError(Echo2Error):
@@ -44,16 +60,62 @@ async def read_header(reader: asyncio.StreamReader, max_header: int = MAX_HEADER
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if size > max_header:
         raise ProtocolError(f"frame header of {size} bytes exceeds the {max_header}-byte limit")
+    return parse_header(await reader.readexactly(size))
+
+
+def parse_header(raw: bytes) -> dict[str, Any]:
+    """A frame header from a peer's bytes (the module docstring's rules); ProtocolError naming the fault."""
     try:
-        header = json.loads(await reader.readexactly(size))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"frame header is not JSON: {exc}") from None
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"frame header is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except RecursionError:
+        raise ProtocolError("frame header nests deeper than the JSON parser allows") from None
+    except ValueError as exc:  # JSONDecodeError, NaN / Infinity, an integer past the digit limit
+        raise ProtocolError(f"frame header is not JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("frame header must be a JSON object with a string 'op'")
+    _check_tree(header, bool(_SURROGATE.search(raw)))
     n = header.get("n", 0)
-    if not isinstance(n, int) or n < 0:
-        raise ProtocolError(f"frame payload length must be a non-negative integer, got {n!r}")
+    if type(n) is not int or n < 0:
+        raise ProtocolError(f"frame payload length must be a non-negative integer, got {show(n)}")
     return header
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number a frame may carry")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} overflows a float")
+    return value
+
+
+def _check_tree(header: dict[str, Any], surrogates: bool) -> None:
+    """ProtocolError if containers nest deeper than MAX_DEPTH or (``surrogates``: the raw bytes hold a
+    surrogate escape) a string holds a lone surrogate. Iterative, so no depth can overflow the stack."""
+    stack: list[tuple[object, int]] = [(header, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"frame header nests deeper than {MAX_DEPTH} levels")
+        items = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        for item in items:  # type: ignore[union-attr]
+            if isinstance(item, dict | list):
+                stack.append((item, depth + 1))
+            elif surrogates and isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ProtocolError("frame header holds a lone UTF-16 surrogate") from None
+
+
+def show(value: object) -> str:
+    """A peer's value for an error message: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 async def read_payload(reader: asyncio.StreamReader, header: dict[str, Any], max_payload: int) -> bytes:
@@ -91,3 +153,94 @@ class Pacer:
         delay = self.reserve(n)
         if delay > 0:
             await asyncio.sleep(delay)
+
+
+FIRST_FLOOR_S = 1.0  # a peer's first chunk may always take this long (first_chunk_deadline) ...
+FIRST_FACTOR = 4.0  # ... or this many times the reference delay, whichever is longer
+
+
+def first_chunk_deadline(
+    stall_s: float,
+    elapsed_s: float,
+    learner_first_s: float | None,
+    peer_first_s: float | None,
+    n_members: int,
+    chunk: int,
+    received: int,
+) -> float:
+    """Seconds after a pull from a peer began by which its first chunk must have arrived:
+
+        D = min(stall_s, max(FIRST_FLOOR_S, FIRST_FACTOR * ref)),
+        ref = max(t_L, t_P, (N - 1) * c / r),   r = received / elapsed_s
+
+    ``t_L`` (``learner_first_s``): seconds from the announcement to the first chunk of this node's own
+    learner stream (0 when its plan has none). The learner feeds every relay's stripe at once, so an
+    honest relay holds its first chunk about when this node does. ``t_P`` (``peer_first_s``): seconds
+    to the first chunk from any peer of this version: what announcement skew, a handshake and one hop
+    cost here. ``(N - 1) * c / r``: an honest relay sends one chunk of size ``c`` to each of its up to
+    N - 1 children (``n_members`` N) over an uplink about this node's own receive rate ``r`` (payload
+    bytes it received in this version per second since the announcement), so a child late in its
+    queue waits that long. While ``t_L`` or ``t_P`` is unknown (None) or nothing has arrived, the peer
+    is given the full ``stall_s``: with no evidence that peers are quick, none is abandoned early.
+
+    So a silent relay is abandoned after 1 s where its peers deliver quickly, and an honest one is
+    abandoned only if it is 4 times slower than the first peer, than the learner, and than N - 1 chunk
+    times at this node's rate. Since ``r`` falls as ``1/elapsed`` while nothing arrives, a deadline
+    below ``stall_s`` also needs ``received > FIRST_FACTOR * (N - 1) * c``: the node got 4 chunks per
+    peer stream elsewhere while this one sent nothing."""
+    if learner_first_s is None or peer_first_s is None or received <= 0 or elapsed_s <= 0:
+        return stall_s
+    ref = max(learner_first_s, peer_first_s, (n_members - 1) * chunk * elapsed_s / received)
+    return min(stall_s, max(FIRST_FLOOR_S, FIRST_FACTOR * ref))
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """The plan part of an ``announce`` frame (its manifest and credential are parsed by their owners)."""
+
+    sources: list[tuple[str, list[int]]]  # this node's pull streams: (source id, chunk indices)
+    peers: dict[str, tuple[str, int, str]]  # id -> host, port, certificate fingerprint ("" = plain TCP)
+    serves: frozenset[str]  # members the plan has pulling from this node
+    stall_hint: float  # seconds without data the learner still calls normal (0 = no hint)
+
+
+def parse_announcement(msg: dict[str, Any], n_chunks: int, tls: bool) -> Announcement:
+    """An announcement's plan; ProtocolError naming the field unless ``sources`` is a list of
+    ``[id, [chunk index, ...]]`` (indices in ``[0, n_chunks)``), ``peers`` an object of
+    ``id: [host, port, fingerprint]`` naming every source and the learner (over TLS, with a 64-digit
+    fingerprint for each source), ``serve`` a list of ids and ``stall_hint`` a number >= 0."""
+    raw_sources, raw_peers, raw_serve = msg.get("sources"), msg.get("peers"), msg.get("serve", [])
+    hint = msg.get("stall_hint", 0.0)
+    if (
+        not isinstance(raw_sources, list)
+        or not isinstance(raw_peers, dict)
+        or not isinstance(raw_serve, list)
+    ):
+        raise ProtocolError("announcement needs a list 'sources', an object 'peers' and a list 'serve'")
+    sources: list[tuple[str, list[int]]] = []
+    for entry in raw_sources:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ProtocolError(f"announcement source {show(entry)} is not [id, [chunk indices]]")
+        chunks = entry[1]
+        if not (isinstance(chunks, list) and all(type(i) is int and 0 <= i < n_chunks for i in chunks)):
+            raise ProtocolError(f"announcement source {entry[0]!r} names chunks outside [0, {n_chunks})")
+        sources.append((entry[0], chunks))
+    peers = {k: _peer(k, v) for k, v in raw_peers.items()}
+    if any(s not in peers for s, _ in sources) or LEARNER not in peers:
+        raise ProtocolError("announcement names a source without an address")
+    if tls and any(len(peers[s][2]) != 64 for s, _ in sources):
+        raise ProtocolError("announcement names a source without its certificate fingerprint")
+    if not all(isinstance(w, str) for w in raw_serve):
+        raise ProtocolError("announcement 'serve' must list member ids")
+    if not (isinstance(hint, int | float) and not isinstance(hint, bool) and hint >= 0):
+        raise ProtocolError(f"announcement 'stall_hint' must be a number >= 0, got {show(hint)}")
+    return Announcement(sources, peers, frozenset(raw_serve), float(hint))
+
+
+def _peer(name: str, entry: object) -> tuple[str, int, str]:
+    """An announced peer: ``[host, port, certificate fingerprint]`` (the fingerprint "" without TLS)."""
+    ok = isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], str)
+    ok = ok and type(entry[1]) is int and 0 < entry[1] < 65536 and all(isinstance(x, str) for x in entry[2:])
+    if not ok:
+        raise ProtocolError(f"announced peer {name!r} is not [host, port, fingerprint]: {show(entry)}")
+    return entry[0], entry[1], entry[2] if len(entry) == 3 else ""

@@ -1,10 +1,18 @@
 """Worker side of the TCP transport: join, receive + verify + relay chunks, install, repair on faults.
 
 For each announced version the node opens one pull stream per source in its plan. A stream that
-stalls (no frame within ``stall_timeout``), breaks, sends an error, or sends a chunk that fails its
-digest hands its missing chunks to a repair stream from the learner, which always holds the snapshot.
-Meanwhile the node's own chunk server relays every verified chunk to the members the learner told it
-to serve, each with its credential for the version (``access.py``), within a per-member byte budget.
+stalls, breaks, sends an error, or sends a chunk that fails its digest hands its missing chunks to a
+repair stream from the learner, which always holds the snapshot. A stream stalls when its first chunk
+misses :func:`first_chunk_deadline` (pulls from peers; from the learner: ``stall_timeout``) or a later
+chunk comes more than ``stall_timeout`` after the one before. Meanwhile the node's own chunk server
+relays every verified chunk to the members the learner told it to serve, each with its credential for
+the version (``access.py``), within a per-member byte budget.
+
+A hostile relay must cost only its own work, so the node remembers: a peer that failed for it is
+skipped for the next ``AVOID_VERSIONS`` versions (its chunks come from the learner at once), and a
+peer that stalled is reported to the learner (``{"op": "stalled", "v", "source"}``), which demotes a
+member reported ``publisher.DEMOTE_AFTER_REPORTS`` times. Its install ack carries its receipts (how
+many chunks it stored from each source) for the learner to check (``publisher.receipt_fault``).
 
 Given the learner's certificate fingerprint (``pin``) the node speaks TLS on every connection: it
 pins the learner's certificate on the control connection and on repairs, each peer's certificate (the
@@ -39,11 +47,24 @@ from echo2.broadcast.manifest import (
 )
 from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
-from echo2.broadcast.wire import Pacer, ProtocolError, read_header, read_payload, write_frame
+from echo2.broadcast.wire import (
+    Pacer,
+    ProtocolError,
+    first_chunk_deadline,
+    parse_announcement,
+    read_header,
+    read_payload,
+    show,
+    write_frame,
+)
 from echo2.errors import Echo2Error
 from echo2.transport import HANDSHAKE_TIMEOUT_S, PinError, client_context, make_identity, open_pinned
 
 log = logging.getLogger(__name__)
+
+FIRST_TICK_S = 0.1  # how often a pull waiting for its first chunk reads its deadline again
+AVOID_VERSIONS = 3  # versions after a peer failed for which this node pulls its chunks from the learner
+RECEIPTS_KEPT = 8  # newest versions whose receipts the node keeps for its install acks
 
 
 class ChunkTap(Protocol):
@@ -73,6 +94,10 @@ class NodeCounters:
     bytes_received: int = 0  # payload bytes read
     bytes_relayed: int = 0  # payload bytes served to peers
     pin_failures: int = 0  # sources whose TLS certificate was not the one the learner announced
+    stalls_reported: int = 0  # peers reported to the learner for stalling (no data within the deadline)
+    avoided_chunks: int = 0  # chunks pulled from the learner at once: their source failed here lately
+    bad_frames: int = 0  # connections to this node's chunk server dropped on a malformed frame
+    peer_errors: int = 0  # connections or streams dropped on an unexpected exception from peer bytes
 
 
 @dataclass
@@ -82,8 +107,25 @@ class _Transfer:
     peers: dict[str, tuple[str, int, str]]  # source -> host, port, certificate fingerprint ("" = plain)
     stall_timeout: float  # this version's stall timeout: the node's, raised to the learner's hint
     credential: Credential  # the learner's permission for this node to pull this version
+    n_members: int  # members this version was announced to (N in first_chunk_deadline)
     started: float = field(default_factory=time.monotonic)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    learner_first: float | None = None  # seconds to the first chunk of a planned learner stream
+    peer_first: float | None = None  # seconds to the first chunk from any peer
+    received: int = 0  # payload bytes read in this version
+    got: dict[str, int] = field(default_factory=dict)  # source -> chunks stored from it (receipts)
+
+    def first_deadline(self) -> float:
+        """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""
+        return first_chunk_deadline(
+            self.stall_timeout,
+            time.monotonic() - self.started,
+            self.learner_first,
+            self.peer_first,
+            self.n_members,
+            self.manifest.chunk_size,
+            self.received,
+        )
 
 
 class TcpWorkerNode:
@@ -127,6 +169,9 @@ class TcpWorkerNode:
         self._gate = Gate(self.key, self.tls, self.refusals)
         self._serves: dict[int, frozenset[str]] = {}  # version -> members the plan has pulling from here
         self.installed_version = -1
+        self._avoid: dict[str, int] = {}  # peer -> last version whose chunks come from the learner instead
+        self._receipts: dict[int, dict[str, int]] = {}  # version -> source -> chunks stored (acks carry it)
+        self._reports: set[asyncio.Task[None]] = set()  # stall reports being sent
         self._buffers: dict[int, SnapshotBuffer] = {}  # installed (relayable) + in-progress versions
         self._transfer: _Transfer | None = None
         self._latest: InstalledSnapshot | None = None
@@ -208,7 +253,12 @@ class TcpWorkerNode:
                 yield snap
 
     async def report_installed(self, version: int) -> None:
-        await self._ctl_send({"op": "installed", "v": version})
+        """Ack ``version``'s install, with this node's receipts of it (empty if it has none)."""
+        await self._ctl_send({"op": "installed", "v": version, "got": self._receipts.get(version, {})})
+
+    def avoided(self) -> dict[str, int]:
+        """Peers this node does not pull from now -> the last version it skips them for."""
+        return dict(self._avoid)
 
     # -- control --------------------------------------------------------------------------------------
     async def _ctl_send(self, msg: dict[str, Any]) -> None:
@@ -237,7 +287,11 @@ class TcpWorkerNode:
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             log.info("worker %s: control connection closed", self.worker_id)
         except ProtocolError as exc:
+            self.counters.bad_frames += 1
             log.error("worker %s: bad control frame: %s", self.worker_id, exc)
+        except Exception as exc:  # the learner's bytes found a case no check names: one line, then leave
+            self.counters.peer_errors += 1
+            log.error("worker %s: control frame raised %s: %.200s", self.worker_id, type(exc).__name__, exc)
         finally:
             self._ctl_task = None
             await self.close()
@@ -252,39 +306,48 @@ class TcpWorkerNode:
                     f"version {manifest.version} is not newer than installed v{self.installed_version} "
                     f"or in-flight v{current}"
                 )
-            sources = [(str(s), [int(i) for i in ch]) for s, ch in msg["sources"]]
-            peers = {str(k): _peer(v) for k, v in msg["peers"].items()}
-            if any(s not in peers for s, _ in sources) or LEARNER not in peers:
-                raise ManifestError("announcement names a source without an address")
-            if self.pin is not None and any(len(peers[s][2]) != 64 for s, _ in sources):
-                raise ManifestError("announcement names a source without its certificate fingerprint")
+            plan = parse_announcement(msg, manifest.n_chunks, self.pin is not None)
+            sources, peers = plan.sources, plan.peers
             credential = Credential.from_dict(msg.get("credential"))
             if credential.member != self.worker_id or credential.version != manifest.version:
                 raise ManifestError(f"credential is for {credential.member!r} v{credential.version}")
-            serves = frozenset(str(w) for w in msg.get("serve", []))
-        except (ManifestError, AccessError, KeyError, TypeError, ValueError) as exc:
+        except (ManifestError, ProtocolError) as exc:  # AccessError is a ProtocolError
             self.counters.rejected_manifests += 1
             log.warning("worker %s: refusing announcement: %s", self.worker_id, exc)
             raw = msg.get("manifest")
             version = raw.get("version") if isinstance(raw, dict) else None
-            await self._ctl_send({"op": "rejected", "v": version, "reason": str(exc)})
+            await self._ctl_send(
+                {"op": "rejected", "v": version if type(version) is int else None, "reason": str(exc)[:500]}
+            )
             return
         if self._transfer is not None:
             self._abandon(self._transfer, f"superseded by v{manifest.version}")
+        v = manifest.version
         buffer = SnapshotBuffer(manifest)
-        self._buffers[manifest.version] = buffer
-        self._serves[manifest.version] = serves
-        hint = msg.get("stall_hint")
-        stall = max(self.stall_timeout, float(hint) if isinstance(hint, int | float) else 0.0)
-        transfer = _Transfer(manifest, buffer, peers, stall, credential)
+        self._buffers[v] = buffer
+        self._serves[v] = plan.serves
+        stall = max(self.stall_timeout, plan.stall_hint)
+        transfer = _Transfer(manifest, buffer, peers, stall, credential, len(peers) - 1)
+        if all(s != LEARNER for s, _ in sources):
+            transfer.learner_first = 0.0  # no learner stream: that term of the deadline is absent
         self._transfer = transfer
         self._announced.set()
         self._announced = asyncio.Event()
+        self._avoid = {w: last for w, last in self._avoid.items() if last >= v}
+        skipped = sorted(i for s, ch in sources if s in self._avoid for i in ch)
         log.info(
-            "worker %s: receiving v%d from %s", self.worker_id, manifest.version, [s for s, _ in sources]
+            "worker %s: receiving v%d from %s%s",
+            self.worker_id,
+            v,
+            [s for s, _ in sources if s not in self._avoid],
+            f" (skipping {sorted(self._avoid)}: {len(skipped)} chunks from the learner)" if skipped else "",
         )
         for source, chunks in sources:
-            self._spawn(transfer, self._pull(transfer, source, chunks, repairs=0))
+            if source not in self._avoid:
+                self._spawn(transfer, self._pull(transfer, source, chunks, repairs=0))
+        if skipped:
+            self.counters.avoided_chunks += len(skipped)
+            self._spawn(transfer, self._pull(transfer, LEARNER, skipped, repairs=0, repair=True))
         self._spawn(transfer, self._finish(transfer))
 
     def _spawn(self, transfer: _Transfer, coro) -> None:  # type: ignore[no-untyped-def]
@@ -312,6 +375,9 @@ class TcpWorkerNode:
             self._abandon(transfer, "whole-blob digest mismatch")
             return
         self.installed_version = m.version
+        self._receipts[m.version] = dict(transfer.got)
+        for old in sorted(self._receipts)[:-RECEIPTS_KEPT]:
+            del self._receipts[old]
         for old in [v for v in self._buffers if v < m.version]:
             del self._buffers[old]  # one installed copy is all a node needs
         self._serves = {v: s for v, s in self._serves.items() if v >= m.version}
@@ -325,47 +391,64 @@ class TcpWorkerNode:
         )
 
     # -- pulling --------------------------------------------------------------------------------------
-    async def _pull(self, transfer: _Transfer, source: str, chunks: list[int], repairs: int) -> None:
+    async def _pull(
+        self, transfer: _Transfer, source: str, chunks: list[int], repairs: int, repair: bool = False
+    ) -> None:
+        """Pull ``chunks`` from ``source`` (``repair``: in place of another source, so never paced as a
+        stripe); on any fault hand what is missing to :meth:`_repair`, and remember a failed peer."""
         buffer, m = transfer.buffer, transfer.manifest
         todo = buffer.missing(chunks)
         if not todo:
             return
-        pos = 0
-        writer: asyncio.StreamWriter | None = None
-        reason = ""
+        pos, writer, reason, stalled = 0, None, "", False
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        ticker: asyncio.TimerHandle | None = None
         try:
-            host, port, cert = transfer.peers[source]
-            if source == LEARNER and self.pin is not None:
-                cert = self.pin  # the learner is pinned from the join string, never from an announcement
-            pin = cert if self.pin is not None else None
-            reader, conn = await asyncio.wait_for(
-                open_pinned(host, port, pin, self._client_ctx, max(1 << 22, 2 * m.chunk_size)),
-                transfer.stall_timeout,
-            )
-            writer = conn
-            await write_frame(conn, pull_request(transfer.credential, todo, repairs > 0, cert, self.tls))
-            bad = 0
-            loop = asyncio.get_running_loop()
-            async with asyncio.timeout(transfer.stall_timeout) as watchdog:  # one timer, pushed on progress
+            async with asyncio.timeout(transfer.stall_timeout) as watchdog:  # one timer, moved on progress
+
+                def tick() -> None:  # a peer's first chunk: the deadline follows what this node sees
+                    nonlocal ticker
+                    when = start + transfer.first_deadline()
+                    if not watchdog.expired():
+                        watchdog.reschedule(when)
+                    ticker = loop.call_later(FIRST_TICK_S, tick) if when > loop.time() else None
+
+                if source != LEARNER:
+                    tick()
+                host, port, cert = transfer.peers[source]
+                if source == LEARNER and self.pin is not None:
+                    cert = self.pin  # the learner is pinned from the join string, never from an announcement
+                pin = cert if self.pin is not None else None
+                limit = max(1 << 22, 2 * m.chunk_size)
+                reader, writer = await open_pinned(host, port, pin, self._client_ctx, limit)
+                request = pull_request(transfer.credential, todo, repairs > 0 or repair, cert, self.tls)
+                await write_frame(writer, request)
+                bad = 0
                 while pos < len(todo):
                     i = todo[pos]
                     header = await read_header(reader, 1 << 16)
                     if header["op"] == "error":
-                        raise ProtocolError(f"peer error: {header.get('reason')}")
+                        raise ProtocolError(f"peer error: {show(header.get('reason'))}")
                     if header["op"] != "chunk" or header.get("v") != m.version or header.get("i") != i:
                         raise ProtocolError(
-                            f"expected chunk {i} of v{m.version}, got op={header['op']!r} "
-                            f"v={header.get('v')!r} i={header.get('i')!r}"
+                            f"expected chunk {i} of v{m.version}, got op={show(header['op'])} "
+                            f"v={show(header.get('v'))} i={show(header.get('i'))}"
                         )
                     if header.get("n") != m.chunk_len(i):
                         raise ProtocolError(
-                            f"chunk {i} has {header.get('n')} bytes, manifest says {m.chunk_len(i)}"
+                            f"chunk {i} has {show(header.get('n'))} bytes, manifest says {m.chunk_len(i)}"
                         )
                     payload = await read_payload(reader, header, m.chunk_size)
+                    if ticker is not None:
+                        ticker.cancel()
+                        ticker = None
                     watchdog.reschedule(loop.time() + transfer.stall_timeout)
+                    self._first_chunk(transfer, source, repair or repairs > 0)
                     if self.downlink is not None:
                         await self.downlink.consume(len(payload))
                     self.counters.bytes_received += len(payload)
+                    transfer.received += len(payload)
                     pos += 1
                     if not chunk_ok(m, i, payload):
                         self.counters.corrupt_detected += 1
@@ -381,14 +464,16 @@ class TcpWorkerNode:
                         if bad >= self.max_bad_chunks:
                             raise ProtocolError(f"{bad} corrupt chunks; dropping source")
                         continue
-                    buffer.put(i, payload)
+                    if buffer.put(i, payload):
+                        transfer.got[source] = transfer.got.get(source, 0) + 1
                     if self.tap is not None:
                         self.tap.on_received(i, buffer.count / m.n_chunks)
             return
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            reason = f"no data for {transfer.stall_timeout:.1f}s"
+            waited, stalled = loop.time() - start, True  # sent nothing for its deadline: report it
+            reason = f"no data for {waited:.1f}s" if pos else f"no first chunk within {waited:.1f}s"
         except asyncio.IncompleteReadError:
             reason = "connection closed mid-stream"
         except (ConnectionError, OSError) as exc:
@@ -398,20 +483,39 @@ class TcpWorkerNode:
             reason = str(exc)
         except ProtocolError as exc:
             reason = str(exc)
+        except Exception as exc:  # a peer's bytes found a case no check names: repair, count, one line
+            self.counters.peer_errors += 1
+            reason = f"unexpected {type(exc).__name__}: {str(exc)[:200]}"
         finally:
+            if ticker is not None:
+                ticker.cancel()
             if writer is not None:
                 writer.close()
         self.counters.stream_failures += 1
         rest = buffer.missing(todo[pos:])
         log.warning(
             "worker %s: source %s failed for v%d (%s); %d chunks to repair",
-            self.worker_id,
-            source,
-            m.version,
-            reason,
-            len(rest),
-        )
+            self.worker_id, source, m.version, reason, len(rest),
+        )  # fmt: skip
+        if source != LEARNER:
+            self._avoid[source] = m.version + AVOID_VERSIONS
+            if stalled:
+                self._report_stall(m.version, source)
         self._repair(transfer, rest, source, repairs)
+
+    def _first_chunk(self, transfer: _Transfer, source: str, repair: bool) -> None:
+        """Note the delays to the first chunk of a planned learner stream and of any peer stream."""
+        if source == LEARNER and not repair and transfer.learner_first is None:
+            transfer.learner_first = time.monotonic() - transfer.started
+        elif source != LEARNER and transfer.peer_first is None:
+            transfer.peer_first = time.monotonic() - transfer.started
+
+    def _report_stall(self, version: int, source: str) -> None:
+        """Tell the learner ``source`` stalled for this node in ``version`` (sent in the background)."""
+        self.counters.stalls_reported += 1
+        task = asyncio.ensure_future(self._ctl_send({"op": "stalled", "v": version, "source": source}))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def _repair(self, transfer: _Transfer, chunks: list[int], failed: str, repairs: int) -> None:
         if not chunks:
@@ -450,7 +554,16 @@ class TcpWorkerNode:
         except AccessError as exc:  # counted by the gate
             log.warning("worker %s: refused a pull: %s", self.worker_id, exc)
         except ProtocolError as exc:
+            self.counters.bad_frames += 1
             log.warning("worker %s: dropping a peer connection: %s", self.worker_id, exc)
+        except Exception as exc:  # a peer's bytes found a case no check names: one line, keep serving
+            self.counters.peer_errors += 1
+            log.warning(
+                "worker %s: dropped a peer on an unexpected %s: %.200s",
+                self.worker_id,
+                type(exc).__name__,
+                exc,
+            )
         finally:
             writer.close()
 
@@ -485,11 +598,5 @@ class TcpWorkerNode:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._announced.wait(), deadline - time.monotonic())
 
-    def _count_relayed(self, version: int, n: int) -> None:
+    def _count_relayed(self, member: str, version: int, n: int) -> None:
         self.counters.bytes_relayed += n
-
-
-def _peer(entry: Any) -> tuple[str, int, str]:
-    """An announced peer: ``[host, port, certificate fingerprint]`` (the fingerprint "" without TLS)."""
-    host, port, *rest = entry
-    return str(host), int(port), str(rest[0]) if rest else ""

@@ -187,8 +187,10 @@ class Snapshots:
             self.bcast.update(metrics)
 
     def metrics(self) -> dict[str, float]:
-        """broadcast/ metrics of the newest measured dissemination and the newest publication."""
-        return {**self.bcast, **self.publication}
+        """broadcast/ metrics of the newest measured dissemination and the newest publication, and the
+        publisher's counts of its members' conduct (stall reports, demoted relays, refused acks, bad
+        frames: ``broadcast.api.PublisherCounters``)."""
+        return {**self.bcast, **self.publication, **self.publisher.counters.metrics()}
 
     @property
     def t_bcast_s(self) -> float:

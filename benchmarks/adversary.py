@@ -1,32 +1,47 @@
 """Strangers' machines against the learner: what each attack gets, what the checks cost.
 
-Three studies, each on real `echo2 run` processes (the embedded default, TLS on, one honest local
-worker) with the attackers of `echo2_bench/adversary.py` joining over the wire with the run's join
-string and token, set up exactly as a real worker sets up:
+Studies, each on real ``echo2 run`` / ``echo2 learner`` + ``echo2 worker`` processes (the embedded
+default, TLS on) with the attackers of `echo2_bench/adversary.py` joining over the wire with the run's
+join string and token, set up exactly as a real worker sets up. Targets, thresholds and sidedness are
+fixed here, before any run:
 
 - **attacks**: for every sampled-check attack (another model, tampered log-probs, best-of-n
   cherry-picking, an inflated version) ``--trials`` fresh identities each submit until quarantined
   (budget 30 submissions); for every deterministic one (forged reward, foreign prompt, deflated
-  version, replay) a few identities submit and every submission must be refused. Afterwards the
-  store's ledger says how many of each attacker's groups were trained on, purged or refused.
-  Targets, fixed here: sampled attacks quarantined within 5 submissions (median over trials) at the
-  default check fraction; deterministic attacks 100% refused and 0 of their groups trained on (for
-  replay: 0 replayed copies, its first submissions being its own honest work). The forged groups a
-  sampled attacker got trained on before it was caught are reported (ledger "trained"). A trial
-  whose identity the pool stopped leasing to (a surplus worker, released by the controller) before
-  it was caught is counted apart ("released_before_caught") and left out of the median.
-- **honest**: every completion of every submission re-run (``security.check_fraction = 1``, all
-  samples) on honest workers until >= 10,000 trajectories were checked. Target: 0 quarantines.
-- **cost**: interleaved pairs of runs, the sampled check off (``security.check_fraction = 0``) and
-  at its default, the same seed, steps, cores and cached warm start: mean learner step time over
-  steps [WARMUP, STEPS) and the held-out accuracy at the end. Target: median on/off <= 1.05; the
-  accuracy difference is reported with its t-interval (not inferior: the interval's lower end above
-  -5 points). The per-submission checks (prompt tokens, rewards, shape, version) are on in both.
+  version, replay, log-prob poison at -100 / -1e4 / -1e30, a version never published) 7 identities
+  submit 3 times each and every submission must be refused. Every identity is scored: one the pool
+  released (a surplus worker, no lease for a minute) before it was caught counts as not caught (budget
+  + 1 in the median). Targets: sampled attacks quarantined within a median of <= 5 submissions;
+  deterministic attacks 100% refused and 0 of their groups trained on (for replay: 0 replayed copies,
+  its first submissions being its own honest work).
+- **honest**: every completion of every submission re-run (``security.check_fraction = 1``) on honest
+  workers until >= 10,000 trajectories were checked. Target: 0 quarantines.
+- **cost**: interleaved pairs of runs, the sampled check off and at its default: median on/off step
+  time <= 1.05; the accuracy difference is reported with its t-interval.
+- **poison**: ``echo2 learner`` + one honest worker while identities submit groups whose every sampler
+  log-prob is -100, -1e4 or -1e30, twice: as configured (the validator's bound refuses them), and with
+  the door open (``security.min_logprob = -1e308``: the poison reaches the loss), killed with SIGKILL
+  right after a step that trained poison. Then ``--resume`` on the same run directory. Targets: every
+  poison submission refused or harmless; both learners and both resumes exit 0, the first at its time
+  budget, with no non-finite loss.
+- **liveness**: one honest worker at 300 rollouts/s (``runtime.worker_max_rollouts_per_s``); after a
+  warm-up the attackers of a condition join for a 60 s window: a rate liar (10,000 rollouts/s claimed
+  at $0.01/h, heartbeats only), 2 / 4 / 8 hoarders (lease all they may, never answer), a stalling relay
+  (joins the broadcast, accepts pulls, sends nothing, acks every install). Step rate = learner steps in
+  the window / its seconds; each condition's rate over the baseline's (no attackers) of the same
+  repeat, 3 interleaved repeats. Targets: median ratio >= 0.8 for the liar and the hoarders, >= 0.9
+  for the stalling relay.
+- **garbage**: the garbage suite (`echo2_bench/garbage.py`: deep JSON bodies and tokens, lone
+  surrogates, NUL in a header, Content-Length with Transfer-Encoding, a short body, a price of
+  1e-300, an install_s of 1e308, a 5,000-deep broadcast frame header, over-budget snapshot pulls, a
+  request flood) against a learner with an honest worker. Targets: 0 responses with status 500,
+  every item its expected refusal, 0 tracebacks in the learner's log.
 
 Writes results/adversary.json and results/adversary.png.
 
-    python benchmarks/adversary.py                       # all three studies
+    python benchmarks/adversary.py                       # every study
     python benchmarks/adversary.py --study attacks --trials 20
+    python benchmarks/adversary.py --study liveness --repeats 3
 """
 
 from __future__ import annotations
@@ -35,8 +50,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -49,75 +62,20 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from echo2.runtime.rundir import read_metrics  # noqa: E402
+from echo2_bench.adversary_runs import CORES, ledger, start_run, stop, wait_ready  # noqa: E402
 
 TARGET_QUARANTINE = 5  # submissions, median over trials
 TARGET_COST = 1.05
+TARGET_LIVENESS = 0.8  # step rate with a rate liar or hoarders / without, median of the repeats
+TARGET_STALLER = 0.9  # the same with a stalling relay in the topology
 HONEST_CHECKED = 10_000
 WARMUP = 20
 BUDGET = 30  # submissions one sampled-attack identity may make before the trial counts as not caught
 ATTACKER_PROMPTS = 2  # prompts per attacker lease (its generations stay short beside the run)
-CORES = sorted(os.sched_getaffinity(0))
-
-
-def start_run(run_dir: Path, *sets: str, steps: int = 100_000) -> subprocess.Popen[bytes]:
-    args = ["run", "--seed", "0", "--steps", str(steps), "--run-dir", str(run_dir), "--no-progress"]
-    args += ["--set", "train.max_minutes=60", "--set", "runtime.dashboard=false"]
-    for s in sets:
-        args += ["--set", s]
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = run_dir.with_suffix(".log").open("w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "echo2.cli", *args],
-        stdout=log,
-        stderr=log,
-        preexec_fn=lambda: os.sched_setaffinity(0, CORES),
-    )
-
-
-def wait_ready(run_dir: Path, proc: subprocess.Popen[bytes], timeout: float = 600) -> dict[str, Any]:
-    """learner.json once the learner serves and has published (its first step logged)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"echo2 run exited {proc.returncode}; see {run_dir.with_suffix('.log')}")
-        info = run_dir / "learner.json"  # this process's, not an earlier run's left in the directory
-        if info.is_file() and (run_dir / "metrics.jsonl").is_file():
-            got = dict(json.loads(info.read_text()))
-            if got.get("pid") == proc.pid:
-                return got
-        time.sleep(0.5)
-    raise RuntimeError("the learner never became ready")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def ledger(run_dir: Path, worker_ids: list[str]) -> dict[str, int]:
-    """Groups of these workers' leases: trained on (a learner step), purged, buffered; and their leases."""
-    if not worker_ids:
-        return {"trained": 0, "purged": 0, "buffered": 0, "leases": 0}
-    db = sqlite3.connect(run_dir / "store.sqlite")
-    marks = ",".join("?" * len(worker_ids))
-    rows = db.execute(
-        "SELECT g.consumed_step FROM rollout_groups g JOIN leases l USING (lease_id) "
-        f"WHERE l.worker_id IN ({marks})",
-        worker_ids,
-    ).fetchall()
-    (leases,) = db.execute(f"SELECT COUNT(*) FROM leases WHERE worker_id IN ({marks})", worker_ids).fetchone()
-    db.close()
-    steps = [r[0] for r in rows]
-    return {
-        "trained": sum(1 for s in steps if s is not None and s >= 1),
-        "purged": sum(1 for s in steps if s == -2),
-        "buffered": sum(1 for s in steps if s is None),
-        "leases": int(leases),
-    }
+HONEST_RATE = 300.0  # rollouts/s of the liveness study's honest worker
+LIVENESS_WARM_S = 20.0  # after the first step: T_train measured, the controller has its target
+LIVENESS_WINDOW_S = 60.0
+CONDITIONS = ("baseline", "rate_lie", "hoard_2", "hoard_4", "hoard_8", "staller")
 
 
 async def attack(info: dict[str, Any], token: str, kinds: list[str], trials: int) -> list[dict[str, Any]]:
@@ -130,7 +88,7 @@ async def attack(info: dict[str, Any], token: str, kinds: list[str], trials: int
         for kind in kinds:
             att = Attacker(info["join"], token, kind, session, max_prompts=ATTACKER_PROMPTS)
             await att.start()
-            n = max(3, trials // 4) if kind in DETERMINISTIC else trials
+            n = max(3, (trials + 2) // 3) if kind in DETERMINISTIC else trials  # 7 x 3 >= 20 submissions
             budget = 3 if kind in DETERMINISTIC else BUDGET
             t0 = time.perf_counter()
             got = await attack_until_caught(att, n, budget)
@@ -166,15 +124,20 @@ def study_attacks(out: Path, trials: int) -> dict[str, Any]:
             "seconds_per_trial": statistics.fmean(t["seconds"] for t in ts),
         }
         if kind in SAMPLED:
-            # a trial the pool released (no lease for a minute) before it was caught is not a detection
-            # trial: it is counted apart and left out of the median
+            # every identity is scored: one not caught (within the budget, or before the pool released
+            # it) counts as BUDGET + 1; the median of the identities the pool kept is the old reading
             released = [t for t in ts if t["released"] and t["quarantined_after"] is None]
-            judged = [t["quarantined_after"] for t in ts if t not in released]
-            never = sum(1 for c in judged if c is None)
-            entry["median_quarantined_after"] = statistics.median(
-                c if c is not None else BUDGET + 1 for c in judged
+            score = [c if c is not None else BUDGET + 1 for c in caught]
+            judged = [
+                c if c is not None else BUDGET + 1
+                for t, c in zip(ts, caught, strict=True)
+                if t not in released
+            ]
+            entry["median_quarantined_after"] = statistics.median(score)
+            entry["median_quarantined_after_released_left_out"] = (
+                statistics.median(judged) if judged else None
             )
-            entry["not_caught_within_budget"] = never
+            entry["not_caught"] = sum(1 for c in caught if c is None)
             entry["released_before_caught"] = len(released)
             entry["met"] = entry["median_quarantined_after"] <= TARGET_QUARANTINE
         else:
@@ -293,6 +256,116 @@ def study_cost(out: Path, pairs: int, steps: int) -> dict[str, Any]:
     }
 
 
+def study_poison(out: Path, minutes: float, resume_minutes: float) -> dict[str, Any]:
+    """Poison refused (as configured) and harmless (door open); a resume on each run directory."""
+    from echo2_bench.adversary_runs import poison_run
+
+    runs = {}
+    for door_open in (False, True):
+        name = "door_open" if door_open else "as_configured"
+        got = poison_run(
+            out / "adversary_runs" / f"poison_{name}", door_open, minutes, resume_minutes, HONEST_RATE
+        )
+        outcomes = [o for t in got["trials"] for o in t["outcomes"]]
+        got["outcomes"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
+        got["met"] = (
+            got["resume_exit"] == 0
+            and (door_open or got["learner_exit"] == 0)
+            and (door_open or got["time_budget_reached"] >= 1)
+            and got["non_finite_in_log"] == 0
+            and got["tracebacks"] == 0
+            and got["loss_finite"]
+            and (door_open or outcomes.count("admitted") == 0)
+        )
+        runs[name] = got
+        print(f"poison {name}: {got['outcomes']}, met {got['met']}", flush=True)
+    return {
+        "runs": runs,
+        "met": all(r["met"] for r in runs.values()),
+        "target": "every poison submission refused (as configured) or harmless (door open); the learner "
+        "exits 0 at its time budget (as configured), no non-finite loss, and --resume on the same "
+        "directory exits 0 at its own",
+    }
+
+
+def study_liveness(out: Path, repeats: int, window_s: float) -> dict[str, Any]:
+    """Step rate beside attackers that never submit a forgery, over the baseline's, run by run."""
+    from echo2_bench import adversary_runs as ar
+
+    attacks = {
+        "baseline": None, "rate_lie": ar.liar_attack, "hoard_2": ar.hoard_attack(2),
+        "hoard_4": ar.hoard_attack(4), "hoard_8": ar.hoard_attack(8), "staller": ar.staller_attack,
+    }  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONDITIONS}
+    for i in range(repeats):  # interleaved: every condition once per repeat
+        for cond in CONDITIONS:
+            run_dir = out / "adversary_runs" / f"live_{cond}_{i}"
+            got = ar.liveness_run(run_dir, attacks[cond], LIVENESS_WARM_S, window_s, HONEST_RATE)
+            got["broadcast"] = ar.broadcast_counters(run_dir)
+            runs[cond].append(got)
+            print(f"liveness {cond} #{i}: {got['step_rate']:.3f} steps/s", flush=True)
+    result: dict[str, Any] = {
+        "runs": runs,
+        "window_s": window_s,
+        "warm_s": LIVENESS_WARM_S,
+        "repeats": repeats,
+    }
+    for cond in CONDITIONS[1:]:
+        ratios = [a["step_rate"] / b["step_rate"] for a, b in zip(runs[cond], runs["baseline"], strict=True)]
+        target = TARGET_STALLER if cond == "staller" else TARGET_LIVENESS
+        med = statistics.median(ratios)
+        result[cond] = {"ratios": ratios, "median_ratio": med, "target": target, "met": med >= target}
+    result["baseline_step_rates"] = [r["step_rate"] for r in runs["baseline"]]
+    result["met"] = all(result[c]["met"] for c in CONDITIONS[1:])
+    result["target"] = (
+        f"median over repeats of step rate (condition) / step rate (baseline of the same repeat) >= "
+        f"{TARGET_LIVENESS} for the rate liar and 2 / 4 / 8 hoarders, >= {TARGET_STALLER} for a stalling "
+        "relay"
+    )
+    return result
+
+
+def study_garbage(out: Path) -> dict[str, Any]:
+    """The garbage suite against a learner with an honest worker; 500s and tracebacks counted."""
+    from echo2_bench import garbage
+    from echo2_bench.adversary_runs import last_step, wait_step
+
+    run_dir = out / "adversary_runs" / "garbage"
+    proc = start_run(run_dir, "runtime.workers=1", "security.max_workers=1000")
+    try:
+        wait_ready(run_dir, proc)
+        wait_step(run_dir, proc, 3)
+        blank = garbage.target_of_run(run_dir, "")
+        credential = asyncio.run(garbage.register(blank.api, blank.cert_pem, blank.token))
+        step0 = last_step(run_dir)
+        outcomes = asyncio.run(garbage.run_garbage(garbage.target_of_run(run_dir, credential)))
+        time.sleep(5)
+        steps_during = last_step(run_dir) - step0
+        rc = stop(proc)
+    finally:
+        stop(proc)
+    text = run_dir.with_suffix(".log").read_text(errors="replace")
+    statuses = [s for o in outcomes.values() for s in o.statuses]
+    bad = garbage.problems(outcomes)
+    return {
+        "items": {
+            k: {"statuses": sorted(set(o.statuses)), "n": len(o.statuses)} for k, o in outcomes.items()
+        },
+        "responses": len(statuses),
+        "status_500": sum(1 for s in statuses if s >= 500),
+        "tracebacks": text.count("Traceback"),
+        "problems": bad,
+        "steps_during": steps_during,
+        "learner_exit": rc,
+        "met": not bad
+        and not any(s >= 500 for s in statuses)
+        and "Traceback" not in text
+        and steps_during > 0,
+        "target": "0 responses with status 500, every item its expected refusal, 0 tracebacks in the "
+        "learner's log, training goes on",
+    }
+
+
 def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -324,7 +397,11 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["attacks", "honest", "cost", "all"], default="all")
+    studies = ["attacks", "honest", "cost", "poison", "liveness", "garbage"]
+    p.add_argument("--study", choices=[*studies, "all"], default="all")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
+    p.add_argument("--window", type=float, default=LIVENESS_WINDOW_S, help="seconds of the liveness window")
+    p.add_argument("--poison-minutes", type=float, default=2.0, help="time budget of each poison learner")
     p.add_argument("--trials", type=int, default=20, help="identities per sampled-check attack")
     p.add_argument("--honest-steps", type=int, default=60, help="steps of the all-checked honest run")
     p.add_argument("--pairs", type=int, default=3)
@@ -334,14 +411,19 @@ def main() -> int:
     subprocess.run([sys.executable, "-m", "echo2.cli", "warmstart"], check=True, capture_output=True)
     path = a.out / "adversary.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    studies = ["attacks", "honest", "cost"] if a.study == "all" else [a.study]
-    for s in studies:
+    for s in studies if a.study == "all" else [a.study]:
         if s == "attacks":
             res["attacks"] = study_attacks(a.out, a.trials)
         elif s == "honest":
             res["honest"] = study_honest(a.out, a.honest_steps)
-        else:
+        elif s == "cost":
             res["cost"] = study_cost(a.out, a.pairs, a.steps)
+        elif s == "poison":
+            res["poison"] = study_poison(a.out, a.poison_minutes, a.poison_minutes / 2)
+        elif s == "liveness":
+            res["liveness"] = study_liveness(a.out, a.repeats, a.window)
+        else:
+            res["garbage"] = study_garbage(a.out)
         a.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))
     plot(res, a.out / "adversary.png")

@@ -9,8 +9,14 @@ Each attack kind (ATTACKS) turns an honest generation into what that attacker su
   (best-of-n: n draws per prompt under other seeds, the best-rewarded submitted as the lease's),
   ``inflated`` (never installs a newer version, claims the newest published one);
 - every submission is refused: ``reward`` (forged rewards; quarantines), ``prompt`` (foreign prompt
-  tokens), ``deflated`` (claims an older version than it held at lease time), ``replay`` (the same
-  submission twice).
+  tokens), ``deflated`` (claims an older published version than it held at lease time), ``replay`` (the same
+  submission twice), ``poison_100`` / ``poison_1e4`` / ``poison_1e30`` (every sampler log-prob -100,
+  -1e4 or -1e30: below what a sampler can draw; admitted, they overflowed ``exp`` in the loss),
+  ``unpublished`` (claims a version between the one it held at lease time and the newest published
+  that was never published: with kappa = 2 an odd one, whose weights the learner never held).
+
+Attackers that never submit a forgery (``Liar``: registers at 10,000 rollouts/s for $0.01/h and only
+heartbeats; ``Hoarder``: leases all it may and never answers) live at the end of this module.
 
 :func:`attack_until_caught` runs trials: each registers a fresh identity and submits until the learner
 answers ``quarantined`` (or a budget runs out, or the pool stops leasing to it: ``released``), and
@@ -38,7 +44,9 @@ from echo2.types import Trajectory
 log = logging.getLogger(__name__)
 
 SAMPLED = ("model", "logprobs", "cherry", "inflated")  # caught by the sampled generation check
-DETERMINISTIC = ("reward", "prompt", "deflated", "replay")  # refused on every submission
+POISONS = {"poison_100": -100.0, "poison_1e4": -1e4, "poison_1e30": -1e30}  # every sampler log-prob
+# refused on every submission
+DETERMINISTIC = ("reward", "prompt", "deflated", "replay", *POISONS, "unpublished")
 ATTACKS = SAMPLED + DETERMINISTIC
 EVIDENCE = ("forged_generation", "reward_mismatch")  # refusals that quarantine (runtime/verify.py)
 CHERRY_N = 4  # draws per prompt a best-of-n attacker picks from
@@ -127,7 +135,9 @@ class Attacker:
             await asyncio.sleep(min(lease.retry_after_s, 1.0))
             return "no_lease"
         groups = await asyncio.to_thread(self._generate, lease)
-        version = claim - 1 if self.kind == "deflated" else claim
+        version = claim - 2 if self.kind == "deflated" else claim  # deflated: the published one before
+        if self.kind == "unpublished":
+            version = await self._unpublished_after(claim)
         req = SubmitRequest(
             lease_id=lease.lease_id, policy_version=version, groups=[group_to_wire(g) for g in groups]
         )
@@ -143,6 +153,16 @@ class Attacker:
             latest = (await self.w.client.version()).version
             return latest if latest is not None else self.w.installed
         return self.w.installed
+
+    async def _unpublished_after(self, held: int, wait_s: float = 20.0) -> int:
+        """A version in (held, newest published] that was never published: with kappa = 2 the odd one
+        below the newest (waits for the learner to publish past ``held``)."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            newest = (await self.w.client.version()).version or 0
+            if newest >= held + 2 or asyncio.get_running_loop().time() >= deadline:
+                return max(held + 1, newest - 1)
+            await asyncio.sleep(0.2)
 
     async def _submit(self, req: SubmitRequest) -> str:
         try:
@@ -218,7 +238,21 @@ def _prompt(
     return _each(groups, prompt_ids=tuple(att.w.codec.encode_prompt(text)))
 
 
+def _poison(value: float) -> Callable[..., Any]:
+    def forge(
+        att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]
+    ) -> Any:
+        return [
+            [dataclasses.replace(t, sampler_logprobs=(value,) * len(t.completion_ids)) for t in g]
+            for g in groups
+        ]
+
+    return forge
+
+
 FORGE: dict[str, Callable[..., list[list[Trajectory]]]] = {
+    **{kind: _poison(value) for kind, value in POISONS.items()},
+    "unpublished": _same,  # the claimed version is changed at submission
     "model": _same,  # the engine's weights are perturbed: its honest-looking output is the forgery
     "logprobs": _logprobs,
     "cherry": _cherry,
@@ -260,3 +294,85 @@ async def attack_until_caught(att: Attacker, trials: int, budget: int) -> list[T
         out.append(trial)
         log.info("%s trial %s: %s", att.kind, trial.worker_id, trial.outcomes)
     return out
+
+
+@dataclass
+class Tally:
+    """What a non-submitting attacker got: lease grants and refusals by reason, calls refused."""
+
+    grants: int = 0
+    prompts: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+class Liar:
+    """Registers claiming a fast, cheap machine (10,000 rollouts/s at $0.01/h) and then only
+    heartbeats, claiming to hold the newest version: it never leases, never generates."""
+
+    def __init__(self, join: str, token: str, session: aiohttp.ClientSession, name: str = "liar") -> None:
+        self.client = LearnerClient(join, session, reconnect_s=30.0)
+        self.token, self.name = token, name
+        self.tally = Tally()
+        self.worker_id = ""
+
+    async def run(self, stop: asyncio.Event, rate: float = 10_000.0, usd_per_hour: float = 0.01) -> Tally:
+        from echo2.protocol import RegisterRequest
+
+        req = RegisterRequest(
+            token=self.token, name=self.name, usd_per_hour=usd_per_hour, rollouts_per_s=rate
+        )
+        reg = await self.client.register(req)
+        self.worker_id = reg.worker_id
+        while not stop.is_set():
+            try:
+                newest = (await self.client.version()).version or 0
+                await self.client.heartbeat(
+                    HeartbeatRequest(rollouts=0, busy_s=0.0, installed_version=newest)
+                )
+            except Refused as exc:
+                self.tally.count(self.tally.errors, exc.reply.error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), reg.settings.heartbeat_s)
+        return self.tally
+
+
+class Hoarder(Liar):
+    """Registers like a worker, heartbeats, and leases everything it is allowed to (as many prompts
+    per lease as the run's settings say, claiming the newest published version), never answering."""
+
+    async def run(self, stop: asyncio.Event, rate: float = 1.0, usd_per_hour: float = 0.01) -> Tally:
+        from echo2.protocol import RegisterRequest
+
+        req = RegisterRequest(token=self.token, name=self.name, usd_per_hour=usd_per_hour)
+        reg = await self.client.register(req)
+        self.worker_id = reg.worker_id
+        loop = asyncio.get_running_loop()
+        next_beat = 0.0
+        while not stop.is_set():
+            wait = 0.25
+            try:
+                newest = (await self.client.version()).version or 0
+                if loop.time() >= next_beat:
+                    await self.client.heartbeat(
+                        HeartbeatRequest(rollouts=0, busy_s=0.0, installed_version=newest)
+                    )
+                    next_beat = loop.time() + reg.settings.heartbeat_s
+                got = await self.client.lease(
+                    LeaseRequest(max_prompts=reg.settings.lease_prompts, installed_version=newest)
+                )
+                if isinstance(got, LeaseGrant):
+                    self.tally.grants += 1
+                    self.tally.prompts += len(got.prompts)
+                    wait = 0.0  # ask again at once: hoard all it may
+                else:
+                    self.tally.count(self.tally.refusals, got.reason)
+                    wait = min(got.retry_after_s, 1.0)
+            except Refused as exc:
+                self.tally.count(self.tally.errors, exc.reply.error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(wait, 0.01))
+        return self.tally

@@ -19,6 +19,17 @@ from waiting import last_step, wait_for
 from echo2.runtime.rundir import read_metrics
 
 pytestmark = pytest.mark.integration
+KINDS = (
+    "model",
+    "logprobs",
+    "reward",
+    "prompt",
+    "deflated",
+    "replay",
+    "poison_100",
+    "poison_1e30",
+    "unpublished",
+)
 
 
 async def _attack(join: str, token: str) -> dict[str, object]:
@@ -26,20 +37,25 @@ async def _attack(join: str, token: str) -> dict[str, object]:
 
     from echo2.protocol import HeartbeatRequest, RegisterRequest
     from echo2.rollout.client import LearnerClient, Refused
-    from echo2_bench.adversary import Attacker, attack_until_caught
+    from echo2_bench.adversary import Attacker, Hoarder, attack_until_caught
 
     out: dict[str, object] = {}
     async with aiohttp.ClientSession() as session:
-        for kind in ("model", "logprobs", "reward", "prompt", "deflated", "replay"):
+        stop = asyncio.Event()  # two identities that lease all they may and never answer, throughout
+        hoarders = [Hoarder(join, token, session, f"hoarder{i}") for i in range(2)]
+        hoarding = [asyncio.ensure_future(h.run(stop)) for h in hoarders]
+        for kind in KINDS:
             att = Attacker(join, token, kind, session, max_prompts=1)
             await att.start()
             (trial,) = await attack_until_caught(att, 1, budget=2)
             out[kind] = (trial.worker_id, trial.outcomes, trial.quarantined_after)
             await att.close()
-        # a lying heartbeat: 1e15 rollouts in a nanosecond, from a worker that submitted nothing
+        stop.set()
+        out["hoarders"] = [await t for t in hoarding]
+        # a lying heartbeat: 1e9 rollouts in a nanosecond, from a worker that submitted nothing
         liar = LearnerClient(join, session, reconnect_s=10)
         reg = await liar.register(RegisterRequest(token=token, name="liar", usd_per_hour=0.1))
-        await liar.heartbeat(HeartbeatRequest(rollouts=10**15, busy_s=1e-9, installed_version=0))
+        await liar.heartbeat(HeartbeatRequest(rollouts=10**9, busy_s=1e-9, installed_version=0))
         out["liar"] = reg.worker_id
         # no credential, a forged one: no weights
         anon = LearnerClient(join, session, reconnect_s=10)
@@ -67,7 +83,10 @@ async def _attack(join: str, token: str) -> dict[str, object]:
 def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(tiny_overrides, tmp_path):
     run_dir = tmp_path / "run"
     sets = [*tiny_overrides, "runtime.workers=1", "runtime.lease_prompts=2", "train.eval_every=1000"]
-    sets += ["security.check_fraction=1.0", "security.check_samples=1000", "security.max_workers=12"]
+    sets += ["security.check_fraction=1.0", "security.check_samples=1000", "security.max_workers=17"]
+    # R = 16 here: the default 1/8 of the in-flight budget would be one probation lease, which the two
+    # hoarders would keep from every attacker that comes after them (tests/unit/test_leases.py)
+    sets += ["security.probation_share=1.0"]
     args = [a for s in sets for a in ("--set", s)]
     log = (tmp_path / "run.log").open("wb")
     proc = subprocess.Popen(
@@ -105,15 +124,24 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     assert got["prompt"][1] == ["prompt_mismatch"] * 2  # type: ignore[index]
     assert got["deflated"][1] == ["version_mismatch"] * 2  # type: ignore[index]
     assert got["replay"][1] == ["replay"] * 2  # type: ignore[index]  # the original landed, the copy not
+    # log-probs below what the sampler can draw: refused at the door, every time, nobody trained on them
+    assert got["poison_100"][1] == got["poison_1e30"][1] == ["logprob"] * 2  # type: ignore[index]
+    # a version that was never published (odd, at kappa = 2): refused every time
+    assert got["unpublished"][1] == ["unpublished_version"] * 2  # type: ignore[index]
+    # the hoarders got one 1-prompt lease each at a time, never answered: at most the probation share
+    for tally in got["hoarders"]:  # type: ignore[union-attr]
+        assert tally.grants >= 1 and tally.prompts == tally.grants, tally
+        assert set(tally.refusals) <= {"too_many_leases", "probation_full", "benched", "inactive"}, tally
     assert got["download:None"] == 401 and got["download:forged-credential"] == 403
-    # the cap: 1 honest + 6 attackers + the liar = 8 registrations before the flood, 4 more allowed
+    # the cap: 1 honest + 9 attackers + 2 hoarders + the liar = 13 registrations before the flood,
+    # 4 more allowed
     assert got["flood"] == [200] * 4 + [403] * 8
 
     workers = {w["worker_id"]: w for w in json.loads((run_dir / "workers.json").read_text())}
     quarantined = {w["name"] for w in workers.values() if w["quarantined"]}
     assert quarantined == {"attacker-model", "attacker-logprobs", "attacker-reward"}
     db = sqlite3.connect(run_dir / "store.sqlite")
-    liars = [got[k][0] for k in ("model", "logprobs", "reward", "prompt", "deflated")]  # type: ignore[index]
+    liars = [got[k][0] for k in KINDS if k != "replay"]  # type: ignore[index]
     marks = ",".join("?" * len(liars))
     trained = db.execute(
         "SELECT COUNT(*) FROM rollout_groups g JOIN leases l USING (lease_id) "
@@ -128,5 +156,8 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     assert last["security/quarantined"] == 3
     assert last["security/checked_trajectories"] > 20 and last["security/passing_token_misses"] == 0
     assert last["store/rejected/registration_cap"] == 8
-    (honest,) = [w for w in workers.values() if not w["name"].startswith(("attacker-", "liar", "flood"))]
+    assert last["store/rejected/logprob"] == 4 and last["store/rejected/unpublished_version"] == 2
+    (honest,) = [
+        w for w in workers.values() if not w["name"].startswith(("attacker-", "liar", "flood", "hoarder"))
+    ]
     assert not honest["quarantined"] and honest["rollouts"] > 0  # the honest worker trained on throughout

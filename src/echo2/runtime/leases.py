@@ -13,8 +13,10 @@ A lease is granted only (in this order of refusal reasons):
   ``min(max_inflight_batches, S + 1) * R``                [buffer_full]
 - for a worker on probation (``standing.py``: nothing returned yet, or an unreturned lease since),
   while all workers on probation hold at most ``security.probation_share`` of that budget, and those
-  with an unreturned lease on their record at most half of it (so identities that hoarded once cannot
-  keep a new worker from its first lease for longer than one lease time to live)   [probation_full]
+  with an unreturned lease on their record at most half of it; room that frees up goes first to the
+  workers refused for want of it earlier (first refused, first served, while they keep asking), so
+  hoarders cannot keep a newcomer from its first lease for longer than it takes one probation lease
+  to come back or expire                                  [probation_full]
 - and the worker holds fewer open leases than its standing allows: 1 on probation, then one more per
   lease returned, up to ``max_leases_per_worker``         [too_many_leases]
 
@@ -114,6 +116,7 @@ class LeaseBroker:
         self.probation_cap = max(int(self.sec.probation_share * self.inflight_cap), one_lease)
         self.struck_cap = max(self.probation_cap // 2, one_lease)  # of which workers with a strike
         self.finished = False  # the run is over: no more leases
+        self._waiting: dict[str, float] = {}  # worker on probation -> when it was first refused for room
 
     @property
     def min_version(self) -> int:
@@ -164,18 +167,34 @@ class LeaseBroker:
             return LeaseRefusal(reason="unpublished_version", retry_after_s=retry, min_version=newest)
         if self.store.outstanding_rollouts() + n * G > self.inflight_cap:
             return LeaseRefusal(reason="buffer_full", retry_after_s=retry)
-        if probation:
-            by_worker = self.store.open_prompts_by_worker()
-            held = sum(k for w, k in by_worker.items() if self.standings.on_probation(w))
-            struck = sum(k for w, k in by_worker.items() if self.standings.struck(w))
-            full = (held + n) * G > self.probation_cap
-            if full or (self.standings.struck(worker_id) and (struck + n) * G > self.struck_cap):
-                return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
+        if probation and not self._probation_turn(worker_id, n, now):
+            return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
         if self.store.open_leases(worker_id) >= self.standings.max_open(
             worker_id, self.rt.max_leases_per_worker
         ):
             return LeaseRefusal(reason="too_many_leases", retry_after_s=retry)
         return None
+
+    def _probation_turn(self, worker_id: str, n: int, now: float) -> bool:
+        """Whether a worker on probation may take a lease of ``n`` prompts now: the probation share
+        has room (half of it for workers with a strike), and no worker that was refused for want of
+        room earlier, and still asks, is waiting for it (first refused, first served)."""
+        G = self.batch.group_size
+        by_worker = self.store.open_prompts_by_worker()
+        held = sum(k for w, k in by_worker.items() if self.standings.on_probation(w))
+        room = (self.probation_cap - held * G) // (n * G)  # probation leases of this size that fit
+        if self.standings.struck(worker_id):
+            struck = sum(k for w, k in by_worker.items() if self.standings.struck(w))
+            room = min(room, (self.struck_cap - struck * G) // (n * G))
+        alive = 4 * self.rt.heartbeat_s  # a waiter that stopped asking gives up its place
+        self._waiting = {w: t for w, t in self._waiting.items() if self.standings.asked_within(w, now, alive)}
+        mine = self._waiting.get(worker_id, now)
+        ahead = sum(1 for w, t in self._waiting.items() if w != worker_id and t < mine)
+        if room <= ahead:
+            self._waiting.setdefault(worker_id, now)
+            return False
+        self._waiting.pop(worker_id, None)
+        return True
 
     def returned(self, worker_id: str) -> None:
         """A lease of ``worker_id`` was answered (the intake accepted its submission)."""

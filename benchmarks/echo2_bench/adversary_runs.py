@@ -1,0 +1,357 @@
+"""Processes and studies of the adversary benchmark (``benchmarks/adversary.py``): real ``echo2 run``,
+``echo2 learner`` and ``echo2 worker`` processes on loopback, started and stopped by pid, with the
+attackers of ``adversary.py`` (this package) joining over the wire like any worker.
+
+- :func:`liveness_run`: one ``echo2 run`` with one honest local worker throttled to a fixed rate; after a
+  warm-up, a condition's attackers join (a rate liar, K hoarders, a stalling relay) and the learner's
+  steps are counted over a fixed window. The study compares each condition's step rate with the
+  baseline's (no attackers) run by run.
+- :func:`poison_run`: ``echo2 learner`` + one honest ``echo2 worker``; identities submit groups whose
+  every sampler log-prob is poison (-100, -1e4, -1e30) while the learner trains to its time budget;
+  then ``echo2 learner --resume`` on the same run directory (after a kill -9 when the door is open, so
+  the resumed process puts back groups, poison among them, that the lost steps had trained on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+CORES = sorted(os.sched_getaffinity(0))
+
+
+def echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """An ``echo2`` command as its own process (this machine's cores), output to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fh = log.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "echo2.cli", *args],
+        stdout=fh,
+        stderr=fh,
+        env=env,
+        preexec_fn=lambda: os.sched_setaffinity(0, CORES),
+    )
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for s in overrides for a in ("--set", s)]
+
+
+def start_run(
+    run_dir: Path, *overrides: str, steps: int = 100_000, minutes: float = 60
+) -> subprocess.Popen[bytes]:
+    """``echo2 run`` (seed 0, no dashboard) into ``run_dir``, its log beside it."""
+    args = ["run", "--seed", "0", "--steps", str(steps), "--run-dir", str(run_dir), "--no-progress"]
+    args += sets(f"train.max_minutes={minutes}", "runtime.dashboard=false", *overrides)
+    return echo2(*args, log=run_dir.with_suffix(".log"))
+
+
+def wait_ready(run_dir: Path, proc: subprocess.Popen[bytes], timeout: float = 600) -> dict[str, Any]:
+    """learner.json once the learner serves and has published (its first record logged)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"echo2 exited {proc.returncode}; see {run_dir.with_suffix('.log')}")
+        info = run_dir / "learner.json"  # this process's, not an earlier run's left in the directory
+        if info.is_file() and (run_dir / "metrics.jsonl").is_file():
+            got = dict(json.loads(info.read_text()))
+            if got.get("pid") == proc.pid:
+                return got
+        time.sleep(0.5)
+    raise RuntimeError("the learner never became ready")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, timeout: float = 120) -> int | None:
+    """Stop a process we started (SIGINT: a clean stop; SIGKILL: a crash); its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    from echo2.runtime.rundir import read_metrics
+
+    try:
+        return read_metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir) if "learner/t_train_s" in r), default=0)
+
+
+def wait_step(run_dir: Path, proc: subprocess.Popen[bytes], step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while last_step(run_dir) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no step {step} (exit {proc.poll()}); see {run_dir.with_suffix('.log')}")
+        time.sleep(0.25)
+
+
+def ledger(run_dir: Path, worker_ids: list[str]) -> dict[str, int]:
+    """Groups of these workers' leases: trained on (a learner step), purged, buffered; and their leases."""
+    if not worker_ids:
+        return {"trained": 0, "purged": 0, "buffered": 0, "leases": 0}
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    marks = ",".join("?" * len(worker_ids))
+    rows = db.execute(
+        "SELECT g.consumed_step FROM rollout_groups g JOIN leases l USING (lease_id) "
+        f"WHERE l.worker_id IN ({marks})",
+        worker_ids,
+    ).fetchall()
+    (leases,) = db.execute(f"SELECT COUNT(*) FROM leases WHERE worker_id IN ({marks})", worker_ids).fetchone()
+    db.close()
+    steps = [r[0] for r in rows]
+    return {
+        "trained": sum(1 for s in steps if s is not None and s >= 1),
+        "purged": sum(1 for s in steps if s == -2),
+        "buffered": sum(1 for s in steps if s is None),
+        "leases": int(leases),
+    }
+
+
+# ---- liveness: the learner's step rate beside attackers that never submit a forgery ---------------------
+Attack = Callable[[dict[str, Any], str, Path, asyncio.Event], Awaitable[dict[str, Any]]]
+
+
+def liveness_run(
+    run_dir: Path, attack: Attack | None, warm_s: float, window_s: float, rate: float
+) -> dict[str, Any]:
+    """One ``echo2 run`` with one honest worker at ``rate`` rollouts/s: ``warm_s`` after its first step
+    ``attack`` starts (None: the baseline), then the learner's steps are counted over ``window_s``."""
+    proc = start_run(
+        run_dir, "runtime.workers=1", f"runtime.worker_max_rollouts_per_s={rate}", "train.eval_every=100000"
+    )
+    try:
+        info = wait_ready(run_dir, proc)
+        token = (run_dir / "join_token").read_text().strip()
+        wait_step(run_dir, proc, 1)
+        time.sleep(warm_s)
+
+        async def window() -> tuple[int, int, float, dict[str, Any]]:
+            stop_ev = asyncio.Event()
+            task = asyncio.ensure_future(attack(info, token, run_dir, stop_ev)) if attack else None
+            await asyncio.sleep(0)  # attackers start at the window's start
+            t0, s0 = time.monotonic(), last_step(run_dir)
+            await asyncio.sleep(window_s)
+            s1, dt = last_step(run_dir), time.monotonic() - t0
+            stop_ev.set()
+            got = await asyncio.wait_for(task, 120) if task else {}
+            return s0, s1, dt, got
+
+        s0, s1, dt, got = asyncio.run(window())
+        if proc.poll() is not None:
+            raise RuntimeError(f"the learner exited {proc.returncode} in the window; see its log")
+    finally:
+        rc = stop(proc)
+    return {"steps": s1 - s0, "seconds": dt, "step_rate": (s1 - s0) / dt, "attack": got, "exit": rc}
+
+
+async def liar_attack(
+    info: dict[str, Any], token: str, run_dir: Path, stop_ev: asyncio.Event
+) -> dict[str, Any]:
+    import aiohttp
+
+    from echo2_bench.adversary import Liar
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        liar = Liar(info["join"], token, session)
+        tally = await liar.run(stop_ev)
+    return {
+        "worker_id": liar.worker_id,
+        "errors": tally.errors,
+        "state": _pool_state(run_dir, liar.worker_id),
+    }
+
+
+def hoard_attack(k: int) -> Attack:
+    async def attack(
+        info: dict[str, Any], token: str, run_dir: Path, stop_ev: asyncio.Event
+    ) -> dict[str, Any]:
+        import aiohttp
+
+        from echo2_bench.adversary import Hoarder
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            hoarders = [Hoarder(info["join"], token, session, f"hoarder{i}") for i in range(k)]
+            tallies = await asyncio.gather(*(h.run(stop_ev) for h in hoarders))
+        return {
+            "identities": k,
+            "grants": sum(t.grants for t in tallies),
+            "prompts": sum(t.prompts for t in tallies),
+            "refusals": _sum_counts([t.refusals for t in tallies]),
+            "errors": _sum_counts([t.errors for t in tallies]),
+        }
+
+    return attack
+
+
+def _sum_counts(tables: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in tables:
+        for k, v in t.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _pool_state(run_dir: Path, worker_id: str) -> str:
+    """What workers.json says of one worker (quarantined or not) at the end of the window."""
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        for w in json.loads((run_dir / "workers.json").read_text()):
+            if w["worker_id"] == worker_id:
+                return "quarantined" if w["quarantined"] else "registered"
+    return "unknown"
+
+
+# ---- poison: log-probs no sampler can produce, and a resume on the poisoned run directory ------------
+def poison_run(
+    run_dir: Path, door_open: bool, minutes: float, resume_minutes: float, rate: float
+) -> dict[str, Any]:
+    """``echo2 learner`` + one honest worker; poison attackers submit while the learner trains to its
+    time budget (door closed: the validator's log-prob bound on), or until a kill -9 right after a
+    step trained on poison (door open: ``security.min_logprob`` at -1e308, so poison reaches the loss);
+    then ``--resume`` on the same directory to its own time budget."""
+    from echo2_bench.adversary import POISONS
+
+    door = ["security.min_logprob=-1e308"] if door_open else []
+    common = sets(
+        "runtime.dashboard=false", "train.eval_every=100000", "train.checkpoint_every=40",
+        "security.max_workers=100", *door,
+    )  # fmt: skip
+    args = ["learner", "--seed", "0", "--run-dir", str(run_dir), "--no-progress", *common]
+    log = run_dir.with_suffix(".log")
+    learner = echo2(*args, *sets(f"train.max_minutes={minutes}"), log=log)
+    started = [learner]
+    try:
+        info = wait_ready(run_dir, learner)
+        token = (run_dir / "join_token").read_text().strip()
+        env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
+        worker = echo2(
+            "worker", "--join", info["join"], "--name", "honest", "--max-rollouts-per-s", str(rate),
+            env=env, log=run_dir.parent / f"{run_dir.name}_worker.log",
+        )  # fmt: skip
+        started.append(worker)
+        wait_step(run_dir, learner, 5)
+        trials = asyncio.run(_poison_attacks(info["join"], token, list(POISONS)))
+        poisoners = [t["worker_id"] for t in trials]
+        crashed_at = None
+        if door_open:  # crash right after a step that trained poison, past the last checkpoint
+            deadline = time.monotonic() + 120
+            while _poison_after_checkpoint(run_dir, poisoners) == 0 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            crashed_at = last_step(run_dir)
+            stop(learner, signal.SIGKILL)
+        rc = learner.wait(60 * minutes + 300) if not door_open else None
+        before = ledger(run_dir, poisoners)
+        first = records(run_dir)
+        resumed = echo2(*args, "--resume", *sets(f"train.max_minutes={resume_minutes}"), log=log)
+        started.append(resumed)
+        rc_resume = resumed.wait(60 * resume_minutes + 300)
+        stop(worker)
+    finally:
+        for p in started:
+            stop(p, signal.SIGKILL, timeout=10)
+    text = log.read_text(errors="replace")
+    rows = [r for r in records(run_dir) if "learner/t_train_s" in r]
+    return {
+        "door_open": door_open,
+        "trials": trials,
+        "learner_exit": rc,
+        "crashed_at_step": crashed_at,
+        "steps_before_resume": max((r["step"] for r in first if "learner/t_train_s" in r), default=0),
+        "resume_exit": rc_resume,
+        "steps_after_resume": rows[-1]["step"] if rows else 0,
+        "time_budget_reached": text.count("time budget of"),
+        "put_back": [line.split("; ")[-1] for line in text.splitlines() if "groups put back" in line],
+        "non_finite_in_log": sum(
+            1 for line in text.splitlines() if "loss is nan" in line or "loss is inf" in line
+        ),
+        "tracebacks": text.count("Traceback"),
+        "ledger_before_resume": before,
+        "ledger_after_resume": ledger(run_dir, poisoners),
+        "poisoned_groups_purged": int(rows[-1].get("store/poisoned", 0)) if rows else 0,
+        "excluded_groups": sum(int(r.get("learner/excluded_groups", 0)) for r in rows),
+        "loss_finite": all(r["learner/loss"] == r["learner/loss"] for r in rows),
+    }
+
+
+async def _poison_attacks(
+    join: str, token: str, kinds: list[str], identities: int = 3, budget: int = 3
+) -> list[dict[str, Any]]:
+    import aiohttp
+
+    from echo2_bench.adversary import Attacker, attack_until_caught
+
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for kind in kinds:
+            att = Attacker(join, token, kind, session, max_prompts=2)
+            await att.start()
+            for t in await attack_until_caught(att, identities, budget):
+                out.append({"kind": kind, "worker_id": t.worker_id, "outcomes": t.outcomes})
+            await att.close()
+    return out
+
+
+def _poison_after_checkpoint(run_dir: Path, worker_ids: list[str]) -> int:
+    """Poison groups trained on by a step after the newest checkpoint (the ones a crash loses)."""
+    from echo2.runtime.rundir import STATE_FILE, latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    through = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    marks = ",".join("?" * len(worker_ids))
+    (n,) = db.execute(
+        "SELECT COUNT(*) FROM rollout_groups g JOIN leases l USING (lease_id) "
+        f"WHERE l.worker_id IN ({marks}) AND g.consumed_step > ?",
+        [*worker_ids, through],
+    ).fetchone()
+    db.close()
+    return int(n)
+
+
+async def staller_attack(
+    info: dict[str, Any], token: str, run_dir: Path, stop_ev: asyncio.Event
+) -> dict[str, Any]:
+    """A registered identity whose broadcast node accepts pulls and sends nothing, acking every install."""
+    import aiohttp
+
+    from echo2.broadcast.manifest import key_from_text
+    from echo2.protocol import RegisterRequest
+    from echo2.rollout.client import LearnerClient
+    from echo2_bench.stalling import StallingNode
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        client = LearnerClient(info["join"], session, reconnect_s=30.0)
+        reg = await client.register(RegisterRequest(token=token, name="staller", usd_per_hour=0.01))
+        node = StallingNode(
+            reg.worker_id, tuple(reg.broadcast), key_from_text(reg.public_key),  # type: ignore[arg-type]
+            credential=reg.credential, pin=client.pin,
+        )  # fmt: skip
+        await node.start()
+        await stop_ev.wait()
+        await node.close()
+    return {"worker_id": reg.worker_id, **vars(node.counters)}
+
+
+def broadcast_counters(run_dir: Path) -> dict[str, Any]:
+    """The newest ``broadcast/`` metrics of a run (the publisher's stall reports, demotions, refused
+    acks, T_bcast)."""
+    rows = [r for r in records(run_dir) if "learner/t_train_s" in r]
+    return {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("broadcast/")}

@@ -115,3 +115,21 @@ def test_version_refusals_are_not_evidence(reason):
     from echo2.runtime.verify import EVIDENCE
 
     assert reason not in EVIDENCE
+
+
+def test_a_body_refused_before_its_lease_was_looked_up_still_gives_the_lease_back(tmp_path):
+    """A log-prob above 0 is refused by the validator, before the lease is read: the lease it names is
+    handed to the lease broker all the same (so its prompts go out again at once)."""
+    now = [100.0]
+    intake, store = _intake(tmp_path, {4}, FakeCheck(held={4}), now)
+    lease = store.issue_lease("w", [Prompt("p", "1+1=", "2")], now=150.0, ttl_s=60.0, seed=1)
+    body = _body(lease, 4)
+    body.groups[0].samples[0].sampler_logprobs = [0.5]
+    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)
+    with pytest.raises(Rejected, match="logprob"):
+        asyncio.run(intake.accept(rec, body))  # type: ignore[arg-type]
+    assert len(REFUSED) == 1 and REFUSED[0] == ("w", lease, "logprob")
+    other = SimpleNamespace(worker_id="intruder", quarantined="", rollouts=0)
+    with pytest.raises(Rejected):
+        asyncio.run(intake.accept(other, body))  # type: ignore[arg-type]
+    assert len(REFUSED) == 1  # another identity's lease is never given back on its word

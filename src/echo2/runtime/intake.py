@@ -32,7 +32,7 @@ from echo2.config import Config
 from echo2.data.store import Lease, SubmitResult, TrajectoryStore
 from echo2.data.submission import Rejected, Submission, SubmissionLimits, validate_submission
 from echo2.physics.rules import admission_floor
-from echo2.protocol import SubmitRequest
+from echo2.protocol import MAX_ID_CHARS, SubmitRequest
 from echo2.runtime.registry import WorkerRecord
 from echo2.runtime.verify import EVIDENCE, GenerationCheck, Verifier
 
@@ -116,14 +116,22 @@ class Intake:
             log.warning("submission from %s rejected: %s", rec.worker_id, exc)
             if exc.reason in EVIDENCE and not rec.quarantined:
                 self.quarantine(rec, exc)  # its leases too
-            elif lease is not None and lease.worker_id == rec.worker_id and lease.state == "open":
-                self.refused(rec.worker_id, lease.lease_id, exc.reason)
+            else:  # the lease it answers: looked up, or (refused before that) the one its body names
+                lease = lease or self._lease_named(body)
+                if lease is not None and lease.worker_id == rec.worker_id and lease.state == "open":
+                    self.refused(rec.worker_id, lease.lease_id, exc.reason)
             raise
         self.returned(rec.worker_id)
         rec.rollouts += result.admitted
         if result.admitted:
             self.data_ready()
         return result
+
+    def _lease_named(self, body: SubmitRequest) -> Lease | None:
+        """The lease a (parsed, maybe refused) submission names, if it names one that exists."""
+        if not 1 <= len(body.lease_id) <= MAX_ID_CHARS:
+            return None
+        return self.store.lease(body.lease_id)
 
     def metrics(self) -> dict[str, float]:
         """``security/`` metrics: what the generation check re-ran and what it found (docs/security.md)."""

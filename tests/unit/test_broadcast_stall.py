@@ -53,7 +53,10 @@ def _no_traceback(caplog: pytest.LogCaptureFixture) -> None:
 def test_first_chunk_deadline_worked_by_hand() -> None:
     # No evidence yet that peers are quick (no learner chunk, no peer chunk, no bytes): the full stall.
     assert first_chunk_deadline(5.0, 0.5, None, 0.1, 4, 8192, 10_000) == 5.0
-    assert first_chunk_deadline(5.0, 0.5, 0.1, None, 4, 8192, 10_000) == 5.0
+    # no peer delivered yet (two members: the only peer is the one judged): the learner's stripe is the
+    # reference; ref = max(0.1, 3 * 8192 * 0.5 / 10,000 = 1.2288 s); 4 * that = 4.9152 s
+    assert first_chunk_deadline(5.0, 0.5, 0.1, None, 4, 8192, 10_000) == pytest.approx(4.9152)
+    assert first_chunk_deadline(5.0, 0.5, 0.05, None, 2, 8192, 300_000) == 1.0  # N = 2 on loopback: 1 s
     assert first_chunk_deadline(5.0, 0.5, 0.1, 0.1, 4, 8192, 0) == 5.0
     # Loopback: ref = max(0.01, 0.02, 3 * 8192 B / (150 kB / 1 s) = 0.164 s); 4 * 0.164 = 0.66 < 1 s floor.
     assert first_chunk_deadline(5.0, 1.0, 0.01, 0.02, 4, 8192, 150_000) == 1.0

@@ -180,17 +180,19 @@ def first_chunk_deadline(
     cost here. ``(N - 1) * c / r``: an honest relay sends one chunk of size ``c`` to each of its up to
     N - 1 children (``n_members`` N) over an uplink about this node's own receive rate ``r`` (payload
     bytes it received in this version per second since the announcement), so a child late in its
-    queue waits that long. While ``t_L`` or ``t_P`` is unknown (None) or nothing has arrived, the peer
-    is given the full ``stall_s``: with no evidence that peers are quick, none is abandoned early.
+    queue waits that long. ``t_P`` unknown (None: no peer has delivered yet, e.g. a node whose only
+    peer is the one being judged) counts as 0; while ``t_L`` is unknown (None: no chunk from the
+    learner yet, or a plan without a learner stream) or nothing has arrived, the peer is given the full
+    ``stall_s``: with no evidence of how quick the learner's own stripes are, none is abandoned early.
 
     So a silent relay is abandoned after 1 s where its peers deliver quickly, and an honest one is
     abandoned only if it is 4 times slower than the first peer, than the learner, and than N - 1 chunk
     times at this node's rate. Since ``r`` falls as ``1/elapsed`` while nothing arrives, a deadline
     below ``stall_s`` also needs ``received > FIRST_FACTOR * (N - 1) * c``: the node got 4 chunks per
     peer stream elsewhere while this one sent nothing."""
-    if learner_first_s is None or peer_first_s is None or received <= 0 or elapsed_s <= 0:
+    if learner_first_s is None or received <= 0 or elapsed_s <= 0:
         return stall_s
-    ref = max(learner_first_s, peer_first_s, (n_members - 1) * chunk * elapsed_s / received)
+    ref = max(learner_first_s, peer_first_s or 0.0, (n_members - 1) * chunk * elapsed_s / received)
     return min(stall_s, max(FIRST_FLOOR_S, FIRST_FACTOR * ref))
 
 

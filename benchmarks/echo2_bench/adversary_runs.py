@@ -28,12 +28,16 @@ from pathlib import Path
 from typing import Any
 
 CORES = sorted(os.sched_getaffinity(0))
+CHECKPOINT_EVERY = 10  # learner steps between the poison study's checkpoints (a crash loses fewer)
 
 
-def echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """An ``echo2`` command as its own process (this machine's cores), output to ``log``."""
+def echo2(
+    *args: str, log: Path, env: dict[str, str] | None = None, append: bool = False
+) -> subprocess.Popen[bytes]:
+    """An ``echo2`` command as its own process (this machine's cores), output to ``log`` (a new one,
+    unless ``append``: the resumed learner writes after the one it resumes)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    fh = log.open("ab")
+    fh = log.open("ab" if append else "wb")
     return subprocess.Popen(
         [sys.executable, "-m", "echo2.cli", *args],
         stdout=fh,
@@ -41,6 +45,14 @@ def echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subproces
         env=env,
         preexec_fn=lambda: os.sched_setaffinity(0, CORES),
     )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def sets(*overrides: str) -> list[str]:
@@ -230,9 +242,13 @@ def poison_run(
     from echo2_bench.adversary import POISONS
 
     door = ["security.min_logprob=-1e308"] if door_open else []
+    ports = [
+        f"runtime.port={free_port()}",
+        f"runtime.broadcast_port={free_port()}",
+    ]  # the same after --resume
     common = sets(
-        "runtime.dashboard=false", "train.eval_every=100000", "train.checkpoint_every=40",
-        "security.max_workers=100", *door,
+        "runtime.dashboard=false", "train.eval_every=100000", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+        "security.max_workers=100", *ports, *door,
     )  # fmt: skip
     args = ["learner", "--seed", "0", "--run-dir", str(run_dir), "--no-progress", *common]
     log = run_dir.with_suffix(".log")
@@ -242,12 +258,16 @@ def poison_run(
         info = wait_ready(run_dir, learner)
         token = (run_dir / "join_token").read_text().strip()
         env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
-        worker = echo2(
-            "worker", "--join", info["join"], "--name", "honest", "--max-rollouts-per-s", str(rate),
-            env=env, log=run_dir.parent / f"{run_dir.name}_worker.log",
-        )  # fmt: skip
+
+        def honest_worker(append: bool = False) -> subprocess.Popen[bytes]:
+            return echo2(
+                "worker", "--join", info["join"], "--name", "honest", "--max-rollouts-per-s", str(rate),
+                env=env, log=run_dir.parent / f"{run_dir.name}_worker.log", append=append,
+            )  # fmt: skip
+
+        worker = honest_worker()
         started.append(worker)
-        wait_step(run_dir, learner, 5)
+        wait_step(run_dir, learner, CHECKPOINT_EVERY + 2)  # a checkpoint to resume from
         trials = asyncio.run(_poison_attacks(info["join"], token, list(POISONS)))
         poisoners = [t["worker_id"] for t in trials]
         crashed_at = None
@@ -260,8 +280,12 @@ def poison_run(
         rc = learner.wait(60 * minutes + 300) if not door_open else None
         before = ledger(run_dir, poisoners)
         first = records(run_dir)
-        resumed = echo2(*args, "--resume", *sets(f"train.max_minutes={resume_minutes}"), log=log)
+        resumed = echo2(*args, "--resume", *sets(f"train.max_minutes={resume_minutes}"), log=log, append=True)
         started.append(resumed)
+        if worker.poll() is not None:  # it left with the learner that finished: a worker for the resume
+            wait_ready(run_dir, resumed)
+            worker = honest_worker(append=True)
+            started.append(worker)
         rc_resume = resumed.wait(60 * resume_minutes + 300)
         stop(worker)
     finally:

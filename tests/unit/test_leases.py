@@ -185,3 +185,16 @@ def test_a_refused_answer_expires_its_lease_at_once_and_strikes_unless_the_learn
     assert "lease_before_restart" in NO_FAULT and broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
     broker.refused(w, second.lease_id, "prompt_mismatch")  # no longer open: nothing happens
     assert broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
+
+
+def test_a_fast_worker_that_fills_the_budget_cannot_keep_a_newcomer_out(tmp_path):
+    """The probation allowance is beside the in-flight budget: a delivering worker whose answers fill
+    the whole budget (buffer_full for more) leaves a newcomer its first lease."""
+    cfg, store, broker, pool, _ = _node(tmp_path)
+    fast = _register(pool.registry, pool, "fast")
+    while isinstance(grant := _ask(broker, fast), LeaseGrant):  # answered at once: the buffer fills
+        _answer(store, broker, grant, fast)
+    assert grant.reason == "buffer_full" and store.outstanding_rollouts() > broker.inflight_cap - 64
+    newcomer = _register(pool.registry, pool, "newcomer")
+    first = _ask(broker, newcomer)
+    assert isinstance(first, LeaseGrant) and len(first.prompts) == cfg.security.probation_prompts

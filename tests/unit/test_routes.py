@@ -206,19 +206,22 @@ def test_other_workers_lease_is_forbidden(tmp_path):
 
 def test_lease_caps_work_in_flight_and_refuses_stale_weights(tmp_path):
     # R = 4 prompts x 2 = 8 rollouts; cap = min(max_inflight_batches 2, S + 1 = 2) * R = 16 rollouts,
-    # and a lease of 2 prompts x 2 is 4 rollouts: four leases fit, the fifth does not (five workers: a
-    # new one holds one lease at a time)
+    # and a lease of 2 prompts x 2 is 4 rollouts. Two workers return a lease each (8 buffered), the
+    # first then holds two more (16 in flight): the next lease would pass the cap
     async def body(client):
-        auths = [await register(client, f"w{i}") for i in range(5)]
-        leases = [await lease(client, auth) for auth in auths]
+        auths = [await register(client, f"w{i}") for i in range(2)]
+        for auth in auths:  # past probation (its leases have an allowance of their own)
+            resp = await client.post("/v1/submit", json=payload(await lease(client, auth)), headers=auth)
+            assert resp.status == 200, await resp.text()
+        leases = [await lease(client, auths[0]) for _ in range(2)] + [await lease(client, auths[1])]
         node.v = 3  # learner moved on: version 1 weights are older than v_t - S = 2
         stale = await lease(client, auths[0], installed=1)
         return leases, stale
 
     node = make_node(tmp_path)
     (leases, stale), stats = run(body, node)
-    assert all(le["kind"] == "grant" for le in leases[:4]) and stats.leases_open == 4
-    assert leases[4] == {
+    assert all(le["kind"] == "grant" for le in leases[:2]) and stats.leases_open == 2
+    assert leases[2] == {
         "kind": "refusal",
         "reason": "buffer_full",
         "retry_after_s": 0.25,

@@ -181,9 +181,9 @@ def first_chunk_deadline(
     N - 1 children (``n_members`` N) over an uplink about this node's own receive rate ``r`` (payload
     bytes it received in this version per second since the announcement), so a child late in its
     queue waits that long. ``t_P`` unknown (None: no peer has delivered yet, e.g. a node whose only
-    peer is the one being judged) counts as 0; while ``t_L`` is unknown (None: no chunk from the
-    learner yet, or a plan without a learner stream) or nothing has arrived, the peer is given the full
-    ``stall_s``: with no evidence of how quick the learner's own stripes are, none is abandoned early.
+    peer is the one being judged) counts as 0; while ``t_L`` is unknown (None: this node's learner
+    stream has not delivered yet) or nothing has arrived, the peer is given the full ``stall_s``: with
+    no evidence of how quick the other sources are, none is abandoned early.
 
     So a silent relay is abandoned after 1 s where its peers deliver quickly, and an honest one is
     abandoned only if it is 4 times slower than the first peer, than the learner, and than N - 1 chunk

@@ -9,8 +9,10 @@ A lease is granted only (in this order of refusal reasons):
 - and not newer than ``v_t``: such weights were published by a learner process that crashed after
   its last checkpoint, and this one will publish other weights under the same number  [rolled_back]
 - and one this learner process published (so its generation can be re-run)   [unpublished_version]
-- while leased-but-unsubmitted plus buffered rollouts stay within
-  ``min(max_inflight_batches, S + 1) * R``                [buffer_full]
+- while leased-but-unsubmitted plus buffered rollouts stay within the in-flight budget
+  ``min(max_inflight_batches, S + 1) * R`` (what is leased on probation does not count here: the
+  workers on probation have an allowance of their own, so neither can crowd out the other)
+                                                          [buffer_full]
 - for a worker on probation (``standing.py``: nothing returned yet, or an unreturned lease since),
   while all workers on probation hold at most ``security.probation_share`` of that budget, and those
   with an unreturned lease on their record at most half of it; room that frees up goes first to the
@@ -165,24 +167,28 @@ class LeaseBroker:
         if published and installed not in published:
             newest = max(published)
             return LeaseRefusal(reason="unpublished_version", retry_after_s=retry, min_version=newest)
-        if self.store.outstanding_rollouts() + n * G > self.inflight_cap:
+        by_worker = self.store.open_prompts_by_worker()
+        on_probation = sum(k for w, k in by_worker.items() if self.standings.on_probation(w)) * G
+        if probation:  # the probation share is its own: a fast delivering worker cannot crowd it out
+            if not self._probation_turn(worker_id, n, now, by_worker, on_probation):
+                return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
+        elif self.store.outstanding_rollouts() - on_probation + n * G > self.inflight_cap:
             return LeaseRefusal(reason="buffer_full", retry_after_s=retry)
-        if probation and not self._probation_turn(worker_id, n, now):
-            return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
         if self.store.open_leases(worker_id) >= self.standings.max_open(
             worker_id, self.rt.max_leases_per_worker
         ):
             return LeaseRefusal(reason="too_many_leases", retry_after_s=retry)
         return None
 
-    def _probation_turn(self, worker_id: str, n: int, now: float) -> bool:
+    def _probation_turn(
+        self, worker_id: str, n: int, now: float, by_worker: dict[str, int], held: int
+    ) -> bool:
         """Whether a worker on probation may take a lease of ``n`` prompts now: the probation share
-        has room (half of it for workers with a strike), and no worker that was refused for want of
-        room earlier, and still asks, is waiting for it (first refused, first served)."""
+        has room beside the ``held`` rollouts leased on probation (half of it for workers with a
+        strike), and no worker that was refused for want of room earlier, and still asks, is waiting
+        for it (first refused, first served)."""
         G = self.batch.group_size
-        by_worker = self.store.open_prompts_by_worker()
-        held = sum(k for w, k in by_worker.items() if self.standings.on_probation(w))
-        room = (self.probation_cap - held * G) // (n * G)  # probation leases of this size that fit
+        room = (self.probation_cap - held) // (n * G)  # probation leases of this size that fit
         if self.standings.struck(worker_id):
             struck = sum(k for w, k in by_worker.items() if self.standings.struck(w))
             room = min(room, (self.struck_cap - struck * G) // (n * G))

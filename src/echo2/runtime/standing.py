@@ -6,10 +6,11 @@ worker has *returned*, never what it claims (the lease broker, ``leases.py``, as
 
 - **probation**: a worker that has returned no lease yet (a new identity), or none since its last
   unreturned one, gets leases of ``security.probation_prompts`` prompts, one open at a time, and all
-  workers on probation together hold at most ``security.probation_share`` of the in-flight budget.
-  So K identities that lease and never submit hold at most that share, whatever K is: with the
-  defaults (1 prompt, 1/8 of 2 R) an honest worker that has delivered keeps 7/8 of the budget, more
-  than the R + 2 leases it needs for the learner to keep forming batches. Workers with a strike on
+  workers on probation together hold at most ``security.probation_share`` of the in-flight budget,
+  an allowance beside it (the lease broker does not count probation leases against the others'
+  budget). So K identities that lease and never submit hold at most that share, whatever K is, and
+  an honest worker that has delivered keeps the whole budget; nor can a fast delivering worker keep a
+  newcomer from its first lease by filling the budget. Workers with a strike on
   their record hold at most half of the probation share, so once a flood of new identities has
   left its first leases unreturned, the other half is there for new workers.
 - **slow start**: past probation a worker may hold ``1 + returned`` open leases (leases it returned

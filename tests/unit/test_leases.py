@@ -198,3 +198,26 @@ def test_a_fast_worker_that_fills_the_budget_cannot_keep_a_newcomer_out(tmp_path
     newcomer = _register(pool.registry, pool, "newcomer")
     first = _ask(broker, newcomer)
     assert isinstance(first, LeaseGrant) and len(first.prompts) == cfg.security.probation_prompts
+
+
+def test_a_worker_that_left_probation_holds_no_place_in_its_queue(tmp_path):
+    """The regression: a worker queued for probation room that then left probation (an answer of it
+    accepted) kept its place and, still asking (as a trusted worker), blocked every newcomer behind
+    it; and a worker holding its one probation lease is told too_many_leases, never queued."""
+    _, store, broker, pool, clock = _node(
+        tmp_path, "batch.prompts=4", "batch.group_size=4", "runtime.lease_prompts=4"
+    )
+    assert broker.probation_cap == 4  # one probation lease of 1 prompt x 4
+    a, b, c = (_register(pool.registry, pool, n) for n in "abc")
+    held = _ask(broker, b)
+    assert isinstance(held, LeaseGrant)
+    again = _ask(broker, b)
+    assert isinstance(again, LeaseRefusal) and again.reason == "too_many_leases" and b not in broker._waiting
+    queued = _ask(broker, a)
+    assert isinstance(queued, LeaseRefusal) and queued.reason == "probation_full" and a in broker._waiting
+    clock.t += 1.0
+    broker.returned(a)  # a late answer of an earlier lease of a's was accepted: a leaves probation
+    _answer(store, broker, held, b)  # the room frees up
+    clock.t += 1.0
+    assert isinstance(_ask(broker, a), LeaseGrant)  # a asks on, as a trusted worker now
+    assert isinstance(_ask(broker, c), LeaseGrant)  # and the newcomer is not kept behind it

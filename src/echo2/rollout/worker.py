@@ -86,6 +86,7 @@ class WorkerCounters:
     gen_s: float = 0.0  # seconds generating (throttle included)
     idle_s: float = 0.0  # seconds waiting for a lease
     env_failures: int = 0  # leases dropped because an environment failed to start (reset raised or hung)
+    lease_refusals: dict[str, int] = field(default_factory=dict)  # lease requests refused, by reason
 
 
 @dataclass(frozen=True)
@@ -427,6 +428,8 @@ class RolloutWorker:
         """Act on a refused lease; returns how long to wait before asking again (0: ask now)."""
         if refusal is None:
             return 1.0
+        refused = self.counters.lease_refusals
+        refused[refusal.reason] = refused.get(refusal.reason, 0) + 1
         if refusal.reason == "finished":
             self.finished = True
             return 0.0

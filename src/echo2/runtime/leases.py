@@ -9,6 +9,8 @@ A lease is granted only (in this order of refusal reasons):
 - and not newer than ``v_t``: such weights were published by a learner process that crashed after
   its last checkpoint, and this one will publish other weights under the same number  [rolled_back]
 - and one this learner process published (so its generation can be re-run)   [unpublished_version]
+- to a worker that holds fewer open leases than its standing allows: 1 on probation, then one more
+  per lease returned, up to ``max_leases_per_worker``    [too_many_leases]
 - while leased-but-unsubmitted plus buffered rollouts stay within the in-flight budget
   ``min(max_inflight_batches, S + 1) * R`` (what is leased on probation does not count here: the
   workers on probation have an allowance of their own, so neither can crowd out the other)
@@ -19,8 +21,6 @@ A lease is granted only (in this order of refusal reasons):
   workers refused for want of it earlier (first refused, first served, while they keep asking), so
   hoarders cannot keep a newcomer from its first lease for longer than it takes one probation lease
   to come back or expire                                  [probation_full]
-- and the worker holds fewer open leases than its standing allows: 1 on probation, then one more per
-  lease returned, up to ``max_leases_per_worker``         [too_many_leases]
 
 A lease on probation has ``security.probation_prompts`` prompts; its time to live halves with every
 unreturned lease in a row (``standing.py``). A lease whose answer is refused expires at once: its
@@ -167,6 +167,10 @@ class LeaseBroker:
         if published and installed not in published:
             newest = max(published)
             return LeaseRefusal(reason="unpublished_version", retry_after_s=retry, min_version=newest)
+        if self.store.open_leases(worker_id) >= self.standings.max_open(
+            worker_id, self.rt.max_leases_per_worker
+        ):
+            return LeaseRefusal(reason="too_many_leases", retry_after_s=retry)
         by_worker = self.store.open_prompts_by_worker()
         on_probation = sum(k for w, k in by_worker.items() if self.standings.on_probation(w)) * G
         if probation:  # the probation share is its own: a fast delivering worker cannot crowd it out
@@ -174,10 +178,6 @@ class LeaseBroker:
                 return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
         elif self.store.outstanding_rollouts() - on_probation + n * G > self.inflight_cap:
             return LeaseRefusal(reason="buffer_full", retry_after_s=retry)
-        if self.store.open_leases(worker_id) >= self.standings.max_open(
-            worker_id, self.rt.max_leases_per_worker
-        ):
-            return LeaseRefusal(reason="too_many_leases", retry_after_s=retry)
         return None
 
     def _probation_turn(
@@ -192,8 +192,12 @@ class LeaseBroker:
         if self.standings.struck(worker_id):
             struck = sum(k for w, k in by_worker.items() if self.standings.struck(w))
             room = min(room, (self.struck_cap - struck * G) // (n * G))
-        alive = 4 * self.rt.heartbeat_s  # a waiter that stopped asking gives up its place
-        self._waiting = {w: t for w, t in self._waiting.items() if self.standings.asked_within(w, now, alive)}
+        alive = 4 * self.rt.heartbeat_s  # a waiter that stopped asking (or left probation) gives up its place
+        self._waiting = {
+            w: t
+            for w, t in self._waiting.items()
+            if self.standings.asked_within(w, now, alive) and self.standings.on_probation(w)
+        }
         mine = self._waiting.get(worker_id, now)
         ahead = sum(1 for w, t in self._waiting.items() if w != worker_id and t < mine)
         if room <= ahead:

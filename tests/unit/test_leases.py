@@ -221,3 +221,20 @@ def test_a_worker_that_left_probation_holds_no_place_in_its_queue(tmp_path):
     clock.t += 1.0
     assert isinstance(_ask(broker, a), LeaseGrant)  # a asks on, as a trusted worker now
     assert isinstance(_ask(broker, c), LeaseGrant)  # and the newcomer is not kept behind it
+
+
+def test_a_lease_is_cut_to_what_fits_in_the_budget(tmp_path):
+    """The regression: with a budget of about one lease (R = 16, cap 32, leases of 8 x 4 = 32) the
+    groups of two probation leases (8 buffered, below a batch) kept every full lease out: no step ever.
+    A lease is cut to the prompts that fit instead."""
+    _, store, broker, pool, _ = _node(tmp_path, "batch.prompts=4", "batch.group_size=4")
+    assert broker.inflight_cap == 32
+    a, b = (_register(pool.registry, pool, n) for n in "ab")
+    for w in (a, b):
+        grant = _ask(broker, w)
+        assert isinstance(grant, LeaseGrant) and len(grant.prompts) == 1
+        _answer(store, broker, grant, w)
+    cut = _ask(broker, a)  # 8 buffered: 24 rollouts fit, 6 prompts
+    assert isinstance(cut, LeaseGrant) and len(cut.prompts) == 6
+    full = _ask(broker, b)
+    assert isinstance(full, LeaseRefusal) and full.reason == "buffer_full"

@@ -13,8 +13,8 @@ A lease is granted only (in this order of refusal reasons):
   per lease returned, up to ``max_leases_per_worker``    [too_many_leases]
 - while leased-but-unsubmitted plus buffered rollouts stay within the in-flight budget
   ``min(max_inflight_batches, S + 1) * R`` (what is leased on probation does not count here: the
-  workers on probation have an allowance of their own, so neither can crowd out the other)
-                                                          [buffer_full]
+  workers on probation have an allowance of their own, so neither can crowd out the other); a lease
+  that would pass it is cut to the prompts that fit     [buffer_full when not one does]
 - for a worker on probation (``standing.py``: nothing returned yet, or an unreturned lease since),
   while all workers on probation hold at most ``security.probation_share`` of that budget, and those
   with an unreturned lease on their record at most half of it; room that frees up goes first to the
@@ -132,10 +132,10 @@ class LeaseBroker:
         self.standings.asked(worker_id, now)
         probation = self.standings.on_probation(worker_id)
         n = min(req.max_prompts, self.rt.lease_prompts, self.sec.probation_prompts if probation else 2**62)
-        refusal = self._refusal(worker_id, req.installed_version, n, probation, now)
-        if refusal is not None:
-            return refusal
-        prompts = self.prompts.take(n)
+        fit = self._refusal(worker_id, req.installed_version, n, probation, now)
+        if isinstance(fit, LeaseRefusal):
+            return fit
+        prompts = self.prompts.take(fit)
         seed = secrets.randbits(SEED_BITS)  # not the run's seed: workers know that one
         ttl = self.standings.ttl(worker_id)
         lease_id = self.store.issue_lease(worker_id, prompts, now, ttl, seed, req.installed_version)
@@ -150,7 +150,10 @@ class LeaseBroker:
 
     def _refusal(
         self, worker_id: str, installed: int, n: int, probation: bool, now: float
-    ) -> LeaseRefusal | None:
+    ) -> LeaseRefusal | int:
+        """Why no lease of ``n`` prompts now, or how many prompts to lease: ``n``, or fewer when only
+        fewer fit in the in-flight budget (a lease of whatever fits rather than none: a budget of
+        about one lease would otherwise stay locked by the groups buffered below a batch)."""
         retry = self.rt.heartbeat_s / 4
         G = self.batch.group_size
         if self.finished:
@@ -176,9 +179,12 @@ class LeaseBroker:
         if probation:  # the probation share is its own: a fast delivering worker cannot crowd it out
             if not self._probation_turn(worker_id, n, now, by_worker, on_probation):
                 return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
-        elif self.store.outstanding_rollouts() - on_probation + n * G > self.inflight_cap:
-            return LeaseRefusal(reason="buffer_full", retry_after_s=retry)
-        return None
+        else:
+            room = (self.inflight_cap - (self.store.outstanding_rollouts() - on_probation)) // G
+            if room < 1:
+                return LeaseRefusal(reason="buffer_full", retry_after_s=retry)
+            return min(n, room)
+        return n
 
     def _probation_turn(
         self, worker_id: str, n: int, now: float, by_worker: dict[str, int], held: int

@@ -372,7 +372,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     att = res.get("attacks", {}).get("kinds", {})
     sampled = [k for k, v in att.items() if "median_quarantined_after" in v]
     if sampled:
@@ -391,6 +391,16 @@ def plot(res: dict[str, Any], path: Path) -> None:
         axes[1].set_ylabel("step time, checks on / off")
         axes[1].set_title("cost of the sampled generation check")
         axes[1].legend()
+    live = res.get("liveness")
+    if live:
+        conds = [c for c in CONDITIONS[1:] if c in live]
+        for i, c in enumerate(conds):
+            axes[2].scatter([i] * len(live[c]["ratios"]), live[c]["ratios"], c="k", s=12)
+            axes[2].hlines(live[c]["target"], i - 0.3, i + 0.3, colors="r", linestyles="--")
+        axes[2].set_xticks(range(len(conds)), conds)
+        axes[2].set_ylim(0.5, 1.2)
+        axes[2].set_ylabel("step rate / baseline's (same repeat)")
+        axes[2].set_title("attackers that never forge (red: target)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

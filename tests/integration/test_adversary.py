@@ -131,7 +131,8 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     # the hoarders got one 1-prompt lease each at a time, never answered: at most the probation share
     for tally in got["hoarders"]:  # type: ignore[union-attr]
         assert tally.grants >= 1 and tally.prompts == tally.grants, tally
-        assert set(tally.refusals) <= {"too_many_leases", "probation_full", "benched", "inactive"}, tally
+        allowed = {"too_many_leases", "probation_full", "benched", "inactive", "buffer_full", "stale_weights"}
+        assert set(tally.refusals) <= allowed and tally.refusals.get("too_many_leases", 0) >= 1, tally
     assert got["download:None"] == 401 and got["download:forged-credential"] == 403
     # the cap: 1 honest + 9 attackers + 2 hoarders + the liar = 13 registrations before the flood,
     # 4 more allowed

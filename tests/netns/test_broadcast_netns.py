@@ -63,7 +63,10 @@ def test_ctrl_c_mid_run_removes_namespaces_and_processes(tmp_path) -> None:
 
     cmd = [sys.executable, str(BENCHMARKS_DIR / "broadcast.py"), "--mode", "netns", "--ns", "4",
            "--strategies", "star-limited", "--no-faults", "--no-relay", "--size-mb", "4",
-           "--out", str(tmp_path / "b.json")]  # fmt: skip
+           "--bw-mbps", "1", "--out", str(tmp_path / "b.json")]  # fmt: skip
+    # links of 1 / 3 Mbit/s: the broadcast alone takes N * G / B0 = 4 * 32 Mbit / 3 Mbit/s ~ 43 s of
+    # shaped time, whatever the machine's speed, so the SIGINT below always lands mid-run (at 8 Mbit/s
+    # a fast machine finished it in 7 s, before the signal)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tag = f"e2b{proc.pid % 100000}"
     deadline = time.monotonic() + 30

@@ -35,7 +35,7 @@ from typing import Any
 
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error, TrainingDivergedError
-from echo2.runtime.rundir import OPTIM_FILE, STATE_FILE, latest_checkpoint
+from echo2.runtime.rundir import OPTIM_FILE, STATE_FILE, latest_checkpoint, write_atomic
 from echo2.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class AsyncLearner:
         join = join_string(url, tls.fingerprint if tls else None)
         self.endpoints = Endpoints(url, broadcast, self.token, str(self.run_path), join)
         public = {"url": url, "join": join, "broadcast": list(broadcast), "pid": os.getpid()}
-        (self.run_path / "learner.json").write_text(json.dumps(public))
+        write_atomic(self.run_path / "learner.json", json.dumps(public))
         log.info(
             "learner API at %s, broadcast at %s:%d; workers join with %s; join token in %s",
             url,
@@ -309,7 +309,7 @@ class AsyncLearner:
             self.endpoints, dashboard=url + (f"?token={token}" if token else "")
         )
         info = json.loads((self.run_path / "learner.json").read_text())
-        (self.run_path / "learner.json").write_text(json.dumps({**info, "dashboard": url}))  # no token here
+        write_atomic(self.run_path / "learner.json", json.dumps({**info, "dashboard": url}))  # no token
         log.info("dashboard and /metrics at %s%s", url, " (view token in view_token)" if token else "")
 
     # ---- the loop ------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from echo2.protocol import RegisterRequest
+from echo2.runtime.rundir import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +193,7 @@ class WorkerRegistry:
             {k: v for k, v in asdict(r).items() if k not in ("last_seen_s", "install_s")}
             for r in self._records.values()
         ]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps(data, indent=1))
 
     def load(self) -> list[WorkerRecord]:
         """Restore the workers of an earlier learner process; returns the trusted ones (those that may

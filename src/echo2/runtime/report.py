@@ -26,6 +26,7 @@ from typing import Any
 from echo2.errors import DataError, Echo2Error
 from echo2.physics.rules import bubble_ratio
 from echo2.runtime.bubble import CAUSES as MEASURED_CAUSES
+from echo2.runtime.rundir import write_atomic
 
 CAUSES = (*MEASURED_CAUSES, "other")  # the bubble's causes, as the keys learner/idle_s/<cause> name them
 NOT_RECORDED = "not recorded"
@@ -359,9 +360,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run = load_run(run_dir)
     path = Path(out) if out is not None else run.path / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_report(run), encoding="utf-8")
-    tmp.replace(path)  # a reader reloading the page never sees half of it
+    write_atomic(path, render_report(run))  # a reader reloading the page never sees half of it
     return path
 
 

@@ -42,6 +42,15 @@ SINK_DRAIN_S = 60.0  # at close, wait this long for the trackers to take the rec
 TMP_PREFIX = ".tmp-"  # a checkpoint being written (never matched by ``step_*``)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place: a reader (a worker
+    polling ``learner.json``, a browser reloading a page) sees the old file or the new one, never a
+    truncated one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -23,6 +23,9 @@ member was not reported stalling for that version and :func:`receipt_fault` find
 its receipts; an ack counted before such a report arrives is withdrawn. A refused ack is final for
 that version. Every refusal is counted (:class:`~echo2.broadcast.api.PublisherCounters`,
 ``TcpPublisher.counters``); a malformed control frame drops the member's connection.
+
+Every frame is one of ``echo2.weights.frames``: built as its model, sent as ``to_wire`` of it, and
+parsed by ``parse_frame`` before use (a ``get`` after the gate has read its credential, ``parse_pull``).
 """
 
 from __future__ import annotations
@@ -40,17 +43,29 @@ from echo2.broadcast.api import BroadcastStats, PublisherCounters
 from echo2.broadcast.manifest import Lineage, Manifest, ManifestKey, as_key, build_manifest
 from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves
-from echo2.broadcast.wire import Pacer, ProtocolError, read_header, show, write_frame
+from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
 from echo2.errors import Echo2Error
 from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.transport import HANDSHAKE_TIMEOUT_S, TlsIdentity, normalize_pin
+from echo2.weights.frames import (
+    ErrorFrame,
+    Frame,
+    InstalledFrame,
+    JoinFrame,
+    LeaveFrame,
+    RejectedFrame,
+    ShutdownFrame,
+    StalledFrame,
+    announce,
+    parse_frame,
+    to_wire,
+)
 
 log = logging.getLogger(__name__)
 
 DEMOTE_AFTER_REPORTS = 2  # counted stall reports against a member that end its relaying for the run
 MAX_TRACKED = 4096  # members whose reports / demotion the publisher remembers (then: the current ones)
-MAX_ID = 128  # characters of a worker id in a join
-MAX_HOST = 255  # characters of a host name or address in a join
+MAX_CONTROL = 1 << 16  # bytes of a member's control frame (an install ack with its receipts is the largest)
 
 
 @dataclass
@@ -203,8 +218,8 @@ class TcpPublisher:
         members = dict(self._members)
         leaves = frozenset(w for w in members if w in self._demoted)
         plan = plan_with_leaves(self.strategy, list(members), leaves, manifest.n_chunks)
-        peers = {w: [*m.addr, m.cert] for w, m in members.items()}
-        peers[LEARNER] = [*self.address, self.fingerprint]
+        peers = {w: (*m.addr, m.cert) for w, m in members.items()}
+        peers[LEARNER] = (*self.address, self.fingerprint)
         serves: dict[str, list[str]] = {w: [] for w in members}  # who pulls from whom, per the plan
         for w, pulls in plan.items():
             for src in {a.source for a in pulls} - {LEARNER}:
@@ -226,12 +241,12 @@ class TcpPublisher:
         man = manifest.to_dict()
         hint = self._stall_hint(len(members), manifest.chunk_size)
         for w, member in members.items():
-            sources = [[a.source, list(a.chunks)] for a in plan[w]]
-            msg = {
-                "op": "announce", "manifest": man, "sources": sources, "peers": peers, "stall_hint": hint,
-                "serve": sorted(serves[w]), "credential": issue(self.key, version, w, member.cert).to_dict(),
-            }  # fmt: skip
-            self._spawn(self._send(member, msg))
+            frame = announce(
+                manifest=man, sources=[(a.source, list(a.chunks)) for a in plan[w]], peers=peers,
+                stall_hint=hint, serve=sorted(serves[w]),
+                credential=issue(self.key, version, w, member.cert).to_dict(),
+            )  # fmt: skip
+            self._spawn(self._send(member, frame))
         return manifest
 
     def _stall_hint(self, n: int, chunk: int) -> float:
@@ -280,7 +295,7 @@ class TcpPublisher:
     async def close(self) -> None:
         for member in list(self._members.values()):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send(member, {"op": "shutdown"}), 2.0)
+                await asyncio.wait_for(self._send(member, ShutdownFrame()), 2.0)
             member.writer.close()
         if self._server is not None:
             self._server.close()
@@ -295,10 +310,10 @@ class TcpPublisher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, member: _Member, msg: dict) -> None:  # type: ignore[type-arg]
+    async def _send(self, member: _Member, frame: Frame) -> None:
         try:
             async with member.lock:
-                await write_frame(member.writer, msg)
+                await write_frame(member.writer, to_wire(frame))
         except (OSError, ConnectionError) as exc:
             log.warning("control send to %s failed: %s", member.worker, exc)
 
@@ -306,12 +321,10 @@ class TcpPublisher:
         peer = writer.get_extra_info("peername")
         try:
             header = await asyncio.wait_for(read_header(reader, MAX_REQUEST), 30.0)
-            if header["op"] == "get":
+            if header["op"] == "get":  # the gate reads its credential first, then parse_pull the rest
                 await self._serve(header, writer)
-            elif header["op"] == "join":
-                await self._control(header, reader, writer)
             else:
-                raise ProtocolError(f"unexpected first op {header['op']!r}")
+                await self._control(parse_frame(header, JoinFrame), reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # a peer that goes away mid-stream is routine; its downstream repairs
         except AccessError as exc:  # counted by the gate
@@ -331,11 +344,12 @@ class TcpPublisher:
         """A pull: only by a member this version was announced to, with its credential; bounded."""
 
         async def admit(member: str, v: int) -> Admission:
+            pull = await parse_pull(header, writer, self.refusals)
             rnd, buffer = self._rounds.get(v), self._buffers.get(v)
             if rnd is None or buffer is None:  # no longer served
                 return None, False, None
-            capped = rnd.stream_rate and not header.get("repair") and member not in rnd.leaves
-            stream = Pacer(rnd.stream_rate) if capped else None
+            rate = rnd.stream_rate if not pull.repair and member not in rnd.leaves else None
+            stream = Pacer(rate) if rate else None
             return buffer, member in rnd.targets and member in self._members, stream
 
         await serve_pull(
@@ -348,48 +362,41 @@ class TcpPublisher:
             rnd.learner_bytes += n
             rnd.served[member] = rnd.served.get(member, 0) + 1
 
-    async def _control(self, hello: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # type: ignore[type-arg]
-        worker, host, port = hello.get("worker"), hello.get("host"), hello.get("port")
-        if not (isinstance(worker, str) and 0 < len(worker) <= MAX_ID and worker != LEARNER):
-            raise ProtocolError(f"join needs a string 'worker' of 1 to {MAX_ID} characters, not 'learner'")
-        if not (isinstance(host, str) and 0 < len(host) <= MAX_HOST):
-            raise ProtocolError(f"join from {worker!r} needs a string 'host' of 1 to {MAX_HOST} characters")
-        if type(port) is not int or not 0 < port < 65536:
-            raise ProtocolError(f"join from {worker!r} has an invalid port {show(port)}")
-        cert = hello.get("cert", "")
-        if not isinstance(cert, str):
-            raise ProtocolError(f"join from {worker!r}: 'cert' must be a string")
+    async def _control(
+        self, hello: JoinFrame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        worker, cert = hello.worker, hello.cert
+        if worker == LEARNER:
+            raise ProtocolError(f"a join may not use the learner's id {LEARNER!r}")
         if self.tls is not None:  # a member's relay speaks TLS too; its peers pin what it names here
             try:
                 cert = normalize_pin(cert)
             except ValueError:
                 raise ProtocolError(f"join from {worker!r} names no certificate fingerprint") from None
-        if self.authorize is not None and not self.authorize(worker, hello.get("credential")):
-            await write_frame(writer, {"op": "error", "reason": f"worker {worker!r}: credential refused"})
+        if self.authorize is not None and not self.authorize(worker, hello.credential):
+            await write_frame(writer, to_wire(ErrorFrame(reason=f"worker {worker!r}: credential refused")))
             raise ProtocolError(f"join from {worker!r} refused: bad or missing credential")
         if worker in self._members:
-            await write_frame(writer, {"op": "error", "reason": f"worker id {worker!r} already joined"})
+            await write_frame(writer, to_wire(ErrorFrame(reason=f"worker id {worker!r} already joined")))
             raise ProtocolError(f"duplicate worker id {worker!r}")
-        member = _Member(worker, (host, port), cert, writer)
+        member = _Member(worker, (hello.host, hello.port), cert, writer)
         self._members[worker] = member
         self._joined.set()
-        log.debug("worker %s joined from %s:%d (%d members)", worker, host, port, len(self._members))
+        log.debug("worker %s joined from %s:%d (%d members)", worker, *member.addr, len(self._members))
         try:
             while True:
-                msg = await read_header(reader, 1 << 16)
-                op, v = msg["op"], msg.get("v")
-                if op == "leave":
-                    break
-                if op not in ("installed", "stalled", "rejected"):
-                    raise ProtocolError(f"unexpected control op {show(op)} from {worker!r}")
-                if not (type(v) is int or (op == "rejected" and v is None)):
-                    raise ProtocolError(f"{op} from {worker!r} needs an integer 'v', got {show(v)}")
-                if op == "installed":
-                    self._on_installed(worker, v, msg.get("got"))
-                elif op == "stalled":
-                    self._on_stalled(worker, v, msg.get("source"))
-                else:
-                    log.warning("worker %s rejected v%s: %s", worker, v, show(msg.get("reason")))
+                header = await read_header(reader, MAX_CONTROL)
+                match parse_frame(
+                    header, InstalledFrame, StalledFrame, RejectedFrame, LeaveFrame, sender=worker
+                ):
+                    case LeaveFrame():
+                        break
+                    case InstalledFrame(v=v, got=got):
+                        self._on_installed(worker, v, got)
+                    case StalledFrame(v=v, source=source):
+                        self._on_stalled(worker, v, source)
+                    case RejectedFrame(v=v, reason=reason):
+                        log.warning("worker %s rejected v%s: %s", worker, v, show(reason))
         finally:
             if self._members.get(worker) is member:
                 del self._members[worker]
@@ -397,11 +404,9 @@ class TcpPublisher:
                 rnd.changed.set()
             log.debug("worker %s left (%d members)", worker, len(self._members))
 
-    def _on_installed(self, worker: str, v: int, got: object) -> None:
+    def _on_installed(self, worker: str, v: int, got: Mapping[str, int]) -> None:
         """An install ack: counted (its delay since publication) unless :func:`receipt_fault` or a
         stall report against ``worker`` for ``v`` says otherwise; late or repeated acks are ignored."""
-        if not (isinstance(got, dict) and all(type(c) is int and c >= 0 for c in got.values())):
-            raise ProtocolError(f"installed from {worker!r}: 'got' must map sources to chunk counts")
         rnd = self._rounds.get(v)
         if rnd is None or worker not in rnd.targets or worker in rnd.install_s or worker in rnd.refused:
             return
@@ -422,10 +427,8 @@ class TcpPublisher:
         rnd.changed.set()
         log.warning("not counting %s's install of v%d: %s", worker, rnd.manifest.version, why)
 
-    def _on_stalled(self, reporter: str, v: int, source: object) -> None:
+    def _on_stalled(self, reporter: str, v: int, source: str) -> None:
         """A stall report (module docstring): counted, or refused and counted as refused."""
-        if not isinstance(source, str):
-            raise ProtocolError(f"stalled from {reporter!r} needs a string 'source', got {show(source)}")
         rnd = self._rounds.get(v)
         why = None
         if rnd is None or source == LEARNER or source not in rnd.sources(reporter):

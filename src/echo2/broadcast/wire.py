@@ -9,8 +9,11 @@ lone surrogates (``"\\ud800"`` decodes to a string nothing can encode again), no
 ``Infinity`` (nor a float that overflows to it), no integer past Python's digit limit, containers
 nested at most ``MAX_DEPTH`` deep, a JSON object with a string ``op`` and, when present, a
 non-negative integer ``n``. Each refusal is a :class:`ProtocolError`, never a RecursionError or a
-UnicodeError from deep inside a handler. What each op's fields must be is checked where it is read;
-an announcement's by :func:`parse_announcement`.
+UnicodeError from deep inside a handler. What each op's fields must be is its model's rule
+(``echo2.weights.frames``: a node passes every header it reads through ``parse_frame`` before use, a
+pull's through :func:`parse_pull`); what only the manifest knows, an announcement's chunk indices and
+addresses, :func:`parse_announcement` checks. :class:`ProtocolError` and :func:`show` are defined
+there and named here as well.
 
 :func:`first_chunk_deadline` is how long a pull from a peer may wait for its first chunk.
 """
@@ -24,19 +27,27 @@ import re
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo2.broadcast.strategy import LEARNER
-from echo2.errors import Echo2Error
+from echo2.weights.frames import (
+    MAX_REASON,
+    AnnounceFrame,
+    ErrorFrame,
+    GetFrame,
+    ProtocolError,
+    parse_frame,
+    show,
+    to_wire,
+)
+
+if TYPE_CHECKING:
+    from echo2.broadcast.access import ServeCounters
 
 _LEN = struct.Struct("!I")
 MAX_HEADER = 8 << 20  # manifests with many chunk digests travel in headers
 MAX_DEPTH = 16  # containers a header may nest (the deepest real frame, an announcement, nests 4)
 _SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # an escape in U+D800..U+DFFF (maybe half a pair)
-
-
-class ProtocolError(Echo2Error):
-    """A peer sent a malformed, oversized or unexpected frame; the message says what."""
 
 
 def encode(header: dict[str, Any], payload_len: int = 0) -> bytes:
@@ -110,12 +121,6 @@ def _check_tree(header: dict[str, Any], surrogates: bool) -> None:
                     item.encode("utf-8")
                 except UnicodeEncodeError:
                     raise ProtocolError("frame header holds a lone UTF-16 surrogate") from None
-
-
-def show(value: object) -> str:
-    """A peer's value for an error message: its repr, cut to 60 characters."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 async def read_payload(reader: asyncio.StreamReader, header: dict[str, Any], max_payload: int) -> bytes:
@@ -206,43 +211,31 @@ class Announcement:
     stall_hint: float  # seconds without data the learner still calls normal (0 = no hint)
 
 
-def parse_announcement(msg: dict[str, Any], n_chunks: int, tls: bool) -> Announcement:
-    """An announcement's plan; ProtocolError naming the field unless ``sources`` is a list of
-    ``[id, [chunk index, ...]]`` (indices in ``[0, n_chunks)``), ``peers`` an object of
-    ``id: [host, port, fingerprint]`` naming every source and the learner (over TLS, with a 64-digit
-    fingerprint for each source), ``serve`` a list of ids and ``stall_hint`` a number >= 0."""
-    raw_sources, raw_peers, raw_serve = msg.get("sources"), msg.get("peers"), msg.get("serve", [])
-    hint = msg.get("stall_hint", 0.0)
-    if (
-        not isinstance(raw_sources, list)
-        or not isinstance(raw_peers, dict)
-        or not isinstance(raw_serve, list)
-    ):
-        raise ProtocolError("announcement needs a list 'sources', an object 'peers' and a list 'serve'")
-    sources: list[tuple[str, list[int]]] = []
-    for entry in raw_sources:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
-            raise ProtocolError(f"announcement source {show(entry)} is not [id, [chunk indices]]")
-        chunks = entry[1]
-        if not (isinstance(chunks, list) and all(type(i) is int and 0 <= i < n_chunks for i in chunks)):
-            raise ProtocolError(f"announcement source {entry[0]!r} names chunks outside [0, {n_chunks})")
-        sources.append((entry[0], chunks))
-    peers = {k: _peer(k, v) for k, v in raw_peers.items()}
-    if any(s not in peers for s, _ in sources) or LEARNER not in peers:
+def parse_announcement(frame: AnnounceFrame, n_chunks: int, tls: bool) -> Announcement:
+    """An announcement's plan (the types and bounds of its fields are its model's); ProtocolError
+    naming the fault unless every chunk index is in ``[0, n_chunks)``, ``peers`` names every source and
+    the learner, and (over TLS) each source with a 64-digit fingerprint."""
+    for source, chunks in frame.sources:
+        if any(i >= n_chunks for i in chunks):
+            raise ProtocolError(f"announcement source {source!r} names chunks outside [0, {n_chunks})")
+    peers = {k: (a[0], a[1], a[2] if len(a) == 3 else "") for k, a in frame.peers.items()}
+    if any(s not in peers for s, _ in frame.sources) or LEARNER not in peers:
         raise ProtocolError("announcement names a source without an address")
-    if tls and any(len(peers[s][2]) != 64 for s, _ in sources):
+    if tls and any(len(peers[s][2]) != 64 for s, _ in frame.sources):
         raise ProtocolError("announcement names a source without its certificate fingerprint")
-    if not all(isinstance(w, str) for w in raw_serve):
-        raise ProtocolError("announcement 'serve' must list member ids")
-    if not (isinstance(hint, int | float) and not isinstance(hint, bool) and hint >= 0):
-        raise ProtocolError(f"announcement 'stall_hint' must be a number >= 0, got {show(hint)}")
-    return Announcement(sources, peers, frozenset(raw_serve), float(hint))
+    return Announcement(list(frame.sources), peers, frozenset(frame.serve), frame.stall_hint)
 
 
-def _peer(name: str, entry: object) -> tuple[str, int, str]:
-    """An announced peer: ``[host, port, certificate fingerprint]`` (the fingerprint "" without TLS)."""
-    ok = isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], str)
-    ok = ok and type(entry[1]) is int and 0 < entry[1] < 65536 and all(isinstance(x, str) for x in entry[2:])
-    if not ok:
-        raise ProtocolError(f"announced peer {name!r} is not [host, port, fingerprint]: {show(entry)}")
-    return entry[0], entry[1], entry[2] if len(entry) == 3 else ""
+async def parse_pull(
+    header: dict[str, Any], writer: asyncio.StreamWriter, counters: ServeCounters
+) -> GetFrame:
+    """The model of a ``get`` whose credential the gate has accepted (called from ``store.serve_pull``'s
+    ``admit``, so a pull without a valid credential is still refused as such first). A malformed one
+    is answered as a chunk list out of bounds is: an error frame naming the fault, counted in
+    ``counters.bad_requests``, ProtocolError."""
+    try:
+        return parse_frame(header, GetFrame)
+    except ProtocolError as exc:
+        counters.bad_requests += 1
+        await write_frame(writer, to_wire(ErrorFrame(reason=str(exc)[:MAX_REASON])))
+        raise

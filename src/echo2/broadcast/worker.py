@@ -22,6 +22,11 @@ everything is plain TCP (``security.tls = false``); the credentials are checked 
 
 A node carries no fault logic of its own: an optional :class:`ChunkTap` sees every chunk it stores
 and every chunk it serves, which is where the benchmark harness plugs in its fault injection.
+
+Every frame is one of ``echo2.weights.frames``: built as its model, sent as ``to_wire`` of it, and
+parsed by ``parse_frame`` before use (a ``get`` after the gate has read its credential, ``parse_pull``).
+A malformed announcement is refused (``rejected``) like a forged one; a malformed frame anywhere else
+ends its connection (a pull stream's: repaired from the learner).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from echo2.broadcast.wire import (
     ProtocolError,
     first_chunk_deadline,
     parse_announcement,
+    parse_pull,
     read_header,
     read_payload,
     show,
@@ -59,6 +65,21 @@ from echo2.broadcast.wire import (
 )
 from echo2.errors import Echo2Error
 from echo2.transport import HANDSHAKE_TIMEOUT_S, PinError, client_context, make_identity, open_pinned
+from echo2.weights.frames import (
+    AnnounceFrame,
+    ChunkFrame,
+    ErrorFrame,
+    Frame,
+    InstalledFrame,
+    JoinFrame,
+    LeaveFrame,
+    RejectedFrame,
+    ShutdownFrame,
+    StalledFrame,
+    parse_frame,
+    to_wire,
+    version_or_none,
+)
 
 log = logging.getLogger(__name__)
 
@@ -205,13 +226,11 @@ class TcpWorkerNode:
                     raise Echo2Error(f"cannot reach the publisher at {self.publisher}: {exc}") from None
                 await asyncio.sleep(0.2)
         self._ctl = (reader, writer)
-        hello: dict[str, Any] = {
-            "op": "join", "worker": self.worker_id, "host": self.advertise_host, "port": self.port,
-            "cert": self.tls.fingerprint if self.tls is not None else "",
-        }  # fmt: skip
-        if self.credential is not None:
-            hello["credential"] = self.credential
-        await write_frame(writer, hello)
+        hello = JoinFrame(
+            worker=self.worker_id, host=self.advertise_host, port=self.port,
+            cert=self.tls.fingerprint if self.tls is not None else "", credential=self.credential,
+        )  # fmt: skip
+        await write_frame(writer, to_wire(hello))
         self._ctl_task = asyncio.ensure_future(self._control_loop())
         log.info(
             "worker %s serving on %s:%d, joined %s:%d",
@@ -228,7 +247,7 @@ class TcpWorkerNode:
         if self._ctl is not None:
             with contextlib.suppress(Exception):
                 async with self._ctl_lock:
-                    await write_frame(self._ctl[1], {"op": "leave"})
+                    await write_frame(self._ctl[1], to_wire(LeaveFrame()))
             self._ctl[1].close()
         if self._ctl_task is not None:
             self._ctl_task.cancel()
@@ -254,19 +273,19 @@ class TcpWorkerNode:
 
     async def report_installed(self, version: int) -> None:
         """Ack ``version``'s install, with this node's receipts of it (empty if it has none)."""
-        await self._ctl_send({"op": "installed", "v": version, "got": self._receipts.get(version, {})})
+        await self._ctl_send(InstalledFrame(v=version, got=self._receipts.get(version, {})))
 
     def avoided(self) -> dict[str, int]:
         """Peers this node does not pull from now -> the last version it skips them for."""
         return dict(self._avoid)
 
     # -- control --------------------------------------------------------------------------------------
-    async def _ctl_send(self, msg: dict[str, Any]) -> None:
+    async def _ctl_send(self, frame: Frame) -> None:
         if self._ctl is None:
             return
         try:
             async with self._ctl_lock:
-                await write_frame(self._ctl[1], msg)
+                await write_frame(self._ctl[1], to_wire(frame))
         except (OSError, ConnectionError) as exc:
             log.warning("worker %s: control send failed: %s", self.worker_id, exc)
 
@@ -275,14 +294,15 @@ class TcpWorkerNode:
         reader = self._ctl[0]
         try:
             while True:
-                msg = await read_header(reader)
-                if msg["op"] == "announce":
-                    await self._on_announce(msg)
-                elif msg["op"] == "shutdown":
-                    log.info("worker %s: publisher says shutdown", self.worker_id)
-                    break
-                elif msg["op"] == "error":
-                    log.error("worker %s: publisher refused us: %s", self.worker_id, msg.get("reason"))
+                header = await read_header(reader)
+                if header["op"] == "announce":  # malformed: refused like a forged one, not fatal
+                    await self._on_announce(header)
+                elif header["op"] in ("shutdown", "error"):  # any other op is ignored, as ever
+                    match parse_frame(header, ShutdownFrame, ErrorFrame, sender=LEARNER):
+                        case ErrorFrame(reason=reason):
+                            log.error("worker %s: publisher refused us: %s", self.worker_id, reason)
+                        case _:
+                            log.info("worker %s: publisher says shutdown", self.worker_id)
                     break
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             log.info("worker %s: control connection closed", self.worker_id)
@@ -296,9 +316,10 @@ class TcpWorkerNode:
             self._ctl_task = None
             await self.close()
 
-    async def _on_announce(self, msg: dict[str, Any]) -> None:
+    async def _on_announce(self, header: dict[str, Any]) -> None:
         try:
-            manifest = Manifest.from_dict(msg.get("manifest") or {})
+            frame = parse_frame(header, AnnounceFrame, sender=LEARNER)
+            manifest = Manifest.from_dict(frame.manifest)
             verify_manifest(manifest, self.key)
             current = self._transfer.manifest.version if self._transfer is not None else -1
             if manifest.version <= max(self.installed_version, current):
@@ -306,19 +327,17 @@ class TcpWorkerNode:
                     f"version {manifest.version} is not newer than installed v{self.installed_version} "
                     f"or in-flight v{current}"
                 )
-            plan = parse_announcement(msg, manifest.n_chunks, self.pin is not None)
+            plan = parse_announcement(frame, manifest.n_chunks, self.pin is not None)
             sources, peers = plan.sources, plan.peers
-            credential = Credential.from_dict(msg.get("credential"))
+            credential = Credential.from_dict(frame.credential)
             if credential.member != self.worker_id or credential.version != manifest.version:
                 raise ManifestError(f"credential is for {credential.member!r} v{credential.version}")
         except (ManifestError, ProtocolError) as exc:  # AccessError is a ProtocolError
             self.counters.rejected_manifests += 1
             log.warning("worker %s: refusing announcement: %s", self.worker_id, exc)
-            raw = msg.get("manifest")
-            version = raw.get("version") if isinstance(raw, dict) else None
-            await self._ctl_send(
-                {"op": "rejected", "v": version if type(version) is int else None, "reason": str(exc)[:500]}
-            )
+            raw = header.get("manifest")  # the version it names, if any: the frame may be garbage
+            version = version_or_none(raw.get("version") if isinstance(raw, dict) else None)
+            await self._ctl_send(RejectedFrame(v=version, reason=str(exc)[:500]))
             return
         if self._transfer is not None:
             self._abandon(self._transfer, f"superseded by v{manifest.version}")
@@ -428,17 +447,15 @@ class TcpWorkerNode:
                 while pos < len(todo):
                     i = todo[pos]
                     header = await read_header(reader, 1 << 16)
-                    if header["op"] == "error":
-                        raise ProtocolError(f"peer error: {show(header.get('reason'))}")
-                    if header["op"] != "chunk" or header.get("v") != m.version or header.get("i") != i:
+                    frame = parse_frame(header, ChunkFrame, ErrorFrame, sender=source)
+                    if isinstance(frame, ErrorFrame):
+                        raise ProtocolError(f"peer error: {show(frame.reason)}")
+                    if frame.v != m.version or frame.i != i:
                         raise ProtocolError(
-                            f"expected chunk {i} of v{m.version}, got op={show(header['op'])} "
-                            f"v={show(header.get('v'))} i={show(header.get('i'))}"
+                            f"expected chunk {i} of v{m.version}, got v{frame.v} chunk {frame.i}"
                         )
-                    if header.get("n") != m.chunk_len(i):
-                        raise ProtocolError(
-                            f"chunk {i} has {show(header.get('n'))} bytes, manifest says {m.chunk_len(i)}"
-                        )
+                    if frame.n != m.chunk_len(i):
+                        raise ProtocolError(f"chunk {i} has {frame.n} bytes, manifest says {m.chunk_len(i)}")
                     payload = await read_payload(reader, header, m.chunk_size)
                     if ticker is not None:
                         ticker.cancel()
@@ -513,7 +530,7 @@ class TcpWorkerNode:
     def _report_stall(self, version: int, source: str) -> None:
         """Tell the learner ``source`` stalled for this node in ``version`` (sent in the background)."""
         self.counters.stalls_reported += 1
-        task = asyncio.ensure_future(self._ctl_send({"op": "stalled", "v": version, "source": source}))
+        task = asyncio.ensure_future(self._ctl_send(StalledFrame(v=version, source=source)))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
@@ -546,7 +563,7 @@ class TcpWorkerNode:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             header = await asyncio.wait_for(read_header(reader, MAX_REQUEST), 30.0)
-            if header["op"] != "get":
+            if header["op"] != "get":  # a get: the gate reads its credential, then parse_pull the rest
                 raise ProtocolError(f"a worker only serves 'get', not {header['op']!r}")
             await self._serve(header, writer)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
@@ -572,6 +589,7 @@ class TcpWorkerNode:
         credential and (over TLS) proof; bounded in chunks and in bytes."""
 
         async def admit(member: str, v: int) -> Admission:
+            await parse_pull(header, writer, self.refusals)  # a malformed pull is refused before any wait
             await self._await_announce(v)  # else: "unknown version" (e.g. abandoned here), the puller repairs
             return self._buffers.get(v), member in self._serves.get(v, ()), None
 
@@ -586,14 +604,11 @@ class TcpWorkerNode:
             self.tap.on_serve if self.tap is not None else None,
         )
 
-    async def _await_announce(self, version: object) -> None:
+    async def _await_announce(self, version: int) -> None:
         """A peer may ask for a version whose announcement has not reached this node yet: wait a bit."""
         deadline = time.monotonic() + self.stall_timeout
         while (
-            isinstance(version, int)
-            and version > self.installed_version
-            and version not in self._buffers
-            and time.monotonic() < deadline
+            version > self.installed_version and version not in self._buffers and time.monotonic() < deadline
         ):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._announced.wait(), deadline - time.monotonic())

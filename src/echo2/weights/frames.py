@@ -1,0 +1,276 @@
+"""The frames of the TCP broadcast, typed on both ends: one model per kind, one parser, one way back.
+
+A frame's header is a JSON object (``broadcast.wire``: ``u32 length | header | payload``) whose ``op``
+names its kind. Each kind is a frozen pydantic model here, discriminated by its ``op`` (a
+``Literal``), strict (exact JSON types: ``1.0`` is no version, ``true`` no port) and closed (an
+unknown key is refused), every string, number, list and object bounded by a named limit below::
+
+    control, worker -> learner   join · installed · stalled · rejected · leave
+    control, learner -> worker   announce · shutdown · error
+    a pull, puller -> server     get
+    a pull, server -> puller     chunk (then its payload) · error
+
+:func:`parse_frame` is the one way a received header becomes a model: anything else is a
+:class:`ProtocolError` naming the op and the offending field (and the sender, when the caller names
+it), never a pydantic error. :func:`to_wire` is the one way back: the dict ``wire.write_frame``
+sends, with exactly the keys (and their order) the nodes sent before these models existed, so peers
+of this version interoperate whichever side built its frame by hand. An optional field left at None
+(``join.credential``, ``get.cert``, ``get.proof``) is not sent; a chunk's payload length ``n`` is
+written by ``wire.encode`` from the payload, so :func:`to_wire` leaves it out.
+
+What a model cannot know stays with its owner: whether a chunk index is below the manifest's chunk
+count and a source has an address (``wire.parse_announcement``), what a manifest or credential says
+(``broadcast.manifest``, ``broadcast.access``: both travel here as plain objects), whether a pull is
+one this node serves (``access.Gate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar, get_args, overload
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from echo2.errors import Echo2Error
+
+MAX_VERSION = 2**53  # a version past this is not exact as a JSON double (as protocol.MAX_INT)
+MAX_ID = 128  # characters of a member id (a worker id, or "learner")
+MAX_HOST = 255  # characters of a host name or address (the DNS limit)
+MAX_FINGERPRINT = 128  # characters of a certificate fingerprint (64 hex digits; 95 with OpenSSL's colons)
+MAX_CREDENTIAL = 1024  # characters of the credential a join carries (the registry's are 43)
+MAX_REASON = 4096  # characters of a refusal's reason (it may quote a member id or two, escaped)
+MAX_CHUNKS = 1 << 20  # chunks of one version (as broadcast.manifest.MAX_CHUNKS): indices and counts
+MAX_CHUNK_BYTES = 64 << 20  # payload bytes of one chunk (as broadcast.manifest.MAX_CHUNK_SIZE)
+MAX_MEMBERS = 1 << 16  # members one frame names (peers, sources, serve, receipts)
+MAX_FIELDS = 64  # keys of a nested record (a manifest, a credential: about ten each)
+MAX_CERT_HEX = 8192  # hex characters of a member's DER certificate in a get (2 x access.MAX_CERT_BYTES)
+MAX_PROOF_HEX = 1024  # hex characters of its proof of possession (an ECDSA P-256 signature: <= 144)
+
+FRAME = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, validate_by_alias=True)
+
+Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]  # a published snapshot version
+Member = Annotated[str, Field(min_length=1, max_length=MAX_ID)]  # a member id
+Host = Annotated[str, Field(min_length=1, max_length=MAX_HOST)]  # where a chunk server listens
+Port = Annotated[int, Field(ge=1, le=65535)]  # its TCP port
+Fingerprint = Annotated[str, Field(max_length=MAX_FINGERPRINT)]  # SHA-256 of a certificate ("" = plain TCP)
+Reason = Annotated[str, Field(max_length=MAX_REASON)]  # why something was refused, for a log line
+ChunkIndex = Annotated[int, Field(ge=0, lt=MAX_CHUNKS)]  # which chunk of a version
+ChunkCount = Annotated[int, Field(ge=0, le=MAX_CHUNKS)]  # how many chunks
+# a manifest or a credential: a plain object here, parsed by its owner (broadcast.manifest / .access)
+Record = Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)]
+# JSON has no tuples: these accept a list (strict=False on the tuple itself); their items stay strict.
+Source = Annotated[
+    tuple[Member, Annotated[list[ChunkIndex], Field(max_length=MAX_CHUNKS)]], Field(strict=False)
+]
+Address = Annotated[tuple[Host, Port], Field(strict=False)]  # [host, port]: plain TCP
+PinnedAddress = Annotated[tuple[Host, Port, Fingerprint], Field(strict=False)]  # [host, port, fingerprint]
+
+
+class ProtocolError(Echo2Error):
+    """A peer sent a malformed, oversized or unexpected frame; the message says what."""
+
+
+# ---- control: worker -> learner ---------------------------------------------------------------------
+class JoinFrame(BaseModel):
+    """A worker's first frame on its control connection: it is a member while that connection is open."""
+
+    model_config = FRAME
+
+    op: Literal["join"] = "join"
+    worker: Member  # its worker id, unique among live members (never "learner": the publisher checks)
+    host: Host  # where its chunk server listens, as its peers reach it
+    port: Port  # ... and on which port
+    cert: Fingerprint = ""  # fingerprint of its chunk server's certificate ("" without TLS)
+    credential: Annotated[str, Field(max_length=MAX_CREDENTIAL)] | None = (
+        None  # its run credential (not sent when None)
+    )
+
+
+class InstalledFrame(BaseModel):
+    """An install ack, with the receipts ``publisher.receipt_fault`` checks."""
+
+    model_config = FRAME
+
+    op: Literal["installed"] = "installed"
+    v: Version  # the version installed
+    got: Annotated[dict[Member, ChunkCount], Field(max_length=MAX_MEMBERS)]  # source -> chunks stored from it
+
+
+class StalledFrame(BaseModel):
+    """A report that a peer sent nothing within its deadline for this member."""
+
+    model_config = FRAME
+
+    op: Literal["stalled"] = "stalled"
+    v: Version  # the version it stalled in
+    source: Member  # the peer that stalled
+
+
+class RejectedFrame(BaseModel):
+    """A worker refused an announcement (bad signature, shape, stale version, someone else's credential)."""
+
+    model_config = FRAME
+
+    op: Literal["rejected"] = "rejected"
+    v: Version | None  # the version its manifest named (null when it named none): always sent
+    reason: Reason  # why, for the learner's log
+
+
+class LeaveFrame(BaseModel):
+    """A member leaves the topology (it closes its control connection next)."""
+
+    model_config = FRAME
+
+    op: Literal["leave"] = "leave"
+
+
+# ---- control: learner -> worker ---------------------------------------------------------------------
+class AnnounceFrame(BaseModel):
+    """A new version for one member: the signed manifest, that member's plan and its credential."""
+
+    model_config = FRAME
+
+    op: Literal["announce"] = "announce"
+    manifest: Record  # the signed manifest (``Manifest.to_dict``; verified by the worker)
+    sources: Annotated[
+        list[Source], Field(max_length=MAX_MEMBERS)
+    ]  # its pull streams: [source, [chunk, ...]]
+    peers: Annotated[dict[Member, Address | PinnedAddress], Field(max_length=MAX_MEMBERS)]  # id -> address
+    stall_hint: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # seconds still normal (0 = none)
+    serve: Annotated[list[Member], Field(max_length=MAX_MEMBERS)] = []  # members it serves this version
+    credential: Record  # its credential for the version (``access.Credential.to_dict``)
+
+
+class ShutdownFrame(BaseModel):
+    """The learner is closing: the worker leaves."""
+
+    model_config = FRAME
+
+    op: Literal["shutdown"] = "shutdown"
+
+
+class ErrorFrame(BaseModel):
+    """A refusal: of a join (control connection) or of a pull (before or instead of a chunk)."""
+
+    model_config = FRAME
+
+    op: Literal["error"] = "error"
+    reason: Reason  # what was refused and why
+
+
+# ---- a pull -----------------------------------------------------------------------------------------
+class GetFrame(BaseModel):
+    """A pull request (``access.pull_request``): the chunks a member wants of a version, in order."""
+
+    model_config = FRAME
+
+    op: Literal["get"] = "get"
+    v: Version  # the version asked for
+    chunks: Annotated[list[ChunkIndex], Field(min_length=1, max_length=MAX_CHUNKS)]  # in the order wanted
+    member: Annotated[Member, Field(alias="from")]  # who asks (its credential names the same member)
+    repair: bool = False  # in place of another source (never rate-capped)
+    cred: Record  # the learner's credential for that member and version
+    cert: Annotated[str, Field(max_length=MAX_CERT_HEX)] | None = None  # over TLS: its certificate (hex DER)
+    proof: Annotated[str, Field(max_length=MAX_PROOF_HEX)] | None = None  # over TLS: its signature (hex)
+
+
+class ChunkFrame(BaseModel):
+    """One chunk of a pull; its payload of ``n`` bytes follows the header."""
+
+    model_config = FRAME
+
+    op: Literal["chunk"] = "chunk"
+    v: Version  # the version it belongs to
+    i: ChunkIndex  # its index
+    n: Annotated[int, Field(ge=0, le=MAX_CHUNK_BYTES)] = 0  # payload bytes (written by wire.encode)
+
+
+Frame = (
+    JoinFrame | InstalledFrame | StalledFrame | RejectedFrame | LeaveFrame
+    | AnnounceFrame | ShutdownFrame | ErrorFrame | GetFrame | ChunkFrame
+)  # fmt: skip
+F = TypeVar("F", bound=Frame)
+G = TypeVar("G", bound=Frame)
+
+_FRAMES: TypeAdapter[Frame] = TypeAdapter(Annotated[Frame, Field(discriminator="op")])
+KINDS: dict[str, type[Frame]] = {cls.model_fields["op"].default: cls for cls in get_args(Frame)}
+_UNSENT_NONE = {  # per kind: optional fields not sent while None
+    cls: frozenset(k for k, f in cls.model_fields.items() if not f.is_required() and f.default is None)
+    for cls in KINDS.values()
+}
+_VERSION: TypeAdapter[int] = TypeAdapter(Version, config=ConfigDict(strict=True))
+
+
+@overload
+def parse_frame(header: Mapping[str, Any], kind: type[F], /, *, sender: str | None = None) -> F: ...
+@overload
+def parse_frame(
+    header: Mapping[str, Any], kind: type[F], other: type[G], /, *, sender: str | None = None
+) -> F | G: ...
+@overload
+def parse_frame(header: Mapping[str, Any], *kinds: type[Frame], sender: str | None = None) -> Frame: ...
+def parse_frame(header: Mapping[str, Any], *kinds: type[BaseModel], sender: str | None = None) -> Frame:
+    """The model of a received header (``wire.read_header``'s dict), of one of ``kinds`` (any kind when
+    none are given); ProtocolError naming the op and the field otherwise (``sender``: a member id for
+    the message)."""
+    op = header.get("op")
+    at = f" from {sender!r}" if sender is not None else ""
+    if not isinstance(op, str) or op not in KINDS:
+        raise ProtocolError(f"unknown frame op {show(op)}{at}")
+    if kinds and KINDS[op] not in kinds:
+        expected = ", ".join(repr(k.model_fields["op"].default) for k in kinds)
+        raise ProtocolError(f"unexpected {op!r} frame{at} (expected {expected})")
+    try:
+        return _FRAMES.validate_python(header, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        raise ProtocolError(f"{op!r} frame{at}: {_explain(exc)}") from None
+
+
+def to_wire(frame: Frame) -> dict[str, Any]:
+    """The header ``wire.write_frame`` sends for ``frame`` (the module docstring: same keys as ever).
+    Shallow: the field values go out as they are (tuples encode as JSON arrays), so the learner's
+    announcements, one per member with the whole peer map, cost no copy of that map."""
+    unsent = _UNSENT_NONE[type(frame)]
+    out: dict[str, Any] = {}
+    for name, info in type(frame).model_fields.items():
+        value = getattr(frame, name)
+        if (value is None and name in unsent) or (name == "n" and isinstance(frame, ChunkFrame)):
+            continue
+        out[info.alias or name] = value
+    return out
+
+
+def announce(**fields: Any) -> AnnounceFrame:
+    """An announcement the learner builds itself, not validated again (its parts are this process's own:
+    the signed manifest, the plan, the members' checked join addresses); a member parses it strictly."""
+    return AnnounceFrame.model_construct(**fields)
+
+
+def version_or_none(value: object) -> int | None:
+    """``value`` if it is a frame's version (an int in [0, MAX_VERSION]), else None: what a rejection
+    names of an announcement whose manifest may be garbage."""
+    try:
+        return _VERSION.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def show(value: object) -> str:
+    """A peer's value for an error message: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _explain(exc: ValidationError) -> str:
+    """The first fault of a failed validation as ``field 'a.b': what, got value`` (and how many more)."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    # loc[0] is the op tag; a union (an announced peer's address) adds its member's label: neither is a field
+    path = ".".join(str(p) for p in err["loc"][1:] if not (isinstance(p, str) and p.startswith("tuple[")))
+    if err["type"] == "missing":
+        text = f"field {path!r} is missing"
+    elif err["type"] == "extra_forbidden":
+        text = f"unknown field {path!r}"
+    else:
+        text = f"field {path!r}: {err['msg']}, got {show(err['input'])}"
+    return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")

@@ -1,0 +1,387 @@
+"""echo2.weights.frames: every broadcast frame kind survives the wire unchanged (byte for byte what the
+nodes sent before the models), each is refused as a ProtocolError naming the op and the field for a
+missing field, a wrong type, a value out of range, an extra key or an unknown op; and through the real
+publisher and node, a malformed frame costs only its sender's connection (or stream, or announcement),
+counted where it was counted before."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from echo2.broadcast import access, manifest
+from echo2.broadcast.access import AccessError, Credential, issue, pull_request
+from echo2.broadcast.manifest import build_manifest, new_signing_key
+from echo2.broadcast.pipelined import TreePipelined
+from echo2.broadcast.publisher import TcpPublisher
+from echo2.broadcast.store import SnapshotBuffer, serve_get
+from echo2.broadcast.strategy import LEARNER
+from echo2.broadcast.wire import ProtocolError as WireProtocolError
+from echo2.broadcast.wire import encode, parse_header, read_header, read_payload, write_frame
+from echo2.broadcast.worker import TcpWorkerNode
+from echo2.protocol import MAX_INT
+from echo2.transport import make_identity
+from echo2.weights import frames
+from echo2.weights.frames import (
+    KINDS,
+    MAX_CHUNKS,
+    MAX_ID,
+    MAX_REASON,
+    MAX_VERSION,
+    AnnounceFrame,
+    ChunkFrame,
+    ErrorFrame,
+    GetFrame,
+    InstalledFrame,
+    JoinFrame,
+    LeaveFrame,
+    ProtocolError,
+    RejectedFrame,
+    ShutdownFrame,
+    StalledFrame,
+    parse_frame,
+    to_wire,
+    version_or_none,
+)
+
+KEY = new_signing_key()
+PUBLIC = KEY.verifier()
+CHUNK = 4096
+BLOB = bytes(range(256)) * 40  # 10240 bytes: 3 chunks
+MANIFEST = build_manifest(BLOB, 5, CHUNK, KEY)
+CRED = issue(KEY, 5, "w1", "")
+FP = "ab" * 32  # a certificate fingerprint
+
+# Each kind as the nodes built it by hand before the models (same keys, same order), and its model.
+BY_HAND: dict[str, tuple[dict[str, Any], frames.Frame]] = {
+    "join": (
+        {"op": "join", "worker": "w1", "host": "10.0.0.1", "port": 4242, "cert": FP, "credential": "c"},
+        JoinFrame(worker="w1", host="10.0.0.1", port=4242, cert=FP, credential="c"),
+    ),
+    "installed": (
+        {"op": "installed", "v": 5, "got": {LEARNER: 2, "w2": 1}},
+        InstalledFrame(v=5, got={LEARNER: 2, "w2": 1}),
+    ),
+    "stalled": ({"op": "stalled", "v": 5, "source": "w2"}, StalledFrame(v=5, source="w2")),
+    "rejected": ({"op": "rejected", "v": 5, "reason": "stale"}, RejectedFrame(v=5, reason="stale")),
+    "leave": ({"op": "leave"}, LeaveFrame()),
+    "announce": (
+        {
+            "op": "announce",
+            "manifest": MANIFEST.to_dict(),
+            "sources": [[LEARNER, [0, 2]], ["w2", [1]]],
+            "peers": {"w2": ["10.0.0.2", 4243, FP], LEARNER: ["10.0.0.9", 7000, FP]},
+            "stall_hint": 0.25,
+            "serve": ["w3"],
+            "credential": CRED.to_dict(),
+        },
+        AnnounceFrame(
+            manifest=MANIFEST.to_dict(),
+            sources=[(LEARNER, [0, 2]), ("w2", [1])],
+            peers={"w2": ("10.0.0.2", 4243, FP), LEARNER: ("10.0.0.9", 7000, FP)},
+            stall_hint=0.25,
+            serve=["w3"],
+            credential=CRED.to_dict(),
+        ),
+    ),
+    "shutdown": ({"op": "shutdown"}, ShutdownFrame()),
+    "error": ({"op": "error", "reason": "unknown version 9"}, ErrorFrame(reason="unknown version 9")),
+    "get": (
+        pull_request(CRED, [0, 2], False, "", None),
+        GetFrame(v=5, chunks=[0, 2], member="w1", repair=False, cred=CRED.to_dict()),
+    ),
+    "chunk": ({"op": "chunk", "v": 5, "i": 2}, ChunkFrame(v=5, i=2)),
+}
+
+
+def test_every_kind_has_a_case_here() -> None:
+    assert sorted(BY_HAND) == sorted(KINDS)
+
+
+def on_wire(header: dict[str, Any]) -> dict[str, Any]:
+    """A header as the peer reads it: JSON, so a tuple to_wire leaves as it is arrives as a list."""
+    return parse_header(encode(header)[4:])
+
+
+@pytest.mark.parametrize("op", sorted(BY_HAND))
+def test_every_kind_round_trips_byte_for_byte(op: str) -> None:
+    by_hand, model = BY_HAND[op]
+    wire = to_wire(model)
+    assert list(wire) == list(by_hand)  # the same keys in the same order ...
+    assert encode(wire) == encode(by_hand)  # ... so the same bytes on the wire
+    received = parse_header(encode(wire)[4:])  # what the peer's read_header returns
+    assert parse_frame(received) == model
+    assert on_wire(to_wire(parse_frame(received))) == by_hand
+
+
+def test_what_to_wire_leaves_out() -> None:
+    # an optional field at None is not sent (a join without a credential, a get without TLS) ...
+    assert to_wire(JoinFrame(worker="w", host="h", port=1)) == {
+        "op": "join", "worker": "w", "host": "h", "port": 1, "cert": "",
+    }  # fmt: skip
+    # ... but a required one is, null included (a rejection of a manifest that names no version)
+    assert to_wire(RejectedFrame(v=None, reason="garbage")) == {
+        "op": "rejected",
+        "v": None,
+        "reason": "garbage",
+    }
+    # a chunk's payload length is the framing's (wire.encode), so it travels once, after the rest
+    header = parse_header(encode(to_wire(ChunkFrame(v=5, i=1)), 4096)[4:])
+    assert header == {"op": "chunk", "v": 5, "i": 1, "n": 4096}
+    assert parse_frame(header) == ChunkFrame(v=5, i=1, n=4096)
+    # an announced peer without a fingerprint (plain TCP) stays a pair
+    ann = {**BY_HAND["announce"][0], "peers": {LEARNER: ["h", 1]}}
+    assert on_wire(to_wire(parse_frame(ann)))["peers"] == {LEARNER: ["h", 1]}
+
+
+def test_a_get_over_tls_round_trips_and_matches_what_access_builds() -> None:
+    me, server = make_identity(["127.0.0.1"]), make_identity(["127.0.0.1"])
+    cred = issue(KEY, 5, "w1", me.fingerprint)
+    by_hand = pull_request(cred, [1], True, server.fingerprint, me)
+    model = parse_frame(by_hand, GetFrame)
+    assert model.member == "w1" and model.repair and model.cert == me.cert_der.hex()
+    assert encode(to_wire(model)) == encode(by_hand)
+
+
+def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
+    async def go() -> dict[str, Any]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        await pub.start()
+        r, w = await asyncio.open_connection(*pub.address)
+        await write_frame(w, to_wire(JoinFrame(worker="w1", host="127.0.0.1", port=9)))
+        await pub.wait_members(1, 5)
+        await pub.publish(1, BLOB)
+        header = await asyncio.wait_for(read_header(r), 5)
+        w.close()
+        await pub.close()
+        return header
+
+    header = asyncio.run(go())
+    frame = parse_frame(header, AnnounceFrame)
+    assert frame.sources == [(LEARNER, [0, 1, 2])] and set(frame.peers) == {"w1", LEARNER}
+    assert on_wire(to_wire(frame)) == header
+
+
+# -- refusals -----------------------------------------------------------------------------------------
+# Per kind with fields: a field to leave out, a wrong type, a value out of range (field, value).
+GOOD = {op: by_hand for op, (by_hand, _) in BY_HAND.items()}
+REFUSALS: list[tuple[str, str, str, object, str]] = [  # (op, case, field path, value, what the message says)
+    ("join", "missing", "port", None, "is missing"),
+    ("join", "type", "port", "4242", "should be a valid integer"),
+    ("join", "type", "port", True, "should be a valid integer"),
+    ("join", "range", "port", 65536, "less than or equal to 65535"),
+    ("join", "range", "worker", "w" * (MAX_ID + 1), f"at most {MAX_ID} characters"),
+    ("join", "range", "host", "", "at least 1 character"),
+    ("installed", "missing", "got", None, "is missing"),
+    ("installed", "type", "v", 5.0, "should be a valid integer"),
+    ("installed", "type", "got", [1], "should be a valid dictionary"),
+    ("installed", "range", "got.learner", {LEARNER: -1}, "greater than or equal to 0"),
+    ("installed", "range", "v", -1, "greater than or equal to 0"),
+    ("stalled", "missing", "source", None, "is missing"),
+    ("stalled", "type", "source", 5, "should be a valid string"),
+    ("stalled", "range", "v", MAX_VERSION + 1, f"less than or equal to {MAX_VERSION}"),
+    ("rejected", "missing", "v", None, "is missing"),
+    ("rejected", "type", "v", "x", "should be a valid integer"),
+    ("rejected", "range", "reason", "r" * (MAX_REASON + 1), f"at most {MAX_REASON} characters"),
+    ("announce", "missing", "credential", None, "is missing"),
+    ("announce", "type", "manifest", [1, 2], "should be a valid dictionary"),
+    ("announce", "type", "sources", {LEARNER: [0]}, "should be a valid list"),
+    ("announce", "type", "stall_hint", True, "should be a valid number"),
+    ("announce", "type", "serve.0", [1], "should be a valid string"),
+    ("announce", "range", "stall_hint", -1.0, "greater than or equal to 0"),
+    ("announce", "range", "sources.0.1.0", [[LEARNER, [MAX_CHUNKS]]], f"less than {MAX_CHUNKS}"),
+    ("announce", "range", "peers.learner.1", {LEARNER: ["h", 0]}, "greater than or equal to 1"),
+    ("error", "missing", "reason", None, "is missing"),
+    ("error", "type", "reason", {"why": 1}, "should be a valid string"),
+    ("error", "range", "reason", "r" * (MAX_REASON + 1), f"at most {MAX_REASON} characters"),
+    ("get", "missing", "from", None, "is missing"),
+    ("get", "type", "repair", "yes", "should be a valid boolean"),
+    ("get", "type", "chunks", "all", "should be a valid list"),
+    ("get", "range", "chunks", [], "at least 1 item"),
+    ("get", "range", "chunks.0", [-1], "greater than or equal to 0"),
+    ("chunk", "missing", "i", None, "is missing"),
+    ("chunk", "type", "i", False, "should be a valid integer"),  # False == 0: the old check let it pass
+    ("chunk", "range", "n", 1 << 30, "less than or equal to 67108864"),
+]
+
+
+def _refused(header: dict[str, Any], needle: str) -> str:
+    with pytest.raises(ProtocolError) as caught:
+        parse_frame(header)
+    assert needle in str(caught.value), str(caught.value)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(("op", "case", "path", "value", "what"), REFUSALS)
+def test_each_kind_is_refused_naming_its_op_and_field(
+    op: str, case: str, path: str, value: object, what: str
+) -> None:
+    header, field = dict(GOOD[op]), path.split(".")[0]
+    if case == "missing":
+        del header[field]
+    else:
+        header[field] = value
+    message = _refused(header, what)
+    assert message.startswith(f"{op!r} frame: field {path!r}")
+    assert case == "missing" or ", got " in message  # the offending value, shown
+
+
+def test_each_kind_with_fields_has_a_missing_a_wrong_type_and_an_out_of_range_case() -> None:
+    fieldless = {"leave", "shutdown"}  # only an extra key or a wrong op can be wrong with these
+    for op in sorted(set(KINDS) - fieldless):
+        assert {case for o, case, *_ in REFUSALS if o == op} == {"missing", "type", "range"}, op
+
+
+@pytest.mark.parametrize("op", sorted(BY_HAND))
+def test_each_kind_refuses_an_extra_key(op: str) -> None:
+    _refused({**GOOD[op], "member": "w1"}, f"{op!r} frame: unknown field 'member'")  # get's field, by name
+
+
+@pytest.mark.parametrize("op", ["dance", "JOIN", "", 5, None, ["get"]])
+def test_an_unknown_op_is_refused(op: object) -> None:
+    _refused({"op": op, "v": 1}, "unknown frame op")
+
+
+def test_where_a_kind_is_not_expected_it_is_refused_naming_the_sender() -> None:
+    with pytest.raises(
+        ProtocolError, match=r"unexpected 'announce' frame from 'w1' \(expected 'installed', 'leave'\)"
+    ):
+        parse_frame(GOOD["announce"], InstalledFrame, LeaveFrame, sender="w1")
+    with pytest.raises(ProtocolError, match=r"'installed' frame from 'w1': field 'v'"):
+        parse_frame({**GOOD["installed"], "v": "1"}, InstalledFrame, sender="w1")
+    assert parse_frame(GOOD["stalled"], InstalledFrame, StalledFrame) == BY_HAND["stalled"][1]
+
+
+def test_one_error_type_shared_with_the_wire_and_the_gate() -> None:
+    assert WireProtocolError is ProtocolError and issubclass(AccessError, ProtocolError)
+    with pytest.raises(ProtocolError):  # a peer's frame that is not even JSON: the same class
+        parse_header(b"{{{")
+
+
+def test_the_limits_agree_with_the_modules_that_own_them() -> None:
+    # echo2.weights sits below echo2.broadcast and cannot import these; this keeps one rule each
+    assert frames.MAX_CHUNKS == manifest.MAX_CHUNKS and frames.MAX_CHUNK_BYTES == manifest.MAX_CHUNK_SIZE
+    assert frames.MAX_CERT_HEX == 2 * access.MAX_CERT_BYTES and frames.MAX_VERSION == MAX_INT
+    assert len(MANIFEST.to_dict()) <= frames.MAX_FIELDS and len(CRED.to_dict()) <= frames.MAX_FIELDS
+
+
+def test_version_or_none() -> None:
+    assert [version_or_none(x) for x in (0, 7, MAX_VERSION, -1, MAX_VERSION + 1, True, 1.0, "1", None)] == [
+        0, 7, MAX_VERSION, None, None, None, None, None, None,
+    ]  # fmt: skip
+
+
+def test_frames_are_frozen() -> None:
+    frame = StalledFrame(v=1, source="w2")
+    with pytest.raises(ValueError, match="frozen"):
+        frame.v = 2  # type: ignore[misc]
+
+
+# -- through the real publisher and node --------------------------------------------------------------
+def test_publisher_drops_a_malformed_control_frame_and_refuses_a_malformed_pull(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A joined member's malformed control frame drops only its connection (``bad_frames``); a pull
+    with a valid credential but a malformed field gets an error frame naming the field, and counts as a
+    bad request (``bad_requests``) and a bad frame, like a chunk list out of bounds; the port serves on."""
+
+    async def go() -> TcpPublisher:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        await pub.start()
+        bad_r, bad_w = await asyncio.open_connection(*pub.address)
+        await write_frame(bad_w, to_wire(JoinFrame(worker="bad", host="127.0.0.1", port=9)))
+        good_r, good_w = await asyncio.open_connection(*pub.address)
+        await write_frame(good_w, to_wire(JoinFrame(worker="good", host="127.0.0.1", port=9)))
+        await pub.wait_members(2, 5)
+        await write_frame(bad_w, {**GOOD["installed"], "extra": 1})
+        assert await asyncio.wait_for(bad_r.read(), 5) == b""  # dropped ...
+        await asyncio.sleep(0.01)
+        assert pub.members() == ["good"]  # ... and no longer a member; the other stays
+
+        await pub.publish(1, BLOB)
+        ann = parse_frame(await asyncio.wait_for(read_header(good_r), 5), AnnounceFrame)
+        cred = Credential.from_dict(ann.credential)
+        r, w = await asyncio.open_connection(*pub.address)
+        await write_frame(w, {**pull_request(cred, [0], False, "", None), "repair": "yes"})
+        refusal = parse_frame(await asyncio.wait_for(read_header(r), 5), ErrorFrame)
+        assert "'get' frame: field 'repair'" in refusal.reason and await r.read() == b""
+        r, w = await asyncio.open_connection(*pub.address)  # a well-formed pull is served as ever
+        await write_frame(w, pull_request(cred, [0, 1, 2], False, "", None))
+        for i in range(3):
+            header = await asyncio.wait_for(read_header(r), 5)
+            assert parse_frame(header, ChunkFrame).i == i
+            await read_payload(r, header, CHUNK)
+        good_w.close()
+        await pub.close()
+        return pub
+
+    pub = asyncio.run(go())
+    assert pub.counters.bad_frames == 2 and pub.counters.peer_errors == 0
+    assert pub.refusals.bad_requests == 1 and pub.refusals.refused_requests == 0
+    assert caplog.text.count("dropping connection") == 2
+    assert not [rec for rec in caplog.records if rec.exc_info]
+
+
+def test_node_refuses_a_malformed_announcement_and_repairs_a_malformed_chunk(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Against a fake learner: announcements with an extra key or a negative stall hint are refused
+    (``rejected``, naming the field; ``rejected_manifests``) and the node stays; a chunk frame whose
+    index is ``false`` (equal to 0 in Python, so the old hand check let it through) fails its stream,
+    which is repaired from the learner, and the node installs the exact blob."""
+    caplog.set_level(logging.INFO)
+
+    async def go() -> TcpWorkerNode:
+        buffer = SnapshotBuffer(MANIFEST, BLOB)
+        joined: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]] = (
+            asyncio.Queue()
+        )
+        gets: list[GetFrame] = []
+
+        async def learner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            header = await read_header(reader)
+            if header["op"] != "get":
+                await joined.put((reader, writer, header))
+                return
+            gets.append(parse_frame(header, GetFrame))
+            if len(gets) == 1:  # the first pull: a malformed chunk frame
+                await write_frame(writer, {"op": "chunk", "v": 5, "i": False}, BLOB[:CHUNK])
+            else:
+                await serve_get(header, writer, lambda v: buffer if v == 5 else None, None, 5.0)
+            writer.close()
+
+        server = await asyncio.start_server(learner, "127.0.0.1", 0)
+        addr = server.sockets[0].getsockname()[:2]
+        node = TcpWorkerNode("w1", addr, PUBLIC, stall_timeout=2.0)
+        await node.start()
+        ctl_r, ctl_w, hello = await asyncio.wait_for(joined.get(), 5)
+        assert parse_frame(hello, JoinFrame) == JoinFrame(worker="w1", host="127.0.0.1", port=node.port)
+        good = {
+            **GOOD["announce"], "sources": [[LEARNER, [0, 1, 2]]],
+            "peers": {LEARNER: [*addr, ""]}, "serve": [], "stall_hint": 0.0,
+        }  # fmt: skip
+        for bad, field in (
+            ({**good, "extra": 1}, "unknown field 'extra'"),
+            ({**good, "stall_hint": -1.0}, "stall_hint"),
+        ):
+            await write_frame(ctl_w, bad)
+            rejected = parse_frame(await asyncio.wait_for(read_header(ctl_r), 5), RejectedFrame)
+            assert rejected.v == 5 and "'announce' frame from 'learner'" in rejected.reason
+            assert field in rejected.reason
+        await write_frame(ctl_w, good)
+        snap = await asyncio.wait_for(node.snapshots().__anext__(), 10)
+        assert snap.manifest.version == 5 and bytes(snap.data) == BLOB
+        assert [g.repair for g in gets] == [False, True]  # the malformed stream's chunks came again
+        await node.close()
+        server.close()
+        return node
+
+    node = asyncio.run(go())
+    assert node.counters.rejected_manifests == 2 and node.counters.bad_frames == 0
+    assert node.counters.stream_failures == 1 and node.counters.repaired_chunks == 3
+    assert node.counters.peer_errors == 0
+    assert "'chunk' frame from 'learner': field 'i'" in caplog.text
+    assert not [rec for rec in caplog.records if rec.exc_info]

@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from echo2.runtime.rundir import read_metrics  # noqa: E402
+from echo2.observe.rundir import read_metrics  # noqa: E402
 
 TARGET_RATIO = 1.03
 WARMUP = 20

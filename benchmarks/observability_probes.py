@@ -4,7 +4,7 @@
   single-threaded AdamW loop over eight 64x64 layers: mostly Python, like the embedded model's
   update), timed with nothing else running, with the four trackers fed one record per 0.35 s from a
   *thread* of the same process (how echo2 fed them before), and from the *tracker process*
-  (runtime/trackers.py, how it feeds them now). Rounds interleave the three; each reading is the mean
+  (observe/trackers.py, how it feeds them now). Rounds interleave the three; each reading is the mean
   iteration time, reported as a ratio to that round's "none".
 - **page**: what the live dashboard costs the machine it is open on. A real `echo2 run` with the
   dashboard, headless Chromium (the benchmark's flags) polling it; over 40 s: the CPU of Chromium's
@@ -77,8 +77,8 @@ def _feed(log: Any, stop: threading.Event) -> None:
 
 def placement_reading(mode: str) -> float:
     """One stand-in reading with the trackers nowhere, on a thread, or in the tracker process."""
-    from echo2.runtime.sinks import GuardedSink, open_sinks
-    from echo2.runtime.trackers import start_trackers
+    from echo2.observe.sinks import GuardedSink, open_sinks
+    from echo2.observe.trackers import start_trackers
 
     if mode == "none":
         return _stand_in_step_s()

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from echo2.runtime.rundir import read_metrics
+from echo2.observe.rundir import read_metrics
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:

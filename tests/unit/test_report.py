@@ -12,7 +12,7 @@ import pytest
 
 from echo2.cli import main
 from echo2.errors import Echo2Error
-from echo2.runtime.report import load_run, plot_run, summarize, write_report
+from echo2.observe.report import load_run, plot_run, summarize, write_report
 
 CAUSES = ("wait", "publish", "eval", "checkpoint", "log", "other")
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,7 @@ import pytest
 
 from echo2.cli.simulate import SIMULATE
 from echo2.errors import ConfigError
-from echo2.runtime.rundir import read_metrics
+from echo2.observe.rundir import read_metrics
 from echo2.sim import experiments
 from echo2.sim.config import load_sim_scenario
 

@@ -1,6 +1,6 @@
-"""Experiment-tracker sinks (runtime/sinks.py): each tracker writes for real, offline, through
+"""Experiment-tracker sinks (observe/sinks.py): each tracker writes for real, offline, through
 ``RunDir(..., sinks=...)``, and is read back with the tool's own reader; then the tracker process
-(runtime/trackers.py) that hosts them for a run, as real child processes."""
+(observe/trackers.py) that hosts them for a run, as real child processes."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import pytest
 
 from echo2.config import SinkName, load_config
 from echo2.errors import ConfigError
-from echo2.runtime.rundir import RunDir, read_metrics
-from echo2.runtime.sinks import SINKS, MemorySink, open_sinks
-from echo2.runtime.trackers import NICENESS, TrackerProcess, start_trackers
+from echo2.observe.rundir import RunDir, read_metrics
+from echo2.observe.sinks import SINKS, MemorySink, open_sinks
+from echo2.observe.trackers import NICENESS, TrackerProcess, start_trackers
 
 CONFIG = {
     "seed": 0,
@@ -221,7 +221,7 @@ def test_a_failing_sink_never_stops_the_run_and_is_disabled_after_three_failures
 ) -> None:
     broken, memory = _Broken(), MemorySink()
     rd = RunDir(tmp_path / "run", CONFIG, sinks=[broken, memory])
-    with caplog.at_level(logging.WARNING, logger="echo2.runtime.sinks"):
+    with caplog.at_level(logging.WARNING, logger="echo2.observe.sinks"):
         for step in range(6):
             rd.log({"step": step, "time_s": float(step), "learner/loss": 1.0 / (step + 1)})
         rd.close()  # the broken close is logged, not raised
@@ -307,7 +307,7 @@ def test_a_checkpoint_is_whole_on_disk_or_absent(tmp_path: Path, monkeypatch: py
     leaves the previous checkpoint the newest, and its leftover is cleared by the next save."""
     import os
 
-    from echo2.runtime.rundir import STATE_FILE, latest_checkpoint
+    from echo2.observe.rundir import STATE_FILE, latest_checkpoint
 
     class Policy:
         def save(self, path: Path) -> None:
@@ -337,7 +337,7 @@ def test_a_checkpoint_is_whole_on_disk_or_absent(tmp_path: Path, monkeypatch: py
     rd.close()
 
 
-# ---- the tracker process (runtime/trackers.py): real child processes --------------------------
+# ---- the tracker process (observe/trackers.py): real child processes --------------------------
 
 
 def _niceness(pid: int) -> int:

@@ -12,7 +12,7 @@ from rich.console import Console
 from echo2.cli import build_parser, log_level
 from echo2.cli.run import live_view
 from echo2.config import TrainConfig
-from echo2.runtime.view import ProgressView
+from echo2.observe.view import ProgressView
 
 RECORD = {
     "step": 12,

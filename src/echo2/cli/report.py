@@ -1,5 +1,5 @@
 """`echo2 report RUN_DIR`: one self-contained HTML page of a run, finished or running (module imports
-stay stdlib-only; the page is drawn by ``echo2.runtime.report``)."""
+stay stdlib-only; the page is drawn by ``echo2.observe.report``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from echo2.runtime.report import write_report
+    from echo2.observe.report import write_report
 
     out = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")

@@ -47,6 +47,7 @@ from typing import Any
 
 from echo2.data.submission import Rejected, Submission, is_reason_label
 from echo2.errors import ConfigError
+from echo2.observe import catalog
 from echo2.physics.rules import admission_floor
 from echo2.protocol import decode_group, encode_group
 from echo2.types import Prompt, Trajectory
@@ -130,15 +131,15 @@ class StoreStats:
         """SPEC §7 keys ``store/size``, ``store/admitted``, ``store/dropped_stale``, ``store/rejected``,
         plus ``store/rejected/<reason>``."""
         out: dict[str, float] = {
-            "store/size": self.size,
-            "store/admitted": self.admitted,
-            "store/dropped_stale": self.dropped_stale,
-            "store/rejected": self.rejected,
-            "store/purged": self.purged,
-            "store/poisoned": self.poisoned,
+            catalog.STORE_SIZE.key: self.size,
+            catalog.STORE_ADMITTED.key: self.admitted,
+            catalog.STORE_DROPPED_STALE.key: self.dropped_stale,
+            catalog.STORE_REJECTED.key: self.rejected,
+            catalog.STORE_PURGED.key: self.purged,
+            catalog.STORE_POISONED.key: self.poisoned,
         }
         for reason, n in sorted(self.rejected_by_reason.items()):
-            out[f"store/rejected/{reason}"] = n
+            out[catalog.STORE_REJECTED_BY.of(reason)] = n
         return out
 
 

@@ -28,6 +28,7 @@ from echo2.config import GRPOConfig, SamplingConfig
 from echo2.data.tasks.base import full_mask
 from echo2.errors import TrainingDivergedError
 from echo2.learner import grpo
+from echo2.observe import catalog
 from echo2.types import Trajectory
 
 
@@ -48,14 +49,14 @@ class UpdateStats:
     def metrics(self) -> dict[str, float]:
         """The ``learner/`` metrics of SPEC §7 this update produced."""
         return {
-            "learner/excluded_groups": len(self.excluded),
-            "learner/loss": self.loss,
-            "learner/kl": self.kl,
-            "learner/clipfrac": self.clipfrac,
-            "learner/grad_norm": self.grad_norm,
-            "learner/is_weight_mean": self.is_weight_mean,
-            "learner/t_train_s": self.t_train_s,
-            "learner/version": self.version,
+            catalog.LEARNER_EXCLUDED_GROUPS.key: len(self.excluded),
+            catalog.LEARNER_LOSS.key: self.loss,
+            catalog.LEARNER_KL.key: self.kl,
+            catalog.LEARNER_CLIPFRAC.key: self.clipfrac,
+            catalog.LEARNER_GRAD_NORM.key: self.grad_norm,
+            catalog.LEARNER_IS_WEIGHT_MEAN.key: self.is_weight_mean,
+            catalog.LEARNER_T_TRAIN_S.key: self.t_train_s,
+            catalog.LEARNER_VERSION.key: self.version,
         }
 
 

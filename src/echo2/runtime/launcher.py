@@ -4,7 +4,7 @@ Workers are ordinary ``echo2 worker`` processes (the same command a remote machi
 with the learner's join string (its URL and, over TLS, the fingerprint of its certificate) and the
 join token in their environment; their logs go to
 ``<run_dir>/workers/<name>.log``. The launcher tracks them by pid and stops only those. A live view
-(``runtime/view.py``) shows version, reward, accuracy, bubble ratio, staleness, active workers and $/h;
+(``observe/view.py``) shows version, reward, accuracy, bubble ratio, staleness, active workers and $/h;
 at the end a summary and ``run.png`` land in the run directory.
 """
 
@@ -90,8 +90,8 @@ class LocalWorkers:
 
 def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> LearnerSummary:
     """Run the learner here and ``runtime.workers`` worker processes; returns the learner's summary."""
-    from echo2.runtime.report import plot_run
-    from echo2.runtime.view import ProgressView
+    from echo2.observe.report import plot_run
+    from echo2.observe.view import ProgressView
 
     workers = LocalWorkers(cfg)
 

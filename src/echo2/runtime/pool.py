@@ -37,6 +37,7 @@ from typing import Any
 
 from echo2.config import ControllerConfig, StalenessConfig
 from echo2.errors import InfeasibleError
+from echo2.observe import catalog
 from echo2.planner import capacity
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import Heartbeat, PoolController
@@ -214,7 +215,7 @@ class Pool:
     def metrics(self) -> dict[str, float | None]:
         """SPEC §7 ``pool/`` metrics."""
         return {
-            "pool/mu_pool": self.controller.mu_pool(self.clock()),
-            "pool/mu_target": self.controller.mu_target if self.target_known else None,
-            "pool/active_workers": len(self.active_ids()),
+            catalog.POOL_MU_POOL.key: self.controller.mu_pool(self.clock()),
+            catalog.POOL_MU_TARGET.key: self.controller.mu_target if self.target_known else None,
+            catalog.POOL_ACTIVE_WORKERS.key: len(self.active_ids()),
         }

@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from echo2.observe.catalog import LEASES_BENCHED, LEASES_UNRETURNED
+
 BENCH_TTLS = 4.0  # a benched worker gets no lease for this many runtime.lease_ttl_s
 
 
@@ -105,4 +107,4 @@ class Standings:
         return self.lease_ttl_s / 2 ** (rec.strikes if rec is not None else 0)
 
     def metrics(self) -> dict[str, float]:
-        return {"leases/unreturned": self.unreturned, "leases/benched": self.benched}
+        return {LEASES_UNRETURNED.key: self.unreturned, LEASES_BENCHED.key: self.benched}

@@ -13,25 +13,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from echo2.runtime.bubble import CAUSES
+from echo2.observe import catalog
+from echo2.observe.bubble import CAUSES
 from echo2.runtime.pool import Pool
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.snapshots import Snapshots
 
-SERIES = (  # per-step values the dashboard draws
-    "step",
-    "time_s",
-    "reward/mean",
-    "reward/accuracy",
-    "learner/bubble_ratio",
-    "store/staleness_max",
-    "store/staleness_mean",
-    "cost/usd_total",
-    "cost/usd_per_hour",
-    "pool/active_workers",
-    "pool/mu_pool",
-    "pool/mu_target",
-)
+SERIES = catalog.DASHBOARD_SERIES  # per-step values the dashboard draws: step, time_s, its charts' keys
 MAX_POINTS = 300  # past this the series is thinned to every other point (the whole run stays drawn)
 DECISIONS_SHOWN = 20
 
@@ -62,22 +50,22 @@ class NodeStatus:
 
     def record(self, r: dict[str, Any]) -> None:
         """Take one learner step record (the one ``metrics.jsonl`` gets)."""
-        if r.get("reward/accuracy") is not None:
-            self.accuracy = r["reward/accuracy"]
-        if "learner/update_s" not in r:  # the initial evaluation's record
+        if r.get(catalog.REWARD_ACCURACY.key) is not None:
+            self.accuracy = r[catalog.REWARD_ACCURACY.key]
+        if catalog.LEARNER_UPDATE_S.key not in r:  # the initial evaluation's record
             return
         self.last = r
-        self.update_s += r["learner/update_s"]
+        self.update_s += r[catalog.LEARNER_UPDATE_S.key]
         for cause in self.idle_s:
-            self.idle_s[cause] += r.get(f"learner/idle_s/{cause}", 0.0)
-        stale = int(r["store/staleness_max"])
+            self.idle_s[cause] += r.get(catalog.LEARNER_IDLE_S.of(cause), 0.0)
+        stale = int(r[catalog.STORE_STALENESS_MAX.key])
         self.staleness_counts[min(stale, self.S)] += 1
         self.staleness_sum += stale
         self._seen += 1
         if self._seen % self._stride == 0:
             for k in SERIES:
                 self.series[k].append(_finite(r.get(k)))
-            if len(self.series["step"]) > MAX_POINTS:
+            if len(self.series[catalog.STEP.key]) > MAX_POINTS:
                 self.series = {k: v[::2] for k, v in self.series.items()}
                 self._stride *= 2
 
@@ -119,11 +107,11 @@ class NodeStatus:
                     "learner_bytes": st.learner_bytes,
                 }
             )
-        out["t_bcast_s"] = self.snapshots.bcast.get("broadcast/t_bcast_s")
+        out["t_bcast_s"] = self.snapshots.bcast.get(catalog.BROADCAST_T_BCAST_S.key)
         pub = self.snapshots.publication
         if pub:
-            out["kind"] = "anchor" if pub["broadcast/anchor"] else "patch"
-            out["full_bytes"] = pub["broadcast/full_bytes"]
+            out["kind"] = "anchor" if pub[catalog.BROADCAST_ANCHOR.key] else "patch"
+            out["full_bytes"] = pub[catalog.BROADCAST_FULL_BYTES.key]
         return out
 
     def state(self) -> dict[str, Any]:
@@ -143,11 +131,14 @@ class NodeStatus:
                 "bubble_ratio": 1 - self.update_s / wall if wall > 0 else None,
                 "update_s": self.update_s,
                 "idle_s": dict(self.idle_s),
-                "step_s": last.get("learner/step_wall_s"),
-                "t_train_s": last.get("learner/t_train_s"),
+                "step_s": last.get(catalog.LEARNER_STEP_WALL_S.key),
+                "t_train_s": last.get(catalog.LEARNER_T_TRAIN_S.key),
             },
             "store": {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("store/")},
-            "cost": {"usd_per_hour": self.pool.usd_per_hour(), "usd_total": last.get("cost/usd_total", 0.0)},
+            "cost": {
+                "usd_per_hour": self.pool.usd_per_hour(),
+                "usd_total": last.get(catalog.COST_USD_TOTAL.key, 0.0),
+            },
             "pool": {
                 "workers": self.workers(),
                 "active": len(self.pool.active_ids()),

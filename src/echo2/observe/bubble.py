@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from echo2.observe import catalog
 from echo2.physics.rules import bubble_ratio
 
 CAUSES = ("wait", "publish", "eval", "checkpoint", "log")  # measured causes; "other" is the remainder
@@ -69,11 +70,11 @@ class BubbleMeter:
         other = max(0.0, wall - self._train - sum(self._idle.values()))
         idle = {**self._idle, "other": other}
         out = {
-            "learner/bubble_ratio": bubble_ratio(min(self._train, wall), wall),
-            "learner/step_wall_s": wall,
-            "learner/update_s": self._train,
+            catalog.LEARNER_BUBBLE_RATIO.key: bubble_ratio(min(self._train, wall), wall),
+            catalog.LEARNER_STEP_WALL_S.key: wall,
+            catalog.LEARNER_UPDATE_S.key: self._train,
         }
-        out.update({f"learner/idle_s/{c}": s for c, s in idle.items()})
+        out.update({catalog.LEARNER_IDLE_S.of(c): s for c, s in idle.items()})
         self.total_train += self._train
         for c, s in idle.items():
             self.total_idle[c] += s

@@ -19,7 +19,7 @@ the first record): the run directory is built after its sinks and first clears a
 outputs, these stores included (:data:`TRACKER_DIRS`).
 
 A run (``echo2 run``, ``echo2 train``) does not build these in its own process: it starts
-:class:`~echo2.runtime.trackers.TrackerProcess`, a child that builds them there and is fed the
+:class:`~echo2.observe.trackers.TrackerProcess`, a child that builds them there and is fed the
 records down a pipe, so no tracker holds the learner's interpreter lock.
 """
 
@@ -375,7 +375,7 @@ class GuardedSink:
 
     def failure_counts(self) -> dict[str, int]:
         """Failed writes so far by sink name: this sink's, and those a sink hosting others reports
-        (:class:`~echo2.runtime.trackers.TrackerProcess`)."""
+        (:class:`~echo2.observe.trackers.TrackerProcess`)."""
         hosted = getattr(self.sink, "failure_counts", None)
         counts = dict(hosted()) if hosted is not None else {}
         if self.failures:

@@ -24,9 +24,33 @@ from pathlib import Path
 from typing import Any
 
 from echo2.errors import DataError, Echo2Error
+from echo2.observe.bubble import CAUSES as MEASURED_CAUSES
+from echo2.observe.catalog import (
+    BROADCAST_T_BCAST_S,
+    COST_USD_PER_HOUR,
+    COST_USD_TOTAL,
+    LEARNER_BUBBLE_RATIO,
+    LEARNER_IDLE_S,
+    LEARNER_STEP_WALL_S,
+    LEARNER_T_TRAIN_S,
+    LEARNER_UPDATE_S,
+    LEARNER_VERSION,
+    POOL_ACTIVE_WORKERS,
+    REWARD_ACCURACY,
+    REWARD_MEAN,
+    STEP,
+    STORE_ADMITTED,
+    STORE_DROPPED_STALE,
+    STORE_REJECTED,
+    STORE_REJECTED_BY,
+    STORE_STALENESS_MAX,
+    STORE_STALENESS_MEAN,
+    TIME_S,
+    Metric,
+    in_report,
+)
+from echo2.observe.rundir import write_atomic
 from echo2.physics.rules import bubble_ratio
-from echo2.runtime.bubble import CAUSES as MEASURED_CAUSES
-from echo2.runtime.rundir import write_atomic
 
 CAUSES = (*MEASURED_CAUSES, "other")  # the bubble's causes, as the keys learner/idle_s/<cause> name them
 NOT_RECORDED = "not recorded"
@@ -36,6 +60,7 @@ TREND_POINTS = 50  # a per-step line of more than 2x this many steps also gets a
 IDLE_BARS = 60  # at most this many stacked bars of idle time by cause
 
 Record = dict[str, Any]
+STALE = STORE_STALENESS_MAX.key
 
 
 # ---- reading a run directory -----------------------------------------------------------------------
@@ -54,7 +79,7 @@ class Run:
     @cached_property
     def steps(self) -> list[Record]:
         """The records of learner updates (the starting evaluation is not one)."""
-        return [r for r in self.records if "learner/t_train_s" in r]
+        return [r for r in self.records if LEARNER_T_TRAIN_S.key in r]
 
     def has(self, *keys: str) -> bool:
         """Whether any record holds a value under one of ``keys``."""
@@ -123,12 +148,12 @@ def _continuous_time(records: list[Record]) -> list[Record]:
     """A resumed run appends a process whose ``time_s`` starts again at 0: shift it to follow on."""
     out, offset, last = [], 0.0, 0.0
     for rec in records:
-        t = rec.get("time_s")
+        t = rec.get(TIME_S.key)
         if isinstance(t, int | float):
             if t + offset < last:
                 offset = last
             last = t + offset
-            rec = {**rec, "time_s": last}
+            rec = {**rec, TIME_S.key: last}
         out.append(rec)
     return out
 
@@ -138,21 +163,19 @@ def summarize(run: Run) -> dict[str, Any]:
     """The run's headline numbers: ``summary.json``'s where it has them, the rest computed from the
     records so far; ``status`` is ``(label, note)``, ``from_summary`` the keys summary.json gave."""
     rows = run.steps
-    acc = [r["reward/accuracy"] for r in run.records if r.get("reward/accuracy") is not None]
+    acc = [r[REWARD_ACCURACY.key] for r in run.records if r.get(REWARD_ACCURACY.key) is not None]
     derived: dict[str, Any] = {
         "steps": len(rows),
-        "version": _last(run.records, "learner/version"),
+        "version": _last(run.records, LEARNER_VERSION.key),
         "resumed_from": None,
-        "wall_s": rows[-1].get("time_s") if rows else None,
+        "wall_s": rows[-1].get(TIME_S.key) if rows else None,
         "initial_accuracy": acc[0] if acc else None,
         "final_accuracy": acc[-1] if acc else None,
         "best_accuracy": max(acc) if acc else None,
         "bubble": _bubble_block(rows),
-        "staleness_max": max(
-            (r["store/staleness_max"] for r in rows if _isnum(r.get("store/staleness_max"))), default=None
-        ),
+        "staleness_max": max((r[STALE] for r in rows if _isnum(r.get(STALE))), default=None),
         "staleness_budget": staleness_budget(run),
-        "usd_total": _last(rows, "cost/usd_total"),
+        "usd_total": _last(rows, COST_USD_TOTAL.key),
     }
     summary = run.summary or {}
     given = {k: summary[k] for k in derived if summary.get(k) is not None}
@@ -160,7 +183,7 @@ def summarize(run: Run) -> dict[str, Any]:
         given.pop("bubble", None)
     out = {**derived, **given, "from_summary": sorted(given), "status": _status(run, summary)}
     out["bubble_ratio"] = (out["bubble"] or {}).get("bubble_ratio")
-    out["asynchronous"] = run.has("pool/active_workers") or run.workers is not None
+    out["asynchronous"] = run.has(POOL_ACTIVE_WORKERS.key) or run.workers is not None
     return out
 
 
@@ -170,12 +193,13 @@ def _last(records: Sequence[Record], key: str) -> Any:
 
 def _bubble_block(rows: Sequence[Record]) -> dict[str, Any] | None:
     """The ``bubble`` block of summary.json, summed over the step records (their windows tile the loop)."""
-    timed = [r for r in rows if _isnum(r.get("learner/step_wall_s")) and _isnum(r.get("learner/update_s"))]
-    wall = sum(r["learner/step_wall_s"] for r in timed)
+    wall_key, update_key = LEARNER_STEP_WALL_S.key, LEARNER_UPDATE_S.key
+    timed = [r for r in rows if _isnum(r.get(wall_key)) and _isnum(r.get(update_key))]
+    wall = sum(r[wall_key] for r in timed)
     if wall <= 0:
         return None
-    train = sum(r["learner/update_s"] for r in timed)
-    idle = {c: sum(r.get(f"learner/idle_s/{c}") or 0.0 for r in timed) for c in CAUSES}
+    train = sum(r[update_key] for r in timed)
+    idle = {c: sum(r.get(LEARNER_IDLE_S.of(c)) or 0.0 for r in timed) for c in CAUSES}
     return {
         "window_s": wall,
         "train_s": train,
@@ -200,7 +224,7 @@ def _status(run: Run, summary: dict[str, Any]) -> tuple[str, str]:
 Panel = Callable[[Any, Run], None]  # draws on a matplotlib Axes
 
 
-def _xy(rows: Sequence[Record], key: str, x: str = "time_s") -> tuple[list[float], list[float]]:
+def _xy(rows: Sequence[Record], key: str, x: str = TIME_S.key) -> tuple[list[float], list[float]]:
     pairs = [(r[x], r[key]) for r in rows if r.get(key) is not None and r.get(x) is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -212,17 +236,23 @@ def _legend(*axes: Any) -> None:
 
 
 def learning_panel(ax: Any, run: Run) -> None:
-    evals = [r for r in run.records if r.get("reward/accuracy") is not None]
-    _per_step(ax, run.steps, "reward/mean", "train reward")
-    ax.plot(*_xy(evals, "reward/accuracy"), "o-", ms=3, label="held-out accuracy")
+    evals = [r for r in run.records if r.get(REWARD_ACCURACY.key) is not None]
+    _per_step(ax, run.steps, REWARD_MEAN)
+    ax.plot(*_xy(evals, REWARD_ACCURACY.key), "o-", ms=3, label=_label(REWARD_ACCURACY))
     ax.set(xlabel=WALL, ylabel="reward / accuracy", title="learning")
     _legend(ax)
 
 
-def _per_step(ax: Any, rows: Sequence[Record], key: str, label: str) -> None:
+def _label(m: Metric, suffix: str = "") -> str:
+    """The metric's legend label (the catalog's), escaped for matplotlib (a bare $ starts mathtext)."""
+    return ((m.label or m.key) + suffix).replace("$", r"\$")
+
+
+def _per_step(ax: Any, rows: Sequence[Record], m: Metric, suffix: str = "") -> None:
     """A per-step series; past ``2 * TREND_POINTS`` steps drawn faint under its running mean over
     ``len / TREND_POINTS`` steps, so a long run's trend stays readable."""
-    xs, ys = _xy(rows, key)
+    xs, ys = _xy(rows, m.key)
+    label = _label(m, suffix)
     k = len(ys) // TREND_POINTS
     if k < 2:
         ax.plot(xs, ys, lw=0.8, label=label)
@@ -236,7 +266,7 @@ def _per_step(ax: Any, rows: Sequence[Record], key: str, label: str) -> None:
 
 
 def bubble_panel(ax: Any, run: Run) -> None:
-    _per_step(ax, run.steps, "learner/bubble_ratio", "bubble ratio per step")
+    _per_step(ax, run.steps, LEARNER_BUBBLE_RATIO, " per step")
     ax.set(xlabel=WALL, ylabel="bubble ratio", title="bubble")
     ax.set_ylim(bottom=0)
     _legend(ax)
@@ -247,10 +277,10 @@ def idle_panel(ax: Any, run: Run) -> None:
     rows = run.steps
     width = max(1, math.ceil(len(rows) / IDLE_BARS))
     bins = [rows[i : i + width] for i in range(0, len(rows), width)]
-    x = [b[0].get("step", j * width + 1) for j, b in enumerate(bins)]
+    x = [b[0].get(STEP.key, j * width + 1) for j, b in enumerate(bins)]
     bottom = [0.0] * len(bins)
     for cause in CAUSES:
-        h = [sum(r.get(f"learner/idle_s/{cause}") or 0.0 for r in b) for b in bins]
+        h = [sum(r.get(LEARNER_IDLE_S.of(cause)) or 0.0 for r in b) for b in bins]
         ax.bar(x, h, width=width, bottom=bottom, align="edge", lw=0, label=cause)
         bottom = [a + b for a, b in zip(bottom, h, strict=True)]
     per = "per step" if width == 1 else f"per {width} steps"
@@ -259,9 +289,9 @@ def idle_panel(ax: Any, run: Run) -> None:
 
 
 def staleness_panel(ax: Any, run: Run, mean: bool = True) -> None:
-    _per_step(ax, run.steps, "store/staleness_max", "staleness max")
+    _per_step(ax, run.steps, STORE_STALENESS_MAX)
     if mean:
-        _per_step(ax, run.steps, "store/staleness_mean", "staleness mean")
+        _per_step(ax, run.steps, STORE_STALENESS_MEAN)
     budget = staleness_budget(run)
     if budget is not None:
         ax.axhline(budget, ls="--", lw=0.8, color="grey", label=f"S = {budget}")
@@ -286,26 +316,27 @@ def bubble_and_staleness_panel(ax: Any, run: Run) -> None:
 def pool_panel(ax: Any, run: Run) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    ax.plot(*_xy(run.steps, "pool/active_workers"), lw=1.0, drawstyle="steps-post", label="active workers")
+    active = POOL_ACTIVE_WORKERS
+    ax.plot(*_xy(run.steps, active.key), lw=1.0, drawstyle="steps-post", label=_label(active))
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax2 = ax.twinx()
-    ax2.plot(*_xy(run.steps, "cost/usd_total"), color="C3", lw=1.0, label=r"\$ total")
+    ax2.plot(*_xy(run.steps, COST_USD_TOTAL.key), color="C3", lw=1.0, label=_label(COST_USD_TOTAL))
     ax.set(xlabel=WALL, ylabel="active workers", title="pool and cost")
     ax2.set_ylabel(r"\$ total (at catalogue prices)")
     _legend(ax, ax2)
 
 
 def usd_rate_panel(ax: Any, run: Run) -> None:
-    ax.plot(*_xy(run.steps, "cost/usd_per_hour"), color="C3", lw=1.0, label=r"\$/h")
+    ax.plot(*_xy(run.steps, COST_USD_PER_HOUR.key), color="C3", lw=1.0, label=_label(COST_USD_PER_HOUR))
     ax.set(xlabel=WALL, ylabel=r"\$/h (learner + active workers)", title="cost rate")
     ax.set_ylim(bottom=0)
     _legend(ax)
 
 
 def bcast_panel(ax: Any, run: Run) -> None:
-    for key, label in (("broadcast/t_bcast_s", "T_bcast"), ("broadcast/install_p90_s", "install p90")):
-        ax.plot(*_xy(run.steps, key), lw=1.0, drawstyle="steps-post", label=label)
+    for m in in_report("bcast"):
+        ax.plot(*_xy(run.steps, m.key), lw=1.0, drawstyle="steps-post", label=_label(m))
     ax.set(xlabel=WALL, ylabel="seconds", title="broadcast (last measured publication)")
     _legend(ax)
 
@@ -332,16 +363,16 @@ def plot_run(run_dir: Path) -> Path:
 # ---- the page --------------------------------------------------------------------------------------
 PLOTS: tuple[tuple[str, str, tuple[str, ...], tuple[Panel, ...]], ...] = (
     # section id, heading, keys one of which must be recorded, panels
-    ("learning", "Learning", ("reward/mean", "reward/accuracy"), (learning_panel,)),
-    ("bubble", "Bubble", ("learner/bubble_ratio",), (bubble_panel, idle_panel)),
-    ("staleness", "Staleness", ("store/staleness_max",), (staleness_panel,)),
+    ("learning", "Learning", (REWARD_MEAN.key, REWARD_ACCURACY.key), (learning_panel,)),
+    ("bubble", "Bubble", (LEARNER_BUBBLE_RATIO.key,), (bubble_panel, idle_panel)),
+    ("staleness", "Staleness", (STALE,), (staleness_panel,)),
     (
         "cost",
         "Active workers and cost",
-        ("pool/active_workers", "cost/usd_total"),
+        (POOL_ACTIVE_WORKERS.key, COST_USD_TOTAL.key),
         (pool_panel, usd_rate_panel),
     ),
-    ("broadcast", "Broadcast", ("broadcast/t_bcast_s",), (bcast_panel,)),
+    ("broadcast", "Broadcast", (BROADCAST_T_BCAST_S.key,), (bcast_panel,)),
 )
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#222;max-width:1200px;
@@ -414,7 +445,7 @@ def _summary_html(s: dict[str, Any]) -> str:
 
 def _bubble_html(bubble: dict[str, Any] | None) -> str:
     if not bubble or not _isnum(bubble.get("window_s")):
-        return _missing("no step record holds learner/step_wall_s")
+        return _missing(f"no step record holds {LEARNER_STEP_WALL_S.key}")
     window = bubble["window_s"]
     idle = bubble.get("idle_s_by_cause") or {}
     share = (lambda v: _pct(v / window)) if window > 0 else (lambda v: NOT_RECORDED)
@@ -482,25 +513,26 @@ def _decisions_html(run: Run) -> str:
 def _rejections_html(run: Run) -> str:
     """``store/rejected/<reason>`` of the store's final counts (summary.json), else of the last record."""
     final = (run.summary or {}).get("store")
-    if isinstance(final, dict) and "store/rejected" in final:
+    if isinstance(final, dict) and STORE_REJECTED.key in final:
         src, where = final, "the store's final counts (summary.json)"
     else:
-        src = next((r for r in reversed(run.records) if "store/rejected" in r), None)
+        src = next((r for r in reversed(run.records) if STORE_REJECTED.key in r), None)
         where = "the last record of metrics.jsonl"
     if src is None:
-        return _missing("no record holds store/rejected")
+        return _missing(f"no record holds {STORE_REJECTED.key}")
     reasons = [
-        (k.removeprefix("store/rejected/"), _fmt(v))
+        (k.removeprefix(STORE_REJECTED_BY.prefix), _fmt(v))
         for k, v in src.items()
-        if k.startswith("store/rejected/")
+        if STORE_REJECTED_BY.matches(k)
     ]
     counts = ", ".join(
-        f"{k.removeprefix('store/')} {_fmt(src.get(k))}" for k in ("store/admitted", "store/dropped_stale")
+        f"{k.removeprefix('store/')} {_fmt(src.get(k))}"
+        for k in (STORE_ADMITTED.key, STORE_DROPPED_STALE.key)
     )
     table = _table(
-        ("reason", "rejected"), [*sorted(reasons), ("total", _fmt(src["store/rejected"]))], numeric=(1,)
+        ("reason", "rejected"), [*sorted(reasons), ("total", _fmt(src[STORE_REJECTED.key]))], numeric=(1,)
     )
-    top = table if reasons else f"<p>none ({_fmt(src['store/rejected'])} rejected)</p>\n"
+    top = table if reasons else f"<p>none ({_fmt(src[STORE_REJECTED.key])} rejected)</p>\n"
     return top + f'<p>{_e(counts)} <span class="muted">(from {_e(where)})</span></p>\n'
 
 

@@ -60,10 +60,10 @@ def _check_installed(name: SinkName) -> None:
 
 
 class TrackerProcess:
-    """The learner's end: a :class:`~echo2.runtime.sinks.MetricSink` whose ``log`` writes one JSON
+    """The learner's end: a :class:`~echo2.observe.sinks.MetricSink` whose ``log`` writes one JSON
     line to the child. Built before the run directory (its trackers are checked first); ``open``
     tells the child to open the stores once the directory is prepared. A child that dies makes
-    ``log`` raise, which :class:`~echo2.runtime.sinks.GuardedSink` counts like any sink's failure."""
+    ``log`` raise, which :class:`~echo2.observe.sinks.GuardedSink` counts like any sink's failure."""
 
     name = "trackers"
 
@@ -78,7 +78,7 @@ class TrackerProcess:
         self._answer: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "echo2.runtime.trackers"],
+            [sys.executable, "-m", "echo2.observe.trackers"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -179,7 +179,7 @@ class TrackerProcess:
 def start_trackers(
     names: Iterable[SinkName], run_path: str | Path, run_name: str, config: dict[str, Any]
 ) -> list[TrackerProcess]:
-    """The sinks a run passes to :class:`~echo2.runtime.rundir.RunDir`: one tracker process for all
+    """The sinks a run passes to :class:`~echo2.observe.rundir.RunDir`: one tracker process for all
     of ``names``, or none."""
     names = list(names)
     return [TrackerProcess(names, run_path, run_name, config)] if names else []
@@ -214,7 +214,7 @@ def _read_lines(stream: IO[str], into: queue.SimpleQueue[dict[str, Any] | None])
 
 def main() -> int:
     """The child: see the module docstring."""
-    from echo2.runtime.sinks import GuardedSink, open_sinks
+    from echo2.observe.sinks import GuardedSink, open_sinks
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's; it then closes us
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")  # replies; anything printed goes to stderr

@@ -19,16 +19,26 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from echo2.runtime.status import NodeStatus
+from echo2.observe import catalog
+from echo2.observe.catalog import Prom
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 PAGE = "dashboard.html"
+
+
+class StatusSource(Protocol):
+    """What the dashboard reads: the node's status snapshot (``runtime/status.py: NodeStatus``)."""
+
+    staleness_counts: list[int]  # steps by their max staleness 0..S
+    staleness_sum: int  # sum of every step's max staleness
+
+    def state(self) -> dict[str, Any]: ...
 
 
 def needs_token(host: str) -> bool:
@@ -37,10 +47,10 @@ def needs_token(host: str) -> bool:
 
 
 class Dashboard:
-    def __init__(self, status: NodeStatus, view_token: str | None) -> None:
+    def __init__(self, status: StatusSource, view_token: str | None) -> None:
         self.status = status
         self.view_token = view_token  # None: loopback only, no credential asked
-        self.page = resources.files("echo2.runtime").joinpath("static", PAGE).read_text(encoding="utf-8")
+        self.page = resources.files("echo2.observe").joinpath("static", PAGE).read_text(encoding="utf-8")
         self.registry = _prometheus_registry(status)
 
     def app(self) -> web.Application:
@@ -86,7 +96,7 @@ class Dashboard:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _prometheus_registry(status: NodeStatus) -> Any:
+def _prometheus_registry(status: StatusSource) -> Any:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
@@ -96,9 +106,10 @@ def _prometheus_registry(status: NodeStatus) -> Any:
 
 class _Collector:
     """prometheus-client custom collector: every sample comes from one ``NodeStatus.state()`` taken at
-    scrape time, so a scrape and the dashboard never disagree and nothing is counted per step."""
+    scrape time, so a scrape and the dashboard never disagree and nothing is counted per step. Every
+    family's name, kind, help and labels come from the metrics catalog (``catalog.py``)."""
 
-    def __init__(self, status: NodeStatus) -> None:
+    def __init__(self, status: StatusSource) -> None:
         self.status = status
 
     def collect(self) -> Iterator[Any]:
@@ -109,31 +120,35 @@ class _Collector:
         yield from _broadcast_metrics(st)
 
 
-def _gauge(name: str, doc: str, value: Any, labels: dict[str, str] | None = None) -> Any:
-    from prometheus_client.core import GaugeMetricFamily
+def _family(p: Prom, **kw: Any) -> Any:
+    """An empty metric family for ``p`` (a histogram takes its ``buckets`` and ``sum_value`` here)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    g = GaugeMetricFamily(name, doc, labels=list(labels or {}))
+    kind = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
+    return kind[p.kind](p.name, p.help, labels=list(p.labels) if p.labels else None, **kw)
+
+
+def _gauge(p: Prom, value: Any) -> Any:
+    g = _family(p)
     if value is not None:
-        g.add_metric(list((labels or {}).values()), float(value))
+        g.add_metric([], float(value))
     return g
 
 
-def _learner_metrics(st: dict[str, Any], status: NodeStatus) -> Iterator[Any]:
-    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+def _counter(p: Prom, value: Any) -> Any:
+    c = _family(p)
+    c.add_metric([], float(value))
+    return c
 
+
+def _learner_metrics(st: dict[str, Any], status: StatusSource) -> Iterator[Any]:
     ln = st["learner"]
-    yield _gauge("echo2_learner_version", "policy version v_t", ln["version"])
-    yield _gauge("echo2_learner_step_seconds", "wall seconds of the last learner step", ln["step_s"])
-    yield _gauge("echo2_learner_train_seconds", "seconds of the last update (T_train)", ln["t_train_s"])
-    yield _gauge(
-        "echo2_learner_bubble_ratio", "1 - update seconds / wall seconds of the loop", ln["bubble_ratio"]
-    )
-    c = CounterMetricFamily("echo2_learner_update_seconds", "seconds inside updates")
-    c.add_metric([], ln["update_s"])
-    yield c
-    idle = CounterMetricFamily(
-        "echo2_learner_idle_seconds", "seconds not updating, by cause", labels=["cause"]
-    )
+    yield _gauge(catalog.LEARNER_VERSION.exported, ln["version"])
+    yield _gauge(catalog.LEARNER_STEP_WALL_S.exported, ln["step_s"])
+    yield _gauge(catalog.LEARNER_T_TRAIN_S.exported, ln["t_train_s"])
+    yield _gauge(catalog.LEARNER_BUBBLE_RATIO.exported, ln["bubble_ratio"])
+    yield _counter(catalog.LEARNER_UPDATE_S.exported, ln["update_s"])
+    idle = _family(catalog.LEARNER_IDLE_S.exported)
     for cause, s in ln["idle_s"].items():
         idle.add_metric([cause], s)
     yield idle
@@ -142,50 +157,32 @@ def _learner_metrics(st: dict[str, Any], status: NodeStatus) -> Iterator[Any]:
         cum += n
         buckets.append((str(le), cum))
     buckets.append(("+Inf", cum))
-    yield HistogramMetricFamily(
-        "echo2_staleness",
-        "max staleness Delta(t) of each step's batch",
-        buckets=buckets,
-        sum_value=status.staleness_sum,
-    )
+    yield _family(catalog.STORE_STALENESS_MAX.exported, buckets=buckets, sum_value=status.staleness_sum)
 
 
 def _store_metrics(st: dict[str, Any]) -> Iterator[Any]:
-    from prometheus_client.core import CounterMetricFamily
-
-    store = st["store"]
-    yield _gauge("echo2_store_size", "buffered admissible trajectories", store.get("size"))
-    for key in ("admitted", "dropped_stale"):
-        c = CounterMetricFamily(f"echo2_store_{key}", f"trajectories {key.replace('_', ' ')}")
-        c.add_metric([], float(store.get(key, 0)))
-        yield c
-    rej = CounterMetricFamily("echo2_store_rejected", "requests refused, by reason", labels=["reason"])
+    store = st["store"]  # the last record's store/ keys, without the prefix
+    yield _gauge(catalog.STORE_SIZE.exported, store.get("size"))
+    for m in (catalog.STORE_ADMITTED, catalog.STORE_DROPPED_STALE):
+        yield _counter(m.exported, store.get(m.key.split("/", 1)[1], 0))
+    rejected = catalog.STORE_REJECTED_BY
+    prefix = rejected.prefix.split("/", 1)[1]  # rejected/
+    rej = _family(rejected.exported)
     for key, n in store.items():
-        if key.startswith("rejected/"):
-            rej.add_metric([key.split("/", 1)[1]], float(n))
+        if key.startswith(prefix):
+            rej.add_metric([key.removeprefix(prefix)], float(n))
     yield rej
 
 
 def _pool_metrics(st: dict[str, Any]) -> Iterator[Any]:
-    from prometheus_client.core import GaugeMetricFamily
-
     pool = st["pool"]
-    yield _gauge("echo2_pool_active_workers", "workers the controller has active", pool["active"])
-    yield _gauge("echo2_pool_mu_pool", "measured rollouts/s of the active pool", pool["mu_pool"])
-    yield _gauge("echo2_pool_mu_target", "gamma * mu_min (rollouts/s)", pool["mu_target"])
-    yield _gauge("echo2_planner_n_min", "N_min = ceil(mu_min / mean mu_i)", pool["n_min"])
-    yield _gauge("echo2_cost_usd_per_hour", "learner + active workers, $/h", st["cost"]["usd_per_hour"])
-    yield _gauge("echo2_cost_usd", "dollars spent so far", st["cost"]["usd_total"])
-    per_worker = {  # state key -> (metric, help)
-        "active": ("echo2_worker_active", "1 if the controller has the worker active"),
-        "installed_version": ("echo2_worker_installed_version", "newest installed snapshot"),
-        "install_s": ("echo2_worker_install_seconds", "seconds the worker's last install took"),
-        "mu": ("echo2_worker_rollouts_per_second", "measured mu_i"),
-        "usd_per_hour": ("echo2_worker_usd_per_hour", "price c_i"),
-        "rollouts": ("echo2_worker_rollouts_admitted", "trajectories admitted"),
-    }
-    labels = ["worker", "name", "hardware"]
-    families = {k: GaugeMetricFamily(name, doc, labels=labels) for k, (name, doc) in per_worker.items()}
+    yield _gauge(catalog.POOL_ACTIVE_WORKERS.exported, pool["active"])
+    yield _gauge(catalog.POOL_MU_POOL.exported, pool["mu_pool"])
+    yield _gauge(catalog.POOL_MU_TARGET.exported, pool["mu_target"])
+    yield _gauge(catalog.PLANNER_N_MIN.prom, pool[catalog.PLANNER_N_MIN.field])
+    yield _gauge(catalog.COST_USD_PER_HOUR.exported, st["cost"]["usd_per_hour"])
+    yield _gauge(catalog.COST_USD_TOTAL.exported, st["cost"]["usd_total"])
+    families = {x.field: _family(x.prom) for x in catalog.WORKER_GAUGES}  # state field -> family
     for w in pool["workers"]:
         values = {**w, "active": 1.0 if w["state"] == "active" else 0.0}
         for key, fam in families.items():
@@ -195,13 +192,9 @@ def _pool_metrics(st: dict[str, Any]) -> Iterator[Any]:
 
 def _broadcast_metrics(st: dict[str, Any]) -> Iterator[Any]:
     b = st["broadcast"]
-    yield _gauge("echo2_broadcast_version", "newest published snapshot version", b["version"])
-    yield _gauge("echo2_broadcast_installed_workers", "workers that installed it so far", b.get("installed"))
-    yield _gauge(
-        "echo2_broadcast_bytes", "bytes of the newest publication (an anchor or a patch)", b.get("bytes")
-    )
-    yield _gauge(
-        "echo2_broadcast_full_bytes", "bytes of a full snapshot in the publication dtype", b.get("full_bytes")
-    )
-    yield _gauge("echo2_broadcast_learner_bytes", "bytes the learner uploaded for it", b.get("learner_bytes"))
-    yield _gauge("echo2_broadcast_t_bcast_seconds", "last measured T_bcast", b.get("t_bcast_s"))
+    yield _gauge(catalog.BROADCAST_VERSION.prom, b[catalog.BROADCAST_VERSION.field])
+    yield _gauge(catalog.BROADCAST_INSTALLED.prom, b.get(catalog.BROADCAST_INSTALLED.field))
+    yield _gauge(catalog.BROADCAST_PUBLICATION_BYTES.exported, b.get("bytes"))
+    yield _gauge(catalog.BROADCAST_FULL_BYTES.exported, b.get("full_bytes"))
+    yield _gauge(catalog.BROADCAST_BYTES.exported, b.get("learner_bytes"))
+    yield _gauge(catalog.BROADCAST_T_BCAST_S.exported, b.get("t_bcast_s"))

@@ -1,5 +1,5 @@
 """A run directory: ``config.json``, ``metrics.jsonl`` (one namespaced dict per learner step, SPEC
-§7), ``checkpoints/`` and ``summary.json``. Always on; experiment trackers (``runtime/sinks.py``) are
+§7), ``checkpoints/`` and ``summary.json``. Always on; experiment trackers (``observe/sinks.py``) are
 optional sinks fed each record right after it is written."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from echo2.runtime.sinks import TRACKER_DIRS, GuardedSink, MetricSink
+from echo2.observe.catalog import SINK_FAILURES
+from echo2.observe.sinks import TRACKER_DIRS, GuardedSink, MetricSink
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class RunDir:
         has no NaN). A sink's failures so far are counted as ``sinks/failures/<name>``."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         for sink in self.sinks:
-            clean.update({f"sinks/failures/{name}": n for name, n in sink.failure_counts().items()})
+            clean.update({SINK_FAILURES.of(name): n for name, n in sink.failure_counts().items()})
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
         if self._queue is not None:

@@ -25,21 +25,14 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 from echo2.config import TrainConfig
+from echo2.observe.catalog import STEP, TIME_S, VIEW
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-_FIELDS = (  # column name, metric key, format
-    ("v", "learner/version", "{}"),
-    ("reward", "reward/mean", "{:.2f}"),
-    ("acc", "reward/accuracy", "{:.2f}"),
-    ("bubble", "learner/bubble_ratio", "{:.2f}"),
-    ("stale", "store/staleness_max", "{}"),
-    ("workers", "pool/active_workers", "{}"),
-    ("usd/h", "cost/usd_per_hour", "{:.2f}"),
-)
-_LABELS = {"usd/h": "$/h"}  # live-area label where it differs from the plain column name
-_WIDTHS = {"v": 6, "reward": 7, "acc": 6, "bubble": 7, "stale": 6, "workers": 8, "usd/h": 7}
+_FIELDS = tuple((c.name, c.metric.key, c.fmt) for c in VIEW)  # column name, metric key, format
+_LABELS = {c.name: c.label for c in VIEW if c.label}  # live-area label where it differs from the name
+_WIDTHS = {c.name: c.width for c in VIEW}
 _PLAIN_INTERVAL_S = 10.0
 
 
@@ -86,8 +79,8 @@ class ProgressView:
 
     # ---- the interface ---------------------------------------------------------------------------
     def update(self, record: dict[str, Any]) -> None:
-        self.step = int(record.get("step", self.step + 1))
-        self.time_s = float(record.get("time_s", self.time_s))
+        self.step = int(record.get(STEP.key, self.step + 1))
+        self.time_s = float(record.get(TIME_S.key, self.time_s))
         self.at = self.clock()
         for name, key, fmt in _FIELDS:
             if record.get(key) is not None:

@@ -1,0 +1,693 @@
+"""The metrics catalog: one entry per key a run writes to ``metrics.jsonl`` (SPEC §7 names), and every
+family the Prometheus endpoint exports.
+
+Each :class:`Metric` says what the key means (unit, one line of help), which loops write it
+(``run``: ``echo2 run`` / ``echo2 learner``; ``train``: ``echo2 train``; ``sim``: ``echo2 sim``'s
+``metrics.jsonl``), the Prometheus family that exports it (where exported) and where it is drawn: the
+panels of the report and ``run.png`` (``report.py``), the charts of the live dashboard
+(``static/dashboard.html``) and the columns of the terminal view (:data:`VIEW`). A key with ``<...>``
+is a family (``learner/idle_s/<cause>``): :meth:`Metric.of` spells a member.
+
+The consumers read this module instead of spelling keys again: the Prometheus exporter
+(``dashboard.py``) takes its names and help from here, the report and the terminal view their keys and
+labels, ``runtime/status.py`` its dashboard series; the writers (trainer, store, pool, bubble meter,
+...) use these constants or are checked against this table (``tests/unit/test_catalog.py``), and
+``docs/metrics.md`` is generated from it (``python -m echo2.observe.catalog --write docs/metrics.md``).
+Keys never change spelling: results files and benchmarks read them.
+
+The Prometheus endpoint is built from the live status (``runtime/status.py``), not from the last
+record: a family linked to a key exports the same quantity, some read from the parts at scrape time.
+:data:`LIVE` lists the families that have no ``metrics.jsonl`` key at all (per-worker gauges, N_min).
+Pure data: imports nothing of echo2, so any layer may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Writer = Literal["run", "train", "sim"]
+PromKind = Literal["gauge", "counter", "histogram"]
+
+RUN: tuple[Writer, ...] = ("run",)
+TRAIN: tuple[Writer, ...] = ("train",)
+BOTH: tuple[Writer, ...] = ("run", "train")
+ALL: tuple[Writer, ...] = ("run", "train", "sim")
+RUN_SIM: tuple[Writer, ...] = ("run", "sim")
+SIM: tuple[Writer, ...] = ("sim",)
+
+# where a metric is drawn (report.py panel functions / dashboard.html charts "c-<id>")
+ReportPanel = Literal["learning", "bubble", "idle", "staleness", "pool", "usd_rate", "bcast"]
+DashboardChart = Literal["reward", "bubble", "stale", "cost", "workers", "mu"]
+
+NAMESPACES = (
+    "learner",
+    "reward",
+    "store",
+    "rollout",
+    "env",
+    "pool",
+    "cost",
+    "broadcast",
+    "leases",
+    "security",
+    "sinks",
+)
+
+
+@dataclass(frozen=True)
+class Prom:
+    """A Prometheus family (a counter's sample is ``<name>_total``, prometheus-client adds it)."""
+
+    name: str  # family name, echo2_ prefixed
+    kind: PromKind  # gauge, counter or histogram
+    help: str  # the HELP line
+    labels: tuple[str, ...] = ()  # label names
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One ``metrics.jsonl`` key."""
+
+    key: str  # the exact key; "<...>" at the end marks a family (learner/idle_s/<cause>)
+    unit: str  # s, bytes, count, fraction, version(s), $, $/h, rollouts/s, tokens, 0/1, nats, 1
+    help: str  # one line: what it is
+    writers: tuple[Writer, ...]  # the loops that write it
+    prom: Prom | None = None  # the family /metrics exports it as (None: not exported)
+    report: tuple[ReportPanel, ...] = ()  # report / run.png panels that draw it
+    dashboard: DashboardChart | None = None  # the live dashboard's chart that draws it
+    label: str | None = None  # its legend label where drawn
+
+    @property
+    def family(self) -> bool:
+        return self.key.endswith(">")
+
+    @property
+    def prefix(self) -> str:
+        """A family's members start with this (``learner/idle_s/``); a plain key is its own prefix."""
+        return self.key[: self.key.index("<")] if self.family else self.key
+
+    def of(self, member: str) -> str:
+        """The key of one member of a family: ``IDLE_S.of("wait") == "learner/idle_s/wait"``."""
+        if not self.family:
+            raise ValueError(f"{self.key} is not a family of keys")
+        return self.prefix + member
+
+    def matches(self, key: str) -> bool:
+        if self.family:
+            return key.startswith(self.prefix) and len(key) > len(self.prefix)
+        return key == self.key
+
+    @property
+    def exported(self) -> Prom:
+        """Its Prometheus family (for the exporter; a metric without one is an error)."""
+        if self.prom is None:
+            raise KeyError(f"{self.key} is not exported to Prometheus")
+        return self.prom
+
+
+@dataclass(frozen=True)
+class Live:
+    """A Prometheus family with no ``metrics.jsonl`` key: read from the live status only."""
+
+    source: str  # where NodeStatus.state() holds it: "<section>.<field>" ("pool.workers[]." per worker)
+    unit: str
+    prom: Prom
+
+    @property
+    def field(self) -> str:
+        return self.source.rsplit(".", 1)[1]
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the terminal view (``view.py``): the plain header's name and the live area's label."""
+
+    metric: Metric
+    name: str  # plain-mode column header
+    fmt: str  # str.format of the value
+    width: int  # plain-mode column width
+    label: str | None = None  # live-area label where it differs from ``name``
+
+
+_ENTRIES: list[Metric] = []
+
+
+def _m(
+    key: str,
+    unit: str,
+    help: str,
+    writers: tuple[Writer, ...],
+    prom: Prom | None = None,
+    report: tuple[ReportPanel, ...] = (),
+    dashboard: DashboardChart | None = None,
+    label: str | None = None,
+) -> Metric:
+    m = Metric(key, unit, help, writers, prom, report, dashboard, label)
+    _ENTRIES.append(m)
+    return m
+
+
+def _gauge(name: str, help: str, labels: tuple[str, ...] = ()) -> Prom:
+    return Prom(name, "gauge", help, labels)
+
+
+def _counter(name: str, help: str, labels: tuple[str, ...] = ()) -> Prom:
+    return Prom(name, "counter", help, labels)
+
+
+# ---- every record --------------------------------------------------------------------------------
+STEP = _m(
+    "step",
+    "version",
+    "the learner version the record belongs to (0: the starting evaluation); trackers log at it",
+    ALL,
+)
+TIME_S = _m(
+    "time_s", "s", "seconds since the learner's loop started (a resumed process starts again at 0)", ALL
+)
+
+# ---- learner/: the update and the bubble ---------------------------------------------------------
+LEARNER_VERSION = _m(
+    "learner/version",
+    "version",
+    "policy version after the update (0 = the starting checkpoint, +1 per update)",
+    ALL,
+    _gauge("echo2_learner_version", "policy version v_t"),
+)
+LEARNER_LOSS = _m("learner/loss", "1", "total loss of the update (mean over minibatches)", BOTH)
+LEARNER_KL = _m("learner/kl", "nats", "k3 KL to the reference (0 when grpo.kl_beta = 0)", BOTH)
+LEARNER_CLIPFRAC = _m(
+    "learner/clipfrac", "fraction", "share of valid tokens where the PPO clip was active", BOTH
+)
+LEARNER_GRAD_NORM = _m("learner/grad_norm", "1", "gradient norm before clipping", BOTH)
+LEARNER_IS_WEIGHT_MEAN = _m(
+    "learner/is_weight_mean",
+    "1",
+    "mean importance weight sampler -> learner (truncated when decoupled; 1.0 on-policy)",
+    BOTH,
+)
+LEARNER_EXCLUDED_GROUPS = _m(
+    "learner/excluded_groups",
+    "count",
+    "groups the update left out: non-finite loss or gradient (purged, their worker quarantined)",
+    BOTH,
+)
+LEARNER_T_TRAIN_S = _m(
+    "learner/t_train_s",
+    "s",
+    "wall seconds of the update inside the trainer (T_train, SPEC §3)",
+    ALL,
+    _gauge("echo2_learner_train_seconds", "seconds of the last update (T_train)"),
+)
+LEARNER_BUBBLE_RATIO = _m(
+    "learner/bubble_ratio",
+    "fraction",
+    "1 - update seconds / wall seconds of the step's window: every second not updating counts",
+    ALL,
+    _gauge("echo2_learner_bubble_ratio", "1 - update seconds / wall seconds of the loop"),
+    report=("bubble",),
+    dashboard="bubble",
+    label="bubble ratio",
+)
+LEARNER_STEP_WALL_S = _m(
+    "learner/step_wall_s",
+    "s",
+    "wall seconds of the step's window (the windows tile the loop)",
+    BOTH,
+    _gauge("echo2_learner_step_seconds", "wall seconds of the last learner step"),
+)
+LEARNER_UPDATE_S = _m(
+    "learner/update_s",
+    "s",
+    "seconds of the step's window inside the update, as the learner saw it",
+    BOTH,
+    _counter("echo2_learner_update_seconds", "seconds inside updates"),
+)
+LEARNER_IDLE_S = _m(
+    "learner/idle_s/<cause>",
+    "s",
+    "idle seconds of the step's window by cause: wait (in echo2 train: generation), publish, eval, "
+    "checkpoint, log, other",
+    BOTH,
+    _counter("echo2_learner_idle_seconds", "seconds not updating, by cause", ("cause",)),
+    report=("idle",),
+)
+LEARNER_T_IDLE_S = _m(
+    "learner/t_idle_s", "s", "the simulator's wait before the step (its bubble numerator)", SIM
+)
+
+# ---- reward/ -------------------------------------------------------------------------------------
+REWARD_MEAN = _m(
+    "reward/mean",
+    "reward",
+    "mean training reward of the step's rollouts (an environment's: the mean return)",
+    BOTH,
+    report=("learning",),
+    dashboard="reward",
+    label="train reward",
+)
+REWARD_UNPARSED = _m(
+    "reward/unparsed", "count", "completions of the step the reward function could not parse (reward 0)", BOTH
+)
+REWARD_ACCURACY = _m(
+    "reward/accuracy",
+    "fraction",
+    "held-out greedy accuracy, at evaluation steps (step 0: the starting checkpoint)",
+    BOTH,
+    report=("learning",),
+    dashboard="reward",
+    label="held-out accuracy",
+)
+REWARD_EVAL_UNPARSED = _m(
+    "reward/eval_unparsed",
+    "fraction",
+    "share of held-out completions that could not be parsed, at evaluation steps",
+    BOTH,
+)
+
+# ---- store/: admission and the trained batch ------------------------------------------------------
+STORE_SIZE = _m(
+    "store/size",
+    "count",
+    "admissible trajectories buffered, not yet trained on",
+    RUN_SIM,
+    _gauge("echo2_store_size", "buffered admissible trajectories"),
+)
+STORE_ADMITTED = _m(
+    "store/admitted",
+    "count",
+    "trajectories stored for training (echo2 run: so far; train and sim: this step's)",
+    ALL,
+    _counter("echo2_store_admitted", "trajectories admitted"),
+)
+STORE_DROPPED_STALE = _m(
+    "store/dropped_stale",
+    "count",
+    "trajectories discarded as too old (v < v_t - S), at submit or at take",
+    ALL,
+    _counter("echo2_store_dropped_stale", "trajectories dropped stale"),
+)
+STORE_REJECTED = _m("store/rejected", "count", "requests refused, all reasons (so far)", BOTH)
+STORE_REJECTED_BY = _m(
+    "store/rejected/<reason>",
+    "count",
+    "requests refused, by reason (a 4xx's reason code)",
+    RUN,
+    _counter("echo2_store_rejected", "requests refused, by reason", ("reason",)),
+)
+STORE_PURGED = _m(
+    "store/purged", "count", "trajectories purged untrained because their worker was quarantined", RUN
+)
+STORE_POISONED = _m(
+    "store/poisoned", "count", "groups purged because their loss or gradient was not finite", RUN
+)
+STORE_STALENESS_MAX = _m(
+    "store/staleness_max",
+    "versions",
+    "Delta(t) = v_t - min v of the trained batch (never above S)",
+    ALL,
+    Prom("echo2_staleness", "histogram", "max staleness Delta(t) of each step's batch"),
+    report=("staleness",),
+    dashboard="stale",
+    label="staleness max",
+)
+STORE_STALENESS_MEAN = _m(
+    "store/staleness_mean",
+    "versions",
+    "mean v_t - v over the trained batch",
+    ALL,
+    report=("staleness",),
+    dashboard="stale",
+    label="staleness mean",
+)
+
+# ---- rollout/, env/: what the batch cost to generate ----------------------------------------------
+ROLLOUT_T_GEN_S = _m(
+    "rollout/t_gen_s", "s", "seconds the synchronous loop spent generating the step's batch", TRAIN
+)
+ROLLOUT_TOKENS = _m("rollout/tokens", "tokens", "completion tokens generated for the step's batch", TRAIN)
+ENV_TURNS_MEAN = _m(
+    "env/turns_mean", "decisions", "an environment's decisions per episode of the trained batch", RUN
+)
+ENV_ILLEGAL_RATE = _m(
+    "env/illegal_rate", "fraction", "illegal actions / decisions of the trained batch's episodes", RUN
+)
+ENV_CUT = _m("env/cut", "count", "episodes of the trained batch cut (max_turns or the context)", RUN)
+ENV_ERRORS = _m("env/errors", "count", "episodes of the trained batch ended by an environment error", RUN)
+
+# ---- pool/, cost/: the fleet and what it costs ----------------------------------------------------
+POOL_MU_POOL = _m(
+    "pool/mu_pool",
+    "rollouts/s",
+    "measured rollout rate of the active pool (the simulator: true mean rates)",
+    RUN_SIM,
+    _gauge("echo2_pool_mu_pool", "measured rollouts/s of the active pool"),
+    dashboard="mu",
+    label="μ pool /s",
+)
+POOL_MU_TARGET = _m(
+    "pool/mu_target",
+    "rollouts/s",
+    "the controller's target gamma * mu_min (null until T_train is measured)",
+    RUN_SIM,
+    _gauge("echo2_pool_mu_target", "gamma * mu_min (rollouts/s)"),
+    dashboard="mu",
+    label="μ target /s",
+)
+POOL_ACTIVE_WORKERS = _m(
+    "pool/active_workers",
+    "count",
+    "workers the controller has active (billed)",
+    RUN_SIM,
+    _gauge("echo2_pool_active_workers", "workers the controller has active"),
+    report=("pool",),
+    dashboard="workers",
+    label="active workers",
+)
+POOL_MU_POOL_MEASURED = _m(
+    "pool/mu_pool_measured", "rollouts/s", "the simulated controller's estimate of mu_pool", SIM
+)
+COST_USD_PER_STEP = _m(
+    "cost/usd_per_step", "$", "dollars billed during the step (learner + active workers)", RUN_SIM
+)
+COST_USD_TOTAL = _m(
+    "cost/usd_total",
+    "$",
+    "dollars billed so far, at the registered prices",
+    RUN_SIM,
+    _gauge("echo2_cost_usd", "dollars spent so far"),
+    report=("pool",),
+    dashboard="cost",
+    label="$ total",
+)
+COST_USD_PER_HOUR = _m(
+    "cost/usd_per_hour",
+    "$/h",
+    "the learner's price plus the active workers' registered prices",
+    RUN,
+    _gauge("echo2_cost_usd_per_hour", "learner + active workers, $/h"),
+    report=("usd_rate",),
+    dashboard="cost",
+    label="$/h",
+)
+
+# ---- broadcast/: the newest measured dissemination, the newest publication, the publisher's counts ----
+BROADCAST_T_BCAST_S = _m(
+    "broadcast/t_bcast_s",
+    "s",
+    "last measured T_bcast: seconds until ceil(N/gamma) of the targeted workers acked the install",
+    RUN_SIM,
+    _gauge("echo2_broadcast_t_bcast_seconds", "last measured T_bcast"),
+    report=("bcast",),
+    label="T_bcast",
+)
+BROADCAST_BYTES = _m(
+    "broadcast/bytes",
+    "bytes",
+    "payload bytes the learner uploaded for the last measured version",
+    RUN_SIM,
+    _gauge("echo2_broadcast_learner_bytes", "bytes the learner uploaded for it"),
+)
+BROADCAST_INSTALL_P90_S = _m(
+    "broadcast/install_p90_s",
+    "s",
+    "seconds until 90% of the targeted workers installed it",
+    RUN_SIM,
+    report=("bcast",),
+    label="install p90",
+)
+BROADCAST_PUBLICATION_BYTES = _m(
+    "broadcast/publication_bytes",
+    "bytes",
+    "bytes of the newest publication (an anchor or a patch)",
+    RUN,
+    _gauge("echo2_broadcast_bytes", "bytes of the newest publication (an anchor or a patch)"),
+)
+BROADCAST_FULL_BYTES = _m(
+    "broadcast/full_bytes",
+    "bytes",
+    "bytes of a full snapshot in the publication dtype",
+    RUN,
+    _gauge("echo2_broadcast_full_bytes", "bytes of a full snapshot in the publication dtype"),
+)
+BROADCAST_PATCH_RATIO = _m(
+    "broadcast/patch_ratio", "fraction", "newest publication's bytes / full_bytes", RUN
+)
+BROADCAST_ANCHOR = _m(
+    "broadcast/anchor", "0/1", "1 if the newest publication is a full anchor, 0 if a patch", RUN
+)
+BROADCAST_ENCODE_S = _m("broadcast/encode_s", "s", "seconds encoding the newest publication", RUN)
+BROADCAST_PUBLISH_S = _m(
+    "broadcast/publish_s",
+    "s",
+    "wall seconds of the newest publication: copy, encode, digests, signature, announce",
+    RUN,
+)
+BROADCAST_PUBLISH_CPU_S = _m(
+    "broadcast/publish_cpu_s", "s", "CPU seconds of the threads that copied and encoded it", RUN
+)
+BROADCAST_STALL_REPORTS = _m(
+    "broadcast/stall_reports", "count", "valid reports of a peer that stalled for its reporter (so far)", RUN
+)
+BROADCAST_REPORTS_REFUSED = _m(
+    "broadcast/reports_refused",
+    "count",
+    "stall reports refused: unknown version, not the source, repeated",
+    RUN,
+)
+BROADCAST_RELAYS_DEMOTED = _m(
+    "broadcast/relays_demoted",
+    "count",
+    "members no longer planned as relays after repeated stall reports",
+    RUN,
+)
+BROADCAST_ACKS_REFUSED = _m(
+    "broadcast/acks_refused",
+    "count",
+    "install acks not counted: receipts inconsistent, or reported stalling",
+    RUN,
+)
+BROADCAST_BAD_FRAMES = _m(
+    "broadcast/bad_frames", "count", "broadcast connections dropped on a malformed frame from a peer", RUN
+)
+BROADCAST_PEER_ERRORS = _m(
+    "broadcast/peer_errors",
+    "count",
+    "broadcast connections dropped on an unexpected error from a peer's bytes",
+    RUN,
+)
+
+# ---- leases/, security/: what untrusted workers were held to --------------------------------------
+LEASES_UNRETURNED = _m(
+    "leases/unreturned", "count", "leases that expired unanswered, all workers (so far)", RUN
+)
+LEASES_BENCHED = _m(
+    "leases/benched", "count", "times a worker was benched for unreturned leases in a row", RUN
+)
+SECURITY_CHECKED_SUBMISSIONS = _m(
+    "security/checked_submissions", "count", "submissions whose generation the learner re-ran", RUN
+)
+SECURITY_CHECKED_TRAJECTORIES = _m(
+    "security/checked_trajectories", "count", "trajectories the generation check re-ran", RUN
+)
+SECURITY_CHECKED_TOKENS = _m(
+    "security/checked_tokens", "tokens", "completion tokens the generation check re-scored", RUN
+)
+SECURITY_WORST_PASSING_LOGPROB_ERROR = _m(
+    "security/worst_passing_logprob_error",
+    "nats",
+    "largest log-prob difference of a completion that passed (how close honest noise comes to the tolerance)",
+    RUN,
+)
+SECURITY_PASSING_TOKEN_MISSES = _m(
+    "security/passing_token_misses",
+    "count",
+    "tokens of passing completions the re-run would not have drawn",
+    RUN,
+)
+SECURITY_QUARANTINED = _m(
+    "security/quarantined", "count", "workers quarantined (persisted: a restart keeps them)", RUN
+)
+
+# ---- sinks/ --------------------------------------------------------------------------------------
+SINK_FAILURES = _m(
+    "sinks/failures/<name>", "count", "failed writes of an experiment tracker so far (off after 3)", BOTH
+)
+
+METRICS: tuple[Metric, ...] = tuple(_ENTRIES)
+
+# ---- Prometheus families with no metrics.jsonl key ------------------------------------------------
+_WORKER = ("worker", "name", "hardware")
+LIVE: tuple[Live, ...] = (
+    Live("pool.n_min", "count", _gauge("echo2_planner_n_min", "N_min = ceil(mu_min / mean mu_i)")),
+    Live(
+        "pool.workers[].active",
+        "0/1",
+        _gauge("echo2_worker_active", "1 if the controller has the worker active", _WORKER),
+    ),
+    Live(
+        "pool.workers[].installed_version",
+        "version",
+        _gauge("echo2_worker_installed_version", "newest installed snapshot", _WORKER),
+    ),
+    Live(
+        "pool.workers[].install_s",
+        "s",
+        _gauge("echo2_worker_install_seconds", "seconds the worker's last install took", _WORKER),
+    ),
+    Live(
+        "pool.workers[].mu",
+        "rollouts/s",
+        _gauge("echo2_worker_rollouts_per_second", "measured mu_i", _WORKER),
+    ),
+    Live("pool.workers[].usd_per_hour", "$/h", _gauge("echo2_worker_usd_per_hour", "price c_i", _WORKER)),
+    Live(
+        "pool.workers[].rollouts",
+        "count",
+        _gauge("echo2_worker_rollouts_admitted", "trajectories admitted", _WORKER),
+    ),
+    Live(
+        "broadcast.version", "version", _gauge("echo2_broadcast_version", "newest published snapshot version")
+    ),
+    Live(
+        "broadcast.installed",
+        "count",
+        _gauge("echo2_broadcast_installed_workers", "workers that installed it so far"),
+    ),
+)
+WORKER_GAUGES: tuple[Live, ...] = tuple(x for x in LIVE if x.source.startswith("pool.workers[]."))
+
+
+def _live(source: str) -> Live:
+    return next(x for x in LIVE if x.source == source)
+
+
+PLANNER_N_MIN = _live("pool.n_min")
+BROADCAST_VERSION = _live("broadcast.version")
+BROADCAST_INSTALLED = _live("broadcast.installed")
+
+PROMETHEUS: tuple[Prom, ...] = (*(m.prom for m in METRICS if m.prom is not None), *(x.prom for x in LIVE))
+
+# ---- the terminal view: its columns, in order ------------------------------------------------------
+VIEW: tuple[Column, ...] = (
+    Column(LEARNER_VERSION, "v", "{}", 6),
+    Column(REWARD_MEAN, "reward", "{:.2f}", 7),
+    Column(REWARD_ACCURACY, "acc", "{:.2f}", 6),
+    Column(LEARNER_BUBBLE_RATIO, "bubble", "{:.2f}", 7),
+    Column(STORE_STALENESS_MAX, "stale", "{}", 6),
+    Column(POOL_ACTIVE_WORKERS, "workers", "{}", 8),
+    Column(COST_USD_PER_HOUR, "usd/h", "{:.2f}", 7, label="$/h"),
+)
+
+
+# ---- looking keys up -----------------------------------------------------------------------------
+BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
+
+
+def find(key: str) -> Metric | None:
+    """The entry of ``key``: its own, or the family it is a member of (None: not in the catalog)."""
+    m = BY_KEY.get(key)
+    if m is not None:
+        return m
+    return next((f for f in METRICS if f.family and f.matches(key)), None)
+
+
+def unknown(keys: Iterable[str]) -> list[str]:
+    """The keys of ``keys`` the catalog does not describe, sorted."""
+    return sorted({k for k in keys if find(k) is None})
+
+
+def in_report(panel: ReportPanel) -> tuple[Metric, ...]:
+    """The metrics a report panel draws, in catalog order."""
+    return tuple(m for m in METRICS if panel in m.report)
+
+
+def in_dashboard(chart: DashboardChart) -> tuple[Metric, ...]:
+    return tuple(m for m in METRICS if m.dashboard == chart)
+
+
+DASHBOARD_SERIES: tuple[str, ...] = (STEP.key, TIME_S.key, *(m.key for m in METRICS if m.dashboard))
+
+
+# ---- docs/metrics.md -----------------------------------------------------------------------------
+BEGIN = "<!-- BEGIN catalog: generated by `python -m echo2.observe.catalog --write docs/metrics.md` -->"
+END = "<!-- END catalog -->"
+_WRITERS = {"run": "run", "train": "train", "sim": "sim"}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _drawn(m: Metric) -> str:
+    where = [f"report: {', '.join(m.report)}"] if m.report else []
+    if m.dashboard:
+        where.append(f"dashboard: {m.dashboard}")
+    where += [f"view: {c.name}" for c in VIEW if c.metric is m]
+    return "; ".join(where)
+
+
+def _prom(p: Prom | None) -> str:
+    if p is None:
+        return ""
+    name = p.name + ("_total" if p.kind == "counter" else "")
+    labels = "{" + ",".join(p.labels) + "}" if p.labels else ""
+    return f"`{name}{labels}`" + ("" if p.kind == "gauge" else f" ({p.kind})")
+
+
+def markdown() -> str:
+    """The tables of ``docs/metrics.md`` between its markers: every key, then the live-only families."""
+    rows = ["| key | unit | written by | meaning | Prometheus | drawn in |", "|---|---|---|---|---|---|"]
+    for m in METRICS:
+        cells = (
+            f"`{m.key}`",
+            m.unit,
+            ", ".join(_WRITERS[w] for w in m.writers),
+            m.help,
+            _prom(m.prom),
+            _drawn(m),
+        )
+        rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    rows += ["", "Prometheus families with no `metrics.jsonl` key (read from the live status):", ""]
+    rows += ["| Prometheus | unit | status field | help |", "|---|---|---|---|"]
+    for x in LIVE:
+        rows.append(
+            "| " + " | ".join(_cell(c) for c in (_prom(x.prom), x.unit, f"`{x.source}`", x.prom.help)) + " |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def render_into(text: str) -> str:
+    """``text`` (a markdown page holding the markers) with the generated block replaced."""
+    pattern = re.compile(re.escape(BEGIN) + r"\n.*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated block ({BEGIN} ... {END}) to replace")
+    return pattern.sub(lambda _: f"{BEGIN}\n{markdown()}{END}", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m echo2.observe.catalog", description=__doc__.split("\n")[0]
+    )
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--markdown", action="store_true", help="print the metrics tables (markdown)")
+    group.add_argument(
+        "--write", metavar="PAGE", help="replace the generated block of PAGE (docs/metrics.md)"
+    )
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(markdown())
+        return 0
+    page = Path(args.write)
+    page.write_text(render_into(page.read_text(encoding="utf-8")), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo2.runtime.rundir import read_metrics  # noqa: E402
+from echo2.observe.rundir import read_metrics  # noqa: E402
 from echo2_bench.adversary_runs import CORES, ledger, start_run, stop, wait_ready  # noqa: E402
 
 TARGET_QUARANTINE = 5  # submissions, median over trials

@@ -78,8 +78,8 @@ RESULTS = ROOT / "results" / "engines.json"
 # ---- pieces shared by the studies --------------------------------------------------------------------
 def _default_policy() -> Any:
     from echo2.config import load_config
-    from echo2.learner.warmstart import starting_checkpoint
     from echo2.models.policy import load_checkpoint
+    from echo2.tasks.warmstart import starting_checkpoint
 
     cfg = load_config()
     return cfg, load_checkpoint(starting_checkpoint(cfg))
@@ -115,7 +115,7 @@ def _engines(policy: Any, sampling: Any, which: tuple[str, ...]) -> dict[str, An
 
 
 def _prompts(cfg: Any, policy: Any, n: int) -> list[list[int]]:
-    from echo2.data.tasks.registry import build_task
+    from echo2.tasks.registry import build_task
 
     task = build_task(cfg.task, cfg.seed)
     return [policy.encode_prompt(p.text) for p in task.eval_prompts(n)]
@@ -199,7 +199,7 @@ def bf16_against_the_check() -> dict[str, Any]:
     from echo2.models.snapshot import install_weights, skeleton_files
     from echo2.rollout.engines import EngineOptions, build_engine
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.runtime.verify import GenerationCheck
+    from echo2.tasks.verify import GenerationCheck
     from echo2.types import Trajectory
 
     torch.set_num_threads(2)

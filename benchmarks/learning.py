@@ -81,12 +81,12 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
     import torch
 
     from echo2.cli.common import add_config_arguments, load_from_args
-    from echo2.data.tasks.registry import build_task
     from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
-    from echo2.learner.warmstart import starting_checkpoint
     from echo2.models.policy import configure_torch, load_checkpoint
     from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine
+    from echo2.tasks.registry import build_task
+    from echo2.tasks.warmstart import starting_checkpoint
 
     # resolve the config exactly as `echo2 train` does for the same flags
     parser = argparse.ArgumentParser()

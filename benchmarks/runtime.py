@@ -38,11 +38,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from echo2.observe.bubble import CAUSES  # noqa: E402
+from echo2.observe.rundir import read_metrics  # noqa: E402
 from echo2.physics.rules import KNEE_THRESHOLD, bubble_ratio  # noqa: E402
 from echo2.physics.rules import knee as knee_of  # noqa: E402
 from echo2.planner import capacity  # noqa: E402
-from echo2.runtime.bubble import CAUSES  # noqa: E402
-from echo2.runtime.rundir import read_metrics  # noqa: E402
 
 log = logging.getLogger("runtime_bench")
 
@@ -481,13 +481,13 @@ async def _serve_drain(
     from echo2.broadcast.manifest import new_signing_key
     from echo2.broadcast.registry import get_strategy
     from echo2.data.store import TrajectoryStore
-    from echo2.data.tasks.registry import build_task
-    from echo2.learner.warmstart import starting_checkpoint
     from echo2.models.policy import load_checkpoint
     from echo2.models.snapshot import skeleton_files, snapshot_blob
     from echo2.runtime.node import assemble, worker_settings
     from echo2.runtime.registry import WorkerRegistry
     from echo2.runtime.routes import Identity
+    from echo2.tasks.registry import build_task
+    from echo2.tasks.warmstart import starting_checkpoint
     from echo2.transport import join_string, run_identity
 
     policy = load_checkpoint(starting_checkpoint(cfg))
@@ -511,11 +511,10 @@ async def _serve_drain(
         int(policy.model.config.vocab_size),
         lambda: version[0],
         _time.time,
+        data_ready=(ready := asyncio.Event()).set,  # set on every admitted submission, as the learner waits
     )
     blob = snapshot_blob(policy.model)
     await parts.snapshots.publish(0, blob)
-    ready = asyncio.Event()  # set on every admitted submission, as the real learner waits on it
-    parts.intake.data_ready = ready.set
     runner, port = await parts.routes.serve("127.0.0.1", 0, cert.server_context() if cert else None)
     env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
     cmd = [
@@ -576,13 +575,13 @@ def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
     import copy
     import random
 
-    from echo2.data.tasks.registry import build_task
-    from echo2.learner.warmstart import starting_checkpoint
     from echo2.models.delta import sampler_copy
     from echo2.models.policy import configure_torch, load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.rollout.episodes import collect
     from echo2.rollout.opponents import SelfPlayPool
+    from echo2.tasks.registry import build_task
+    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.types import Bounds
 
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg))
@@ -600,17 +599,15 @@ def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         prompts = task.sample_train(rng, cfg.runtime.lease_prompts)
-        b = collect(
+        b = task.collect(
             policy.codec,
             engine,
-            task,
             prompts,
             cfg.batch.group_size,
             seed=k,
             policy_version=0,
             group_prefix=str(k),
-            max_context=cfg.context_tokens(),
-            max_new_tokens=cfg.sampling.max_new_tokens,
+            bounds=Bounds.of(cfg),
             opponent_policy=pool.policy_for if pool is not None else None,
         )
         n += len(b.trajectories)

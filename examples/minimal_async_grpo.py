@@ -33,9 +33,7 @@ from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import validate_submission
-from echo2.data.tasks.registry import build_task
 from echo2.learner.trainer import GRPOTrainer
-from echo2.learner.warmstart import starting_checkpoint
 from echo2.models.delta import decode_full
 from echo2.models.policy import TextCodec, configure_torch, load_checkpoint
 from echo2.models.snapshot import skeleton_files, snapshot_blob, tokenizer_from_skeleton, write_skeleton
@@ -43,9 +41,11 @@ from echo2.protocol import LeaseGrant, LeaseRequest, SubmitRequest, group_to_wir
 from echo2.rollout.collect import collect_groups
 from echo2.rollout.engines import build_engine
 from echo2.rollout.engines.hf import HFEngine
-from echo2.rollout.evaluate import evaluate
+from echo2.rollout.evaluate import evaluate_text
 from echo2.runtime.intake import submission_limits
 from echo2.runtime.leases import LeaseBroker, PromptSource
+from echo2.tasks.registry import build_task
+from echo2.tasks.warmstart import starting_checkpoint
 
 
 class Worker:
@@ -134,14 +134,14 @@ async def main(minutes: float, seed: int, staleness: int) -> tuple[float, float,
 
     eval_engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
     held_out = task.eval_prompts(256)
-    before = evaluate(policy.codec, eval_engine, task, held_out).accuracy
+    before = evaluate_text(policy.codec, eval_engine, task, held_out).accuracy
     print(f"start: held-out accuracy {before:.3f}", flush=True)
 
     skeleton = Path(tempfile.mkdtemp(prefix="echo2-skeleton-"))
     write_skeleton(skeleton_files(policy.source, policy.model, policy.tokenizer, skeleton), skeleton)
     workers = [Worker(f"w{i}", hub, key, skeleton, cfg) for i in range(2)]
     stop = asyncio.Event()
-    limits = submission_limits(cfg, int(policy.model.config.vocab_size))
+    limits = submission_limits(cfg, task, int(policy.model.config.vocab_size))
     tasks = [asyncio.ensure_future(w.follow_broadcast()) for w in workers]
     tasks += [
         asyncio.ensure_future(w.run(broker, store, limits, lambda: published[0], stop)) for w in workers
@@ -162,7 +162,7 @@ async def main(minutes: float, seed: int, staleness: int) -> tuple[float, float,
             await hub.publish(stats.version, snapshot_blob(policy.model))
             published[0] = stats.version
         if stats.version % 50 == 0:
-            acc = evaluate(policy.codec, eval_engine, task, held_out).accuracy
+            acc = evaluate_text(policy.codec, eval_engine, task, held_out).accuracy
             print(
                 f"v {stats.version:4d}  {time.perf_counter() - t0:5.0f}s  held-out accuracy {acc:.3f}  "
                 f"max staleness {staleness_max}",
@@ -171,7 +171,7 @@ async def main(minutes: float, seed: int, staleness: int) -> tuple[float, float,
     stop.set()
     await hub.close()
     await asyncio.gather(*tasks, return_exceptions=True)
-    after = evaluate(policy.codec, eval_engine, task, held_out).accuracy
+    after = evaluate_text(policy.codec, eval_engine, task, held_out).accuracy
     print(
         f"end after {trainer.version} updates: held-out accuracy {after:.3f}, max staleness "
         f"{staleness_max} (S = {S}), admitted {store.stats().admitted}, dropped as stale "

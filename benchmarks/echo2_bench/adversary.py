@@ -39,6 +39,7 @@ import aiohttp
 from echo2.protocol import HeartbeatRequest, LeaseGrant, LeaseRequest, SubmitRequest, group_to_wire
 from echo2.rollout.client import LearnerClient, Refused
 from echo2.rollout.worker import RolloutWorker, WorkerOptions
+from echo2.tasks.registry import build_task
 from echo2.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ POISONS = {"poison_100": -100.0, "poison_1e4": -1e4, "poison_1e30": -1e30}  # ev
 # refused on every submission
 DETERMINISTIC = ("reward", "prompt", "deflated", "replay", *POISONS, "unpublished")
 ATTACKS = SAMPLED + DETERMINISTIC
-EVIDENCE = ("forged_generation", "reward_mismatch")  # refusals that quarantine (runtime/verify.py)
+EVIDENCE = ("forged_generation", "reward_mismatch")  # refusals that quarantine (tasks/verify.py)
 CHERRY_N = 4  # draws per prompt a best-of-n attacker picks from
 NO_LEASE_LIMIT = 60  # lease refusals in a row (about a minute) that end a trial as "released"
 
@@ -74,7 +75,7 @@ class Attacker:
             raise ValueError(f"unknown attack {kind!r}; one of {ATTACKS}")
         self.kind = kind
         self.max_prompts = max_prompts  # prompts per lease (None: what the run's settings say)
-        self.w = RolloutWorker(WorkerOptions(join_url=join, token=token, name=f"attacker-{kind}"))
+        self.w = RolloutWorker(WorkerOptions(join_url=join, token=token, name=f"attacker-{kind}"), build_task)
         self.w.client = LearnerClient(join, session, reconnect_s=30.0, give_up=lambda: self.w.finished)
         self._hb: asyncio.Task[None] | None = None
 

@@ -96,7 +96,7 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, timeout: float
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
-    from echo2.runtime.rundir import read_metrics
+    from echo2.observe.rundir import read_metrics
 
     try:
         return read_metrics(run_dir)
@@ -335,7 +335,7 @@ async def _poison_attacks(
 
 def _poison_after_checkpoint(run_dir: Path, worker_ids: list[str]) -> int:
     """Poison groups trained on by a step after the newest checkpoint (the ones a crash loses)."""
-    from echo2.runtime.rundir import STATE_FILE, latest_checkpoint
+    from echo2.observe.rundir import STATE_FILE, latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir)
     through = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0

@@ -83,7 +83,14 @@ class ModelConfig(_Section):
     warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
 
 
-class ArithmeticTaskConfig(_Section):
+class _SingleTurnFields(_Section):
+    """What every single-turn task's config answers for (its prompts and grading are its own)."""
+
+    def check_run(self, loss_agg: str, max_new_tokens: int, context_tokens: int) -> None:
+        """A single-turn task fits every run the other sections allow."""
+
+
+class ArithmeticTaskConfig(_SingleTurnFields):
     """Synthetic arithmetic with an exact-answer reward (the embedded default task)."""
 
     name: Literal["arithmetic"] = "arithmetic"
@@ -115,7 +122,7 @@ class ArithmeticTaskConfig(_Section):
         return self
 
 
-class MathTaskConfig(_Section):
+class MathTaskConfig(_SingleTurnFields):
     """Question/answer records from a JSONL file, graded by a math-answer checker (math-verify)."""
 
     name: Literal["math"] = "math"
@@ -161,6 +168,19 @@ class _EnvironmentFields(_Section):
     validation_fraction: float = Field(
         0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the validation split"
     )
+
+    def check_run(self, loss_agg: str, max_new_tokens: int, context_tokens: int) -> None:
+        """An episode has no constant completion length and needs room for several actions."""
+        if loss_agg == "seq-mean-token-sum-norm":
+            raise ValueError(
+                "grpo.loss_agg=seq-mean-token-sum-norm needs a constant completion length; an environment "
+                "task's episodes have none (use token-mean or seq-mean-token-mean)"
+            )
+        if context_tokens < 2 * max_new_tokens + 16:
+            raise ValueError(
+                f"model.embedded.max_positions={context_tokens} leaves no room for a multi-turn "
+                f"episode of sampling.max_new_tokens={max_new_tokens} per action"
+            )
 
 
 PokerOpponent = Literal["tag", "station", "lag", "selfplay"]
@@ -325,7 +345,7 @@ class GRPOConfig(_Section):
         return self
 
 
-# experiment trackers that mirror metrics.jsonl (runtime/sinks.py: the registry maps each name to a sink)
+# experiment trackers that mirror metrics.jsonl (observe/sinks.py: the registry maps each name to a sink)
 SinkName = Literal["tensorboard", "wandb", "trackio", "mlflow"]
 
 
@@ -565,17 +585,8 @@ class Config(_Section):
         return data
 
     @model_validator(mode="after")
-    def _episodes_fit(self) -> Config:
-        if self.episodic and self.grpo.loss_agg == "seq-mean-token-sum-norm":
-            raise ValueError(
-                "grpo.loss_agg=seq-mean-token-sum-norm needs a constant completion length; an environment "
-                "task's episodes have none (use token-mean or seq-mean-token-mean)"
-            )
-        if self.episodic and self.context_tokens() < 2 * self.sampling.max_new_tokens + 16:
-            raise ValueError(
-                f"model.embedded.max_positions={self.context_tokens()} leaves no room for a multi-turn "
-                f"episode of sampling.max_new_tokens={self.sampling.max_new_tokens} per action"
-            )
+    def _task_fits(self) -> Config:
+        self.task.check_run(self.grpo.loss_agg, self.sampling.max_new_tokens, self.context_tokens())
         return self
 
     @model_validator(mode="after")
@@ -594,11 +605,6 @@ class Config(_Section):
         """Longest prompt + completion the model attends to: the embedded model's ``max_positions``,
         else a generous fixed bound (a user checkpoint's own limit is read only where it is loaded)."""
         return self.model.embedded.max_positions if self.model.path is None else USER_CONTEXT_TOKENS
-
-    @property
-    def episodic(self) -> bool:
-        """Whether the task is a multi-turn environment (``envs/``) rather than single-turn prompts."""
-        return isinstance(self.task, PokerTaskConfig | GuessTaskConfig)
 
 
 # ---------------------------------------------------------------------------------------------------

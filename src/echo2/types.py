@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from echo2.config import Config
 
 
 @dataclass(frozen=True)
@@ -42,3 +45,16 @@ class Trajectory:
             raise ValueError(
                 f"turn_mask has {len(self.turn_mask)} entries for {len(self.completion_ids)} completion ids"
             )
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How long a run lets its sequences be."""
+
+    max_context: int  # prompt + completion tokens the model attends to
+    max_new_tokens: int  # tokens of one generation (one action of an episode)
+
+    @classmethod
+    def of(cls, cfg: Config) -> Bounds:
+        """The bounds of a run's config (the embedded model's context, or the fixed user-model bound)."""
+        return cls(cfg.context_tokens(), cfg.sampling.max_new_tokens)

@@ -16,7 +16,7 @@ import time
 import pytest
 from waiting import last_step, wait_for
 
-from echo2.runtime.rundir import read_metrics
+from echo2.observe.rundir import read_metrics
 
 pytestmark = pytest.mark.integration
 KINDS = (

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from waiting import last_step, wait_for
 
-from echo2.runtime.rundir import read_metrics
+from echo2.observe.rundir import read_metrics
 from echo2_bench.garbage import problems, refusals, register, run_garbage, target_of_run
 
 pytestmark = pytest.mark.integration

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from echo2.errors import ConfigError
+from echo2.observe.rundir import read_metrics
 from echo2.rollout.engines.vllm_engine import require_vllm
-from echo2.runtime.rundir import read_metrics
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(

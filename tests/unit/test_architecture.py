@@ -77,7 +77,7 @@ def _line(rel: str, text: str) -> str:
     return str(next(i for i, line in enumerate(lines, 1) if line.startswith(text)))
 
 
-PROCESS_CODE = ["runtime/*.py", "rollout/worker.py", "rollout/client.py"]
+PROCESS_CODE = ["runtime/*.py", "observe/*.py", "rollout/worker.py", "rollout/client.py"]
 MAX_LINES = 60
 
 
@@ -91,3 +91,55 @@ def test_no_function_of_the_learner_node_or_worker_is_long():
                     if n > MAX_LINES:
                         long.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+TASK_PACKAGES = ("tasks", "data/tasks", "envs")  # where a task may know its own kind
+KIND_CLASSES = frozenset(
+    {"EnvironmentTask", "Episodic", "SingleTurn", "_EnvironmentFields", "_SingleTurnFields", "EnvSpec"}
+)
+TASK_CONFIGS = frozenset({"ArithmeticTaskConfig", "MathTaskConfig", "PokerTaskConfig", "GuessTaskConfig"})
+
+
+def _kind_branches(tree: ast.Module) -> list[tuple[int, str]]:
+    """Where a module asks which kind of task it holds: an ``episodic`` flag, ``is_episodic``, or an
+    ``isinstance`` against a kind (the environment adapter, the two task kinds, a union of task configs).
+    A check for one named task (poker's Table 4 needs poker) is not a kind and is allowed."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("episodic", "is_episodic"):
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Name) and node.id == "is_episodic":
+            found.append((node.lineno, "is_episodic"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            if len(node.args) < 2:
+                continue
+            names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            if names & KIND_CLASSES or len(names & TASK_CONFIGS) > 1:
+                found.append((node.lineno, f"isinstance(..., {ast.unparse(node.args[1])})"))
+    return found
+
+
+def test_no_module_outside_the_task_package_branches_on_the_kind_of_task():
+    """The task protocol (echo2/tasks/base.py) answers for every kind: the learner, the worker, the
+    intake, the CLI, the config tree and the benchmarks never ask whether a task is an environment."""
+    roots = [SRC, ROOT / "benchmarks", ROOT / "examples"]
+    where = [
+        f"{p.relative_to(ROOT)}:{line}: {what}"
+        for root in roots
+        for p in sorted(root.rglob("*.py"))
+        if not any(p.is_relative_to(SRC / pkg) for pkg in TASK_PACKAGES)
+        for line, what in _kind_branches(ast.parse(p.read_text()))
+    ]
+    assert where == [], where
+
+
+def test_the_rule_finds_a_branch_on_the_kind():
+    """The scan above is not vacuous: each form of asking is caught."""
+    code = (
+        "if cfg.episodic: pass\n"
+        "if is_episodic(task): pass\n"
+        "if isinstance(task, EnvironmentTask): pass\n"
+        "if isinstance(cfg.task, PokerTaskConfig | GuessTaskConfig): pass\n"
+        "if isinstance(cfg.task, PokerTaskConfig): pass\n"  # one named task: allowed
+    )
+    assert sorted(line for line, _ in _kind_branches(ast.parse(code))) == [1, 2, 3, 4]

@@ -1,9 +1,9 @@
 import random
 
 from echo2.config import ArithmeticTaskConfig, SamplingConfig
-from echo2.data.tasks.registry import build_task
 from echo2.rollout.collect import collect_groups
 from echo2.rollout.engines.hf import HFEngine
+from echo2.tasks.registry import build_task
 
 
 def test_collect_groups_orders_groups_and_tags_version(tiny_policy):

@@ -1,4 +1,4 @@
-"""The dashboard server (runtime/dashboard.py) over a NodeStatus of real parts (registry, pool,
+"""The dashboard server (observe/dashboard.py) over a NodeStatus of real parts (registry, pool,
 snapshots with the in-memory broadcast): the page is self-contained, /api/state carries what the page
 reads, /metrics parses and agrees with it, and the view-token rule holds."""
 
@@ -19,16 +19,16 @@ from echo2.broadcast.manifest import new_signing_key
 from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
-from echo2.data.tasks.registry import build_task
-from echo2.runtime.dashboard import Dashboard, needs_token
+from echo2.observe.dashboard import Dashboard, needs_token
 from echo2.runtime.node import assemble, worker_settings
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
 from echo2.runtime.status import SERIES, NodeStatus
+from echo2.tasks.registry import build_task
 
 TOKEN = "join-token-for-tests-0123456789"
 VIEW = "view-token-for-tests-0123456789"
-PAGE = resources.files("echo2.runtime").joinpath("static", "dashboard.html").read_text()
+PAGE = resources.files("echo2.observe").joinpath("static", "dashboard.html").read_text()
 PAGE_READS = {  # section of /api/state ("" = top level) -> the keys dashboard.html reads from it
     "": ["time", "elapsed_s", "finished", "learner", "store", "cost", "pool", "decisions", "broadcast"],
     "learner": ["version", "staleness_budget", "kappa", "steps", "bubble_ratio", "update_s", "idle_s"],
@@ -187,3 +187,19 @@ def test_view_token_rule(tmp_path):
     out, st = _serve(tmp_path / "guarded", guarded, view_token=VIEW)
     assert out == {p: [401, 401, 401, 401, 200, 200] for p in ("/", "/api/state", "/metrics")}
     assert st["learner"]["version"] == 2
+
+
+def test_metrics_exports_exactly_the_catalogs_families(tmp_path):
+    """Every family on /metrics is the catalog's (observe/catalog.py): name, type, help and labels."""
+    from echo2.observe.catalog import PROMETHEUS
+
+    async def body(client):
+        return await (await client.get("/metrics")).text()
+
+    fams = {f.name: f for f in text_string_to_metric_families(_serve(tmp_path, body))}
+    assert set(fams) == {p.name for p in PROMETHEUS}
+    for p in PROMETHEUS:
+        fam = fams[p.name]
+        assert (fam.type, fam.documentation) == (p.kind, p.help), p.name
+        for s in fam.samples:
+            assert set(s.labels) - {"le"} == set(p.labels), (p.name, s.labels)

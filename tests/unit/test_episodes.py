@@ -24,7 +24,7 @@ from echo2.models.delta import sampler_copy
 from echo2.protocol import decode_group, encode_group
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.episodes import collect_episodes
-from echo2.runtime.verify import EpisodeReplay, GenerationCheck
+from echo2.tasks.verify import EpisodeReplay, GenerationCheck
 from echo2.types import Trajectory
 
 G = 4

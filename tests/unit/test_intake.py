@@ -112,7 +112,7 @@ def test_a_lease_issued_before_a_restart_is_refused(tmp_path):
 @pytest.mark.parametrize("reason", ["unpublished_version", "lease_before_restart", "unchecked_version"])
 def test_version_refusals_are_not_evidence(reason):
     """None of them quarantines: an honest worker after a restart can trigger each."""
-    from echo2.runtime.verify import EVIDENCE
+    from echo2.tasks.verify import EVIDENCE
 
     assert reason not in EVIDENCE
 

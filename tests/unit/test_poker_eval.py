@@ -20,7 +20,7 @@ from echo2.rollout.engines.base import Sample
 from echo2.rollout.episodes import collect_episodes
 from echo2.rollout.matchups import deal_seeds, format_table, play_matchup, t_interval
 from echo2.rollout.opponents import SelfPlayPool
-from echo2.runtime.verify import EpisodeReplay
+from echo2.tasks.verify import EpisodeReplay
 
 SAMPLING = SamplingConfig(max_new_tokens=2)
 
@@ -160,7 +160,14 @@ def test_the_self_play_pool_keeps_the_first_and_the_newest_milestones(tiny_polic
 
 def test_presets_and_config_refusals():
     cfg = load_config(overrides=task_preset("poker"))
-    assert cfg.task.name == "poker" and cfg.episodic and cfg.context_tokens() == 320
+    from echo2.tasks.episodic import Episodic
+    from echo2.tasks.registry import build_task
+
+    assert (
+        cfg.task.name == "poker"
+        and isinstance(build_task(cfg.task), Episodic)
+        and cfg.context_tokens() == 320
+    )
     with pytest.raises(ConfigError, match="unknown task"):
         task_preset("chess")
     with pytest.raises(ConfigError, match="seq-mean-token-sum-norm"):

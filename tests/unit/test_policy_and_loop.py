@@ -5,10 +5,10 @@ import pytest
 from echo2.config import load_config
 from echo2.errors import CheckpointError, TrainingDivergedError
 from echo2.learner.trainer import GRPOTrainer
-from echo2.learner.warmstart import starting_checkpoint, warmstart_checkpoint
 from echo2.models.policy import load_checkpoint
-from echo2.runtime.rundir import RunDir, read_metrics
+from echo2.observe.rundir import RunDir, read_metrics
 from echo2.runtime.sync import run_sync
+from echo2.tasks.warmstart import starting_checkpoint, warmstart_checkpoint
 
 
 def test_missing_and_invalid_checkpoint_dirs(tmp_path):

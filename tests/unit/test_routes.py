@@ -17,10 +17,10 @@ from echo2.broadcast.manifest import new_signing_key
 from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import StoreStats, TrajectoryStore
-from echo2.data.tasks.registry import build_task
 from echo2.runtime.node import assemble, worker_settings
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
+from echo2.tasks.registry import build_task
 
 TOKEN = "join-token-for-tests-0123456789"
 VOCAB = 100
@@ -446,7 +446,7 @@ def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
     foreign prompt or a forged reward refuses the submission (counted), an honest one is admitted."""
     from echo2.models.embedded import build_tokenizer
     from echo2.models.policy import TextCodec
-    from echo2.runtime.verify import Verifier
+    from echo2.tasks.verify import Verifier
     from echo2.types import Prompt
 
     codec = TextCodec(build_tokenizer(), False)
@@ -576,7 +576,7 @@ def test_claimed_versions_and_completion_shapes_are_checked(tmp_path):
     nor max_new_tokens long, are refused (not evidence: nobody is quarantined for them)."""
     from echo2.models.embedded import build_tokenizer
     from echo2.models.policy import TextCodec
-    from echo2.runtime.verify import Verifier
+    from echo2.tasks.verify import Verifier
 
     codec = TextCodec(build_tokenizer(), False)
     task = build_task(load_config().task, 0)

@@ -10,8 +10,8 @@ import pytest
 from echo2.config import ArithmeticTaskConfig, MathTaskConfig
 from echo2.data.tasks.arithmetic import ArithmeticTask, _evaluate, canonical_key, parse_problem, signed_terms
 from echo2.data.tasks.math import MathTask, normalise_question
-from echo2.data.tasks.registry import TASKS, build_task
 from echo2.errors import DataError
+from echo2.tasks.registry import TASKS, build_task
 from echo2.types import Prompt
 
 
@@ -283,15 +283,25 @@ def test_math_numeric_answers_and_explicit_eval_file(tmp_path):
 
 
 def test_registry_builds_every_task():
-    from echo2.config import GuessTaskConfig, PokerTaskConfig
+    from echo2.config import TASK_PRESETS, GuessTaskConfig, PokerTaskConfig
     from echo2.data.tasks.environment import EnvironmentTask
+    from echo2.tasks.episodic import Episodic
+    from echo2.tasks.registry import REGISTRY
+    from echo2.tasks.single_turn import SingleTurn
 
     assert set(TASKS) == {ArithmeticTaskConfig, MathTaskConfig, PokerTaskConfig, GuessTaskConfig}
-    assert isinstance(build_task(ArithmeticTaskConfig(), 0), ArithmeticTask)
-    assert isinstance(build_task(MathTaskConfig(), 0), MathTask)
+    # one registry keyed by the task name: its config model (whose name it is), preset and builder
+    assert set(REGISTRY) == set(TASK_PRESETS)
+    for name, entry in REGISTRY.items():
+        assert entry.config().name == name and list(entry.preset) == TASK_PRESETS[name]
+    arithmetic, math_task = build_task(ArithmeticTaskConfig(), 0), build_task(MathTaskConfig(), 0)
+    assert isinstance(arithmetic, SingleTurn) and isinstance(arithmetic.data, ArithmeticTask)
+    assert isinstance(math_task, SingleTurn) and isinstance(math_task.data, MathTask)
+    assert arithmetic.score == math_task.score == "accuracy"
     for cfg in (PokerTaskConfig(), GuessTaskConfig()):
         task = build_task(cfg, 0)
-        assert isinstance(task, EnvironmentTask) and task.name == cfg.name
+        assert isinstance(task, Episodic) and isinstance(task.data, EnvironmentTask) and task.name == cfg.name
+        assert task.score == ("chips" if cfg.name == "poker" else "return")
 
 
 @pytest.mark.parametrize("module", ["echo2.data.tasks.base", "echo2.data.tasks"])
@@ -305,6 +315,6 @@ def test_task_protocol_imports_no_adapter(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ""
     # and the registry does load them (so the check above can fail)
-    code = code.replace(f"import sys, {module}", "import sys, echo2.data.tasks.registry")
+    code = code.replace(f"import sys, {module}", "import sys, echo2.tasks.registry")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "echo2.data.tasks.arithmetic" in out and "echo2.data.tasks.math" in out

@@ -1,4 +1,4 @@
-"""Seeded Gumbel-max sampling (rollout/sampling.py) and the learner's re-run of it (runtime/verify.py):
+"""Seeded Gumbel-max sampling (rollout/sampling.py) and the learner's re-run of it (tasks/verify.py):
 an honest worker's completions pass, every kind of forgery fails."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from echo2.data.submission import Rejected, Submission
 from echo2.models.delta import sampler_copy
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.sampling import GUMBEL_MAX, GUMBEL_MIN, gumbel_draw, gumbel_noise, min_drawn_logprob
-from echo2.runtime.verify import GenerationCheck
+from echo2.tasks.verify import GenerationCheck
 from echo2.types import Prompt, Trajectory
 
 G = 4

@@ -23,14 +23,19 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
 
 
-def _print_summary(command: str, s: Any, episodic: bool = False) -> None:
+def held_out(s: Any) -> str:
+    """The held-out line of a run summary, in the unit of its task's score."""
     a, b, best = s.initial_accuracy, s.final_accuracy, s.best_accuracy
-    if episodic:  # an environment's held-out score is its mean episodic return, not a share
-        held = f"held-out mean return {a:+.3f} -> {b:+.3f} (best {best:+.3f})"
-    else:
-        held = f"held-out accuracy {a:.1%} -> {b:.1%} (best {best:.1%})"
+    if s.score == "chips":  # poker: the mean chip change per hand, in big blinds
+        return f"held-out mean return {a:+.3f} -> {b:+.3f} big blinds per hand (best {best:+.3f})"
+    if s.score == "return":  # an environment's held-out score is its mean episodic return, not a share
+        return f"held-out mean return {a:+.3f} -> {b:+.3f} (best {best:+.3f})"
+    return f"held-out accuracy {a:.1%} -> {b:.1%} (best {best:.1%})"
+
+
+def _print_summary(command: str, s: Any) -> None:
     print(
-        f"\n{command}: {s.steps} learner steps (version {s.version}) in {s.wall_s:.0f} s; {held}\n"
+        f"\n{command}: {s.steps} learner steps (version {s.version}) in {s.wall_s:.0f} s; {held_out(s)}\n"
         f"bubble ratio {s.bubble_ratio:.1%}, max staleness {s.staleness_max}\n"
         f"run directory: {s.run_dir}  (metrics.jsonl, summary.json, run.png, workers/)\n"
         f"last checkpoint: {s.last_checkpoint}"
@@ -50,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
     if cfg.runtime.workers:
         require_engine(cfg.runtime.engine)  # before the warm start, not when the workers start
     summary = run_local(cfg, progress=live_view(args), resume=args.resume)
-    _print_summary("echo2 run", summary, cfg.episodic)
+    _print_summary("echo2 run", summary)
     if cfg.task.name == "poker" and summary.last_checkpoint:
         _poker_report(cfg, summary)
     return 0
@@ -62,8 +67,8 @@ def _poker_report(cfg: Any, summary: Any) -> None:
     import json
     from pathlib import Path
 
-    from echo2.learner.warmstart import starting_checkpoint
     from echo2.rollout.matchups import evaluate_checkpoint, format_table, plot_table
+    from echo2.tasks.warmstart import starting_checkpoint
 
     run_dir = Path(summary.run_dir)
     rows = evaluate_checkpoint(cfg, summary.last_checkpoint, {"start": starting_checkpoint(cfg)})
@@ -79,8 +84,8 @@ def _poker_report(cfg: Any, summary: Any) -> None:
 def _learner(args: argparse.Namespace) -> int:
     args.overrides.append("runtime.workers=0")
     cfg = load_from_args(args)
+    from echo2.observe.view import ProgressView
     from echo2.runtime.learner import AsyncLearner, Endpoints
-    from echo2.runtime.view import ProgressView
 
     def ready(ep: Endpoints) -> None:
         token = "<runtime.join_token>" if cfg.runtime.join_token else f"$(cat {ep.run_dir}/join_token)"
@@ -99,7 +104,7 @@ def _learner(args: argparse.Namespace) -> int:
         summary = asyncio.run(
             main(AsyncLearner(cfg, resume=args.resume, on_ready=ready, on_step=view.update))
         )
-    _print_summary("echo2 learner", summary, cfg.episodic)
+    _print_summary("echo2 learner", summary)
     return 0
 
 
@@ -141,6 +146,7 @@ def _worker(args: argparse.Namespace) -> int:
     from echo2.errors import ConfigError
     from echo2.rollout.engines import EngineOptions, require_engine
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
+    from echo2.tasks.registry import build_task
     from echo2.transport import parse_join
 
     parse_join(args.join)  # a bad join string (https without its fingerprint) is refused before anything
@@ -171,7 +177,7 @@ def _worker(args: argparse.Namespace) -> int:
         engine_options=EngineOptions(dtype=args.engine_dtype, memory_fraction=args.engine_memory),
         **({"name": args.name} if args.name else {}),
     )
-    worker = RolloutWorker(opts)
+    worker = RolloutWorker(opts, build_task)
 
     async def main() -> Any:
         task = asyncio.ensure_future(worker.run())

@@ -20,13 +20,12 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
-    from echo2.cli.run import live_view
+    from echo2.cli.run import held_out, live_view
     from echo2.runtime.sync import run_sync
 
     s = run_sync(cfg, progress=live_view(args))
     print(
-        f"\necho2 train: {s.steps} steps in {s.wall_s:.0f} s; held-out accuracy "
-        f"{s.initial_accuracy:.1%} -> {s.final_accuracy:.1%} (best {s.best_accuracy:.1%}); "
+        f"\necho2 train: {s.steps} steps in {s.wall_s:.0f} s; {held_out(s)}; "
         f"bubble ratio {s.bubble_ratio:.1%}\n"
         f"run directory: {s.run_dir}  (metrics.jsonl, config.json, summary.json)\n"
         f"last checkpoint: {s.last_checkpoint}"
@@ -36,8 +35,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _warmstart(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
-    from echo2.learner.warmstart import warmstart_checkpoint
     from echo2.models.policy import configure_torch
+    from echo2.tasks.warmstart import warmstart_checkpoint
 
     configure_torch(cfg)
     path = warmstart_checkpoint(cfg)
@@ -62,25 +61,24 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
-    from echo2.config import PokerTaskConfig
-    from echo2.data.tasks.registry import build_task
-    from echo2.learner.warmstart import starting_checkpoint
     from echo2.models.policy import configure_torch, load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.rollout.evaluate import evaluate_run
+    from echo2.tasks.registry import build_task
+    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.types import Bounds
 
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
     task = build_task(cfg.task, cfg.seed)
     engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
-    if isinstance(cfg.task, PokerTaskConfig):
+    if cfg.task.name == "poker":  # poker's own report: Table 4 against its opponents
         out: dict[str, object] = {
             "checkpoint": policy.source,
             "matchups": _poker_table(cfg, args, policy, engine),
         }
     else:
-        res = evaluate_run(
-            cfg, policy.codec, engine, task, task.eval_prompts(args.size or cfg.train.eval_size)
+        res = task.evaluate(
+            policy.codec, engine, task.eval_prompts(args.size or cfg.train.eval_size), Bounds.of(cfg)
         )
         out = {"checkpoint": policy.source, "accuracy": res.accuracy, "unparsed": res.unparsed, "n": res.n}
         print(json.dumps(out))

@@ -1,112 +1,51 @@
-"""Warm start: short supervised training of the embedded model on its task, cached on disk.
+"""Warm start recipes: short supervised training of the embedded model on its task.
 
 Real post-training starts from a pretrained model that solves the task sometimes. The embedded
-model starts from random weights, so echo2 first fits it on reference answers (teacher forcing,
-loss on answer tokens only) and stops at the first evaluation on the task's *validation* split
-(never the test split runs report) whose greedy accuracy reaches ``warmstart.target_accuracy``. The
-result is deterministic in the seed and the configs, and cached under a key derived from them, so
-every run with the same settings starts from the same weights.
+model starts from random weights, so echo2 first fits it: on reference answers for a single-turn task
+(:func:`supervised`: teacher forcing, loss on answer tokens only), on a scripted teacher's episodes for
+an environment (:func:`imitate`); both stop at the first evaluation on the task's *validation* split
+(never the test split runs report) that reaches ``warmstart.target_accuracy``. Each task picks its
+recipe (``echo2.tasks``); ``echo2/tasks/warmstart.py`` caches the result under a key derived from the
+seed and the configs, so every run with the same settings starts from the same weights.
 
-This is a learner-side step, called explicitly (:func:`starting_checkpoint`): loading a model
-(``models/policy.py``) never trains one.
+Loading a model (``models/policy.py``) never trains one.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo2.config import Config
-from echo2.data.tasks.environment import EnvironmentTask, is_episodic
+from echo2.data.tasks.environment import EnvironmentTask
 from echo2.types import Prompt
+
+if TYPE_CHECKING:
+    from echo2.data.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the recipe changes, so old caches are not reused (2: stop on validation)
 
-
-def starting_checkpoint(cfg: Config) -> Path:
-    """The checkpoint a run starts from: ``model.path`` when set, else the embedded model's warm start
-    (trained now if it is not cached)."""
-    if cfg.model.path is not None:
-        return Path(cfg.model.path)
-    return warmstart_checkpoint(cfg)
-
-
-def cache_root(cfg: Config) -> Path:
-    if cfg.model.warmstart.cache_dir:
-        return Path(cfg.model.warmstart.cache_dir).expanduser()
-    base = os.environ.get("ECHO2_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "echo2")
-    return Path(base)
-
-
-def cache_key(cfg: Config) -> str:
-    ws = cfg.model.warmstart.model_dump(exclude={"cache_dir"})
-    blob = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "seed": cfg.seed,
-            "embedded": cfg.model.embedded.model_dump(),
-            "warmstart": ws,
-            "task": cfg.task.model_dump(),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def warmstart_checkpoint(cfg: Config) -> Path:
-    """The cached warm-started checkpoint directory for ``cfg``, training it first if absent."""
-    target = cache_root(cfg) / "warmstart" / cache_key(cfg)
-    if (target / "warmstart.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
-        info = _train(cfg, tmp)
-        (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished the same key first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
-def _train(cfg: Config, out: Path) -> dict[str, float | int | str]:
+def supervised(cfg: Config, policy: Any, task: Task, out: Path) -> dict[str, float | int | str]:
+    """Warm start of a single-turn task: teacher-forced steps on its reference answers until the greedy
+    validation accuracy reaches ``warmstart.target_accuracy`` (or ``max_steps``); saved under ``out``."""
     import torch
 
-    from echo2.data.tasks.registry import build_task
-    from echo2.models.embedded import build_model, build_tokenizer
-    from echo2.models.policy import Policy
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.rollout.evaluate import evaluate
+    from echo2.rollout.evaluate import evaluate_text
 
     ws = cfg.model.warmstart
-    tokenizer = build_tokenizer()
-    model = build_model(cfg.model.embedded, tokenizer, seed=cfg.seed)
-    policy = Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, False, "embedded")
-    task = build_task(cfg.task, cfg.seed)
-    if is_episodic(task):
-        assert isinstance(task, EnvironmentTask)
-        return _imitate(cfg, policy, task, out)
+    model = policy.model
     engine = HFEngine(model, policy.eos_id, policy.pad_id, cfg.sampling)
     val_prompts = task.validation_prompts(ws.eval_size)  # never the test split (task.eval_prompts)
     rng = random.Random(f"warmstart:{cfg.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
     log.info("warm start: supervised training until validation accuracy >= %.2f", ws.target_accuracy)
     t0 = time.perf_counter()
-    accuracy = evaluate(policy.codec, engine, task, val_prompts).accuracy
+    accuracy = evaluate_text(policy.codec, engine, task, val_prompts).accuracy
     step = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -114,20 +53,13 @@ def _train(cfg: Config, out: Path) -> dict[str, float | int | str]:
             loss = _sft_step(policy, opt, task.sample_train(rng, ws.batch_size))
             step += 1
             if step % ws.eval_every == 0:
-                accuracy = evaluate(policy.codec, engine, task, val_prompts).accuracy
+                accuracy = evaluate_text(policy.codec, engine, task, val_prompts).accuracy
                 log.info("warm start step %d: loss %.3f, validation accuracy %.3f", step, loss, accuracy)
     policy.save(out)
-    info: dict[str, float | int | str] = {
-        "steps": step,
-        "validation_accuracy": accuracy,
-        "seconds": round(time.perf_counter() - t0, 2),
-        "key": cache_key(cfg),
-    }
-    log.info("warm start done: %s", info)
-    return info
+    return {"steps": step, "validation_accuracy": accuracy, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _imitate(cfg: Config, policy: Any, task: EnvironmentTask, out: Path) -> dict[str, float | int | str]:
+def imitate(cfg: Config, policy: Any, task: EnvironmentTask, out: Path) -> dict[str, float | int | str]:
     """Warm start of an environment task: imitate its scripted teacher (``EnvSpec.teacher``) on whole
     episodes the teacher plays, loss on the policy's turns only, until the model's greedy choice agrees
     with the teacher on ``warmstart.target_accuracy`` of the validation episodes' decisions (teacher-
@@ -152,14 +84,7 @@ def _imitate(cfg: Config, policy: Any, task: EnvironmentTask, out: Path) -> dict
                 agreement = _agreement(policy, val)
                 log.info("warm start step %d: loss %.3f, validation agreement %.3f", step, loss, agreement)
     policy.save(out)
-    info: dict[str, float | int | str] = {
-        "steps": step,
-        "validation_agreement": agreement,
-        "seconds": round(time.perf_counter() - t0, 2),
-        "key": cache_key(cfg),
-    }
-    log.info("warm start done: %s", info)
-    return info
+    return {"steps": step, "validation_agreement": agreement, "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def teacher_transcript(

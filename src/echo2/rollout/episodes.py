@@ -18,7 +18,7 @@ environment's own return, without it).
 
 Every episode of a call draws its tokens with one noise row (``rows``) and continues its noise steps
 across turns (``first_steps`` = the token's index in the completion), so the learner re-derives every
-policy token of an episode exactly as it does a single-turn completion (``runtime/verify.py``).
+policy token of an episode exactly as it does a single-turn completion (``tasks/verify.py``).
 
 What ends an episode besides the environment's ``done``: ``max_turns`` decisions, or a context that
 could not hold another turn (``max_context``): the episode is *cut* (counted, its return is what it
@@ -40,11 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from echo2.data.tasks.base import Task
-from echo2.data.tasks.environment import EnvironmentTask, TextPolicy, is_episodic
+from echo2.data.tasks.environment import EnvironmentTask, TextPolicy
 from echo2.envs.base import EnvError, EnvStep, TextEnv
 from echo2.models.policy import TextCodec
-from echo2.rollout.collect import RolloutBatch, collect_groups
+from echo2.rollout.collect import RolloutBatch
 from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt, Trajectory
 
@@ -278,48 +277,6 @@ def collect_episodes(
         unparsed=sum(e.illegal for e in episodes),
         tokens=tokens,
         t_gen_s=t_gen,
-    )
-
-
-def collect(
-    codec: TextCodec,
-    engine: Engine,
-    task: Task,
-    prompts: Sequence[Prompt],
-    group_size: int,
-    *,
-    seed: int,
-    policy_version: int,
-    group_prefix: str,
-    max_context: int,
-    max_new_tokens: int,
-    opponent_policy: Callable[[Prompt], TextPolicy | None] | None = None,
-) -> RolloutBatch:
-    """One rollout round of any task: single-turn groups (``rollout/collect.py``) or episodes."""
-    if not is_episodic(task):
-        return collect_groups(
-            codec,
-            engine,
-            task,
-            prompts,
-            group_size,
-            seed=seed,
-            policy_version=policy_version,
-            group_prefix=group_prefix,
-        )
-    assert isinstance(task, EnvironmentTask)
-    return collect_episodes(
-        codec,
-        engine,
-        task,
-        prompts,
-        group_size,
-        seed=seed,
-        policy_version=policy_version,
-        group_prefix=group_prefix,
-        max_context=max_context,
-        max_new_tokens=max_new_tokens,
-        opponent_policy=opponent_policy,
     )
 
 

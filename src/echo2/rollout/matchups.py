@@ -169,7 +169,8 @@ def evaluate_checkpoint(
     """Table 4 of the checkpoint at ``checkpoint`` on ``cfg``'s poker task: against the rule-based
     styles and each ``against`` checkpoint (name -> directory), on ``deals`` held-out deals (default
     ``task.eval_deals``) of the test split."""
-    from echo2.data.tasks.registry import build_task
+    from echo2.data.tasks.environment import EnvironmentTask
+    from echo2.envs.registry import PokerSpec
     from echo2.models.policy import load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
 
@@ -181,7 +182,7 @@ def evaluate_checkpoint(
     for name, path in (against or {}).items():
         snap = load_checkpoint(path, cfg.model.chat_template)
         snapshots[name] = HFEngine(snap.model, snap.eos_id, snap.pad_id, cfg.sampling)
-    task = build_task(cfg.task, cfg.seed)
+    task = EnvironmentTask(PokerSpec(cfg.task), cfg.seed)  # poker's own seeds: its test split
     seeds = [int(p.meta["seed"]) for p in task.eval_prompts(deals or cfg.task.eval_deals)]
     return poker_table(
         policy.codec,

@@ -5,7 +5,7 @@ installs, up to ``size`` of them (the first always stays; the oldest of the othe
 self-play episode draws its opponent's version from the pool by the episode's seed, so the ``G``
 episodes of a group face the same opponent. The opponent answers greedily, so it is deterministic
 given its weights; what it answered is recorded in the trajectory (``meta["opponent_actions"]``) and
-the learner's replay plays those answers back (``runtime/verify.py``): the learner does not hold the
+the learner's replay plays those answers back (``tasks/verify.py``): the learner does not hold the
 opponent's weights, so that the opponent's answers were its own greedy choices is not checked.
 """
 

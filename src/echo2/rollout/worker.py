@@ -26,9 +26,10 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import aiohttp
@@ -47,6 +48,11 @@ from echo2.protocol import (
 from echo2.rollout.client import LearnerClient, LearnerGone, Refused
 from echo2.rollout.engines.base import EngineOptions
 from echo2.rollout.weights import WeightChain, verified_links
+from echo2.types import Bounds
+
+if TYPE_CHECKING:
+    from echo2.config import TaskConfig
+    from echo2.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +106,9 @@ class _Generated:
 
 
 class RolloutWorker:
-    def __init__(self, opts: WorkerOptions) -> None:
+    def __init__(self, opts: WorkerOptions, build_task: Callable[[TaskConfig, int], Task]) -> None:
         self.opts = opts
+        self.build_task = build_task  # the task registry's builder (echo2.tasks.registry.build_task)
         self.counters = WorkerCounters()
         self.finished = False
         self.weights = WeightChain()  # the published weights being served, and staged installs
@@ -150,7 +157,6 @@ class RolloutWorker:
         import torch
 
         from echo2.broadcast.manifest import key_from_text
-        from echo2.data.tasks.registry import build_task
         from echo2.models.policy import TextCodec
         from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
         from echo2.rollout.engines import build_engine
@@ -181,7 +187,7 @@ class RolloutWorker:
                 opp = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts)
                 every, size = st.task.selfplay_every, st.task.selfplay_pool  # type: ignore[union-attr]
                 self.selfplay = SelfPlayPool(opp, self.codec, every, size, st.sampling.max_new_tokens)
-        self.task = build_task(st.task, st.seed)
+        self.task = self.build_task(st.task, st.seed)
         await self._fetch_snapshot()
         log.info("worker %s ready at v%d", self.worker_id, self.installed)
 
@@ -454,7 +460,7 @@ class RolloutWorker:
         """The generator thread: leases in, graded version-tagged groups out, back to back; a newer
         snapshot is installed between two generations, never during one."""
         while (lease := self._leases.get()) is not None:
-            try:  # the lease's seed: the learner re-derives the draws from it (runtime/verify.py)
+            try:  # the lease's seed: the learner re-derives the draws from it (tasks/verify.py)
                 item: _Generated | BaseException = self._generate(lease, seed=lease.seed)
             except Exception as exc:  # surfaces in the event loop, which stops the worker
                 item = exc
@@ -462,7 +468,6 @@ class RolloutWorker:
 
     def _generate(self, lease: LeaseGrant, seed: int) -> _Generated:
         from echo2.envs.base import EnvError
-        from echo2.rollout.episodes import collect
 
         self._install_pending()
         t0 = time.perf_counter()
@@ -470,17 +475,15 @@ class RolloutWorker:
         with self._engine_lock:
             version = self.installed
             try:
-                batch = collect(
+                batch = self.task.collect(
                     self.codec,
                     self.engine,
-                    self.task,
                     lease.prompts,
                     lease.group_size,
                     seed=seed,
                     policy_version=version,
                     group_prefix=lease.lease_id,
-                    max_context=st.max_context or USER_CONTEXT_TOKENS,
-                    max_new_tokens=st.sampling.max_new_tokens,
+                    bounds=Bounds(st.max_context or USER_CONTEXT_TOKENS, st.sampling.max_new_tokens),
                     opponent_policy=self.selfplay.policy_for if self.selfplay is not None else None,
                 )
             except EnvError as exc:  # an environment that cannot even start costs this lease only

@@ -34,22 +34,23 @@ from echo2.data.submission import Rejected, Submission, SubmissionLimits, valida
 from echo2.physics.rules import admission_floor
 from echo2.protocol import MAX_ID_CHARS, SubmitRequest
 from echo2.runtime.registry import WorkerRecord
-from echo2.runtime.verify import EVIDENCE, GenerationCheck, Verifier
+from echo2.tasks.base import Task
+from echo2.tasks.verify import EVIDENCE, GenerationCheck, Verifier
+from echo2.types import Bounds
 
 log = logging.getLogger(__name__)
 
 
-def submission_limits(cfg: Config, vocab_size: int) -> SubmissionLimits:
+def submission_limits(cfg: Config, task: Task, vocab_size: int) -> SubmissionLimits:
     """What a submission may contain in this run: the model's vocabulary, the group size, the longest
     prompt (the embedded model's context minus the completion budget, else a generous fixed bound)
-    and completion, at most one lease's worth of groups, and no sampler log-prob below what seeded
-    Gumbel-max can draw at this vocabulary (``security.min_logprob`` when set)."""
+    and completion (the task's bound), at most one lease's worth of groups, and no sampler log-prob
+    below what seeded Gumbel-max can draw at this vocabulary (``security.min_logprob`` when set)."""
     from echo2.rollout.sampling import min_drawn_logprob
 
     lowest = cfg.security.min_logprob
     max_prompt = max(1, cfg.context_tokens() - cfg.sampling.max_new_tokens)
-    # an episode's completion holds every turn after its first observation
-    max_completion = cfg.context_tokens() if cfg.episodic else cfg.sampling.max_new_tokens
+    max_completion = task.max_completion_tokens(Bounds.of(cfg))
     return SubmissionLimits(
         vocab_size=vocab_size,
         group_size=cfg.batch.group_size,
@@ -73,6 +74,10 @@ class Intake:
         is_published: Callable[[int], bool] = lambda version: True,
         returned: Callable[[str], None] = lambda worker_id: None,
         refused: Callable[[str, str, str], None] = lambda worker_id, lease_id, reason: None,
+        *,
+        quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None,
+        quarantined: Callable[[], int] = lambda: 0,
+        data_ready: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.returned = returned  # a worker answered one of its leases (the lease broker's standing)
@@ -84,11 +89,11 @@ class Intake:
         self.version = version  # the learner's v_t (the trainer's)
         self.published = published  # newest published snapshot version (-1 before the first)
         self.clock = clock
-        self.data_ready: Callable[[], None] = lambda: None  # the learner loop's wake-up
+        self.data_ready = data_ready  # the learner loop's wake-up
         self.started = clock()  # leases issued before (by a learner process since rolled back) are not re-run
-        self.quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None  # the node's
+        self.quarantine = quarantine  # the node's: credential revoked, buffered groups purged, leases back
         self.checked_submissions = 0  # submissions whose generation was re-run (only real re-runs)
-        self.quarantined: Callable[[], int] = lambda: 0  # workers quarantined in this run (the registry's)
+        self.quarantined = quarantined  # workers quarantined in this run (the registry's)
 
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
         """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if

@@ -3,7 +3,7 @@
 Each step waits until the store holds ``P`` admissible GRPO groups (``R = P * G`` trajectories with
 ``v >= v_t - S``), makes one update (``v -> v + 1``) and, when ``v mod kappa == 0``, publishes a
 snapshot. Staleness ``Delta(t) = v_t - min_v(batch)`` is checked against ``S`` at every step. Every
-second of the loop that is not an update is bubble, counted by cause (``runtime/bubble.py``).
+second of the loop that is not an update is bubble, counted by cause (``observe/bubble.py``).
 
 The parts, one owner each: the worker registry (``registry.py``), the pool controller and its costs
 (``pool.py``), the lease broker (``leases.py``), the intake of submissions (``intake.py``), the
@@ -35,7 +35,7 @@ from typing import Any
 
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error, TrainingDivergedError
-from echo2.runtime.rundir import OPTIM_FILE, STATE_FILE, latest_checkpoint, write_atomic
+from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, latest_checkpoint, write_atomic
 from echo2.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class LearnerSummary:
     bubble_ratio: float  # 1 - update seconds / wall seconds of the main loop (every cause counts)
     staleness_max: int  # max Delta(t) over all steps (never above S)
     last_checkpoint: str  # newest checkpoint directory
+    score: str  # what the held-out numbers measure (Task.score: "accuracy", or "return" per episode)
 
 
 def check_reachable(cfg: Config) -> None:
@@ -158,13 +159,13 @@ class AsyncLearner:
         the embedded model's warm start, which is trained here if it is not cached), trainer, task."""
         import torch
 
-        from echo2.data.tasks.registry import build_task
         from echo2.learner.trainer import GRPOTrainer
-        from echo2.learner.warmstart import starting_checkpoint
         from echo2.models.policy import load_checkpoint
+        from echo2.observe.rundir import RunDir
+        from echo2.observe.trackers import start_trackers
         from echo2.rollout.engines.hf import HFEngine
-        from echo2.runtime.rundir import RunDir
-        from echo2.runtime.trackers import start_trackers
+        from echo2.tasks.registry import build_task
+        from echo2.tasks.warmstart import starting_checkpoint
 
         cfg, ckpt = self.cfg, self.ckpt
         name = self.run_path.resolve().name
@@ -222,6 +223,7 @@ class AsyncLearner:
         broadcast = await publisher.start()
         skeleton = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
         identity = Identity(worker_settings(cfg), key.verifier().to_text(), broadcast, skeleton)
+        self.data_ready = asyncio.Event()  # set on every admitted submission: the main loop's wake-up
         parts = assemble(
             cfg,
             registry,
@@ -233,6 +235,7 @@ class AsyncLearner:
             lambda: self.trainer.version,
             self.clock,
             *self._checks(),
+            data_ready=self.data_ready.set,
         )
         if self.ckpt is not None:
             parts.broker.prompts.restore(json.loads((self.ckpt / STATE_FILE).read_text()).get("leases"))
@@ -240,22 +243,19 @@ class AsyncLearner:
         self.registry, self.pool = parts.registry, parts.pool
         self.broker, self.snapshots = parts.broker, parts.snapshots
         self._resources.push_async_callback(self.snapshots.close)
-        self.data_ready = asyncio.Event()
         self.intake = parts.intake
-        self.intake.data_ready = self.data_ready.set
         await self._serve(parts.routes, broadcast)
         await self._serve_dashboard(parts)
 
     def _checks(self) -> tuple[Any, Any]:
-        """What the learner checks of workers' submissions (``runtime/verify.py``): every one's prompts,
+        """What the learner checks of workers' submissions (``tasks/verify.py``): every one's prompts,
         rewards and shape; and the sampled re-run of generations on a model of its own (None when
         ``security.check_fraction`` is 0)."""
-        from echo2.runtime.verify import GenerationCheck, make_verifier
+        from echo2.tasks.verify import GenerationCheck
+        from echo2.types import Bounds
 
         cfg, policy = self.cfg, self.policy
-        verifier = make_verifier(
-            policy.codec, self.task, policy.eos_id, cfg.sampling.max_new_tokens, cfg.context_tokens()
-        )
+        verifier = self.task.verifier(policy.codec, policy.eos_id, Bounds.of(cfg))
         if cfg.security.check_fraction <= 0:
             return verifier, None
         return verifier, GenerationCheck(copy.deepcopy(policy.model), cfg.sampling, cfg.security)
@@ -282,9 +282,9 @@ class AsyncLearner:
         )
 
     async def _serve_dashboard(self, parts: Any) -> None:
-        """The live dashboard and /metrics (``runtime/dashboard.py``), on their own port; a view token
+        """The live dashboard and /metrics (``observe/dashboard.py``), on their own port; a view token
         when bound beyond loopback."""
-        from echo2.runtime.dashboard import Dashboard, needs_token
+        from echo2.observe.dashboard import Dashboard, needs_token
         from echo2.runtime.status import NodeStatus
 
         cfg, rt = self.cfg, self.cfg.runtime
@@ -315,7 +315,7 @@ class AsyncLearner:
     # ---- the loop ------------------------------------------------------------------------------------
     async def main_loop(self) -> None:
         """Wait for a batch (the bubble), update, then publish / retarget / evaluate / checkpoint / log."""
-        from echo2.runtime.bubble import BubbleMeter
+        from echo2.observe.bubble import BubbleMeter
 
         self.meter = BubbleMeter()
         self.deadline = time.perf_counter() + (self.cfg.train.max_minutes or math.inf) * 60
@@ -382,8 +382,6 @@ class AsyncLearner:
         self.staleness_max = max(self.staleness_max, delta)
         self.t_trains.append(stats.t_train_s)
         rewards = [t.reward for t in flat]
-        from echo2.rollout.episodes import episode_metrics
-
         return {
             "step": stats.version,
             **stats.metrics(),
@@ -391,7 +389,7 @@ class AsyncLearner:
             "store/staleness_max": delta,
             "reward/mean": sum(rewards) / len(rewards),
             "reward/unparsed": sum(1 for t in flat if not t.meta.get("parsed", True)),
-            **(episode_metrics(flat) if self.cfg.episodic else {}),
+            **self.task.batch_metrics(flat),
         }
 
     def _purge_poison(self, group_ids: tuple[str, ...]) -> None:
@@ -455,9 +453,9 @@ class AsyncLearner:
                 self.on_step(record)
 
     def _evaluate(self) -> Any:
-        from echo2.rollout.evaluate import evaluate_run
+        from echo2.types import Bounds
 
-        return evaluate_run(self.cfg, self.policy.codec, self.engine, self.task, self.eval_prompts)
+        return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(self.cfg))
 
     def _save(self, name: str) -> str:
         leases = {"leases": self.broker.prompts.state()}  # a resumed run draws on, not from the start
@@ -489,6 +487,7 @@ class AsyncLearner:
             bubble_ratio=float(window["bubble_ratio"]),  # type: ignore[arg-type]
             staleness_max=self.staleness_max,
             last_checkpoint=self.last_ckpt,
+            score=self.task.score,
         )
         extra = {
             "bubble": window,

@@ -28,7 +28,7 @@ prompts go out again, and the worker takes a strike as for an unreturned lease (
 caused the refusal: a restart, a version it does not hold).
 
 Each lease assigns a fresh random sampling seed (the worker samples with seeded Gumbel-max under it,
-so the learner can re-derive any sampled token, ``runtime/verify.py``) and records the version the
+so the learner can re-derive any sampled token, ``tasks/verify.py``) and records the version the
 worker said it held (a submission claiming an older one is refused).
 
 Prompts of expired leases are leased again first, then fresh draws from the task. The learner's
@@ -46,10 +46,10 @@ from typing import Any
 
 from echo2.config import BatchConfig, RuntimeConfig, SecurityConfig, StalenessConfig
 from echo2.data.store import TrajectoryStore
-from echo2.data.tasks.base import Task
 from echo2.physics.rules import admission_floor
 from echo2.protocol import LeaseGrant, LeaseRefusal, LeaseRequest
 from echo2.runtime.standing import Standings
+from echo2.tasks.base import Task
 from echo2.types import Prompt
 
 SEED_BITS = 53  # lease seeds stay exact in any JSON reader

@@ -19,7 +19,6 @@ from echo2.broadcast.api import SnapshotPublisher
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected
-from echo2.data.tasks.base import Task
 from echo2.physics.rules import admission_floor
 from echo2.protocol import WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
@@ -29,7 +28,8 @@ from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
 from echo2.runtime.standing import Standings
-from echo2.runtime.verify import GenerationCheck, Verifier
+from echo2.tasks.base import Task
+from echo2.tasks.verify import GenerationCheck, Verifier
 
 
 @dataclass
@@ -81,14 +81,16 @@ def assemble(
     clock: Callable[[], float],
     verifier: Verifier | None = None,
     generation: GenerationCheck | None = None,
+    data_ready: Callable[[], None] = lambda: None,
 ) -> NodeParts:
     """The serving parts of a learner node over ``store`` and ``registry`` (which the broadcast
     ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
     earlier learner process registered in the registry's run directory are restored and offered to the
-    pool."""
-    snapshots = Snapshots(publisher, cfg.staleness.gamma, cfg.snapshot)
+    pool. ``data_ready`` is called on every admitted submission (the learner loop's wake-up). Each part
+    gets its collaborators when it is made; none is patched afterwards."""
+    snapshots = Snapshots(publisher, cfg.staleness.gamma, cfg.snapshot, _keeper(cfg, generation))
     pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock)
-    limits = submission_limits(cfg, vocab_size)
+    limits = submission_limits(cfg, task, vocab_size)
     intake = Intake(
         store,
         limits,
@@ -100,8 +102,10 @@ def assemble(
         lambda v: v in snapshots.published,
         broker.returned,
         broker.refused,
+        quarantine=_quarantine(registry, pool, broker),
+        quarantined=lambda: sum(1 for r in registry if r.quarantined),  # persisted: restarts keep it
+        data_ready=data_ready,
     )
-    _guard(cfg, intake, snapshots, registry, pool, broker, generation)
     routes = Routes(
         registry,
         pool,
@@ -148,26 +152,25 @@ def _leasing(
     return pool, broker
 
 
-def _guard(
-    cfg: Config,
-    intake: Intake,
-    snapshots: Snapshots,
-    registry: WorkerRegistry,
-    pool: Pool,
-    broker: LeaseBroker,
-    generation: GenerationCheck | None,
-) -> None:
-    """Wire the security checks: the generation check keeps the published weights of the admissible
-    versions; evidence of lying quarantines the worker (credential revoked, what it left untrained
-    purged, its leases taken back for others)."""
-    if generation is not None:
-        S = cfg.staleness.S
+def _keeper(cfg: Config, generation: GenerationCheck | None) -> Callable[[int, dict[str, Any]], None]:
+    """What a publication tells the generation check: keep the published weights of the versions a
+    submission may still claim (``v >= v_t - S``), forget the older ones."""
+    if generation is None:
+        return lambda version, weights: None
+    S = cfg.staleness.S
 
-        def keep(v: int, weights: dict[str, Any]) -> None:
-            generation.keep(v, weights)
-            generation.forget_below(admission_floor(v, S))
+    def keep(v: int, weights: dict[str, Any]) -> None:
+        generation.keep(v, weights)
+        generation.forget_below(admission_floor(v, S))
 
-        snapshots.on_published = keep
+    return keep
+
+
+def _quarantine(
+    registry: WorkerRegistry, pool: Pool, broker: LeaseBroker
+) -> Callable[[WorkerRecord, Rejected], None]:
+    """Evidence of lying quarantines the worker: credential revoked, what it left untrained purged,
+    its leases taken back for others."""
 
     def quarantine(rec: WorkerRecord, exc: Rejected) -> None:
         registry.revoke(rec.worker_id, f"{exc.reason}: {exc.detail}")
@@ -175,5 +178,4 @@ def _guard(
         _, prompts = broker.store.purge_worker(rec.worker_id)
         broker.prompts.reissue.extend(prompts)
 
-    intake.quarantine = quarantine
-    intake.quarantined = lambda: sum(1 for r in registry if r.quarantined)  # persisted: restarts keep it
+    return quarantine

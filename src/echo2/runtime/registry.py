@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from echo2.observe.rundir import write_atomic
 from echo2.protocol import RegisterRequest
-from echo2.runtime.rundir import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,12 @@ class WorkerRegistry:
         if rec.trusted:
             rec.last_seen_s = self.clock()
         return rec
+
+    def installed(self, rec: WorkerRecord, version: int, install_s: float) -> None:
+        """``rec`` reports ``version`` installed, in ``install_s`` seconds (the one writer of the installed
+        version the pool, the dashboard and the lease gate read)."""
+        rec.installed_version = version
+        rec.install_s = install_s
 
     def may_join_broadcast(self, worker_id: str, credential: object) -> bool:
         """Only registered, trusted workers join the snapshot topology, and only under their own id."""

@@ -192,8 +192,7 @@ class Routes:
                 "future_version",
                 f"installed_version: {hb.installed_version} was never published",
             )
-        rec.installed_version = hb.installed_version
-        rec.install_s = hb.install_s
+        self.registry.installed(rec, hb.installed_version, hb.install_s)
         self.pool.observe(rec, hb)
         self.pool.tick()
         reply = HeartbeatReply(

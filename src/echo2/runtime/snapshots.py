@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from echo2.broadcast.api import SnapshotPublisher
 from echo2.broadcast.manifest import Lineage
 from echo2.config import SnapshotConfig
+from echo2.observe import catalog
 from echo2.physics.rules import install_quorum
 
 if TYPE_CHECKING:
@@ -65,7 +66,13 @@ class Encoded:
 
 
 class Snapshots:
-    def __init__(self, publisher: SnapshotPublisher, gamma: float, cfg: SnapshotConfig | None = None) -> None:
+    def __init__(
+        self,
+        publisher: SnapshotPublisher,
+        gamma: float,
+        cfg: SnapshotConfig | None = None,
+        on_published: Callable[[int, dict[str, torch.Tensor]], None] = lambda version, weights: None,
+    ) -> None:
         self.publisher = publisher
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
@@ -76,8 +83,7 @@ class Snapshots:
         self._base: dict[str, torch.Tensor] | None = None  # the newest published weights (chain[-1])
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced
         self._tasks: set[asyncio.Task[None]] = set()
-        # told each published version's weights (the generation check keeps the admissible ones)
-        self.on_published: Callable[[int, dict[str, torch.Tensor]], None] = lambda version, weights: None
+        self.on_published = on_published  # told each published version's weights (the generation check's)
 
     @property
     def latest(self) -> tuple[int, dict[str, Any], bytes] | None:
@@ -132,16 +138,16 @@ class Snapshots:
         self._base = weights
         self.on_published(version, weights)
         self.publication = {
-            "broadcast/publication_bytes": float(len(enc.blob)),
-            "broadcast/full_bytes": float(enc.full_bytes),
-            "broadcast/patch_ratio": len(enc.blob) / max(1, enc.full_bytes),
-            "broadcast/anchor": float(enc.lineage.kind == "full"),
-            "broadcast/encode_s": enc.encode_s,
+            catalog.BROADCAST_PUBLICATION_BYTES.key: float(len(enc.blob)),
+            catalog.BROADCAST_FULL_BYTES.key: float(enc.full_bytes),
+            catalog.BROADCAST_PATCH_RATIO.key: len(enc.blob) / max(1, enc.full_bytes),
+            catalog.BROADCAST_ANCHOR.key: float(enc.lineage.kind == "full"),
+            catalog.BROADCAST_ENCODE_S.key: enc.encode_s,
             # copy, encode, chunk digests, signature, announcements (wall time)
-            "broadcast/publish_s": time.perf_counter() - t0,
+            catalog.BROADCAST_PUBLISH_S.key: time.perf_counter() - t0,
             # CPU seconds of the threads that copied and encoded (wall time above also counts waiting for
             # a core and for the interpreter lock, which the update holds between its native calls)
-            "broadcast/publish_cpu_s": copy_cpu_s + enc.encode_cpu_s,
+            catalog.BROADCAST_PUBLISH_CPU_S.key: copy_cpu_s + enc.encode_cpu_s,
         }
 
     def encode(self, weights: dict[str, torch.Tensor]) -> Encoded:
@@ -183,7 +189,7 @@ class Snapshots:
         need = install_quorum(members, self.gamma)
         stats = await self.publisher.wait_installed(version, count=need, timeout=MEASURE_TIMEOUT_S)
         metrics = stats.metrics(self.gamma)
-        if math.isfinite(metrics["broadcast/t_bcast_s"]):
+        if math.isfinite(metrics[catalog.BROADCAST_T_BCAST_S.key]):
             self.bcast.update(metrics)
 
     def metrics(self) -> dict[str, float]:
@@ -195,7 +201,7 @@ class Snapshots:
     @property
     def t_bcast_s(self) -> float:
         """The newest measured T_bcast (0 before any was measured)."""
-        return self.bcast.get("broadcast/t_bcast_s", 0.0)
+        return self.bcast.get(catalog.BROADCAST_T_BCAST_S.key, 0.0)
 
     async def close(self) -> None:
         try:

@@ -7,7 +7,7 @@ end. Everything lands in the run directory (config.json, metrics.jsonl, checkpoi
 
 In this synchronous loop the learner is idle while rollouts are generated: the SPEC §3 bubble
 ``1 - update seconds / wall seconds`` counts generation as its ``wait`` cause, and evaluation,
-checkpointing and logging as theirs (``runtime/bubble.py``), exactly as the asynchronous learner does.
+checkpointing and logging as theirs (``observe/bubble.py``), exactly as the asynchronous learner does.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class TrainSummary:
     best_accuracy: float  # best held-out accuracy seen at any evaluation
     bubble_ratio: float  # 1 - update seconds / wall seconds of the loop
     last_checkpoint: str  # the checkpoint directory written last
+    score: str  # what the held-out numbers measure (Task.score: "accuracy", or "return" per episode)
 
 
 def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:
@@ -50,7 +51,7 @@ class SyncLearner:
         self.progress = progress
 
     def run(self) -> TrainSummary:
-        from echo2.runtime.view import ProgressView
+        from echo2.observe.view import ProgressView
 
         self.setup()
         view = ProgressView(self.cfg.train, "echo2 train", self.progress)
@@ -68,13 +69,13 @@ class SyncLearner:
         return self.summary()
 
     def setup(self) -> None:
-        from echo2.data.tasks.registry import build_task
         from echo2.learner.trainer import GRPOTrainer
-        from echo2.learner.warmstart import starting_checkpoint
         from echo2.models.policy import configure_torch, load_checkpoint
+        from echo2.observe.rundir import RunDir
+        from echo2.observe.trackers import start_trackers
         from echo2.rollout.engines.hf import HFEngine
-        from echo2.runtime.rundir import RunDir
-        from echo2.runtime.trackers import start_trackers
+        from echo2.tasks.registry import build_task
+        from echo2.tasks.warmstart import starting_checkpoint
 
         cfg = self.cfg
         configure_torch(cfg)
@@ -104,7 +105,7 @@ class SyncLearner:
         self.steps, self.last_ckpt = 0, ""
 
     def main_loop(self, on_step: Any) -> None:
-        from echo2.runtime.bubble import BubbleMeter
+        from echo2.observe.bubble import BubbleMeter
 
         cfg = self.cfg
         self.meter = BubbleMeter()
@@ -130,21 +131,19 @@ class SyncLearner:
 
     def step(self) -> dict[str, Any]:
         """Generate and grade one batch with the current weights (the learner waits), then update."""
-        from echo2.rollout.episodes import collect
+        from echo2.types import Bounds
 
         cfg, step = self.cfg, self.steps + 1
         with self.meter.idle("wait"):
-            batch = collect(
+            batch = self.task.collect(
                 self.policy.codec,
                 self.engine,
-                self.task,
                 self.task.sample_train(self.rng, cfg.batch.prompts),
                 cfg.batch.group_size,
                 seed=cfg.seed * 1_000_003 + step,
                 policy_version=self.trainer.version,
                 group_prefix=str(step),
-                max_context=cfg.context_tokens(),
-                max_new_tokens=cfg.sampling.max_new_tokens,
+                bounds=Bounds.of(cfg),
             )
         with self.meter.training():
             stats = self.trainer.update(batch.trajectories)
@@ -165,9 +164,9 @@ class SyncLearner:
         }
 
     def _evaluate(self) -> Any:
-        from echo2.rollout.evaluate import evaluate_run
+        from echo2.types import Bounds
 
-        return evaluate_run(self.cfg, self.policy.codec, self.engine, self.task, self.eval_prompts)
+        return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(self.cfg))
 
     def _save(self, name: str) -> str:
         return self.run_dir.save_checkpoint(name, self.policy, self.trainer.version)
@@ -183,6 +182,7 @@ class SyncLearner:
             best_accuracy=self.best_acc,
             bubble_ratio=float(window["bubble_ratio"]),
             last_checkpoint=self.last_ckpt,  # type: ignore[arg-type]
+            score=self.task.score,
         )
         self.run_dir.write_summary({**asdict(summary), "bubble": window})
         return summary

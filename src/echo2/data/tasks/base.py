@@ -3,7 +3,7 @@
 A task builds prompts ``x`` (a train stream and two fixed held-out splits), defines the reward
 ``R(x, y)``, and says how a trajectory's metadata ``Ω`` becomes learner-side signals (a per-token
 loss mask). A new task is a new adapter module plus its config model, registered in
-``echo2.data.tasks.registry``. This module imports no adapter: adapters import it, never the reverse.
+``echo2.tasks.registry``. This module imports no adapter: adapters import it, never the reverse.
 
 Three splits, disjoint by *problem* (each adapter defines when two prompts are the same problem):
 

@@ -4,7 +4,7 @@ A prompt of an environment task is an *episode seed*, not a text: ``Prompt.meta[
 environments with opponents, ``meta["opponent"]``). A GRPO group is ``G`` episodes of the same seed, so
 their returns compare like with like (the same deal, the same hidden number); the rollout plane plays
 them (``rollout/episodes.py``) and the learner replays them to re-check the claimed return
-(``runtime/verify.py``). ``Prompt.text`` only describes the episode for people and logs.
+(``tasks/verify.py``). ``Prompt.text`` only describes the episode for people and logs.
 
 **Splits hold out whole episodes.** The split of a seed is a stable hash of ``"<env>:<seed>"``: test =
 ``[0, eval_fraction)``, validation = the next ``validation_fraction``, train = the rest. A seed fixes
@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from echo2.data.tasks.base import Grade, Split, full_mask, split_of, stable_fraction
+from echo2.data.tasks.base import Split, full_mask, split_of, stable_fraction
 from echo2.envs.base import TextEnv
 from echo2.types import Prompt
 
@@ -31,13 +31,45 @@ TextPolicy = Callable[[str], str]  # observation text -> action text (a model op
 class EnvSpec(Protocol):
     """What an environment tells its task adapter."""
 
-    name: str
-    discount: float  # gamma of the episodic return
-    max_turns: int  # policy decisions per episode before it is cut
-    step_timeout_s: float  # an environment step slower than this ends the episode
-    illegal_penalty: float  # subtracted from the reward of a step whose action was illegal (training)
-    eval_fraction: float
-    validation_fraction: float
+    @property
+    def name(self) -> str:
+        """The environment's name (the task name)."""
+        ...
+
+    @property
+    def score(self) -> str:
+        """What its held-out evaluation measures ("chips" for poker, else "return")."""
+        ...
+
+    @property
+    def discount(self) -> float:
+        """Gamma of the episodic return."""
+        ...
+
+    @property
+    def max_turns(self) -> int:
+        """Policy decisions per episode before it is cut."""
+        ...
+
+    @property
+    def step_timeout_s(self) -> float:
+        """An environment step slower than this ends the episode."""
+        ...
+
+    @property
+    def illegal_penalty(self) -> float:
+        """Subtracted from the reward of a step whose action was illegal (training)."""
+        ...
+
+    @property
+    def eval_fraction(self) -> float:
+        """Share of episode seeds held out as the test split."""
+        ...
+
+    @property
+    def validation_fraction(self) -> float:
+        """Share of episode seeds held out as the validation split."""
+        ...
 
     def make(self, prompt: Prompt, opponent_policy: TextPolicy | None = None) -> TextEnv:
         """A fresh environment for the episode ``prompt`` names (not reset yet). ``opponent_policy``
@@ -58,9 +90,9 @@ class EnvSpec(Protocol):
 
 
 class EnvironmentTask:
-    """The :class:`~echo2.data.tasks.base.Task` of a multi-turn environment."""
-
-    episodic = True  # rollout and verification dispatch on it (rollout/collect.py, runtime/verify.py)
+    """The data adapter of a multi-turn environment: episode seeds, their splits and the environment's
+    spec. It has no text reward function: an episode is rewarded by playing it (``rollout/episodes.py``);
+    ``echo2.tasks.episodic`` puts it behind the task protocol."""
 
     def __init__(self, spec: EnvSpec, seed: int = 0) -> None:
         self.spec = spec
@@ -105,13 +137,5 @@ class EnvironmentTask:
     def eval_prompts(self, n: int) -> list[Prompt]:
         return self._fixed_prompts("test", n)
 
-    def grade(self, prompt: Prompt, completion: str) -> Grade:
-        raise TypeError(f"{self.name} is an environment: episodes are graded by playing them, not by text")
-
     def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
         return full_mask(completion_ids, meta)
-
-
-def is_episodic(task: object) -> bool:
-    """Whether ``task`` is played as multi-turn episodes (an :class:`EnvironmentTask`)."""
-    return bool(getattr(task, "episodic", False))

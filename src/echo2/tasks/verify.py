@@ -57,26 +57,17 @@ NUCLEUS_SLACK = 1e-3  # probability mass of slack given to the top-p boundary (n
 EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch"})  # these quarantine
 
 
-def make_verifier(
-    codec: TextCodec, task: Task, eos_id: int, max_new_tokens: int, max_context: int
-) -> Verifier:
-    """The every-submission checks of ``task``: replayed episodes for an environment, else graded text."""
-    from echo2.data.tasks.environment import EnvironmentTask, is_episodic
-
-    if is_episodic(task):
-        assert isinstance(task, EnvironmentTask)
-        return EpisodeReplay(codec, task, eos_id, max_new_tokens, max_context)
-    return Verifier(codec, task, eos_id, max_new_tokens)
-
-
 class Verifier:
     """The checks every submission gets (cheap: a tokenizer and the task's grader)."""
 
     def __init__(self, codec: TextCodec, task: Task, eos_id: int, max_new_tokens: int) -> None:
+        self._setup(codec, eos_id, max_new_tokens)
+        self.task = task  # the adapter whose reward function re-grades every completion
+
+    def _setup(self, codec: TextCodec, eos_id: int, max_new_tokens: int) -> None:
         from echo2.models.policy import TextCodec
 
         self.codec = TextCodec(copy.deepcopy(codec.tokenizer), codec.chat_template)  # this thread's own
-        self.task = task
         self.eos_id = eos_id
         self.max_new_tokens = max_new_tokens
         self._lock = threading.Lock()  # one check at a time: the tokenizer is not shared across calls
@@ -196,7 +187,7 @@ class EpisodeReplay(Verifier):
     ) -> None:
         from echo2.rollout.episodes import Stepper, limits_for
 
-        super().__init__(codec, task, eos_id, max_new_tokens)
+        self._setup(codec, eos_id, max_new_tokens)
         self.env_task = task
         self.limits = limits_for(task, max_context, max_new_tokens)
         self.stepper = Stepper(task.spec.step_timeout_s)  # one environment thread for every replay

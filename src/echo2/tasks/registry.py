@@ -1,0 +1,63 @@
+"""The one task registry, keyed by the config's task name: its config model, its ``--task`` preset and
+its builder (config -> :class:`~echo2.tasks.base.Task`). It sits above the adapters and the two kinds
+of task (it imports them; they never import it). A new task is an adapter (or an environment spec in
+``envs/registry.py``), its config model, and one :class:`Entry` here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from echo2.config import (
+    TASK_PRESETS,
+    ArithmeticTaskConfig,
+    GuessTaskConfig,
+    MathTaskConfig,
+    PokerTaskConfig,
+    TaskConfig,
+)
+from echo2.data.tasks.arithmetic import ArithmeticTask
+from echo2.data.tasks.environment import EnvironmentTask
+from echo2.data.tasks.math import MathTask
+from echo2.envs.registry import env_spec
+from echo2.tasks.base import Task
+from echo2.tasks.episodic import Episodic
+from echo2.tasks.single_turn import SingleTurn
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One task of the registry."""
+
+    config: type  # its config model (the ``[task]`` section when ``task.name`` is this name)
+    preset: tuple[str, ...]  # the overrides of ``--task NAME`` (``config.TASK_PRESETS``, the loader's)
+    build: Callable[[TaskConfig, int], Task]  # (its config, the run's seed) -> the task
+
+
+def _arithmetic(cfg: TaskConfig, seed: int) -> Task:
+    assert isinstance(cfg, ArithmeticTaskConfig)
+    return SingleTurn(ArithmeticTask(cfg, seed))
+
+
+def _math(cfg: TaskConfig, seed: int) -> Task:
+    assert isinstance(cfg, MathTaskConfig)
+    return SingleTurn(MathTask(cfg, seed))
+
+
+def _environment(cfg: TaskConfig, seed: int) -> Task:
+    assert isinstance(cfg, PokerTaskConfig | GuessTaskConfig)
+    return Episodic(EnvironmentTask(env_spec(cfg), seed))
+
+
+REGISTRY: dict[str, Entry] = {
+    "arithmetic": Entry(ArithmeticTaskConfig, tuple(TASK_PRESETS["arithmetic"]), _arithmetic),
+    "math": Entry(MathTaskConfig, tuple(TASK_PRESETS["math"]), _math),
+    "poker": Entry(PokerTaskConfig, tuple(TASK_PRESETS["poker"]), _environment),
+    "guess": Entry(GuessTaskConfig, tuple(TASK_PRESETS["guess"]), _environment),
+}
+TASKS: dict[type, Callable[[TaskConfig, int], Task]] = {e.config: e.build for e in REGISTRY.values()}
+
+
+def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
+    """The task ``cfg`` names (``cfg.name`` is the registry key)."""
+    return REGISTRY[cfg.name].build(cfg, seed)

@@ -1,0 +1,93 @@
+"""Single-turn tasks (arithmetic, math): a prompt is a text, a completion is graded by the adapter's
+reward function (``echo2.data.tasks``), evaluation is the greedy share of correct answers, verification
+re-grades every completion, and the warm start is supervised on the reference answers."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from echo2.data.tasks.base import Grade
+from echo2.data.tasks.base import Task as TextAdapter
+from echo2.rollout.collect import RolloutBatch, collect_groups
+from echo2.rollout.evaluate import EvalResult, evaluate_text
+from echo2.tasks.base import Score
+from echo2.tasks.verify import Verifier
+from echo2.types import Bounds, Prompt, Trajectory
+
+if TYPE_CHECKING:
+    from echo2.config import Config
+    from echo2.data.tasks.environment import TextPolicy
+    from echo2.models.policy import TextCodec
+    from echo2.rollout.engines.base import Engine
+
+
+class SingleTurn:
+    """The :class:`~echo2.tasks.base.Task` of a text adapter (one prompt, one graded completion)."""
+
+    score: Score = "accuracy"
+
+    def __init__(self, data: TextAdapter) -> None:
+        self.data = data  # prompts, splits and the reward function
+        self.name = data.name
+
+    def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
+        return self.data.sample_train(rng, n)
+
+    def validation_prompts(self, n: int) -> list[Prompt]:
+        return self.data.validation_prompts(n)
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return self.data.eval_prompts(n)
+
+    def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
+        return self.data.token_mask(completion_ids, meta)
+
+    def grade(self, prompt: Prompt, completion: str) -> Grade:
+        """The adapter's reward of ``completion`` (a single-turn task's own verb)."""
+        return self.data.grade(prompt, completion)
+
+    def collect(
+        self,
+        codec: TextCodec,
+        engine: Engine,
+        prompts: Sequence[Prompt],
+        group_size: int,
+        *,
+        seed: int,
+        policy_version: int,
+        group_prefix: str,
+        bounds: Bounds,
+        opponent_policy: Callable[[Prompt], TextPolicy | None] | None = None,
+    ) -> RolloutBatch:
+        return collect_groups(
+            codec,
+            engine,
+            self.data,
+            prompts,
+            group_size,
+            seed=seed,
+            policy_version=policy_version,
+            group_prefix=group_prefix,
+        )
+
+    def evaluate(
+        self, codec: TextCodec, engine: Engine, prompts: Sequence[Prompt], bounds: Bounds
+    ) -> EvalResult:
+        return evaluate_text(codec, engine, self.data, prompts)
+
+    def verifier(self, codec: TextCodec, eos_id: int, bounds: Bounds) -> Verifier:
+        return Verifier(codec, self.data, eos_id, bounds.max_new_tokens)
+
+    def warm_start(self, cfg: Config, policy: Any, out: Path) -> dict[str, float | int | str]:
+        from echo2.learner.warmstart import supervised
+
+        return supervised(cfg, policy, self.data, out)
+
+    def batch_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        return {}
+
+    def max_completion_tokens(self, bounds: Bounds) -> int:
+        return bounds.max_new_tokens

@@ -36,7 +36,9 @@ def test_topology_is_removed_even_when_the_body_fails() -> None:
 def test_shaped_links_separate_star_limited_from_tree_pipelined() -> None:
     from echo2_bench.harness import Harness, Scenario
 
-    g, bw, ratio, n = 3_000_000, 16e6, 3.0, 4
+    # B0 = 2 x the workers' links: star pays N * G / B0 = 3.0 s, tree about G / B = 1.5 s, a gap no
+    # load on the machine closes (at B0 = 3 x, 2.0 s against 1.5 s, a loaded CI machine read 2.20 / 2.24)
+    g, bw, ratio, n = 3_000_000, 16e6, 2.0, 4
     common = dict(size=g, chunk=16 << 10, b0_bps=bw * ratio, bw_bps=bw, timeout=90, pace=0.95)
     before = _namespaces()
     with Harness("netns", n) as h:
@@ -44,7 +46,7 @@ def test_shaped_links_separate_star_limited_from_tree_pipelined() -> None:
         star = h.run(Scenario("star-limited", n, **common))
     assert _namespaces() == before
     t_star = lower_bound(tree.size, bw * ratio / 8, bw / 8, n)  # 1.5 s
-    star_ideal = n * star.size / (bw * ratio / 8)  # N*G/B0 = 2.0 s
+    star_ideal = n * star.size / (bw * ratio / 8)  # N*G/B0 = 3.0 s
     # tbf really shapes: nobody beats the physics, and star pays for N copies on the uplink
     assert tree.t_all() >= 0.95 * t_star
     assert star.t_all() >= 0.95 * star_ideal

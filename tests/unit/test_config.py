@@ -81,6 +81,67 @@ def test_malformed_override():
         load_config(overrides=["grpo.lr"])
 
 
+def test_one_loader_one_error_format_for_run_plan_and_simulate(tmp_path):
+    from echo2.config import load_model
+    from echo2.planner.catalog import PlanScenario
+    from echo2.sim.config import load_sim_scenario
+
+    run = tmp_path / "run.toml"
+    run.write_text("[grpo]\nlr = -1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(run)
+    assert str(exc.value) == f"invalid config {run}: grpo.lr: Input should be greater than 0 (got -1)"
+    plan = CONFIGS / "plan_paper_qwen3_8b.toml"
+    with pytest.raises(ConfigError) as exc:
+        load_model(PlanScenario, plan, ["learner.t_train_s=-3"], what="scenario")
+    assert (
+        str(exc.value)
+        == f"invalid scenario {plan}: learner.t_train_s: Input should be greater than 0 (got -3)"
+    )
+    # a simulate config's plan sections sit at the top level: the error path is the file's, not plan.*
+    with pytest.raises(ConfigError) as exc:
+        load_sim_scenario("paper_qwen3_8b", ["staleness.S=-1", "sim.steps=0"])
+    msg = str(exc.value)
+    assert msg.startswith(f"invalid scenario {CONFIGS / 'sim_paper_qwen3_8b.toml'}: ")
+    assert "; sim.steps: Input should be greater than or equal to 1 (got 0)" in msg
+    assert "staleness.S: Input should be greater than or equal to 0 (got -1)" in msg and "plan." not in msg
+    # the same file errors for every model: a missing file, invalid TOML (named either way)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[workers]\n")
+    for load in (load_config, lambda f: load_model(PlanScenario, f, what="scenario")):
+        with pytest.raises(ConfigError, match=f"config file {bad} is not valid TOML .*invalid TOML"):
+            load(bad)
+        with pytest.raises(ConfigError, match=f"config file {tmp_path / 'nope.toml'} does not exist"):
+            load(tmp_path / "nope.toml")
+
+
+def test_overrides_as_strings_or_a_mapping_and_list_indices():
+    from echo2.config import load_model
+    from echo2.planner.catalog import PlanScenario
+    from echo2.sim.config import load_sim_scenario
+
+    plan = CONFIGS / "plan_paper_qwen3_8b.toml"
+    sc = load_model(PlanScenario, plan, ["workers.0.rollouts_per_s=0.5"], what="scenario")
+    assert sc.workers[0].rollouts_per_s == 0.5
+    sc = load_model(PlanScenario, plan, {"workers.0.usd_per_hour": 0.25, "staleness.S": 5}, what="scenario")
+    assert sc.workers[0].usd_per_hour == 0.25 and sc.staleness.S == 5 and sc.staleness.effective_kappa == 4
+    with pytest.raises(
+        ConfigError, match=r"override 'workers\.3\.count=2': '3' is not an index of a list of 1"
+    ):
+        load_model(PlanScenario, plan, ["workers.3.count=2"], what="scenario")
+    with pytest.raises(ConfigError, match=r"'lr' is a value, not a section"):
+        load_config(overrides=["grpo.lr=1e-4", "grpo.lr.x=1"])
+    sim, _ = load_sim_scenario("paper_qwen3_8b", {"sim.steps": 7, "staleness.S": 4})
+    assert sim.sim.steps == 7 and sim.plan.staleness.S == 4
+
+
+def test_the_planner_skips_exactly_the_simulators_own_sections():
+    from echo2.planner.catalog import SIM_SECTIONS
+    from echo2.sim.config import SimScenario
+
+    assert set(SIM_SECTIONS) == set(SimScenario.model_fields) - {"plan"}
+
+
 def test_config_round_trips_through_json():
     cfg = load_config(overrides=["staleness.S=4"])
     again = Config.model_validate(cfg.to_dict())

@@ -151,6 +151,44 @@ def test_cli_modules_import_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_every_value_flag_is_one_override_of_the_scenario() -> None:
+    from echo2.cli.plan import _FIELDS
+
+    p = argparse.ArgumentParser()
+    PLAN.add_arguments(p)
+    # the rest: the file, a selection of the catalog, R (-> batch.prompts), the output format
+    assert set(vars(p.parse_args([]))) == {f for f, _ in _FIELDS} | {
+        "config",
+        "worker_type",
+        "rollouts_per_step",
+        "json",
+    }
+
+
+def test_a_pool_flag_reaches_the_type_picked_from_a_mixed_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "table2_ablation",
+        "--worker-type",
+        "rtx4090",
+        "--worker-rate",
+        "0.5",
+        "--bw-mbps",
+        "200",
+        "--json",
+    ]
+    plan = json.loads(_run(argv, capsys))
+    assert set(plan["per_type"]) == {"rtx4090"} and plan["per_type"]["rtx4090"]["rollouts_per_s"] == 0.5
+    assert set(plan["active_set"]) == {"rtx4090"}
+
+
+def test_flags_only_prices_and_group_size(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--t-train", "100", "--t-bcast", "5", "--worker-rate", "1", "--json"]
+    unpriced = json.loads(_run([*base, "--rollouts-per-step", "64", "--group-size", "4"], capsys))
+    assert unpriced["rollouts_per_step"] == 64 and unpriced["usd_per_step"] is None
+    priced = json.loads(_run([*base, "--worker-price", "0.5", "--learner-price", "2"], capsys))
+    assert priced["usd_per_step"] is not None and priced["usd_per_hour"] > 2
+
+
 def test_plan_reads_simulate_configs_by_short_name(capsys: pytest.CaptureFixture[str]) -> None:
     plan = json.loads(_run(["table2_ablation", "--activation", "exact", "--json"], capsys))
     # mixed pool: the optimum reaching 2.468/s is 3 x 5090 + 4 x 4090 + 2 x L40S = $4.23/h

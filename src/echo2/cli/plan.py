@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo2.cli.common import Command
 from echo2.physics.rules import DEFAULT_GAMMA  # stdlib-only module: keeps `echo2 --help` light
+
+if TYPE_CHECKING:
+    from echo2.planner.catalog import PlanScenario
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,91 +49,78 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
-def _scenario_dict(args: argparse.Namespace) -> dict[str, Any]:
-    from echo2.errors import ConfigError
-    from echo2.planner.catalog import find_config, read_toml
+# flag -> scenario field: each flag that is set becomes one override on top of the file, as
+# `--set a.b=value` does for a run (workers.0: the one homogeneous pool)
+_FIELDS = (
+    ("t_train", "learner.t_train_s"),
+    ("learner_price", "learner.usd_per_hour"),
+    ("t_bcast", "network.t_bcast_s"),
+    ("b0_mbps", "network.b0_mbps"),
+    ("strategy", "network.strategy"),
+    ("staleness", "staleness.S"),
+    ("kappa", "staleness.kappa"),
+    ("gamma", "staleness.gamma"),
+    ("snapshot_gb", "model.snapshot_gb"),
+    ("group_size", "batch.group_size"),
+    ("activation", "activation"),
+    ("worker_rate", "workers.0.rollouts_per_s"),
+    ("worker_price", "workers.0.usd_per_hour"),
+    ("bw_mbps", "workers.0.bandwidth_mbps"),
+)
 
-    if args.config:
-        data = read_toml(find_config(args.config, "plan"))
-        where = str(find_config(args.config, "plan"))
-    else:
-        missing = [
-            f for f, v in (("--t-train", args.t_train), ("--worker-rate", args.worker_rate)) if v is None
+
+def _flags_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Without a config file: one worker type, ``worker``, that the flags describe."""
+    from echo2.errors import ConfigError
+
+    missing = [f for f, v in (("--t-train", args.t_train), ("--worker-rate", args.worker_rate)) if v is None]
+    if missing:
+        raise ConfigError(f"without a config file, give {' and '.join(missing)}")
+    if args.t_bcast is None and args.snapshot_gb is None:
+        raise ConfigError("without a config file, give --t-bcast (seconds) or --snapshot-gb (for the model)")
+    return {"workers": [{"name": "worker"}]}
+
+
+def _scenario(args: argparse.Namespace) -> PlanScenario:
+    """The config file (or a flags-only pool) <- the flags as overrides, through the one loader."""
+    from echo2.config import BatchConfig, load_model
+    from echo2.errors import ConfigError
+    from echo2.planner.catalog import PlanScenario, find_config, read_scenario
+
+    path = find_config(args.config, "plan") if args.config else None
+    tree = read_scenario(path) if path is not None else _flags_only(args)
+    workers = tree.get("workers", [])
+    if args.worker_type is not None:  # a selection, not a value: it narrows the catalog first
+        names = [w.get("name") for w in workers if isinstance(w, dict)]
+        tree["workers"] = workers = [
+            w for w in workers if isinstance(w, dict) and w.get("name") == args.worker_type
         ]
-        if missing:
-            raise ConfigError(f"without a config file, give {' and '.join(missing)}")
-        if args.t_bcast is None and args.snapshot_gb is None:
-            raise ConfigError(
-                "without a config file, give --t-bcast (seconds) or --snapshot-gb (for the model)"
-            )
-        data = {
-            "learner": {"t_train_s": args.t_train},
-            "workers": [{"name": "worker", "rollouts_per_s": 1.0}],
-        }
-        where = "flags"
-    sim_only = ("sim", "controller", "churn", "experiment")  # a simulate config plans too
-    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k not in sim_only}
-    for section in ("learner", "batch", "staleness", "network", "model"):
-        data.setdefault(section, {})
-    workers = [dict(w) for w in data.get("workers", [])]
-    if args.worker_type is not None:
-        keep = [w for w in workers if w.get("name") == args.worker_type]
-        if not keep:
-            names = [w.get("name") for w in workers]
+        if not workers:
             raise ConfigError(
                 f"unknown worker type {args.worker_type!r} (--worker-type); the catalog has {names}"
             )
-        workers = keep
-    if args.worker_rate is not None or args.worker_price is not None or args.bw_mbps is not None:
-        if len(workers) != 1:
-            raise ConfigError(
-                f"--worker-rate/--worker-price/--bw-mbps set one homogeneous pool but the catalog has "
-                f"{len(workers)} types; pick one with --worker-type"
-            )
-        if args.worker_rate is not None:
-            workers[0]["rollouts_per_s"] = args.worker_rate
-        if args.worker_price is not None:
-            workers[0]["usd_per_hour"] = args.worker_price
-        if args.bw_mbps is not None:
-            workers[0]["bandwidth_mbps"] = args.bw_mbps
-    if any("usd_per_hour" not in w for w in workers):
-        for w in workers:
-            w.setdefault("usd_per_hour", 1.0)
-        data["priced"] = False
-    data["workers"] = workers
-    overrides = {
-        ("learner", "t_train_s"): args.t_train,
-        ("learner", "usd_per_hour"): args.learner_price,
-        ("network", "t_bcast_s"): args.t_bcast,
-        ("network", "b0_mbps"): args.b0_mbps,
-        ("network", "strategy"): args.strategy,
-        ("staleness", "S"): args.staleness,
-        ("staleness", "kappa"): args.kappa,
-        ("staleness", "gamma"): args.gamma,
-        ("model", "snapshot_gb"): args.snapshot_gb,
-    }
-    for (section, key), value in overrides.items():
-        if value is not None:
-            data[section][key] = value
-    if args.group_size is not None:
-        data["batch"]["group_size"] = args.group_size
-    if args.rollouts_per_step is not None:
-        from echo2.config import BatchConfig
-
-        g = data["batch"].get("group_size", BatchConfig.model_fields["group_size"].default)
-        r = args.rollouts_per_step
+    overrides = {key: getattr(args, flag) for flag, key in _FIELDS if getattr(args, flag) is not None}
+    if any(key.startswith("workers.0.") for key in overrides) and len(workers) != 1:
+        raise ConfigError(
+            f"--worker-rate/--worker-price/--bw-mbps set one homogeneous pool but the catalog has "
+            f"{len(workers)} types; pick one with --worker-type"
+        )
+    unpriced = [i for i, w in enumerate(workers) if isinstance(w, dict) and "usd_per_hour" not in w]
+    if unpriced and args.worker_price is None:  # placeholder prices; costs print as n/a
+        overrides |= {f"workers.{i}.usd_per_hour": 1.0 for i in unpriced} | {"priced": False}
+    if args.rollouts_per_step is not None:  # R -> batch.prompts = R / batch.group_size
+        r, batch = args.rollouts_per_step, tree.get("batch")
+        g = overrides.get("batch.group_size", batch.get("group_size") if isinstance(batch, dict) else None)
+        g = BatchConfig.model_fields["group_size"].default if g is None else g
         if not (isinstance(g, int) and g >= 1 and r >= 1 and r % g == 0):
             raise ConfigError(
                 f"--rollouts-per-step {r} must be a positive multiple of the group size "
                 f"(batch.group_size = {g}); set --group-size to one that divides it"
             )
-        data["batch"]["prompts"] = r // g
-    if args.activation is not None:
-        data["activation"] = args.activation
-    if not data["model"]:
-        del data["model"]
-    data["_where"] = where
-    return data
+        overrides["batch.prompts"] = r // g
+    return load_model(
+        PlanScenario, path, overrides, what="scenario" if path else "scenario from flags", tree=tree
+    )
 
 
 def _fmt(x: float | None, spec: str = ".4g") -> str:
@@ -180,12 +170,9 @@ def _report(plan: dict[str, Any]) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from echo2.errors import InfeasibleError
-    from echo2.planner.catalog import parse_scenario
     from echo2.planner.plan import infeasible_plan, make_plan
 
-    data = _scenario_dict(args)
-    where = data.pop("_where")
-    sc = parse_scenario(data, where)
+    sc = _scenario(args)
     try:
         plan = make_plan(sc)
     except InfeasibleError as exc:

@@ -36,16 +36,10 @@ def _run(args: argparse.Namespace) -> int:
     from echo2.sim import experiments, plots
     from echo2.sim.config import load_sim_scenario
 
-    sc, path = load_sim_scenario(args.config)
-    over: dict[str, Any] = {}
-    if args.steps is not None:
-        if args.steps < 1:
-            raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-        over["sim.steps"] = args.steps
-    if args.seed is not None:
-        over["sim.seed"] = args.seed
-    if over:
-        sc = experiments.with_overrides(sc, **over)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    flags = {"sim.steps": args.steps, "sim.seed": args.seed}  # flag -> override of the scenario
+    sc, path = load_sim_scenario(args.config, {k: v for k, v in flags.items() if v is not None})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kind = sc.experiment.kind
@@ -78,8 +72,8 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print(_summary_line(kind, result))
-        for f in files:
-            print(f"wrote {f}")
+        for written in files:
+            print(f"wrote {written}")
     return 0
 
 

@@ -3,19 +3,19 @@
 A scenario is what `echo2 plan` reads from TOML (and what `echo2 simulate` extends). The ``[batch]`` and
 ``[staleness]`` sections are the run config's own models (:class:`echo2.config.BatchConfig`,
 :class:`echo2.config.StalenessConfig`), so a run, a plan and a simulation read them the same way.
-Validation errors surface as one-line :class:`echo2.errors.ConfigError` messages naming the field and
-the rule.
+Scenarios load through the run config's one loader (:func:`echo2.config.load_model`), so a bad value
+fails the same way everywhere: one :class:`echo2.errors.ConfigError` line naming the file, the field
+and the rule.
 """
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from echo2.config import BatchConfig, StalenessConfig
+from echo2.config import BatchConfig, StalenessConfig, load_model, read_toml
 from echo2.errors import ConfigError
 from echo2.physics.broadcast import (
     DEFAULT_CHUNK_BYTES,
@@ -120,7 +120,7 @@ class PlanScenario(_Model):
     batch: BatchConfig = Field(default_factory=BatchConfig)  # R = prompts x group_size
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)  # S, kappa, gamma
     network: NetworkSpec = NetworkSpec()  # B0, reload, strategy
-    workers: tuple[WorkerType, ...]  # the catalog
+    workers: tuple[WorkerType, ...] = ()  # the catalog (an empty one is refused, naming [[workers]])
     baselines: tuple[Baseline, ...] = ()  # centralized clusters to compare with
     activation: Literal["greedy", "greedy_prefix", "exact", "random"] = "greedy"  # active-set policy
     priced: bool = True  # False when worker prices are placeholders (flags-only plan without prices)
@@ -145,34 +145,19 @@ class PlanScenario(_Model):
         raise ConfigError(f"unknown worker type {name!r}; the catalog has {[w.name for w in self.workers]}")
 
 
-def format_validation_error(exc: ValidationError, where: str) -> str:
-    """One line per pydantic error, joined: ``where: field.path: message (got value)``."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-        got = err.get("input")
-        got_s = "" if isinstance(got, dict | list | tuple) else f" (got {got!r})"
-        parts.append(f"{loc}: {err['msg']}{got_s}")
-    return f"{where}: " + "; ".join(parts)
+# a simulate config's own tables (sim/config.py's SimScenario fields besides `plan`): a plan skips them
+SIM_SECTIONS = ("sim", "controller", "churn", "experiment")
+
+
+def read_scenario(path: Path) -> dict[str, Any]:
+    """A scenario file's planning sections as a dict (so a simulate config plans too)."""
+    return {k: v for k, v in read_toml(path).items() if k not in SIM_SECTIONS}
 
 
 def parse_scenario(data: dict[str, Any], where: str = "scenario") -> PlanScenario:
-    """Validate a plain dict as a :class:`PlanScenario`; ConfigError (one line) on failure."""
-    try:
-        return PlanScenario.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, where)) from None
-
-
-def read_toml(path: Path) -> dict[str, Any]:
-    """Read a TOML file; ConfigError naming the file on a missing file or a syntax error."""
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    """Validate a plain dict as a :class:`PlanScenario` (the one loader,
+    :func:`echo2.config.load_model`); ConfigError ``invalid <where>: field.path: message`` on failure."""
+    return load_model(PlanScenario, tree=data, what=where)
 
 
 def find_config(name_or_path: str, prefix: str) -> Path:

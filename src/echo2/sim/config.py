@@ -1,5 +1,6 @@
 """Simulation scenario: a planning scenario (echo2.planner.catalog) plus [sim], [controller], [churn]
-and [experiment] tables. Loaded from TOML; errors are one-line ConfigErrors naming the field.
+and [experiment] tables. Loaded from TOML by the run config's one loader (echo2.config.load_model):
+errors are one-line ConfigErrors naming the file and the field.
 
 ``[batch]``, ``[staleness]`` and ``[controller]`` are the run config's own section models
 (:mod:`echo2.config`); ``sim.controller = true`` turns the closed loop on.
@@ -7,15 +8,15 @@ and [experiment] tables. Loaded from TOML; errors are one-line ConfigErrors nami
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from echo2.config import ControllerConfig
-from echo2.errors import ConfigError
+from echo2.config import ControllerConfig, load_model
 from echo2.physics.broadcast import StrategyName
-from echo2.planner.catalog import PlanScenario, find_config, format_validation_error, read_toml
+from echo2.planner.catalog import PlanScenario, find_config
 
 
 class _Model(BaseModel):
@@ -58,7 +59,8 @@ class ExperimentSection(_Model):
 
 
 class SimScenario(_Model):
-    """A planning scenario plus the simulator's own sections."""
+    """A planning scenario plus the simulator's own sections (in the file, the plan's sections sit at the
+    top level next to ``[sim]``, ``[controller]``, ``[churn]`` and ``[experiment]``)."""
 
     plan: PlanScenario  # model, learner, batch, staleness, network, workers, baselines
     sim: SimSection = SimSection()  # run behaviour
@@ -66,33 +68,31 @@ class SimScenario(_Model):
     churn: ChurnSection = ChurnSection()  # leaving / joining
     experiment: ExperimentSection = ExperimentSection()  # what to run
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        ctl = data.get("controller") if isinstance(data, dict) else None
+        if isinstance(ctl, dict) and "enabled" in ctl:
+            raise ValueError("controller.enabled is now sim.controller (put controller = true under [sim])")
+        return data
 
-_SIM_KEYS = ("sim", "controller", "churn", "experiment")
-
-
-def parse_sim_scenario(data: dict[str, Any], where: str = "scenario") -> SimScenario:
-    """Split a TOML dict into plan sections and sim sections and validate both."""
-    ctl = data.get("controller")
-    if isinstance(ctl, dict) and "enabled" in ctl:
-        raise ConfigError(
-            f"{where}: controller.enabled is now sim.controller (put controller = true under [sim])"
-        )
-    plan = {k: v for k, v in data.items() if k not in _SIM_KEYS}
-    rest = {k: v for k, v in data.items() if k in _SIM_KEYS}
-    try:
-        sc = SimScenario.model_validate({"plan": plan, **rest})
-    except ValidationError as exc:
-        msg = format_validation_error(exc, where).replace("plan.", "")
-        raise ConfigError(msg) from None
-    if sc.sim.fixed_workers:
-        for name, n in sc.sim.fixed_workers.items():
-            w = sc.plan.worker_type(name)
-            if n < 0 or n > w.count:
-                raise ConfigError(f"sim.fixed_workers.{name} = {n} must be in 0..{w.count} (its count)")
-    return sc
+    @model_validator(mode="after")
+    def _fixed_workers_in_catalog(self) -> SimScenario:
+        counts = {w.name: w.count for w in self.plan.workers}
+        for name, n in (self.sim.fixed_workers or {}).items():
+            if name not in counts:
+                raise ValueError(
+                    f"sim.fixed_workers: unknown worker type {name!r}; the catalog has {list(counts)}"
+                )
+            if not 0 <= n <= counts[name]:
+                raise ValueError(f"sim.fixed_workers.{name} = {n} must be in 0..{counts[name]} (its count)")
+        return self
 
 
-def load_sim_scenario(name_or_path: str) -> tuple[SimScenario, Path]:
-    """Load ``configs/sim_<name>.toml`` or a path."""
+def load_sim_scenario(
+    name_or_path: str, overrides: Iterable[str] | Mapping[str, Any] | None = None
+) -> tuple[SimScenario, Path]:
+    """Load ``configs/sim_<name>.toml`` or a path, then ``a.b=value`` overrides in the file's own layout
+    (``sim.steps=30``, ``staleness.S=4``), through the one loader (:func:`echo2.config.load_model`)."""
     path = find_config(name_or_path, "sim")
-    return parse_sim_scenario(read_toml(path), str(path)), path
+    return load_model(SimScenario, path, overrides, what="scenario", inline="plan"), path

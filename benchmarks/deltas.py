@@ -1,4 +1,4 @@
-"""Publishing weights as sparse patches (``echo2.models.delta``): what do they cost on the wire?
+"""Publishing weights as sparse patches (``echo2.weights.delta``): what do they cost on the wire?
 
 Study ``bytes`` (``--study bytes``): bytes of a lossless patch / bytes of the full bf16 snapshot, per
 publication, from real GRPO updates. Each publication is ``sampler_copy(model, "bfloat16")`` after one
@@ -78,7 +78,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from echo2.models.delta import (  # noqa: E402
+from echo2.weights.delta import (  # noqa: E402
     FORMAT_VERSION,
     apply_patch,
     encode_full,
@@ -542,8 +542,8 @@ def sign_cpu_s(size: float, repeats: int = 20) -> float:
     """Median CPU seconds of the learner's chunk digests and signature (``build_manifest``, chunks of
     the runtime's default size for it, Ed25519) for a publication of ``size`` bytes: publish_cpu_s
     does not include them."""
-    from echo2.broadcast.manifest import build_manifest, new_signing_key
     from echo2.physics.broadcast import relay_chunk_bytes
+    from echo2.weights.manifest import build_manifest, new_signing_key
 
     blob, key = os.urandom(int(size)), new_signing_key()
     times = []

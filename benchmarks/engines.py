@@ -97,10 +97,10 @@ def _big_policy() -> Any:
 
 
 def _engines(policy: Any, sampling: Any, which: tuple[str, ...]) -> dict[str, Any]:
-    from echo2.models.delta import sampler_copy
     from echo2.models.snapshot import skeleton_files
     from echo2.rollout.engines import EngineOptions, build_engine
     from echo2.rollout.engines.hf import HFEngine
+    from echo2.weights.delta import sampler_copy
 
     out: dict[str, Any] = {}
     if "hf" in which:
@@ -195,12 +195,12 @@ def bf16_against_the_check() -> dict[str, Any]:
     import torch
 
     from echo2.config import SecurityConfig
-    from echo2.models.delta import sampler_copy
     from echo2.models.snapshot import install_weights, skeleton_files
     from echo2.rollout.engines import EngineOptions, build_engine
     from echo2.rollout.engines.hf import HFEngine
     from echo2.tasks.verify import GenerationCheck
     from echo2.types import Trajectory
+    from echo2.weights.delta import sampler_copy
 
     torch.set_num_threads(2)
     cfg, policy = _default_policy()
@@ -281,7 +281,7 @@ def _install_times(eng: Any, policy: Any) -> dict[str, Any]:
     """A whole version into the running engine, and a patch version end to end (apply, digest, load)."""
     import torch
 
-    from echo2.models.delta import apply_patch, encode_patch, sampler_copy, weights_digest
+    from echo2.weights.delta import apply_patch, encode_patch, sampler_copy, weights_digest
 
     base = sampler_copy(policy.model, "bfloat16")
     gen = torch.Generator().manual_seed(0)

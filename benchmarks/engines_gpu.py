@@ -78,9 +78,9 @@ def main() -> None:
     import torch
 
     from echo2.config import SamplingConfig
-    from echo2.models.delta import apply_patch, encode_patch, sampler_copy, weights_digest
     from echo2.rollout.engines import EngineOptions, build_engine
     from echo2.rollout.engines.hf import HFEngine
+    from echo2.weights.delta import apply_patch, encode_patch, sampler_copy, weights_digest
 
     cuda = torch.cuda.is_available() and not args.smoke
     shape = SMOKE if args.smoke else QWEN3_06B

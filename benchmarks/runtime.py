@@ -478,7 +478,6 @@ async def _serve_drain(
     import time as _time
 
     from echo2.broadcast.factory import open_publisher
-    from echo2.broadcast.manifest import new_signing_key
     from echo2.broadcast.registry import get_strategy
     from echo2.data.store import TrajectoryStore
     from echo2.models.policy import load_checkpoint
@@ -489,6 +488,7 @@ async def _serve_drain(
     from echo2.tasks.registry import build_task
     from echo2.tasks.warmstart import starting_checkpoint
     from echo2.transport import join_string, run_identity
+    from echo2.weights.manifest import new_signing_key
 
     policy = load_checkpoint(starting_checkpoint(cfg))
     cert = run_identity(tmp, ["127.0.0.1"]) if tls else None
@@ -575,13 +575,13 @@ def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
     import copy
     import random
 
-    from echo2.models.delta import sampler_copy
     from echo2.models.policy import configure_torch, load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
     from echo2.rollout.opponents import SelfPlayPool
     from echo2.tasks.registry import build_task
     from echo2.tasks.warmstart import starting_checkpoint
     from echo2.types import Bounds
+    from echo2.weights.delta import sampler_copy
 
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg))

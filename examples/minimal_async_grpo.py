@@ -28,13 +28,11 @@ import zlib
 from pathlib import Path
 
 from echo2.broadcast.factory import open_publisher, open_receiver
-from echo2.broadcast.manifest import new_signing_key
 from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import validate_submission
 from echo2.learner.trainer import GRPOTrainer
-from echo2.models.delta import decode_full
 from echo2.models.policy import TextCodec, configure_torch, load_checkpoint
 from echo2.models.snapshot import skeleton_files, snapshot_blob, tokenizer_from_skeleton, write_skeleton
 from echo2.protocol import LeaseGrant, LeaseRequest, SubmitRequest, group_to_wire
@@ -46,6 +44,8 @@ from echo2.runtime.intake import submission_limits
 from echo2.runtime.leases import LeaseBroker, PromptSource
 from echo2.tasks.registry import build_task
 from echo2.tasks.warmstart import starting_checkpoint
+from echo2.weights.delta import decode_full
+from echo2.weights.manifest import new_signing_key
 
 
 class Worker:

@@ -120,7 +120,7 @@ class Attacker:
         """Lease, generate, lie, submit once; the outcome ("admitted", "no_lease" or the refusal)."""
         w = self.w
         if self.kind != "inflated":
-            await w._fetch_snapshot()  # stay current like an honest worker
+            await w._follower().fetch()  # stay current like an honest worker
             if self.kind == "model":
                 self._perturb()  # the new weights, perturbed again
         claim = await self._claimed_version()

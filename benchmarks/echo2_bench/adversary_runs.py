@@ -356,9 +356,9 @@ async def staller_attack(
     """A registered identity whose broadcast node accepts pulls and sends nothing, acking every install."""
     import aiohttp
 
-    from echo2.broadcast.manifest import key_from_text
     from echo2.protocol import RegisterRequest
     from echo2.rollout.client import LearnerClient
+    from echo2.weights.manifest import key_from_text
     from echo2_bench.stalling import StallingNode
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:

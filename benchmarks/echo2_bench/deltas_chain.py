@@ -2,7 +2,7 @@
 
 The learner's :class:`~echo2.runtime.snapshots.Snapshots` publishes a tiny model through a
 ``TcpPublisher`` (Tree-Pipelined, small chunks so a patch spans many and is relayed); each worker is a
-``TcpWorkerNode`` feeding a :class:`~echo2.rollout.weights.WeightChain`, exactly the worker's staging
+``TcpWorkerNode`` feeding a :class:`~echo2.weights.chain.WeightChain`, exactly the worker's staging
 path, and fetches the chain from the learner (through the HTTP body codec and the same verification
 as ``echo2 worker``) whenever it finds a gap. The run contains every case a worker meets:
 
@@ -24,14 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from echo2.broadcast.manifest import new_signing_key
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.config import EmbeddedModelConfig, SnapshotConfig
-from echo2.protocol import decode_chain, encode_chain
-from echo2.rollout.weights import WeightChain, verified_links
 from echo2.runtime.snapshots import Snapshots
+from echo2.weights.chain import WeightChain, decode_chain, encode_chain, verified_links
+from echo2.weights.manifest import new_signing_key
 from echo2_bench.faults import Faults, FaultTap
 
 SHAPE = EmbeddedModelConfig(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2)

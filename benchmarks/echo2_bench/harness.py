@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echo2.broadcast.manifest import new_signing_key, synthetic_snapshot
 from echo2.broadcast.registry import get_strategy
 from echo2.physics.rules import install_quorum
 from echo2.transport import run_identity
+from echo2.weights.manifest import new_signing_key, synthetic_snapshot
 from echo2_bench import BENCHMARKS_DIR
 from echo2_bench.faults import Faults
 from echo2_bench.netns import HarnessError, NetnsTopology

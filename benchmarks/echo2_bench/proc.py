@@ -20,13 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from echo2.broadcast.manifest import key_from_text, synthetic_snapshot
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.wire import Pacer
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.physics.rules import DEFAULT_GAMMA
 from echo2.transport import run_identity
+from echo2.weights.manifest import key_from_text, synthetic_snapshot
 from echo2_bench.faults import Faults, FaultTap
 
 KEY_ENV = "ECHO2_BCAST_KEY"  # key_from_text form: the learner gets the key pair, workers the public key

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from echo2.broadcast.manifest import ManifestKey
 from echo2.broadcast.wire import ProtocolError, read_header, write_frame
 from echo2.transport import HANDSHAKE_TIMEOUT_S, client_context, make_identity, open_pinned
+from echo2.weights.manifest import ManifestKey
 
 log = logging.getLogger(__name__)
 

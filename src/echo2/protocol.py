@@ -13,8 +13,9 @@ Endpoints (JSON; every one but ``register`` needs ``Authorization: Bearer <crede
     POST /v1/lease      LeaseRequest     -> LeaseGrant | LeaseRefusal
     POST /v1/submit     SubmitRequest    -> SubmitReply
     GET  /v1/version                     -> VersionReply
-    GET  /v1/snapshot?have=V             -> a snapshot chain (:func:`encode_chain`): the links that take
-                                            installed version V to the newest (V = -1: anchor first)
+    GET  /v1/snapshot?have=V             -> a snapshot chain (``echo2.weights.chain.encode_chain``): the
+                                            links that take installed version V to the newest (V = -1:
+                                            anchor first)
     GET  /v1/model                       -> ModelReply (config + tokenizer files: the skeleton)
     any refusal                          -> ErrorReply with a 4xx status
 
@@ -30,7 +31,6 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, TypeAdapter
 
 from echo2.config import SamplingConfig, TaskConfig
@@ -214,71 +214,13 @@ class VersionReply(BaseModel):
     model_config = LENIENT
 
     version: int | None  # newest published snapshot version (None before the first)
-    manifest: dict[str, Any] | None  # its signed manifest (``broadcast.manifest.Manifest.to_dict``)
+    manifest: dict[str, Any] | None  # its signed manifest (``weights.manifest.Manifest.to_dict``)
 
 
 class ModelReply(BaseModel):
     model_config = LENIENT
 
     files: dict[str, str]  # file name -> text: model config and tokenizer files, no weights
-
-
-# ---- snapshot chains (HTTP catch-up) -----------------------------------------------------------------
-CHAIN_MAGIC = b"E2CHAIN1"
-MAX_CHAIN_LINKS = 1024  # a chain longer than this is refused (the learner anchors far more often)
-
-
-class ChainError(ValueError):
-    """A snapshot chain body is malformed; the message says what is wrong."""
-
-
-Blob = bytes | bytearray | memoryview
-
-
-def chain_parts(links: Sequence[tuple[dict[str, Any], Blob]]) -> list[Blob]:
-    """``GET /v1/snapshot`` body, in the pieces a server writes one after the other (the links' bytes
-    as they are, never copied into one buffer: an anchor of a real model is GBs): magic, 8-byte header
-    length, a JSON header naming each link's signed manifest and size, then the links' bytes in order
-    (each verified by the receiver against its manifest; nothing here is trusted)."""
-    header = json.dumps({"links": [{"manifest": m, "size": len(b)} for m, b in links]}).encode()
-    return [CHAIN_MAGIC + len(header).to_bytes(8, "big") + header, *(b for _, b in links)]
-
-
-def encode_chain(links: Sequence[tuple[dict[str, Any], Blob]]) -> bytes:
-    """The whole body of :func:`chain_parts` as one bytes object (tests, small chains)."""
-    return b"".join(chain_parts(links))
-
-
-def decode_chain(body: bytes) -> list[tuple[dict[str, Any], memoryview]]:
-    """Inverse of :func:`encode_chain`, for untrusted bytes: raises :class:`ChainError` naming the fault,
-    never anything else. The header is parsed by pydantic's JSON parser (nesting bounded by its
-    recursion limit, no lone surrogates, no integer too long to convert), so no header, however deep,
-    reaches the caller as a RecursionError or a string nothing can encode."""
-    view = memoryview(body)
-    if len(view) < 16 or bytes(view[:8]) != CHAIN_MAGIC:
-        raise ChainError("snapshot chain: bad magic")
-    n = int.from_bytes(view[8:16], "big")
-    if n > len(view) - 16:
-        raise ChainError(f"snapshot chain: header of {n} bytes overruns a body of {len(view)}")
-    try:
-        header = pydantic_core.from_json(bytes(view[16 : 16 + n]))
-        raw = header["links"]
-        if not isinstance(raw, list) or len(raw) > MAX_CHAIN_LINKS:
-            raise ChainError(f"snapshot chain: links must be a list of at most {MAX_CHAIN_LINKS}")
-        sizes = [(link["manifest"], link["size"]) for link in raw]
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise ChainError(f"snapshot chain: malformed header ({str(exc)[:200]!r})") from None
-    out, at = [], 16 + n
-    for manifest, size in sizes:
-        if not isinstance(manifest, dict) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ChainError("snapshot chain: a link needs a manifest object and a size >= 0")
-        if at + size > len(view):
-            raise ChainError(f"snapshot chain: link of {size} bytes overruns the body")
-        out.append((manifest, view[at : at + size]))
-        at += size
-    if at != len(view):
-        raise ChainError(f"snapshot chain: {len(view) - at} trailing bytes")
-    return out
 
 
 # ---- the trajectory codec ---------------------------------------------------------------------------

@@ -7,13 +7,13 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from echo2.broadcast.manifest import blob_ok, new_signing_key, synthetic_snapshot
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.strategy import Strategy
 from echo2.broadcast.wire import encode, read_header, write_frame
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.physics.rules import DEFAULT_GAMMA
+from echo2.weights.manifest import blob_ok, new_signing_key, synthetic_snapshot
 from echo2_bench.faults import Faults, FaultTap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -222,8 +222,8 @@ def test_publisher_survives_junk_and_unknown_versions() -> None:
 
 def test_worker_refuses_replayed_and_malformed_announcements() -> None:
     from echo2.broadcast.access import issue
-    from echo2.broadcast.manifest import build_manifest
     from echo2.broadcast.store import SnapshotBuffer, serve_get
+    from echo2.weights.manifest import build_manifest
 
     async def go() -> None:
         manifest = build_manifest(BLOB, 5, CHUNK, KEY)
@@ -272,7 +272,7 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
 def test_worker_holding_only_the_public_key_cannot_forge_for_peers() -> None:
     """The reason Ed25519 is the default: a rented worker can verify manifests but not sign one,
     and a manifest under another scheme (a shared HMAC secret) is refused outright."""
-    from echo2.broadcast.manifest import ManifestError, build_manifest, verify_manifest
+    from echo2.weights.manifest import ManifestError, build_manifest, verify_manifest
 
     with pytest.raises(ManifestError, match="cannot sign"):
         build_manifest(b"poisoned weights", 7, CHUNK, PUBLIC)

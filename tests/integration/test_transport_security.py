@@ -14,7 +14,6 @@ import pytest
 from aiohttp import web
 
 from echo2.broadcast.access import SERVE_BUDGET, issue, pull_request
-from echo2.broadcast.manifest import blob_ok, new_signing_key, synthetic_snapshot
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.wire import read_header, read_payload, write_frame
@@ -22,6 +21,7 @@ from echo2.broadcast.worker import TcpWorkerNode
 from echo2.protocol import RegisterRequest
 from echo2.rollout.client import LearnerClient
 from echo2.transport import PinError, TlsIdentity, join_string, make_identity, open_pinned
+from echo2.weights.manifest import blob_ok, new_signing_key, synthetic_snapshot
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 KEY = new_signing_key()  # the learner's manifest key: it also signs pull credentials

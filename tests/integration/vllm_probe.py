@@ -13,11 +13,11 @@ import torch
 from echo2.config import EmbeddedModelConfig, SamplingConfig
 from echo2.errors import CheckpointError
 from echo2.learner.grpo import token_logprobs
-from echo2.models.delta import sampler_copy
 from echo2.models.embedded import build_model, build_tokenizer
 from echo2.models.snapshot import skeleton_files
 from echo2.rollout.engines import EngineOptions, build_engine
 from echo2.rollout.engines.hf import HFEngine
+from echo2.weights.delta import sampler_copy
 
 # head_dim 32: vLLM's CPU attention has no kernel for 16
 SHAPE = EmbeddedModelConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1)

@@ -77,7 +77,13 @@ def _line(rel: str, text: str) -> str:
     return str(next(i for i, line in enumerate(lines, 1) if line.startswith(text)))
 
 
-PROCESS_CODE = ["runtime/*.py", "observe/*.py", "rollout/worker.py", "rollout/client.py"]
+PROCESS_CODE = [
+    "runtime/*.py",
+    "observe/*.py",
+    "rollout/worker.py",
+    "rollout/follower.py",
+    "rollout/client.py",
+]
 MAX_LINES = 60
 
 

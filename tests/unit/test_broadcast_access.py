@@ -19,10 +19,10 @@ from echo2.broadcast.access import (
     pull_request,
     run_id,
 )
-from echo2.broadcast.manifest import HmacKey, new_signing_key
 from echo2.broadcast.store import parse_chunk_list
 from echo2.broadcast.wire import ProtocolError
 from echo2.transport import make_identity
+from echo2.weights.manifest import HmacKey, new_signing_key
 
 KEY = new_signing_key()
 PUBLIC = KEY.verifier()  # what a relaying worker holds

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from echo2.broadcast import access, manifest
+from echo2.broadcast import access
 from echo2.broadcast.access import AccessError, Credential, issue, pull_request
-from echo2.broadcast.manifest import build_manifest, new_signing_key
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.store import SnapshotBuffer, serve_get
@@ -24,7 +23,7 @@ from echo2.broadcast.wire import encode, parse_header, read_header, read_payload
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.protocol import MAX_INT
 from echo2.transport import make_identity
-from echo2.weights import frames
+from echo2.weights import frames, manifest
 from echo2.weights.frames import (
     KINDS,
     MAX_CHUNKS,
@@ -46,6 +45,7 @@ from echo2.weights.frames import (
     to_wire,
     version_or_none,
 )
+from echo2.weights.manifest import build_manifest, new_signing_key
 
 KEY = new_signing_key()
 PUBLIC = KEY.verifier()

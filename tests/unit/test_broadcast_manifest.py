@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load
 
-from echo2.broadcast.manifest import (
+from echo2.weights.manifest import (
     Ed25519Key,
     HmacKey,
     Manifest,

@@ -15,7 +15,6 @@ import pytest
 
 from echo2.broadcast.access import Credential, issue, pull_request
 from echo2.broadcast.api import PublisherCounters
-from echo2.broadcast.manifest import build_manifest, new_signing_key
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import DEMOTE_AFTER_REPORTS, TcpPublisher, receipt_fault
@@ -32,6 +31,7 @@ from echo2.broadcast.wire import (
     write_frame,
 )
 from echo2.broadcast.worker import AVOID_VERSIONS, TcpWorkerNode
+from echo2.weights.manifest import build_manifest, new_signing_key
 
 KEY = new_signing_key()
 PUBLIC = KEY.verifier()

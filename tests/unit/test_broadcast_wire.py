@@ -8,9 +8,9 @@ import struct
 import pytest
 
 from echo2.broadcast.api import BroadcastStats
-from echo2.broadcast.manifest import HmacKey, ManifestError, blob_ok
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.wire import Pacer, ProtocolError, encode, read_header, read_payload
+from echo2.weights.manifest import HmacKey, ManifestError, blob_ok
 
 
 def _reader(data: bytes) -> asyncio.StreamReader:
@@ -100,8 +100,8 @@ def test_a_measurement_outlives_its_round() -> None:
     """Waiting for the installs of a version that newer publications retired (a slow pool) returns
     what was measured instead of failing."""
     from echo2.broadcast.factory import open_publisher
-    from echo2.broadcast.manifest import new_signing_key
     from echo2.broadcast.registry import get_strategy
+    from echo2.weights.manifest import new_signing_key
 
     async def go() -> None:
         pub = open_publisher("tcp", new_signing_key(), get_strategy("tree-pipelined"), 1 << 10)
@@ -123,10 +123,10 @@ def test_publishers_size_chunks_per_snapshot_unless_told() -> None:
     """chunk_size None: each publication is cut at relay_chunk_bytes of its own size (and, over TCP,
     of the link rates the publisher was told); a fixed size stays fixed."""
     from echo2.broadcast.factory import open_publisher
-    from echo2.broadcast.manifest import new_signing_key
     from echo2.broadcast.publisher import TcpPublisher
     from echo2.broadcast.registry import get_strategy
     from echo2.physics.broadcast import relay_chunk_bytes
+    from echo2.weights.manifest import new_signing_key
 
     small, large = b"p" * 300_000, b"a" * 20_000_000
 

@@ -16,7 +16,6 @@ import pytest
 
 from echo2.broadcast.api import BroadcastStats, PublisherCounters
 from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.manifest import new_signing_key
 from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
@@ -30,6 +29,7 @@ from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
 from echo2.runtime.sync import run_sync
 from echo2.tasks.registry import build_task
+from echo2.weights.manifest import new_signing_key
 
 ROOT = Path(__file__).resolve().parents[2]
 _NS = "|".join(NAMESPACES)

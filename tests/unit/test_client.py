@@ -12,9 +12,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from echo2.protocol import API, CHAIN_MAGIC, ChainError, decode_chain, encode_chain
+from echo2.protocol import API
 from echo2.rollout import client as client_mod
 from echo2.rollout.client import LearnerClient, Refused
+from echo2.weights.chain import CHAIN_MAGIC, ChainError, decode_chain, encode_chain
 
 
 def _serve_and_fetch(not_ready_replies: int, reconnect_s: float) -> tuple[list[int] | Exception, int]:

@@ -15,7 +15,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.manifest import new_signing_key
 from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
@@ -25,6 +24,7 @@ from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
 from echo2.runtime.status import SERIES, NodeStatus
 from echo2.tasks.registry import build_task
+from echo2.weights.manifest import new_signing_key
 
 TOKEN = "join-token-for-tests-0123456789"
 VIEW = "view-token-for-tests-0123456789"

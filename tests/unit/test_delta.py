@@ -1,4 +1,4 @@
-"""Sparse weight patches (echo2.models.delta): bit-exact round trips, and every malformed patch refused
+"""Sparse weight patches (echo2.weights.delta): bit-exact round trips, and every malformed patch refused
 with DeltaError. Malformed patches are crafted byte by byte from the format the module docstring
 specifies, so the crafting helper is itself checked against a valid patch first."""
 
@@ -14,8 +14,8 @@ import torch
 import zstandard
 
 from echo2.errors import Echo2Error
-from echo2.models import delta, rice
-from echo2.models.delta import (
+from echo2.weights import delta, rice
+from echo2.weights.delta import (
     DeltaError,
     apply_patch,
     decode_full,
@@ -175,7 +175,7 @@ def position_costs(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) 
     """Bits of the Rice streams that code the changed positions; the sum over the classes of
     n * H(k / n), what coding them costs at best given the classes; and whether some class has more
     than half of it changed. The classes as the decoder derives them."""
-    from echo2.models import rice
+    from echo2.weights import rice
 
     coded = entropy = 0.0
     flipped = False
@@ -373,7 +373,7 @@ def _packed(bit_string: str, pad: str = "0") -> bytes:
 
 def rice_streams(gaps, params) -> tuple[bytes, bytes]:
     """The remainder and unary streams of the module docstrings, written out bit by bit (an
-    independent spelling of echo2.models.rice)."""
+    independent spelling of echo2.weights.rice)."""
     pairs = list(zip(gaps, params, strict=True))
     rem = "".join(format(v & ((1 << r) - 1), f"0{r}b") if r else "" for v, r in pairs)
     unary = "".join("1" * (v >> r) + "0" for v, r in pairs)

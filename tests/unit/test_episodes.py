@@ -20,12 +20,12 @@ from echo2.envs.base import EnvStep
 from echo2.envs.guess import GuessEnv
 from echo2.envs.registry import GuessSpec
 from echo2.learner.trainer import GRPOTrainer, completion_logprobs, loss_mask, pack
-from echo2.models.delta import sampler_copy
 from echo2.protocol import decode_group, encode_group
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.episodes import collect_episodes
 from echo2.tasks.verify import EpisodeReplay, GenerationCheck
 from echo2.types import Trajectory
+from echo2.weights.delta import sampler_copy
 
 G = 4
 SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3)

@@ -1,4 +1,4 @@
-"""Rice codes (echo2.models.rice): the parameter rule against the best parameter found by search, bit
+"""Rice codes (echo2.weights.rice): the parameter rule against the best parameter found by search, bit
 exact round trips, and streams that do not fit their parameters refused with CodeError."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from echo2.models import rice
+from echo2.weights import rice
 
 
 def rice_bits(values: np.ndarray, r: int) -> int:

@@ -13,7 +13,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.manifest import new_signing_key
 from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import StoreStats, TrajectoryStore
@@ -21,6 +20,7 @@ from echo2.runtime.node import assemble, worker_settings
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
 from echo2.tasks.registry import build_task
+from echo2.weights.manifest import new_signing_key
 
 TOKEN = "join-token-for-tests-0123456789"
 VOCAB = 100
@@ -421,7 +421,7 @@ def test_the_protocol_models_parse_every_reply_the_routes_send(tmp_path):
 
 
 def test_snapshot_route_serves_the_chain_from_the_callers_version(tmp_path):
-    from echo2.protocol import decode_chain
+    from echo2.weights.chain import decode_chain
 
     node = make_node(tmp_path)
 

@@ -16,10 +16,10 @@ from aiohttp.test_utils import TestClient
 from test_routes import TOKEN, make_node, register, run
 
 from echo2.broadcast.access import BUDGET_SLACK_CHUNKS, SERVE_BUDGET, ByteBudget, Gate, ServeCounters
-from echo2.broadcast.manifest import new_signing_key
 from echo2.protocol import HeartbeatRequest, RegisterRequest
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import RequestRate
+from echo2.weights.manifest import new_signing_key
 
 DEEP = 50_000  # nesting of the deep bodies (Python's json recursed out of its stack at ~1,000)
 

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.manifest import (
+from echo2.broadcast.registry import get_strategy
+from echo2.config import EmbeddedModelConfig, SnapshotConfig
+from echo2.models.embedded import build_model, build_tokenizer
+from echo2.runtime.snapshots import Snapshots
+from echo2.weights.chain import ChainError, WeightChain, decode_chain, encode_chain
+from echo2.weights.delta import DeltaError, decode_full, sampler_copy, weights_digest
+from echo2.weights.manifest import (
     Lineage,
     Manifest,
     ManifestError,
@@ -20,13 +26,6 @@ from echo2.broadcast.manifest import (
     new_signing_key,
     verify_manifest,
 )
-from echo2.broadcast.registry import get_strategy
-from echo2.config import EmbeddedModelConfig, SnapshotConfig
-from echo2.models.delta import DeltaError, decode_full, sampler_copy, weights_digest
-from echo2.models.embedded import build_model, build_tokenizer
-from echo2.protocol import ChainError, decode_chain, encode_chain
-from echo2.rollout.weights import WeightChain
-from echo2.runtime.snapshots import Snapshots
 
 TINY = EmbeddedModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
 

@@ -13,11 +13,11 @@ import torch
 from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.store import Lease
 from echo2.data.submission import Rejected, Submission
-from echo2.models.delta import sampler_copy
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.sampling import GUMBEL_MAX, GUMBEL_MIN, gumbel_draw, gumbel_noise, min_drawn_logprob
 from echo2.tasks.verify import GenerationCheck
 from echo2.types import Prompt, Trajectory
+from echo2.weights.delta import sampler_copy
 
 G = 4
 

@@ -1,7 +1,7 @@
 """Who may pull which chunks: per-member, per-version credentials and the checks made before a chunk moves.
 
 The publisher issues every member, with each version it announces, a :class:`Credential`: the
-learner's signature (the manifest key, ``manifest.py``) over the run, the version, the member's id,
+learner's signature (the manifest key, ``weights/manifest.py``) over the run, the version, the member's id,
 the SHA-256 fingerprint of the member's relay certificate and an expiry time. A server (the
 publisher, or a relaying peer, which holds the learner's public key and so needs no call to the
 learner) admits a pull request only if it carries:
@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from echo2.broadcast.manifest import ManifestKey
 from echo2.broadcast.wire import ProtocolError
 from echo2.transport import TlsIdentity, fingerprint, signed_by
+from echo2.weights.manifest import ManifestKey
 
 CREDENTIAL_TTL_S = 3600.0  # a credential is good for this long after issue (covers clock skew between hosts)
 SERVE_BUDGET = 3.0  # bytes one server sends one member for one version <= this x the version's size ...

@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from echo2.broadcast.manifest import Lineage, Manifest
 from echo2.physics.rules import install_quorum
+from echo2.weights.manifest import Lineage, Manifest
 
 
 @dataclass(frozen=True)
 class InstalledSnapshot:
     """A verified snapshot a worker may install: a full anchor or a patch (``manifest.lineage``),
-    decoded by ``echo2.models.delta``."""
+    decoded by ``echo2.weights.delta``."""
 
     manifest: Manifest  # authenticated manifest; manifest.version is the policy version
     data: memoryview  # read-only view of the verified blob (the node's only copy)

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Literal
 
 from echo2.broadcast.api import SnapshotPublisher, SnapshotReceiver
-from echo2.broadcast.manifest import ManifestKey
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.strategy import Strategy
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.transport import TlsIdentity
+from echo2.weights.manifest import ManifestKey
 
 BroadcastKind = Literal["tcp", "memory"]
 PublisherAddress = tuple[str, int] | InMemoryHub  # where receivers join: host and port, or the hub itself

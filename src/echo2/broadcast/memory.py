@@ -13,7 +13,9 @@ import time
 from collections.abc import AsyncIterator
 
 from echo2.broadcast.api import BroadcastStats, InstalledSnapshot, PublisherCounters
-from echo2.broadcast.manifest import (
+from echo2.errors import Echo2Error
+from echo2.physics.broadcast import relay_chunk_bytes
+from echo2.weights.manifest import (
     Lineage,
     Manifest,
     ManifestError,
@@ -23,8 +25,6 @@ from echo2.broadcast.manifest import (
     build_manifest,
     verify_manifest,
 )
-from echo2.errors import Echo2Error
-from echo2.physics.broadcast import relay_chunk_bytes
 
 
 class InMemoryHub:

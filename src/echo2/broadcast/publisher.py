@@ -40,7 +40,6 @@ from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
 from echo2.broadcast.api import BroadcastStats, PublisherCounters
-from echo2.broadcast.manifest import Lineage, Manifest, ManifestKey, as_key, build_manifest
 from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves
 from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
@@ -60,6 +59,7 @@ from echo2.weights.frames import (
     parse_frame,
     to_wire,
 )
+from echo2.weights.manifest import Lineage, Manifest, ManifestKey, as_key, build_manifest
 
 log = logging.getLogger(__name__)
 

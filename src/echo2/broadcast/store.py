@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate
-from echo2.broadcast.manifest import Manifest
 from echo2.broadcast.wire import Pacer, ProtocolError, write_frame
+from echo2.weights.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -41,15 +41,6 @@ from typing import Any, Protocol
 
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, pull_request
 from echo2.broadcast.api import InstalledSnapshot
-from echo2.broadcast.manifest import (
-    Manifest,
-    ManifestError,
-    ManifestKey,
-    as_key,
-    blob_ok,
-    chunk_ok,
-    verify_manifest,
-)
 from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import (
@@ -79,6 +70,15 @@ from echo2.weights.frames import (
     parse_frame,
     to_wire,
     version_or_none,
+)
+from echo2.weights.manifest import (
+    Manifest,
+    ManifestError,
+    ManifestKey,
+    as_key,
+    blob_ok,
+    chunk_ok,
+    verify_manifest,
 )
 
 log = logging.getLogger(__name__)

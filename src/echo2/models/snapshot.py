@@ -23,8 +23,8 @@ SKELETON_MAX_FILE = 64 << 20  # largest single skeleton file served (tokenizer.j
 
 def snapshot_blob(model: Any) -> bytes:
     """A full fp32 snapshot: safetensors bytes of the model's weights, each storage once (first name
-    wins; ``echo2.models.delta.sampler_copy`` in float32)."""
-    from echo2.models.delta import encode_full, sampler_copy
+    wins; ``echo2.weights.delta.sampler_copy`` in float32)."""
+    from echo2.weights.delta import encode_full, sampler_copy
 
     return encode_full(sampler_copy(model, "float32"))
 
@@ -85,7 +85,7 @@ class SnapshotLayout:
 
 def snapshot_layout(where: Path) -> SnapshotLayout:
     """The :class:`SnapshotLayout` of the skeleton's architecture, from a weightless instance on the meta
-    device (tied parameters once, under their first name, as ``models.delta.sampler_copy`` ships them)."""
+    device (tied parameters once, under their first name, as ``weights.delta.sampler_copy`` ships them)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

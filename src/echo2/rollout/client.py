@@ -42,9 +42,9 @@ from echo2.protocol import (
     SubmitReply,
     SubmitRequest,
     VersionReply,
-    decode_chain,
 )
 from echo2.transport import PinError, parse_join
+from echo2.weights.chain import decode_chain
 
 R = TypeVar("R", bound=BaseModel)
 RETRY_S = 0.5  # pause between attempts to reach an unreachable learner (or one not ready: 503)

@@ -4,8 +4,9 @@ The worker needs only the learner's join string (its URL and, over TLS, the fing
 certificate, which the worker pins on both the API and the broadcast plane) and the run's join token.
 It registers (getting a
 credential, the part of the run's config it needs, the learner's public manifest key and the
-broadcast address), builds its engine on the model skeleton the learner serves, installs the current
-snapshot over HTTP, and then joins the broadcast plane, where it installs every newer snapshot and
+broadcast address), builds its engine on the model skeleton the learner serves, and hands the engine
+to its one follower of the published weights (``rollout/follower.py``), which installs the current
+snapshot over HTTP and then joins the broadcast plane, where it installs every newer snapshot and
 relays chunks for its peers. Every call to the learner goes through the typed protocol client.
 
 Generation runs in a thread so the event loop keeps relaying chunks, heartbeating, submitting the
@@ -47,7 +48,7 @@ from echo2.protocol import (
 )
 from echo2.rollout.client import LearnerClient, LearnerGone, Refused
 from echo2.rollout.engines.base import EngineOptions
-from echo2.rollout.weights import WeightChain, verified_links
+from echo2.rollout.follower import WeightFollower
 from echo2.types import Bounds
 
 if TYPE_CHECKING:
@@ -111,13 +112,9 @@ class RolloutWorker:
         self.build_task = build_task  # the task registry's builder (echo2.tasks.registry.build_task)
         self.counters = WorkerCounters()
         self.finished = False
-        self.weights = WeightChain()  # the published weights being served, and staged installs
-        self._received: dict[int, Any] = {}  # version -> InstalledSnapshot delivered, not yet installed
-        self._stage_lock = threading.Lock()  # one staging at a time (it reads and then swaps the weights)
+        self.follower: WeightFollower | None = None  # the published weights it serves (made in setup)
         self._hb_rollouts = 0
         self._hb_busy = 0.0
-        self.node: Any = None  # the broadcast receiver while joined
-        self._engine_lock = threading.Lock()  # held while generating: weights change only between generations
         self._leases: queue.SimpleQueue[LeaseGrant | None] = queue.SimpleQueue()  # to the generator
         self._results: asyncio.Queue[_Generated | BaseException] = asyncio.Queue()
         self.selfplay: Any = None  # rollout/opponents.SelfPlayPool, for a task with self-play opponents
@@ -137,8 +134,8 @@ class RolloutWorker:
                 if self._heartbeat_task is not None:
                     self._heartbeat_task.cancel()
                 raise
-            assert self._heartbeat_task is not None
-            bg = [asyncio.ensure_future(self._follow_broadcast()), self._heartbeat_task]
+            assert self._heartbeat_task is not None and self.follower is not None
+            bg = [asyncio.ensure_future(self.follower.follow()), self._heartbeat_task]
             threading.Thread(target=self._generate_forever, name="echo2-generate", daemon=True).start()
             inflight = 0  # leases handed to the generator and not yet back
             try:
@@ -153,13 +150,14 @@ class RolloutWorker:
 
     # ---- setup ---------------------------------------------------------------------------------------
     async def setup(self) -> None:
-        """Register, build the engine on the learner's model skeleton, install the current snapshot."""
+        """Register, build the engine on the learner's model skeleton, install the current snapshot (the
+        follower, which then keeps it current)."""
         import torch
 
-        from echo2.broadcast.manifest import key_from_text
         from echo2.models.policy import TextCodec
         from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
         from echo2.rollout.engines import build_engine
+        from echo2.weights.manifest import key_from_text
 
         reg = await self._register()
         st = self.settings = reg.settings
@@ -169,9 +167,7 @@ class RolloutWorker:
         if st.threads:
             torch.set_num_threads(st.threads)
         torch.manual_seed(st.seed)
-        self.key = key_from_text(reg.public_key)
-        self.broadcast_addr = reg.broadcast
-        self.bind_host, self.advertise_host = _local_address(reg.broadcast[0], self.opts.advertise_host)
+        host, advertise_host = _local_address(reg.broadcast[0], self.opts.advertise_host)
         skeleton = await self.client.model()
         with tempfile.TemporaryDirectory(prefix="echo2-skeleton-") as tmp:
             write_skeleton(skeleton.files, Path(tmp))
@@ -188,7 +184,21 @@ class RolloutWorker:
                 every, size = st.task.selfplay_every, st.task.selfplay_pool  # type: ignore[union-attr]
                 self.selfplay = SelfPlayPool(opp, self.codec, every, size, st.sampling.max_new_tokens)
         self.task = self.build_task(st.task, st.seed)
-        await self._fetch_snapshot()
+        self.follower = WeightFollower(
+            self.client,
+            self.engine,
+            key_from_text(reg.public_key),
+            reg.broadcast,
+            self.worker_id,
+            self.counters,
+            finished=lambda: self.finished,
+            host=host,
+            advertise_host=advertise_host,
+            reconnect_s=self.opts.reconnect_s,
+            catchup_s=self.opts.catchup_s,
+            on_install=self.selfplay.offer if self.selfplay is not None else None,
+        )
+        await self.follower.fetch()
         log.info("worker %s ready at v%d", self.worker_id, self.installed)
 
     async def _register(self) -> Any:
@@ -207,120 +217,10 @@ class RolloutWorker:
         self.worker_id = reply.worker_id
         return reply
 
-    # ---- snapshots ------------------------------------------------------------------------------------
     @property
     def installed(self) -> int:
         """The version the worker serves (-1 before the first install)."""
-        return self.weights.version
-
-    async def _fetch_snapshot(self) -> None:
-        """Fetch the links from the installed version to the newest over HTTP (the patches after it, or
-        the latest anchor and its patches), verify each against its signed manifest, and install."""
-        from echo2.broadcast.manifest import ManifestError
-        from echo2.protocol import ChainError
-
-        try:
-            links = verified_links(await self.client.snapshot_chain(self.installed), self.key)
-        except (ChainError, ManifestError) as exc:
-            self.counters.install_failures += 1
-            log.warning("snapshot chain over HTTP refused: %s", exc)
-            return
-        except Refused as exc:
-            if exc.reply.error != "over_budget":  # this identity pulled the version 3x already
-                raise
-            self.counters.install_failures += 1
-            log.warning("snapshot chain over HTTP: %s", exc)
-            return
-        if links and await asyncio.to_thread(self._install, links):
-            self.counters.http_installs += 1
-            log.info("installed v%d over HTTP (%d links)", self.installed, len(links))
-
-    def _install(self, links: list[tuple[Any, Any]]) -> bool:
-        """Stage ``links`` on a copy of the weights, load the result between two generations, swap it
-        in (any thread). A link that does not fit leaves the old version serving."""
-        from echo2.errors import CheckpointError
-        from echo2.models.delta import DeltaError
-
-        with self._stage_lock:
-            t0, cpu0 = time.perf_counter(), time.thread_time()
-            try:
-                staged = self.weights.stage(links)
-                if staged is None:
-                    return False
-                with self._engine_lock:
-                    self.engine.install(staged.tensors)
-            except (DeltaError, CheckpointError) as exc:
-                self.counters.install_failures += 1
-                log.warning("install refused; v%d keeps serving: %s", self.installed, exc)
-                return False
-            self.weights.commit(staged)
-            if self.selfplay is not None:
-                self.selfplay.offer(staged.version, staged.tensors)
-            self.counters.installs += 1
-            self.counters.last_install_s = time.perf_counter() - t0
-            self.counters.install_s += self.counters.last_install_s
-            self.counters.install_cpu_s += time.thread_time() - cpu0
-            return True
-
-    def _install_pending(self) -> None:
-        """Install what the broadcast delivered, as far as the chain reaches (any thread), and ack it."""
-        links = [(s.manifest, s.data) for v, s in list(self._received.items()) if v > self.installed]
-        if not links or not self._install(links):
-            return
-        if (node := self.node) is not None:
-            v = self.installed
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.report_installed(v)))
-
-    @property
-    def _gap(self) -> bool:
-        """The broadcast delivered a newer version that the weights held cannot reach (a missed link)."""
-        return max(self._received, default=-1) > self.installed
-
-    async def _follow_broadcast(self) -> None:
-        """Keep a broadcast receiver joined (re-joining after a learner restart) and collect snapshots."""
-        from echo2.broadcast.factory import open_receiver
-
-        while not self.finished:
-            node = open_receiver(
-                self.broadcast_addr,
-                self.worker_id,
-                self.key,
-                credential=self.client.credential,
-                host=self.bind_host,
-                advertise_host=self.advertise_host,
-                pin=self.client.pin,  # the learner's certificate: the broadcast presents the API's
-            )
-            try:
-                await node.start(join_timeout=self.opts.reconnect_s)
-            except Echo2Error as exc:
-                log.warning("broadcast join failed: %s", exc)
-                await asyncio.sleep(1.0)
-                continue
-            self.node = node
-            async for snap in node.snapshots():
-                # kept on this loop only (installs run in threads and just read it): nothing already
-                # installed, and nothing older than an anchor
-                floor = snap.manifest.version if snap.manifest.kind == "full" else self.installed + 1
-                self._received = {v: s for v, s in self._received.items() if v >= floor}
-                self._received[snap.manifest.version] = snap
-                if not self._engine_lock.locked():  # idle: switch now, else the generator switches next
-                    await asyncio.to_thread(self._install_pending)
-                if self._gap:
-                    await self._fetch_snapshot()  # missed a link: the chain from what we hold
-            self.node = None
-            if not self.finished:
-                log.info("broadcast connection lost; re-joining")
-                await asyncio.sleep(1.0)
-
-    async def _catch_up(self, min_version: int) -> None:
-        """Wait briefly for the broadcast to deliver ``min_version``; else fetch it over HTTP."""
-        deadline = time.monotonic() + self.opts.catchup_s
-        while time.monotonic() < deadline and not self.finished:
-            await asyncio.to_thread(self._install_pending)
-            if self.installed >= min_version:
-                return
-            await asyncio.sleep(0.02)
-        await self._fetch_snapshot()
+        return self.follower.installed if self.follower is not None else -1
 
     # ---- the control loops ------------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
@@ -341,7 +241,7 @@ class RolloutWorker:
                 break
             except Refused as exc:
                 if exc.reply.error == "future_version":  # the learner never published what is held
-                    await self._forget_weights()
+                    await self._follower().forget()
                     continue
                 if exc.reply.error == "quarantined":  # the learner caught this machine's output lying
                     log.error("the learner quarantined this worker: %s", exc.reply.detail)
@@ -350,8 +250,8 @@ class RolloutWorker:
                 if exc.status in (401, 403):
                     log.warning("credential refused (%s); registering again", exc.reply.detail)
                     await self._register()
-                    if self.node is not None:  # re-join the broadcast under the new id and credential
-                        await self.node.close()
+                    if self.follower is not None:  # re-join the broadcast under the new id and credential
+                        await self.follower.rejoin(self.worker_id)
                 else:
                     log.warning("heartbeat refused: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_s)
@@ -406,7 +306,7 @@ class RolloutWorker:
                 inflight -= 1
             if isinstance(lease, LeaseGrant):
                 if lease.min_version > self.installed:
-                    await self._catch_up(lease.min_version)
+                    await self._follower().catch_up(lease.min_version)
                 self._leases.put(lease)
                 inflight += 1
                 retry_after = 0.0
@@ -440,21 +340,17 @@ class RolloutWorker:
             self.finished = True
             return 0.0
         if refusal.reason in ("stale_weights", "unpublished_version") and refusal.min_version is not None:
-            await self._catch_up(refusal.min_version)  # unpublished: held since a learner restart
+            await self._follower().catch_up(refusal.min_version)  # unpublished: held since a learner restart
             return 0.0
         if refusal.reason == "rolled_back":
-            await self._forget_weights()
+            await self._follower().forget()
             return 0.0
         return refusal.retry_after_s
 
-    async def _forget_weights(self) -> None:
-        """The learner was rolled back to a checkpoint older than the weights held: their version number
-        will name other weights. Drop them and install the learner's latest anchor and chain."""
-        log.warning("the learner was rolled back below v%d; fetching its weights again", self.installed)
-        with self._stage_lock:
-            self.weights = WeightChain()
-            self._received.clear()
-        await self._fetch_snapshot()
+    def _follower(self) -> WeightFollower:
+        """The follower (set up: every caller runs after ``setup``)."""
+        assert self.follower is not None, "the worker is not set up"
+        return self.follower
 
     def _generate_forever(self) -> None:
         """The generator thread: leases in, graded version-tagged groups out, back to back; a newer
@@ -469,11 +365,11 @@ class RolloutWorker:
     def _generate(self, lease: LeaseGrant, seed: int) -> _Generated:
         from echo2.envs.base import EnvError
 
-        self._install_pending()
+        follower = self._follower()
+        follower.install_pending()
         t0 = time.perf_counter()
         st = self.settings
-        with self._engine_lock:
-            version = self.installed
+        with follower.serving() as version:
             try:
                 batch = self.task.collect(
                     self.codec,
@@ -490,7 +386,7 @@ class RolloutWorker:
                 self.counters.env_failures += 1
                 log.warning("lease %s dropped: %s", lease.lease_id, exc)
                 return _Generated(lease.lease_id, version, [], time.perf_counter() - t0)
-        self._install_pending()  # a snapshot that arrived meanwhile goes in now, not after a pause
+        follower.install_pending()  # a snapshot that arrived meanwhile goes in now, not after a pause
         if self.opts.max_rollouts_per_s:
             budget = len(batch.trajectories) / self.opts.max_rollouts_per_s
             time.sleep(max(0.0, budget - (time.perf_counter() - t0)))
@@ -507,8 +403,8 @@ class RolloutWorker:
                 if not isinstance(got, BaseException):
                     await asyncio.wait_for(self._submit(got, want_lease=False), 10.0)
         self._leases.put(None)
-        if self.node is not None:
-            await self.node.close()
+        if self.follower is not None:
+            await self.follower.close()
         for t in background:
             t.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -35,7 +35,7 @@ from typing import Any
 
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error, TrainingDivergedError
-from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, latest_checkpoint, write_atomic
+from echo2.observe.rundir import STATE_FILE, latest_checkpoint, write_atomic
 from echo2.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -111,10 +111,7 @@ class AsyncLearner:
                 await self.main_loop()
             except TrainingDivergedError as exc:
                 good = await asyncio.to_thread(self._save, "last_good")
-                self.run_dir.write_summary(
-                    {"error": str(exc), "last_good_checkpoint": good, "version": self.version}
-                )
-                raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
+                raise self.core.diverged(exc, good, version=self.version) from exc
             finally:
                 await self._finish()
         return self.summary()
@@ -138,7 +135,7 @@ class AsyncLearner:
         await self.snapshots.publish_model(self.version, self.policy.model)
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
-        first = await asyncio.to_thread(self._evaluate)
+        first = await asyncio.to_thread(self.core.evaluate)
         start = {
             "step": self.version,
             "time_s": 0.0,
@@ -147,7 +144,6 @@ class AsyncLearner:
         }
         self.run_dir.log(start)
         self.status.record(start)
-        self.first_acc = self.best_acc = self.last_acc = first.accuracy
         self.steps = self.staleness_max = 0  # what the loop did, for the summary
         self.t_trains: list[float] = []
         self.usd_total = 0.0
@@ -155,36 +151,15 @@ class AsyncLearner:
         self._next_tick = 0.0
 
     def _load_learning_plane(self) -> None:
-        """Run directory, policy (a checkpoint to resume, else the starting checkpoint: the user's or
-        the embedded model's warm start, which is trained here if it is not cached), trainer, task."""
-        import torch
+        """The learner core (``core.py``): run directory, policy (a checkpoint to resume, else the
+        starting checkpoint: the user's or the embedded model's warm start, trained here if it is not
+        cached), task, trainer (isolating: a worker's non-finite group is left out, never fatal)."""
+        from echo2.runtime.core import LearnerCore
 
-        from echo2.learner.trainer import GRPOTrainer
-        from echo2.models.policy import load_checkpoint
-        from echo2.observe.rundir import RunDir
-        from echo2.observe.trackers import start_trackers
-        from echo2.rollout.engines.hf import HFEngine
-        from echo2.tasks.registry import build_task
-        from echo2.tasks.warmstart import starting_checkpoint
-
-        cfg, ckpt = self.cfg, self.ckpt
-        name = self.run_path.resolve().name
-        sinks = start_trackers(cfg.train.report_to, self.run_path, name, cfg.to_dict())
-        # a fresh run clears an old run's outputs (trackers' included); the sinks open on the first record
-        self.run_dir = RunDir(self.run_path, cfg.to_dict(), resume=self.resume, sinks=sinks, background=True)
-        self._resources.callback(self.run_dir.close)
-        self.policy = load_checkpoint(ckpt or starting_checkpoint(cfg), cfg.model.chat_template)
-        version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
-        self.task = build_task(cfg.task, cfg.seed)
-        policy = self.policy  # isolate: a worker's non-finite group is left out, never fatal
-        self.trainer = GRPOTrainer(
-            policy.model, cfg.grpo, cfg.sampling, policy.pad_id, self.task.token_mask, version0, isolate=True
-        )
-        if ckpt is not None and (ckpt / OPTIM_FILE).is_file():
-            self.trainer.optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
-        self.engine = HFEngine(self.policy.model, self.policy.eos_id, self.policy.pad_id, cfg.sampling)
-        self.eval_prompts = self.task.eval_prompts(cfg.train.eval_size)
-        self.resumed_from = version0 if ckpt else None
+        core = self.core = LearnerCore.load(self.cfg, self.run_path, self.ckpt, isolate=True)
+        self._resources.callback(core.run_dir.close)
+        self.run_dir, self.policy, self.task = core.run_dir, core.policy, core.task
+        self.trainer, self.engine, self.resumed_from = core.trainer, core.engine, core.resumed_from
 
     async def _open_data_and_network(self) -> None:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
@@ -417,8 +392,7 @@ class AsyncLearner:
             self.pool.retarget(sum(recent) / len(recent), self.snapshots.t_bcast_s)
         if self.steps % cfg.train.eval_every == 0 or self._done():
             with self.meter.idle("eval"):
-                ev = await asyncio.to_thread(self._evaluate)
-            self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)
+                ev = await asyncio.to_thread(self.core.evaluate)
             record.update({"reward/accuracy": ev.accuracy, "reward/eval_unparsed": ev.unparsed})
         if v % cfg.train.checkpoint_every == 0:
             with self.meter.idle("checkpoint"):
@@ -452,14 +426,9 @@ class AsyncLearner:
             if self.on_step is not None:
                 self.on_step(record)
 
-    def _evaluate(self) -> Any:
-        from echo2.types import Bounds
-
-        return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(self.cfg))
-
     def _save(self, name: str) -> str:
         leases = {"leases": self.broker.prompts.state()}  # a resumed run draws on, not from the start
-        return self.run_dir.save_checkpoint(name, self.policy, self.version, self.trainer.optimizer, leases)
+        return self.core.save(name, optimizer=True, state=leases)
 
     # ---- the end -------------------------------------------------------------------------------------
     async def _finish(self) -> None:
@@ -481,9 +450,9 @@ class AsyncLearner:
             version=self.version,
             resumed_from=self.resumed_from,
             wall_s=float(window["window_s"]),
-            initial_accuracy=self.first_acc,
-            final_accuracy=self.last_acc,  # type: ignore[arg-type]
-            best_accuracy=self.best_acc,
+            initial_accuracy=self.core.first_acc,
+            final_accuracy=self.core.last_acc,
+            best_accuracy=self.core.best_acc,
             bubble_ratio=float(window["bubble_ratio"]),  # type: ignore[arg-type]
             staleness_max=self.staleness_max,
             last_checkpoint=self.last_ckpt,
@@ -505,7 +474,7 @@ class AsyncLearner:
 def _persistent_key(run_path: Path) -> Any:
     """The run's manifest signing key, kept in the run directory so a restarted learner signs with
     the key its workers already trust."""
-    from echo2.broadcast.manifest import key_from_text, new_signing_key
+    from echo2.weights.manifest import key_from_text, new_signing_key
 
     return key_from_text(_persistent_secret(run_path / "learner_key", lambda: new_signing_key().to_text()))
 

@@ -68,13 +68,14 @@ from echo2.protocol import (
     SubmitRequest,
     VersionReply,
     WorkerSettings,
-    chain_parts,
 )
 from echo2.runtime.intake import Intake
 from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.pool import Pool
 from echo2.runtime.registry import WorkerRecord, WorkerRegistry
-from echo2.runtime.snapshots import Link, Snapshots
+from echo2.runtime.snapshots import Snapshots
+from echo2.weights.chain import chain_parts
+from echo2.weights.publication import Link
 
 log = logging.getLogger(__name__)
 

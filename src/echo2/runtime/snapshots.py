@@ -1,15 +1,14 @@
 """The learner's snapshot publisher: weights -> signed anchor or patch -> broadcast plane; T_bcast back.
 
-It owns the broadcast seam's publisher (``broadcast.factory``) and decides what each publication
-ships (``[snapshot]`` config, docs/broadcast.md): the sampler copy of the weights in the precision
-workers sample with (bf16 by default), as a lossless sparse patch against the previous publication
-(``echo2.models.delta``), or as a full **anchor** every ``anchor_every`` publications and whenever a
-patch would exceed ``max_patch_ratio`` of the full snapshot. The learner waits only for the copy:
-encoding, digesting, signing and announcing run off the event loop while it trains on.
+It owns the broadcast seam's publisher (``broadcast.factory``) and the learner's chain
+(``echo2.weights.publication.PublishedChain``: the latest anchor and the patches after it, the one
+provider of "what was published", and the choice of what each publication ships: a lossless sparse
+patch of the sampler copy against the previous publication, or a full **anchor**). The learner waits
+only for the copy: encoding, digesting, signing and announcing run off the event loop while it trains
+on.
 
-It keeps the **chain** (the latest anchor and the patches after it: the one provider of "what was
-published") for a worker that catches up over HTTP: the patches after the version it holds if they
-are in the chain, else the anchor and every patch (:meth:`chain_from`). Beyond the model it trains,
+A worker that catches up over HTTP gets the patches after the version it holds if they are in the
+chain, else the anchor and every patch (:meth:`Snapshots.chain_from`). Beyond the model it trains,
 the learner holds one full copy of the published weights (the previous publication, the base of the
 next patch; a second, the new copy, while a publication is encoded) and the encoded anchor (bytes
 shared with the publisher, which also keeps the bytes of the version before the newest for workers in
@@ -28,14 +27,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from echo2.broadcast.api import SnapshotPublisher
-from echo2.broadcast.manifest import Lineage
 from echo2.config import SnapshotConfig
 from echo2.observe import catalog
 from echo2.physics.rules import install_quorum
+from echo2.weights.manifest import Lineage
+from echo2.weights.publication import Link, PublishedChain
 
 if TYPE_CHECKING:
     import torch
@@ -43,26 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MEASURE_TIMEOUT_S = 120.0  # stop waiting for install acks of one version after this long
-
-
-@dataclass(frozen=True)
-class Link:
-    """One publication as it is served: version, signed manifest (dict) and the bytes."""
-
-    version: int
-    manifest: dict[str, Any]
-    blob: bytes
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """What :meth:`Snapshots.encode` made of the weights (not yet published)."""
-
-    blob: bytes
-    lineage: Lineage
-    full_bytes: int  # bytes of the weights in the publication dtype (what an anchor ships, about)
-    encode_s: float  # seconds to diff, compress and digest
-    encode_cpu_s: float  # of which CPU seconds of the encoding thread
 
 
 class Snapshots:
@@ -76,46 +55,47 @@ class Snapshots:
         self.publisher = publisher
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
-        self.chain: list[Link] = []  # the latest anchor, then the patches published after it
-        self.published: set[int] = set()  # every version this process published (a claim must be one)
+        self.published_chain = PublishedChain(self.cfg)  # what was published; the next patch's base
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped
-        self._base: dict[str, torch.Tensor] | None = None  # the newest published weights (chain[-1])
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced
         self._tasks: set[asyncio.Task[None]] = set()
         self.on_published = on_published  # told each published version's weights (the generation check's)
 
     @property
+    def chain(self) -> list[Link]:
+        """The latest anchor, then the patches published after it."""
+        return self.published_chain.links
+
+    @property
+    def published(self) -> set[int]:
+        """Every version this process published (a claim must be one)."""
+        return self.published_chain.published
+
+    @property
     def latest(self) -> tuple[int, dict[str, Any], bytes] | None:
         """The newest publication: version, signed manifest, bytes (None before the first)."""
-        if not self.chain:
-            return None
-        link = self.chain[-1]
-        return link.version, link.manifest, link.blob
+        link = self.published_chain.latest
+        return None if link is None else (link.version, link.manifest, link.blob)
 
     @property
     def version(self) -> int:
         """The newest published version (-1 before the first)."""
-        return self.chain[-1].version if self.chain else -1
+        return self.published_chain.version
 
     def chain_from(self, have: int) -> list[Link]:
-        """What a worker holding version ``have`` needs to reach the newest: the links after ``have``
-        when it is in the chain (always fewer bytes than the anchor and its patches), else the whole
-        chain, anchor first. Empty when ``have`` is the newest."""
-        versions = [link.version for link in self.chain]
-        if have in versions:
-            return self.chain[versions.index(have) + 1 :]
-        return list(self.chain)
+        """What a worker holding ``have`` needs to reach the newest (``PublishedChain.chain_from``)."""
+        return self.published_chain.chain_from(have)
 
     # ---- publishing ------------------------------------------------------------------------------------
     async def publish_model(self, version: int, model: Any, wait: bool = True) -> None:
-        """Publish ``model``'s weights as ``version``: an anchor or a patch (chosen in :meth:`encode`).
+        """Publish ``model``'s weights as ``version``: an anchor or a patch (``PublishedChain.encode``).
 
         Only the copy of the weights happens before this returns when ``wait`` is false: encoding,
         signing and announcing run in the background while the learner trains on, and the next
         publication waits for this one (it is the next patch's base). ``wait`` (the first version, and
         anything that needs the publication out) returns once it is announced."""
-        from echo2.models.delta import sampler_copy
+        from echo2.weights.delta import sampler_copy
 
         t0 = time.perf_counter()
         weights, copy_cpu_s = await asyncio.to_thread(_cpu_timed, sampler_copy, model, self.cfg.dtype)
@@ -133,9 +113,9 @@ class Snapshots:
     async def _publish_weights(
         self, version: int, weights: dict[str, torch.Tensor], t0: float, copy_cpu_s: float
     ) -> None:
-        enc = await asyncio.to_thread(self.encode, weights)
+        enc = await asyncio.to_thread(self.published_chain.encode, weights)
         await self.publish(version, enc.blob, enc.lineage)
-        self._base = weights
+        self.published_chain.base = weights
         self.on_published(version, weights)
         self.publication = {
             catalog.BROADCAST_PUBLICATION_BYTES.key: float(len(enc.blob)),
@@ -150,35 +130,13 @@ class Snapshots:
             catalog.BROADCAST_PUBLISH_CPU_S.key: copy_cpu_s + enc.encode_cpu_s,
         }
 
-    def encode(self, weights: dict[str, torch.Tensor]) -> Encoded:
-        """The next publication of ``weights`` (a sampler copy; any thread)."""
-        from echo2.models.delta import encode_full, encode_patch, weights_digest
-
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        cfg = self.cfg
-        digest = weights_digest(weights)
-        full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        # the chain holds the anchor and the patches since: the next one is an anchor once it is K long
-        if cfg.deltas and self._base is not None and len(self.chain) < cfg.anchor_every:
-            patch = encode_patch(self._base, weights, cfg.zstd_level)
-            if len(patch) <= cfg.max_patch_ratio * full_bytes:
-                base_digest = self.chain[-1].manifest["lineage"]["weights_digest"]
-                lineage = Lineage("patch", self.version, base_digest, digest)
-                return Encoded(
-                    patch, lineage, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0
-                )
-        anchor = Lineage("full", weights_digest=digest)
-        blob = encode_full(weights)
-        return Encoded(blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0)
-
     async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> None:
         """Sign and announce ``blob`` as ``version`` (``lineage``: anchor or patch; default a full
         snapshot of unstated weights); measure its dissemination in the background."""
-        self._base = None  # bytes from elsewhere: the next patch has no known base (publish_model sets it)
+        # bytes from elsewhere: the next patch has no known base (publish_model sets it)
+        self.published_chain.base = None
         manifest = (await self.publisher.publish(version, blob, lineage)).to_dict()
-        link = Link(version, manifest, blob)
-        self.published.add(version)
-        self.chain = [*self.chain, link] if manifest["lineage"]["kind"] == "patch" else [link]
+        self.published_chain.record(Link(version, manifest, blob))
         members = len(self.publisher.members())
         if members:
             task = asyncio.ensure_future(self._measure(version, members))

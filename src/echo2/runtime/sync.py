@@ -58,39 +58,28 @@ class SyncLearner:
         try:
             self.main_loop(view.update)
             if self.steps % self.cfg.train.checkpoint_every:  # the last step was not saved in the loop
-                self.last_ckpt = self._save(f"step_{self.steps:06d}")
+                self.last_ckpt = self.core.save(f"step_{self.steps:06d}")
         except TrainingDivergedError as exc:  # raised before the optimizer stepped: weights are good
-            good = self._save("last_good")
-            self.run_dir.write_summary({"error": str(exc), "last_good_checkpoint": good, "steps": self.steps})
-            raise TrainingDivergedError(f"{exc}; last good weights saved to {good}") from exc
+            raise self.core.diverged(exc, self.core.save("last_good"), steps=self.steps) from exc
         finally:
             view.close()
             self.run_dir.close()
         return self.summary()
 
     def setup(self) -> None:
-        from echo2.learner.trainer import GRPOTrainer
-        from echo2.models.policy import configure_torch, load_checkpoint
-        from echo2.observe.rundir import RunDir
-        from echo2.observe.trackers import start_trackers
-        from echo2.rollout.engines.hf import HFEngine
-        from echo2.tasks.registry import build_task
-        from echo2.tasks.warmstart import starting_checkpoint
+        """The learner core (run directory, policy, task, trainer, engine: ``core.py``) and the
+        starting checkpoint's held-out score."""
+        from echo2.models.policy import configure_torch
+        from echo2.runtime.core import LearnerCore
 
         cfg = self.cfg
         configure_torch(cfg)
-        run_path = Path(cfg.train.run_dir)  # sinks first: a missing package fails before the warm start
-        sinks = start_trackers(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
-        self.policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
-        self.run_dir = RunDir(run_path, cfg.to_dict(), sinks=sinks, background=True)
-        self.task = build_task(cfg.task, cfg.seed)
-        self.engine = HFEngine(self.policy.model, self.policy.eos_id, self.policy.pad_id, cfg.sampling)
-        self.trainer = GRPOTrainer(
-            self.policy.model, cfg.grpo, cfg.sampling, self.policy.pad_id, self.task.token_mask
-        )
+        core = self.core = LearnerCore.load(cfg, Path(cfg.train.run_dir))
+        self.run_dir, self.policy, self.task = core.run_dir, core.policy, core.task
+        self.trainer = core.trainer
+        self.engine = core.engine  # rollouts are generated on the trainer's own weights (S = 0)
         self.rng = random.Random(f"train:{cfg.seed}")
-        self.eval_prompts = self.task.eval_prompts(cfg.train.eval_size)
-        first = self._evaluate()
+        first = core.evaluate()
         log.info("starting checkpoint %s: held-out accuracy %.3f", self.policy.source, first.accuracy)
         self.run_dir.log(
             {
@@ -101,7 +90,6 @@ class SyncLearner:
                 "reward/eval_unparsed": first.unparsed,
             }
         )
-        self.first_acc = self.best_acc = self.last_acc = first.accuracy
         self.steps, self.last_ckpt = 0, ""
 
     def main_loop(self, on_step: Any) -> None:
@@ -115,12 +103,11 @@ class SyncLearner:
             out_of_time = time.perf_counter() >= deadline
             if self.steps % cfg.train.eval_every == 0 or self.steps == cfg.train.steps or out_of_time:
                 with self.meter.idle("eval"):
-                    ev = self._evaluate()
-                self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)
+                    ev = self.core.evaluate()
                 record.update({"reward/accuracy": ev.accuracy, "reward/eval_unparsed": ev.unparsed})
             if self.steps % cfg.train.checkpoint_every == 0:
                 with self.meter.idle("checkpoint"):
-                    self.last_ckpt = self._save(f"step_{self.steps:06d}")
+                    self.last_ckpt = self.core.save(f"step_{self.steps:06d}")
             record.update({"time_s": self.meter.timer() - self.meter.start, **self.meter.close_step()})
             with self.meter.idle("log"):
                 self.run_dir.log(record)
@@ -163,23 +150,15 @@ class SyncLearner:
             "reward/unparsed": batch.unparsed,
         }
 
-    def _evaluate(self) -> Any:
-        from echo2.types import Bounds
-
-        return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(self.cfg))
-
-    def _save(self, name: str) -> str:
-        return self.run_dir.save_checkpoint(name, self.policy, self.trainer.version)
-
     def summary(self) -> TrainSummary:
         window = self.meter.summary()
         summary = TrainSummary(
             run_dir=str(self.run_dir.path),
             steps=self.steps,
             wall_s=float(window["window_s"]),  # type: ignore[arg-type]
-            initial_accuracy=self.first_acc,
-            final_accuracy=self.last_acc,
-            best_accuracy=self.best_acc,
+            initial_accuracy=self.core.first_acc,
+            final_accuracy=self.core.last_acc,
+            best_accuracy=self.core.best_acc,
             bubble_ratio=float(window["bubble_ratio"]),
             last_checkpoint=self.last_ckpt,  # type: ignore[arg-type]
             score=self.task.score,

@@ -1,5 +1,7 @@
-"""What a published version is, as the nodes that move it agree on: for now the typed frames of the
-TCP broadcast (``frames.py``: one strict, frozen pydantic model per control or data frame, the one
-parser every received header goes through, and the one way back to the dict ``wire.write_frame``
-sends). The manifest, its lineage and the full / patch codecs are to move here too; ``broadcast``
-imports this package and only moves verified bytes."""
+"""What a published version is, as the nodes that move it agree on: its signed manifest and lineage
+(``manifest.py``), the full and patch codecs of the weights (``delta.py``, with the Rice codes of the
+patch positions in ``rice.py``), the learner's chain and the choice of anchor or patch
+(``publication.py``), the worker's chain of staged installs and the chain's HTTP body (``chain.py``),
+and the typed frames of the TCP broadcast (``frames.py``). ``broadcast`` imports this package for the
+manifest and the frames and only moves verified bytes; nothing here imports ``broadcast``, ``runtime``
+or ``rollout``."""

@@ -20,7 +20,7 @@ written by ``wire.encode`` from the payload, so :func:`to_wire` leaves it out.
 
 What a model cannot know stays with its owner: whether a chunk index is below the manifest's chunk
 count and a source has an address (``wire.parse_announcement``), what a manifest or credential says
-(``broadcast.manifest``, ``broadcast.access``: both travel here as plain objects), whether a pull is
+(``weights.manifest``, ``broadcast.access``: both travel here as plain objects), whether a pull is
 one this node serves (``access.Gate``).
 """
 
@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args, overload
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from echo2.errors import Echo2Error
+from echo2.weights import manifest
 
 MAX_VERSION = 2**53  # a version past this is not exact as a JSON double (as protocol.MAX_INT)
 MAX_ID = 128  # characters of a member id (a worker id, or "learner")
@@ -39,8 +40,8 @@ MAX_HOST = 255  # characters of a host name or address (the DNS limit)
 MAX_FINGERPRINT = 128  # characters of a certificate fingerprint (64 hex digits; 95 with OpenSSL's colons)
 MAX_CREDENTIAL = 1024  # characters of the credential a join carries (the registry's are 43)
 MAX_REASON = 4096  # characters of a refusal's reason (it may quote a member id or two, escaped)
-MAX_CHUNKS = 1 << 20  # chunks of one version (as broadcast.manifest.MAX_CHUNKS): indices and counts
-MAX_CHUNK_BYTES = 64 << 20  # payload bytes of one chunk (as broadcast.manifest.MAX_CHUNK_SIZE)
+MAX_CHUNKS = manifest.MAX_CHUNKS  # chunks of one version: indices and counts
+MAX_CHUNK_BYTES = manifest.MAX_CHUNK_SIZE  # payload bytes of one chunk
 MAX_MEMBERS = 1 << 16  # members one frame names (peers, sources, serve, receipts)
 MAX_FIELDS = 64  # keys of a nested record (a manifest, a credential: about ten each)
 MAX_CERT_HEX = 8192  # hex characters of a member's DER certificate in a get (2 x access.MAX_CERT_BYTES)
@@ -56,7 +57,7 @@ Fingerprint = Annotated[str, Field(max_length=MAX_FINGERPRINT)]  # SHA-256 of a 
 Reason = Annotated[str, Field(max_length=MAX_REASON)]  # why something was refused, for a log line
 ChunkIndex = Annotated[int, Field(ge=0, lt=MAX_CHUNKS)]  # which chunk of a version
 ChunkCount = Annotated[int, Field(ge=0, le=MAX_CHUNKS)]  # how many chunks
-# a manifest or a credential: a plain object here, parsed by its owner (broadcast.manifest / .access)
+# a manifest or a credential: a plain object here, parsed by its owner (weights.manifest, broadcast.access)
 Record = Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)]
 # JSON has no tuples: these accept a list (strict=False on the tuple itself); their items stay strict.
 Source = Annotated[

@@ -53,7 +53,7 @@ class Engine(Protocol):
 
     def install(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load verified published weights (name -> tensor, every weight once, in the publication dtype;
-        ``rollout/weights.py`` built and checked them) in place of the current ones. Called only between
+        ``weights/chain.py`` built and checked them) in place of the current ones. Called only between
         generations; raises :class:`echo2.errors.CheckpointError` when they do not fit the model."""
         ...
 

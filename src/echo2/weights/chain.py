@@ -1,32 +1,96 @@
-"""A worker's copy of the published weights, and staged, transactional installs of anchors and patches.
+"""A worker's copy of the published weights, staged installs of anchors and patches, and the chain as
+it travels over HTTP.
 
 A worker holds the weights of the version it serves exactly as the learner published them (the
 publication dtype, ``[snapshot] dtype``) and their digest. :meth:`WeightChain.stage` turns verified
-links (full anchors and patches, ``echo2.models.delta``) into the weights of a newer version on a
+links (full anchors and patches, ``echo2.weights.delta``) into the weights of a newer version on a
 **copy**: a patch must name the version and digest the worker holds, and every version built is
 checked against the weights digest the learner signed. Only a staged result that passed every check
 is swapped in (:meth:`WeightChain.commit`, after the engine loaded it); any failure leaves the old
 version serving and says why. A gap (a patch whose base the worker never had) stops the walk where
 it is, so the caller fetches the missing links (``GET /v1/snapshot?have=V``).
+
+That body (:func:`chain_parts` on the learner, :func:`decode_chain` on the worker) is magic, an 8-byte
+header length, a JSON header naming each link's signed manifest and size, then the links' bytes in
+order; nothing in it is trusted: :func:`verified_links` authenticates every manifest and checks every
+blob against it before :meth:`WeightChain.stage` sees them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from echo2.broadcast.manifest import Manifest, ManifestError, ManifestKey, blob_ok, verify_manifest
-from echo2.models.delta import DeltaError, apply_patch, decode_full, weights_digest
+import pydantic_core
+
+from echo2.weights.delta import DeltaError, apply_patch, decode_full, weights_digest
+from echo2.weights.manifest import Manifest, ManifestError, ManifestKey, blob_ok, verify_manifest
 
 if TYPE_CHECKING:
     import torch
+
+CHAIN_MAGIC = b"E2CHAIN1"
+MAX_CHAIN_LINKS = 1024  # a chain longer than this is refused (the learner anchors far more often)
+
+Blob = bytes | bytearray | memoryview
+
+
+class ChainError(ValueError):
+    """A snapshot chain body is malformed; the message says what is wrong."""
+
+
+def chain_parts(links: Sequence[tuple[dict[str, Any], Blob]]) -> list[Blob]:
+    """``GET /v1/snapshot`` body, in the pieces a server writes one after the other (the links' bytes
+    as they are, never copied into one buffer: an anchor of a real model is GBs): magic, 8-byte header
+    length, a JSON header naming each link's signed manifest and size, then the links' bytes in order
+    (each verified by the receiver against its manifest; nothing here is trusted)."""
+    header = json.dumps({"links": [{"manifest": m, "size": len(b)} for m, b in links]}).encode()
+    return [CHAIN_MAGIC + len(header).to_bytes(8, "big") + header, *(b for _, b in links)]
+
+
+def encode_chain(links: Sequence[tuple[dict[str, Any], Blob]]) -> bytes:
+    """The whole body of :func:`chain_parts` as one bytes object (tests, small chains)."""
+    return b"".join(chain_parts(links))
+
+
+def decode_chain(body: bytes) -> list[tuple[dict[str, Any], memoryview]]:
+    """Inverse of :func:`encode_chain`, for untrusted bytes: raises :class:`ChainError` naming the fault,
+    never anything else. The header is parsed by pydantic's JSON parser (nesting bounded by its
+    recursion limit, no lone surrogates, no integer too long to convert), so no header, however deep,
+    reaches the caller as a RecursionError or a string nothing can encode."""
+    view = memoryview(body)
+    if len(view) < 16 or bytes(view[:8]) != CHAIN_MAGIC:
+        raise ChainError("snapshot chain: bad magic")
+    n = int.from_bytes(view[8:16], "big")
+    if n > len(view) - 16:
+        raise ChainError(f"snapshot chain: header of {n} bytes overruns a body of {len(view)}")
+    try:
+        header = pydantic_core.from_json(bytes(view[16 : 16 + n]))
+        raw = header["links"]
+        if not isinstance(raw, list) or len(raw) > MAX_CHAIN_LINKS:
+            raise ChainError(f"snapshot chain: links must be a list of at most {MAX_CHAIN_LINKS}")
+        sizes = [(link["manifest"], link["size"]) for link in raw]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ChainError(f"snapshot chain: malformed header ({str(exc)[:200]!r})") from None
+    out, at = [], 16 + n
+    for manifest, size in sizes:
+        if not isinstance(manifest, dict) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ChainError("snapshot chain: a link needs a manifest object and a size >= 0")
+        if at + size > len(view):
+            raise ChainError(f"snapshot chain: link of {size} bytes overruns the body")
+        out.append((manifest, view[at : at + size]))
+        at += size
+    if at != len(view):
+        raise ChainError(f"snapshot chain: {len(view) - at} trailing bytes")
+    return out
 
 
 def verified_links(
     raw: Sequence[tuple[dict[str, Any], memoryview]], key: ManifestKey
 ) -> list[tuple[Manifest, memoryview]]:
-    """Links as the learner served them over HTTP (``protocol.decode_chain``), each manifest
+    """Links as the learner served them over HTTP (:func:`decode_chain`), each manifest
     authenticated with ``key`` and each blob checked against it; :class:`ManifestError` otherwise."""
     links = []
     for d, data in raw:

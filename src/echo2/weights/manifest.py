@@ -19,7 +19,7 @@ whose scheme is not the one of its key.
 Chunk ``i`` covers bytes ``[i*chunk_size, min((i+1)*chunk_size, total_size))``.
 
 A snapshot is either a full **anchor** (the weights as safetensors) or a **patch** against an earlier
-published version (``echo2.models.delta``). Its :class:`Lineage` (kind, base version, digest of the
+published version (``echo2.weights.delta``). Its :class:`Lineage` (kind, base version, digest of the
 base weights, digest of the resulting weights) is part of the signed payload, so a relay cannot
 splice a patch onto the wrong base, and a worker checks the weights it builds against what the
 learner published before it serves them.
@@ -56,7 +56,7 @@ _HEX64 = frozenset("0123456789abcdef")
 @dataclass(frozen=True)
 class Lineage:
     """What a snapshot's bytes turn into: the full weights (``full``) or a patch of ``base_version``
-    (``patch``), and the digest (``echo2.models.delta.weights_digest``) of the base and of the result.
+    (``patch``), and the digest (``echo2.weights.delta.weights_digest``) of the base and of the result.
     Empty digests mean "not stated" (a blob that is not model weights, as in the transport tests)."""
 
     kind: str = "full"  # "full" (an anchor) or "patch"

@@ -40,7 +40,7 @@ Per changed element the patch stores where it is and by how much its bits moved:
   Per class of ``n`` elements of which ``k`` changed, the patch codes the ranks within the class of
   the changed elements, or of the unchanged ones where ``2k > n``: ``m = min(k, n - k)`` strictly
   increasing ranks as gaps ``rank_0``, then ``rank_i - rank_{i-1} - 1``, each Rice coded
-  (``echo2.models.rice``) with the parameter ``rice.parameters(n, m)``. Changes within a class are
+  (``echo2.weights.rice``) with the parameter ``rice.parameters(n, m)``. Changes within a class are
   close to independent, so the gaps are close to geometric, and this comes within ~0.1 bit per
   change of the entropy of the positions given their exponents (format v2 coded rank gaps as bytes
   through zstandard and paid ~1.5 bits more).
@@ -179,7 +179,7 @@ def encode_patch(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     import numpy as np
     import zstandard
 
-    from echo2.models import rice
+    from echo2.weights import rice
 
     missing, extra = sorted(set(base) - set(new)), sorted(set(new) - set(base))
     if missing or extra:
@@ -303,7 +303,7 @@ class _Classes:
         their Rice parameter."""
         import numpy as np
 
-        from echo2.models import rice
+        from echo2.weights import rice
 
         flip = 2 * counts > self.sizes
         m = np.where(flip, self.sizes - counts, counts)
@@ -413,7 +413,7 @@ def apply_patch(
     import numpy as np
     import torch
 
-    from echo2.models import rice
+    from echo2.weights import rice
 
     table, frame = _parse(patch)
     blocks = _changed_blocks(base, table)
@@ -541,7 +541,7 @@ class _Split:
 def _split(buf: np.ndarray, blocks: list[_Block], cw: int) -> _Split:
     import numpy as np
 
-    from echo2.models import rice
+    from echo2.weights import rice
 
     n_classes = [g.classes.sizes.size for g in blocks]
     at = cw * sum(n_classes)

@@ -1,0 +1,245 @@
+"""A worker's follower of the published weights: the broadcast receiver and the HTTP catch-up behind
+one object, with its own locks.
+
+The worker asks it for three things between generations, and for nothing about how snapshots travel:
+
+- ``install_pending()`` (any thread): install what the broadcast delivered, as far as the chain
+  reaches, and ack it to the broadcast plane;
+- ``with serving() as version:`` hold the weights still for one generation (an install waits for it,
+  and the broadcast installs at once only while no generation holds them);
+- ``await catch_up(min_version)``: wait briefly for the broadcast to deliver ``min_version``, else
+  fetch the chain over HTTP (``GET /v1/snapshot?have=V``; ``fetch()`` does that at once).
+
+In the background ``follow()`` keeps a broadcast receiver joined (re-joining after a learner restart
+or a new identity, :meth:`WeightFollower.rejoin`), collects what it delivers and, when the broadcast
+handed it a version its weights cannot reach (it missed a link), fetches the chain from what it holds.
+``forget()`` drops the weights held (the learner was rolled back below them) and fetches the learner's.
+
+Every install goes through :class:`echo2.weights.chain.WeightChain`: staged on a copy, checked against
+the digest the learner signed, loaded into the engine between two generations, and only then swapped
+in; a link that does not fit leaves the old version serving (``install_failures``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
+
+from echo2.errors import CheckpointError, Echo2Error
+from echo2.rollout.client import Refused
+from echo2.weights.chain import Blob, ChainError, WeightChain, verified_links
+from echo2.weights.delta import DeltaError
+from echo2.weights.manifest import Manifest, ManifestError, ManifestKey
+
+if TYPE_CHECKING:
+    import torch
+
+    from echo2.broadcast.api import InstalledSnapshot, SnapshotReceiver
+    from echo2.broadcast.factory import PublisherAddress
+    from echo2.rollout.engines.base import Engine
+
+log = logging.getLogger(__name__)
+
+
+class Learner(Protocol):
+    """What the follower needs of the learner's API (``rollout.client.LearnerClient``)."""
+
+    credential: str | None  # this worker's credential, presented when it joins the broadcast
+    pin: str | None  # the learner certificate's fingerprint (None: plain TCP), pinned there too
+
+    async def snapshot_chain(self, have: int) -> list[tuple[dict[str, Any], memoryview]]:
+        """The signed links from ``have`` to the newest, unverified (``GET /v1/snapshot``)."""
+        ...
+
+
+class InstallCounters(Protocol):
+    """What the follower counts, in the worker's counters (its exit report)."""
+
+    installs: int  # snapshots installed (any path)
+    http_installs: int  # of which fetched over HTTP (bootstrap, catch-up, a gap in the chain)
+    install_failures: int  # staged versions refused (digest, base, malformed): the old one kept serving
+    install_s: float  # seconds building (decode / patch / digest) and loading installed versions
+    last_install_s: float  # of which the last install (reported in heartbeats)
+    install_cpu_s: float  # CPU seconds the installing thread spent on them (install_s is wall time)
+
+
+class WeightFollower:
+    """The weights a worker serves, kept current from the broadcast plane and, where it falls short,
+    over HTTP. Made once the engine exists (``RolloutWorker.setup``), on the running event loop."""
+
+    def __init__(
+        self,
+        client: Learner,
+        engine: Engine,
+        key: ManifestKey,
+        broadcast: PublisherAddress,
+        member: str,
+        counters: InstallCounters,
+        *,
+        finished: Callable[[], bool],
+        host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        reconnect_s: float = 120.0,
+        catchup_s: float = 3.0,
+        on_install: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+    ) -> None:
+        self.client = client  # the HTTP catch-up, and the credential and pin the broadcast join presents
+        self.engine = engine
+        self.key = key  # the learner's manifest verification key
+        self.broadcast = broadcast  # where the receiver joins (the learner's host and port, or a hub)
+        self.member = member  # the worker id it joins under
+        self.counters = counters
+        self.finished = finished  # the worker is stopping: stop re-joining and waiting
+        self.host, self.advertise_host = host, advertise_host  # where its chunk server binds, what peers dial
+        self.reconnect_s = reconnect_s  # give up a join after this long (and try again)
+        self.catchup_s = catchup_s  # wait this long for the broadcast before fetching over HTTP
+        self.on_install = on_install  # told each installed version's weights (a self-play pool)
+        self.chain = WeightChain()  # the published weights being served, and staged installs
+        self.node: SnapshotReceiver | None = None  # the broadcast receiver while joined
+        self._received: dict[int, InstalledSnapshot] = {}  # delivered, not yet installed
+        self._stage_lock = threading.Lock()  # one staging at a time (it reads and then swaps the weights)
+        self._engine_lock = threading.Lock()  # held while generating: weights change only between them
+        self._loop = asyncio.get_running_loop()  # where acks of installs made in threads are sent from
+
+    @property
+    def installed(self) -> int:
+        """The version served (-1 before the first install)."""
+        return self.chain.version
+
+    # ---- between generations -----------------------------------------------------------------------
+    @contextmanager
+    def serving(self) -> Iterator[int]:
+        """Hold the weights still for one generation; yields the version that generates it."""
+        with self._engine_lock:
+            yield self.installed
+
+    def install_pending(self) -> None:
+        """Install what the broadcast delivered, as far as the chain reaches (any thread), and ack it."""
+        links = [(s.manifest, s.data) for v, s in list(self._received.items()) if v > self.installed]
+        if not links or not self._install(links):
+            return
+        if (node := self.node) is not None:
+            v = self.installed
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.report_installed(v)))
+
+    async def catch_up(self, min_version: int) -> None:
+        """Wait briefly for the broadcast to deliver ``min_version``; else fetch it over HTTP."""
+        deadline = time.monotonic() + self.catchup_s
+        while time.monotonic() < deadline and not self.finished():
+            await asyncio.to_thread(self.install_pending)
+            if self.installed >= min_version:
+                return
+            await asyncio.sleep(0.02)
+        await self.fetch()
+
+    async def fetch(self) -> None:
+        """Fetch the links from the installed version to the newest over HTTP (the patches after it, or
+        the latest anchor and its patches), verify each against its signed manifest, and install."""
+        try:
+            links = verified_links(await self.client.snapshot_chain(self.installed), self.key)
+        except (ChainError, ManifestError) as exc:
+            self.counters.install_failures += 1
+            log.warning("snapshot chain over HTTP refused: %s", exc)
+            return
+        except Refused as exc:
+            if exc.reply.error != "over_budget":  # this identity pulled the version 3x already
+                raise
+            self.counters.install_failures += 1
+            log.warning("snapshot chain over HTTP: %s", exc)
+            return
+        if not links:
+            return
+        if await asyncio.to_thread(self._install, links):
+            self.counters.http_installs += 1
+            log.info("installed v%d over HTTP (%d links)", self.installed, len(links))
+
+    async def forget(self) -> None:
+        """The learner was rolled back to a checkpoint older than the weights held: their version number
+        will name other weights. Drop them and install the learner's latest anchor and chain."""
+        log.warning("the learner was rolled back below v%d; fetching its weights again", self.installed)
+        with self._stage_lock:
+            self.chain = WeightChain()
+            self._received.clear()
+        await self.fetch()
+
+    def _install(self, links: Sequence[tuple[Manifest, Blob]]) -> bool:
+        """Stage ``links`` on a copy of the weights, load the result between two generations, swap it
+        in (any thread). A link that does not fit leaves the old version serving."""
+        with self._stage_lock:
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            try:
+                staged = self.chain.stage(links)
+                if staged is None:
+                    return False
+                with self._engine_lock:
+                    self.engine.install(staged.tensors)
+            except (DeltaError, CheckpointError) as exc:
+                self.counters.install_failures += 1
+                log.warning("install refused; v%d keeps serving: %s", self.installed, exc)
+                return False
+            self.chain.commit(staged)
+            if self.on_install is not None:
+                self.on_install(staged.version, staged.tensors)
+            self.counters.installs += 1
+            self.counters.last_install_s = time.perf_counter() - t0
+            self.counters.install_s += self.counters.last_install_s
+            self.counters.install_cpu_s += time.thread_time() - cpu0
+            return True
+
+    # ---- the broadcast plane ---------------------------------------------------------------------------
+    async def follow(self) -> None:
+        """Keep a broadcast receiver joined (re-joining after a learner restart) and collect snapshots."""
+        from echo2.broadcast.factory import open_receiver
+
+        while not self.finished():
+            node = open_receiver(
+                self.broadcast,
+                self.member,
+                self.key,
+                credential=self.client.credential,
+                host=self.host,
+                advertise_host=self.advertise_host,
+                pin=self.client.pin,  # the learner's certificate: the broadcast presents the API's
+            )
+            try:
+                await node.start(join_timeout=self.reconnect_s)
+            except Echo2Error as exc:
+                log.warning("broadcast join failed: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            self.node = node
+            async for snap in node.snapshots():
+                await self._delivered(snap)
+            self.node = None
+            if not self.finished():
+                log.info("broadcast connection lost; re-joining")
+                await asyncio.sleep(1.0)
+
+    async def _delivered(self, snap: InstalledSnapshot) -> None:
+        """Keep ``snap`` (on this loop only: installs run in threads and just read what is kept), install
+        it now if no generation holds the weights (else the generator installs it next), and fetch the
+        chain over HTTP if the weights held cannot reach it."""
+        # nothing already installed, and nothing older than an anchor
+        floor = snap.manifest.version if snap.manifest.kind == "full" else self.installed + 1
+        self._received = {v: s for v, s in self._received.items() if v >= floor}
+        self._received[snap.manifest.version] = snap
+        if not self._engine_lock.locked():  # idle: switch now, else the generator switches next
+            await asyncio.to_thread(self.install_pending)
+        if max(self._received, default=-1) > self.installed:  # missed a link: the chain from what we hold
+            await self.fetch()
+
+    async def rejoin(self, member: str) -> None:
+        """Join again under ``member`` (a new identity after the learner refused the old credential)."""
+        self.member = member
+        if self.node is not None:
+            await self.node.close()
+
+    async def close(self) -> None:
+        """Leave the broadcast plane."""
+        if self.node is not None:
+            await self.node.close()

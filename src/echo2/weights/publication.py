@@ -1,0 +1,101 @@
+"""The learner's chain: what was published, and what the next publication ships.
+
+The chain is the latest anchor and the patches published after it: the one provider of "what was
+published", for the routes (``GET /v1/snapshot?have=V``: :meth:`PublishedChain.chain_from`) and for
+the checks of a worker's claimed version (:attr:`PublishedChain.published`). :meth:`PublishedChain.encode`
+decides what the next publication of the weights ships (``[snapshot]`` config, docs/broadcast.md): the
+sampler copy in the precision workers sample with (bf16 by default) as a lossless sparse patch against
+the previous publication (``echo2.weights.delta``), or as a full **anchor** every ``anchor_every``
+publications and whenever a patch would exceed ``max_patch_ratio`` of the full snapshot.
+
+No event loop and no network here: ``runtime/snapshots.py`` copies the weights, calls :meth:`encode`
+off the loop, signs and announces the result, and records it (:meth:`PublishedChain.record`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from echo2.config import SnapshotConfig
+from echo2.weights.manifest import Lineage
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Link:
+    """One publication as it is served: version, signed manifest (dict) and the bytes."""
+
+    version: int
+    manifest: dict[str, Any]
+    blob: bytes
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What :meth:`PublishedChain.encode` made of the weights (not yet published)."""
+
+    blob: bytes
+    lineage: Lineage
+    full_bytes: int  # bytes of the weights in the publication dtype (what an anchor ships, about)
+    encode_s: float  # seconds to diff, compress and digest
+    encode_cpu_s: float  # of which CPU seconds of the encoding thread
+
+
+class PublishedChain:
+    """The latest anchor and the patches after it, every version published, and the base of the next
+    patch (the weights of the newest publication, when this process encoded it)."""
+
+    def __init__(self, cfg: SnapshotConfig | None = None) -> None:
+        self.cfg = cfg or SnapshotConfig()
+        self.links: list[Link] = []  # the latest anchor, then the patches published after it
+        self.published: set[int] = set()  # every version this process published (a claim must be one)
+        self.base: dict[str, torch.Tensor] | None = None  # the newest published weights (links[-1])
+
+    @property
+    def latest(self) -> Link | None:
+        """The newest publication (None before the first)."""
+        return self.links[-1] if self.links else None
+
+    @property
+    def version(self) -> int:
+        """The newest published version (-1 before the first)."""
+        return self.links[-1].version if self.links else -1
+
+    def chain_from(self, have: int) -> list[Link]:
+        """What a worker holding version ``have`` needs to reach the newest: the links after ``have``
+        when it is in the chain (always fewer bytes than the anchor and its patches), else the whole
+        chain, anchor first. Empty when ``have`` is the newest."""
+        versions = [link.version for link in self.links]
+        if have in versions:
+            return self.links[versions.index(have) + 1 :]
+        return list(self.links)
+
+    def encode(self, weights: dict[str, torch.Tensor]) -> Encoded:
+        """The next publication of ``weights`` (a sampler copy; any thread)."""
+        from echo2.weights.delta import encode_full, encode_patch, weights_digest
+
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        cfg = self.cfg
+        digest = weights_digest(weights)
+        full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        # the chain holds the anchor and the patches since: the next one is an anchor once it is K long
+        if cfg.deltas and self.base is not None and len(self.links) < cfg.anchor_every:
+            patch = encode_patch(self.base, weights, cfg.zstd_level)
+            if len(patch) <= cfg.max_patch_ratio * full_bytes:
+                base_digest = self.links[-1].manifest["lineage"]["weights_digest"]
+                lineage = Lineage("patch", self.version, base_digest, digest)
+                return Encoded(
+                    patch, lineage, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0
+                )
+        anchor = Lineage("full", weights_digest=digest)
+        blob = encode_full(weights)
+        return Encoded(blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0)
+
+    def record(self, link: Link) -> None:
+        """``link`` is announced: a patch extends the chain, an anchor starts a new one."""
+        self.published.add(link.version)
+        self.links = [*self.links, link] if link.manifest["lineage"]["kind"] == "patch" else [link]

@@ -1,0 +1,138 @@
+"""The worker's follower of the published weights (rollout/follower.py) on the in-memory broadcast: it
+bootstraps over HTTP, installs and acks what the broadcast delivers, fetches a missed link from the
+version it holds, refuses a chain that fails verification (the old weights keep serving), re-joins
+under a new identity, drops its weights on a rollback, and catches up over HTTP when the broadcast is
+silent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from echo2.broadcast.factory import open_publisher
+from echo2.broadcast.registry import get_strategy
+from echo2.config import EmbeddedModelConfig, SnapshotConfig
+from echo2.models.embedded import build_model, build_tokenizer
+from echo2.rollout.follower import WeightFollower
+from echo2.rollout.worker import WorkerCounters
+from echo2.runtime.snapshots import Snapshots
+from echo2.weights.chain import decode_chain, encode_chain
+from echo2.weights.delta import sampler_copy, weights_digest
+from echo2.weights.manifest import new_signing_key
+
+TINY = EmbeddedModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+class Learner:
+    """The learner's side as the follower sees it: the chain over HTTP (``LearnerClient``'s
+    ``snapshot_chain``, through the real body codec), with a switch that serves tampered bytes."""
+
+    credential = "credential"
+    pin = None
+
+    def __init__(self, snaps: Snapshots) -> None:
+        self.snaps = snaps
+        self.asked: list[int] = []  # the ``have`` of every chain fetched
+        self.tamper = False
+
+    async def snapshot_chain(self, have: int) -> list[tuple[dict[str, Any], memoryview]]:
+        self.asked.append(have)
+        links = [
+            (link.manifest, b"junk" if self.tamper else link.blob) for link in self.snaps.chain_from(have)
+        ]
+        return decode_chain(encode_chain(links))
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def install(self, weights: dict[str, torch.Tensor]) -> None:
+        self.loaded = dict(weights)
+
+
+async def until(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def nudge(model: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-5)
+
+
+def test_the_follower_keeps_the_weights_current_from_the_broadcast_and_over_http() -> None:
+    asyncio.run(_follow())
+
+
+async def _follow() -> None:
+    key = new_signing_key()
+    hub = open_publisher("memory", key, get_strategy("star-limited"), 4096)
+    snaps = Snapshots(hub, 1.1, SnapshotConfig(anchor_every=10))
+    model = build_model(TINY, build_tokenizer(), seed=0)
+    learner, engine, counters = Learner(snaps), Engine(), WorkerCounters()
+    offered: list[int] = []
+    stop = False
+    follower = WeightFollower(
+        learner,
+        engine,
+        key.verifier(),
+        hub,
+        "w0",
+        counters,
+        finished=lambda: stop,
+        catchup_s=0.2,
+        on_install=lambda version, weights: offered.append(version),
+    )
+
+    async def publish(v: int) -> None:
+        if v:
+            nudge(model, v)
+        await snaps.publish_model(v, model)
+
+    await publish(0)
+    await follower.fetch()  # bootstrap: the anchor over HTTP
+    assert (follower.installed, counters.installs, counters.http_installs) == (0, 1, 1)
+    with follower.serving() as version:  # what a generation is tagged with
+        assert version == 0
+
+    await publish(1)
+    await publish(2)  # both before it joins: the broadcast hands it v2, a patch of v1 it never had
+    following = asyncio.ensure_future(follower.follow())
+    await until(lambda: follower.installed == 2)
+    assert learner.asked == [-1, 0] and counters.http_installs == 2  # the chain from the version held
+
+    await publish(3)  # over the broadcast, acked to it
+    await until(lambda: follower.installed == 3)
+    await until(lambda: "w0" in hub.stats(3).install_s)
+    assert (counters.installs, counters.http_installs) == (3, 2)
+    assert weights_digest(engine.loaded) == weights_digest(sampler_copy(model, "bfloat16"))
+
+    await follower.rejoin("w1")  # a new identity: the receiver leaves and joins again under it
+    await until(lambda: hub.members() == ["w1"])
+    stop = True
+    await follower.close()
+    await following  # the follower leaves the broadcast for good once the worker is finished
+
+    await follower.forget()  # the learner was rolled back: everything again, from the anchor
+    assert learner.asked[-1] == -1 and follower.installed == 3 and counters.http_installs == 3
+
+    await publish(4)  # nobody delivers it now
+    learner.tamper = True  # a chain whose bytes fail their manifests: refused, v3 keeps serving
+    await follower.fetch()
+    assert (follower.installed, counters.install_failures) == (3, 1)
+    learner.tamper = False
+    # catch_up waits catchup_s for the broadcast, then fetches
+    await follower.catch_up(4)
+    assert follower.installed == 4 and learner.asked[-1] == 3 and counters.http_installs == 4
+    assert offered == [0, 2, 3, 3, 4]
+    assert counters.install_cpu_s > 0 and counters.install_s >= counters.last_install_s > 0
+    await snaps.close()

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from echo2.config import load_model
 from echo2.errors import InfeasibleError
 from echo2.physics import broadcast
 from echo2.physics.rules import kappa_from_staleness, knee
@@ -34,15 +35,9 @@ PAPER_TABLE2 = {
 
 
 def with_overrides(sc: SimScenario, **changes: Any) -> SimScenario:
-    """A copy with dotted-path overrides, e.g. ``{"plan.staleness.S": 4, "sim.steps": 30}``."""
-    data = sc.model_dump()
-    for path, value in changes.items():
-        node = data
-        keys = path.split(".")
-        for k in keys[:-1]:
-            node = node[k]
-        node[keys[-1]] = value
-    return SimScenario.model_validate(data)
+    """A copy with dotted-path overrides, e.g. ``{"plan.staleness.S": 4, "sim.steps": 30}``, through the
+    one config loader (``config.load_model``: the same paths, validation and error format as a file's)."""
+    return load_model(SimScenario, overrides=changes, what="scenario", tree=sc.model_dump())
 
 
 def workers_of(sc: SimScenario) -> list[SimWorker]:

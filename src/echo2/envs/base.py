@@ -19,7 +19,7 @@ in the runtime changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class EnvStep:
     reward: float  # immediate reward r_t of this step (must be finite)
     done: bool  # the episode is over
     illegal: bool = False  # the action was unparsable or not legal: the documented fallback was applied
+
+
+EnvScore = Literal["return", "chips"]  # what an environment's held-out evaluation measures
 
 
 class TextEnv(Protocol):

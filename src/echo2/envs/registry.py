@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from echo2.config import GuessTaskConfig, PokerTaskConfig
-from echo2.envs.base import TextEnv
+from echo2.envs.base import EnvScore, TextEnv
 from echo2.envs.guess import GuessEnv
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class _Common:
 class GuessSpec(_Common):
     cfg: GuessTaskConfig
     name: str = "guess"
-    score: str = "return"  # held out: the mean discounted return of a greedy episode
+    score: EnvScore = "return"  # held out: the mean discounted return of a greedy episode
 
     def make(self, prompt: Prompt, opponent_policy: Callable[[str], str] | None = None) -> TextEnv:
         return GuessEnv(self.cfg)
@@ -78,7 +78,7 @@ RULE_STYLES: tuple[Literal["tag", "station", "lag"], ...] = ("tag", "station", "
 class PokerSpec(_Common):
     cfg: PokerTaskConfig
     name: str = "poker"
-    score: str = "chips"  # held out: the mean chip change per hand, in big blinds
+    score: EnvScore = "chips"  # held out: the mean chip change per hand, in big blinds
 
     def make(self, prompt: Prompt, opponent_policy: Callable[[str], str] | None = None) -> TextEnv:
         from echo2.envs.poker import PokerEnv, TextPolicyOpponent, rule_player

@@ -13,7 +13,6 @@ update (publish, retarget the pool, prune the store).
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +29,6 @@ if TYPE_CHECKING:
     from echo2.models.policy import Policy
     from echo2.rollout.engines.hf import HFEngine
     from echo2.rollout.evaluate import EvalResult
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

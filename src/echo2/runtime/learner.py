@@ -70,7 +70,7 @@ class LearnerSummary:
     bubble_ratio: float  # 1 - update seconds / wall seconds of the main loop (every cause counts)
     staleness_max: int  # max Delta(t) over all steps (never above S)
     last_checkpoint: str  # newest checkpoint directory
-    score: str  # what the held-out numbers measure (Task.score: "accuracy", or "return" per episode)
+    score: str  # what the held-out numbers measure (Task.score: "accuracy"; "return", "chips" per episode)
 
 
 def check_reachable(cfg: Config) -> None:

@@ -36,7 +36,7 @@ class TrainSummary:
     best_accuracy: float  # best held-out accuracy seen at any evaluation
     bubble_ratio: float  # 1 - update seconds / wall seconds of the loop
     last_checkpoint: str  # the checkpoint directory written last
-    score: str  # what the held-out numbers measure (Task.score: "accuracy", or "return" per episode)
+    score: str  # what the held-out numbers measure (Task.score: "accuracy"; "return", "chips" per episode)
 
 
 def run_sync(cfg: Config, progress: bool = True) -> TrainSummary:

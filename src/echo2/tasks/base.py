@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from echo2.envs.base import EnvScore
 from echo2.types import Bounds, Prompt, Trajectory
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from echo2.rollout.evaluate import EvalResult
     from echo2.tasks.verify import Verifier
 
-Score = Literal["accuracy", "return", "chips"]  # what a task's held-out evaluation measures
+Score = Literal["accuracy"] | EnvScore  # what a task's held-out evaluation measures
 
 
 class Task(Protocol):

@@ -29,7 +29,7 @@ class Episodic:
     def __init__(self, data: EnvironmentTask) -> None:
         self.data = data  # episode seeds, splits and the environment's spec
         self.name = data.name
-        self.score: Score = "chips" if data.spec.score == "chips" else "return"
+        self.score: Score = data.spec.score
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         return self.data.sample_train(rng, n)

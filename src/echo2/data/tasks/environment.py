@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from echo2.data.tasks.base import Split, full_mask, split_of, stable_fraction
-from echo2.envs.base import TextEnv
+from echo2.envs.base import EnvScore, TextEnv
 from echo2.types import Prompt
 
 TextPolicy = Callable[[str], str]  # observation text -> action text (a model opponent)
@@ -37,7 +37,7 @@ class EnvSpec(Protocol):
         ...
 
     @property
-    def score(self) -> str:
+    def score(self) -> EnvScore:
         """What its held-out evaluation measures ("chips" for poker, else "return")."""
         ...
 

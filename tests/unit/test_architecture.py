@@ -149,3 +149,47 @@ def test_the_rule_finds_a_branch_on_the_kind():
         "if isinstance(cfg.task, PokerTaskConfig): pass\n"  # one named task: allowed
     )
     assert sorted(line for line, _ in _kind_branches(ast.parse(code))) == [1, 2, 3, 4]
+
+
+LOOP_MODULE = "runtime/loop.py"  # the one learner loop: echo2 train (S = 0) and the node share it
+
+
+def _loop_steps(tree: ast.Module) -> list[tuple[int, str]]:
+    """Where a module does what only a learner loop does: make a GRPO update (``<...>trainer.update``),
+    take a batch from the store (``take_batch``) or start a bubble meter (``BubbleMeter(...)``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "update" and "trainer" in ast.unparse(node.value):
+            found.append((node.lineno, "trainer.update"))  # called, or handed to a thread
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "take_batch":
+            found.append((node.lineno, "take_batch"))
+        elif isinstance(f, ast.Name | ast.Attribute) and ast.unparse(f).endswith("BubbleMeter"):
+            found.append((node.lineno, "BubbleMeter"))
+    return found
+
+
+def test_there_is_one_learner_loop():
+    """``echo2 train`` is the node's loop at S = 0 with another feed (runtime/local.py): no module but
+    the loop updates, takes batches or meters the bubble, and the synchronous twin is gone."""
+    assert not (SRC / "runtime" / "sync.py").exists()
+    where = {
+        f"{p.relative_to(SRC)}: {what}"
+        for p, tree in _modules()
+        if not str(p.relative_to(SRC)).startswith(("learner/", "data/store.py"))  # the trainer, the store
+        for _, what in _loop_steps(tree)
+    }
+    assert where == {f"{LOOP_MODULE}: {w}" for w in ("trainer.update", "take_batch", "BubbleMeter")}
+
+
+def test_the_rule_finds_a_loop():
+    code = (
+        "stats = self.trainer.update(flat)\n"
+        "batch = store.take_batch(P, v, step=v + 1)\n"
+        "meter = BubbleMeter()\n"
+        "stats = await asyncio.to_thread(core.trainer.update, flat)\n"
+        "record.update({'a': 1})\n"  # a dict's update is not a step
+    )
+    assert sorted(line for line, _ in _loop_steps(ast.parse(code))) == [1, 2, 3, 4]

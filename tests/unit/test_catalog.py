@@ -24,10 +24,10 @@ from echo2.observe.bubble import CAUSES, BubbleMeter
 from echo2.observe.catalog import METRICS, NAMESPACES, PROMETHEUS
 from echo2.observe.rundir import RunDir, read_metrics
 from echo2.observe.sinks import MemorySink
+from echo2.runtime.local import train
 from echo2.runtime.node import assemble, worker_settings
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
-from echo2.runtime.sync import run_sync
 from echo2.tasks.registry import build_task
 from echo2.weights.manifest import new_signing_key
 
@@ -49,7 +49,7 @@ def _uncatalogued(keys: Any) -> list[str]:
 # ---- (a) what a run writes is in the catalog -------------------------------------------------------
 def test_every_key_a_short_train_run_writes_is_in_the_catalog(tiny_overrides, tmp_path):
     cfg = load_config(overrides=[*tiny_overrides, "train.steps=2", "train.eval_every=1"])
-    records = read_metrics(run_sync(cfg, progress=False).run_dir)
+    records = read_metrics(train(cfg).run_dir)
     keys = {k for r in records for k in r}
     assert len(records) == 3 and {"learner/loss", "reward/accuracy", "learner/idle_s/wait"} <= keys
     assert _uncatalogued(keys) == []

@@ -7,7 +7,7 @@ from echo2.errors import CheckpointError, TrainingDivergedError
 from echo2.learner.trainer import GRPOTrainer
 from echo2.models.policy import load_checkpoint
 from echo2.observe.rundir import RunDir, read_metrics
-from echo2.runtime.sync import run_sync
+from echo2.runtime.local import train
 from echo2.tasks.warmstart import starting_checkpoint, warmstart_checkpoint
 
 
@@ -44,7 +44,7 @@ def test_warmstart_is_cached_and_loads_like_any_checkpoint(tiny_overrides):
 
 def test_sync_loop_writes_run_dir_with_spec_metric_names(tiny_overrides, tmp_path):
     cfg = load_config(overrides=[*tiny_overrides, "train.steps=6"])
-    summary = run_sync(cfg, progress=False)
+    summary = train(cfg)
     assert summary.steps == 6
     records = read_metrics(summary.run_dir)
     assert records[0]["step"] == 0 and "reward/accuracy" in records[0]
@@ -80,9 +80,9 @@ def test_sync_loop_writes_run_dir_with_spec_metric_names(tiny_overrides, tmp_pat
 
 
 def test_a_second_run_in_the_same_directory_replaces_the_first(tiny_overrides, tmp_path):
-    run_sync(load_config(overrides=[*tiny_overrides, "train.steps=6"]), progress=False)
+    train(load_config(overrides=[*tiny_overrides, "train.steps=6"]))
     (tmp_path / "run" / "notes.txt").write_text("mine")
-    summary = run_sync(load_config(overrides=[*tiny_overrides, "train.steps=2"]), progress=False)
+    summary = train(load_config(overrides=[*tiny_overrides, "train.steps=2"]))
     records = read_metrics(summary.run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]  # nothing of the first run
     assert not (tmp_path / "run" / "checkpoints" / "step_000006").exists()
@@ -114,7 +114,7 @@ def test_divergence_keeps_last_good_checkpoint(tiny_overrides, tmp_path, monkeyp
     monkeypatch.setattr(GRPOTrainer, "update", update)
     cfg = load_config(overrides=[*tiny_overrides, "train.steps=10"])
     with pytest.raises(TrainingDivergedError, match="last good weights saved"):
-        run_sync(cfg, progress=False)
+        train(cfg)
     good = tmp_path / "run" / "checkpoints" / "last_good"
     assert json.loads((good / "trainer_state.json").read_text())["version"] == 3
     assert load_checkpoint(good).model is not None

@@ -155,13 +155,13 @@ def test_mlflow_sqlite_store_read_back_by_mlflow_client(tmp_path: Path) -> None:
 def test_the_sync_loop_mirrors_every_numeric_metric_to_tensorboard(
     tiny_overrides: list[str], tmp_path: Path
 ) -> None:
-    """``train.report_to`` end to end through ``echo2 train``'s loop (runtime/sync.py)."""
+    """``train.report_to`` end to end through ``echo2 train``'s loop (runtime/loop.py, runtime/local.py)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from echo2.runtime.sync import run_sync
+    from echo2.runtime.local import train
 
     cfg = load_config(overrides=[*tiny_overrides, "train.steps=3", 'train.report_to=["tensorboard"]'])
-    summary = run_sync(cfg, progress=False)
+    summary = train(cfg)
     records = read_metrics(summary.run_dir)
     acc = EventAccumulator(str(Path(summary.run_dir) / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()

@@ -21,9 +21,11 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
     from echo2.cli.run import held_out, live_view
-    from echo2.runtime.sync import run_sync
+    from echo2.observe.view import ProgressView
+    from echo2.runtime.local import train
 
-    s = run_sync(cfg, progress=live_view(args))
+    with ProgressView(cfg.train, "echo2 train", live_view(args)) as view:  # closed before the summary
+        s = train(cfg, on_step=view.update)
     print(
         f"\necho2 train: {s.steps} steps in {s.wall_s:.0f} s; {held_out(s)}; "
         f"bubble ratio {s.bubble_ratio:.1%}\n"

@@ -276,13 +276,13 @@ STORE_SIZE = _m(
     "store/size",
     "count",
     "admissible trajectories buffered, not yet trained on",
-    RUN_SIM,
+    ALL,
     _gauge("echo2_store_size", "buffered admissible trajectories"),
 )
 STORE_ADMITTED = _m(
     "store/admitted",
     "count",
-    "trajectories stored for training (echo2 run: so far; train and sim: this step's)",
+    "trajectories stored for training (run and train: so far; sim: this step's)",
     ALL,
     _counter("echo2_store_admitted", "trajectories admitted"),
 )
@@ -302,10 +302,10 @@ STORE_REJECTED_BY = _m(
     _counter("echo2_store_rejected", "requests refused, by reason", ("reason",)),
 )
 STORE_PURGED = _m(
-    "store/purged", "count", "trajectories purged untrained because their worker was quarantined", RUN
+    "store/purged", "count", "trajectories purged untrained because their worker was quarantined", BOTH
 )
 STORE_POISONED = _m(
-    "store/poisoned", "count", "groups purged because their loss or gradient was not finite", RUN
+    "store/poisoned", "count", "groups purged because their loss or gradient was not finite", BOTH
 )
 STORE_STALENESS_MAX = _m(
     "store/staleness_max",
@@ -333,13 +333,13 @@ ROLLOUT_T_GEN_S = _m(
 )
 ROLLOUT_TOKENS = _m("rollout/tokens", "tokens", "completion tokens generated for the step's batch", TRAIN)
 ENV_TURNS_MEAN = _m(
-    "env/turns_mean", "decisions", "an environment's decisions per episode of the trained batch", RUN
+    "env/turns_mean", "decisions", "an environment's decisions per episode of the trained batch", BOTH
 )
 ENV_ILLEGAL_RATE = _m(
-    "env/illegal_rate", "fraction", "illegal actions / decisions of the trained batch's episodes", RUN
+    "env/illegal_rate", "fraction", "illegal actions / decisions of the trained batch's episodes", BOTH
 )
-ENV_CUT = _m("env/cut", "count", "episodes of the trained batch cut (max_turns or the context)", RUN)
-ENV_ERRORS = _m("env/errors", "count", "episodes of the trained batch ended by an environment error", RUN)
+ENV_CUT = _m("env/cut", "count", "episodes of the trained batch cut (max_turns or the context)", BOTH)
+ENV_ERRORS = _m("env/errors", "count", "episodes of the trained batch ended by an environment error", BOTH)
 
 # ---- pool/, cost/: the fleet and what it costs ----------------------------------------------------
 POOL_MU_POOL = _m(

@@ -1,13 +1,13 @@
-"""The learner core both learner processes share (``echo2 train``'s synchronous loop in ``sync.py``
-and the node of ``echo2 run`` / ``echo2 learner`` in ``learner.py``): the run directory and its
-trackers, the policy (a checkpoint to resume, else the starting checkpoint: the user's, or the
-embedded model's warm start), the task, the GRPO trainer and an engine on the trainer's own weights;
-held-out evaluation and its running first / best / last readings; checkpoints; and what a diverged
-update leaves behind (the last good weights, a summary naming the error).
+"""The learner core under the one learner loop (``loop.py``) of both learner processes (``echo2
+train``, ``local.py``; the node of ``echo2 run`` / ``echo2 learner``, ``learner.py``): the run
+directory and its trackers, the policy (a checkpoint to resume, else the starting checkpoint: the
+user's, or the embedded model's warm start), the task, the GRPO trainer and an engine on the
+trainer's own weights; held-out evaluation and its running first / best / last readings;
+checkpoints; and what a diverged update leaves behind (the last good weights, a summary naming the error).
 
-What differs between the two processes is only where a batch comes from (generated here with the
-current weights, or taken from the store of workers' submissions) and what a step does around the
-update (publish, retarget the pool, prune the store).
+What differs between the two processes is the loop's feed: where the store's groups come from
+(generated in-process with the current weights, or submitted by workers) and what a step does around
+the update (publish, retarget the pool).
 """
 
 from __future__ import annotations

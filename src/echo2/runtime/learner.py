@@ -1,9 +1,11 @@
-"""The learner node (SPEC §1-§3): ``setup()`` wires the parts, ``main_loop()`` trains.
+"""The learner node (SPEC §1-§3): ``setup()`` wires the parts, then the one learner loop
+(``loop.py``) trains over the node's feed (:class:`NodeFeed`).
 
-Each step waits until the store holds ``P`` admissible GRPO groups (``R = P * G`` trajectories with
-``v >= v_t - S``), makes one update (``v -> v + 1``) and, when ``v mod kappa == 0``, publishes a
-snapshot. Staleness ``Delta(t) = v_t - min_v(batch)`` is checked against ``S`` at every step. Every
-second of the loop that is not an update is bubble, counted by cause (``observe/bubble.py``).
+The loop waits until the store holds ``P`` admissible GRPO groups (``R = P * G`` trajectories with
+``v >= v_t - S``) that workers submitted, makes one update (``v -> v + 1``) and, when
+``v mod kappa == 0``, the feed publishes a snapshot. Staleness ``Delta(t) = v_t - min_v(batch)`` is
+checked against ``S`` at every step. Every second of the loop that is not an update is bubble, counted
+by cause (``observe/bubble.py``).
 
 The parts, one owner each: the worker registry (``registry.py``), the pool controller and its costs
 (``pool.py``), the lease broker (``leases.py``), the intake of submissions (``intake.py``), the
@@ -24,19 +26,27 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo2.config import Config
-from echo2.errors import ConfigError, Echo2Error, TrainingDivergedError
+from echo2.errors import ConfigError, Echo2Error
+from echo2.observe import catalog as m
 from echo2.observe.rundir import STATE_FILE, latest_checkpoint, write_atomic
-from echo2.types import Trajectory
+from echo2.runtime.loop import LearnerSummary
+
+if TYPE_CHECKING:
+    from echo2.data.store import TrajectoryStore
+    from echo2.observe.bubble import BubbleMeter
+    from echo2.runtime.node import NodeParts
+    from echo2.runtime.status import NodeStatus
+
+__all__ = ["AsyncLearner", "Endpoints", "LearnerSummary", "NodeFeed", "check_reachable"]
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +65,6 @@ class Endpoints:
     run_dir: str  # the learner's run directory
     join: str  # what a worker is given: the URL and the pinned certificate (https://h:p#sha256=<hex>)
     dashboard: str | None = None  # the live dashboard's URL (with ?token= when it needs one), if on
-
-
-@dataclass(frozen=True)
-class LearnerSummary:
-    run_dir: str  # run directory
-    steps: int  # learner updates made in this process
-    version: int  # final policy version
-    resumed_from: int | None  # checkpoint version this process started from (None = fresh)
-    wall_s: float  # seconds of the main loop (setup and the initial evaluation excluded)
-    initial_accuracy: float  # held-out accuracy when this process started
-    final_accuracy: float  # held-out accuracy at the end
-    best_accuracy: float  # best held-out accuracy seen
-    bubble_ratio: float  # 1 - update seconds / wall seconds of the main loop (every cause counts)
-    staleness_max: int  # max Delta(t) over all steps (never above S)
-    last_checkpoint: str  # newest checkpoint directory
-    score: str  # what the held-out numbers measure (Task.score: "accuracy"; "return", "chips" per episode)
 
 
 def check_reachable(cfg: Config) -> None:
@@ -105,21 +99,24 @@ class AsyncLearner:
         self.stop = asyncio.Event()
 
     async def run(self) -> LearnerSummary:
-        async with contextlib.AsyncExitStack() as self._resources:  # closes what setup opened, in reverse
+        """Set up the node, then the learner loop (``loop.py``) over its feed; what setup opened is
+        closed in reverse when the loop ends, however it ends."""
+        from echo2.runtime.loop import LearnerLoop
+
+        async with contextlib.AsyncExitStack() as self._resources:
             await self.setup()
-            try:
-                await self.main_loop()
-            except TrainingDivergedError as exc:
-                good = await asyncio.to_thread(self._save, "last_good")
-                raise self.core.diverged(exc, good, version=self.version) from exc
-            finally:
-                await self._finish()
-        return self.summary()
+            watchers = [self.status.record] + ([self.on_step] if self.on_step is not None else [])
+            loop = LearnerLoop(self.core, self.store, self._feed(), watchers, self.stop, str(self.ckpt or ""))
+            return await loop.run()
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
 
     # ---- setup ---------------------------------------------------------------------------------------
     async def setup(self) -> None:
         """Load (or resume) the policy and its optimizer, open the store, start the API and the
-        broadcast, publish the starting snapshot, and measure the starting accuracy."""
+        broadcast, publish the starting snapshot (the loop then measures the starting accuracy)."""
         from echo2.models.policy import configure_torch
 
         cfg = self.cfg
@@ -135,20 +132,6 @@ class AsyncLearner:
         await self.snapshots.publish_model(self.version, self.policy.model)
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
-        first = await asyncio.to_thread(self.core.evaluate)
-        start = {
-            "step": self.version,
-            "time_s": 0.0,
-            "learner/version": self.version,
-            "reward/accuracy": first.accuracy,
-        }
-        self.run_dir.log(start)
-        self.status.record(start)
-        self.steps = self.staleness_max = 0  # what the loop did, for the summary
-        self.t_trains: list[float] = []
-        self.usd_total = 0.0
-        self.last_ckpt = str(self.ckpt or "")
-        self._next_tick = 0.0
 
     def _load_learning_plane(self) -> None:
         """The learner core (``core.py``): run directory, policy (a checkpoint to resume, else the
@@ -287,188 +270,99 @@ class AsyncLearner:
         write_atomic(self.run_path / "learner.json", json.dumps({**info, "dashboard": url}))  # no token
         log.info("dashboard and /metrics at %s%s", url, " (view token in view_token)" if token else "")
 
-    # ---- the loop ------------------------------------------------------------------------------------
-    async def main_loop(self) -> None:
-        """Wait for a batch (the bubble), update, then publish / retarget / evaluate / checkpoint / log."""
-        from echo2.observe.bubble import BubbleMeter
+    # ---- the node's feed ------------------------------------------------------------------------------
+    def _feed(self) -> NodeFeed:
+        return NodeFeed(self.cfg, self.parts, self.store, self.status, self.policy.model, self.data_ready,
+                        self.on_tick)  # fmt: skip
 
-        self.meter = BubbleMeter()
-        self.deadline = time.perf_counter() + (self.cfg.train.max_minutes or math.inf) * 60
-        while not self._done():
-            with self.meter.idle("wait"):
-                batch = await self._wait_for_batch()
-            if batch is None:
-                break
-            record = await self._update(batch)
-            if record is not None:  # None: every group of the batch was poison, purged; wait again
-                await self._after_update(record)
-        if self._out_of_time():
-            log.info("time budget of %g min reached at version %d", self.cfg.train.max_minutes, self.version)
 
-    @property
-    def version(self) -> int:
-        return self.trainer.version
+class NodeFeed:
+    """The node's :class:`~echo2.runtime.loop.Feed`: the store fills with workers' submissions (the
+    intake sets ``data_ready`` on each admitted one); a new version is published every ``kappa`` and
+    retargets the pool; each step's record gets the parts' metrics and the pool's cost."""
 
-    def _out_of_time(self) -> bool:
-        return time.perf_counter() >= self.deadline
+    def __init__(
+        self,
+        cfg: Config,
+        parts: NodeParts,
+        store: TrajectoryStore,
+        status: NodeStatus,
+        model: Any,
+        data_ready: asyncio.Event,
+        on_tick: Callable[[], None] | None,
+    ) -> None:
+        self.cfg, self.parts, self.store, self.status, self.model = cfg, parts, store, status, model
+        self.data_ready, self.on_tick = data_ready, on_tick
+        self.usd_total = 0.0
+        self._next_tick = 0.0
 
-    def _done(self) -> bool:
-        return self.version >= self.cfg.train.steps or self.stop.is_set() or self._out_of_time()
+    def housekeeping(self) -> None:
+        """About once a second, busy or not: leases, the controller, the launcher's check."""
+        if time.perf_counter() >= self._next_tick:
+            self.parts.housekeeping()
+            if self.on_tick is not None:
+                self.on_tick()
+            self._next_tick = time.perf_counter() + TICK_S
 
-    async def _wait_for_batch(self) -> list[tuple[Trajectory, ...]] | None:
-        """The ``P`` oldest admissible groups, once the store holds them (None: stopped or out of time);
-        housekeeping runs about once a second, busy or not."""
-        P = self.cfg.batch.prompts
-        while True:
-            if time.perf_counter() >= self._next_tick:
-                self.parts.housekeeping()
-                if self.on_tick is not None:
-                    self.on_tick()
-                self._next_tick = time.perf_counter() + TICK_S
-            batch = self.store.take_batch(P, self.version, step=self.version + 1)
-            if batch is not None or self.stop.is_set() or self._out_of_time():
-                return batch
-            self.data_ready.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.data_ready.wait(), 0.25)
+    async def refill(self, version: int) -> None:
+        """Wait a moment (at most 0.25 s) for the next admitted submission."""
+        self.data_ready.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.data_ready.wait(), 0.25)
 
-    async def _update(self, batch: list[tuple[Trajectory, ...]]) -> dict[str, Any] | None:
-        """One GRPO update on the batch; its staleness is checked against S first. Groups the update
-        left out (non-finite loss or gradient) are purged and their workers quarantined; None if that
-        was every group (no update: the rest of the batch, if any, goes back to the buffer)."""
-        from echo2.learner.trainer import PoisonedBatch
-
-        flat = [t for group in batch for t in group]
-        v_t, versions = self.version, [t.policy_version for t in flat]
-        delta = v_t - min(versions)
-        if delta > self.cfg.staleness.S:  # admission makes this impossible; if it happens it is a bug
-            raise Echo2Error(
-                f"staleness {delta} > S = {self.cfg.staleness.S} at step {v_t + 1}: admission failed"
-            )
-        with self.meter.training():
-            try:
-                stats = await asyncio.to_thread(self.trainer.update, flat)
-            except PoisonedBatch as exc:
-                self._purge_poison(exc.excluded)
-                self.store.requeue_after(self.version)  # what this step took and did not train on
-                return None
-        self._purge_poison(stats.excluded)
-        self.steps += 1
-        self.staleness_max = max(self.staleness_max, delta)
-        self.t_trains.append(stats.t_train_s)
-        rewards = [t.reward for t in flat]
-        return {
-            "step": stats.version,
-            **stats.metrics(),
-            "store/staleness_mean": v_t - sum(versions) / len(versions),
-            "store/staleness_max": delta,
-            "reward/mean": sum(rewards) / len(rewards),
-            "reward/unparsed": sum(1 for t in flat if not t.meta.get("parsed", True)),
-            **self.task.batch_metrics(flat),
-        }
-
-    def _purge_poison(self, group_ids: tuple[str, ...]) -> None:
+    def poisoned(self, group_ids: tuple[str, ...]) -> None:
         """Groups whose loss or gradient was not finite: purged (never requeued, not even by --resume)
         and the workers that sent them quarantined (their other buffered groups purged too)."""
         from echo2.data.submission import Rejected
 
-        records = {r.worker_id: r for r in self.registry}
+        records = {r.worker_id: r for r in self.parts.registry}
         for worker_id in self.store.purge_groups(group_ids):
             rec = records.get(worker_id)
             if rec is not None and not rec.quarantined:
                 why = Rejected("poisoned_update", "a group it sent made the loss or gradient non-finite")
                 self.store.record_rejection(why.reason)
-                self.intake.quarantine(rec, why)
+                self.parts.intake.quarantine(rec, why)
 
-    async def _after_update(self, record: dict[str, Any]) -> None:
-        """Publish every kappa versions, retarget the pool, evaluate, checkpoint; then the record."""
-        cfg, v = self.cfg, self.version
-        if v % cfg.staleness.effective_kappa == 0:
-            with self.meter.idle("publish"):
-                await self.snapshots.publish_model(v, self.policy.model, wait=False)
-        n = len(self.t_trains)
+    async def after_update(self, version: int, t_trains: Sequence[float], meter: BubbleMeter) -> None:
+        """Publish every kappa versions; the pool's target from the measured T_train (after the warm-up
+        steps, then every RETARGET_EVERY)."""
+        if version % self.cfg.staleness.effective_kappa == 0:
+            with meter.idle("publish"):
+                await self.parts.snapshots.publish_model(version, self.model, wait=False)
+        n = len(t_trains)
         if n == WARMUP_STEPS or (n > WARMUP_STEPS and n % RETARGET_EVERY == 0):
-            recent = self.t_trains[-RETARGET_EVERY:]
-            self.pool.retarget(sum(recent) / len(recent), self.snapshots.t_bcast_s)
-        if self.steps % cfg.train.eval_every == 0 or self._done():
-            with self.meter.idle("eval"):
-                ev = await asyncio.to_thread(self.core.evaluate)
-            record.update({"reward/accuracy": ev.accuracy, "reward/eval_unparsed": ev.unparsed})
-        if v % cfg.train.checkpoint_every == 0:
-            with self.meter.idle("checkpoint"):
-                self.last_ckpt = await asyncio.to_thread(self._save, f"step_{v:06d}")
-            self.store.prune_consumed(v)  # trained into a durable checkpoint: never requeued
-        self._log(record)
+            recent = t_trains[-RETARGET_EVERY:]
+            self.parts.pool.retarget(sum(recent) / len(recent), self.parts.snapshots.t_bcast_s)
 
-    def _log(self, record: dict[str, Any]) -> None:
-        """Complete the step's record (bubble by cause, store, pool, cost, broadcast) and write it."""
-        step = self.meter.close_step()
-        usd_h = self.pool.usd_per_hour()
-        usd_step = usd_h * step["learner/step_wall_s"] / 3600
+    def metrics(self, step_wall_s: float) -> dict[str, float]:
+        """The broadcast, pool, intake and lease metrics, and what the step cost."""
+        parts = self.parts
+        usd_h = parts.pool.usd_per_hour()
+        usd_step = usd_h * step_wall_s / 3600
         self.usd_total += usd_step
-        record.update(
-            {
-                "time_s": self.meter.step_start - self.meter.start,
-                **step,
-                **self.store.stats().metrics(),
-                **self.snapshots.metrics(),
-                **self.pool.metrics(),
-                **self.intake.metrics(),
-                **self.parts.metrics(),
-                "cost/usd_per_step": usd_step,
-                "cost/usd_total": self.usd_total,
-                "cost/usd_per_hour": usd_h,
-            }
-        )
-        with self.meter.idle("log"):
-            self.run_dir.log(record)
-            self.status.record(record)
-            if self.on_step is not None:
-                self.on_step(record)
-
-    def _save(self, name: str) -> str:
-        leases = {"leases": self.broker.prompts.state()}  # a resumed run draws on, not from the start
-        return self.core.save(name, optimizer=True, state=leases)
-
-    # ---- the end -------------------------------------------------------------------------------------
-    async def _finish(self) -> None:
-        """Checkpoint what the loop did not and tell workers the run is over (they hear it at their
-        next call); the exit stack then stops serving and closes the store."""
-        if self.steps and self.version % self.cfg.train.checkpoint_every:
-            self.last_ckpt = await asyncio.to_thread(self._save, f"step_{self.version:06d}")
-        self.broker.finished = True
-        self.status.finished = True
-        self.registry.save()  # installed versions and admitted counts as they ended
-        await asyncio.sleep(min(1.0, 2 * self.cfg.runtime.heartbeat_s))
-        self.final_store = self.store.stats().metrics()
-
-    def summary(self) -> LearnerSummary:
-        window = self.meter.summary()
-        summary = LearnerSummary(
-            run_dir=str(self.run_path),
-            steps=self.steps,
-            version=self.version,
-            resumed_from=self.resumed_from,
-            wall_s=float(window["window_s"]),
-            initial_accuracy=self.core.first_acc,
-            final_accuracy=self.core.last_acc,
-            best_accuracy=self.core.best_acc,
-            bubble_ratio=float(window["bubble_ratio"]),  # type: ignore[arg-type]
-            staleness_max=self.staleness_max,
-            last_checkpoint=self.last_ckpt,
-            score=self.task.score,
-        )
-        extra = {
-            "bubble": window,
-            "store": self.final_store,
-            "usd_total": self.usd_total,
-            "t_train_mean_s": sum(self.t_trains) / len(self.t_trains) if self.t_trains else None,
-            "staleness_budget": self.cfg.staleness.S,
-            "kappa": self.cfg.staleness.effective_kappa,
-            "activation_decisions": self.pool.decisions,
+        return {
+            **parts.snapshots.metrics(),
+            **parts.pool.metrics(),
+            **parts.intake.metrics(),
+            **parts.metrics(),
+            m.COST_USD_PER_STEP.key: usd_step,
+            m.COST_USD_TOTAL.key: self.usd_total,
+            m.COST_USD_PER_HOUR.key: usd_h,
         }
-        (self.run_path / "summary.json").write_text(json.dumps({**asdict(summary), **extra}, indent=2))
-        return summary
+
+    def state(self) -> dict[str, Any]:
+        return {"leases": self.parts.broker.prompts.state()}  # a resumed run draws on, not from the start
+
+    async def finish(self) -> None:
+        """Tell workers the run is over (they hear it at their next call); keep the registry as it
+        ended (installed versions, admitted counts)."""
+        self.parts.broker.finished = True
+        self.status.finished = True
+        self.parts.registry.save()
+        await asyncio.sleep(min(1.0, 2 * self.cfg.runtime.heartbeat_s))
+
+    def summary(self) -> dict[str, Any]:
+        return {"usd_total": self.usd_total, "activation_decisions": self.parts.pool.decisions}
 
 
 def _persistent_key(run_path: Path) -> Any:

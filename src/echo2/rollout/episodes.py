@@ -43,6 +43,7 @@ from typing import Any
 from echo2.data.tasks.environment import EnvironmentTask, TextPolicy
 from echo2.envs.base import EnvError, EnvStep, TextEnv
 from echo2.models.policy import TextCodec
+from echo2.observe import catalog as m
 from echo2.rollout.collect import RolloutBatch
 from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt, Trajectory
@@ -321,10 +322,10 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     n = max(len(trajectories), 1)
     turns = sum(int(t.meta.get("turns", 0)) for t in trajectories)
     return {
-        "env/turns_mean": turns / n,
-        "env/illegal_rate": sum(int(t.meta.get("illegal", 0)) for t in trajectories) / max(turns, 1),
-        "env/cut": float(sum(bool(t.meta.get("cut")) for t in trajectories)),
-        "env/errors": float(sum("env_error" in t.meta for t in trajectories)),
+        m.ENV_TURNS_MEAN.key: turns / n,
+        m.ENV_ILLEGAL_RATE.key: sum(int(t.meta.get("illegal", 0)) for t in trajectories) / max(turns, 1),
+        m.ENV_CUT.key: float(sum(bool(t.meta.get("cut")) for t in trajectories)),
+        m.ENV_ERRORS.key: float(sum("env_error" in t.meta for t in trajectories)),
     }
 
 

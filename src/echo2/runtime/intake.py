@@ -31,6 +31,7 @@ from collections.abc import Callable
 from echo2.config import Config
 from echo2.data.store import Lease, SubmitResult, TrajectoryStore
 from echo2.data.submission import Rejected, Submission, SubmissionLimits, validate_submission
+from echo2.observe import catalog as m
 from echo2.physics.rules import admission_floor
 from echo2.protocol import MAX_ID_CHARS, SubmitRequest
 from echo2.runtime.registry import WorkerRecord
@@ -142,12 +143,12 @@ class Intake:
         """``security/`` metrics: what the generation check re-ran and what it found (docs/security.md)."""
         gen = self.generation
         return {
-            "security/checked_submissions": self.checked_submissions,
-            "security/checked_trajectories": gen.checked if gen else 0,
-            "security/checked_tokens": gen.tokens if gen else 0,
-            "security/worst_passing_logprob_error": gen.worst_passing_error if gen else 0.0,
-            "security/passing_token_misses": gen.passing_misses if gen else 0,
-            "security/quarantined": self.quarantined(),
+            m.SECURITY_CHECKED_SUBMISSIONS.key: self.checked_submissions,
+            m.SECURITY_CHECKED_TRAJECTORIES.key: gen.checked if gen else 0,
+            m.SECURITY_CHECKED_TOKENS.key: gen.tokens if gen else 0,
+            m.SECURITY_WORST_PASSING_LOGPROB_ERROR.key: gen.worst_passing_error if gen else 0.0,
+            m.SECURITY_PASSING_TOKEN_MISSES.key: gen.passing_misses if gen else 0,
+            m.SECURITY_QUARANTINED.key: self.quarantined(),
         }
 
     async def _verify(self, lease: Lease, sub: Submission) -> None:

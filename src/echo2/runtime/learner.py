@@ -111,7 +111,7 @@ class AsyncLearner:
 
     @property
     def version(self) -> int:
-        return self.trainer.version
+        return self.core.version
 
     # ---- setup ---------------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -129,7 +129,7 @@ class AsyncLearner:
             )
         self._load_learning_plane()
         await self._open_data_and_network()
-        await self.snapshots.publish_model(self.version, self.policy.model)
+        await self.snapshots.publish_model(self.version, self.core.policy.model)
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
 
@@ -141,8 +141,6 @@ class AsyncLearner:
 
         core = self.core = LearnerCore.load(self.cfg, self.run_path, self.ckpt, isolate=True)
         self._resources.callback(core.run_dir.close)
-        self.run_dir, self.policy, self.task = core.run_dir, core.policy, core.task
-        self.trainer, self.engine, self.resumed_from = core.trainer, core.engine, core.resumed_from
 
     async def _open_data_and_network(self) -> None:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
@@ -155,7 +153,7 @@ class AsyncLearner:
         from echo2.runtime.routes import Identity
         from echo2.transport import run_identity
 
-        cfg, rt, policy = self.cfg, self.cfg.runtime, self.policy
+        cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
         self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
         self._resources.callback(self.store.close)
         if self.ckpt is not None:
@@ -186,11 +184,11 @@ class AsyncLearner:
             cfg,
             registry,
             self.store,
-            self.task,
+            self.core.task,
             publisher,
             identity,
             int(policy.model.config.vocab_size),
-            lambda: self.trainer.version,
+            lambda: self.core.version,
             self.clock,
             *self._checks(),
             data_ready=self.data_ready.set,
@@ -212,8 +210,8 @@ class AsyncLearner:
         from echo2.tasks.verify import GenerationCheck
         from echo2.types import Bounds
 
-        cfg, policy = self.cfg, self.policy
-        verifier = self.task.verifier(policy.codec, policy.eos_id, Bounds.of(cfg))
+        cfg, policy = self.cfg, self.core.policy
+        verifier = self.core.task.verifier(policy.codec, policy.eos_id, Bounds.of(cfg))
         if cfg.security.check_fraction <= 0:
             return verifier, None
         return verifier, GenerationCheck(copy.deepcopy(policy.model), cfg.sampling, cfg.security)
@@ -252,7 +250,7 @@ class AsyncLearner:
             parts.snapshots,
             cfg.staleness.S,
             cfg.staleness.effective_kappa,
-            lambda: self.trainer.version,
+            lambda: self.core.version,
             self.clock,
         )
         if not rt.dashboard:
@@ -272,8 +270,8 @@ class AsyncLearner:
 
     # ---- the node's feed ------------------------------------------------------------------------------
     def _feed(self) -> NodeFeed:
-        return NodeFeed(self.cfg, self.parts, self.store, self.status, self.policy.model, self.data_ready,
-                        self.on_tick)  # fmt: skip
+        model = self.core.policy.model
+        return NodeFeed(self.cfg, self.parts, self.store, self.status, model, self.data_ready, self.on_tick)
 
 
 class NodeFeed:

@@ -7,6 +7,7 @@ silent."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -135,4 +136,68 @@ async def _follow() -> None:
     assert follower.installed == 4 and learner.asked[-1] == 3 and counters.http_installs == 4
     assert offered == [0, 2, 3, 3, 4]
     assert counters.install_cpu_s > 0 and counters.install_s >= counters.last_install_s > 0
+    await snaps.close()
+
+
+def test_a_snapshot_delivered_during_a_generation_is_installed_after_it_without_http() -> None:
+    asyncio.run(_busy())
+
+
+async def _busy() -> None:
+    """A delivery while a generation holds the weights is not a gap: the generator installs it when the
+    generation ends and acks it, and nothing is fetched over HTTP. A real gap found then is fetched."""
+    key = new_signing_key()
+    hub = open_publisher("memory", key, get_strategy("star-limited"), 4096)
+    snaps = Snapshots(hub, 1.1, SnapshotConfig(anchor_every=10))
+    model = build_model(TINY, build_tokenizer(), seed=0)
+    learner, engine, counters = Learner(snaps), Engine(), WorkerCounters()
+    stop = False
+    follower = WeightFollower(
+        learner, engine, key.verifier(), hub, "w0", counters, finished=lambda: stop, catchup_s=0.2
+    )
+    await snaps.publish_model(0, model)
+    following = asyncio.ensure_future(follower.follow())
+    await until(lambda: follower.installed == 0)  # the hub hands a joining member the newest
+    http0, asked0 = counters.http_installs, list(learner.asked)
+
+    held = threading.Event()
+    release = threading.Event()
+
+    def generate() -> None:  # a generation: holds the weights until released, then installs
+        with follower.serving():
+            held.set()
+            release.wait(20)
+        follower.install_pending()
+
+    generation = asyncio.ensure_future(asyncio.to_thread(generate))
+    await asyncio.to_thread(held.wait, 20)
+    nudge(model, 1)
+    await snaps.publish_model(1, model)
+    await until(lambda: 1 in follower._received)
+    await asyncio.sleep(0.2)  # time for a fetch, were it to start
+    assert follower.installed == 0 and learner.asked == asked0  # deferred, not fetched
+    release.set()
+    await generation
+    assert follower.installed == 1 and counters.http_installs == http0 and learner.asked == asked0
+    await until(lambda: "w0" in hub.stats(1).install_s)  # acked on the broadcast
+
+    # a real gap during a generation: v2 is never delivered, v3 (a patch of v2) is
+    held.clear()
+    release.clear()
+    generation = asyncio.ensure_future(asyncio.to_thread(generate))
+    await asyncio.to_thread(held.wait, 20)
+    nudge(model, 2)
+    await snaps.publish_model(2, model)
+    await until(lambda: 2 in follower._received)
+    follower._received.pop(2)  # missed
+    nudge(model, 3)
+    await snaps.publish_model(3, model)
+    await until(lambda: 3 in follower._received)
+    release.set()
+    await generation
+    await until(lambda: follower.installed == 3)
+    assert learner.asked == [*asked0, 1] and counters.http_installs == http0 + 1  # from the version held
+    stop = True
+    await follower.close()
+    await following
     await snaps.close()

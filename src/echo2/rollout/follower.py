@@ -105,6 +105,7 @@ class WeightFollower:
         self._stage_lock = threading.Lock()  # one staging at a time (it reads and then swaps the weights)
         self._engine_lock = threading.Lock()  # held while generating: weights change only between them
         self._loop = asyncio.get_running_loop()  # where acks of installs made in threads are sent from
+        self._gap: asyncio.Future[None] | None = None  # the HTTP fetch of a missed link, while running
 
     @property
     def installed(self) -> int:
@@ -119,13 +120,20 @@ class WeightFollower:
             yield self.installed
 
     def install_pending(self) -> None:
-        """Install what the broadcast delivered, as far as the chain reaches (any thread), and ack it."""
+        """Install what the broadcast delivered, as far as the chain reaches (any thread), and ack it; if
+        it delivered a version the chain cannot reach (a link was missed), fetch the chain over HTTP."""
         links = [(s.manifest, s.data) for v, s in list(self._received.items()) if v > self.installed]
-        if not links or not self._install(links):
-            return
-        if (node := self.node) is not None:
+        if links and self._install(links) and (node := self.node) is not None:
             v = self.installed
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.report_installed(v)))
+        if max(self._received, default=-1) > self.installed:
+            self._loop.call_soon_threadsafe(self._fetch_gap)
+
+    def _fetch_gap(self) -> None:
+        """One HTTP fetch of the chain at a time for a gap (on the loop; install_pending may run often)."""
+        if self._gap is None or self._gap.done():
+            self._gap = asyncio.ensure_future(self.fetch())
+            self._gap.add_done_callback(_report_failure)
 
     async def catch_up(self, min_version: int) -> None:
         """Wait briefly for the broadcast to deliver ``min_version``; else fetch it over HTTP."""
@@ -221,17 +229,19 @@ class WeightFollower:
                 await asyncio.sleep(1.0)
 
     async def _delivered(self, snap: InstalledSnapshot) -> None:
-        """Keep ``snap`` (on this loop only: installs run in threads and just read what is kept), install
-        it now if no generation holds the weights (else the generator installs it next), and fetch the
-        chain over HTTP if the weights held cannot reach it."""
+        """Keep ``snap`` (on this loop only: installs run in threads and just read what is kept) and
+        install it now if no generation holds the weights; else the generator installs it when the
+        generation ends (``install_pending``: a snapshot that arrives mid-generation is not a gap, and
+        is not fetched again over HTTP). Either install fetches the chain over HTTP if the weights held
+        cannot reach what was delivered."""
         # nothing already installed, and nothing older than an anchor
         floor = snap.manifest.version if snap.manifest.kind == "full" else self.installed + 1
         self._received = {v: s for v, s in self._received.items() if v >= floor}
         self._received[snap.manifest.version] = snap
         if not self._engine_lock.locked():  # idle: switch now, else the generator switches next
             await asyncio.to_thread(self.install_pending)
-        if max(self._received, default=-1) > self.installed:  # missed a link: the chain from what we hold
-            await self.fetch()
+        if self._gap is not None and not self._gap.done():  # a missed link: fetched before the next
+            await asyncio.wait([self._gap])
 
     async def rejoin(self, member: str) -> None:
         """Join again under ``member`` (a new identity after the learner refused the old credential)."""
@@ -243,3 +253,9 @@ class WeightFollower:
         """Leave the broadcast plane."""
         if self.node is not None:
             await self.node.close()
+
+
+def _report_failure(task: asyncio.Future[None]) -> None:
+    """A gap's fetch that failed is logged (the next delivery or catch-up tries again)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("fetching a missed link over HTTP failed: %s", exc)

@@ -495,9 +495,7 @@ async def _serve_drain(
     key, token, version = new_signing_key(), "bench-token-0123456789abcdef", [0]
     store = TrajectoryStore(tmp / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
     registry = WorkerRegistry(tmp, token, _time.time)
-    pub = open_publisher(
-        "tcp", key, get_strategy("tree-pipelined"), 256 << 10, authorize=registry.may_join_broadcast, tls=cert
-    )
+    pub = open_publisher("tcp", key, get_strategy("tree-pipelined"), 256 << 10, ledger=registry, tls=cert)
     broadcast = await pub.start()
     skeleton = skeleton_files(policy.source, policy.model, policy.tokenizer, tmp / "skeleton")
     identity = Identity(worker_settings(cfg), key.verifier().to_text(), broadcast, skeleton)

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from echo2.broadcast.api import OpenLedger
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.strategy import Strategy
@@ -223,6 +224,7 @@ def test_publisher_survives_junk_and_unknown_versions() -> None:
 def test_worker_refuses_replayed_and_malformed_announcements() -> None:
     from echo2.broadcast.access import issue
     from echo2.broadcast.store import SnapshotBuffer, serve_get
+    from echo2.weights.frames import GetFrame, parse_frame
     from echo2.weights.manifest import build_manifest
 
     async def go() -> None:
@@ -233,7 +235,8 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
         async def fake_learner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             h = await read_header(reader)
             if h["op"] == "get":
-                await serve_get(h, writer, lambda v: buffer if v == 5 else None, None, 5.0)
+                pull = parse_frame(h, GetFrame)
+                await serve_get(pull, writer, lambda v: buffer if v == 5 else None, None, 5.0)
                 writer.close()
                 return
             await joined.put((reader, writer))
@@ -282,15 +285,16 @@ def test_worker_holding_only_the_public_key_cannot_forge_for_peers() -> None:
 
 
 def test_publisher_admits_only_authorized_members(caplog: pytest.LogCaptureFixture) -> None:
-    """With an ``authorize`` callback (the runtime's credential check) a join under a wrong or missing
+    """With a ledger (the runtime's registry checks credentials) a join under a wrong or missing
     credential is refused with a logged reason, and the authorized worker still installs."""
     creds = {"good": "secret-good"}
 
     async def main() -> tuple[list[str], dict[str, bytes], bool, bool]:
-        def authorize(worker: str, credential: object) -> bool:
-            return isinstance(credential, str) and creds.get(worker) == credential
+        class Ledger(OpenLedger):
+            def may_join(self, worker_id: str, credential: object) -> bool:
+                return isinstance(credential, str) and creds.get(worker_id) == credential
 
-        pub = TcpPublisher(KEY, get_strategy("tree-pipelined"), chunk_size=CHUNK, authorize=authorize)
+        pub = TcpPublisher(KEY, get_strategy("tree-pipelined"), chunk_size=CHUNK, ledger=Ledger())
         await pub.start()
         good = TcpWorkerNode("good", pub.address, PUBLIC, credential="secret-good")
         forged = TcpWorkerNode("good2", pub.address, PUBLIC, credential="secret-good")  # another id

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from echo2.broadcast.access import Credential, issue, pull_request
-from echo2.broadcast.api import PublisherCounters
+from echo2.broadcast.api import OpenLedger, PublisherCounters
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import DEMOTE_AFTER_REPORTS, TcpPublisher, receipt_fault
@@ -31,6 +31,7 @@ from echo2.broadcast.wire import (
     write_frame,
 )
 from echo2.broadcast.worker import AVOID_VERSIONS, TcpWorkerNode
+from echo2.weights.frames import GetFrame, parse_frame
 from echo2.weights.manifest import build_manifest, new_signing_key
 
 KEY = new_signing_key()
@@ -279,11 +280,12 @@ def test_publisher_port_refuses_garbage_with_one_line_each(caplog: pytest.LogCap
 
 
 def test_an_unexpected_exception_from_a_peer_is_counted_not_raised(caplog: pytest.LogCaptureFixture) -> None:
-    def authorize(worker: str, credential: object) -> bool:
-        raise RuntimeError("a case nobody thought of")
+    class Ledger(OpenLedger):
+        def may_join(self, worker_id: str, credential: object) -> bool:
+            raise RuntimeError("a case nobody thought of")
 
     async def go() -> TcpPublisher:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, authorize=authorize)
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=Ledger())
         await pub.start()
         r, _ = await _join(pub.address, "m")
         assert await asyncio.wait_for(r.read(), 5) == b""
@@ -346,11 +348,12 @@ class _Cluster:
                 await self.joined.put((reader, writer))
                 return
             self.learner_gets.append(h)
-            await serve_get(h, writer, self.buffers.get, None, 5.0)
+            await serve_get(parse_frame(h, GetFrame), writer, self.buffers.get, None, 5.0)
             writer.close()
 
         async def honest(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await serve_get(await read_header(reader), writer, self.buffers.get, None, 5.0)
+            pull = parse_frame(await read_header(reader), GetFrame)
+            await serve_get(pull, writer, self.buffers.get, None, 5.0)
             writer.close()
 
         async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -363,6 +363,30 @@ def test_registry_survives_a_restart(tmp_path):
     assert run(second, make_node(tmp_path))[0] == 200
 
 
+def test_every_channel_writes_the_installed_version_through_the_registry(tmp_path):
+    """A granted lease records the version it was asked for; a refused lease records nothing; a
+    heartbeat says what the worker serves now, older or not (after a rollback it re-fetched)."""
+
+    async def body(client):
+        auth = await register(client)
+        rec = next(iter(node.registry))
+        first = rec.installed_version
+        refused = await lease(client, auth, installed=-1)  # stale weights: refused, nothing recorded
+        after_refusal = rec.installed_version
+        granted = await lease(client, auth, installed=0)
+        after_grant = rec.installed_version
+        hb = {"rollouts": 0, "busy_s": 0.0, "installed_version": -1, "install_s": 0.5}
+        resp = await client.post("/v1/heartbeat", json=hb, headers=auth)
+        assert resp.status == 200
+        return first, refused["kind"], after_refusal, granted["kind"], after_grant, rec
+
+    node = make_node(tmp_path)
+    (first, refused, after_refusal, granted, after_grant, rec), _ = run(body, node)
+    assert (first, refused, after_refusal) == (-1, "refusal", -1)
+    assert (granted, after_grant) == ("grant", 0)
+    assert rec.installed_version == -1 and rec.install_s == 0.5  # its own word on what it serves
+
+
 def test_broadcast_membership_needs_the_workers_own_credential(tmp_path):
     async def body(client):
         resp = await client.post("/v1/register", json={"token": TOKEN, "name": "a", "usd_per_hour": 1.0})
@@ -370,7 +394,7 @@ def test_broadcast_membership_needs_the_workers_own_credential(tmp_path):
 
     node = make_node(tmp_path)
     reg, _ = run(body, node)
-    wid, cred, may_join = reg["worker_id"], reg["credential"], node.registry.may_join_broadcast
+    wid, cred, may_join = reg["worker_id"], reg["credential"], node.registry.may_join
     assert may_join(wid, cred)
     assert not may_join(wid, None) and not may_join(wid, "forged")
     assert not may_join("someone-else", cred)  # a credential is bound to its worker id
@@ -504,7 +528,7 @@ def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
     assert stats.admitted == 8 and stats.purged == 4  # the liar's honest-looking groups are purged untrained
     liar = next(r for r in node.registry if r.name == "w")
     assert liar.quarantined.startswith("reward_mismatch") and node.pool.state(liar.worker_id) == "quarantined"
-    assert not node.registry.may_join_broadcast(liar.worker_id, "anything")
+    assert not node.registry.may_join(liar.worker_id, "anything")
     assert stats.size == 4  # what is left to train on is the other worker's alone
 
 

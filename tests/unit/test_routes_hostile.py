@@ -122,16 +122,16 @@ def test_lone_surrogates_in_tokens_and_credentials_are_refused(tmp_path):
 
 
 def test_the_registry_compares_and_hashes_any_string(tmp_path):
-    """token_ok, authenticate and may_join_broadcast (the broadcast port hands it a JSON string, which
+    """token_ok, authenticate and may_join (the broadcast port hands it a JSON string, which
     may hold a lone surrogate) answer False/None for garbage, never raise."""
     reg = WorkerRegistry(tmp_path, TOKEN, time.time)
     rec, credential = reg.register(RegisterRequest(token=TOKEN, usd_per_hour=1.0))
     for garbage in ("\ud800", "\udcff\udcfe", TOKEN + "\udfff", ""):
         assert not reg.token_ok(garbage)
         assert reg.authenticate(garbage) is None
-        assert not reg.may_join_broadcast(rec.worker_id, garbage)
+        assert not reg.may_join(rec.worker_id, garbage)
     assert reg.token_ok(TOKEN) and reg.authenticate(credential) is rec
-    assert reg.may_join_broadcast(rec.worker_id, credential)
+    assert reg.may_join(rec.worker_id, credential)
 
 
 # ---- 3. aiohttp's own refusals -------------------------------------------------------------------------
@@ -295,8 +295,8 @@ def test_a_silent_identity_is_retired_and_frees_its_slot(tmp_path):
     assert not reg.full  # 180 s of silence > 100 s: retired
     rec = reg.authenticate(silent_cred)
     assert rec is silent and rec.retired_s is not None and not rec.trusted
-    assert not reg.may_join_broadcast(silent.worker_id, silent_cred)
-    assert reg.may_join_broadcast(alive.worker_id, alive_cred)
+    assert not reg.may_join(silent.worker_id, silent_cred)
+    assert reg.may_join(alive.worker_id, alive_cred)
     assert silent.worker_id not in reg.seen_within(1e9)
     restarted = _registry(tmp_path, clock)
     assert [r.worker_id for r in restarted.load()] == [alive.worker_id]  # what the pool is offered

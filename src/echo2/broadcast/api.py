@@ -2,6 +2,12 @@
 
 Two implementations ship: TCP (`TcpPublisher` / `TcpWorkerNode`, real processes and links) and
 in-memory (`InMemoryHub`, for tests and single-process runs). Both verify every manifest and blob.
+
+A publisher is handed its :class:`MemberLedger` at construction: the one ledger of members and
+installed versions (the runtime's ``WorkerRegistry``). The publisher keeps only transport state (live
+connections, per-round plans and acks); who may join, who is a target of a publication, and which
+version each worker holds are the ledger's. :class:`OpenLedger` (anyone joins, everyone is a target,
+installs are not recorded) stands in where no ledger is given: tests, benchmarks, the in-memory hub.
 """
 
 from __future__ import annotations
@@ -80,6 +86,39 @@ class PublisherCounters:
         return {f"broadcast/{k}": float(v) for k, v in vars(self).items()}
 
 
+class MemberLedger(Protocol):
+    """What a publisher asks of the ledger of members (the runtime's ``WorkerRegistry``)."""
+
+    def may_join(self, worker_id: str, credential: object) -> bool:
+        """Whether a join under ``worker_id`` with ``credential`` (as the join frame carried it) is
+        admitted to the snapshot topology."""
+        ...
+
+    def is_target(self, worker_id: str) -> bool:
+        """Whether a connected member is planned and announced the next publication (a revoked or
+        retired identity is not, even while its connection is open)."""
+        ...
+
+    def installed(self, worker_id: str, version: int, install_s: float) -> None:
+        """A counted install ack: ``worker_id`` installed ``version``, ``install_s`` seconds after its
+        publication (a refused ack is never recorded; an unknown id is ignored)."""
+        ...
+
+
+class OpenLedger:
+    """The ledger where none is given (tests, benchmarks, the in-memory hub): anyone may join, every
+    member is a target, installs are not recorded (the publisher's own stats still count them)."""
+
+    def may_join(self, worker_id: str, credential: object) -> bool:
+        return True
+
+    def is_target(self, worker_id: str) -> bool:
+        return True
+
+    def installed(self, worker_id: str, version: int, install_s: float) -> None:
+        return None
+
+
 class SnapshotPublisher(Protocol):
     """Learner side: announce a snapshot to the current members and serve it."""
 
@@ -102,7 +141,7 @@ class SnapshotPublisher(Protocol):
         ...
 
     def members(self) -> list[str]:
-        """Workers joined now (the next publication's targets)."""
+        """Workers joined now that the ledger makes targets (the next publication's targets)."""
         ...
 
     async def close(self) -> None: ...

@@ -5,15 +5,16 @@ chunks to its peers); ``memory`` is the in-process hub (tests, the minimal examp
 runs), whose publisher is also its own address. Both verify every manifest and blob before a worker
 sees a snapshot, and both implement ``broadcast.api``'s ``SnapshotPublisher`` / ``SnapshotReceiver``.
 Over TCP, ``tls`` (the run's certificate, ``echo2.transport``) puts the plane under TLS, and each
-receiver pins its fingerprint (``pin``); the in-memory hub never leaves the process.
+receiver pins its fingerprint (``pin``); the in-memory hub never leaves the process. Either publisher
+gets the run's ``ledger`` of members and installed versions (``broadcast.api.MemberLedger``: the
+worker registry; None is ``OpenLedger``, anyone joins).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
-from echo2.broadcast.api import SnapshotPublisher, SnapshotReceiver
+from echo2.broadcast.api import MemberLedger, SnapshotPublisher, SnapshotReceiver
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.strategy import Strategy
@@ -34,17 +35,16 @@ def open_publisher(
     host: str = "127.0.0.1",
     port: int = 0,
     advertise_host: str | None = None,
-    authorize: Callable[[str, object], bool] | None = None,
+    ledger: MemberLedger | None = None,
     tls: TlsIdentity | None = None,
 ) -> SnapshotPublisher:
     """The learner's end of the broadcast plane (call ``await start()`` before publishing); ``tls``
     None means plain TCP; ``chunk_size`` None lets the publisher choose it per snapshot."""
     if kind == "memory":
-        return InMemoryHub(key, chunk_size)
+        return InMemoryHub(key, chunk_size, ledger=ledger)
     return TcpPublisher(
-        key, strategy, chunk_size, host=host, port=port, advertise_host=advertise_host, authorize=authorize,
-        tls=tls,
-    )  # fmt: skip
+        key, strategy, chunk_size, host=host, port=port, advertise_host=advertise_host, ledger=ledger, tls=tls
+    )
 
 
 def open_receiver(

@@ -2,8 +2,13 @@
 
 Same contract as the TCP pair: the publisher signs a manifest; each receiver verifies it and the blob
 before yielding, and acks after loading. No copies are made beyond the one blob the hub holds. Nothing
-is relayed, so nothing can stall: every ack counts, and ``counters`` (the TCP publisher's
+is relayed, so nothing can stall: every ack of a target counts, and ``counters`` (the TCP publisher's
 ``PublisherCounters``, for the same metrics) stays at 0.
+
+The hub takes the same :class:`~echo2.broadcast.api.MemberLedger` as the TCP publisher (default
+:class:`~echo2.broadcast.api.OpenLedger`): a publication targets the receivers the ledger makes
+targets, and each counted ack is written to it (``ledger.installed``). Receivers are created in the
+process, with no credential to present, so ``may_join`` is not asked.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from echo2.broadcast.api import BroadcastStats, InstalledSnapshot, PublisherCounters
+from echo2.broadcast.api import BroadcastStats, InstalledSnapshot, MemberLedger, OpenLedger, PublisherCounters
 from echo2.errors import Echo2Error
 from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.weights.manifest import (
@@ -30,9 +35,12 @@ from echo2.weights.manifest import (
 class InMemoryHub:
     """A publisher and any number of receivers sharing one process."""
 
-    def __init__(self, key: bytes | ManifestKey, chunk_size: int | None = 1 << 20) -> None:
+    def __init__(
+        self, key: bytes | ManifestKey, chunk_size: int | None = 1 << 20, ledger: MemberLedger | None = None
+    ) -> None:
         self.key = as_key(key)  # signing key; receivers verify with its public half
         self.chunk_size = chunk_size
+        self.ledger = ledger or OpenLedger()  # who is a target, who installed what
         self.counters = PublisherCounters()  # the TCP publisher's counters; no relays here, so all 0
         self._latest: tuple[Manifest, bytes] | None = None
         self._published = asyncio.Event()
@@ -51,7 +59,7 @@ class InMemoryHub:
         return ("memory", 0)  # receivers join the hub object itself (broadcast.factory.open_receiver)
 
     def members(self) -> list[str]:
-        return list(self._receivers)
+        return [w for w in self._receivers if self.ledger.is_target(w)]
 
     async def close(self) -> None:
         for rx in list(self._receivers.values()):
@@ -66,7 +74,7 @@ class InMemoryHub:
         self._latest = (manifest, blob)
         self._started[version] = time.monotonic()
         self._acks[version] = {}
-        self._targets[version] = len(self._receivers)
+        self._targets[version] = len(self.members())
         self._published.set()
         self._published = asyncio.Event()
         return manifest
@@ -103,8 +111,9 @@ class InMemoryHub:
 
     def _ack(self, worker_id: str, version: int) -> None:
         acks = self._acks.get(version)
-        if acks is not None and worker_id not in acks:
-            acks[worker_id] = time.monotonic() - self._started[version]
+        if acks is not None and worker_id not in acks and self.ledger.is_target(worker_id):
+            delay = acks[worker_id] = time.monotonic() - self._started[version]
+            self.ledger.installed(worker_id, version, delay)
             self._acked.set()
 
 

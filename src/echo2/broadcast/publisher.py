@@ -5,6 +5,14 @@ One TCP port serves two kinds of connection, told apart by the first frame:
 ``get`` (a pull stream of chunks). A worker is a member while its control connection is open, so
 workers join the topology of the next version and leave at any time.
 
+Who is who is not the publisher's: it is handed a :class:`~echo2.broadcast.api.MemberLedger` (the
+runtime's worker registry; :class:`~echo2.broadcast.api.OpenLedger` when none is given). A join is
+admitted only if ``ledger.may_join(worker, credential)``; a publication is planned and announced only
+to the connected members the ledger makes targets (``ledger.is_target``: a revoked or retired worker
+whose connection is still open gets nothing more); and every install ack the publisher counts is
+written to the ledger (``ledger.installed``), a refused one never. The publisher keeps only transport
+state: the live connections (``_members``), and per version the plan, the acks it counted and refused.
+
 With a TLS identity (``tls``: the run's certificate, ``echo2.transport``) the port speaks TLS only;
 workers pin its fingerprint. A worker's join names the fingerprint of its own relay certificate, and
 every announcement hands each member the addresses *and* fingerprints of the peers it pulls from, the
@@ -34,12 +42,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
-from echo2.broadcast.api import BroadcastStats, PublisherCounters
+from echo2.broadcast.api import BroadcastStats, MemberLedger, OpenLedger, PublisherCounters
 from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves
 from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
@@ -133,7 +141,7 @@ class TcpPublisher:
         serve_wait_timeout: float = 30.0,
         keep_versions: int = 2,
         link_rates: tuple[float, float] | None = None,
-        authorize: Callable[[str, object], bool] | None = None,
+        ledger: MemberLedger | None = None,
         tls: TlsIdentity | None = None,
     ) -> None:
         self.key = as_key(key)  # the learner's signing key (or a shared HMAC secret)
@@ -145,14 +153,14 @@ class TcpPublisher:
         self.serve_wait_timeout = serve_wait_timeout
         self.keep_versions = keep_versions  # how many recent versions stay servable
         self.link_rates = link_rates  # (B0, B_w) in bytes/s when known: enables rate-matched stripes
-        self.authorize = authorize  # (worker id, credential from the join frame) -> may join; None = anyone
+        self.ledger = ledger or OpenLedger()  # who may join, who is a target, who installed what
         self.tls = tls  # the run's certificate and key: TLS on this port (None = plain TCP)
         self.refusals = ServeCounters()  # pulls refused (no credential, out of bounds, over budget)
         self.counters = PublisherCounters()  # stall reports, demotions, refused acks, refused frames
         self._reports: dict[str, int] = {}  # member -> counted stall reports against it
         self._demoted: set[str] = set()  # members that no longer relay (DEMOTE_AFTER_REPORTS)
         self._gate = Gate(self.key, tls, self.refusals)
-        self._members: dict[str, _Member] = {}
+        self._members: dict[str, _Member] = {}  # live control connections (transport state only)
         self._buffers: dict[int, SnapshotBuffer] = {}
         self._rounds: dict[int, _Round] = {}
         self._joined = asyncio.Event()
@@ -186,7 +194,8 @@ class TcpPublisher:
         return self.tls.fingerprint if self.tls is not None else ""
 
     def members(self) -> list[str]:
-        return list(self._members)
+        """Connected members the ledger makes targets (the next publication's)."""
+        return [w for w in self._members if self.ledger.is_target(w)]
 
     def demoted(self) -> list[str]:
         """Members no longer planned as relays (they pull everything from the learner), sorted."""
@@ -203,8 +212,9 @@ class TcpPublisher:
                 await asyncio.wait_for(self._joined.wait(), left)
 
     async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
-        """Sign ``blob`` as ``version`` (an anchor or a patch, ``lineage``), plan over the live members,
-        announce to each, start serving. The bytes travel as they are: a relay never decodes them."""
+        """Sign ``blob`` as ``version`` (an anchor or a patch, ``lineage``), plan over the live members
+        the ledger makes targets, announce to each, start serving. The bytes travel as they are: a
+        relay never decodes them."""
         if self._buffers and version <= max(self._buffers):
             raise Echo2Error(f"version {version} is not newer than published version {max(self._buffers)}")
         chunk = self.chunk_size or relay_chunk_bytes(
@@ -215,7 +225,7 @@ class TcpPublisher:
         for old in sorted(self._buffers)[: -self.keep_versions]:
             del self._buffers[old]
         self._gate.forget_before(min(self._buffers))
-        members = dict(self._members)
+        members = {w: m for w, m in self._members.items() if self.ledger.is_target(w)}
         leaves = frozenset(w for w in members if w in self._demoted)
         plan = plan_with_leaves(self.strategy, list(members), leaves, manifest.n_chunks)
         peers = {w: (*m.addr, m.cert) for w, m in members.items()}
@@ -373,7 +383,7 @@ class TcpPublisher:
                 cert = normalize_pin(cert)
             except ValueError:
                 raise ProtocolError(f"join from {worker!r} names no certificate fingerprint") from None
-        if self.authorize is not None and not self.authorize(worker, hello.credential):
+        if not self.ledger.may_join(worker, hello.credential):
             await write_frame(writer, to_wire(ErrorFrame(reason=f"worker {worker!r}: credential refused")))
             raise ProtocolError(f"join from {worker!r} refused: bad or missing credential")
         if worker in self._members:
@@ -405,8 +415,10 @@ class TcpPublisher:
             log.debug("worker %s left (%d members)", worker, len(self._members))
 
     def _on_installed(self, worker: str, v: int, got: Mapping[str, int]) -> None:
-        """An install ack: counted (its delay since publication) unless :func:`receipt_fault` or a
-        stall report against ``worker`` for ``v`` says otherwise; late or repeated acks are ignored."""
+        """An install ack: counted (its delay since publication), and written to the ledger, unless
+        :func:`receipt_fault` or a stall report against ``worker`` for ``v`` says otherwise; late or
+        repeated acks are ignored. A counted ack withdrawn by a later stall report stays written: the
+        worker did say it installed ``v``; only ``T_bcast`` no longer counts it."""
         rnd = self._rounds.get(v)
         if rnd is None or worker not in rnd.targets or worker in rnd.install_s or worker in rnd.refused:
             return
@@ -417,7 +429,8 @@ class TcpPublisher:
         if why is not None:
             self._refuse_ack(rnd, worker, why)
             return
-        rnd.install_s[worker] = time.monotonic() - rnd.started
+        delay = rnd.install_s[worker] = time.monotonic() - rnd.started
+        self.ledger.installed(worker, v, delay)
         rnd.changed.set()
 
     def _refuse_ack(self, rnd: _Round, worker: str, why: str) -> None:

@@ -173,7 +173,7 @@ class AsyncLearner:
             host=rt.host,
             port=rt.broadcast_port,
             advertise_host=rt.advertise_host,
-            authorize=registry.may_join_broadcast,
+            ledger=registry,
             tls=self._tls,  # the API's certificate: workers pin one fingerprint for both planes
         )
         broadcast = await publisher.start()

@@ -1,9 +1,21 @@
 """The worker registry of the learner node: who is a member, with which credential, holding which version.
 
-The one list the HTTP API (authentication, heartbeats) and the broadcast plane (who may join the
-snapshot topology) both consult. The run's join token is exchanged once for a per-worker bearer
-credential; only the credential's SHA-256 is kept, in ``workers.json`` of the run directory, so
-credentials survive a learner restart and a leaked registry file grants nothing.
+The one ledger of members and installed versions. The HTTP API consults it (authentication) and the
+broadcast publisher is handed it at construction as its ``broadcast.api.MemberLedger``: who may join
+the snapshot topology (:meth:`WorkerRegistry.may_join`), who is a target of a publication
+(:meth:`WorkerRegistry.is_target`: trusted identities only, so a revoked or retired worker whose TCP
+connection is still open is planned nothing more). The pool and the dashboard read it too.
+
+**Installed versions have one writer**, :meth:`WorkerRegistry.installed`, for every channel that says
+which version a worker holds: its heartbeat, a lease granted for the version it named, and an install
+ack the broadcast publisher counted (a refused ack is never written). The rule is monotonic: a report
+of an older version than the one recorded (a late ack, a lease asked before the install) is ignored,
+except the worker's heartbeat, which says what it serves now (after a learner rolled back to an older
+checkpoint, its workers re-fetch older weights).
+
+The run's join token is exchanged once for a per-worker bearer credential; only the credential's
+SHA-256 is kept, in ``workers.json`` of the run directory, so credentials survive a learner restart
+and a leaked registry file grants nothing.
 
 **Registration slots.** The join token opens ``max_workers`` slots. An identity holds one while it is
 trusted and was heard from (an authenticated API call) within ``slot_idle_s``, or for ``slot_idle_s``
@@ -49,8 +61,9 @@ class WorkerRecord:
     usd_per_hour: float  # its price c_i
     hardware: str  # free-text description (GPU model, ...)
     rollouts_per_s: float  # its own estimate at registration (the controller's prior)
-    installed_version: int = -1  # newest snapshot it reported installed
-    install_s: float = 0.0  # seconds its last install took, as it reported (not persisted)
+    installed_version: int = -1  # newest snapshot it reported installed (never decreases: installed())
+    install_s: float = 0.0  # seconds its newest install took: its heartbeat's figure, or from publication
+    #                         to its counted broadcast ack, whichever came last (a metric; not persisted)
     rollouts: int = 0  # rollouts it has had admitted
     quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
     quarantined_s: float = 0.0  # clock time it was quarantined (its slot frees slot_idle_s later)
@@ -146,17 +159,36 @@ class WorkerRegistry:
             rec.last_seen_s = self.clock()
         return rec
 
-    def installed(self, rec: WorkerRecord, version: int, install_s: float) -> None:
-        """``rec`` reports ``version`` installed, in ``install_s`` seconds (the one writer of the installed
-        version the pool, the dashboard and the lease gate read)."""
+    def installed(
+        self, worker_id: str, version: int, install_s: float | None = None, *, holds_now: bool = False
+    ) -> None:
+        """``worker_id`` holds ``version``, installed in ``install_s`` seconds (None: not said): the one
+        writer of the installed version the dashboard and the run report read, for every
+        channel (heartbeat, lease request, counted broadcast ack). Monotonic: an older version than the
+        recorded one is ignored (a late ack), unless ``holds_now`` (the worker's heartbeat, its own
+        statement of what it serves: after a learner rolled back, it re-fetched older weights); an
+        unknown id is ignored."""
+        rec = self._records.get(worker_id)
+        if rec is None or (version < rec.installed_version and not holds_now):
+            return
         rec.installed_version = version
-        rec.install_s = install_s
+        if install_s is not None:
+            rec.install_s = install_s
 
-    def may_join_broadcast(self, worker_id: str, credential: object) -> bool:
+    def may_join(self, worker_id: str, credential: object) -> bool:
         """Only registered, trusted workers join the snapshot topology, and only under their own id."""
         if not isinstance(credential, str) or self._by_cred.get(_sha(credential)) != worker_id:
             return False
-        rec = self._records[worker_id]
+        return self._trusted_now(self._records[worker_id])
+
+    def is_target(self, worker_id: str) -> bool:
+        """Whether a connected member is planned and announced a publication: a registered identity
+        that is still trusted (not quarantined, not retired for silence)."""
+        rec = self._records.get(worker_id)
+        return rec is not None and self._trusted_now(rec)
+
+    def _trusted_now(self, rec: WorkerRecord) -> bool:
+        """``rec.trusted``, after retiring it if it has been silent longer than ``slot_idle_s``."""
         if self._retire_if_silent(rec):
             self.save()
         return rec.trusted

@@ -1,8 +1,10 @@
 """The learner node's HTTP API (aiohttp): thin adapters from ``echo2.protocol`` requests to the parts.
 
 Each handler authenticates (the registry), parses its request model, asks one part (registry, pool,
-lease broker, intake, snapshots) and returns its reply model. The handlers run on the learner's event
-loop thread, the only thread that touches the store.
+lease broker, intake, snapshots) and returns its reply model. What a worker says it has installed (a
+heartbeat's version; the version a granted lease was asked for) goes to the registry's one writer,
+``WorkerRegistry.installed``. The handlers run on the learner's event loop thread, the only thread
+that touches the store.
 
 The rule for a peer's bytes: never a 500. Every refusal is a 4xx in the :class:`~echo2.protocol.ErrorReply`
 JSON shape (or, where no answer can reach the peer, a dropped connection), counted by reason
@@ -60,6 +62,8 @@ from echo2.protocol import (
     ErrorReply,
     HeartbeatReply,
     HeartbeatRequest,
+    LeaseGrant,
+    LeaseRefusal,
     LeaseRequest,
     ModelReply,
     RegisterReply,
@@ -193,7 +197,7 @@ class Routes:
                 "future_version",
                 f"installed_version: {hb.installed_version} was never published",
             )
-        self.registry.installed(rec, hb.installed_version, hb.install_s)
+        self.registry.installed(rec.worker_id, hb.installed_version, hb.install_s, holds_now=True)
         self.pool.observe(rec, hb)
         self.pool.tick()
         reply = HeartbeatReply(
@@ -206,7 +210,16 @@ class Routes:
 
     async def lease(self, request: web.Request) -> web.Response:
         rec = self._auth(request)
-        return _reply(self.broker.grant(rec.worker_id, _parse(LeaseRequest, await self._body(request))))
+        return _reply(self._grant(rec, _parse(LeaseRequest, await self._body(request))))
+
+    def _grant(self, rec: WorkerRecord, req: LeaseRequest) -> LeaseGrant | LeaseRefusal:
+        """The broker's answer to ``req``; a grant also records the version it was asked for (one the
+        broker admitted: not stale, not newer than ``v_t``, published by this process) as ``rec``'s
+        installed version."""
+        reply = self.broker.grant(rec.worker_id, req)
+        if isinstance(reply, LeaseGrant):
+            self.registry.installed(rec.worker_id, req.installed_version)
+        return reply
 
     async def submit(self, request: web.Request) -> web.Response:
         """A submission, optionally carrying ``next_lease`` (a lease request answered in the same round
@@ -220,9 +233,7 @@ class Routes:
         reply = SubmitReply(admitted=result.admitted, dropped_stale=result.dropped_stale)
         if body.next_lease is not None:  # the submission stands even if this part is bad
             try:
-                reply.next_lease = self.broker.grant(
-                    rec.worker_id, parse_model(LeaseRequest, body.next_lease)
-                )
+                reply.next_lease = self._grant(rec, parse_model(LeaseRequest, body.next_lease))
             except Rejected as exc:
                 self.store.record_rejection(exc.reason)
                 reply.next_lease_error = ErrorReply(

@@ -1,0 +1,194 @@
+"""The worker registry as the one ledger of members and installed versions (``runtime/registry.py``,
+``broadcast.api.MemberLedger``): who may join the broadcast, who is a target of a publication, and the
+one monotonic writer of installed versions, fed by the publisher's counted acks (over loopback, the
+real ``TcpPublisher``) and by the in-memory hub. Each test well under a second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from echo2.broadcast.access import Credential, pull_request
+from echo2.broadcast.api import MemberLedger, OpenLedger
+from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.pipelined import TreePipelined
+from echo2.broadcast.publisher import TcpPublisher
+from echo2.broadcast.strategy import LEARNER
+from echo2.broadcast.wire import read_header, read_payload, write_frame
+from echo2.protocol import RegisterRequest
+from echo2.runtime.registry import WorkerRegistry
+from echo2.weights.manifest import new_signing_key
+
+TOKEN = "join-token-for-tests-0123456789"
+KEY = new_signing_key()
+CHUNK = 4096
+BLOB = bytes(range(256)) * 64  # 16384 bytes: 4 chunks
+N_CHUNKS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _registry(tmp_path: Path, clock: Clock | None = None, slot_idle_s: float = 600.0) -> WorkerRegistry:
+    return WorkerRegistry(tmp_path, TOKEN, clock or time.time, max_workers=8, slot_idle_s=slot_idle_s)
+
+
+def _join(reg: WorkerRegistry, name: str) -> tuple[str, str]:
+    rec, credential = reg.register(RegisterRequest(token=TOKEN, name=name, usd_per_hour=1.0))
+    return rec.worker_id, credential
+
+
+# -- the registry's rules, by hand ----------------------------------------------------------------------
+def test_the_registry_is_a_member_ledger(tmp_path: Path) -> None:
+    reg: MemberLedger = _registry(tmp_path)  # mypy checks the protocol; OpenLedger is the default one
+    open_: MemberLedger = OpenLedger()
+    assert open_.may_join("anyone", None) and open_.is_target("anyone")
+    assert reg.is_target("nobody") is False  # an id the registry never issued
+
+
+def test_installed_is_monotonic_and_ignores_strangers(tmp_path: Path) -> None:
+    reg = _registry(tmp_path)
+    wid, _ = _join(reg, "a")
+    reg.installed(wid, 3, 1.5)
+    assert (reg[wid].installed_version, reg[wid].install_s) == (3, 1.5)
+    reg.installed(wid, 2, 9.0)  # a late ack of an older version: ignored, install time included
+    assert (reg[wid].installed_version, reg[wid].install_s) == (3, 1.5)
+    reg.installed(wid, 3, 0.25)  # the same version reported again (its heartbeat): the newer figure
+    assert (reg[wid].installed_version, reg[wid].install_s) == (3, 0.25)
+    reg.installed(wid, 5)  # a granted lease names the version, not an install time
+    assert (reg[wid].installed_version, reg[wid].install_s) == (5, 0.25)
+    reg.installed("ghost", 7, 1.0)  # unknown id: nothing happens, nothing raises
+    assert [r.installed_version for r in reg] == [5]
+
+
+def test_only_trusted_identities_are_targets(tmp_path: Path) -> None:
+    clock = Clock()
+    reg = _registry(tmp_path, clock, slot_idle_s=100.0)
+    good, good_cred = _join(reg, "good")
+    bad, bad_cred = _join(reg, "bad")
+    silent, silent_cred = _join(reg, "silent")
+    assert all(reg.is_target(w) for w in (good, bad, silent))
+    assert reg.may_join(bad, bad_cred) and not reg.may_join(bad, good_cred)  # own id only
+    reg.revoke(bad, "caught lying")
+    assert not reg.is_target(bad) and not reg.may_join(bad, bad_cred)
+    clock.t += 60.0
+    assert reg.authenticate(good_cred) is reg[good]  # heard from
+    clock.t += 60.0  # silent for 120 s > 100 s: retired by the check itself
+    assert reg.is_target(good) and not reg.is_target(silent)
+    assert reg[silent].retired_s is not None and not reg.may_join(silent, silent_cred)
+
+
+# -- the TCP publisher over the registry -----------------------------------------------------------------
+async def _member(addr: tuple[str, int], worker: str, credential: str) -> tuple[Any, Any]:
+    reader, writer = await asyncio.open_connection(*addr)
+    join = {"op": "join", "worker": worker, "host": "127.0.0.1", "port": 9, "credential": credential}
+    await write_frame(writer, join)
+    return reader, writer
+
+
+async def _pull_learner(addr: tuple[str, int], ann: dict[str, Any]) -> dict[str, int]:
+    """Pull the chunks the plan puts on the learner, as a member would; the receipts of a member that
+    stored every planned chunk."""
+    chunks = [i for s, ch in ann["sources"] if s == LEARNER for i in ch]
+    reader, writer = await asyncio.open_connection(*addr)
+    await write_frame(writer, pull_request(Credential.from_dict(ann["credential"]), chunks, False, "", None))
+    for _ in chunks:
+        await read_payload(reader, await read_header(reader), CHUNK)
+    writer.close()
+    got: dict[str, int] = {}
+    for s, ch in ann["sources"]:
+        got[s] = got.get(s, 0) + len(ch)
+    return got
+
+
+def test_a_revoked_member_still_connected_is_no_target(tmp_path: Path) -> None:
+    """Revoked after it joined, its control connection still open: the next publication neither plans
+    nor announces it, and it is not among the publisher's members (the T_bcast quorum's count)."""
+    reg = _registry(tmp_path)
+    (good, good_cred), (bad, bad_cred) = _join(reg, "good"), _join(reg, "bad")
+
+    async def go() -> None:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=reg)
+        await pub.start()
+        ctl = {
+            good: await _member(pub.address, good, good_cred),
+            bad: await _member(pub.address, bad, bad_cred),
+        }
+        await pub.wait_members(2, 5)
+        assert sorted(pub.members()) == sorted([good, bad])
+        reg.revoke(bad, "caught lying")
+        assert pub.members() == [good]
+        await pub.publish(1, BLOB)
+        ann = await asyncio.wait_for(read_header(ctl[good][0]), 5)
+        assert ann["op"] == "announce" and [s for s, _ in ann["sources"]] == [LEARNER]  # planned alone
+        assert bad not in ann["peers"]
+        try:
+            frame: dict[str, Any] | None = await asyncio.wait_for(read_header(ctl[bad][0]), 0.3)
+        except TimeoutError:
+            frame = None
+        assert frame is None  # nothing announced to it
+        assert pub.stats(1).n_workers == 1
+        await write_frame(ctl[bad][1], {"op": "installed", "v": 1, "got": {LEARNER: N_CHUNKS}})
+        await asyncio.sleep(0.05)
+        assert pub.stats(1).install_s == {} and reg[bad].installed_version == -1  # not a target: ignored
+        for _, writer in ctl.values():
+            writer.close()
+        await pub.close()
+
+    asyncio.run(go())
+
+
+def test_a_counted_ack_is_written_to_the_registry_and_a_refused_one_is_not(tmp_path: Path) -> None:
+    reg = _registry(tmp_path)
+    (a, a_cred), (b, b_cred) = _join(reg, "a"), _join(reg, "b")
+
+    async def go() -> None:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=reg)
+        await pub.start()
+        ctl = {a: await _member(pub.address, a, a_cred)}
+        await pub.wait_members(1, 5)
+        ctl[b] = await _member(pub.address, b, b_cred)
+        await pub.wait_members(2, 5)
+        await pub.publish(1, BLOB)
+        ann = {w: await asyncio.wait_for(read_header(ctl[w][0]), 5) for w in ctl}
+        got = await _pull_learner(pub.address, ann[a])
+        await write_frame(ctl[a][1], {"op": "installed", "v": 1, "got": got})  # receipts add up: counted
+        # b claims every chunk from the learner, which served it none: refused
+        await write_frame(ctl[b][1], {"op": "installed", "v": 1, "got": {LEARNER: N_CHUNKS}})
+        stats = await pub.wait_installed(1, timeout=5)
+        assert set(stats.install_s) == {a} and pub.counters.acks_refused == 1
+        assert (reg[a].installed_version, reg[a].install_s) == (1, stats.install_s[a])
+        assert reg[b].installed_version == -1
+        for _, writer in ctl.values():
+            writer.close()
+        await pub.close()
+
+    asyncio.run(go())
+
+
+# -- the in-memory hub over the same ledger --------------------------------------------------------------
+def test_the_in_memory_hub_targets_and_records_through_the_ledger(tmp_path: Path) -> None:
+    reg = _registry(tmp_path)
+    (good, _), (bad, _) = _join(reg, "good"), _join(reg, "bad")
+
+    async def go() -> None:
+        hub = InMemoryHub(KEY, CHUNK, ledger=reg)
+        rx = {w: hub.receiver(w) for w in (good, bad)}
+        reg.revoke(bad, "caught lying")
+        assert hub.members() == [good]
+        await hub.publish(1, BLOB)
+        for w in (good, bad):
+            await rx[w].report_installed(1)
+        stats = await hub.wait_installed(1, timeout=1)
+        assert stats.n_workers == 1 and set(stats.install_s) == {good}
+        assert (reg[good].installed_version, reg[bad].installed_version) == (1, -1)
+        await hub.close()
+
+    asyncio.run(go())

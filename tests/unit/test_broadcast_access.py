@@ -19,9 +19,10 @@ from echo2.broadcast.access import (
     pull_request,
     run_id,
 )
-from echo2.broadcast.store import parse_chunk_list
+from echo2.broadcast.store import check_chunk_list
 from echo2.broadcast.wire import ProtocolError
 from echo2.transport import make_identity
+from echo2.weights.frames import GetFrame, parse_frame
 from echo2.weights.manifest import HmacKey, new_signing_key
 
 KEY = new_signing_key()
@@ -144,17 +145,48 @@ def test_the_budget_caps_bytes_per_member_and_version():
         ([0, 1, 1], "same chunk more than once"),
         (list(range(9)), "1 to 8"),  # more than the snapshot has
         ([8], r"in \[0, 8\)"),
-        ([-1], r"in \[0, 8\)"),
-        ([True], r"in \[0, 8\)"),
-        ([], "1 to 8"),
-        ("0-7", "1 to 8"),
+        # what no get may carry at all: its model (weights.frames.GetFrame) refuses it, naming the field
+        ([-1], r"'get' frame: field 'chunks\.0': Input should be greater than or equal to 0, got -1"),
+        ([True], r"'get' frame: field 'chunks\.0': Input should be a valid integer, got True"),
+        ([], r"'get' frame: field 'chunks': List should have at least 1 item"),
+        ("0-7", r"'get' frame: field 'chunks': Input should be a valid list, got '0-7'"),
     ],
 )
 def test_chunk_lists_are_bounded(chunks, needle):
+    """A get's chunk list, as a server reads it: its model first, then the snapshot's chunk count."""
     with pytest.raises(ProtocolError, match=needle):
-        parse_chunk_list({"chunks": chunks}, 8)
+        check_chunk_list(parse_frame({**_get(), "chunks": chunks}, GetFrame).chunks, 8)
 
 
 def test_a_bounded_chunk_list_passes():
-    assert parse_chunk_list({"chunks": [7, 0, 3]}, 8) == [7, 0, 3]
-    assert parse_chunk_list({"chunks": list(range(8))}, 8) == list(range(8))
+    assert check_chunk_list(parse_frame({**_get(), "chunks": [7, 0, 3]}, GetFrame).chunks, 8) == [7, 0, 3]
+    assert check_chunk_list(list(range(8)), 8) == list(range(8))
+
+
+def _get() -> dict:
+    return pull_request(issue(KEY, 3, "w1", ""), [0], False, "", None)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"from": 5}, r"'get' frame: field 'from': Input should be a valid string, got 5"),
+        ({"from": ""}, r"'get' frame: field 'from': String should have at least 1 character"),
+        ({"v": "3"}, r"'get' frame: field 'v': Input should be a valid integer, got '3'"),
+        ({"v": True}, r"'get' frame: field 'v': Input should be a valid integer, got True"),
+        ({"v": -1}, r"'get' frame: field 'v': Input should be greater than or equal to 0"),
+        ({"cred": []}, r"'get' frame: field 'cred': Input should be a valid dictionary"),
+        ({"cred": None}, "no credential"),
+        ({"cred": {"run": 5}}, "credential is missing 'version'"),
+        ({"cert": 5}, r"'get' frame: field 'cert': Input should be a valid string"),
+    ],
+)
+def test_the_gate_reads_a_gets_credential_fields_strictly(change, needle):
+    """Whatever else a get holds, a malformed member, version, credential or certificate is the gate's
+    refusal (``refused_requests``), naming the field, before the rest of the frame is read."""
+    gate, counters = _gate(me=None)
+    with pytest.raises(AccessError, match=needle):
+        gate.authenticate({**_get(), **change, "chunks": "all", "extra": 1})
+    with pytest.raises(AccessError, match="'get' frame: field 'from' is missing"):
+        gate.authenticate({k: v for k, v in _get().items() if k != "from"})
+    assert counters == ServeCounters(refused_requests=2)

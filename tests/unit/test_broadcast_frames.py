@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import pytest
 
 from echo2.broadcast import access
-from echo2.broadcast.access import AccessError, Credential, issue, pull_request
+from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, issue, pull_request
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
-from echo2.broadcast.store import SnapshotBuffer, serve_get
+from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import ProtocolError as WireProtocolError
 from echo2.broadcast.wire import encode, parse_header, read_header, read_payload, write_frame
@@ -89,8 +90,8 @@ BY_HAND: dict[str, tuple[dict[str, Any], frames.Frame]] = {
     ),
     "shutdown": ({"op": "shutdown"}, ShutdownFrame()),
     "error": ({"op": "error", "reason": "unknown version 9"}, ErrorFrame(reason="unknown version 9")),
-    "get": (
-        pull_request(CRED, [0, 2], False, "", None),
+    "get": (  # as access.pull_request built it by hand (it now sends to_wire of this model)
+        {"op": "get", "v": 5, "chunks": [0, 2], "from": "w1", "repair": False, "cred": CRED.to_dict()},
         GetFrame(v=5, chunks=[0, 2], member="w1", repair=False, cred=CRED.to_dict()),
     ),
     "chunk": ({"op": "chunk", "v": 5, "i": 2}, ChunkFrame(v=5, i=2)),
@@ -140,10 +141,16 @@ def test_what_to_wire_leaves_out() -> None:
 def test_a_get_over_tls_round_trips_and_matches_what_access_builds() -> None:
     me, server = make_identity(["127.0.0.1"]), make_identity(["127.0.0.1"])
     cred = issue(KEY, 5, "w1", me.fingerprint)
-    by_hand = pull_request(cred, [1], True, server.fingerprint, me)
-    model = parse_frame(by_hand, GetFrame)
+    sent = pull_request(cred, [1], True, server.fingerprint, me)
+    model = parse_frame(sent, GetFrame)
     assert model.member == "w1" and model.repair and model.cert == me.cert_der.hex()
-    assert encode(to_wire(model)) == encode(by_hand)
+    assert encode(to_wire(model)) == encode(sent)
+    by_hand = {  # the keys, in their order, of the get the nodes built by hand before the models
+        "op": "get", "v": 5, "chunks": [1], "from": "w1", "repair": True, "cred": cred.to_dict(),
+        "cert": me.cert_der.hex(), "proof": sent["proof"],
+    }  # fmt: skip
+    assert encode(sent) == encode(by_hand)
+    assert pull_request(CRED, [0, 2], False, "", None) == BY_HAND["get"][0]  # without TLS: no cert, proof
 
 
 def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
@@ -350,7 +357,7 @@ def test_node_refuses_a_malformed_announcement_and_repairs_a_malformed_chunk(
             if len(gets) == 1:  # the first pull: a malformed chunk frame
                 await write_frame(writer, {"op": "chunk", "v": 5, "i": False}, BLOB[:CHUNK])
             else:
-                await serve_get(header, writer, lambda v: buffer if v == 5 else None, None, 5.0)
+                await serve_get(gets[-1], writer, lambda v: buffer if v == 5 else None, None, 5.0)
             writer.close()
 
         server = await asyncio.start_server(learner, "127.0.0.1", 0)
@@ -385,3 +392,123 @@ def test_node_refuses_a_malformed_announcement_and_repairs_a_malformed_chunk(
     assert node.counters.peer_errors == 0
     assert "'chunk' frame from 'learner': field 'i'" in caplog.text
     assert not [rec for rec in caplog.records if rec.exc_info]
+
+
+# -- a malformed pull costs its connection, nothing else -------------------------------------------------
+GET = pull_request(CRED, [0, 1, 2], False, "", None)  # w1's pull of all of v5, well formed
+# (a get with w1's valid credential, what the server says) : refused by its model or by the snapshot
+MALFORMED_GETS: list[tuple[dict[str, Any], str]] = [
+    ({k: v for k, v in GET.items() if k != "chunks"}, "'get' frame: field 'chunks' is missing"),
+    ({**GET, "member": "w1"}, "'get' frame: unknown field 'member'"),
+    ({**GET, "repair": "yes"}, "'get' frame: field 'repair': Input should be a valid boolean, got 'yes'"),
+    ({**GET, "chunks": "all"}, "'get' frame: field 'chunks': Input should be a valid list, got 'all'"),
+    ({**GET, "chunks": [0, 1.0]}, "'get' frame: field 'chunks.1': Input should be a valid integer"),
+    ({**GET, "chunks": [-1]}, "'get' frame: field 'chunks.0': Input should be greater than or equal to 0"),
+    ({**GET, "chunks": [0, 3]}, "'chunks' must hold chunk indices in [0, 3)"),  # past the manifest's 3
+    ({**GET, "chunks": [1, 1]}, "'chunks' asks for the same chunk more than once"),
+]
+# ... and with a malformed credential field: the gate's refusal, whatever else is wrong
+REFUSED_GETS: list[tuple[dict[str, Any], str]] = [
+    ({**GET, "from": 5, "chunks": "all"}, "refused: 'get' frame: field 'from': Input should be a valid str"),
+    ({**GET, "v": "5", "extra": 1}, "refused: 'get' frame: field 'v': Input should be a valid integer"),
+    ({k: v for k, v in GET.items() if k != "from"}, "refused: 'get' frame: field 'from' is missing"),
+    ({k: v for k, v in GET.items() if k != "cred"}, "refused: no credential"),
+]
+
+
+async def _refusal(address: tuple[str, int], header: dict[str, Any]) -> str:
+    """Send one get; the reason of the one error frame that comes back, after which the server closed."""
+    r, w = await asyncio.open_connection(*address)
+    await write_frame(w, header)
+    reason = parse_frame(await asyncio.wait_for(read_header(r), 5), ErrorFrame).reason
+    assert await asyncio.wait_for(r.read(), 5) == b""  # closed, nothing after the error
+    w.close()
+    return reason
+
+
+async def _pull_all(address: tuple[str, int], header: dict[str, Any]) -> bytes:
+    r, w = await asyncio.open_connection(*address)
+    await write_frame(w, header)
+    got = b""
+    for i in range(3):
+        header = await asyncio.wait_for(read_header(r), 5)
+        frame = parse_frame(header, ChunkFrame)
+        assert (frame.v, frame.i) == (5, i)
+        got += await read_payload(r, header, CHUNK)
+    w.close()
+    return got
+
+
+def test_a_malformed_pull_is_refused_by_name_and_costs_the_server_nothing_else() -> None:
+    """At the store (``serve_pull`` with a real gate, as the publisher and a relay run it): each
+    malformed get gets one error frame naming its fault and its connection closed; one refused by its
+    model never reaches ``admit`` and books no byte; the gate counts each once (``bad_requests``, or
+    ``refused_requests`` for a malformed credential field); another member's pull, and w1's own next
+    one, are served in full."""
+    counters = ServeCounters()
+    gate = Gate(PUBLIC, None, counters)
+    buffer = SnapshotBuffer(MANIFEST, BLOB)
+    admitted: list[tuple[str, int]] = []
+    sent: list[tuple[str, int]] = []
+    dropped: list[str] = []
+
+    async def admit(member: str, v: int) -> Any:
+        admitted.append((member, v))
+        return (buffer if v == 5 else None), True, None
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header = await read_header(reader, MAX_REQUEST)
+            await serve_pull(gate, header, writer, admit, None, 5.0, lambda m, v, n: sent.append((m, n)))
+        except ProtocolError as exc:  # AccessError too: what a node logs and counts, then closes
+            dropped.append(type(exc).__name__)
+        finally:
+            writer.close()
+
+    async def go() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        address = server.sockets[0].getsockname()[:2]
+        for header, needle in [*MALFORMED_GETS, *REFUSED_GETS]:
+            reason = await _refusal(address, header)
+            assert needle in reason, (needle, reason)
+        assert sent == [] and gate.budget.sent("w1", 5) == 0  # no chunk byte left, none booked
+        assert admitted == [("w1", 5), ("w1", 5)]  # only the two the snapshot's bounds refused
+        w2 = pull_request(issue(KEY, 5, "w2", ""), [0, 1, 2], False, "", None)
+        assert await _pull_all(address, w2) == BLOB  # the store serves on, others ...
+        assert await _pull_all(address, GET) == BLOB  # ... and the member that sent the garbage
+        server.close()
+
+    asyncio.run(go())
+    assert counters == ServeCounters(refused_requests=len(REFUSED_GETS), bad_requests=len(MALFORMED_GETS))
+    assert dropped == ["ProtocolError"] * len(MALFORMED_GETS) + ["AccessError"] * len(REFUSED_GETS)
+    assert [m for m, _ in sent] == ["w2"] * 3 + ["w1"] * 3
+
+
+@pytest.mark.parametrize("server", ["publisher", "relay"])
+def test_a_node_refuses_a_malformed_pull_at_once_and_serves_on(server: str) -> None:
+    """Through the real publisher and a real relay's port: each malformed get with a valid credential
+    is refused by name at once (the relay does not wait for an announcement of the version first),
+    counted in ``bad_requests`` and ``bad_frames``, its connection closed; the port serves on."""
+
+    async def go() -> tuple[Any, float]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        await pub.start()
+        node = TcpWorkerNode("w2", pub.address, PUBLIC, stall_timeout=5.0)
+        await node.start()
+        target = pub if server == "publisher" else node
+        address = pub.address if server == "publisher" else ("127.0.0.1", node.port)
+        started = time.monotonic()
+        for header, needle in MALFORMED_GETS[:6]:  # the model's refusals: no snapshot needed
+            reason = await _refusal(address, header)
+            assert needle in reason, (needle, reason)
+        took = time.monotonic() - started
+        await pub.wait_members(1, 5)
+        assert pub.members() == ["w2"]  # the member on it is untouched
+        await node.close()
+        await pub.close()
+        return target, took
+
+    target, took = asyncio.run(go())
+    assert took < 2.5  # six refusals, none of which waited out the relay's 5 s for an announcement
+    assert target.refusals == type(target.refusals)(bad_requests=6)
+    assert target.counters.bad_frames == 6 and target.counters.peer_errors == 0

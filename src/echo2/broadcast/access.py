@@ -17,12 +17,17 @@ learner) admits a pull request only if it carries:
   announced the version to; a relay, the members the plan has pulling from it (``serve`` in its
   announcement);
 
-and a chunk list that is bounded (:func:`~echo2.broadcast.store.parse_chunk_list`: in range, no
+and a chunk list that is bounded (:func:`~echo2.broadcast.store.check_chunk_list`: in range, no
 duplicates, no more than the snapshot's chunk count). A server sends one member at most
 ``SERVE_BUDGET`` times the version's size plus ``BUDGET_SLACK_CHUNKS`` chunks (:class:`ByteBudget`,
 the one definition of that rule: the learner's HTTP catch-up route books its chains to one too), so
 nobody re-downloads a version endlessly. Every refusal is counted (:class:`ServeCounters`) and ends
 the connection before any chunk byte is sent.
+
+The frames are those of ``echo2.weights.frames``: :func:`pull_request` builds a ``GetFrame`` and sends
+``to_wire`` of it; :meth:`Gate.authenticate` reads a received ``get``'s credential fields through
+``frames.parse_get_credentials`` (strict; a malformed one is refused, and counted, as having no valid
+credential), before the rest of the frame is parsed (``wire.parse_pull``, from ``store.serve_pull``).
 
 With the HMAC scheme (a secret every worker holds) any worker could mint credentials: that scheme
 suits only a fleet whose workers trust each other, as for manifests.
@@ -39,12 +44,13 @@ from typing import Any
 
 from echo2.broadcast.wire import ProtocolError
 from echo2.transport import TlsIdentity, fingerprint, signed_by
+from echo2.weights.frames import GetCredentials, GetFrame, parse_get_credentials, to_wire
 from echo2.weights.manifest import ManifestKey
 
 CREDENTIAL_TTL_S = 3600.0  # a credential is good for this long after issue (covers clock skew between hosts)
 SERVE_BUDGET = 3.0  # bytes one server sends one member for one version <= this x the version's size ...
 BUDGET_SLACK_CHUNKS = 4  # ... plus this many chunks (streams cut mid-chunk, small snapshots)
-MAX_CERT_BYTES = 4096  # a member certificate attached to a request is at most this long (DER)
+MAX_CERT_BYTES = 4096  # a member certificate in a request is at most this long (DER; frames.MAX_CERT_HEX)
 
 
 class AccessError(ProtocolError):
@@ -115,15 +121,15 @@ def proof_payload(server_cert: str, member: str, version: int) -> bytes:
 def pull_request(
     credential: Credential, chunks: list[int], repair: bool, server_cert: str, me: TlsIdentity | None
 ) -> dict[str, Any]:
-    """The ``get`` frame a member sends a server (``server_cert`` "" and ``me`` None without TLS)."""
-    msg: dict[str, Any] = {
-        "op": "get", "v": credential.version, "chunks": chunks, "from": credential.member,
-        "repair": repair, "cred": credential.to_dict(),
-    }  # fmt: skip
-    if me is not None:
-        msg["cert"] = me.cert_der.hex()
-        msg["proof"] = me.sign(proof_payload(server_cert, credential.member, credential.version)).hex()
-    return msg
+    """The header of the ``get`` frame a member sends a server (``to_wire`` of its ``GetFrame``;
+    ``server_cert`` "" and ``me`` None without TLS)."""
+    proof = None if me is None else me.sign(proof_payload(server_cert, credential.member, credential.version))
+    frame = GetFrame(
+        v=credential.version, chunks=chunks, member=credential.member, repair=repair,
+        cred=credential.to_dict(), cert=None if me is None else me.cert_der.hex(),
+        proof=None if proof is None else proof.hex(),
+    )  # fmt: skip
+    return to_wire(frame)
 
 
 def check_credential(key: ManifestKey, cred: Credential, version: int, member: str) -> None:
@@ -162,19 +168,22 @@ class Gate:
     def authenticate(self, header: Mapping[str, Any]) -> tuple[str, int]:
         """(member, version) of a ``get`` whose credential (and, over TLS, certificate and proof)
         check; AccessError, counted, otherwise. Whether this node serves that member is
-        :meth:`require`'s question."""
+        :meth:`require`'s question. The header's credential fields are read strictly
+        (``frames.parse_get_credentials``): a malformed one (a member id that is no string, a version
+        that is no integer, ...) is refused here by name, whatever the rest of the frame holds."""
         try:
-            member, version = header.get("from"), header.get("v")
-            if not isinstance(member, str) or not isinstance(version, int) or isinstance(version, bool):
-                raise AccessError("a pull request names its member ('from') and version ('v')")
-            cred = Credential.from_dict(header.get("cred"))
-            check_credential(self.key, cred, version, member)
+            try:
+                asked = parse_get_credentials(header)
+            except ProtocolError as exc:
+                raise AccessError(str(exc)) from None
+            cred = Credential.from_dict(asked.cred)
+            check_credential(self.key, cred, asked.v, asked.member)
             if self.me is not None:
-                self._check_proof(header, cred)
+                self._check_proof(asked, cred)
         except AccessError:
             self.counters.refused_requests += 1
             raise
-        return member, version
+        return asked.member, asked.v
 
     def require(self, scheduled: bool, member: str, version: int) -> None:
         """AccessError, counted, unless ``member`` is ``scheduled`` to pull ``version`` from this node."""
@@ -182,13 +191,12 @@ class Gate:
             self.counters.refused_requests += 1
             raise AccessError(f"{member!r} is not a member this node serves v{version} to")
 
-    def _check_proof(self, header: Mapping[str, Any], cred: Credential) -> None:
+    def _check_proof(self, asked: GetCredentials, cred: Credential) -> None:
         assert self.me is not None
-        cert, proof = header.get("cert"), header.get("proof")
-        if not isinstance(cert, str) or not isinstance(proof, str) or len(cert) > 2 * MAX_CERT_BYTES:
+        if asked.cert is None or asked.proof is None:  # their lengths are bounded by the frame's model
             raise AccessError("a pull request over TLS carries the member's certificate and proof")
         try:
-            der, sig = bytes.fromhex(cert), bytes.fromhex(proof)
+            der, sig = bytes.fromhex(asked.cert), bytes.fromhex(asked.proof)
         except ValueError:
             raise AccessError("certificate and proof must be hex") from None
         if not cred.cert or fingerprint(der) != cred.cert:

@@ -1,14 +1,24 @@
-"""One node's copy of a snapshot being received or served, and the chunk-serving side of the protocol."""
+"""One node's copy of a snapshot being received or served, and the chunk-serving side of the protocol.
+
+A pull, as a server (the publisher or a relaying worker) answers it in :func:`serve_pull`: the gate
+reads the ``get``'s credential (``access.Gate.authenticate``), ``wire.parse_pull`` the whole frame
+(``echo2.weights.frames.GetFrame``, strict), the caller's ``admit`` says what this node holds and
+whether it serves that member, and :func:`serve_get` streams the chunks. Every frame sent back is a
+model of ``echo2.weights.frames`` as ``to_wire`` makes it: ``chunk`` frames (``ChunkFrame``, then
+the payload) or one ``error`` (``frames.refusal``), after which the connection ends. Nothing here
+reads a peer's header but through those parsers.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate
-from echo2.broadcast.wire import Pacer, ProtocolError, write_frame
+from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, write_frame
+from echo2.weights.frames import ChunkFrame, GetFrame, refusal, to_wire
 from echo2.weights.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -79,14 +89,13 @@ class SnapshotBuffer:
         return [i for i in chunks if not self._have[i]]
 
 
-def parse_chunk_list(header: dict[str, Any], n_chunks: int) -> list[int]:
-    """The request's chunk indices: a non-empty list of distinct integers in ``[0, n_chunks)`` (so never
-    more than ``n_chunks``); ProtocolError naming the fault otherwise."""
-    chunks = header.get("chunks")
-    if not isinstance(chunks, list) or not 0 < len(chunks) <= n_chunks:
-        size = len(chunks) if isinstance(chunks, list) else type(chunks).__name__
-        raise ProtocolError(f"'chunks' must be a list of 1 to {n_chunks} chunk indices, got {size}")
-    if not all(type(i) is int and 0 <= i < n_chunks for i in chunks):
+def check_chunk_list(chunks: list[int], n_chunks: int) -> list[int]:
+    """``chunks`` (a ``get``'s, so a non-empty list of indices >= 0: its model's rule) if they are
+    distinct and below ``n_chunks``, the snapshot's chunk count (so never more than ``n_chunks``);
+    ProtocolError naming the fault otherwise."""
+    if len(chunks) > n_chunks:
+        raise ProtocolError(f"'chunks' must be a list of 1 to {n_chunks} chunk indices, got {len(chunks)}")
+    if any(i >= n_chunks for i in chunks):
         raise ProtocolError(f"'chunks' must hold chunk indices in [0, {n_chunks})")
     if len(set(chunks)) != len(chunks):
         raise ProtocolError("'chunks' asks for the same chunk more than once")
@@ -94,7 +103,7 @@ def parse_chunk_list(header: dict[str, Any], n_chunks: int) -> list[int]:
 
 
 async def serve_get(
-    header: dict[str, Any],
+    pull: GetFrame,
     writer: asyncio.StreamWriter,
     lookup: Callable[[int], SnapshotBuffer | None],
     uplink: Pacer | None,
@@ -104,25 +113,25 @@ async def serve_get(
     stream: Pacer | None = None,
     budget: Callable[[int], bool] | None = None,
 ) -> None:
-    """Answer one "get" request: stream the asked chunks in order, each as soon as this node has it.
+    """Answer one pull (``pull``, a parsed ``get``): stream the asked chunks in order, each as soon as
+    this node has it, each a ``chunk`` frame and its payload.
 
     ``on_sent(version, n)`` counts payload bytes; ``mangle`` is the fault-injection hook of the harness;
     ``stream`` caps this one stream (the learner's rate-matched stripes), ``uplink`` the whole node;
     ``budget(n)`` books each chunk to the requester's allowance (``access.Gate.charge``). A chunk list
     out of bounds raises ProtocolError, an exhausted budget AccessError, each after an error frame.
     """
-    peer = header.get("from", "?")
-    version = header.get("v")
-    buffer = lookup(version) if isinstance(version, int) else None
-    if buffer is None or not isinstance(version, int):
+    peer, version = pull.member, pull.v
+    buffer = lookup(version)
+    if buffer is None:
         reason = f"unknown version {version!r}"
         log.info("refusing get from %s: %s", peer, reason)
-        await write_frame(writer, {"op": "error", "reason": reason})
+        await write_frame(writer, to_wire(refusal(reason)))
         return
     try:
-        chunks = parse_chunk_list(header, buffer.manifest.n_chunks)
+        chunks = check_chunk_list(pull.chunks, buffer.manifest.n_chunks)
     except ProtocolError as exc:
-        await write_frame(writer, {"op": "error", "reason": str(exc)})
+        await write_frame(writer, to_wire(refusal(str(exc))))
         raise
     # Let the kernel + transport hold a few chunks so the sender is never the one waiting.
     writer.transport.set_write_buffer_limits(high=max(4 << 20, 2 * buffer.manifest.chunk_size))
@@ -132,12 +141,12 @@ async def serve_get(
             if buffer.failed:
                 reason = f"version {version} abandoned here: {buffer.failed}"
             log.info("stopping stream to %s: %s", peer, reason)
-            await write_frame(writer, {"op": "error", "reason": reason})
+            await write_frame(writer, to_wire(refusal(reason)))
             return
         payload: bytes | memoryview = buffer.view(i)
         if budget is not None and not budget(len(payload)):
             reason = f"{peer} has had its byte budget of version {version} from this node"
-            await write_frame(writer, {"op": "error", "reason": reason})
+            await write_frame(writer, to_wire(refusal(reason)))
             raise AccessError(reason)
         if stream is not None:
             await stream.consume(len(payload))
@@ -145,7 +154,7 @@ async def serve_get(
             await uplink.consume(len(payload))
         if mangle is not None:
             payload = mangle(i, payload)
-        await write_frame(writer, {"op": "chunk", "v": version, "i": i}, payload)
+        await write_frame(writer, to_wire(ChunkFrame(v=version, i=i)), payload)  # n: the payload's
         if on_sent is not None:
             on_sent(version, len(payload))
 
@@ -157,7 +166,7 @@ Admission = tuple[SnapshotBuffer | None, bool, Pacer | None]
 
 async def serve_pull(
     gate: Gate,
-    header: dict[str, Any],
+    header: Mapping[str, Any],
     writer: asyncio.StreamWriter,
     admit: Callable[[str, int], Awaitable[Admission]],
     uplink: Pacer | None,
@@ -165,25 +174,32 @@ async def serve_pull(
     on_sent: Callable[[str, int, int], None] | None = None,
     mangle: Callable[[int, bytes | memoryview], bytes | memoryview] | None = None,
 ) -> None:
-    """One pull from a peer, publisher or relay alike: its credential (``gate.authenticate``), what
+    """One pull from a peer, publisher or relay alike (``header``: the ``get`` as ``wire.read_header``
+    returned it): its credential (``gate.authenticate``), the whole frame (``wire.parse_pull``), what
     ``admit(member, version)`` says of it, the schedule (``gate.require``), then :func:`serve_get`
-    within the member's byte budget. A refused credential or schedule gets an error frame before any
-    chunk; every refusal is counted by the gate's counters and raised (AccessError / ProtocolError).
-    ``on_sent(member, version, n)`` is called once per chunk sent, with its payload bytes."""
+    within the member's byte budget. A refused credential, a malformed frame or a refused schedule gets
+    an error frame before any chunk; every refusal is counted by the gate's counters and raised
+    (AccessError / ProtocolError). ``on_sent(member, version, n)`` is called once per chunk sent, with
+    its payload bytes."""
     budget, stream, buffer = None, None, None
     try:
         member, version = gate.authenticate(header)
+    except AccessError as exc:
+        await write_frame(writer, to_wire(refusal(f"refused: {exc}")))
+        raise
+    pull = await parse_pull(header, writer, gate.counters)  # malformed: refused (bad_requests), raised
+    try:
         buffer, scheduled, stream = await admit(member, version)
         if buffer is not None:  # else "unknown version": serve_get says so
             gate.require(scheduled, member, version)
             budget = gate.charge(member, version, buffer.manifest.total_size, buffer.manifest.chunk_size)
     except AccessError as exc:
-        await write_frame(writer, {"op": "error", "reason": f"refused: {exc}"})
+        await write_frame(writer, to_wire(refusal(f"refused: {exc}")))
         raise
     sent = None if on_sent is None else lambda v, n: on_sent(member, v, n)
     try:
         await serve_get(
-            header,
+            pull,
             writer,
             lambda _: buffer,
             uplink,

@@ -11,8 +11,10 @@ nested at most ``MAX_DEPTH`` deep, a JSON object with a string ``op`` and, when 
 non-negative integer ``n``. Each refusal is a :class:`ProtocolError`, never a RecursionError or a
 UnicodeError from deep inside a handler. What each op's fields must be is its model's rule
 (``echo2.weights.frames``: a node passes every header it reads through ``parse_frame`` before use, a
-pull's through :func:`parse_pull`); what only the manifest knows, an announcement's chunk indices and
-addresses, :func:`parse_announcement` checks. :class:`ProtocolError` and :func:`show` are defined
+pull's through :func:`parse_pull`, and sends every header as ``to_wire`` of a model); what only the
+manifest knows, an announcement's chunk indices and addresses, :func:`parse_announcement` checks.
+The framing itself (``n``, the payload length, :func:`encode` writes and :func:`read_payload` reads)
+is this module's, for every kind alike. :class:`ProtocolError` and :func:`show` are defined
 there and named here as well.
 
 :func:`first_chunk_deadline` is how long a pull from a peer may wait for its first chunk.
@@ -31,12 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 from echo2.broadcast.strategy import LEARNER
 from echo2.weights.frames import (
-    MAX_REASON,
     AnnounceFrame,
-    ErrorFrame,
     GetFrame,
     ProtocolError,
     parse_frame,
+    refusal,
     show,
     to_wire,
 )
@@ -229,13 +230,14 @@ def parse_announcement(frame: AnnounceFrame, n_chunks: int, tls: bool) -> Announ
 async def parse_pull(
     header: dict[str, Any], writer: asyncio.StreamWriter, counters: ServeCounters
 ) -> GetFrame:
-    """The model of a ``get`` whose credential the gate has accepted (called from ``store.serve_pull``'s
-    ``admit``, so a pull without a valid credential is still refused as such first). A malformed one
-    is answered as a chunk list out of bounds is: an error frame naming the fault, counted in
-    ``counters.bad_requests``, ProtocolError."""
+    """The model of a ``get`` whose credential the gate has accepted (``store.serve_pull`` calls it right
+    after ``gate.authenticate``, so a pull without a valid credential is still refused as such first).
+    A malformed one is answered as a chunk list out of bounds is: an error frame naming the fault,
+    counted in ``counters.bad_requests``, ProtocolError. Pure in ``header``: parsing it again (the
+    publisher's ``admit`` does, for ``repair``) gives the same frame and costs nothing but the time."""
     try:
         return parse_frame(header, GetFrame)
     except ProtocolError as exc:
         counters.bad_requests += 1
-        await write_frame(writer, to_wire(ErrorFrame(reason=str(exc)[:MAX_REASON])))
+        await write_frame(writer, to_wire(refusal(str(exc))))
         raise

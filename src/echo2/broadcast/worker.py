@@ -24,7 +24,7 @@ A node carries no fault logic of its own: an optional :class:`ChunkTap` sees eve
 and every chunk it serves, which is where the benchmark harness plugs in its fault injection.
 
 Every frame is one of ``echo2.weights.frames``: built as its model, sent as ``to_wire`` of it, and
-parsed by ``parse_frame`` before use (a ``get`` after the gate has read its credential, ``parse_pull``).
+parsed by ``parse_frame`` before use (a ``get`` after the gate has read its credential: ``store.serve_pull``).
 A malformed announcement is refused (``rejected``) like a forged one; a malformed frame anywhere else
 ends its connection (a pull stream's: repaired from the learner).
 """
@@ -48,7 +48,6 @@ from echo2.broadcast.wire import (
     ProtocolError,
     first_chunk_deadline,
     parse_announcement,
-    parse_pull,
     read_header,
     read_payload,
     show,
@@ -588,8 +587,7 @@ class TcpWorkerNode:
         """A pull: only by a member the learner told this node to serve the version to, with its
         credential and (over TLS) proof; bounded in chunks and in bytes."""
 
-        async def admit(member: str, v: int) -> Admission:
-            await parse_pull(header, writer, self.refusals)  # a malformed pull is refused before any wait
+        async def admit(member: str, v: int) -> Admission:  # serve_pull has parsed the whole get by now
             await self._await_announce(v)  # else: "unknown version" (e.g. abandoned here), the puller repairs
             return self._buffers.get(v), member in self._serves.get(v, ()), None
 

@@ -12,7 +12,10 @@ unknown key is refused), every string, number, list and object bounded by a name
 
 :func:`parse_frame` is the one way a received header becomes a model: anything else is a
 :class:`ProtocolError` naming the op and the offending field (and the sender, when the caller names
-it), never a pydantic error. :func:`to_wire` is the one way back: the dict ``wire.write_frame``
+it), never a pydantic error. One view is read before it: a server's gate reads a ``get``'s
+credential fields alone (:func:`parse_get_credentials`, the same types, blind to the rest), so a pull
+without a valid credential is refused as such whatever else is wrong with it; the whole frame is
+``parse_frame``'s next. :func:`to_wire` is the one way back: the dict ``wire.write_frame``
 sends, with exactly the keys (and their order) the nodes sent before these models existed, so peers
 of this version interoperate whichever side built its frame by hand. An optional field left at None
 (``join.credential``, ``get.cert``, ``get.proof``) is not sent; a chunk's payload length ``n`` is
@@ -59,6 +62,9 @@ ChunkIndex = Annotated[int, Field(ge=0, lt=MAX_CHUNKS)]  # which chunk of a vers
 ChunkCount = Annotated[int, Field(ge=0, le=MAX_CHUNKS)]  # how many chunks
 # a manifest or a credential: a plain object here, parsed by its owner (weights.manifest, broadcast.access)
 Record = Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)]
+RunCredential = Annotated[str, Field(max_length=MAX_CREDENTIAL)]  # a join's run credential
+CertHex = Annotated[str, Field(max_length=MAX_CERT_HEX)]  # a member's DER certificate, hex
+ProofHex = Annotated[str, Field(max_length=MAX_PROOF_HEX)]  # its proof of possession, hex
 # JSON has no tuples: these accept a list (strict=False on the tuple itself); their items stay strict.
 Source = Annotated[
     tuple[Member, Annotated[list[ChunkIndex], Field(max_length=MAX_CHUNKS)]], Field(strict=False)
@@ -82,9 +88,7 @@ class JoinFrame(BaseModel):
     host: Host  # where its chunk server listens, as its peers reach it
     port: Port  # ... and on which port
     cert: Fingerprint = ""  # fingerprint of its chunk server's certificate ("" without TLS)
-    credential: Annotated[str, Field(max_length=MAX_CREDENTIAL)] | None = (
-        None  # its run credential (not sent when None)
-    )
+    credential: RunCredential | None = None  # its run credential (not sent when None)
 
 
 class InstalledFrame(BaseModel):
@@ -171,8 +175,8 @@ class GetFrame(BaseModel):
     member: Annotated[Member, Field(alias="from")]  # who asks (its credential names the same member)
     repair: bool = False  # in place of another source (never rate-capped)
     cred: Record  # the learner's credential for that member and version
-    cert: Annotated[str, Field(max_length=MAX_CERT_HEX)] | None = None  # over TLS: its certificate (hex DER)
-    proof: Annotated[str, Field(max_length=MAX_PROOF_HEX)] | None = None  # over TLS: its signature (hex)
+    cert: CertHex | None = None  # over TLS: its certificate (hex DER)
+    proof: ProofHex | None = None  # over TLS: its signature over (server, member, version) (hex)
 
 
 class ChunkFrame(BaseModel):
@@ -186,6 +190,25 @@ class ChunkFrame(BaseModel):
     n: Annotated[int, Field(ge=0, le=MAX_CHUNK_BYTES)] = 0  # payload bytes (written by wire.encode)
 
 
+class GetCredentials(BaseModel):
+    """What a server's gate reads of a ``get`` first (``access.Gate.authenticate``): who asks, for which
+    version, with what credential and, over TLS, certificate and proof. The fields are
+    :class:`GetFrame`'s, as strict; the frame's other keys are ignored here (``parse_frame`` reads the
+    whole frame next). A missing credential, certificate or proof is None, for the gate to refuse by
+    name ("no credential"), not a parse error. Not a frame kind: nothing sends one."""
+
+    model_config = ConfigDict(
+        extra="ignore", strict=True, frozen=True, validate_by_name=True, validate_by_alias=True
+    )
+
+    op: Literal["get"] = "get"
+    member: Annotated[Member, Field(alias="from")]  # who asks
+    v: Version  # the version asked for
+    cred: Record | None = None  # the learner's credential (None: the gate refuses "no credential")
+    cert: CertHex | None = None  # over TLS: the member's certificate (hex DER)
+    proof: ProofHex | None = None  # over TLS: its proof of possession (hex)
+
+
 Frame = (
     JoinFrame | InstalledFrame | StalledFrame | RejectedFrame | LeaveFrame
     | AnnounceFrame | ShutdownFrame | ErrorFrame | GetFrame | ChunkFrame
@@ -197,6 +220,16 @@ _FRAMES: TypeAdapter[Frame] = TypeAdapter(Annotated[Frame, Field(discriminator="
 KINDS: dict[str, type[Frame]] = {cls.model_fields["op"].default: cls for cls in get_args(Frame)}
 _UNSENT_NONE = {  # per kind: optional fields not sent while None
     cls: frozenset(k for k, f in cls.model_fields.items() if not f.is_required() and f.default is None)
+    for cls in KINDS.values()
+}
+# per kind, what to_wire sends: (field, wire key, left out while None), in the order of the fields;
+# a chunk's ``n`` is the framing's (wire.encode writes it from the payload)
+_WIRE: dict[type[BaseModel], tuple[tuple[str, str, bool], ...]] = {
+    cls: tuple(
+        (name, info.alias or name, name in _UNSENT_NONE[cls])
+        for name, info in cls.model_fields.items()
+        if not (cls is ChunkFrame and name == "n")
+    )
     for cls in KINDS.values()
 }
 _VERSION: TypeAdapter[int] = TypeAdapter(Version, config=ConfigDict(strict=True))
@@ -224,20 +257,30 @@ def parse_frame(header: Mapping[str, Any], *kinds: type[BaseModel], sender: str 
     try:
         return _FRAMES.validate_python(header, by_alias=True, by_name=False)
     except ValidationError as exc:
-        raise ProtocolError(f"{op!r} frame{at}: {_explain(exc)}") from None
+        raise ProtocolError(f"{op!r} frame{at}: {_explain(exc, tagged=True)}") from None
+
+
+def parse_get_credentials(header: Mapping[str, Any], *, sender: str | None = None) -> GetCredentials:
+    """The credential fields of a received ``get`` (:class:`GetCredentials`); ProtocolError naming the
+    field otherwise, worded as :func:`parse_frame`'s (``'get' frame: field 'from': ...``)."""
+    at = f" from {sender!r}" if sender is not None else ""
+    if header.get("op") != "get":
+        raise ProtocolError(f"unexpected {show(header.get('op'))} frame{at} (expected 'get')")
+    try:
+        return GetCredentials.model_validate(header, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        raise ProtocolError(f"'get' frame{at}: {_explain(exc, tagged=False)}") from None
 
 
 def to_wire(frame: Frame) -> dict[str, Any]:
     """The header ``wire.write_frame`` sends for ``frame`` (the module docstring: same keys as ever).
     Shallow: the field values go out as they are (tuples encode as JSON arrays), so the learner's
     announcements, one per member with the whole peer map, cost no copy of that map."""
-    unsent = _UNSENT_NONE[type(frame)]
     out: dict[str, Any] = {}
-    for name, info in type(frame).model_fields.items():
+    for name, key, unsent_none in _WIRE[type(frame)]:
         value = getattr(frame, name)
-        if (value is None and name in unsent) or (name == "n" and isinstance(frame, ChunkFrame)):
-            continue
-        out[info.alias or name] = value
+        if value is not None or not unsent_none:
+            out[key] = value
     return out
 
 
@@ -245,6 +288,12 @@ def announce(**fields: Any) -> AnnounceFrame:
     """An announcement the learner builds itself, not validated again (its parts are this process's own:
     the signed manifest, the plan, the members' checked join addresses); a member parses it strictly."""
     return AnnounceFrame.model_construct(**fields)
+
+
+def refusal(reason: str) -> ErrorFrame:
+    """The ``error`` frame refusing something for ``reason``, cut to ``MAX_REASON`` characters (a
+    reason may quote a peer's values, so its length is not this node's to promise)."""
+    return ErrorFrame(reason=reason[:MAX_REASON])
 
 
 def version_or_none(value: object) -> int | None:
@@ -262,12 +311,14 @@ def show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _explain(exc: ValidationError) -> str:
-    """The first fault of a failed validation as ``field 'a.b': what, got value`` (and how many more)."""
+def _explain(exc: ValidationError, tagged: bool) -> str:
+    """The first fault of a failed validation as ``field 'a.b': what, got value`` (and how many more).
+    ``tagged``: the validation was the discriminated union's, whose ``loc`` starts with the op tag."""
     errors = exc.errors(include_url=False)
     err = errors[0]
-    # loc[0] is the op tag; a union (an announced peer's address) adds its member's label: neither is a field
-    path = ".".join(str(p) for p in err["loc"][1:] if not (isinstance(p, str) and p.startswith("tuple[")))
+    # the op tag (tagged) and a union's member label (an announced peer's address) are no field
+    loc = err["loc"][1:] if tagged else err["loc"]
+    path = ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("tuple[")))
     if err["type"] == "missing":
         text = f"field {path!r} is missing"
     elif err["type"] == "extra_forbidden":

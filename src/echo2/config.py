@@ -12,13 +12,19 @@ The paper's constraints live in validators: ``kappa >= 1`` and the default coupl
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from echo2.envs.base import EnvironmentFields
+from echo2.envs.guess import GuessTaskConfig as GuessTaskConfig  # re-exported: the name predates envs/
+from echo2.envs.poker_task import PokerTaskConfig as PokerTaskConfig  # re-exported: the name predates envs/
+from echo2.envs.registry import ENVIRONMENTS
 from echo2.errors import ConfigError
 from echo2.physics.broadcast import StrategyName
 from echo2.physics.rules import DEFAULT_GAMMA, kappa_from_staleness
@@ -149,101 +155,17 @@ class MathTaskConfig(_SingleTurnFields):
         return self
 
 
-class _EnvironmentFields(_Section):
-    """What every multi-turn environment task shares (the adapter's knobs, ``envs/episodes.py``)."""
+# The multi-turn environments are declared in their own modules (``envs/``: config model, spec,
+# preset) and listed once in ``envs/registry.ENVIRONMENTS``; the ``[task]`` union and the presets
+# below are derived from that list.
+SINGLE_TURN_TASKS: tuple[type[_SingleTurnFields], ...] = (ArithmeticTaskConfig, MathTaskConfig)
+# every ``[task]`` variant, in the order pydantic lists them: the single-turn tasks, then the environments
+TASK_MODELS: tuple[type[BaseModel], ...] = (*SINGLE_TURN_TASKS, *(env.config for env in ENVIRONMENTS))
 
-    discount: float = Field(
-        1.0, gt=0.0, le=1.0, description="gamma of the episodic return R = sum_t gamma^t r_t over decisions"
-    )
-    max_turns: int = Field(
-        8, ge=1, le=64, description="model decisions per episode before it is cut (counted)"
-    )
-    illegal_penalty: float = Field(
-        0.0, ge=0.0, description="subtracted from the reward of a step whose action was illegal (training)"
-    )
-    step_timeout_s: float = Field(
-        5.0, gt=0.0, description="an environment step slower than this ends its episode (counted, reward 0)"
-    )
-    eval_fraction: float = Field(
-        0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the test split"
-    )
-    validation_fraction: float = Field(
-        0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the validation split"
-    )
-
-    def check_run(self, loss_agg: str, max_new_tokens: int, context_tokens: int) -> None:
-        """An episode has no constant completion length and needs room for several actions."""
-        if loss_agg == "seq-mean-token-sum-norm":
-            raise ValueError(
-                "grpo.loss_agg=seq-mean-token-sum-norm needs a constant completion length; an environment "
-                "task's episodes have none (use token-mean or seq-mean-token-mean)"
-            )
-        if context_tokens < 2 * max_new_tokens + 16:
-            raise ValueError(
-                f"model.embedded.max_positions={context_tokens} leaves no room for a multi-turn "
-                f"episode of sampling.max_new_tokens={max_new_tokens} per action"
-            )
-
-
-PokerOpponent = Literal["tag", "station", "lag", "selfplay"]
-# the rule-based tables; add "selfplay" to train against earlier snapshots too (docs/environments.md:
-# against the tag-imitating warm start it rewards bluffing, which the station and lag punish)
-POKER_OPPONENTS: tuple[PokerOpponent, ...] = ("tag", "station", "lag")
-
-
-class PokerTaskConfig(_EnvironmentFields):
-    """No-Limit Texas Hold'em on pokerkit (``envs/poker.py``): one hand per episode, the return is the
-    hero's chip change in big blinds."""
-
-    name: Literal["poker"] = "poker"
-    players: int = Field(2, ge=2, le=6, description="seats at the table: 2 = heads-up, 6 = 6-max")
-    stack_bb: int = Field(20, ge=2, le=1000, description="starting stack of every seat, in big blinds")
-    small_blind: int = Field(1, ge=1, description="small blind, in chips")
-    big_blind: int = Field(2, ge=2, description="big blind, in chips")
-    opponents: list[PokerOpponent] = Field(
-        default_factory=lambda: list(POKER_OPPONENTS),
-        min_length=1,
-        description="styles training tables draw opponents from (selfplay: an earlier snapshot)",
-    )
-    selfplay_every: int = Field(
-        20, ge=1, description="a worker keeps every this-many-th installed version as a self-play opponent"
-    )
-    selfplay_pool: int = Field(3, ge=1, le=16, description="earlier snapshots a worker keeps as opponents")
-    eval_deals: int = Field(
-        250, ge=1, description="deals per opponent in evaluation; each is played from every seat (duplicate)"
-    )
-    warmstart_teacher: Literal["tag", "station", "lag"] = Field(
-        "tag", description="the rule-based player the warm start imitates"
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> PokerTaskConfig:
-        if self.big_blind <= self.small_blind:
-            raise ValueError(f"big_blind={self.big_blind} must exceed small_blind={self.small_blind}")
-        if self.eval_fraction + self.validation_fraction >= 1.0:
-            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave seeds to train on")
-        return self
-
-
-class GuessTaskConfig(_EnvironmentFields):
-    """Higher-or-lower (``envs/guess.py``): find a hidden integer; the environment answers each guess
-    with ``higher``, ``lower`` or ``correct``. Small, deterministic: the tests' multi-turn task."""
-
-    name: Literal["guess"] = "guess"
-    max_value: int = Field(15, ge=1, le=9999, description="the hidden number is drawn from 0..max_value")
-    max_turns: int = Field(5, ge=1, le=64, description="guesses per episode")
-    discount: float = Field(0.8, gt=0.0, le=1.0, description="gamma: finding it sooner pays more")
-
-    @model_validator(mode="after")
-    def _check(self) -> GuessTaskConfig:
-        if self.eval_fraction + self.validation_fraction >= 1.0:
-            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave seeds to train on")
-        return self
-
-
-TaskConfig = Annotated[
-    ArithmeticTaskConfig | MathTaskConfig | PokerTaskConfig | GuessTaskConfig, Field(discriminator="name")
-]
+if TYPE_CHECKING:  # the checker's view: a single-turn task or any declared environment
+    TaskConfig = ArithmeticTaskConfig | MathTaskConfig | EnvironmentFields
+else:  # pydantic's: one variant per model, picked by its ``name`` literal
+    TaskConfig = Annotated[functools.reduce(operator.or_, TASK_MODELS), Field(discriminator="name")]
 
 
 class SamplingConfig(_Section):
@@ -614,29 +536,12 @@ class Config(_Section):
 
 M = TypeVar("M", bound=BaseModel)
 
-# `--task NAME`: the embedded default of each task, as overrides under the user's own (one place)
+# `--task NAME`: the embedded default of each task, as overrides under the user's own; an environment's
+# are its declaration's (``Environment.preset``), after the ``task.name`` that selects it
 TASK_PRESETS: dict[str, list[str]] = {
     "arithmetic": ["task.name=arithmetic"],
     "math": ["task.name=math"],
-    "guess": [
-        "task.name=guess",
-        "sampling.max_new_tokens=3",  # up to two digits and EOS
-        "model.warmstart.target_accuracy=0.5",  # half of binary search's choices: GRPO has room to learn
-    ],
-    "poker": [
-        "task.name=poker",
-        "model.embedded.max_positions=320",  # a hand of up to 6 decisions of <= 60-character observations
-        "task.max_turns=6",
-        "task.illegal_penalty=1.0",  # a big blind per illegal action: the fallback is often harmless
-        "sampling.max_new_tokens=2",  # one action letter and EOS
-        "model.warmstart.target_accuracy=0.9",  # agreement with the rule-based teacher's decisions
-        "model.warmstart.batch_size=32",
-        "batch.prompts=8",  # 8 deals x 16 hands each: a group of 16 sees more than one line of play
-        "batch.group_size=16",
-        "grpo.lr=5e-4",
-        "train.eval_size=200",
-        "train.max_minutes=12",
-    ],
+    **{env.name: [f"task.name={env.name}", *env.preset] for env in ENVIRONMENTS},
 }
 
 

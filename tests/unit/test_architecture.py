@@ -101,7 +101,7 @@ def test_no_function_of_the_learner_node_or_worker_is_long():
 
 TASK_PACKAGES = ("tasks", "data/tasks", "envs")  # where a task may know its own kind
 KIND_CLASSES = frozenset(
-    {"EnvironmentTask", "Episodic", "SingleTurn", "_EnvironmentFields", "_SingleTurnFields", "EnvSpec"}
+    {"EnvironmentTask", "Episodic", "SingleTurn", "EnvironmentFields", "_SingleTurnFields", "EnvSpec"}
 )
 TASK_CONFIGS = frozenset({"ArithmeticTaskConfig", "MathTaskConfig", "PokerTaskConfig", "GuessTaskConfig"})
 

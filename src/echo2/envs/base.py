@@ -11,15 +11,33 @@ parse, or one that is not legal in its state, is never an error: the environment
 fallback its docstring documents and reports it with ``EnvStep.illegal`` (the adapter counts it).
 
 What the adapter (``rollout/episodes.py``) adds on top: rendering observations into prompt turns,
-the turn-aware loss mask, the per-step timeout and the discounted episodic return. A new environment
-is a class with these two methods plus its config model, registered in ``envs/registry.py``; nothing
-in the runtime changes.
+the turn-aware loss mask, the per-step timeout and the discounted episodic return.
+
+**Declaring one.** A new environment is declared once, in its module under ``envs/``: the class with
+these two methods, its ``[task]`` config model (extending :class:`EnvironmentFields`, with its own
+``name`` literal), its spec (what the task adapter asks of it, ``data/tasks/environment.EnvSpec``),
+the overrides of ``--task NAME`` and the :class:`Environment` tying them together; then it is one
+line of ``envs/registry.ENVIRONMENTS``. The config union, ``config.TASK_PRESETS``, ``env_spec`` and
+the task registry are derived from that list; nothing in the runtime changes.
+
+This package sits *below* ``echo2.config`` (the config tree is assembled from the environments'
+models), so nothing here imports the config, the protocol or any plane; an environment's module must
+stay cheap to import (the config imports it): a heavy engine (pokerkit) is imported by its spec when
+an environment is built, from a sibling module.
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from echo2.data.tasks.environment import EnvSpec
 
 
 @dataclass(frozen=True)
@@ -50,3 +68,111 @@ class TextEnv(Protocol):
 class EnvError(RuntimeError):
     """An environment misbehaved (raised, hung past its timeout, returned a non-finite reward or a
     non-text observation): the message names what. It costs only the episode it happened in."""
+
+
+class EnvironmentFields(BaseModel):
+    """What every multi-turn environment's ``[task]`` config shares (the adapter's knobs,
+    ``rollout/episodes.py``). An environment's model extends it with ``name: Literal["<its name>"]``
+    and its own knobs; strict about unknown keys, like every config section."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    if TYPE_CHECKING:  # each environment's model declares it (after these knobs, as config.json shows it)
+        name: str  # the task name: a one-value Literal, the discriminator of the ``[task]`` variants
+
+    discount: float = Field(
+        1.0, gt=0.0, le=1.0, description="gamma of the episodic return R = sum_t gamma^t r_t over decisions"
+    )
+    max_turns: int = Field(
+        8, ge=1, le=64, description="model decisions per episode before it is cut (counted)"
+    )
+    illegal_penalty: float = Field(
+        0.0, ge=0.0, description="subtracted from the reward of a step whose action was illegal (training)"
+    )
+    step_timeout_s: float = Field(
+        5.0, gt=0.0, description="an environment step slower than this ends its episode (counted, reward 0)"
+    )
+    eval_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the test split"
+    )
+    validation_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the validation split"
+    )
+
+    def check_run(self, loss_agg: str, max_new_tokens: int, context_tokens: int) -> None:
+        """An episode has no constant completion length and needs room for several actions."""
+        if loss_agg == "seq-mean-token-sum-norm":
+            raise ValueError(
+                "grpo.loss_agg=seq-mean-token-sum-norm needs a constant completion length; an environment "
+                "task's episodes have none (use token-mean or seq-mean-token-mean)"
+            )
+        if context_tokens < 2 * max_new_tokens + 16:
+            raise ValueError(
+                f"model.embedded.max_positions={context_tokens} leaves no room for a multi-turn "
+                f"episode of sampling.max_new_tokens={max_new_tokens} per action"
+            )
+
+
+@dataclass(frozen=True)
+class EnvKnobs:
+    """The name and the adapter knobs a spec reads off its config (:class:`EnvironmentFields`)."""
+
+    cfg: Any
+
+    @property
+    def name(self) -> str:
+        return str(self.cfg.name)
+
+    @property
+    def discount(self) -> float:
+        return float(self.cfg.discount)
+
+    @property
+    def max_turns(self) -> int:
+        return int(self.cfg.max_turns)
+
+    @property
+    def illegal_penalty(self) -> float:
+        return float(self.cfg.illegal_penalty)
+
+    @property
+    def step_timeout_s(self) -> float:
+        return float(self.cfg.step_timeout_s)
+
+    @property
+    def eval_fraction(self) -> float:
+        return float(self.cfg.eval_fraction)
+
+    @property
+    def validation_fraction(self) -> float:
+        return float(self.cfg.validation_fraction)
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The one declaration of an environment (in its own module); listed once in
+    ``envs/registry.ENVIRONMENTS``, from which the config union, ``--task`` presets, ``env_spec`` and
+    the task registry are derived. Its name is its config model's ``name`` literal."""
+
+    config: type[EnvironmentFields]  # its ``[task]`` model (``task.name = "<name>"`` selects it)
+    spec: Callable[[Any], EnvSpec]  # its config -> the spec its task adapter reads
+    preset: tuple[str, ...] = ()  # ``--task NAME``: overrides after ``task.name=NAME`` (the embedded default)
+
+    def __post_init__(self) -> None:
+        field = self.config.model_fields.get("name")
+        tags = typing.get_args(field.annotation) if field is not None else ()
+        if (
+            field is None
+            or typing.get_origin(field.annotation) is not Literal
+            or len(tags) != 1
+            or field.default != tags[0]
+        ):
+            raise TypeError(
+                f"{self.config.__name__}.name must be a one-value Literal defaulting to it "
+                '(name: Literal["x"] = "x"): it names the environment and tells the [task] variants apart'
+            )
+
+    @property
+    def name(self) -> str:
+        """The task name (``task.name``, ``--task NAME``, the registry key)."""
+        return str(self.config.model_fields["name"].default)

@@ -12,14 +12,42 @@ answered ``?`` and is reported with ``EnvStep.illegal``.
 Transcript (one character per token for the embedded tokenizer)::
 
     guess 0-15>7<eos>higher>11<eos>lower>9<eos>correct
+
+The whole environment is declared here, the example of the one-place procedure (``envs/base.py``):
+its ``[task]`` config (:class:`GuessTaskConfig`), the environment, its spec (:class:`GuessSpec`) and
+:data:`GUESS`, the declaration ``envs/registry.ENVIRONMENTS`` lists.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-from echo2.config import GuessTaskConfig
-from echo2.envs.base import EnvStep
+from pydantic import Field, model_validator
+
+from echo2.envs.base import Environment, EnvironmentFields, EnvKnobs, EnvScore, EnvStep, TextEnv
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from echo2.types import Prompt
+
+
+class GuessTaskConfig(EnvironmentFields):
+    """Higher-or-lower (``envs/guess.py``): find a hidden integer; the environment answers each guess
+    with ``higher``, ``lower`` or ``correct``. Small, deterministic: the tests' multi-turn task."""
+
+    name: Literal["guess"] = "guess"
+    max_value: int = Field(15, ge=1, le=9999, description="the hidden number is drawn from 0..max_value")
+    max_turns: int = Field(5, ge=1, le=64, description="guesses per episode")
+    discount: float = Field(0.8, gt=0.0, le=1.0, description="gamma: finding it sooner pays more")
+
+    @model_validator(mode="after")
+    def _check(self) -> GuessTaskConfig:
+        if self.eval_fraction + self.validation_fraction >= 1.0:
+            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave seeds to train on")
+        return self
 
 
 class GuessEnv:
@@ -62,3 +90,34 @@ class GuessEnv:
     def expert_action(self) -> str:
         """Binary search's next guess (the warm start's teacher)."""
         return str((self.low + self.high) // 2)
+
+
+@dataclass(frozen=True)
+class GuessSpec(EnvKnobs):
+    """What the task adapter asks of higher-or-lower (``data/tasks/environment.EnvSpec``)."""
+
+    cfg: GuessTaskConfig
+    score: EnvScore = "return"  # held out: the mean discounted return of a greedy episode
+
+    def make(self, prompt: Prompt, opponent_policy: Callable[[str], str] | None = None) -> TextEnv:
+        return GuessEnv(self.cfg)
+
+    def draw_meta(self, rng: random.Random) -> dict[str, Any]:
+        return {}
+
+    def fixed_meta(self, index: int) -> dict[str, Any]:
+        return {}
+
+    def teacher(self, env: TextEnv) -> str:
+        assert isinstance(env, GuessEnv)
+        return env.expert_action()
+
+
+GUESS = Environment(
+    GuessTaskConfig,
+    GuessSpec,
+    preset=(
+        "sampling.max_new_tokens=3",  # up to two digits and EOS
+        "model.warmstart.target_accuracy=0.5",  # half of binary search's choices: GRPO has room to learn
+    ),
+)

@@ -69,11 +69,10 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from pokerkit import Automation, Card, Deck, NoLimitTexasHoldem, State
 
-from echo2.config import PokerTaskConfig
 from echo2.envs.base import EnvError, EnvStep
 from echo2.envs.poker_players import (
     ACTIONS,
@@ -91,6 +90,9 @@ from echo2.envs.poker_players import (
     resolve_action,
     rule_player,
 )
+
+if TYPE_CHECKING:  # the config is declared with the spec (envs/poker_task.py), which imports this module
+    from echo2.envs.poker_task import PokerTaskConfig
 
 __all__ = [
     "ACTIONS",

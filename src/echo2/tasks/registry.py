@@ -1,7 +1,12 @@
 """The one task registry, keyed by the config's task name: its config model, its ``--task`` preset and
 its builder (config -> :class:`~echo2.tasks.base.Task`). It sits above the adapters and the two kinds
-of task (it imports them; they never import it). A new task is an adapter (or an environment spec in
-``envs/registry.py``), its config model, and one :class:`Entry` here."""
+of task (it imports them; they never import it).
+
+A new single-turn task is an adapter (``data/tasks/``), its config model in ``config.py`` and one
+:class:`Entry` here. A new environment takes none of that: it is declared once in its module under
+``envs/`` and listed in ``envs/registry.ENVIRONMENTS``, and its entry here is derived from that
+declaration (config model, preset, the one environment builder), as its ``[task]`` variant and its
+preset are in ``config.py``."""
 
 from __future__ import annotations
 
@@ -11,15 +16,14 @@ from dataclasses import dataclass
 from echo2.config import (
     TASK_PRESETS,
     ArithmeticTaskConfig,
-    GuessTaskConfig,
     MathTaskConfig,
-    PokerTaskConfig,
     TaskConfig,
 )
 from echo2.data.tasks.arithmetic import ArithmeticTask
 from echo2.data.tasks.environment import EnvironmentTask
 from echo2.data.tasks.math import MathTask
-from echo2.envs.registry import env_spec
+from echo2.envs.base import EnvironmentFields
+from echo2.envs.registry import ENVIRONMENTS, env_spec
 from echo2.tasks.base import Task
 from echo2.tasks.episodic import Episodic
 from echo2.tasks.single_turn import SingleTurn
@@ -45,15 +49,15 @@ def _math(cfg: TaskConfig, seed: int) -> Task:
 
 
 def _environment(cfg: TaskConfig, seed: int) -> Task:
-    assert isinstance(cfg, PokerTaskConfig | GuessTaskConfig)
+    """Every environment's builder: its declared spec behind the episodic task."""
+    assert isinstance(cfg, EnvironmentFields)
     return Episodic(EnvironmentTask(env_spec(cfg), seed))
 
 
 REGISTRY: dict[str, Entry] = {
     "arithmetic": Entry(ArithmeticTaskConfig, tuple(TASK_PRESETS["arithmetic"]), _arithmetic),
     "math": Entry(MathTaskConfig, tuple(TASK_PRESETS["math"]), _math),
-    "poker": Entry(PokerTaskConfig, tuple(TASK_PRESETS["poker"]), _environment),
-    "guess": Entry(GuessTaskConfig, tuple(TASK_PRESETS["guess"]), _environment),
+    **{env.name: Entry(env.config, tuple(TASK_PRESETS[env.name]), _environment) for env in ENVIRONMENTS},
 }
 TASKS: dict[type, Callable[[TaskConfig, int], Task]] = {e.config: e.build for e in REGISTRY.values()}
 

@@ -128,11 +128,16 @@ class MathTask:
     def grade(self, prompt: Prompt, completion: str) -> Grade:
         from math_verify import parse, verify
 
-        predicted = parse(completion)
+        # without math-verify's own timeout: it uses SIGALRM, which works only on the main thread, and
+        # the learner loop evaluates and generates off it (a timeout of echo2's own is not built yet)
+        predicted = parse(completion, parsing_timeout=None)  # type: ignore[arg-type]
         if not predicted:
             return Grade(reward=0.0, parsed=False)
-        gold = parse(f"${prompt.answer}$") or parse(prompt.answer)
-        return Grade(reward=1.0 if verify(gold, predicted) else 0.0, parsed=True)
+        gold = parse(f"${prompt.answer}$", parsing_timeout=None) or parse(  # type: ignore[arg-type]
+            prompt.answer,
+            parsing_timeout=None,  # type: ignore[arg-type]
+        )
+        return Grade(reward=1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0, parsed=True)
 
     def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
         return full_mask(completion_ids, meta)

@@ -110,7 +110,7 @@ class Worker:
             broker.returned(self.name)  # a returned lease earns the next, larger one (runtime/standing.py)
 
 
-async def main(minutes: float, seed: int, staleness: int) -> tuple[float, float, int, int]:
+async def main(minutes: float, seed: int, staleness: int, steps: int = 10**9) -> tuple[float, float, int, int]:
     cfg = load_config(overrides=[f"seed={seed}", f"staleness.S={staleness}"])
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg))  # the warm start, built and cached on first use
@@ -149,7 +149,7 @@ async def main(minutes: float, seed: int, staleness: int) -> tuple[float, float,
 
     S, kappa, P = cfg.staleness.S, cfg.staleness.effective_kappa, cfg.batch.prompts
     t0, staleness_max = time.perf_counter(), 0
-    while time.perf_counter() - t0 < minutes * 60:
+    while time.perf_counter() - t0 < minutes * 60 and trainer.version < steps:
         batch = store.take_batch(P, trainer.version, step=trainer.version + 1)  # drops v < v_t - S first
         if batch is None:
             await asyncio.sleep(0.01)  # the bubble: the learner waits for rollouts
@@ -184,7 +184,8 @@ async def main(minutes: float, seed: int, staleness: int) -> tuple[float, float,
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=2.0)
+    ap.add_argument("--steps", type=int, default=10**9, help="stop after this many updates")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--staleness", "-S", type=int, default=3)
     args = ap.parse_args()
-    asyncio.run(main(args.minutes, args.seed, args.staleness))
+    asyncio.run(main(args.minutes, args.seed, args.staleness, args.steps))

@@ -110,7 +110,9 @@ class Worker:
             broker.returned(self.name)  # a returned lease earns the next, larger one (runtime/standing.py)
 
 
-async def main(minutes: float, seed: int, staleness: int, steps: int = 10**9) -> tuple[float, float, int, int]:
+async def main(
+    minutes: float, seed: int, staleness: int, steps: int = 10**9
+) -> tuple[float, float, int, int]:
     cfg = load_config(overrides=[f"seed={seed}", f"staleness.S={staleness}"])
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg))  # the warm start, built and cached on first use

@@ -145,6 +145,12 @@ class MathTaskConfig(_SingleTurnFields):
         0.1, gt=0.0, lt=1.0, description="share of train_path held out as the validation split (warm start)"
     )
     prompt_template: str = Field("{question}\nAnswer: ", description="format string with a {question} slot")
+    answer_rule: Literal["auto", "gsm8k", "boxed", "whole"] = Field(
+        "auto",
+        description="how the gold answer is read from a record's answer: the text after the last '####' "
+        "(gsm8k), the last \\boxed{} (boxed), the whole string, or auto: gsm8k if '####' is there, else "
+        "boxed if a \\boxed{ is, else whole",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MathTaskConfig:

@@ -87,6 +87,7 @@ def test_train_a_user_checkpoint_on_math(user_checkpoint, tmp_path):
     assert config["model"]["path"] == str(user_checkpoint) and config["task"]["name"] == "math"
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["learner/version"] == 2
+    assert [r["reward/grade_timeouts"] for r in records if "reward/mean" in r] == [0.0, 0.0]  # math's counter
     assert (run / "checkpoints" / "step_000002" / "tokenizer.json").is_file()
 
 

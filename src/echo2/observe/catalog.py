@@ -255,6 +255,13 @@ REWARD_MEAN = _m(
 REWARD_UNPARSED = _m(
     "reward/unparsed", "count", "completions of the step the reward function could not parse (reward 0)", BOTH
 )
+REWARD_GRADE_TIMEOUTS = _m(
+    "reward/grade_timeouts",
+    "count",
+    "gradings of the learner process since the previous step that ran past the grade timeout or lost "
+    "their grading process (each scored 0 and unparsed; math task)",
+    BOTH,
+)
 REWARD_ACCURACY = _m(
     "reward/accuracy",
     "fraction",

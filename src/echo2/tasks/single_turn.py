@@ -1,16 +1,22 @@
 """Single-turn tasks (arithmetic, math): a prompt is a text, a completion is graded by the adapter's
 reward function (``echo2.data.tasks``), evaluation is the greedy share of correct answers, verification
-re-grades every completion, and the warm start is supervised on the reference answers."""
+re-grades every completion, and the warm start is supervised on the reference answers.
+
+An adapter whose grader can time out (math: ``grade_timeouts``, a running count of this process) has
+its count reported per step as ``reward/grade_timeouts``: the gradings since the previous step record.
+In the learner process that covers every completion it trains on (the intake re-grades each one) and
+its evaluations; a worker's own gradings are counted in the worker process, not here."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from echo2.data.tasks.base import Grade
 from echo2.data.tasks.base import Task as TextAdapter
+from echo2.observe import catalog as m
 from echo2.rollout.collect import RolloutBatch, collect_groups
 from echo2.rollout.evaluate import EvalResult, evaluate_text
 from echo2.tasks.base import Score
@@ -24,6 +30,16 @@ if TYPE_CHECKING:
     from echo2.rollout.engines.base import Engine
 
 
+@runtime_checkable
+class CountsGradeTimeouts(Protocol):
+    """An adapter whose grading runs under a timeout and counts the gradings that ran past it."""
+
+    @property
+    def grade_timeouts(self) -> int:
+        """Gradings of this process so far that ran past the timeout (each scored 0)."""
+        ...
+
+
 class SingleTurn:
     """The :class:`~echo2.tasks.base.Task` of a text adapter (one prompt, one graded completion)."""
 
@@ -32,6 +48,8 @@ class SingleTurn:
     def __init__(self, data: TextAdapter) -> None:
         self.data = data  # prompts, splits and the reward function
         self.name = data.name
+        self._timeouts = data if isinstance(data, CountsGradeTimeouts) else None
+        self._timeouts_seen = 0  # the count at the previous batch_metrics
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         return self.data.sample_train(rng, n)
@@ -87,7 +105,13 @@ class SingleTurn:
         return supervised(cfg, policy, self.data, out)
 
     def batch_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        return {}
+        """``reward/grade_timeouts`` (gradings past the timeout since the previous call) for an adapter
+        that counts them; nothing for one that cannot time out."""
+        if self._timeouts is None:
+            return {}
+        now = self._timeouts.grade_timeouts
+        new, self._timeouts_seen = now - self._timeouts_seen, now
+        return {m.REWARD_GRADE_TIMEOUTS.key: float(new)}
 
     def max_completion_tokens(self, bounds: Bounds) -> int:
         return bounds.max_new_tokens

@@ -148,7 +148,7 @@ def synthetic_batch(model: Any, rng: random.Random, shape: dict[str, int], pad_i
     model's own (computed now, before the update)."""
     import torch
 
-    from echo2.learner.trainer import completion_logprobs, pack
+    from echo2.learner.logprobs import completion_logprobs, pack
     from echo2.types import Trajectory
 
     vocab = model.config.vocab_size

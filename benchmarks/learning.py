@@ -81,7 +81,8 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
     import torch
 
     from echo2.cli.common import add_config_arguments, load_from_args
-    from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
+    from echo2.learner.logprobs import completion_logprobs, pack
+    from echo2.learner.trainer import GRPOTrainer
     from echo2.models.policy import configure_torch, load_checkpoint
     from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine

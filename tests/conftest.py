@@ -42,6 +42,12 @@ def _tiny_policy():
 
 
 @pytest.fixture
+def tiny_policy_factory():
+    """A function that builds a fresh tiny embedded policy, the same weights every call."""
+    return _tiny_policy
+
+
+@pytest.fixture
 def tiny_policy():
     """A freshly initialised tiny embedded policy (no warm start)."""
     return _tiny_policy()

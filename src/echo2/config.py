@@ -31,6 +31,7 @@ from echo2.physics.rules import DEFAULT_GAMMA, kappa_from_staleness
 
 USER_CONTEXT_TOKENS = 32768  # longest prompt + completion accepted when the model's context is unknown
 FloatDtype = Literal["bfloat16", "float16", "float32"]  # published weights, engine compute
+DEVICE_PATTERN = r"^(auto|cpu|cuda|cuda:[0-9]+)$"  # a device setting: auto, cpu, cuda or cuda:N
 EngineName = Literal["hf", "vllm"]  # rollout engines (rollout/engines/: the registry maps names to classes)
 
 
@@ -279,6 +280,43 @@ class GRPOConfig(_Section):
 SinkName = Literal["tensorboard", "wandb", "trackio", "mlflow"]
 
 
+class LearnerConfig(_Section):
+    """Where and how the learner computes an update (docs/learner.md: the memory model).
+
+    One update is one optimizer step per minibatch whatever the token budget: rows are packed into
+    micro-batches of at most ``micro_batch_tokens`` padded tokens whose gradients accumulate, with the
+    loss normalised over the whole minibatch, so the budget bounds activation memory without changing
+    the algorithm."""
+
+    device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="where the learner's model, update, evaluation and checks run: auto (CUDA when "
+        "present, else the CPU), cpu, cuda or cuda:N",
+    )
+    precision: Literal["fp32", "bf16-mixed"] = Field(
+        "fp32",
+        description="fp32, or bf16-mixed: bf16 autocast compute with fp32 master weights, gradients and "
+        "optimizer states (log-probs, the loss and the checks in fp32)",
+    )
+    micro_batch_tokens: int = Field(
+        8192,
+        ge=16,
+        description="padded tokens (rows x longest row) per forward + backward; gradients of the "
+        "micro-batches of a minibatch accumulate into one optimizer step; also bounds evaluation batches",
+    )
+    logprob_chunk: int = Field(
+        4096,
+        ge=1,
+        description="completion positions per chunk of the LM head when computing log-probs (peak logits "
+        "memory ~ chunk x vocab x 4 bytes; no [B, L, V] tensor is built)",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations during its backward (less memory, more time)",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(2000, ge=1, description="learner updates at most")
     max_minutes: float | None = Field(8.0, gt=0.0, description="wall-clock budget; unset = no limit")
@@ -474,6 +512,17 @@ class RuntimeConfig(_Section):
     engine_memory: float = Field(
         0.3, gt=0.0, le=1.0, description="share of GPU (CPU: host) memory a vLLM engine may claim"
     )
+    engine_device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="where the HF engine of the workers `echo2 run` starts computes: auto (CUDA when "
+        "present), cpu, cuda or cuda:N",
+    )
+    engine_batch_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="HF engine: rows x (prompt + new tokens) per forward batch; unset = one batch",
+    )
     dashboard: bool = Field(True, description="serve the live dashboard and Prometheus /metrics")
     dashboard_host: str = Field(
         "127.0.0.1", description="where the dashboard and /metrics listen (beyond loopback: view token)"
@@ -498,6 +547,7 @@ class Config(_Section):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)

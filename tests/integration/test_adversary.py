@@ -1,6 +1,8 @@
 """Strangers against a real learner: `echo2 run` (tiny model, TLS, one honest worker process) while
 attackers set up exactly like a worker (benchmarks/echo2_bench/adversary.py) and lie. Every generation
-is re-checked here (security.check_fraction = 1) so each forgery is caught at its first submission;
+is re-checked here (security.check_fraction = 1) so each forgery is caught at its first submission
+the learner could train on (one dropped as stale, when the learner moved more than S versions during
+the attacker's generation on a busy machine, is never trained and so never checked);
 benchmarks/adversary.py measures the default fraction."""
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ KINDS = (
     "poison_1e30",
     "unpublished",
 )
+FORGERIES = {"model": "forged_generation", "logprobs": "forged_generation", "reward": "reward_mismatch"}
 
 
 async def _attack(join: str, token: str) -> dict[str, object]:
@@ -47,7 +50,7 @@ async def _attack(join: str, token: str) -> dict[str, object]:
         for kind in KINDS:
             att = Attacker(join, token, kind, session, max_prompts=1)
             await att.start()
-            (trial,) = await attack_until_caught(att, 1, budget=2)
+            (trial,) = await attack_until_caught(att, 1, budget=4 if kind in FORGERIES else 2)
             out[kind] = (trial.worker_id, trial.outcomes, trial.quarantined_after)
             await att.close()
         stop.set()
@@ -113,13 +116,10 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     assert "Traceback" not in text
 
     # forgeries of the generation and of the reward: caught at the first submission, quarantined
-    for kind, reason in (
-        ("model", "forged_generation"),
-        ("logprobs", "forged_generation"),
-        ("reward", "reward_mismatch"),
-    ):
+    for kind, reason in FORGERIES.items():
         _, outcomes, caught = got[kind]  # type: ignore[misc]
-        assert outcomes == [reason] and caught == 1, (kind, outcomes)
+        checked = [o for o in outcomes if o != "dropped_stale"]  # a stale drop is never trained
+        assert checked == [reason] and caught == len(outcomes), (kind, outcomes)
     # deterministic refusals, every time, nobody quarantined for them
     assert got["prompt"][1] == ["prompt_mismatch"] * 2  # type: ignore[index]
     assert got["deflated"][1] == ["version_mismatch"] * 2  # type: ignore[index]

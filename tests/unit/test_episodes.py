@@ -19,7 +19,8 @@ from echo2.data.tasks.environment import EnvironmentTask
 from echo2.envs.base import EnvStep
 from echo2.envs.guess import GuessEnv
 from echo2.envs.registry import GuessSpec
-from echo2.learner.trainer import GRPOTrainer, completion_logprobs, loss_mask, pack
+from echo2.learner.logprobs import completion_logprobs, pack
+from echo2.learner.trainer import GRPOTrainer, loss_mask
 from echo2.protocol import decode_group, encode_group
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.episodes import collect_episodes
@@ -154,9 +155,9 @@ def test_mask_is_exact_on_a_hand_built_transcript(tiny_policy):
         out.retain_grad()
         logits.append(out)
 
+    trainer = GRPOTrainer(model, GRPOConfig(), SAMPLING, tiny_policy.pad_id)  # its set-up probe runs unhooked
     hook = model.lm_head.register_forward_hook(keep)
     try:
-        trainer = GRPOTrainer(model, GRPOConfig(), SAMPLING, tiny_policy.pad_id)
         from echo2.learner import grpo
 
         logp = completion_logprobs(model, batch, SAMPLING.temperature)

@@ -3,7 +3,8 @@ import torch
 
 from echo2.config import GRPOConfig, SamplingConfig
 from echo2.errors import TrainingDivergedError
-from echo2.learner.trainer import GRPOTrainer, completion_logprobs, pack
+from echo2.learner.logprobs import completion_logprobs, pack
+from echo2.learner.trainer import GRPOTrainer
 from echo2.types import Trajectory
 
 

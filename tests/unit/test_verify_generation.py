@@ -13,6 +13,7 @@ import torch
 from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.store import Lease
 from echo2.data.submission import Rejected, Submission
+from echo2.models.snapshot import alias_weights, aliasing_model, install_weights
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.sampling import GUMBEL_MAX, GUMBEL_MIN, gumbel_draw, gumbel_noise, min_drawn_logprob
 from echo2.tasks.verify import GenerationCheck
@@ -93,8 +94,6 @@ def setup(tiny_policy_module):
     sampling = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=8)
     v1 = sampler_copy(policy.model, "bfloat16")
     worker = copy.deepcopy(policy.model)
-    from echo2.models.snapshot import install_weights
-
     install_weights(worker, v1)
     engine = HFEngine(worker, policy.eos_id, policy.pad_id, sampling)
     other = copy.deepcopy(policy.model)
@@ -102,7 +101,8 @@ def setup(tiny_policy_module):
         for p in other.parameters():
             p.add_(0.05 * torch.randn_like(p))
     v2 = sampler_copy(other, "bfloat16")
-    check = GenerationCheck(copy.deepcopy(policy.model), sampling, SecurityConfig(), rng=random.Random(0))
+    # the learner's check model: it reads the kept bf16 copies in place (models/snapshot.py)
+    check = GenerationCheck(aliasing_model(policy.model), sampling, SecurityConfig(), rng=random.Random(0))
     check.keep(1, v1)
     check.keep(2, v2)
     prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(3)]
@@ -214,3 +214,35 @@ def test_a_batched_rerun_gives_the_single_reruns_verdicts(setup):
     assert all(
         abs(a.max_logprob_error - b.max_logprob_error) < 1e-4 for a, b in zip(batched, single, strict=True)
     )
+
+
+def test_the_check_model_reads_the_kept_copies_in_place_and_computes_as_a_float32_worker(tiny_policy):
+    """The learner's check model (``aliasing_model``) owns no weights: after a version is loaded, each
+    of its parameters is a kept bf16 tensor itself, read as float32 at each use; its logits are the
+    float32 worker's (the same model holding the same rounded values) bit for bit."""
+    from echo2.errors import CheckpointError
+
+    weights = sampler_copy(tiny_policy.model, "bfloat16")
+    twin = aliasing_model(tiny_policy.model)
+    assert sum(p.numel() for p in twin.parameters()) == 0  # nothing loaded yet: no weight bytes at all
+    alias_weights(twin, weights)
+    kept = {t.untyped_storage().data_ptr() for t in weights.values()}
+    assert {p.untyped_storage().data_ptr() for p in twin.parameters()} <= kept  # no copy
+    worker = copy.deepcopy(tiny_policy.model)
+    install_weights(worker, weights)
+    ids = torch.tensor([[5, 9, 3, 17, 4, 11], [8, 2, 6, 6, 13, 1]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        assert torch.equal(
+            twin(input_ids=ids, attention_mask=mask).logits, worker(input_ids=ids, attention_mask=mask).logits
+        )
+    head, embed = twin.get_output_embeddings(), twin.get_input_embeddings()
+    if tiny_policy.model.config.tie_word_embeddings:  # one kept tensor read by both modules
+        assert head.parametrizations.weight.original is embed.parametrizations.weight.original
+    bad = dict(weights)
+    name = next(iter(bad))
+    bad[name] = bad[name][:1]
+    with pytest.raises(CheckpointError, match=name):
+        alias_weights(twin, bad)
+    with pytest.raises(CheckpointError, match="lacks"):
+        alias_weights(twin, {k: v for k, v in weights.items() if k != name})

@@ -46,6 +46,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "an unknown name lists the choices)",
     )
     p.add_argument("--activation", choices=("greedy", "greedy_prefix", "exact", "random"))
+    p.add_argument(
+        "--model-size", choices=("0.6B", "1.7B", "4B", "8B"), help="Qwen3 shape: report the learner's memory"
+    )
+    p.add_argument("--gpu-gib", type=float, help="memory of one learner GPU, GiB (does the learner fit?)")
+    p.add_argument("--gpus", type=int, help="GPUs of the learner node")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -63,6 +68,9 @@ _FIELDS = (
     ("snapshot_gb", "model.snapshot_gb"),
     ("group_size", "batch.group_size"),
     ("activation", "activation"),
+    ("model_size", "model.shape"),
+    ("gpu_gib", "learner.gpu_gib"),
+    ("gpus", "learner.gpus"),
     ("worker_rate", "workers.0.rollouts_per_s"),
     ("worker_price", "workers.0.usd_per_hour"),
     ("bw_mbps", "workers.0.bandwidth_mbps"),
@@ -165,7 +173,21 @@ def _report(plan: dict[str, Any]) -> str:
     )
     for name, b in plan["baselines"].items():
         lines.append(f"vs {name}: ${b['usd_per_step']:.3f}/step -> saving {b['saving']:.1%}")
+    mem = plan.get("learner_memory")
+    if mem:
+        lines.append(_memory_line(f"learner memory (Qwen3-{mem['shape']}, one GPU)", mem["one_gpu"]))
+        if "per_gpu_sharded" in mem:
+            lines.append(_memory_line("  per GPU if sharded (not built yet)", mem["per_gpu_sharded"]))
     return "\n".join(lines)
+
+
+def _memory_line(label: str, m: dict[str, Any]) -> str:
+    verdict = "" if m["fits"] is None else (" -> fits" if m["fits"] else " -> does NOT fit")
+    return (
+        f"{label}: {m['bytes_per_param']:g} B/param on the device = {m['params_gib']:.1f} GiB + activations "
+        f"{m['activations_gib']:.1f} GiB = {m['need_gib']:.1f} GiB "
+        f"(GPU {_fmt(m['device_gib'] or None, 'g')} GiB){verdict}"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

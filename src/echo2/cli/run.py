@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from typing import Any
@@ -137,12 +138,22 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
         default=0.3,
         help="share of GPU memory (host memory on CPU) the vLLM engine may claim (default 0.3)",
     )
+    p.add_argument(
+        "--engine-device",
+        default="auto",
+        help="where the HF engine computes: auto (CUDA when present, default), cpu, cuda or cuda:N",
+    )
+    p.add_argument(
+        "--engine-batch-tokens",
+        type=int,
+        help="HF engine: rows x (prompt + new tokens) per forward batch (default: one batch per lease)",
+    )
 
 
 def _worker(args: argparse.Namespace) -> int:
     from typing import get_args
 
-    from echo2.config import EngineName
+    from echo2.config import DEVICE_PATTERN, EngineName
     from echo2.errors import ConfigError
     from echo2.rollout.engines import EngineOptions, require_engine
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
@@ -157,6 +168,10 @@ def _worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"--engine {args.engine!r}: choose one of {list(get_args(EngineName))}")
     if not 0.0 < args.engine_memory <= 1.0:
         raise ConfigError(f"--engine-memory {args.engine_memory}: must be in (0, 1]")
+    if not re.match(DEVICE_PATTERN, args.engine_device):
+        raise ConfigError(f"--engine-device {args.engine_device!r}: choose auto, cpu, cuda or cuda:N")
+    if args.engine_batch_tokens is not None and args.engine_batch_tokens < 16:
+        raise ConfigError(f"--engine-batch-tokens {args.engine_batch_tokens}: must be >= 16")
     require_engine(args.engine)  # a missing or broken engine package fails here, before registering
     if args.engine == "vllm" and args.engine_dtype != "float32":
         print(
@@ -174,7 +189,12 @@ def _worker(args: argparse.Namespace) -> int:
         max_rollouts_per_s=args.max_rollouts_per_s,
         advertise_host=args.advertise_host,
         engine=args.engine,
-        engine_options=EngineOptions(dtype=args.engine_dtype, memory_fraction=args.engine_memory),
+        engine_options=EngineOptions(
+            dtype=args.engine_dtype,
+            memory_fraction=args.engine_memory,
+            device=args.engine_device,
+            max_batch_tokens=args.engine_batch_tokens,
+        ),
         **({"name": args.name} if args.name else {}),
     )
     worker = RolloutWorker(opts, build_task)

@@ -63,7 +63,7 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
-    from echo2.models.policy import configure_torch, load_checkpoint
+    from echo2.models.policy import configure_torch, load_checkpoint, resolve_device
     from echo2.rollout.engines.hf import HFEngine
     from echo2.tasks.registry import build_task
     from echo2.tasks.warmstart import starting_checkpoint
@@ -71,8 +71,15 @@ def _eval(args: argparse.Namespace) -> int:
 
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
+    policy.model.to(resolve_device(cfg.learner.device))
     task = build_task(cfg.task, cfg.seed)
-    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+    engine = HFEngine(
+        policy.model,
+        policy.eos_id,
+        policy.pad_id,
+        cfg.sampling,
+        max_batch_tokens=cfg.learner.micro_batch_tokens,
+    )
     if cfg.task.name == "poker":  # poker's own report: Table 4 against its opponents
         out: dict[str, object] = {
             "checkpoint": policy.source,

@@ -95,24 +95,44 @@ def kl_k3(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
     return torch.exp(d_BT) - d_BT - 1.0
 
 
+@dataclass(frozen=True)
+class Norm:
+    """The denominators of the loss aggregation. Taken over a whole minibatch (``Norm.of`` its mask),
+    they let each micro-batch's loss be its share of the minibatch's: the micro-batches' losses (and
+    gradients) add up to the unbatched ones exactly, in every mode."""
+
+    tokens: float  # valid tokens of the minibatch, Σ_bt m (at least 1)
+    seqs: int  # sequences of the minibatch, B
+
+    @classmethod
+    def of(cls, mask_BT: torch.Tensor) -> Norm:
+        return cls(tokens=max(float(mask_BT.sum()), 1.0), seqs=int(mask_BT.shape[0]))
+
+
 def aggregate(
-    loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, max_tokens: int | None = None
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    max_tokens: int | None = None,
+    norm: Norm | None = None,
 ) -> torch.Tensor:
     """One scalar from per-token losses (see module docstring for the three modes); ``max_tokens`` is
-    the constant ``T_max`` of ``seq-mean-token-sum-norm`` (required there, at least the batch width)."""
+    the constant ``T_max`` of ``seq-mean-token-sum-norm`` (required there, at least the batch width);
+    ``norm`` the denominators when these rows are part of a larger minibatch (default: their own)."""
     mask_BT = mask_BT.to(loss_BT.dtype)
+    norm = norm or Norm.of(mask_BT)
     if mode == "token-mean":
-        return (loss_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
+        return (loss_BT * mask_BT).sum() / norm.tokens
     if mode == "seq-mean-token-mean":
         per_seq_B = (loss_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
-        return per_seq_B.mean()
+        return per_seq_B.sum() / norm.seqs
     if mode == "seq-mean-token-sum-norm":
         if max_tokens is None or max_tokens < loss_BT.shape[1]:
             raise ValueError(
                 f"seq-mean-token-sum-norm needs a constant max_tokens >= the batch width "
                 f"{loss_BT.shape[1]}, got {max_tokens!r}"
             )
-        return (loss_BT * mask_BT).sum() / (loss_BT.shape[0] * max_tokens)
+        return (loss_BT * mask_BT).sum() / (norm.seqs * max_tokens)
     raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
 
 
@@ -141,9 +161,12 @@ def grpo_loss(
     loss_agg: str = "token-mean",
     clip_anchor: str = "sampler",
     max_tokens: int | None = None,
+    norm: Norm | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO objective of the module docstring; returns the scalar loss and its diagnostics.
-    ``max_tokens`` is the constant normaliser of ``loss_agg="seq-mean-token-sum-norm"``."""
+    ``max_tokens`` is the constant normaliser of ``loss_agg="seq-mean-token-sum-norm"``; ``norm`` the
+    aggregation's denominators when these rows are a micro-batch of a larger minibatch (the loss is
+    then this micro-batch's share; the diagnostics' shares and means stay over its own tokens)."""
     if kl_beta > 0.0 and logp_ref_BT is None:
         raise ValueError("kl_beta > 0 needs logp_ref_BT")
     if clip_anchor not in CLIP_ANCHORS:
@@ -166,11 +189,11 @@ def grpo_loss(
         pg_BT = -w_BT * surr_BT
     else:  # dual clip: a stale token with A < 0 and a large ratio cannot dominate the update
         pg_BT = -torch.where(A_B1 < 0, torch.maximum(surr_BT, is_cap * A_B1), surr_BT)
-    pg = aggregate(pg_BT, mask_BT, loss_agg, max_tokens)
+    pg = aggregate(pg_BT, mask_BT, loss_agg, max_tokens, norm)
 
-    kl = torch.zeros((), dtype=logp_BT.dtype)
+    kl = torch.zeros((), dtype=logp_BT.dtype, device=logp_BT.device)
     if logp_ref_BT is not None:
-        kl = aggregate(kl_k3(logp_BT, logp_ref_BT.detach()), mask_BT, loss_agg, max_tokens)
+        kl = aggregate(kl_k3(logp_BT, logp_ref_BT.detach()), mask_BT, loss_agg, max_tokens, norm)
     loss = pg + kl_beta * kl
 
     with torch.no_grad():

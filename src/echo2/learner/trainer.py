@@ -1,8 +1,11 @@
 """One GRPO learner update: a batch of R graded trajectories in, one new policy version out.
 
-``GRPOTrainer.update`` is one call: it packs the batch, computes group advantages, evaluates the
-loss of ``learner/grpo.py`` (one or more minibatches, groups kept whole), clips gradients, steps
-AdamW, and reports the wall time it took as ``t_train_s`` (T_train of SPEC §3). A NaN or inf loss or
+``GRPOTrainer.update`` is one call: it packs the batch on the model's device, computes group
+advantages, evaluates the loss of ``learner/grpo.py`` (one or more minibatches, groups kept whole; each
+minibatch in micro-batches of at most ``learner.micro_batch_tokens`` padded tokens whose gradients
+accumulate, normalised over the whole minibatch: ``learner/logprobs.py``), clips gradients over the
+minibatch's whole gradient, steps AdamW once per minibatch, and reports the wall time it took as
+``t_train_s`` (T_train of SPEC §3). A NaN or inf loss or
 gradient never reaches the optimizer, so the weights (and any checkpoint) stay those of the last good
 step. By default it raises :class:`TrainingDivergedError`. With ``isolate=True`` (the asynchronous
 learner, whose data comes from strangers' machines) it first looks for the groups that caused it: each
@@ -15,6 +18,7 @@ divergence) raises, and a batch whose every group was left out raises :class:`Po
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -24,10 +28,20 @@ from typing import Any
 
 import torch
 
-from echo2.config import GRPOConfig, SamplingConfig
+from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
 from echo2.data.tasks.base import full_mask
 from echo2.errors import TrainingDivergedError
 from echo2.learner import grpo
+from echo2.learner.logprobs import (
+    LMParts,
+    PackedBatch,
+    Rows,
+    completion_logprobs,
+    lm_parts,
+    micro_batches,
+    pack,
+    with_proximal,
+)
 from echo2.observe import catalog
 from echo2.types import Trajectory
 
@@ -60,66 +74,12 @@ class UpdateStats:
         }
 
 
-@dataclass(frozen=True)
-class PackedBatch:
-    """Trajectories as right-padded tensors (prompt + completion per row)."""
-
-    input_ids_BL: torch.Tensor  # prompt + completion ids, right-padded
-    attention_mask_BL: torch.Tensor  # 1 on real tokens
-    targets_BT: torch.Tensor  # completion ids, right-padded to T
-    mask_BT: torch.Tensor  # task token mask on completion tokens, 0 on padding
-    logp_sampler_BT: torch.Tensor  # sampler log-probs aligned with targets
-    start_B: torch.Tensor  # index in input_ids of each row's first completion token
-
-
-def pack(trajectories: Sequence[Trajectory], masks: Sequence[Sequence[float]], pad_id: int) -> PackedBatch:
-    B = len(trajectories)
-    L = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
-    T = max(len(t.completion_ids) for t in trajectories)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    targets = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    logp_s = torch.zeros((B, T), dtype=torch.float32)
-    start = torch.zeros(B, dtype=torch.long)
-    for i, (t, m) in enumerate(zip(trajectories, masks, strict=True)):
-        p, c = len(t.prompt_ids), len(t.completion_ids)
-        input_ids[i, : p + c] = torch.tensor(t.prompt_ids + t.completion_ids, dtype=torch.long)
-        attn[i, : p + c] = 1
-        targets[i, :c] = torch.tensor(t.completion_ids, dtype=torch.long)
-        mask[i, :c] = torch.tensor(m, dtype=torch.float32)
-        logp_s[i, :c] = torch.tensor(t.sampler_logprobs, dtype=torch.float32)
-        start[i] = p
-    return PackedBatch(input_ids, attn, targets, mask, logp_s, start)
-
-
 class PoisonedBatch(TrainingDivergedError):
     """Every group of a batch had a non-finite loss or gradient on its own: no step was made."""
 
     def __init__(self, excluded: Sequence[str]) -> None:
         super().__init__(f"every group of the batch has a non-finite loss or gradient: {list(excluded)}")
         self.excluded = tuple(excluded)  # the group ids, to purge
-
-
-Rows = slice | torch.Tensor  # the rows of a packed batch a minibatch covers (a slice, or their indices)
-
-
-def completion_logits(model: torch.nn.Module, batch: PackedBatch, rows: Rows = slice(None)) -> torch.Tensor:
-    """``model``'s logits at the positions that predict each completion token, ``[B, T, V]`` (raw: not
-    temperature-scaled; rows past a completion's end hold its last position's)."""
-    input_ids_BL = batch.input_ids_BL[rows]
-    logits_BLV = model(input_ids=input_ids_BL, attention_mask=batch.attention_mask_BL[rows]).logits
-    T = batch.targets_BT.shape[1]
-    # the logit at position start-1+j predicts completion token j
-    idx_BT = (batch.start_B[rows, None] - 1 + torch.arange(T)[None, :]).clamp(max=input_ids_BL.shape[1] - 1)
-    return logits_BLV.gather(1, idx_BT[..., None].expand(-1, -1, logits_BLV.shape[-1]))
-
-
-def completion_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float, rows: Rows = slice(None)
-) -> torch.Tensor:
-    """Log-probs of the completion tokens under ``model`` (temperature-scaled), ``[B, T]``."""
-    return grpo.token_logprobs(completion_logits(model, batch, rows), batch.targets_BT[rows], temperature)
 
 
 TokenMask = Callable[[Sequence[int], dict[str, Any]], list[float]]  # (completion ids, meta) -> weights
@@ -140,6 +100,10 @@ class GRPOTrainer:
     ``token_mask`` is the task adapter's per-token loss mask (``Task.token_mask``): the one place a
     trajectory's metadata becomes learner-side loss weights. ``sampling`` gives the temperature the
     sampler's log-probs were taken at and the constant ``max_new_tokens`` of the Dr. GRPO normaliser.
+    ``learner`` says how an update computes (``LearnerConfig``): on the model's own device, in fp32 or
+    bf16 autocast (fp32 master weights, gradients and AdamW states either way), in micro-batches of at
+    most ``micro_batch_tokens`` padded tokens whose gradients accumulate into one optimizer step per
+    minibatch, with log-probs taken ``logprob_chunk`` completion positions at a time.
     """
 
     def __init__(
@@ -151,23 +115,50 @@ class GRPOTrainer:
         token_mask: TokenMask = full_mask,
         version: int = 0,
         isolate: bool = False,
+        learner: LearnerConfig | None = None,
     ) -> None:
         self.model = model
         self.isolate = isolate  # leave out the groups that make a minibatch non-finite (module docstring)
         self.cfg = cfg
+        self.learner = learner or LearnerConfig()
         self.temperature = sampling.temperature
         self.max_tokens = sampling.max_new_tokens
         self.pad_id = pad_id
         self.token_mask = token_mask
         self.version = version
+        self.device = next(model.parameters()).device
+        self.mixed = self.learner.precision == "bf16-mixed"
+        if self.learner.activation_checkpointing:
+            _enable_activation_checkpointing(model)
+        self.parts = lm_parts(model)
         self.optimizer = torch.optim.AdamW(
             (p for p in model.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.reference: torch.nn.Module | None = None
-        if cfg.kl_beta > 0:
+        self.reference_parts: LMParts | None = None
+        if cfg.kl_beta > 0:  # frozen; in bf16 when the update computes in bf16 anyway (2 bytes a parameter)
             self.reference = copy.deepcopy(model).eval()
+            if self.mixed:
+                self.reference.to(torch.bfloat16)
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+            self.reference_parts = lm_parts(self.reference)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The update's compute precision (bf16 autocast under ``bf16-mixed``; a no-op in fp32)."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def logprobs(self, batch: PackedBatch, reference: bool = False) -> torch.Tensor:
+        """Completion log-probs ``[B, T]`` of ``batch`` under the policy (or the frozen reference), in the
+        update's precision; float32 out."""
+        model, parts = (self.reference, self.reference_parts) if reference else (self.model, self.parts)
+        assert model is not None
+        with self.autocast():
+            return completion_logprobs(
+                model, batch, self.temperature, chunk=self.learner.logprob_chunk, parts=parts
+            )
 
     def update(self, trajectories: Sequence[Trajectory]) -> UpdateStats:
         """One learner update on whole GRPO groups (``trajectories`` ordered group by group)."""
@@ -177,45 +168,44 @@ class GRPOTrainer:
         G = groups[0]
         if any(g != G for g in groups) or G < 2:
             raise ValueError(f"update needs whole groups of equal size >= 2, got sizes {groups}")
-        rewards_PG = torch.tensor([t.reward for t in trajectories], dtype=torch.float32).view(-1, G)
-        advantages_B = grpo.group_advantages(rewards_PG, cfg.scale_by_std).flatten()
+        rewards_PG = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device)
+        advantages_B = grpo.group_advantages(rewards_PG.view(-1, G), cfg.scale_by_std).flatten()
         masks = [loss_mask(t, self.token_mask) for t in trajectories]
-        batch = pack(trajectories, masks, self.pad_id)
+        batch = pack(trajectories, masks, self.pad_id, self.device)
 
         self.model.train()
         n_mb = cfg.num_minibatches
         if len(groups) % n_mb:
             raise ValueError(f"{len(groups)} groups cannot be split into {n_mb} whole-group minibatches")
         rows_per_mb = len(groups) // n_mb * G
-        logp_prox_BT = None
         if n_mb > 1 and cfg.clip_anchor == "proximal":  # frozen before the first optimizer step
-            with torch.no_grad():
-                logp_prox_BT = completion_logprobs(self.model, batch, self.temperature)
+            batch = with_proximal(batch, self._frozen_logprobs(batch))
         losses, klv, clipf, gnorms, isw = [], [], [], [], []
         excluded: list[int] = []  # the first row of each group left out
         for k in range(n_mb):
-            rows: Rows = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
+            rows = list(range(k * rows_per_mb, (k + 1) * rows_per_mb))
             while True:  # each round leaves out at least one group, so this ends
-                loss, stats, grad_norm = self._evaluate(batch, advantages_B, rows, logp_prox_BT)
+                loss, stats, grad_norm = self._evaluate(batch, advantages_B, rows)
                 if math.isfinite(grad_norm):
                     break
-                culprits = self._culprits(batch, advantages_B, rows, logp_prox_BT, G) if self.isolate else []
+                culprits = self._culprits(batch, advantages_B, rows, G) if self.isolate else []
                 if not culprits:
-                    value = float(loss.detach())
-                    what = f"loss is {value}" if not math.isfinite(value) else f"gradient norm is {grad_norm}"
+                    what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
                     raise TrainingDivergedError(f"{what} at version {self.version}, minibatch {k}")
                 excluded += culprits
-                rows = _without(rows, culprits, G)
-                if not len(rows):
+                dropped = {r + j for r in culprits for j in range(G)}
+                rows = [r for r in rows if r not in dropped]
+                if not rows:
                     break
             if not math.isfinite(grad_norm):
                 continue  # every group of this minibatch was left out: no step for it
             self.optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(loss)
             klv.append(stats.kl)
             clipf.append(stats.clipfrac)
             gnorms.append(grad_norm)
             isw.append(stats.is_weight_mean)
+        self.optimizer.zero_grad(set_to_none=True)  # no gradient outlives the update (memory model)
         ids = tuple(trajectories[r].group_id for r in excluded)
         if not losses:
             raise PoisonedBatch(ids)
@@ -235,71 +225,102 @@ class GRPOTrainer:
             excluded=ids,
         )
 
+    def _frozen_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """The policy's log-probs of the whole batch before any optimizer step, micro-batch by micro-batch."""
+        out_BT = torch.zeros_like(batch.logp_sampler_BT)
+        with torch.no_grad():
+            for mb in micro_batches(batch.lengths(), self.learner.micro_batch_tokens):
+                logp_bT = self.logprobs(batch.select(mb))
+                out_BT[torch.as_tensor(mb, device=self.device), : logp_bT.shape[1]] = logp_bT
+        return out_BT
+
     def _evaluate(
-        self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, logp_prox_BT: torch.Tensor | None
-    ) -> tuple[torch.Tensor, grpo.LossStats, float]:
-        """Loss and clipped gradient (left in the parameters) of the minibatch ``rows``: ``(loss, stats,
-        grad_norm)``; ``grad_norm`` is nan (and no gradient is left) when the loss is not finite."""
+        self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows
+    ) -> tuple[float, grpo.LossStats, float]:
+        """Loss and clipped gradient (left in the parameters) of the minibatch ``rows``, accumulated over
+        its micro-batches with the minibatch's own normalisation (``grpo.Norm``), so the result is the
+        unbatched update's: ``(loss, stats, grad_norm)``; ``grad_norm`` is nan (and no gradient is left)
+        when a micro-batch's loss is not finite."""
         cfg = self.cfg
-        logp_BT = completion_logprobs(self.model, batch, self.temperature, rows)
-        prox_BT = logp_BT.detach() if logp_prox_BT is None else logp_prox_BT[rows]
-        logp_ref_BT = None
-        if self.reference is not None:
-            with torch.no_grad():
-                logp_ref_BT = completion_logprobs(self.reference, batch, self.temperature, rows)
-        loss, stats = grpo.grpo_loss(
-            logp_BT,
-            prox_BT,
-            batch.logp_sampler_BT[rows],
-            advantages_B[rows],
-            batch.mask_BT[rows],
-            clip_eps=cfg.clip_eps,
-            is_cap=cfg.is_cap,
-            kl_beta=cfg.kl_beta,
-            logp_ref_BT=logp_ref_BT,
-            loss_agg=cfg.loss_agg,
-            clip_anchor=cfg.clip_anchor,
-            max_tokens=self.max_tokens,
-        )
         self.optimizer.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
-            return loss, stats, math.nan
-        loss.backward()
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
+        norm = grpo.Norm.of(batch.mask_BT[idx])
+        lengths = batch.lengths()
+        plan = micro_batches([lengths[r] for r in rows], self.learner.micro_batch_tokens)
+        loss_sum, parts = 0.0, []
+        for local in plan:
+            mb = batch.select([rows[i] for i in local])
+            logp_BT = self.logprobs(mb)
+            logp_ref_BT = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    logp_ref_BT = self.logprobs(mb, reference=True)
+            loss, stats = grpo.grpo_loss(
+                logp_BT,
+                logp_BT.detach() if mb.logp_prox_BT is None else mb.logp_prox_BT,
+                mb.logp_sampler_BT,
+                advantages_B[torch.as_tensor([rows[i] for i in local], device=self.device)],
+                mb.mask_BT,
+                clip_eps=cfg.clip_eps,
+                is_cap=cfg.is_cap,
+                kl_beta=cfg.kl_beta,
+                logp_ref_BT=logp_ref_BT,
+                loss_agg=cfg.loss_agg,
+                clip_anchor=cfg.clip_anchor,
+                max_tokens=self.max_tokens,
+                norm=norm,
+            )
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                self.optimizer.zero_grad(set_to_none=True)
+                return value, _combine(parts), math.nan
+            loss.backward()
+            loss_sum += value
+            parts.append((stats, float(mb.mask_BT.sum())))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-        return loss, stats, grad_norm
+        return loss_sum, _combine(parts), grad_norm
 
-    def _culprits(
-        self,
-        batch: PackedBatch,
-        advantages_B: torch.Tensor,
-        rows: Rows,
-        logp_prox_BT: torch.Tensor | None,
-        G: int,
-    ) -> list[int]:
+    def _culprits(self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, G: int) -> list[int]:
         """The groups of ``rows`` (by their first row) whose loss or gradient alone is not finite: one
         forward and backward per group, about the cost of the minibatch once more."""
-        firsts = _rows_list(rows)[::G]
         bad = []
-        for r in firsts:
-            _, _, grad_norm = self._evaluate(batch, advantages_B, slice(r, r + G), logp_prox_BT)
+        for r in list(rows)[::G]:
+            _, _, grad_norm = self._evaluate(batch, advantages_B, range(r, r + G))
             if not math.isfinite(grad_norm):
                 bad.append(r)
         self.optimizer.zero_grad(set_to_none=True)
         return bad
 
 
-def _rows_list(rows: Rows) -> list[int]:
-    if isinstance(rows, slice):
-        return list(range(rows.start, rows.stop))
-    return [int(r) for r in rows]
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' per-layer activation checkpointing (non-reentrant), by its new name or its old one."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(
+            f"{type(model).__name__} has no activation checkpointing (learner.activation_checkpointing)"
+        )
 
 
-def _without(rows: Rows, firsts: Sequence[int], G: int) -> torch.Tensor:
-    """``rows`` less the groups starting at ``firsts`` (each ``G`` rows), as an index tensor."""
-    drop = {r + j for r in firsts for j in range(G)}
-    return torch.tensor([r for r in _rows_list(rows) if r not in drop], dtype=torch.long)
+def _combine(parts: Sequence[tuple[grpo.LossStats, float]]) -> grpo.LossStats:
+    """The diagnostics of a minibatch from its micro-batches' (each with its valid-token count): the
+    aggregated losses add up (each is already its share), the per-token shares and means are weighted
+    by tokens."""
+    if not parts:
+        return grpo.LossStats(math.nan, math.nan, math.nan, math.nan, math.nan)
+    n = sum(w for _, w in parts) or 1.0
+    return grpo.LossStats(
+        pg_loss=sum(s.pg_loss for s, _ in parts),
+        kl=sum(s.kl for s, _ in parts),
+        clipfrac=sum(s.clipfrac * w for s, w in parts) / n,
+        is_weight_mean=sum(s.is_weight_mean * w for s, w in parts) / n,
+        is_truncated_frac=sum(s.is_truncated_frac * w for s, w in parts) / n,
+    )
 
 
 def _mean(xs: list[float]) -> float:

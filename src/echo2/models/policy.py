@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.config import Config
-from echo2.errors import CheckpointError
+from echo2.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,27 @@ def configure_torch(cfg: Config) -> None:
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
+
+
+def resolve_device(spec: str, field: str = "learner.device") -> Any:
+    """The ``torch.device`` a device setting names (``auto``: the first CUDA device when this torch
+    sees one, else the CPU); ConfigError when it names a device this machine lacks."""
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{field} = {spec!r}, but this torch ({torch.__version__}) sees no CUDA device; "
+                "use cpu or auto"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{field} = {spec!r}, but this machine has {torch.cuda.device_count()} CUDA devices"
+            )
+    return device
 
 
 def load_checkpoint(path: str | Path, chat_template: bool = False) -> Policy:

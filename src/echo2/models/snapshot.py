@@ -50,6 +50,104 @@ def install_weights(model: Any, tensors: Mapping[str, Any]) -> None:
         raise CheckpointError(f"snapshot lacks weights for {missing[:5]}")
 
 
+class _Float32Module:
+    """The parametrization :func:`aliasing_model` registers (built lazily: this module imports no torch)."""
+
+    cls: Any = None
+
+    @classmethod
+    def make(cls) -> Any:
+        if cls.cls is None:
+            import torch
+
+            class Float32(torch.nn.Module):
+                """The stored tensor (the publication dtype) read as float32 at each use."""
+
+                def forward(self, x: torch.Tensor) -> torch.Tensor:
+                    return x.float()
+
+            cls.cls = Float32
+        return cls.cls()
+
+
+@dataclass
+class _Aliases:
+    """What :func:`alias_weights` needs of an aliasing model."""
+
+    device: Any  # where the model computes
+    shapes: dict[str, tuple[int, ...]]  # shipped name -> shape of every weight a snapshot carries
+    slots: dict[str, list[Any]]  # shipped parameter name -> the parametrizations reading it
+    buffers: dict[str, Any]  # shipped buffer name -> the buffer (copied into, as install_weights does)
+
+
+def aliasing_model(model: Any) -> Any:
+    """A model of ``model``'s architecture (built as a worker builds its engine's: float32, from the
+    config) whose floating parameters own no memory: each is a parametrization that reads, at every use,
+    the tensor :func:`alias_weights` gave it, as float32. So a version's weights in the publication
+    dtype (the sampler copies the learner keeps anyway) are loaded without a copy on the same device,
+    and the model computes what a float32 model holding the same (rounded) values computes: the
+    worker's engine. Built on ``model``'s device (its float32 init is freed at once); tied parameters
+    stay tied (one tensor read by two modules)."""
+    import torch
+    from torch.nn.utils import parametrize
+    from transformers import AutoModelForCausalLM
+
+    device = next(model.parameters()).device
+    twin = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).to(device).eval()
+    twin.requires_grad_(False)
+    first: dict[int, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    slots: dict[str, list[Any]] = {}
+    placeholders: dict[int, Any] = {}
+    for name, param in list(twin.named_parameters(remove_duplicate=False)):
+        shipped = first.setdefault(id(param), name)
+        shapes[shipped] = tuple(param.shape)
+        module_name, _, attr = name.rpartition(".")
+        module = twin.get_submodule(module_name)
+        empty = placeholders.setdefault(
+            id(param), torch.nn.Parameter(param.new_empty(0), requires_grad=False)
+        )
+        delattr(module, attr)
+        module.register_parameter(attr, empty)  # tied parameters share one placeholder
+        parametrize.register_parametrization(module, attr, _Float32Module.make(), unsafe=True)
+        slots.setdefault(shipped, []).append(module.parametrizations[attr])
+    buffers = {
+        n: b
+        for n, b in twin.state_dict(keep_vars=True).items()
+        if n not in shapes and ".parametrizations." not in n
+    }
+    for name, b in buffers.items():
+        shapes[name] = tuple(b.shape)
+    twin._echo2_aliases = _Aliases(device, shapes, slots, buffers)
+    return twin
+
+
+def alias_weights(twin: Any, tensors: Mapping[str, Any]) -> None:
+    """Point an :func:`aliasing_model`'s parameters at ``tensors`` (a whole snapshot: name -> tensor,
+    tied ones once; any float dtype): no copy when a tensor is already on the model's device. Checks
+    every name and shape first and raises CheckpointError naming what does not fit."""
+    import torch
+
+    aliases: _Aliases = twin._echo2_aliases
+    check_snapshot({n: t for n, t in tensors.items()}, aliases.shapes)
+    with torch.no_grad():
+        for name, buf in aliases.buffers.items():
+            buf.copy_(tensors[name])
+        for name, parametrizations in aliases.slots.items():
+            shared = torch.nn.Parameter(tensors[name].to(aliases.device), requires_grad=False)
+            for plist in parametrizations:
+                plist.original = shared
+
+
+def load_for_check(model: Any, tensors: Mapping[str, Any]) -> None:
+    """Load a version into a model the generation check runs: aliased (:func:`aliasing_model`) or copied
+    into a plain model (:func:`install_weights`)."""
+    if hasattr(model, "_echo2_aliases"):
+        alias_weights(model, tensors)
+    else:
+        install_weights(model, tensors)
+
+
 def _check_known(tensors: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Every tensor of ``tensors`` names a weight of ``shapes`` and has its shape (CheckpointError)."""
     unknown = sorted(set(tensors) - set(shapes))

@@ -52,6 +52,8 @@ class ModelSpec(_Model):
     # delta publications: bytes of a patch / G (measured: benchmarks/deltas.py); None = full snapshots
     patch_ratio: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     anchor_every: int = Field(default=20, ge=1)  # with deltas, a full anchor every this many publications
+    # a Qwen3 shape (planner/memory.py:QWEN3_SHAPES) for the learner's memory need; None: not reported
+    shape: Literal["0.6B", "1.7B", "4B", "8B"] | None = None
 
     @property
     def snapshot_bytes(self) -> float:
@@ -81,6 +83,10 @@ class LearnerSpec(_Model):
     name: str = "learner"  # display name, e.g. "4x A100-80GB"
     usd_per_hour: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # node $/h; None: no costs
     t_train_s: float = Field(gt=0, allow_inf_nan=False)  # T_train: seconds per update
+    gpus: int = Field(default=1, ge=1)  # accelerators of the learner node
+    gpu_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # memory of one, GiB
+    precision: Literal["fp32", "bf16-mixed"] = "bf16-mixed"  # the learner's [learner] precision
+    micro_batch_tokens: int = Field(default=8192, ge=16)  # the learner's [learner] micro_batch_tokens
 
 
 class NetworkSpec(_Model):

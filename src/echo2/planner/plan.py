@@ -161,9 +161,39 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
     else:
         plan["usd_per_hour"] = plan["usd_per_step"] = None
         plan["baselines"] = {}
+    plan["learner_memory"] = learner_memory_plan(sc)
     if not math.isfinite(step_s):  # pragma: no cover - defensive
         raise InfeasibleError("step time is not finite")
     return plan
+
+
+def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
+    """The learner's memory need for the scenario's model shape (``planner/memory.py``): bytes per
+    parameter on the device, GiB for weights + gradients + optimizer (+ check model) and for one
+    micro-batch's activations, and whether one of the learner's GPUs holds it. A one-device learner
+    is what runs today; the per-GPU figure with ``gpus`` > 1 is what a sharded learner would need."""
+    from echo2.planner.memory import QWEN3_SHAPES, fits
+
+    if sc.model is None or sc.model.shape is None:
+        return None
+    shape, lr = QWEN3_SHAPES[sc.model.shape], sc.learner
+    kw = {"staleness": sc.staleness.S, "kappa": sc.staleness.effective_kappa}
+    one = fits(shape, lr.gpu_gib or 0.0, lr.precision, micro_batch_tokens=lr.micro_batch_tokens, **kw)
+    out: dict[str, Any] = {"shape": sc.model.shape, "params": shape.params, "one_gpu": one}
+    if lr.gpus > 1:
+        out["per_gpu_sharded"] = fits(
+            shape,
+            lr.gpu_gib or 0.0,
+            lr.precision,
+            micro_batch_tokens=lr.micro_batch_tokens,
+            world_size=lr.gpus,
+            **kw,
+        )
+    if lr.gpu_gib is None:
+        for v in out.values():
+            if isinstance(v, dict):
+                v["fits"] = None
+    return out
 
 
 def infeasible_plan(sc: PlanScenario, exc: InfeasibleError) -> dict[str, Any]:

@@ -58,7 +58,7 @@ class LearnerCore:
         import torch
 
         from echo2.learner.trainer import GRPOTrainer
-        from echo2.models.policy import load_checkpoint
+        from echo2.models.policy import load_checkpoint, resolve_device
         from echo2.observe.trackers import start_trackers
         from echo2.rollout.engines.hf import HFEngine
         from echo2.tasks.registry import build_task
@@ -66,15 +66,31 @@ class LearnerCore:
 
         sinks = start_trackers(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
         run_dir = RunDir(run_path, cfg.to_dict(), resume=ckpt is not None, sinks=sinks, background=True)
+        device = resolve_device(cfg.learner.device)
         policy = load_checkpoint(ckpt or starting_checkpoint(cfg), cfg.model.chat_template)
+        policy.model.to(device)
         version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
         task = build_task(cfg.task, cfg.seed)
         trainer = GRPOTrainer(
-            policy.model, cfg.grpo, cfg.sampling, policy.pad_id, task.token_mask, version0, isolate=isolate
+            policy.model,
+            cfg.grpo,
+            cfg.sampling,
+            policy.pad_id,
+            task.token_mask,
+            version0,
+            isolate=isolate,
+            learner=cfg.learner,
         )
         if ckpt is not None and (ckpt / OPTIM_FILE).is_file():
-            trainer.optimizer.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
-        engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+            state = torch.load(ckpt / OPTIM_FILE, weights_only=True, map_location=device)
+            trainer.optimizer.load_state_dict(state)
+        engine = HFEngine(
+            policy.model,
+            policy.eos_id,
+            policy.pad_id,
+            cfg.sampling,
+            max_batch_tokens=cfg.learner.micro_batch_tokens,
+        )
         core = cls(cfg, run_dir, policy, task, trainer, engine, version0 if ckpt else None)
         core.eval_prompts = task.eval_prompts(cfg.train.eval_size)
         return core
@@ -85,9 +101,13 @@ class LearnerCore:
         return self.trainer.version
 
     def evaluate(self) -> EvalResult:
-        """The task's greedy held-out score of the current weights; the running readings follow it
-        (the first call sets the starting one)."""
-        ev = self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(self.cfg))
+        """The task's greedy held-out score of the current weights, in the update's precision and in
+        batches of at most ``learner.micro_batch_tokens`` tokens; the running readings follow it (the
+        first call sets the starting one)."""
+        with (
+            self.trainer.autocast()
+        ):  # the update's precision (entered in this thread: autocast is per thread)
+            ev = self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(self.cfg))
         if math.isnan(self.first_acc):
             self.first_acc = self.best_acc = ev.accuracy
         self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)

@@ -35,6 +35,9 @@ def worker_command(join: str, name: str, cfg: Config) -> list[str]:
     cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", join, "--name", name]
     cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", "local-cpu", "--engine", rt.engine]
     cmd += ["--engine-dtype", rt.engine_dtype, "--engine-memory", str(rt.engine_memory)]  # hf ignores them
+    cmd += ["--engine-device", rt.engine_device]
+    if rt.engine_batch_tokens:
+        cmd += ["--engine-batch-tokens", str(rt.engine_batch_tokens)]
     if rt.worker_max_rollouts_per_s:
         cmd += ["--max-rollouts-per-s", str(rt.worker_max_rollouts_per_s)]
     return cmd

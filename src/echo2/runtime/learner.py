@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
@@ -214,7 +213,9 @@ class AsyncLearner:
         verifier = self.core.task.verifier(policy.codec, policy.eos_id, Bounds.of(cfg))
         if cfg.security.check_fraction <= 0:
             return verifier, None
-        return verifier, GenerationCheck(copy.deepcopy(policy.model), cfg.sampling, cfg.security)
+        from echo2.models.snapshot import aliasing_model
+
+        return verifier, GenerationCheck(aliasing_model(policy.model), cfg.sampling, cfg.security)
 
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
         """Start the API (over TLS with the run's certificate unless ``security.tls`` is off); say where

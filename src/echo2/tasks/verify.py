@@ -259,7 +259,9 @@ class GenerationCheck:
         security: SecurityConfig,
         rng: random.Random | None = None,
     ) -> None:
-        self.model = model.eval()  # a model of the trained architecture, the check's own
+        # a model of the trained architecture, the check's own: the learner's reads the kept copies in
+        # place (models/snapshot.py:aliasing_model), so it holds no weights of its own
+        self.model = model.eval()
         self.sampling = sampling
         self.cfg = security
         self.rng = rng or random.SystemRandom()  # which submissions: workers must not predict it
@@ -313,9 +315,9 @@ class GenerationCheck:
             if not picks:
                 return []
             if self._loaded != sub.policy_version:
-                from echo2.models.snapshot import install_weights
+                from echo2.models.snapshot import load_for_check
 
-                install_weights(self.model, weights)
+                load_for_check(self.model, weights)
                 self._loaded = sub.policy_version
             verdicts = []
             trajectories = [sub.groups[i][j] for i, j in picks]
@@ -341,11 +343,12 @@ class GenerationCheck:
         one forward pass over them all, packed as the trainer packs a batch."""
         import torch
 
-        from echo2.learner.trainer import completion_logits, pack
+        from echo2.learner.logprobs import completion_logits, pack
 
-        batch = pack(trajectories, [[1.0] * len(t.completion_ids) for t in trajectories], pad_id=0)
+        device = next(self.model.parameters()).device
+        batch = pack(trajectories, [[1.0] * len(t.completion_ids) for t in trajectories], 0, device)
         with torch.no_grad():
-            logits_BTV = completion_logits(self.model, batch).float()
+            logits_BTV = completion_logits(self.model, batch).float().cpu()
         return [logits_BTV[b, : len(t.completion_ids)] for b, t in enumerate(trajectories)]
 
     def rerun(self, t: Trajectory, seed: int, row: int, logits_CV: torch.Tensor | None = None) -> Verdict:

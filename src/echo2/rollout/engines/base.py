@@ -61,13 +61,17 @@ class Engine(Protocol):
 @dataclass(frozen=True)
 class EngineOptions:
     """How a worker sizes its engine (``echo2 worker --engine-*`` flags, ``[runtime]`` for the workers
-    ``echo2 run`` starts). Engines take what applies to them: the HF engine computes in float32 and
-    sizes nothing ahead."""
+    ``echo2 run`` starts). Engines take what applies to them: the HF engine computes in float32 on its
+    ``device`` in batches of at most ``max_batch_tokens`` tokens."""
 
     dtype: str = "float32"  # compute dtype of engines that choose one (vLLM)
     memory_fraction: float = 0.3  # share of accelerator memory (host memory on CPU) vLLM may claim
     max_context: int = 0  # longest prompt + completion the engine must hold; 0 = the model's own limit
     eager: bool | None = None  # vLLM without CUDA graphs / compilation; None = eager on CPU only
+    device: str = "auto"  # where the HF engine's model runs: auto (CUDA when present), cpu, cuda, cuda:N
+    max_batch_tokens: int | None = (
+        None  # HF engine: rows x (prompt + new tokens) per forward batch; None: one
+    )
 
 
 class EngineFactory(Protocol):

@@ -31,11 +31,21 @@ class HFEngine:
     :class:`~echo2.rollout.engines.base.Engine` seam. The learner wraps its own training model in one
     (held-out evaluation, the synchronous loop); a worker builds one from the learner's skeleton."""
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, sampling: SamplingConfig) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_id: int,
+        pad_id: int,
+        sampling: SamplingConfig,
+        max_batch_tokens: int | None = None,
+    ) -> None:
         self.model = model
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.sampling = sampling
+        # rows x (longest prompt + new tokens) per forward batch (the KV cache grows with it); None: one
+        # batch. Rows keep their seeded noise whatever batch they are drawn in (``generate``'s ``rows``).
+        self.max_batch_tokens = max_batch_tokens
         # transformers 5.x renamed `past_key_values` to `cache`; accept both generations
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -51,9 +61,12 @@ class HFEngine:
     ) -> HFEngine:
         """The architecture of the skeleton's ``config.json`` with untrained weights (the first snapshot
         fills them)."""
+        from echo2.models.policy import resolve_device
         from echo2.models.snapshot import model_from_skeleton
 
-        return cls(model_from_skeleton(skeleton_dir), eos_id, pad_id, sampling)
+        options = options or EngineOptions()
+        model = model_from_skeleton(skeleton_dir).to(resolve_device(options.device, "engine device"))
+        return cls(model, eos_id, pad_id, sampling, max_batch_tokens=options.max_batch_tokens)
 
     def install(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load published weights into the model in place, cast to its dtype (``models/snapshot.py``)."""
@@ -71,14 +84,38 @@ class HFEngine:
         rows: Sequence[int] | None = None,
         first_steps: Sequence[int] | None = None,
     ) -> list[Sample]:
-        """One completion per entry of ``prompts`` (repeat a prompt to sample a group)."""
-        from transformers import DynamicCache
-
+        """One completion per entry of ``prompts`` (repeat a prompt to sample a group), in batches of at
+        most ``max_batch_tokens`` tokens; row ``r`` of the call draws the noise of row ``rows[r]`` (default
+        ``r``) from step ``first_steps[r]`` (default 0) on, whatever batch it is computed in."""
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         steps = max_new_tokens or self.sampling.max_new_tokens
+        B = len(prompts)
+        per_row = max(len(p) for p in prompts) + steps
+        size = B if self.max_batch_tokens is None else max(1, self.max_batch_tokens // per_row)
+        if size >= B:
+            return self._generate(prompts, seed, greedy, steps, rows, first_steps)
+        rows = list(range(B)) if rows is None else list(rows)
+        firsts = [0] * B if first_steps is None else list(first_steps)
+        out: list[Sample] = []
+        for i in range(0, B, size):
+            j = i + size
+            out += self._generate(prompts[i:j], seed, greedy, steps, rows[i:j], firsts[i:j])
+        return out
+
+    def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        seed: int,
+        greedy: bool,
+        steps: int,
+        rows: Sequence[int] | None,
+        first_steps: Sequence[int] | None,
+    ) -> list[Sample]:
+        from transformers import DynamicCache
+
         temperature = self.sampling.temperature
         device = next(self.model.parameters()).device
         was_training = self.model.training

@@ -1,0 +1,41 @@
+"""Random-init Qwen3-shaped models and synthetic GRPO batches for the learner's benchmarks (no download)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def build(shape: dict[str, int], seed: int = 0) -> Any:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], max_position_embeddings=4096,
+        tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config).float()
+
+
+def batch(vocab: int, rows: int, prompt: int, completion: int, seed: int, group: int = 8) -> list[Any]:
+    import random
+
+    from echo2.types import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(rows // group):
+        p = tuple(rng.randrange(3, vocab) for _ in range(prompt))
+        for i in range(group):
+            out.append(
+                Trajectory(
+                    prompt_id=f"p{g}", group_id=f"s{seed}g{g}", prompt_ids=p,
+                    completion_ids=tuple(rng.randrange(3, vocab) for _ in range(completion)),
+                    sampler_logprobs=tuple(-rng.uniform(5.0, 12.0) for _ in range(completion)),
+                    reward=float((g + i) % 3 == 0), policy_version=0,
+                )
+            )  # fmt: skip
+    return out

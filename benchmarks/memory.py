@@ -1,0 +1,398 @@
+"""The learner's memory against its model (``planner/memory.py``, docs/learner.md), and the cost of
+bounding it.
+
+Targets (fixed here, before the runs):
+
+1. ``--study bytes``: a random-init Qwen3-shaped model of ~235M parameters, in fp32 and in bf16-mixed,
+   each in a fresh process: ``STEPS`` real updates (``GRPOTrainer.update``) with the node's publication
+   cadence beside them (a sampler copy every kappa = 2 versions encoded by the learner's own chain,
+   ``PublishedChain``, and kept by the generation check, ``GenerationCheck`` on its aliasing model, as
+   ``runtime/node.py`` does; S = 3). Resident memory (``/proc/self/statm`` after ``malloc_trim``) less
+   the process's before the model was built, per parameter, read (a) at the optimizer step of each
+   update after the first two (weights, gradients, AdamW states, held copies; activations freed) and
+   (b) between updates (no gradients). Targets: each reading within 15% of the memory model; (a) in
+   bf16-mixed <= 20 bytes / parameter.
+2. ``--study growth``: a ~55M shape, peak resident memory of one update (``ru_maxrss``, a fresh process
+   each) at R = 64 ... 1024 rows of 32 tokens under a fixed budget of 2,048 tokens per micro-batch.
+   Target: the peak at R = 1024 <= 1.10x the peak at R = 64.
+3. ``--study speed``: (a) a micro-batched update (1,024-token micro-batches) against the same update in
+   one micro-batch, same batch and weights, on the ~55M shape; (b) the learner's log-probs (LM head at
+   completion positions, in chunks) against the path before them (the whole ``[B, T, V]`` logits), a
+   forward and backward on the embedded model and a default-sized batch. 5 interleaved pairs each,
+   the median of the per-pair ratios. Targets: (a) <= 1.10x, (b) <= 1.10x.
+
+Writes results/memory.json and results/memory.png.
+
+    python benchmarks/memory.py                   # all studies (about 10 minutes here)
+    python benchmarks/memory.py --study bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from echo2_bench.synthetic import batch, build  # noqa: E402
+
+BIG = {
+    "hidden": 1024,
+    "intermediate": 3072,
+    "layers": 16,
+    "heads": 16,
+    "kv_heads": 8,
+    "head_dim": 64,
+    "vocab": 32768,
+}
+MID = {
+    "hidden": 512,
+    "intermediate": 1536,
+    "layers": 12,
+    "heads": 8,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "vocab": 32768,
+}
+STEPS = 6
+S, KAPPA = 3, 2
+WITHIN = 0.15  # measured / model - 1, both readings
+MAX_MIXED_PEAK = 20.0  # bytes / parameter at the optimizer step, bf16-mixed
+GROWTH_RS = (64, 128, 256, 512, 1024)
+GROWTH_BUDGET = 2048
+MAX_GROWTH = 1.10
+SPEED_PAIRS = 5
+MAX_SLOWDOWN = 1.10
+
+
+# ---- helpers (run in the child processes) ------------------------------------------------------------
+def _trim() -> None:
+    with contextlib.suppress(OSError):  # not glibc: resident memory is read untrimmed
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def rss() -> int:
+    """Resident bytes of this process, after returning freed heap pages to the system."""
+    _trim()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _shape_of(shape: dict[str, int]) -> Any:
+    from echo2.planner.memory import ModelShape
+
+    return ModelShape.qwen3(
+        shape["hidden"], shape["intermediate"], shape["layers"], shape["heads"], shape["kv_heads"],
+        shape["head_dim"], shape["vocab"], tied=True,
+    )  # fmt: skip
+
+
+def child_bytes(precision: str) -> dict[str, Any]:
+    """Study 1 in this process: updates with the node's publications and kept copies beside them."""
+    import dataclasses
+
+    import torch
+
+    from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig, SecurityConfig, SnapshotConfig
+    from echo2.learner.trainer import GRPOTrainer
+    from echo2.models.snapshot import aliasing_model, load_for_check
+    from echo2.physics.rules import admission_floor
+    from echo2.planner.memory import learner_memory
+    from echo2.tasks.verify import GenerationCheck
+    from echo2.weights.delta import sampler_copy
+    from echo2.weights.publication import Link, PublishedChain
+
+    torch.set_num_threads(2)
+    sampling = SamplingConfig(max_new_tokens=32)
+    base = rss()
+    model = build(BIG)
+    params = sum(p.numel() for p in model.parameters())
+    after_model = rss()
+    trainer = GRPOTrainer(
+        model,
+        GRPOConfig(lr=1e-5),
+        sampling,
+        0,
+        learner=LearnerConfig(precision=precision, micro_batch_tokens=1024),
+    )
+    chain = PublishedChain(SnapshotConfig())
+    check = GenerationCheck(aliasing_model(model), sampling, SecurityConfig())
+    at_step: list[int] = []
+    hook = torch.optim.optimizer.register_optimizer_step_pre_hook(lambda opt, a, k: at_step.append(rss()))
+
+    def publish(version: int) -> None:  # runtime/snapshots.py + runtime/node.py's on_published
+        weights = sampler_copy(model, "bfloat16")
+        enc = chain.encode(weights)
+        chain.record(Link(version, {"lineage": dataclasses.asdict(enc.lineage)}, enc.blob))
+        chain.base = weights
+        check.keep(version, weights)
+        check.forget_below(admission_floor(version, S))
+        load_for_check(check.model, weights)  # the check model reads the newest copy in place
+
+    publish(0)
+    between = []
+    for step in range(STEPS):
+        trainer.update(batch(BIG["vocab"], 16, 16, 32, seed=step))
+        if trainer.version % KAPPA == 0:
+            publish(trainer.version)
+        between.append(rss())
+    hook.remove()
+    model_mem = learner_memory(_shape_of(BIG), precision, staleness=S, kappa=KAPPA)  # type: ignore[arg-type]
+    steady_step = [(x - base) / params for x in at_step[2:]]
+    steady_between = [(x - base) / params for x in between[2:]]
+    return {
+        "precision": precision,
+        "params": params,
+        "weights_bytes_per_param": (after_model - base) / params,
+        "at_step_bytes_per_param": steady_step,
+        "between_bytes_per_param": steady_between,
+        "held_copy_bytes_per_param": _held(chain, check) / params,
+        "check_versions": check.versions(),
+        "chain_links": len(chain.links),
+        "model_at_step": model_mem.update_peak,
+        "model_between": model_mem.update_peak - model_mem.gradients,
+        "model_parts": model_mem.table(),
+        "peak_rss_bytes_per_param": (peak_rss() - base) / params,
+        "activation_model_per_token": model_mem.activation_per_token,
+    }
+
+
+def _held(chain: Any, check: Any) -> int:
+    """Bytes of the sampler copies and encoded publications held (each storage once)."""
+    seen: dict[int, int] = {}
+    for weights in [chain.base or {}, *check._weights.values()]:
+        for t in weights.values():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values()) + sum(len(link.blob) for link in chain.links)
+
+
+def child_growth(rows: int) -> dict[str, Any]:
+    import torch
+
+    from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
+    from echo2.learner.trainer import GRPOTrainer
+
+    torch.set_num_threads(2)
+    trajs = batch(MID["vocab"], rows, 16, 16, seed=rows)
+    base = rss()
+    model = build(MID)
+    params = sum(p.numel() for p in model.parameters())
+    trainer = GRPOTrainer(
+        model, GRPOConfig(lr=1e-5), SamplingConfig(max_new_tokens=16), 0,
+        learner=LearnerConfig(micro_batch_tokens=GROWTH_BUDGET),
+    )  # fmt: skip
+    trainer.update(batch(MID["vocab"], 64, 16, 16, seed=0))  # optimizer states exist from here
+    settled = rss()
+    t0 = time.perf_counter()
+    trainer.update(trajs)
+    return {
+        "rows": rows,
+        "params": params,
+        "tokens": rows * 32,
+        "peak_bytes": peak_rss() - base,
+        "settled_bytes": settled - base,
+        "update_s": time.perf_counter() - t0,
+    }
+
+
+def _spawn(args: list[str]) -> dict[str, Any]:
+    res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{args}: {res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ---- the studies -----------------------------------------------------------------------------------
+def study_bytes() -> dict[str, Any]:
+    runs = [_spawn(["--child-bytes", p]) for p in ("fp32", "bf16-mixed")]
+    for r in runs:
+        r["at_step_median"] = statistics.median(r["at_step_bytes_per_param"])
+        r["between_median"] = statistics.median(r["between_bytes_per_param"])
+        r["at_step_vs_model"] = r["at_step_median"] / r["model_at_step"] - 1
+        r["between_vs_model"] = r["between_median"] / r["model_between"] - 1
+    mixed = runs[1]
+    met = {
+        "within_15pct": all(
+            abs(r["at_step_vs_model"]) <= WITHIN and abs(r["between_vs_model"]) <= WITHIN for r in runs
+        ),
+        "mixed_at_most_20": mixed["at_step_median"] <= MAX_MIXED_PEAK,
+    }
+    return {"runs": runs, "met": met}
+
+
+def study_growth() -> dict[str, Any]:
+    runs = [_spawn(["--child-growth", str(r)]) for r in GROWTH_RS]
+    ratio = runs[-1]["peak_bytes"] / runs[0]["peak_bytes"]
+    return {"runs": runs, "peak_ratio_1024_vs_64": ratio, "met": {"growth": ratio <= MAX_GROWTH}}
+
+
+def study_speed() -> dict[str, Any]:
+    import torch
+
+    from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
+    from echo2.learner.logprobs import completion_logits, completion_logprobs, lm_parts, pack
+    from echo2.learner.trainer import GRPOTrainer
+
+    torch.set_num_threads(2)
+    # (a) the update, micro-batched vs one micro-batch: two trainers on one model, lr 0 (same weights)
+    model = build(MID)
+    trajs = batch(MID["vocab"], 64, 16, 48, seed=1)
+    whole = GRPOTrainer(model, GRPOConfig(lr=1e-12), SamplingConfig(max_new_tokens=48), 0,
+                        learner=LearnerConfig(micro_batch_tokens=1 << 20))  # fmt: skip
+    small = GRPOTrainer(model, GRPOConfig(lr=1e-12), SamplingConfig(max_new_tokens=48), 0,
+                        learner=LearnerConfig(micro_batch_tokens=1024))  # fmt: skip
+    whole.update(trajs), small.update(trajs)  # warm-up (and AdamW states)
+    pairs_a = []
+    for _ in range(SPEED_PAIRS):
+        a = whole.update(trajs).t_train_s
+        b = small.update(trajs).t_train_s
+        pairs_a.append({"whole_s": a, "micro_s": b, "ratio": b / a})
+    del model, whole, small
+    # (b) log-probs: chunked LM head vs the whole [B, T, V] logits, forward + backward, embedded model
+    from echo2.config import load_config
+    from echo2.models.embedded import build_model, build_tokenizer
+
+    cfg = load_config()
+    tok = build_tokenizer()
+    emb = build_model(cfg.model.embedded, tok, seed=0)
+    eb = batch(
+        emb.config.vocab_size, cfg.batch.prompts * cfg.batch.group_size, 8, cfg.sampling.max_new_tokens, 2
+    )
+    packed = pack(eb, [[1.0] * len(t.completion_ids) for t in eb], tok.pad_token_id)
+    parts = lm_parts(emb)
+
+    def legacy() -> None:
+        logits = completion_logits(emb, packed).float()
+        logp = torch.log_softmax(logits, -1).gather(-1, packed.targets_BT[..., None]).squeeze(-1)
+        (logp * packed.mask_BT).sum().backward()
+
+    def chunked() -> None:
+        logp = completion_logprobs(emb, packed, 1.0, parts=parts)
+        (logp * packed.mask_BT).sum().backward()
+
+    def timed(fn: Any, reps: int = 10) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            emb.zero_grad(set_to_none=True)
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    timed(legacy, 3), timed(chunked, 3)
+    pairs_b = []
+    for _ in range(SPEED_PAIRS):
+        a, b = timed(legacy), timed(chunked)
+        pairs_b.append({"legacy_s": a, "chunked_s": b, "ratio": b / a})
+    ra = statistics.median(p["ratio"] for p in pairs_a)
+    rb = statistics.median(p["ratio"] for p in pairs_b)
+    return {
+        "micro_batched": {
+            "pairs": pairs_a,
+            "median_ratio": ra,
+            "budget_tokens": 1024,
+            "batch_tokens": 64 * 64,
+        },
+        "logprobs": {"pairs": pairs_b, "median_ratio": rb, "rows": len(eb)},
+        "met": {"micro_batched": ra <= MAX_SLOWDOWN, "logprobs": rb <= MAX_SLOWDOWN},
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    if "bytes" in result:
+        ax = axes[0]
+        runs = result["bytes"]["runs"]
+        x = range(len(runs))
+        ax.bar([i - 0.3 for i in x], [r["model_at_step"] for r in runs], 0.2, label="model, at the step")
+        ax.bar([i - 0.1 for i in x], [r["at_step_median"] for r in runs], 0.2, label="measured, at the step")
+        ax.bar([i + 0.1 for i in x], [r["model_between"] for r in runs], 0.2, label="model, between updates")
+        ax.bar([i + 0.3 for i in x], [r["between_median"] for r in runs], 0.2, label="measured, between")
+        ax.axhline(MAX_MIXED_PEAK, color="k", ls=":", lw=1)
+        ax.set_xticks(list(x), [r["precision"] for r in runs])
+        ax.set_ylabel("bytes / parameter")
+        ax.set_title(f"learner memory, {runs[0]['params'] / 1e6:.0f}M params")
+        ax.legend(fontsize=7)
+    if "growth" in result:
+        ax = axes[1]
+        runs = result["growth"]["runs"]
+        ax.plot([r["rows"] for r in runs], [r["peak_bytes"] / 2**30 for r in runs], "o-", label="peak")
+        ax.plot(
+            [r["rows"] for r in runs],
+            [r["settled_bytes"] / 2**30 for r in runs],
+            "s--",
+            label="between updates",
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"R (rows of 32 tokens), budget {GROWTH_BUDGET} tokens")
+        ax.set_ylabel("GiB")
+        ax.set_ylim(bottom=0)
+        ax.set_title("peak memory vs R")
+        ax.legend()
+    if "speed" in result:
+        ax = axes[2]
+        sp = result["speed"]
+        ax.boxplot(
+            [
+                [p["ratio"] for p in sp["micro_batched"]["pairs"]],
+                [p["ratio"] for p in sp["logprobs"]["pairs"]],
+            ]
+        )
+        ax.set_xticks([1, 2], ["micro-batched\nvs one", "chunked log-probs\nvs [B,T,V]"])
+        ax.axhline(MAX_SLOWDOWN, color="k", ls=":", lw=1)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_ylabel("time ratio (per pair)")
+        ax.set_title("cost of bounding memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", choices=["bytes", "growth", "speed", "all"], default="all")
+    p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--child-bytes", help=argparse.SUPPRESS)
+    p.add_argument("--child-growth", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child_bytes:
+        print(json.dumps(child_bytes(a.child_bytes)))
+        return 0
+    if a.child_growth:
+        print(json.dumps(child_growth(a.child_growth)))
+        return 0
+    path = a.out / "memory.json"
+    result: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    studies = ["bytes", "growth", "speed"] if a.study == "all" else [a.study]
+    for s in studies:
+        t0 = time.perf_counter()
+        result[s] = {"bytes": study_bytes, "growth": study_growth, "speed": study_speed}[s]()
+        result[s]["wall_s"] = time.perf_counter() - t0
+        print(s, json.dumps(result[s]["met"]), flush=True)
+    result["command"] = "python benchmarks/memory.py" + ("" if a.study == "all" else f" --study {a.study}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    plot(result, a.out / "memory.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The learner's memory model (pure; SPEC §9): bytes per parameter by part, activation bytes per
+micro-batch token, and whether a device holds a model.
+
+Parts, in bytes per parameter ``P`` (all trainable, AdamW, fp32 master weights in both precisions):
+
+==================  =========================  ===========================================================
+part                bytes / param              held
+==================  =========================  ===========================================================
+weights             4                          always (fp32 masters; ``bf16-mixed`` computes in bf16 under
+                                               autocast, it stores nothing in bf16)
+gradients           4                          during an update (set to None after its last step)
+optimizer           8                          always (AdamW ``exp_avg`` + ``exp_avg_sq``, fp32)
+reference           4 (fp32) / 2 (bf16-mixed)  when ``grpo.kl_beta > 0`` (the frozen KL reference)
+sampler copies      b x n_copies               always: the last publication (the next patch's base),
+                                               the older admissible versions the generation check keeps
+                                               (``ceil((S + 1) / kappa) - 1`` when checks are on), and
+                                               the latest anchor's encoded bytes; ``b`` = 2 for bf16
+check model         0 on the CPU, b on a GPU   when checks are on: its weights are the kept copies
+                                               themselves (on the CPU) or one of them on the device
+publication         b (+ b at an anchor)       while a publication is copied and encoded
+==================  =========================  ===========================================================
+
+So the floor with AdamW is ``4 + 4 + 8 = 16`` (SPEC §9), and with the defaults (bf16 publications,
+S = 3, kappa = 2, checks on) the held copies add ``2 x 3 = 6``: 22 bytes / param at an update's peak
+(20 right after an anchor, whose encoded bytes are then the base). On a GPU learner the parts split:
+weights, gradients, optimizer, reference, the check model and activations on the device; sampler
+copies and publications in host memory.
+
+**Activations** of one micro-batch, per token (``H`` hidden, ``I`` MLP width, ``n_q`` / ``n_kv``
+heads of ``d`` dims, ``Lyr`` layers, ``a`` bytes per activation: 4 in fp32, 2 under bf16 autocast),
+counting the tensors autograd keeps for the backward pass of one Qwen3 decoder layer: the residual
+input and its RMSNorm (2H), q / k / v and their norms (2 (n_q + 2 n_kv) d), rotary q / k
+((n_q + n_kv) d), the attention output (n_q d), o_proj's input and the residual (2H), the second
+RMSNorm (2H), gate / up / the activation / their product (4I), all in ``a`` bytes, plus fp32 norm
+statistics (negligible)::
+
+    act_per_token = Lyr * a * (6H + (4 n_q + 5 n_kv) d + 4I)
+
+With activation checkpointing a layer keeps only its input (``Lyr * a * H``) and recomputes the rest
+during its own backward (one layer's worth at a time). The LM head adds, per micro-batch, the hidden
+states of its completion positions and one chunk of logits: ``chunk * V * 4 * 3`` bytes (the logits,
+their float32 log-sum-exp and its gradient), independent of ``B`` and ``L``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Precision = Literal["fp32", "bf16-mixed"]
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs of an architecture (a Qwen3-style decoder)."""
+
+    params: int  # every parameter (each tied one once)
+    hidden: int  # H
+    intermediate: int  # I, the MLP width
+    layers: int
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def qwen3(
+        cls,
+        hidden: int,
+        intermediate: int,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        vocab: int,
+        tied: bool,
+    ) -> ModelShape:
+        """A Qwen3 decoder's shape with its parameter count: embeddings (and an untied LM head), per
+        layer q / k / v / o, q- and k-norms, the gated MLP and two RMSNorms, and the final norm."""
+        d = head_dim
+        per_layer = (
+            hidden * heads * d * 2
+            + hidden * kv_heads * d * 2
+            + 2 * d
+            + 3 * hidden * intermediate
+            + 2 * hidden
+        )
+        params = vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
+        return cls(params, hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
+
+    def activation_elements_per_token(self, checkpointing: bool = False) -> int:
+        """Elements autograd keeps per token of a micro-batch (module docstring)."""
+        if checkpointing:
+            return self.layers * self.hidden
+        d = self.head_dim
+        per_layer = 6 * self.hidden + (4 * self.heads + 5 * self.kv_heads) * d + 4 * self.intermediate
+        return self.layers * per_layer
+
+
+# Qwen3 shapes (the released configs), for `echo2 plan --model-size` and the docs' tables
+QWEN3_SHAPES: dict[str, ModelShape] = {
+    "0.6B": ModelShape.qwen3(1024, 3072, 28, 16, 8, 128, 151_936, tied=True),
+    "1.7B": ModelShape.qwen3(2048, 6144, 28, 16, 8, 128, 151_936, tied=True),
+    "4B": ModelShape.qwen3(2560, 9728, 36, 32, 8, 128, 151_936, tied=True),
+    "8B": ModelShape.qwen3(4096, 12288, 36, 32, 8, 128, 151_936, tied=False),
+}
+
+
+@dataclass(frozen=True)
+class LearnerMemory:
+    """Bytes per parameter of each part (module docstring) and activation bytes per token."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    reference: float
+    sampler_copies: float  # host memory on a GPU learner
+    check_model: float  # on the learner's device
+    publication: float  # transient, host memory
+    activation_per_token: float  # bytes per micro-batch token
+    sampler_copy_count: int  # how many whole copies ``sampler_copies`` is
+
+    @property
+    def training(self) -> float:
+        """Weights, gradients and optimizer states: 16 with AdamW."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def update_peak(self) -> float:
+        """Everything held at an update's peak, activations and publication transients excluded."""
+        return self.training + self.reference + self.sampler_copies + self.check_model
+
+    @property
+    def device(self) -> float:
+        """What a GPU learner's device holds per parameter (activations excluded)."""
+        return self.training + self.reference + self.check_model
+
+    @property
+    def host(self) -> float:
+        """What a GPU learner's host memory holds per parameter at most (copies + a publication)."""
+        return self.sampler_copies + self.publication
+
+    def device_bytes(self, params: int, micro_batch_tokens: int, logits_bytes: float = 0.0) -> float:
+        """A GPU learner's device bytes at an update's peak: the per-parameter parts plus one micro-batch's
+        activations and the LM head's chunk."""
+        return self.device * params + self.activation_per_token * micro_batch_tokens + logits_bytes
+
+    def table(self) -> dict[str, float]:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "reference": self.reference,
+            "sampler_copies": self.sampler_copies,
+            "check_model": self.check_model,
+            "publication_transient": self.publication,
+            "update_peak": self.update_peak,
+            "device": self.device,
+            "host": self.host,
+        }
+
+
+def held_sampler_copies(staleness: int, kappa: int, checks: bool) -> int:
+    """Whole sampler copies the learner holds: the last publication (the next patch's base), the latest
+    anchor's encoded bytes, and, with checks, the older published versions still admissible (versions
+    within ``S`` of the newest, published every ``kappa``: ``ceil((S + 1) / kappa)`` of them, the newest
+    being the base)."""
+    older = max(0, math.ceil((staleness + 1) / kappa) - 1) if checks else 0
+    return 2 + older
+
+
+def learner_memory(
+    shape: ModelShape,
+    precision: Precision = "fp32",
+    *,
+    staleness: int = 3,
+    kappa: int = 2,
+    checks: bool = True,
+    kl_reference: bool = False,
+    publish_bytes: int = 2,
+    gpu: bool = False,
+    checkpointing: bool = False,
+) -> LearnerMemory:
+    """The learner's memory by part for a model of ``shape`` (module docstring)."""
+    copies = held_sampler_copies(staleness, kappa, checks)
+    act_bytes = 4 if precision == "fp32" else 2
+    return LearnerMemory(
+        weights=4.0,
+        gradients=4.0,
+        optimizer=8.0,
+        reference=(4.0 if precision == "fp32" else 2.0) if kl_reference else 0.0,
+        sampler_copies=float(publish_bytes * copies),
+        check_model=float(publish_bytes) if (checks and gpu) else 0.0,
+        publication=float(2 * publish_bytes),
+        activation_per_token=float(act_bytes * shape.activation_elements_per_token(checkpointing)),
+        sampler_copy_count=copies,
+    )
+
+
+def logits_chunk_bytes(vocab: int, chunk: int) -> float:
+    """Peak bytes of the LM head's chunk: logits, their float32 log-sum-exp and gradient (3 x 4 bytes)."""
+    return float(chunk * vocab * 12)
+
+
+def fits(
+    shape: ModelShape,
+    device_gib: float,
+    precision: Precision = "bf16-mixed",
+    *,
+    micro_batch_tokens: int = 8192,
+    logprob_chunk: int = 4096,
+    world_size: int = 1,
+    **kw: object,
+) -> dict[str, float | bool]:
+    """Whether one device of ``device_gib`` GiB holds the learner (per-parameter parts divided over
+    ``world_size`` ranks as a fully sharded learner divides them; activations per rank)."""
+    mem = learner_memory(shape, precision, gpu=True, **kw)  # type: ignore[arg-type]
+    per_param = mem.device * shape.params / world_size
+    act = mem.activation_per_token * micro_batch_tokens + logits_chunk_bytes(shape.vocab, logprob_chunk)
+    need = per_param + act
+    return {
+        "bytes_per_param": mem.device,
+        "params_gib": per_param / GIB,
+        "activations_gib": act / GIB,
+        "need_gib": need / GIB,
+        "device_gib": device_gib,
+        "fits": need <= device_gib * GIB,
+    }
+
+
+def markdown_table(gpus_gib: tuple[float, ...] = (24, 48, 80, 141), micro_batch_tokens: int = 8192) -> str:
+    """The docs' table: device GiB a one-GPU bf16-mixed learner needs per Qwen3 size (weights, gradients,
+    AdamW, the check's bf16 model, one micro-batch without and with activation checkpointing), and which
+    GPU sizes hold it. ``python -m echo2.planner.memory`` prints it."""
+    rows = [
+        "| Qwen3 | params | weights + grads + AdamW + check model | + activations (ckpt off / on) | "
+        + " | ".join(f"{g:g} GiB" for g in gpus_gib)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(gpus_gib),
+    ]
+    for name, shape in QWEN3_SHAPES.items():
+        off = fits(shape, 1.0, micro_batch_tokens=micro_batch_tokens)
+        on = fits(shape, 1.0, micro_batch_tokens=micro_batch_tokens, checkpointing=True)
+        verdicts = []
+        for g in gpus_gib:
+            need_off, need_on = off["need_gib"], on["need_gib"]
+            verdicts.append("yes" if need_off <= g else "with ckpt" if need_on <= g else "no")
+        rows.append(
+            f"| {name} | {shape.params / 1e9:.2f} B | {off['params_gib']:.1f} GiB | "
+            f"{off['need_gib']:.1f} / {on['need_gib']:.1f} GiB | " + " | ".join(verdicts) + " |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

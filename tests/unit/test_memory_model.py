@@ -1,0 +1,65 @@
+"""The learner's memory model (planner/memory.py; docs/learner.md): hand-worked parts and shapes, and
+`echo2 plan` reporting whether a GPU holds the learner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from echo2.planner.memory import QWEN3_SHAPES, ModelShape, fits, held_sampler_copies, learner_memory
+
+
+def test_qwen3_shapes_count_the_released_parameters():
+    # the released checkpoints' totals (tied embeddings up to 4B, an untied head at 8B)
+    assert QWEN3_SHAPES["0.6B"].params == 596_049_920
+    assert QWEN3_SHAPES["1.7B"].params == 1_720_574_976
+    assert QWEN3_SHAPES["4B"].params == 4_022_468_096
+    assert QWEN3_SHAPES["8B"].params == 8_190_735_360
+
+
+def test_bytes_per_parameter_by_part():
+    shape = QWEN3_SHAPES["1.7B"]
+    m = learner_memory(shape, "bf16-mixed")  # S = 3, kappa = 2, checks on, bf16 publications
+    assert (m.weights, m.gradients, m.optimizer) == (4, 4, 8) and m.training == 16  # SPEC §9's floor
+    # the base of the next patch + the latest anchor's bytes + one older admissible version (8 of 8, 10)
+    assert m.sampler_copy_count == 3 and m.sampler_copies == 6
+    assert m.update_peak == 22 and m.check_model == 0 and m.reference == 0
+    assert learner_memory(shape, "fp32", checks=False).update_peak == 20  # no older copies kept
+    assert learner_memory(shape, "fp32", kl_reference=True).reference == 4
+    assert learner_memory(shape, "bf16-mixed", kl_reference=True).reference == 2
+    gpu = learner_memory(shape, "bf16-mixed", gpu=True)
+    assert gpu.device == 16 + 2 and gpu.host == 6 + 4  # a check model of bf16 weights on the device
+    assert held_sampler_copies(0, 1, True) == 2  # S = 0: only the newest version is admissible
+    assert held_sampler_copies(6, 1, True) == 2 + 6  # kappa = 1: every one of the 7 admissible versions
+
+
+def test_activation_bytes_per_token_hand_worked():
+    s = ModelShape.qwen3(128, 384, 4, 4, 2, 32, 100, tied=True)  # the embedded default's shape
+    # per layer: 6 * 128 + (4 * 4 + 5 * 2) * 32 + 4 * 384 = 768 + 832 + 1536 = 3136 elements
+    assert s.activation_elements_per_token() == 4 * 3136
+    assert s.activation_elements_per_token(checkpointing=True) == 4 * 128
+    assert learner_memory(s, "fp32").activation_per_token == 4 * 4 * 3136
+    assert learner_memory(s, "bf16-mixed").activation_per_token == 2 * 4 * 3136
+
+
+def test_which_gpu_holds_which_model():
+    assert fits(QWEN3_SHAPES["1.7B"], 141)["fits"] is True
+    eight = fits(QWEN3_SHAPES["8B"], 80)
+    assert eight["fits"] is False and eight["params_gib"] == pytest.approx(8_190_735_360 * 18 / 2**30)
+    assert fits(QWEN3_SHAPES["8B"], 80, world_size=8, micro_batch_tokens=2048)["fits"] is True
+
+
+def test_plan_reports_the_learner_memory(capsys):
+    from echo2.cli import main
+
+    assert main(["plan", "paper_qwen3_8b", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    mem = plan["learner_memory"]
+    assert mem["shape"] == "8B" and mem["one_gpu"]["fits"] is False  # 8B does not fit one 80 GB A100
+    assert mem["per_gpu_sharded"]["device_gib"] == 80
+    assert main(["plan", "paper_qwen3_8b"]) == 0
+    text = capsys.readouterr().out
+    assert "learner memory (Qwen3-8B, one GPU): 18 B/param" in text and "does NOT fit" in text
+    assert main(["plan", "paper_qwen3_8b", "--model-size", "0.6B", "--gpu-gib", "141", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["learner_memory"]["one_gpu"]["fits"] is True

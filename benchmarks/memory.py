@@ -14,7 +14,11 @@ Targets (fixed here, before the runs):
    bf16-mixed <= 20 bytes / parameter.
 2. ``--study growth``: a ~55M shape, peak resident memory of one update (``ru_maxrss``, a fresh process
    each) at R = 64 ... 1024 rows of 32 tokens under a fixed budget of 2,048 tokens per micro-batch.
-   Target: the peak at R = 1024 <= 1.10x the peak at R = 64.
+   Target: the peak at R = 1024 <= 1.10x the peak at R = 64. A second reading, added after the first
+   run (which read 1.31x): the same processes with glibc's mmap threshold fixed at 64 KiB
+   (``MALLOC_MMAP_THRESHOLD_``), so a freed tensor's pages go back to the system at once and the peak
+   is the live tensors' rather than what the allocator kept of earlier micro-batches; both are reported,
+   the verdict is the first's.
 3. ``--study speed``: (a) a micro-batched update (1,024-token micro-batches) against the same update in
    one micro-batch, same batch and weights, on the ~55M shape; (b) the learner's log-probs (LM head at
    completion positions, in chunks) against the path before them (the whole ``[B, T, V]`` logits), a
@@ -108,6 +112,7 @@ def child_bytes(precision: str) -> dict[str, Any]:
     import dataclasses
 
     import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig, SecurityConfig, SnapshotConfig
     from echo2.learner.trainer import GRPOTrainer
@@ -134,7 +139,7 @@ def child_bytes(precision: str) -> dict[str, Any]:
     chain = PublishedChain(SnapshotConfig())
     check = GenerationCheck(aliasing_model(model), sampling, SecurityConfig())
     at_step: list[int] = []
-    hook = torch.optim.optimizer.register_optimizer_step_pre_hook(lambda opt, a, k: at_step.append(rss()))
+    hook = register_optimizer_step_pre_hook(lambda opt, a, k: at_step.append(rss()))
 
     def publish(version: int) -> None:  # runtime/snapshots.py + runtime/node.py's on_published
         weights = sampler_copy(model, "bfloat16")
@@ -211,8 +216,14 @@ def child_growth(rows: int) -> dict[str, Any]:
     }
 
 
-def _spawn(args: list[str]) -> dict[str, Any]:
-    res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
+def _spawn(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    res = subprocess.run(
+        [sys.executable, __file__, *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
     if res.returncode != 0:
         raise RuntimeError(f"{args}: {res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -238,8 +249,17 @@ def study_bytes() -> dict[str, Any]:
 
 def study_growth() -> dict[str, Any]:
     runs = [_spawn(["--child-growth", str(r)]) for r in GROWTH_RS]
+    fixed = [_spawn(["--child-growth", str(r)], {"MALLOC_MMAP_THRESHOLD_": "65536"}) for r in GROWTH_RS]
     ratio = runs[-1]["peak_bytes"] / runs[0]["peak_bytes"]
-    return {"runs": runs, "peak_ratio_1024_vs_64": ratio, "met": {"growth": ratio <= MAX_GROWTH}}
+    ratio_fixed = fixed[-1]["peak_bytes"] / fixed[0]["peak_bytes"]
+    return {
+        "runs": runs,
+        "peak_ratio_1024_vs_64": ratio,
+        "runs_fixed_mmap_threshold": fixed,
+        "peak_ratio_1024_vs_64_fixed_mmap_threshold": ratio_fixed,
+        "met": {"growth": ratio <= MAX_GROWTH},
+        "second_reading_met": ratio_fixed <= MAX_GROWTH,
+    }
 
 
 def study_speed() -> dict[str, Any]:
@@ -342,6 +362,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
             "s--",
             label="between updates",
         )
+        fixed = result["growth"].get("runs_fixed_mmap_threshold") or []
+        if fixed:
+            ax.plot(
+                [r["rows"] for r in fixed],
+                [r["peak_bytes"] / 2**30 for r in fixed],
+                "^-",
+                label="peak, mmap threshold fixed (2nd reading)",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"R (rows of 32 tokens), budget {GROWTH_BUDGET} tokens")
         ax.set_ylabel("GiB")
@@ -387,7 +415,7 @@ def main() -> int:
         result[s] = {"bytes": study_bytes, "growth": study_growth, "speed": study_speed}[s]()
         result[s]["wall_s"] = time.perf_counter() - t0
         print(s, json.dumps(result[s]["met"]), flush=True)
-    result["command"] = "python benchmarks/memory.py" + ("" if a.study == "all" else f" --study {a.study}")
+    result["command"] = "python benchmarks/memory.py [--study bytes | growth | speed]"
     a.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     plot(result, a.out / "memory.png")

@@ -57,3 +57,55 @@ def tiny_policy():
 def tiny_policy_module():
     """The same, shared by a module's tests (which must not change it)."""
     return _tiny_policy()
+
+
+CHAT_TEMPLATE = (  # ChatML; a template argument, think, adds a marker to the generation prompt
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think is defined and not think %}"
+    "Answer: {% endif %}{% endif %}"
+)
+
+
+@pytest.fixture
+def user_checkpoint(tmp_path):
+    """A user's checkpoint as a model hub ships it: a BPE tokenizer (trained here with ``tokenizers``) with
+    a ChatML chat template (system messages allowed), a random Qwen3 model, and a generation config
+    with two end-of-sequence ids (``<|im_end|>`` and ``<|endoftext|>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    corpus = [f"What is {a} times {b}? Answer: {a * b}" for a in range(12) for b in range(12)]
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(  # every byte, as a real byte-level tokenizer has, then merges
+            vocab_size=400,
+            special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    path = tmp_path / "user-ckpt"
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id = [
+        tok.convert_tokens_to_ids("<|im_end|>"),
+        tok.convert_tokens_to_ids("<|endoftext|>"),
+    ]
+    model.save_pretrained(path)  # generation_config.json: two end-of-sequence ids, as Qwen3's has
+    tok.save_pretrained(path)
+    return path

@@ -29,6 +29,7 @@ from echo2.errors import ConfigError
 from echo2.physics.broadcast import StrategyName
 from echo2.physics.rules import DEFAULT_GAMMA, kappa_from_staleness
 
+REQUEST_BYTES_PER_TOKEN = 32  # a completion token in a submission's JSON: its id and log-prob (~26 bytes)
 USER_CONTEXT_TOKENS = 32768  # longest prompt + completion accepted when the model's context is unknown
 FloatDtype = Literal["bfloat16", "float16", "float32"]  # published weights, engine compute
 DEVICE_PATTERN = r"^(auto|cpu|cuda|cuda:[0-9]+)$"  # a device setting: auto, cpu, cuda or cuda:N
@@ -88,8 +89,24 @@ class ModelConfig(_Section):
         None, description="local HF checkpoint dir (model + tokenizer); unset = embedded"
     )
     chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    system_prompt: str | None = Field(
+        None, max_length=8192, description="a system message before every prompt (needs chat_template)"
+    )
+    chat_template_kwargs: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="extra arguments of the chat template, e.g. {enable_thinking = false} for Qwen3",
+    )
     embedded: EmbeddedModelConfig = Field(default_factory=EmbeddedModelConfig)
     warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
+
+    @model_validator(mode="after")
+    def _chat_needs_template(self) -> ModelConfig:
+        if not self.chat_template and (self.system_prompt is not None or self.chat_template_kwargs):
+            raise ValueError("system_prompt and chat_template_kwargs need chat_template = true")
+        bad = [k for k in self.chat_template_kwargs if not k.isidentifier()]
+        if bad:
+            raise ValueError(f"chat_template_kwargs keys must be identifiers, got {bad}")
+        return self
 
 
 class _SingleTurnFields(_Section):
@@ -136,9 +153,18 @@ class MathTaskConfig(_SingleTurnFields):
 
     name: Literal["math"] = "math"
     train_path: str | None = Field(
-        None, description="JSONL with 'question' and 'answer' fields; unset = bundled sample"
+        None,
+        description="question / answer records: .jsonl, .json, .parquet, .arrow or a datasets save_to_disk "
+        "directory; unset = bundled sample",
     )
-    eval_path: str | None = Field(None, description="test-split JSONL; unset = a split of train_path")
+    eval_path: str | None = Field(
+        None, description="test-split file (same formats); unset = a split of train_path"
+    )
+    question_field: str = Field("question", min_length=1, description="the records' question field")
+    answer_field: str = Field("answer", min_length=1, description="the records' answer field")
+    system_field: str | None = Field(
+        None, min_length=1, description="a per-record system message field (chat template); unset = none"
+    )
     eval_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="share of train_path held out as the test split if no eval_path"
     )
@@ -491,7 +517,15 @@ class RuntimeConfig(_Section):
     )
     lease_prompts: int = Field(8, ge=1, description="prompts per lease (one worker generation batch)")
     lease_ttl_s: float = Field(
-        30.0, gt=0.0, description="a lease not submitted within this long is re-issued"
+        30.0,
+        gt=0.0,
+        description="a lease not submitted within max(this, lease_ttl_per_token_s x sampling.max_new_tokens) "
+        "is re-issued",
+    )
+    lease_ttl_per_token_s: float = Field(
+        0.1,
+        ge=0.0,
+        description="seconds of a lease's lifetime per token of max_new_tokens (a decode of >= 10 steps/s)",
     )
     max_leases_per_worker: int = Field(
         4,
@@ -535,7 +569,12 @@ class RuntimeConfig(_Section):
     worker_max_rollouts_per_s: float | None = Field(
         None, gt=0.0, description="throttle local workers to emulate slower hardware; unset = full speed"
     )
-    max_request_mb: float = Field(8.0, gt=0.0, description="largest HTTP request body the learner accepts")
+    max_request_mb: float | None = Field(
+        None,
+        gt=0.0,
+        description="largest HTTP request body the learner accepts; unset = what the largest honest "
+        "submission needs (Config.request_cap_bytes), at least 8 MiB",
+    )
     join_token: str | None = Field(None, min_length=16, description="run join token; unset = generated")
 
 
@@ -565,6 +604,14 @@ class Config(_Section):
         return data
 
     @model_validator(mode="after")
+    def _record_system_needs_template(self) -> Config:
+        if getattr(self.task, "system_field", None) and not self.model.chat_template:
+            raise ValueError(
+                "task.system_field (a per-record system message) needs model.chat_template = true"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _task_fits(self) -> Config:
         self.task.check_run(self.grpo.loss_agg, self.sampling.max_new_tokens, self.context_tokens())
         return self
@@ -580,6 +627,23 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def lease_ttl(self) -> float:
+        """Seconds a lease lives: ``max(runtime.lease_ttl_s, lease_ttl_per_token_s x max_new_tokens)``, so a
+        lease of long completions is not re-issued while it is still being generated."""
+        rt = self.runtime
+        return max(rt.lease_ttl_s, rt.lease_ttl_per_token_s * self.sampling.max_new_tokens)
+
+    def request_cap_bytes(self) -> int:
+        """The largest HTTP request body the learner accepts: ``runtime.max_request_mb``, else twice the
+        largest honest submission (a lease of ``lease_prompts x group_size`` completions of
+        ``max_new_tokens`` tokens at 32 JSON bytes a token, plus 16 KiB a completion for its prompt and
+        fields), at least 8 MiB."""
+        if self.runtime.max_request_mb is not None:
+            return int(self.runtime.max_request_mb * (1 << 20))
+        completions = self.runtime.lease_prompts * self.batch.group_size
+        honest = completions * (REQUEST_BYTES_PER_TOKEN * self.sampling.max_new_tokens + (16 << 10))
+        return max(8 << 20, 2 * honest)
 
     def context_tokens(self) -> int:
         """Longest prompt + completion the model attends to: the embedded model's ``max_positions``,

@@ -131,6 +131,9 @@ class WorkerSettings(BaseModel):
     lease_prompts: int  # prompts to ask for per lease
     chat_template: bool  # wrap prompts with the tokenizer's chat template
     threads: int | None  # torch intra-op threads (None = torch's default)
+    system_prompt: str | None = Field(None, max_length=8192)  # the system message (chat template only)
+    chat_template_kwargs: dict[str, str | int | float | bool] = {}  # the chat template's extra arguments
+    eos_ids: list[int] = Field(default_factory=list, max_length=64)  # tokens that end a completion
     heartbeat_s: float  # seconds between heartbeats
     max_context: int = 0  # longest prompt + completion the model attends to (bounds an episode); 0 = unknown
 

@@ -9,46 +9,6 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture
-def user_checkpoint(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    corpus = [f"What is {a} times {b}? Answer: {a * b}" for a in range(12) for b in range(12)]
-    core = Tokenizer(models.BPE(unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(
-            vocab_size=300, special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        ),
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    path = tmp_path / "user-ckpt"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
 
 def test_train_a_user_checkpoint_on_math(user_checkpoint, tmp_path):
     run = tmp_path / "run"

@@ -166,3 +166,30 @@ def test_run_plan_and_simulate_configs_share_their_sections():
 def test_importing_the_config_does_not_import_torch():
     code = "import sys, echo2.config; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_lease_lifetime_and_request_cap_follow_the_completion_length():
+    """A lease lives max(30 s, 0.1 s x max_new_tokens); the request cap is twice the largest honest
+    submission (lease_prompts x group_size completions, 32 bytes a token + 16 KiB each), >= 8 MiB."""
+    default = load_config()
+    assert default.lease_ttl() == 30.0 and default.request_cap_bytes() == 8 << 20  # the embedded default
+    long = load_config(
+        overrides=["sampling.max_new_tokens=8192", "runtime.lease_prompts=8", "batch.group_size=16"]
+    )
+    assert long.lease_ttl() == pytest.approx(819.2)
+    assert long.request_cap_bytes() == 2 * 8 * 16 * (32 * 8192 + 16384)  # 69.2 MB
+    assert load_config(overrides=["runtime.max_request_mb=1"]).request_cap_bytes() == 1 << 20
+
+
+def test_a_user_checkpoint_with_the_toy_learning_rate_is_warned_about(user_checkpoint, tmp_path, caplog):
+    import logging
+
+    from echo2.runtime.core import LearnerCore
+
+    cfg = load_config(
+        overrides=[f"model.path={str(user_checkpoint)!r}", "task.name=math", "train.eval_size=8"]
+    )
+    with caplog.at_level(logging.WARNING, logger="echo2.runtime.core"):
+        core = LearnerCore.load(cfg, tmp_path / "run")
+    core.run_dir.close()
+    assert "grpo.lr = 0.0002 is the embedded toy model's learning rate" in caplog.text

@@ -639,7 +639,7 @@ def test_claimed_versions_and_completion_shapes_are_checked(tmp_path):
 def test_the_prompt_source_resumes_where_the_checkpoint_left_it():
     """A resumed run draws the prompts it would have drawn next (not the run's first ones again), and
     the prompts of expired leases waiting to be re-issued are kept."""
-    from echo2.runtime.leases import PromptSource
+    from echo2.runtime.prompts import PromptSource
 
     task = build_task(load_config().task, 0)
     a = PromptSource(task, seed=3)

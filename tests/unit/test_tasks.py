@@ -209,7 +209,7 @@ def test_math_splits_keep_formatting_duplicates_on_one_side(tmp_path):
     task = MathTask(MathTaskConfig(train_path=str(f)))
     train = task.sample_train(random.Random(0), 3000)
     splits = {
-        "train": {_question_of(task, p) for p in task._train},
+        "train": {_question_of(task, p) for p in task.train_prompts()},
         "validation": {_question_of(task, p) for p in task.validation_prompts(10_000)},
         "test": {_question_of(task, p) for p in task.eval_prompts(10_000)},
     }
@@ -219,10 +219,13 @@ def test_math_splits_keep_formatting_duplicates_on_one_side(tmp_path):
     assert not splits["validation"] & splits["test"]
     assert {_question_of(task, p) for p in train} <= splits["train"]
     # each question's three spellings all went to the side its normalised text hashes to
-    for prompts in (task.validation_prompts(10_000), task.eval_prompts(10_000), task._train):
+    for prompts in (task.validation_prompts(10_000), task.eval_prompts(10_000), task.train_prompts()):
         spellings = collections.Counter(_question_of(task, p) for p in prompts)
         assert set(spellings.values()) == {3}
-    assert len(task.validation_prompts(10_000)) + len(task.eval_prompts(10_000)) + len(task._train) == 600
+    assert (
+        len(task.validation_prompts(10_000)) + len(task.eval_prompts(10_000)) + len(task.train_prompts())
+        == 600
+    )
     # deterministic
     again = MathTask(MathTaskConfig(train_path=str(f)))
     assert again.validation_prompts(50) == task.validation_prompts(50)
@@ -237,7 +240,7 @@ def test_math_explicit_eval_file_is_the_test_split_and_validation_comes_from_tra
     task = MathTask(MathTaskConfig(train_path=str(train), eval_path=str(evalf)))
     test = {_question_of(task, p) for p in task.eval_prompts(10)}
     val = {_question_of(task, p) for p in task.validation_prompts(100)}
-    trained = {_question_of(task, p) for p in task._train}
+    trained = {_question_of(task, p) for p in task.train_prompts()}
     assert test == {"what is 3 + 3?", "what is 100 + 100?"}
     assert val and trained and not val & trained
     assert not test & (val | trained)  # both spellings of the test question were left out of train
@@ -250,13 +253,14 @@ def test_math_jsonl_errors_name_file_and_line(tmp_path):
     f.write_text(
         json.dumps({"question": "1+1?", "answer": "2"}) + "\n\n" + json.dumps({"question": "x"}) + "\n"
     )
-    with pytest.raises(DataError, match=r"data.jsonl:3: missing or empty field 'answer'"):
-        MathTask(MathTaskConfig(train_path=str(f)))
+    # the files are read on the first use of the prompts (the learner's start; a worker never reads them)
+    with pytest.raises(DataError, match=r"data.jsonl:3: no field 'answer'"):
+        MathTask(MathTaskConfig(train_path=str(f))).eval_prompts(1)
     f.write_text("{not json}\n")
     with pytest.raises(DataError, match=r"data.jsonl:1: not valid JSON"):
-        MathTask(MathTaskConfig(train_path=str(f)))
+        MathTask(MathTaskConfig(train_path=str(f))).eval_prompts(1)
     with pytest.raises(DataError, match="no such file"):
-        MathTask(MathTaskConfig(train_path=str(tmp_path / "missing.jsonl")))
+        MathTask(MathTaskConfig(train_path=str(tmp_path / "missing.jsonl"))).eval_prompts(1)
 
 
 def test_math_too_few_records_for_three_splits(tmp_path):
@@ -265,7 +269,7 @@ def test_math_too_few_records_for_three_splits(tmp_path):
     _write(train, [("2+2?", 4)])
     _write(evalf, [("3+3?", "6")])
     with pytest.raises(DataError, match=r"train.jsonl: 1 records leave an empty (train|validation) split"):
-        MathTask(MathTaskConfig(train_path=str(train), eval_path=str(evalf)))
+        MathTask(MathTaskConfig(train_path=str(train), eval_path=str(evalf))).train_prompts()
 
 
 def test_math_numeric_answers_and_explicit_eval_file(tmp_path):

@@ -63,19 +63,19 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
-    from echo2.models.policy import configure_torch, load_checkpoint, resolve_device
+    from echo2.models.policy import chat_format, configure_torch, load_checkpoint, resolve_device
     from echo2.rollout.engines.hf import HFEngine
     from echo2.tasks.registry import build_task
     from echo2.tasks.warmstart import starting_checkpoint
     from echo2.types import Bounds
 
     configure_torch(cfg)
-    policy = load_checkpoint(starting_checkpoint(cfg), cfg.model.chat_template)
+    policy = load_checkpoint(starting_checkpoint(cfg), chat_format(cfg))
     policy.model.to(resolve_device(cfg.learner.device))
     task = build_task(cfg.task, cfg.seed)
     engine = HFEngine(
         policy.model,
-        policy.eos_id,
+        policy.eos_ids,
         policy.pad_id,
         cfg.sampling,
         max_batch_tokens=cfg.learner.micro_batch_tokens,

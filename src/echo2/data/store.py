@@ -11,7 +11,7 @@ store calls through one thread (e.g. its event loop thread, or one executor thre
 **Schema** (``PRAGMA user_version = 3``; a version-2 store gains the two lease columns on open)::
 
     leases(lease_id PK, worker_id, state IN ('open','expired','submitted'), issued_at, expires_at,
-           submitted_at NULL, n_prompts, prompts, seed, installed_version)
+           submitted_at NULL, n_prompts, prompts, seed, installed_version, late (answered after expiry))
         prompts: JSON [[prompt_id, text, answer, meta], ...] in lease order
         seed: the sampling seed the lease assigned; installed_version: what the worker said it held
     rollout_groups(seq INTEGER PK AUTOINCREMENT, group_id UNIQUE, lease_id, prompt_id, policy_version,
@@ -54,7 +54,7 @@ from echo2.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3  # 3: leases keep their seed and the worker's version (2: without; 1: positional)
+SCHEMA_VERSION = 4  # 4: leases say if their answer came late; 3: seed and version; 2: without; 1: positional
 DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept in the ledger)
 PURGED = -2  # consumed_step of a group purged untrained because its worker was quarantined
 REJECTION_FLUSH = 256  # rejections counted in memory are written at the next transaction or at this many
@@ -72,7 +72,8 @@ CREATE TABLE IF NOT EXISTS leases (
     n_prompts INTEGER NOT NULL,
     prompts TEXT NOT NULL,
     seed INTEGER NOT NULL DEFAULT 0,
-    installed_version INTEGER NOT NULL DEFAULT -1
+    installed_version INTEGER NOT NULL DEFAULT -1,
+    late INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, expires_at);
 CREATE TABLE IF NOT EXISTS rollout_groups (
@@ -126,6 +127,7 @@ class StoreStats:
     poisoned: int  # groups purged because their loss or gradient was not finite (of those purged)
     leases_open: int  # leases issued and neither submitted nor expired
     leases_expired: int  # leases ever expired
+    admitted_tokens: int = 0  # completion tokens of the trajectories ever stored for training
 
     def metrics(self) -> dict[str, float]:
         """SPEC §7 keys ``store/size``, ``store/admitted``, ``store/dropped_stale``, ``store/rejected``,
@@ -151,6 +153,17 @@ def _decode_prompts(text: str) -> list[Prompt]:
     return [Prompt(prompt_id=i, text=t, answer=a, meta=m) for i, t, a, m in json.loads(text)]
 
 
+def _lease_prompts(groups: Sequence[tuple[str, str | None]], reason: str) -> list[tuple[Prompt, str]]:
+    """The prompt of each ``(prompt_id, its lease's prompts)`` (one per group; a group with no lease
+    row, or whose prompt the lease lacks, has none), with ``reason``."""
+    out = []
+    for pid, text in groups:
+        by_id = {p.prompt_id: p for p in _decode_prompts(text)} if text else {}
+        if pid in by_id:
+            out.append((by_id[pid], reason))
+    return out
+
+
 class TrajectoryStore:
     """Durable, versioned buffer of GRPO groups with leases and bounded-staleness admission.
 
@@ -168,6 +181,10 @@ class TrajectoryStore:
         self.group_size = group_size  # samples per GRPO group
         self._floor: int | None = None  # v_t - S at the last learner version seen; None: none seen yet
         self._rejections: dict[str, int] = {}  # counted, not yet written (the next transaction does)
+        # prompts whose groups were discarded untrained (dropped as stale, purged), to be leased again;
+        # in memory: the lease broker takes them (take_redo) each time it looks, so none is lost but by a
+        # crash, after which --resume requeues from the checkpoint's lease state
+        self._redo: list[tuple[Prompt, str]] = []
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
@@ -185,7 +202,7 @@ class TrajectoryStore:
             log.warning("%s: journal_mode is %s, not wal (still durable, slower)", self.path, mode)
         db.execute("PRAGMA synchronous = FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 2, SCHEMA_VERSION):
+        if version not in (0, 2, 3, SCHEMA_VERSION):
             raise ConfigError(
                 f"{self.path}: store schema version {version}, this echo2 reads {SCHEMA_VERSION}; "
                 "start a fresh run (without --resume) or use the echo2 that wrote it"
@@ -194,6 +211,8 @@ class TrajectoryStore:
             if version == 2:  # leases gain their seed and the worker's version
                 db.execute("ALTER TABLE leases ADD COLUMN seed INTEGER NOT NULL DEFAULT 0")
                 db.execute("ALTER TABLE leases ADD COLUMN installed_version INTEGER NOT NULL DEFAULT -1")
+            if version in (2, 3):  # leases say whether their answer came after they expired
+                db.execute("ALTER TABLE leases ADD COLUMN late INTEGER NOT NULL DEFAULT 0")
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
@@ -236,14 +255,18 @@ class TrajectoryStore:
             )
 
     def _drop_stale(self, learner_version: int) -> int:
-        """Delete buffered groups with ``policy_version < learner_version - S``; trajectories dropped."""
+        """Delete buffered groups with ``policy_version < learner_version - S``; trajectories dropped. The
+        prompts of the dropped groups are to be leased again (:meth:`take_redo`), but for a lease answered
+        after it expired (its prompts were leased again when it expired)."""
         floor = admission_floor(learner_version, self.staleness)
         self._floor = floor
-        n = self._db.execute(
-            "SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups "
-            "WHERE consumed_step IS NULL AND policy_version < ?",
+        rows = self._db.execute(
+            "SELECT g.n_traj, g.prompt_id, l.prompts, COALESCE(l.late, 0) = 0 "
+            "FROM rollout_groups g LEFT JOIN leases l USING (lease_id) "
+            "WHERE g.consumed_step IS NULL AND g.policy_version < ?",
             (floor,),
-        ).fetchone()[0]
+        ).fetchall()
+        n = sum(int(r[0]) for r in rows)
         if n:
             self._db.execute(
                 f"UPDATE rollout_groups SET consumed_step = {DROPPED}, data = '' "
@@ -251,8 +274,16 @@ class TrajectoryStore:
                 (floor,),
             )
             self._bump("dropped_stale", n)
-            log.info("dropped %d stale trajectories (policy_version < %d)", n, floor)
+            self._redo += _lease_prompts([(pid, text) for _, pid, text, on_time in rows if on_time], "stale")
+            log.debug("dropped %d stale trajectories (policy_version < %d)", n, floor)
         return int(n)
+
+    def take_redo(self) -> list[tuple[Prompt, str]]:
+        """The prompts whose groups were discarded untrained since the last call, with the reason
+        (``stale``: dropped as too old; ``purged``: their worker was quarantined; ``poisoned``: their
+        loss or gradient was not finite), to lease again."""
+        out, self._redo = self._redo, []
+        return out
 
     # --- leases ---------------------------------------------------------------------------------------
 
@@ -318,11 +349,13 @@ class TrajectoryStore:
         leases expire. Returns the trajectories purged and the prompts of those leases, to lease again.
         Groups already trained on stay trained on (their step is in the ledger)."""
         with self._tx():
-            n = self._db.execute(
-                "SELECT COALESCE(SUM(g.n_traj), 0) FROM rollout_groups g JOIN leases l USING (lease_id) "
-                "WHERE g.consumed_step IS NULL AND l.worker_id = ?",
+            held = self._db.execute(
+                "SELECT g.n_traj, g.prompt_id, l.prompts FROM rollout_groups g "
+                "JOIN leases l USING (lease_id) WHERE g.consumed_step IS NULL AND l.worker_id = ?",
                 (worker_id,),
-            ).fetchone()[0]
+            ).fetchall()
+            n = sum(int(r[0]) for r in held)
+            self._redo += _lease_prompts([(pid, text) for _, pid, text in held], "purged")
             self._db.execute(
                 f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' WHERE consumed_step IS NULL "
                 "AND lease_id IN (SELECT lease_id FROM leases WHERE worker_id = ?)",
@@ -351,18 +384,19 @@ class TrajectoryStore:
         marks = ",".join("?" * len(group_ids))
         with self._tx():
             rows = self._db.execute(
-                f"SELECT g.n_traj, l.worker_id FROM rollout_groups g JOIN leases l USING (lease_id) "
-                f"WHERE g.group_id IN ({marks}) AND g.data != ''",
+                f"SELECT g.n_traj, l.worker_id, g.prompt_id, l.prompts FROM rollout_groups g "
+                f"JOIN leases l USING (lease_id) WHERE g.group_id IN ({marks}) AND g.data != ''",
                 list(group_ids),
             ).fetchall()
+            self._redo += _lease_prompts([(pid, text) for _, _, pid, text in rows], "poisoned")
             self._db.execute(
                 f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' WHERE group_id IN ({marks})",
                 list(group_ids),
             )
-            self._bump("purged", sum(int(n) for n, _ in rows))
+            self._bump("purged", sum(int(r[0]) for r in rows))
             self._bump("poisoned", len(rows))
         log.warning("purged %d groups whose loss or gradient was not finite", len(rows))
-        return sorted({str(w) for _, w in rows})
+        return sorted({str(r[1]) for r in rows})
 
     def open_leases(self, worker_id: str) -> int:
         """Leases issued to ``worker_id`` that are still ``open`` (neither submitted nor expired)."""
@@ -461,6 +495,8 @@ class TrajectoryStore:
             self._floor = floor
             if sub.policy_version < floor:
                 self._bump("dropped_stale", n)
+                if state == "open":  # an expired lease's prompts were leased again when it expired
+                    self._redo += [(p, "stale") for p in _decode_prompts(prompts_json)]
                 result = SubmitResult(admitted=0, dropped_stale=n)
             else:
                 self._db.executemany(
@@ -479,13 +515,14 @@ class TrajectoryStore:
                     ],
                 )
                 self._bump("admitted", n)
+                self._bump("admitted_tokens", sum(len(t.completion_ids) for g in sub.groups for t in g))
                 result = SubmitResult(admitted=n, dropped_stale=0)
             self._db.execute(
-                "UPDATE leases SET state = 'submitted', submitted_at = ? WHERE lease_id = ?",
-                (now, sub.lease_id),
+                "UPDATE leases SET state = 'submitted', submitted_at = ?, late = ? WHERE lease_id = ?",
+                (now, int(state == "expired"), sub.lease_id),
             )
         if result.dropped_stale:
-            log.info(
+            log.debug(
                 "lease %s: %d stale trajectories dropped (v=%d < %d - %d)",
                 sub.lease_id,
                 n,
@@ -612,6 +649,7 @@ class TrajectoryStore:
             poisoned=int(counters.get("poisoned", 0)),
             leases_open=int(leases_open),
             leases_expired=int(counters.get("leases_expired", 0)),
+            admitted_tokens=int(counters.get("admitted_tokens", 0)),
         )
 
     def outstanding_rollouts(self) -> int:

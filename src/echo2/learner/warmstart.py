@@ -144,7 +144,7 @@ def _sft_step(policy: Any, opt: Any, prompts: list[Prompt]) -> float:
     """One teacher-forced step on reference answers (loss on the answer tokens and EOS only)."""
     rows = []
     for p in prompts:
-        x, y = policy.encode_prompt(p.text), [*policy.encode_prompt(p.answer), policy.eos_id]
+        x, y = policy.codec.encode(p), [*policy.encode_prompt(p.answer), policy.eos_id]
         rows.append((x + y, [0] * len(x) + [1] * len(y)))
     return _fit(policy, opt, rows)
 

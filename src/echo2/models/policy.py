@@ -9,7 +9,9 @@ warm start, trained first when it is not cached) is the learner side's decision:
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,19 +23,55 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class ChatFormat:
+    """How a prompt becomes the model's input: as it is, or wrapped by the tokenizer's chat template with
+    an optional system message and the template's own keyword arguments (Qwen3's ``enable_thinking``)."""
+
+    template: bool = False  # wrap prompts with the tokenizer's chat template
+    system_prompt: str | None = None  # a system message before the prompt (needs the template)
+    template_kwargs: tuple[tuple[str, Any], ...] = ()  # extra arguments of apply_chat_template
+
+    @classmethod
+    def of(
+        cls, chat_template: bool, system_prompt: str | None = None, kwargs: Mapping[str, Any] | None = None
+    ) -> ChatFormat:
+        return cls(chat_template, system_prompt, tuple(sorted((kwargs or {}).items())))
+
+
+@dataclass(frozen=True)
 class TextCodec:
     """Prompt text -> token ids and completion ids -> text, the way every plane agrees on: what a
     worker needs of a model besides its engine."""
 
     tokenizer: Any  # transformers tokenizer
     chat_template: bool  # wrap prompts with the tokenizer's chat template
+    system_prompt: str | None = None  # the system message of every prompt (chat template only)
+    template_kwargs: tuple[tuple[str, Any], ...] = ()  # apply_chat_template's extra arguments
 
-    def encode_prompt(self, text: str) -> list[int]:
+    @classmethod
+    def of(cls, tokenizer: Any, chat: ChatFormat) -> TextCodec:
+        return cls(tokenizer, chat.template, chat.system_prompt, chat.template_kwargs)
+
+    @property
+    def chat(self) -> ChatFormat:
+        return ChatFormat(self.chat_template, self.system_prompt, self.template_kwargs)
+
+    def encode_prompt(self, text: str, system: str | None = None) -> list[int]:
+        """The token ids of a prompt: ``text`` as it is, or wrapped by the chat template with ``system``
+        (a record's own system message) or else the configured one before it."""
         if self.chat_template:
+            messages = [{"role": "user", "content": text}]
+            system = system if system is not None else self.system_prompt
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
             text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True, **dict(self.template_kwargs)
             )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode(self, prompt: Any) -> list[int]:
+        """The token ids of a task's ``Prompt`` (its record's system message, if it has one)."""
+        return self.encode_prompt(prompt.text, prompt.meta.get("system"))
 
     def decode_completion(self, ids: tuple[int, ...] | list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -45,14 +83,21 @@ class Policy:
 
     model: Any  # transformers *ForCausalLM
     tokenizer: Any  # transformers tokenizer
-    eos_id: int  # token that ends a completion
+    eos_id: int  # the tokenizer's end-of-sequence token
     pad_id: int  # token used for padding (never trained on)
     chat_template: bool  # wrap prompts with the tokenizer's chat template
     source: str  # the checkpoint directory it was loaded from
+    chat: ChatFormat | None = None  # system prompt and template arguments (None: the template alone)
+    extra_eos: tuple[int, ...] = ()  # more tokens that end a completion (the generation config's)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every token that ends a completion: the tokenizer's, then the generation config's others."""
+        return (self.eos_id, *(e for e in self.extra_eos if e != self.eos_id))
 
     @property
     def codec(self) -> TextCodec:
-        return TextCodec(self.tokenizer, self.chat_template)
+        return TextCodec.of(self.tokenizer, self.chat or ChatFormat(self.chat_template))
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.codec.encode_prompt(text)
@@ -97,8 +142,33 @@ def resolve_device(spec: str, field: str = "learner.device") -> Any:
     return device
 
 
-def load_checkpoint(path: str | Path, chat_template: bool = False) -> Policy:
-    """Model + tokenizer from a local directory; CheckpointError says what is missing or broken."""
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of a checkpoint's ``generation_config.json`` (one id or a list; none when
+    the file or the field is absent); CheckpointError when the field is not ids."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        value = json.loads(file.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{file}: not a JSON object ({exc})") from exc
+    ids = (
+        [value]
+        if isinstance(value, int)
+        else value
+        if isinstance(value, list)
+        else []
+        if value is None
+        else None
+    )
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
+
+
+def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) -> Policy:
+    """Model + tokenizer from a local directory; CheckpointError says what is missing or broken. Every
+    end-of-sequence id of the tokenizer and of ``generation_config.json`` ends a completion."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -117,10 +187,33 @@ def load_checkpoint(path: str | Path, chat_template: bool = False) -> Policy:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
     except Exception as exc:
         raise CheckpointError(f"cannot load a causal LM from {p}: {exc}") from exc
+    chat = chat_template if isinstance(chat_template, ChatFormat) else ChatFormat(chat_template)
+    extra = generation_eos_ids(p)
     eos = tokenizer.eos_token_id
+    if eos is None and extra:
+        eos = extra[0]
     if eos is None:
-        raise CheckpointError(f"the tokenizer in {p} defines no eos_token")
+        raise CheckpointError(f"the tokenizer in {p} defines no eos_token (nor does generation_config.json)")
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    bad = [i for i in (eos, *extra) if vocab and not 0 <= int(i) < vocab]
+    if bad:
+        raise CheckpointError(f"{p}: end-of-sequence ids {bad} are outside the model's vocabulary of {vocab}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    if chat_template and not getattr(tokenizer, "chat_template", None):
+    if chat.template and not getattr(tokenizer, "chat_template", None):
         raise CheckpointError(f"model.chat_template is set but the tokenizer in {p} has no chat template")
-    return Policy(model, tokenizer, int(eos), int(pad), chat_template, str(p))
+    policy = Policy(model, tokenizer, int(eos), int(pad), chat.template, str(p), chat, extra)
+    if chat.template:
+        try:  # a template that rejects a system message or an argument fails here, not mid-run
+            policy.codec.encode_prompt("1+1=")
+        except Exception as exc:  # jinja raises its own types; the user needs the template's complaint
+            raise CheckpointError(
+                f"the chat template of {p} fails on a prompt with model.system_prompt / "
+                f"model.chat_template_kwargs as set: {type(exc).__name__}: {exc}"
+            ) from exc
+    return policy
+
+
+def chat_format(cfg: Config) -> ChatFormat:
+    """The run's ``[model]`` chat settings."""
+    m = cfg.model
+    return ChatFormat.of(m.chat_template, m.system_prompt, m.chat_template_kwargs)

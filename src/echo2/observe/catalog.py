@@ -48,6 +48,7 @@ DashboardChart = Literal["reward", "bubble", "stale", "cost", "workers", "mu"]
 NAMESPACES = (
     "learner",
     "reward",
+    "data",
     "store",
     "rollout",
     "env",
@@ -313,6 +314,38 @@ STORE_PURGED = _m(
 )
 STORE_POISONED = _m(
     "store/poisoned", "count", "groups purged because their loss or gradient was not finite", BOTH
+)
+DATA_EPOCH = _m(
+    "data/epoch",
+    "epochs",
+    "how far the leases are through the training split: 1.5 = half way through the second epoch (a finite "
+    "split only: dataset files)",
+    BOTH,
+)
+DATA_PROMPTS_REQUEUED = _m(
+    "data/prompts_requeued",
+    "count",
+    "prompts leased again so far: their lease expired or its answer was refused, or their groups were "
+    "dropped as stale, purged or left out as poison",
+    BOTH,
+)
+DATA_PROMPTS_SKIPPED = _m(
+    "data/prompts_skipped",
+    "count",
+    "prompts given up so far, each with a logged reason (dropped as stale 3 times in a row)",
+    BOTH,
+)
+DATA_TOKENS_GENERATED = _m(
+    "data/completion_tokens_generated",
+    "tokens",
+    "mean completion length of the trajectories admitted since the previous step record",
+    BOTH,
+)
+DATA_TOKENS_TRAINED = _m(
+    "data/completion_tokens_trained",
+    "tokens",
+    "mean completion length of the step's batch (against the generated mean: a length bias of staleness)",
+    BOTH,
 )
 STORE_STALENESS_MAX = _m(
     "store/staleness_max",

@@ -40,7 +40,7 @@ def collect_groups(
 ) -> RolloutBatch:
     """Sample ``group_size`` completions of every prompt with the engine's weights (which are
     version ``policy_version``), grade each with the task, and build the trajectories."""
-    encoded = [codec.encode_prompt(p.text) for p in prompts]
+    encoded = [codec.encode(p) for p in prompts]
     t0 = time.perf_counter()
     samples = engine.generate([ids for ids in encoded for _ in range(group_size)], seed=seed)
     t_gen = time.perf_counter() - t0

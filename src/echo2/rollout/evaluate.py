@@ -28,7 +28,7 @@ def evaluate_text(
     unparsed = 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        samples = engine.generate([codec.encode_prompt(p.text) for p in chunk], seed=0, greedy=True)
+        samples = engine.generate([codec.encode(p) for p in chunk], seed=0, greedy=True)
         for p, s in zip(chunk, samples, strict=True):
             grade = task.grade(p, codec.decode_completion(s.completion_ids))
             rewards.append(grade.reward)

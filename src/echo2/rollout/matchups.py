@@ -171,17 +171,17 @@ def evaluate_checkpoint(
     ``task.eval_deals``) of the test split."""
     from echo2.data.tasks.environment import EnvironmentTask
     from echo2.envs.registry import PokerSpec
-    from echo2.models.policy import load_checkpoint
+    from echo2.models.policy import chat_format, load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
 
     if not isinstance(cfg.task, PokerTaskConfig):
         raise ValueError(f"the poker table needs task.name = 'poker', not {cfg.task.name!r}")
-    policy = load_checkpoint(checkpoint, cfg.model.chat_template)
-    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, cfg.sampling)
+    policy = load_checkpoint(checkpoint, chat_format(cfg))
+    engine = HFEngine(policy.model, policy.eos_ids, policy.pad_id, cfg.sampling)
     snapshots: dict[str, Engine] = {}
     for name, path in (against or {}).items():
-        snap = load_checkpoint(path, cfg.model.chat_template)
-        snapshots[name] = HFEngine(snap.model, snap.eos_id, snap.pad_id, cfg.sampling)
+        snap = load_checkpoint(path, chat_format(cfg))
+        snapshots[name] = HFEngine(snap.model, snap.eos_ids, snap.pad_id, cfg.sampling)
     task = EnvironmentTask(PokerSpec(cfg.task), cfg.seed)  # poker's own seeds: its test split
     seeds = [int(p.meta["seed"]) for p in task.eval_prompts(deals or cfg.task.eval_deals)]
     return poker_table(

@@ -154,7 +154,7 @@ class RolloutWorker:
         follower, which then keeps it current)."""
         import torch
 
-        from echo2.models.policy import TextCodec
+        from echo2.models.policy import ChatFormat, TextCodec
         from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
         from echo2.rollout.engines import build_engine
         from echo2.weights.manifest import key_from_text
@@ -172,11 +172,13 @@ class RolloutWorker:
         with tempfile.TemporaryDirectory(prefix="echo2-skeleton-") as tmp:
             write_skeleton(skeleton.files, Path(tmp))
             tokenizer = tokenizer_from_skeleton(Path(tmp))
-            eos, pad = int(tokenizer.eos_token_id), tokenizer.pad_token_id
-            pad = int(pad) if pad is not None else eos
+            eos = _eos_ids(st.eos_ids, tokenizer)
+            pad = tokenizer.pad_token_id
+            pad = int(pad) if pad is not None else eos[0]
             eopts = dataclasses.replace(self.opts.engine_options, max_context=st.max_context)
             self.engine = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts)
-            self.codec = TextCodec(tokenizer, st.chat_template)
+            chat = ChatFormat.of(st.chat_template, st.system_prompt, st.chat_template_kwargs)
+            self.codec = TextCodec.of(tokenizer, chat)
             if "selfplay" in getattr(st.task, "opponents", ()):  # earlier versions play the other seats
                 from echo2.rollout.opponents import SelfPlayPool
 
@@ -430,3 +432,14 @@ def _local_address(learner_host: str, advertise: str | None) -> tuple[str, str]:
         return advertise, advertise
     except OSError:
         return route, advertise
+
+
+def _eos_ids(ids: list[int], tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a completion: the learner's word (every id inside the tokenizer's vocabulary),
+    else the tokenizer's own end-of-sequence token (a learner from before the field)."""
+    if not ids:
+        return (int(tokenizer.eos_token_id),)
+    bad = [i for i in ids if not 0 <= i < len(tokenizer)]
+    if bad:
+        raise Echo2Error(f"settings.eos_ids: {bad} are outside the tokenizer's {len(tokenizer)} tokens")
+    return tuple(ids)

@@ -13,6 +13,7 @@ the update (publish, retarget the pool).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from echo2.errors import TrainingDivergedError
 from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, RunDir
 from echo2.tasks.base import Task
 from echo2.types import Bounds
+
+log = logging.getLogger(__name__)
+TOY_LR_FLOOR = 1e-4  # a learning rate at least this large with a user's checkpoint is warned about
 
 if TYPE_CHECKING:
     from echo2.learner.trainer import GRPOTrainer
@@ -58,7 +62,7 @@ class LearnerCore:
         import torch
 
         from echo2.learner.trainer import GRPOTrainer
-        from echo2.models.policy import load_checkpoint, resolve_device
+        from echo2.models.policy import chat_format, load_checkpoint, resolve_device
         from echo2.observe.trackers import start_trackers
         from echo2.rollout.engines.hf import HFEngine
         from echo2.tasks.registry import build_task
@@ -67,7 +71,13 @@ class LearnerCore:
         sinks = start_trackers(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
         run_dir = RunDir(run_path, cfg.to_dict(), resume=ckpt is not None, sinks=sinks, background=True)
         device = resolve_device(cfg.learner.device)
-        policy = load_checkpoint(ckpt or starting_checkpoint(cfg), cfg.model.chat_template)
+        if cfg.model.path is not None and cfg.grpo.lr >= TOY_LR_FLOOR:
+            log.warning(
+                "grpo.lr = %g is the embedded toy model's learning rate; RL on a pretrained LLM usually "
+                "uses 1e-6 to 3e-6 (configs/math_qwen3.toml): set grpo.lr",
+                cfg.grpo.lr,
+            )
+        policy = load_checkpoint(ckpt or starting_checkpoint(cfg), chat_format(cfg))
         policy.model.to(device)
         version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
         task = build_task(cfg.task, cfg.seed)
@@ -86,7 +96,7 @@ class LearnerCore:
             trainer.optimizer.load_state_dict(state)
         engine = HFEngine(
             policy.model,
-            policy.eos_id,
+            policy.eos_ids,
             policy.pad_id,
             cfg.sampling,
             max_batch_tokens=cfg.learner.micro_batch_tokens,

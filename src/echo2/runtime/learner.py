@@ -176,8 +176,8 @@ class AsyncLearner:
             tls=self._tls,  # the API's certificate: workers pin one fingerprint for both planes
         )
         broadcast = await publisher.start()
-        skeleton = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
-        identity = Identity(worker_settings(cfg), key.verifier().to_text(), broadcast, skeleton)
+        files = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
+        identity = Identity(worker_settings(cfg, policy.eos_ids), key.verifier().to_text(), broadcast, files)
         self.data_ready = asyncio.Event()  # set on every admitted submission: the main loop's wake-up
         parts = assemble(
             cfg,
@@ -210,7 +210,7 @@ class AsyncLearner:
         from echo2.types import Bounds
 
         cfg, policy = self.cfg, self.core.policy
-        verifier = self.core.task.verifier(policy.codec, policy.eos_id, Bounds.of(cfg))
+        verifier = self.core.task.verifier(policy.codec, policy.eos_ids, Bounds.of(cfg))
         if cfg.security.check_fraction <= 0:
             return verifier, None
         from echo2.models.snapshot import aliasing_model

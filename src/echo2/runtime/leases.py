@@ -31,58 +31,26 @@ Each lease assigns a fresh random sampling seed (the worker samples with seeded 
 so the learner can re-derive any sampled token, ``tasks/verify.py``) and records the version the
 worker said it held (a submission claiming an older one is refused).
 
-Prompts of expired leases are leased again first, then fresh draws from the task. The learner's
+Prompts come from a :class:`~echo2.runtime.prompts.PromptSource`: those of expired leases and those
+whose groups were discarded untrained first, then the epoch (or a stream's draws). The learner's
 version is read from one provider (the trainer), never pushed in.
 """
 
 from __future__ import annotations
 
-import random
 import secrets
-from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
-from typing import Any
 
 from echo2.config import BatchConfig, RuntimeConfig, SecurityConfig, StalenessConfig
 from echo2.data.store import TrajectoryStore
 from echo2.physics.rules import admission_floor
 from echo2.protocol import LeaseGrant, LeaseRefusal, LeaseRequest
+from echo2.runtime.prompts import PromptSource
 from echo2.runtime.standing import Standings
-from echo2.tasks.base import Task
-from echo2.types import Prompt
 
 SEED_BITS = 53  # lease seeds stay exact in any JSON reader
 # refusals of an answer that are the learner's doing, not the worker's: no strike (intake.py)
 NO_FAULT = frozenset({"lease_before_restart", "unchecked_version"})
-
-
-class PromptSource:
-    """Training prompts for leases: prompts of expired leases first, then fresh draws from the task."""
-
-    def __init__(self, task: Task, seed: int) -> None:
-        self.task = task
-        self.rng = random.Random(f"leases:{seed}")
-        self.reissue: deque[Prompt] = deque()
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps so a resumed run draws on where it was (JSON)."""
-        version, internal, gauss = self.rng.getstate()
-        return {"rng": [version, list(internal), gauss], "reissue": [asdict(p) for p in self.reissue]}
-
-    def restore(self, state: dict[str, Any] | None) -> None:
-        """Continue from :meth:`state` (None: a checkpoint written before it was kept: start over)."""
-        if state is None:
-            return
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
-        self.reissue = deque(Prompt(**p) for p in state["reissue"])
-
-    def take(self, n: int) -> list[Prompt]:
-        out = [self.reissue.popleft() for _ in range(min(n, len(self.reissue)))]
-        if len(out) < n:
-            out += self.task.sample_train(self.rng, n - len(out))
-        return out
 
 
 class LeaseBroker:
@@ -135,6 +103,7 @@ class LeaseBroker:
         fit = self._refusal(worker_id, req.installed_version, n, probation, now)
         if isinstance(fit, LeaseRefusal):
             return fit
+        self.prompts.redo(self.store.take_redo())  # discarded untrained since the last look: first in line
         prompts = self.prompts.take(fit)
         seed = secrets.randbits(SEED_BITS)  # not the run's seed: workers know that one
         ttl = self.standings.ttl(worker_id)
@@ -221,7 +190,7 @@ class LeaseBroker:
         go out again at once, not after its time to live) and, unless the learner is the cause
         (:data:`NO_FAULT`), the worker takes a strike as for an unreturned lease."""
         prompts = self.store.expire_lease(lease_id)
-        self.prompts.reissue.extend(prompts)
+        self.prompts.again(prompts)
         if prompts and reason not in NO_FAULT:
             self.standings.expired(worker_id, self.clock())
 
@@ -230,8 +199,9 @@ class LeaseBroker:
         strike (``standing.py``); returns ``(worker, seconds it held the lease)`` per expired lease."""
         now = self.clock()
         owners = []
+        self.prompts.redo(self.store.take_redo())  # discarded untrained: lease them again
         for worker_id, prompts, held_s in self.store.expire_leases_by_worker(now):
-            self.prompts.reissue.extend(prompts)
+            self.prompts.again(prompts)
             self.standings.expired(worker_id, now)
             owners.append((worker_id, held_s))
         return owners

@@ -19,7 +19,6 @@ generation as its ``wait`` cause, and evaluation, checkpointing and logging as t
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,8 +72,10 @@ class LocalFeed:
     the trainer's weights and submits it to the store."""
 
     def __init__(self, core: LearnerCore, store: TrajectoryStore) -> None:
+        from echo2.runtime.prompts import PromptSource
+
         self.core, self.store = core, store
-        self.rng = random.Random(f"train:{core.cfg.seed}")
+        self.prompts = PromptSource(core.task, core.cfg.seed)  # the node's: epochs of a finite split
         self.last: dict[str, float] = {}  # the newest generation's rollout/ metrics
 
     def housekeeping(self) -> None:
@@ -87,7 +88,8 @@ class LocalFeed:
         from echo2.data.submission import Submission
 
         cfg = self.core.cfg
-        prompts = self.core.task.sample_train(self.rng, cfg.batch.prompts)
+        self.prompts.redo(self.store.take_redo())
+        prompts = self.prompts.take(cfg.batch.prompts)
         lease_id = self.store.issue_lease(
             WORKER_ID, prompts, time.time(), ttl_s=LEASE_TTL_S, installed_version=version
         )
@@ -121,10 +123,10 @@ class LocalFeed:
         pass  # nothing to publish: the next generation runs on the trainer's weights
 
     def metrics(self, step_wall_s: float) -> dict[str, float]:
-        return dict(self.last)
+        return {**self.last, **self.prompts.metrics()}
 
     def state(self) -> dict[str, Any]:
-        return {}
+        return {"leases": self.prompts.state()}
 
     async def finish(self) -> None:
         pass

@@ -107,6 +107,8 @@ class LearnerLoop:
         self.steps = self.staleness_max = 0  # what this process did, for the summary
         self.t_trains: list[float] = []
         self.last_ckpt = last_checkpoint
+        stats = store.stats()
+        self._admitted_seen = (stats.admitted, stats.admitted_tokens)  # for the generated length
 
     @property
     def version(self) -> int:
@@ -205,6 +207,7 @@ class LearnerLoop:
             m.STORE_STALENESS_MAX.key: delta,
             m.REWARD_MEAN.key: sum(rewards) / len(rewards),
             m.REWARD_UNPARSED.key: sum(1 for t in flat if not t.meta.get("parsed", True)),
+            m.DATA_TOKENS_TRAINED.key: sum(len(t.completion_ids) for t in flat) / len(flat),
             **self.core.task.batch_metrics(flat),
         }
 
@@ -221,16 +224,25 @@ class LearnerLoop:
                 self.last_ckpt = await asyncio.to_thread(self.save, f"step_{v:06d}")
             self.store.prune_consumed(v)  # trained into a durable checkpoint: never requeued
         step = self.meter.close_step()
+        stats = self.store.stats()
         record.update(
             {
                 m.TIME_S.key: self.meter.step_start - self.meter.start,
                 **step,
-                **self.store.stats().metrics(),
+                **stats.metrics(),
+                **self._generated_length(stats.admitted, stats.admitted_tokens),
                 **self.feed.metrics(step[m.LEARNER_STEP_WALL_S.key]),
             }
         )
         with self.meter.idle("log"):
             self._record(record)
+
+    def _generated_length(self, admitted: int, tokens: int) -> dict[str, float]:
+        """``data/completion_tokens_generated``: the mean completion length of what was admitted since the
+        previous record (nothing when nothing was)."""
+        n, t = admitted - self._admitted_seen[0], tokens - self._admitted_seen[1]
+        self._admitted_seen = (admitted, tokens)
+        return {m.DATA_TOKENS_GENERATED.key: t / n} if n > 0 else {}
 
     def _record(self, record: dict[str, Any]) -> None:
         self.core.run_dir.log(record)

@@ -11,7 +11,7 @@ the newest published version, whether a worker is active, the clock).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,9 @@ from echo2.data.submission import Rejected
 from echo2.physics.rules import admission_floor
 from echo2.protocol import WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
-from echo2.runtime.leases import LeaseBroker, PromptSource
+from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.pool import Pool
+from echo2.runtime.prompts import PromptSource
 from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
@@ -49,12 +50,14 @@ class NodeParts:
         self.pool.tick()
 
     def metrics(self) -> dict[str, float]:
-        """``leases/`` metrics: what the lease standing ledger counted."""
-        return self.broker.standings.metrics()
+        """``leases/`` metrics (what the lease standing ledger counted) and ``data/`` (the epoch, the
+        prompts leased again or given up)."""
+        return {**self.broker.standings.metrics(), **self.broker.prompts.metrics()}
 
 
-def worker_settings(cfg: Config) -> WorkerSettings:
-    """The part of the run's config a worker is sent at registration (never the whole tree)."""
+def worker_settings(cfg: Config, eos_ids: Sequence[int] = ()) -> WorkerSettings:
+    """The part of the run's config a worker is sent at registration (never the whole tree), with the
+    tokens that end a completion (the learner's policy's: engine, check and learner agree)."""
     rt = cfg.runtime
     return WorkerSettings(
         seed=cfg.seed,
@@ -63,6 +66,9 @@ def worker_settings(cfg: Config) -> WorkerSettings:
         group_size=cfg.batch.group_size,
         lease_prompts=rt.lease_prompts,
         chat_template=cfg.model.chat_template,
+        system_prompt=cfg.model.system_prompt,
+        chat_template_kwargs=cfg.model.chat_template_kwargs,
+        eos_ids=list(eos_ids),
         threads=cfg.train.resolved_threads(embedded=cfg.model.path is None),
         heartbeat_s=rt.heartbeat_s,
         max_context=cfg.context_tokens(),
@@ -114,7 +120,7 @@ def assemble(
         snapshots,
         store,
         identity,
-        int(cfg.runtime.max_request_mb * (1 << 20)),
+        cfg.request_cap_bytes(),
         cfg.security,
     )
     return NodeParts(registry, pool, broker, intake, snapshots, routes)
@@ -132,7 +138,7 @@ def _leasing(
     """The pool (with the workers an earlier learner process registered, restored) and the lease
     broker, sharing one ledger of lease standings: a heartbeat keeps a worker alive in the pool only
     while it holds an open lease or asked for one within the heartbeat timeout."""
-    standings = Standings(cfg.security.max_unreturned, cfg.runtime.lease_ttl_s)
+    standings = Standings(cfg.security.max_unreturned, cfg.lease_ttl())
     timeout = cfg.controller.heartbeat_timeout_s
 
     def working(worker_id: str) -> bool:
@@ -176,6 +182,6 @@ def _quarantine(
         registry.revoke(rec.worker_id, f"{exc.reason}: {exc.detail}")
         pool.quarantine(rec.worker_id, exc.reason)
         _, prompts = broker.store.purge_worker(rec.worker_id)
-        broker.prompts.reissue.extend(prompts)
+        broker.prompts.again(prompts)  # its open leases; its buffered groups' prompts come via take_redo
 
     return quarantine

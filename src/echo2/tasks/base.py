@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from echo2.data.tasks.environment import TextPolicy
     from echo2.models.policy import TextCodec
     from echo2.rollout.collect import RolloutBatch
-    from echo2.rollout.engines.base import Engine
+    from echo2.rollout.engines.base import Engine, EosIds
     from echo2.rollout.evaluate import EvalResult
     from echo2.tasks.verify import Verifier
 
@@ -41,6 +41,10 @@ class Task(Protocol):
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         """``n`` training prompts drawn with ``rng`` (never a validation or test problem)."""
+        ...
+
+    def train_prompts(self) -> Sequence[Prompt] | None:
+        """The whole training split when it is finite (leased in epochs), None for a stream."""
         ...
 
     def validation_prompts(self, n: int) -> list[Prompt]:
@@ -79,7 +83,7 @@ class Task(Protocol):
         """The greedy held-out score on ``prompts`` (its ``accuracy`` field holds :attr:`score`)."""
         ...
 
-    def verifier(self, codec: TextCodec, eos_id: int, bounds: Bounds) -> Verifier:
+    def verifier(self, codec: TextCodec, eos_id: EosIds, bounds: Bounds) -> Verifier:
         """The checks every submission of this task gets on the learner (``verify.py``)."""
         ...
 

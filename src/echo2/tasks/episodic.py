@@ -20,7 +20,7 @@ from echo2.types import Bounds, Prompt, Trajectory
 if TYPE_CHECKING:
     from echo2.config import Config
     from echo2.models.policy import TextCodec
-    from echo2.rollout.engines.base import Engine
+    from echo2.rollout.engines.base import Engine, EosIds
 
 
 class Episodic:
@@ -33,6 +33,9 @@ class Episodic:
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         return self.data.sample_train(rng, n)
+
+    def train_prompts(self) -> Sequence[Prompt] | None:
+        return self.data.train_prompts()
 
     def validation_prompts(self, n: int) -> list[Prompt]:
         return self.data.validation_prompts(n)
@@ -86,7 +89,7 @@ class Episodic:
         n = len(returns)
         return EvalResult(accuracy=sum(returns) / max(n, 1), unparsed=illegal / max(decisions, 1), n=n)
 
-    def verifier(self, codec: TextCodec, eos_id: int, bounds: Bounds) -> Verifier:
+    def verifier(self, codec: TextCodec, eos_id: EosIds, bounds: Bounds) -> Verifier:
         return EpisodeReplay(codec, self.data, eos_id, bounds.max_new_tokens, bounds.max_context)
 
     def warm_start(self, cfg: Config, policy: Any, out: Path) -> dict[str, float | int | str]:

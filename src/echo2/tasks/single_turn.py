@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from echo2.config import Config
     from echo2.data.tasks.environment import TextPolicy
     from echo2.models.policy import TextCodec
-    from echo2.rollout.engines.base import Engine
+    from echo2.rollout.engines.base import Engine, EosIds
 
 
 @runtime_checkable
@@ -53,6 +53,9 @@ class SingleTurn:
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         return self.data.sample_train(rng, n)
+
+    def train_prompts(self) -> Sequence[Prompt] | None:
+        return self.data.train_prompts()
 
     def validation_prompts(self, n: int) -> list[Prompt]:
         return self.data.validation_prompts(n)
@@ -96,7 +99,7 @@ class SingleTurn:
     ) -> EvalResult:
         return evaluate_text(codec, engine, self.data, prompts)
 
-    def verifier(self, codec: TextCodec, eos_id: int, bounds: Bounds) -> Verifier:
+    def verifier(self, codec: TextCodec, eos_id: EosIds, bounds: Bounds) -> Verifier:
         return Verifier(codec, self.data, eos_id, bounds.max_new_tokens)
 
     def warm_start(self, cfg: Config, policy: Any, out: Path) -> dict[str, float | int | str]:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.submission import Rejected, Submission
+from echo2.rollout.engines.base import EosIds, eos_tuple, first_eos
 from echo2.types import Prompt, Trajectory
 
 if TYPE_CHECKING:
@@ -60,18 +61,18 @@ EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch"
 class Verifier:
     """The checks every submission gets (cheap: a tokenizer and the task's grader)."""
 
-    def __init__(self, codec: TextCodec, task: Task, eos_id: int, max_new_tokens: int) -> None:
+    def __init__(self, codec: TextCodec, task: Task, eos_id: EosIds, max_new_tokens: int) -> None:
         self._setup(codec, eos_id, max_new_tokens)
         self.task = task  # the adapter whose reward function re-grades every completion
 
-    def _setup(self, codec: TextCodec, eos_id: int, max_new_tokens: int) -> None:
+    def _setup(self, codec: TextCodec, eos_id: EosIds, max_new_tokens: int) -> None:
         from echo2.models.policy import TextCodec
 
-        self.codec = TextCodec(copy.deepcopy(codec.tokenizer), codec.chat_template)  # this thread's own
-        self.eos_id = eos_id
+        self.codec = TextCodec.of(copy.deepcopy(codec.tokenizer), codec.chat)  # this thread's own
+        self.eos_ids = eos_tuple(eos_id)  # every token that ends a completion
         self.max_new_tokens = max_new_tokens
         self._lock = threading.Lock()  # one check at a time: the tokenizer is not shared across calls
-        self._tokens: dict[str, tuple[int, ...]] = {}  # prompt text -> its tokens
+        self._tokens: dict[tuple[str, str | None], tuple[int, ...]] = {}  # (prompt text, system) -> tokens
 
     def check(self, lease: Lease, sub: Submission) -> None:
         """Raise :class:`Rejected` unless the submission is what ``lease`` asked for: the claimed version
@@ -90,7 +91,7 @@ class Verifier:
                 prompt = by_id.get(group[0].prompt_id) if group else None
                 if prompt is None:
                     continue
-                want = self._prompt_tokens(prompt.text)
+                want = self._prompt_tokens(prompt)
                 for j, t in enumerate(group):
                     self._check_sample(prompt, want, t, f"groups[{i}].samples[{j}]")
 
@@ -98,7 +99,7 @@ class Verifier:
         if tuple(t.prompt_ids) != want:
             raise Rejected("prompt_mismatch", f"{where}.prompt_ids: not the leased prompt's tokens")
         ids = t.completion_ids
-        eos = ids.index(self.eos_id) if self.eos_id in ids else -1
+        eos = first_eos(ids, self.eos_ids)
         if eos >= 0 and eos != len(ids) - 1:
             raise Rejected("completion_shape", f"{where}.completion_ids: tokens after EOS at {eos}")
         if eos < 0 and len(ids) != self.max_new_tokens:
@@ -113,12 +114,13 @@ class Verifier:
                 "reward_mismatch", f"{where}.reward: {t.reward!r} claimed, the task gives {reward!r}"
             )
 
-    def _prompt_tokens(self, text: str) -> tuple[int, ...]:
-        tokens = self._tokens.get(text)
+    def _prompt_tokens(self, prompt: Prompt) -> tuple[int, ...]:
+        key = (prompt.text, prompt.meta.get("system"))
+        tokens = self._tokens.get(key)
         if tokens is None:
             if len(self._tokens) > 65536:  # bounded: a long run leases many distinct prompts
                 self._tokens.clear()
-            tokens = self._tokens[text] = tuple(self.codec.encode_prompt(text))
+            tokens = self._tokens[key] = tuple(self.codec.encode(prompt))
         return tokens
 
 
@@ -127,7 +129,7 @@ class _ReplayEngine:
     rebuilds everything else: observations, mask, cut, return). A turn that is not one generation's
     shape (tokens after EOS, or no EOS before ``max_new_tokens``) is refused."""
 
-    def __init__(self, t: Trajectory, eos_id: int, max_new_tokens: int, where: str) -> None:
+    def __init__(self, t: Trajectory, eos_ids: tuple[int, ...], max_new_tokens: int, where: str) -> None:
         self.turns: list[tuple[int, ...]] = []
         run: list[int] = []
         for tok, m in zip(t.completion_ids, t.turn_mask, strict=True):
@@ -139,7 +141,7 @@ class _ReplayEngine:
         if run:
             self.turns.append(tuple(run))
         for k, turn in enumerate(self.turns):
-            eos = turn.index(eos_id) if eos_id in turn else -1
+            eos = first_eos(turn, eos_ids)
             if (eos >= 0 and eos != len(turn) - 1) or (eos < 0 and len(turn) != max_new_tokens):
                 raise Rejected(
                     "completion_shape",
@@ -183,7 +185,7 @@ class EpisodeReplay(Verifier):
     answers [episode_mismatch], and the return the replay's [reward_mismatch]."""
 
     def __init__(
-        self, codec: TextCodec, task: EnvironmentTask, eos_id: int, max_new_tokens: int, max_context: int
+        self, codec: TextCodec, task: EnvironmentTask, eos_id: EosIds, max_new_tokens: int, max_context: int
     ) -> None:
         from echo2.rollout.episodes import Stepper, limits_for
 
@@ -192,7 +194,7 @@ class EpisodeReplay(Verifier):
         self.limits = limits_for(task, max_context, max_new_tokens)
         self.stepper = Stepper(task.spec.step_timeout_s)  # one environment thread for every replay
 
-    def _prompt_tokens(self, text: str) -> tuple[int, ...]:
+    def _prompt_tokens(self, prompt: Prompt) -> tuple[int, ...]:
         return ()  # the replay rebuilds the prompt from the seed
 
     def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> None:
@@ -202,7 +204,7 @@ class EpisodeReplay(Verifier):
         if not t.turn_mask:
             raise Rejected("episode_mismatch", f"{where}.turn_mask: an episode needs its turn mask")
         spec = self.env_task.spec
-        engine = _ReplayEngine(t, self.eos_id, self.max_new_tokens, where)
+        engine = _ReplayEngine(t, self.eos_ids, self.max_new_tokens, where)
         env = spec.make(prompt, _Scripted(t.meta.get("opponent_actions"), where))
         try:
             e = episodes.start(self.codec, env, int(prompt.meta["seed"]), 0, self.stepper)

@@ -66,6 +66,9 @@ class ArithmeticTask:
     def _prompt(self, text: str, value: int) -> Prompt:
         return Prompt(prompt_id=text, text=f"{text}=", answer=str(value))
 
+    def train_prompts(self) -> list[Prompt] | None:
+        return None  # a stream of generated problems
+
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         out: list[Prompt] = []
         while len(out) < n:

@@ -40,6 +40,11 @@ class Task(Protocol):
         """``n`` training prompts drawn with ``rng`` (never a validation or test problem)."""
         ...
 
+    def train_prompts(self) -> Sequence[Prompt] | None:
+        """The whole training split when it is finite (a dataset file: the learner then leases it in
+        epochs), None for a stream of generated problems (then ``sample_train`` draws)."""
+        ...
+
     def validation_prompts(self, n: int) -> list[Prompt]:
         """The first ``n`` prompts of the fixed validation split (same list on every call), disjoint
         by problem from train and test; what training-time decisions (early stopping) look at."""

@@ -114,6 +114,9 @@ class EnvironmentTask:
             meta={"seed": episode_seed, **meta},
         )
 
+    def train_prompts(self) -> list[Prompt] | None:
+        return None  # a stream of episode seeds
+
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         out: list[Prompt] = []
         while len(out) < n:

@@ -38,7 +38,6 @@ scores 0 for every completion of that prompt; it is logged once per prompt id an
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import random
@@ -57,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from echo2.data.tasks.base import Grade, Split, full_mask, split_of, stable_fraction
+from echo2.data.tasks.records import Fields, Record, read_records
 from echo2.errors import DataError
 from echo2.types import Prompt
 
@@ -74,34 +74,6 @@ GoldRule = Literal["auto", "gsm8k", "boxed", "whole"]
 def normalise_question(question: str) -> str:
     """The split key of a question: whitespace runs collapsed to one space, ends stripped, case folded."""
     return " ".join(question.split()).casefold()
-
-
-def read_jsonl(path: Path) -> list[tuple[str, str, int]]:
-    """``(question, answer, line_number)`` for every non-blank line; DataError names file:line."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            for key in ("question", "answer"):
-                value = obj.get(key)
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    value = str(value)
-                if not isinstance(value, str) or not value.strip():
-                    raise DataError(f"{path}:{lineno}: missing or empty field {key!r}")
-                obj[key] = value
-            records.append((obj["question"], obj["answer"], lineno))
-    if not records:
-        raise DataError(f"{path}: no records")
-    return records
 
 
 # ---- the gold answer -------------------------------------------------------------------------------
@@ -366,27 +338,42 @@ class MathTask:
         self.grader = grader or MathGrader()  # its process starts on the first grade
         self._bad_gold: set[str] = set()  # prompt ids whose gold answer math-verify cannot parse
         self._gold_lock = threading.Lock()  # grade runs in several threads; each bad gold is logged once
+        self._splits: dict[Split, list[Prompt]] | None = None  # read on first use (a worker never does)
+        self._splits_lock = threading.Lock()
+
+    def splits(self) -> dict[Split, list[Prompt]]:
+        """The train / validation / test prompts, read from the files on first use: grading needs only
+        the prompt (its answer travels with it), so a worker that only grades leased prompts needs no
+        dataset file."""
+        with self._splits_lock:
+            if self._splits is None:
+                self._splits = self._read_splits()
+            return self._splits
+
+    def _read_splits(self) -> dict[Split, list[Prompt]]:
+        cfg = self.cfg
         if cfg.train_path is None:
             train_file = Path(str(resources.files("echo2.data.tasks") / "samples" / SAMPLE_FILE))
         else:
             train_file = Path(cfg.train_path)
-        records = read_jsonl(train_file)
+        fields = Fields(cfg.question_field, cfg.answer_field, cfg.system_field)
+        records = read_records(train_file, fields)
         splits: dict[Split, list[Prompt]] = {"train": [], "validation": [], "test": []}
         if cfg.eval_path is None:
             test_fraction, test_questions = cfg.eval_fraction, set[str]()
         else:
             eval_file = Path(cfg.eval_path)
-            eval_records = read_jsonl(eval_file)
-            splits["test"] = [self._prompt(eval_file, *r) for r in eval_records]
-            test_fraction, test_questions = 0.0, {normalise_question(q) for q, _, _ in eval_records}
+            eval_records = read_records(eval_file, fields)
+            splits["test"] = [self._prompt(eval_file, r) for r in eval_records]
+            test_fraction, test_questions = 0.0, {normalise_question(r.question) for r in eval_records}
         overlap = 0
         for record in records:
-            key = normalise_question(record[0])
+            key = normalise_question(record.question)
             if key in test_questions:
                 overlap += 1
                 continue
             split = split_of(stable_fraction(f"math:{key}"), test_fraction, cfg.validation_fraction)
-            splits[split].append(self._prompt(train_file, *record))
+            splits[split].append(self._prompt(train_file, record))
         if overlap:
             log.warning(
                 "%s: %d records ask a question of the test file %s; left out of train and validation",
@@ -402,25 +389,28 @@ class MathTask:
                 f"eval_fraction={cfg.eval_fraction}, validation_fraction={cfg.validation_fraction}); "
                 "add records, change the fractions, or set task.eval_path"
             )
-        self._train = splits["train"]
-        self._validation = splits["validation"]
-        self._eval = splits["test"]
+        return splits
 
-    def _prompt(self, path: Path, question: str, answer: str, lineno: int) -> Prompt:
+    def _prompt(self, path: Path, r: Record) -> Prompt:
         return Prompt(
-            prompt_id=f"{path.name}:{lineno}",
-            text=self.cfg.prompt_template.format(question=question),
-            answer=answer,
+            prompt_id=f"{path.name}:{r.row}",
+            text=self.cfg.prompt_template.format(question=r.question),
+            answer=r.answer,
+            meta={} if r.system is None else {"system": r.system},
         )
 
+    def train_prompts(self) -> list[Prompt]:
+        return self.splits()["train"]
+
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
-        return [rng.choice(self._train) for _ in range(n)]
+        train = self.splits()["train"]
+        return [rng.choice(train) for _ in range(n)]
 
     def validation_prompts(self, n: int) -> list[Prompt]:
-        return self._validation[:n]
+        return self.splits()["validation"][:n]
 
     def eval_prompts(self, n: int) -> list[Prompt]:
-        return self._eval[:n]
+        return self.splits()["test"][:n]
 
     def grade(self, prompt: Prompt, completion: str) -> Grade:
         """math-verify's grade against ``gold_answer(prompt.answer, cfg.answer_rule)``, under

@@ -23,6 +23,22 @@ if TYPE_CHECKING:
     import torch
 
 
+EosIds = int | Sequence[int]  # the token (or tokens) that end a completion
+
+
+def eos_tuple(eos: EosIds) -> tuple[int, ...]:
+    """The end-of-sequence tokens as a non-empty tuple."""
+    ids = (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+    if not ids:
+        raise ValueError("at least one end-of-sequence token is needed")
+    return ids
+
+
+def first_eos(ids: Sequence[int], eos: tuple[int, ...]) -> int:
+    """Index of the first end-of-sequence token of ``ids``, -1 if none."""
+    return next((i for i, t in enumerate(ids) if t in eos), -1)
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generated completion."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from echo2.config import SamplingConfig
-from echo2.rollout.engines.base import EngineOptions, Sample
+from echo2.rollout.engines.base import EngineOptions, EosIds, Sample, eos_tuple
 from echo2.rollout.sampling import gumbel_draw
 
 
@@ -34,13 +34,13 @@ class HFEngine:
     def __init__(
         self,
         model: torch.nn.Module,
-        eos_id: int,
+        eos_id: EosIds,
         pad_id: int,
         sampling: SamplingConfig,
         max_batch_tokens: int | None = None,
     ) -> None:
         self.model = model
-        self.eos_id = eos_id
+        self.eos_ids = eos_tuple(eos_id)  # every token that ends a completion
         self.pad_id = pad_id
         self.sampling = sampling
         # rows x (longest prompt + new tokens) per forward batch (the KV cache grows with it); None: one
@@ -54,7 +54,7 @@ class HFEngine:
     def from_skeleton(
         cls,
         skeleton_dir: Path,
-        eos_id: int,
+        eos_id: EosIds,
         pad_id: int,
         sampling: SamplingConfig,
         options: EngineOptions | None = None,
@@ -142,6 +142,7 @@ class HFEngine:
         logprobs_BS = torch.zeros((B, steps), dtype=torch.float32, device=device)
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
         lengths_B = torch.full((B,), steps, dtype=torch.long, device=device)
+        eos_B = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
         step_ids_BT = input_ids_BT
         n = 0
         for n in range(steps):
@@ -162,7 +163,7 @@ class HFEngine:
             next_B = torch.where(done_B, torch.full_like(next_B, self.pad_id), next_B)
             tokens_BS[:, n] = next_B
             logprobs_BS[:, n] = logp_BV.gather(-1, next_B[:, None]).squeeze(-1)
-            newly_done_B = (~done_B) & (next_B == self.eos_id)
+            newly_done_B = (~done_B) & torch.isin(next_B, eos_B)
             lengths_B = torch.where(newly_done_B, torch.full_like(lengths_B, n + 1), lengths_B)
             done_B |= newly_done_B
             if bool(done_B.all()):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from echo2.config import SamplingConfig
 from echo2.errors import CheckpointError, ConfigError
-from echo2.rollout.engines.base import EngineOptions, Sample
+from echo2.rollout.engines.base import EngineOptions, EosIds, Sample, eos_tuple
 
 if TYPE_CHECKING:
     from echo2.models.snapshot import SnapshotLayout
@@ -70,14 +70,14 @@ class VLLMEngine:
         self,
         llm: Any,
         layout: SnapshotLayout,
-        eos_id: int,
+        eos_id: EosIds,
         sampling: SamplingConfig,
         thread: ThreadPoolExecutor | None = None,
     ) -> None:
         self.llm = llm
         self._thread = thread or ThreadPoolExecutor(1, thread_name_prefix="echo2-vllm")  # every vLLM call
         self.layout = layout  # the weights a snapshot must carry, and the tied names vLLM also wants
-        self.eos_id = eos_id
+        self.eos_ids = eos_tuple(eos_id)  # every token that ends a completion
         self.sampling = sampling
         self.last_install_s = 0.0  # seconds the engine took to load the last version (a metric)
         self._serving: Mapping[str, Any] | None = None  # the version loaded (the worker's own tensors)
@@ -86,7 +86,7 @@ class VLLMEngine:
     def from_skeleton(
         cls,
         skeleton_dir: Path,
-        eos_id: int,
+        eos_id: EosIds,
         pad_id: int,
         sampling: SamplingConfig,
         options: EngineOptions | None = None,
@@ -177,7 +177,7 @@ class VLLMEngine:
                 logprobs=0,  # the sampled token's processed logit = its sampler log-prob
                 detokenize=False,
                 ignore_eos=True,  # the tokenizer's EOS is not necessarily the run's
-                stop_token_ids=[self.eos_id],
+                stop_token_ids=list(self.eos_ids),
                 extra_args={
                     EXTRA_KEY: {
                         "seed": seed,
@@ -193,10 +193,10 @@ class VLLMEngine:
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self._thread.submit(self.llm.generate, requests, params, use_tqdm=False).result()
-        return [_sample(out.outputs[0], self.eos_id) for out in outputs]
+        return [_sample(out.outputs[0], self.eos_ids) for out in outputs]
 
 
-def _sample(completion: Any, eos_id: int) -> Sample:
+def _sample(completion: Any, eos_ids: tuple[int, ...]) -> Sample:
     ids = tuple(int(t) for t in completion.token_ids)
     logprobs = tuple(float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs, strict=True))
-    return Sample(completion_ids=ids, logprobs=logprobs, finished=bool(ids) and ids[-1] == eos_id)
+    return Sample(completion_ids=ids, logprobs=logprobs, finished=bool(ids) and ids[-1] in eos_ids)

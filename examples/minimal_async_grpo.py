@@ -41,7 +41,8 @@ from echo2.rollout.engines import build_engine
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.evaluate import evaluate_text
 from echo2.runtime.intake import submission_limits
-from echo2.runtime.leases import LeaseBroker, PromptSource
+from echo2.runtime.leases import LeaseBroker
+from echo2.runtime.prompts import PromptSource
 from echo2.tasks.registry import build_task
 from echo2.tasks.warmstart import starting_checkpoint
 from echo2.weights.delta import decode_full

@@ -5,7 +5,8 @@ long as what is generated?
 `math` task over a generated GSM8K-style file: "Add 12, 7, 30 and 5." answered "12+7=19; 19+30=49;
 49+5=54 #### 54", 2 to 12 numbers, so the worked answers run from ~15 to ~130 characters (tokens:
 the embedded tokenizer has one per character) with completions of up to ``MAX_NEW`` = 160 tokens. The
-warm start fits those answers first (supervised), so completions have real lengths from the start.
+warm start fits those answers first (supervised, ``WARM_STEPS`` steps), so completions have real
+lengths from the start.
 
 Reported, from the run's own records (targets fixed here, before the run):
 * prompts given up (``data/prompts_skipped``; each counted with a reason): target 0;
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW = 160
 ROWS = 4000
 MINUTES = 6.0
+WARM_STEPS = 150  # supervised steps (32 answers each) on the worked answers: their format and length
 MAX_LENGTH_GAP = 0.05
 MAX_SKIPPED = 0
 
@@ -67,7 +69,9 @@ def main() -> int:
         sets = [
             "task.name=math", f"task.train_path={str(data)!r}", "task.prompt_template='{question} Answer: '",
             f"sampling.max_new_tokens={MAX_NEW}", "model.embedded.max_positions=256",
-            "model.warmstart.eval_size=64", "train.eval_size=128", f"train.max_minutes={a.minutes}",
+            "model.warmstart.eval_size=64", f"model.warmstart.max_steps={WARM_STEPS}",
+            "model.warmstart.batch_size=32", "train.eval_size=128",
+            f"train.max_minutes={a.minutes}",
         ]  # fmt: skip
         env = {**os.environ, "ECHO2_CACHE": str(Path(tmp) / "cache")}
         cmd = [sys.executable, "-m", "echo2.cli", "run", "--run-dir", str(run_dir), "--no-progress"]

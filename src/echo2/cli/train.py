@@ -73,13 +73,7 @@ def _eval(args: argparse.Namespace) -> int:
     policy = load_checkpoint(starting_checkpoint(cfg), chat_format(cfg))
     policy.model.to(resolve_device(cfg.learner.device))
     task = build_task(cfg.task, cfg.seed)
-    engine = HFEngine(
-        policy.model,
-        policy.eos_ids,
-        policy.pad_id,
-        cfg.sampling,
-        max_batch_tokens=cfg.learner.micro_batch_tokens,
-    )
+    engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens)
     if cfg.task.name == "poker":  # poker's own report: Table 4 against its opponents
         out: dict[str, object] = {
             "checkpoint": policy.source,

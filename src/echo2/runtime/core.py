@@ -94,13 +94,7 @@ class LearnerCore:
         if ckpt is not None and (ckpt / OPTIM_FILE).is_file():
             state = torch.load(ckpt / OPTIM_FILE, weights_only=True, map_location=device)
             trainer.optimizer.load_state_dict(state)
-        engine = HFEngine(
-            policy.model,
-            policy.eos_ids,
-            policy.pad_id,
-            cfg.sampling,
-            max_batch_tokens=cfg.learner.micro_batch_tokens,
-        )
+        engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens)
         core = cls(cfg, run_dir, policy, task, trainer, engine, version0 if ckpt else None)
         core.eval_prompts = task.eval_prompts(cfg.train.eval_size)
         return core

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +50,12 @@ class HFEngine:
         # transformers 5.x renamed `past_key_values` to `cache`; accept both generations
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def on_policy(cls, policy: Any, sampling: SamplingConfig, max_batch_tokens: int | None) -> HFEngine:
+        """An engine on a loaded policy's own weights (the learner's evaluation): its end-of-sequence ids,
+        its padding, batches of at most ``max_batch_tokens`` tokens."""
+        return cls(policy.model, policy.eos_ids, policy.pad_id, sampling, max_batch_tokens=max_batch_tokens)
 
     @classmethod
     def from_skeleton(

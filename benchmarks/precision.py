@@ -9,6 +9,12 @@ of the mean paired difference (bf16-mixed - fp32) lies above ``-MARGIN`` points.
 Writes results/precision.json and results/precision.png.
 
     python benchmarks/precision.py              # 3 seeds x 2 precisions x 300 updates
+    python benchmarks/precision.py --seeds 3 4 5 --out results/precision_more   # more seeds
+    python benchmarks/precision.py --combine results/precision.json results/precision_more/precision.json
+
+The first command's 3 seeds are the declared reading. Seeds 3-5 were added after it (its interval was
+too wide to decide): ``--combine`` pools the paired differences of several result files into
+results/precision_all.json, reported beside the declared reading, never instead of it.
 """
 
 from __future__ import annotations
@@ -67,7 +73,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--combine", type=Path, nargs="+", help="pool these result files' paired differences")
     a = ap.parse_args()
+    if a.combine:
+        return combine(a.combine, a.out / "precision_all.json")
     runs_dir = a.out / "precision_runs"
     runs = {(s, p): run(s, p, runs_dir) for s in a.seeds for p in PRECISIONS}
     diffs = [runs[(s, "bf16-mixed")]["score"] - runs[(s, "fp32")]["score"] for s in a.seeds]
@@ -91,6 +100,32 @@ def main() -> int:
     (a.out / "precision.json").write_text(json.dumps(result, indent=1))
     plot(result, a.out / "precision.png")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    return 0
+
+
+def combine(files: list[Path], out: Path) -> int:
+    """The paired differences of several runs of this script, pooled (each seed once)."""
+    by_seed: dict[int, float] = {}
+    for f in files:
+        r = json.loads(f.read_text())
+        seeds = sorted({run["seed"] for run in r["runs"]})
+        for seed, diff in zip(seeds, r["diff_points"], strict=True):
+            if seed in by_seed:
+                raise SystemExit(f"{f}: seed {seed} is in two files")
+            by_seed[seed] = diff
+    diffs = [by_seed[s] for s in sorted(by_seed)]
+    mean, lo, hi = t_interval(diffs)
+    result = {
+        "command": "python benchmarks/precision.py --combine " + " ".join(str(f) for f in files),
+        "seeds": sorted(by_seed),
+        "diff_points": diffs,
+        "mean_diff": mean,
+        "interval_95": [lo, hi],
+        "margin_points": MARGIN,
+        "met": {"non_inferior": lo > -MARGIN},
+    }
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -128,14 +129,20 @@ class GRPOTrainer:
         self.version = version
         self.device = next(model.parameters()).device
         self.mixed = self.learner.precision == "bf16-mixed"
+        # sharded with FSDP2 (learner/sharded.py): each rank computes its share of the micro-batches
+        self.rank, self.world = _ranks(model)
         if self.learner.activation_checkpointing:
             _enable_activation_checkpointing(model)
-        self.parts = lm_parts(model)
+        # the LM head at completion positions only (learner/logprobs.py); a sharded model runs its whole
+        # forward instead (its root parameters are gathered by that forward, not by its parts)
+        self.parts = lm_parts(model) if self.world == 1 else None
         self.optimizer = torch.optim.AdamW(
             (p for p in model.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.reference: torch.nn.Module | None = None
         self.reference_parts: LMParts | None = None
+        if cfg.kl_beta > 0 and self.world > 1:
+            raise ValueError("grpo.kl_beta > 0 with a sharded learner: its KL reference is not built")
         if cfg.kl_beta > 0:  # frozen; in bf16 when the update computes in bf16 anyway (2 bytes a parameter)
             self.reference = copy.deepcopy(model).eval()
             if self.mixed:
@@ -226,13 +233,32 @@ class GRPOTrainer:
         )
 
     def _frozen_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        """The policy's log-probs of the whole batch before any optimizer step, micro-batch by micro-batch."""
+        """The policy's log-probs of the whole batch before any optimizer step, micro-batch by micro-batch
+        (sharded: each rank its share, then summed over the ranks: every row is computed by one)."""
         out_BT = torch.zeros_like(batch.logp_sampler_BT)
+        rows = list(range(batch.rows))
         with torch.no_grad():
-            for mb in micro_batches(batch.lengths(), self.learner.micro_batch_tokens):
-                logp_bT = self.logprobs(batch.select(mb))
-                out_BT[torch.as_tensor(mb, device=self.device), : logp_bT.shape[1]] = logp_bT
+            for mb in self._my_micro_batches(batch, rows):
+                logp_bT = self.logprobs(batch.select(mb or rows[:1]))
+                if mb:  # an empty share runs a row only to keep the ranks' collectives in step
+                    out_BT[torch.as_tensor(mb, device=self.device), : logp_bT.shape[1]] = logp_bT
+        if self.world > 1:
+            torch.distributed.all_reduce(out_BT)
         return out_BT
+
+    def _my_micro_batches(self, batch: PackedBatch, rows: Rows) -> list[list[int]]:
+        """The micro-batches of ``rows`` (row indices of ``batch``) this rank computes: all of them in one
+        process; sharded, every ``world``-th, padded with empty ones so that every rank runs as many
+        forward and backward passes (FSDP's collectives must pair up)."""
+        lengths = batch.lengths()
+        plan = [
+            [rows[i] for i in mb]
+            for mb in micro_batches([lengths[r] for r in rows], self.learner.micro_batch_tokens)
+        ]
+        if self.world == 1:
+            return plan
+        mine = plan[self.rank :: self.world]
+        return mine + [[]] * (math.ceil(len(plan) / self.world) - len(mine))
 
     def _evaluate(
         self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows
@@ -244,12 +270,12 @@ class GRPOTrainer:
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
-        norm = grpo.Norm.of(batch.mask_BT[idx])
-        lengths = batch.lengths()
-        plan = micro_batches([lengths[r] for r in rows], self.learner.micro_batch_tokens)
+        norm = grpo.Norm.of(batch.mask_BT[idx])  # over the whole minibatch, on every rank
         loss_sum, parts = 0.0, []
-        for local in plan:
-            mb = batch.select([rows[i] for i in local])
+        for mine in self._my_micro_batches(batch, rows):
+            mb = batch.select(mine or list(rows)[:1])
+            if not mine:  # this rank's share is empty: a weightless pass keeps the collectives in step
+                mb = dataclasses.replace(mb, mask_BT=torch.zeros_like(mb.mask_BT))
             logp_BT = self.logprobs(mb)
             logp_ref_BT = None
             if self.reference is not None:
@@ -259,7 +285,7 @@ class GRPOTrainer:
                 logp_BT,
                 logp_BT.detach() if mb.logp_prox_BT is None else mb.logp_prox_BT,
                 mb.logp_sampler_BT,
-                advantages_B[torch.as_tensor([rows[i] for i in local], device=self.device)],
+                advantages_B[torch.as_tensor(mine or list(rows)[:1], device=self.device)],
                 mb.mask_BT,
                 clip_eps=cfg.clip_eps,
                 is_cap=cfg.is_cap,
@@ -270,17 +296,42 @@ class GRPOTrainer:
                 max_tokens=self.max_tokens,
                 norm=norm,
             )
-            value = float(loss.detach())
+            value = self._agree(float(loss.detach()))
             if not math.isfinite(value):
                 self.optimizer.zero_grad(set_to_none=True)
                 return value, _combine(parts), math.nan
             loss.backward()
             loss_sum += value
-            parts.append((stats, float(mb.mask_BT.sum())))
+            if mine:
+                parts.append((stats, float(mb.mask_BT.sum())))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, _combine(parts), grad_norm
+        return self._sum(loss_sum), _combine(self._gather(parts)), grad_norm
+
+    def _agree(self, value: float) -> float:
+        """A micro-batch's loss, made non-finite on every rank when it is on any (so all ranks skip
+        together); the value itself on one process."""
+        if self.world == 1:
+            return value
+        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=self.device)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return math.nan if bad.item() else value
+
+    def _sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return float(t.item())
+
+    def _gather(self, parts: list[tuple[grpo.LossStats, float]]) -> list[tuple[grpo.LossStats, float]]:
+        """Every rank's micro-batch diagnostics (each rank's own on one process)."""
+        if self.world == 1:
+            return parts
+        everyone: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(everyone, parts)
+        return [p for rank_parts in everyone for p in rank_parts]
 
     def _culprits(self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, G: int) -> list[int]:
         """The groups of ``rows`` (by their first row) whose loss or gradient alone is not finite: one
@@ -292,6 +343,15 @@ class GRPOTrainer:
                 bad.append(r)
         self.optimizer.zero_grad(set_to_none=True)
         return bad
+
+
+def _ranks(model: torch.nn.Module) -> tuple[int, int]:
+    """``(rank, world size)`` of a model sharded with FSDP2 in an initialised process group, else (0, 1)."""
+    from echo2.learner.sharded import is_sharded
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized() and is_sharded(model)):
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
 def _enable_activation_checkpointing(model: torch.nn.Module) -> None:

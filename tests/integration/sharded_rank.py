@@ -1,6 +1,10 @@
-"""One rank of the sharded-learner test (torchrun starts two): the tiny model sharded with FSDP2 over a
-CPU mesh (gloo), three updates on the batches the test gives every rank, then the full weights
-gathered for publication; rank 0 saves them and their digest."""
+"""One rank of the sharded-learner tests (torchrun starts two), the tiny model sharded with FSDP2 over a
+CPU mesh (gloo):
+
+- ``train OUT BATCHES``: three updates on the batches every rank is given, the full weights gathered
+  for publication (rank 0 saves them and their digest), then a sharded checkpoint in ``OUT/sharded``;
+- ``resume OUT BATCHES``: the one-process checkpoint ``OUT/one`` (HF weights + ``optimizer.pt``)
+  loaded and sharded, one update on the last batch, the full weights gathered (rank 0 saves them)."""
 
 from __future__ import annotations
 
@@ -16,30 +20,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fixt
 
 from conftest import _tiny_policy
 from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
-from echo2.learner.sharded import full_weights, shard
+from echo2.learner.sharded import full_weights, load_full_optimizer, save_states, shard, write_shell
 from echo2.learner.trainer import GRPOTrainer
+from echo2.models.policy import DCP_DIR, load_checkpoint
+from echo2.observe.rundir import OPTIM_FILE
 from echo2.types import Trajectory
 from echo2.weights.delta import weights_digest
 
+LEARNER = LearnerConfig(micro_batch_tokens=40, logprob_chunk=5)
+SAMPLING = SamplingConfig(temperature=0.9, max_new_tokens=12)
 
-def main(out: Path, batches: Path) -> None:
+
+def main(mode: str, out: Path, batches_file: Path) -> None:
     dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    grpo = GRPOConfig(**json.loads((batches_file.parent / "grpo.json").read_text()))
+    batches = [[_trajectory(t) for t in b] for b in json.loads(batches_file.read_text())]
     torch.manual_seed(0)
-    policy = _tiny_policy()
-    model = shard(policy.model, init_device_mesh("cpu", (dist.get_world_size(),)))
-    grpo = GRPOConfig(**json.loads((batches.parent / "grpo.json").read_text()))
-    trainer = GRPOTrainer(model, grpo, SamplingConfig(temperature=0.9, max_new_tokens=12), policy.pad_id,
-                          learner=LearnerConfig(micro_batch_tokens=40, logprob_chunk=5))  # fmt: skip
+    policy = _tiny_policy() if mode == "train" else load_checkpoint(out / "one")
+    model = shard(policy.model, mesh)
+    trainer = GRPOTrainer(model, grpo, SAMPLING, policy.pad_id, learner=LEARNER)
+    if mode == "resume":
+        load_full_optimizer(model, trainer.optimizer, torch.load(out / "one" / OPTIM_FILE, weights_only=True))
+        batches = batches[-1:]
     stats = []
-    for batch in json.loads(batches.read_text()):
-        s = trainer.update([_trajectory(t) for t in batch])
+    for batch in batches:
+        s = trainer.update(batch)
         stats.append({"loss": s.loss, "grad_norm": s.grad_norm, "tokens": s.tokens, "clipfrac": s.clipfrac})
     fp32 = full_weights(model, "float32")
     bf16 = full_weights(model, "bfloat16")
+    if mode == "train":
+        if dist.get_rank() == 0:
+            write_shell(out / "sharded", policy)
+        save_states(out / "sharded" / DCP_DIR, model, trainer.optimizer)
     if dist.get_rank() == 0:
         assert fp32 is not None and bf16 is not None
-        torch.save(fp32, out / "weights.pt")
-        (out / "rank0.json").write_text(
+        torch.save(fp32, out / f"{mode}_weights.pt")
+        (out / f"{mode}_rank0.json").write_text(
             json.dumps({"stats": stats, "digest": weights_digest(bf16), "world": dist.get_world_size()})
         )
     dist.destroy_process_group()
@@ -51,4 +68,4 @@ def _trajectory(t: dict) -> Trajectory:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

@@ -19,6 +19,8 @@ from typing import Any
 from echo2.config import Config
 from echo2.errors import CheckpointError, ConfigError
 
+DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer states (torch.distributed.checkpoint)
+
 log = logging.getLogger(__name__)
 
 
@@ -168,7 +170,9 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
 
 def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) -> Policy:
     """Model + tokenizer from a local directory; CheckpointError says what is missing or broken. Every
-    end-of-sequence id of the tokenizer and of ``generation_config.json`` ends a completion."""
+    end-of-sequence id of the tokenizer and of ``generation_config.json`` ends a completion. A sharded
+    checkpoint (a ``dcp/`` folder, ``learner/sharded.py``) gives the model built from its config: its
+    states are loaded by the caller (``sharded.load_states``, with the optimizer's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -184,7 +188,13 @@ def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) 
     except Exception as exc:  # transformers raises many types; the user needs the path and the cause
         raise CheckpointError(f"cannot load a tokenizer from {p}: {exc}") from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
+        if (p / DCP_DIR).is_dir():  # a sharded checkpoint: the model from its config, states by the caller
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(p, local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
     except Exception as exc:
         raise CheckpointError(f"cannot load a causal LM from {p}: {exc}") from exc
     chat = chat_template if isinstance(chat_template, ChatFormat) else ChatFormat(chat_template)

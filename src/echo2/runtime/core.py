@@ -61,8 +61,9 @@ class LearnerCore:
         a non-finite group is left out of an update instead of ending it) and the engine."""
         import torch
 
+        from echo2.learner.sharded import load_states
         from echo2.learner.trainer import GRPOTrainer
-        from echo2.models.policy import chat_format, load_checkpoint, resolve_device
+        from echo2.models.policy import DCP_DIR, chat_format, load_checkpoint, resolve_device
         from echo2.observe.trackers import start_trackers
         from echo2.rollout.engines.hf import HFEngine
         from echo2.tasks.registry import build_task
@@ -91,7 +92,9 @@ class LearnerCore:
             isolate=isolate,
             learner=cfg.learner,
         )
-        if ckpt is not None and (ckpt / OPTIM_FILE).is_file():
+        if ckpt is not None and (ckpt / DCP_DIR).is_dir():  # a sharded learner's: any world size loads it
+            load_states(ckpt / DCP_DIR, policy.model, trainer.optimizer)
+        elif ckpt is not None and (ckpt / OPTIM_FILE).is_file():
             state = torch.load(ckpt / OPTIM_FILE, weights_only=True, map_location=device)
             trainer.optimizer.load_state_dict(state)
         engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens)

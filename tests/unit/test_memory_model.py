@@ -48,6 +48,8 @@ def test_which_gpu_holds_which_model():
     eight = fits(QWEN3_SHAPES["8B"], 80)
     assert eight["fits"] is False and eight["params_gib"] == pytest.approx(8_190_735_360 * 18 / 2**30)
     assert fits(QWEN3_SHAPES["8B"], 80, world_size=8, micro_batch_tokens=2048)["fits"] is True
+    # sharded: weights + grads + AdamW (16) divided over the ranks, the bf16 check model (2) whole on rank 0
+    assert fits(QWEN3_SHAPES["8B"], 80, world_size=8)["bytes_per_param"] == pytest.approx(16 / 8 + 2)
 
 
 def test_plan_reports_the_learner_memory(capsys):
@@ -57,7 +59,7 @@ def test_plan_reports_the_learner_memory(capsys):
     plan = json.loads(capsys.readouterr().out)
     mem = plan["learner_memory"]
     assert mem["shape"] == "8B" and mem["one_gpu"]["fits"] is False  # 8B does not fit one 80 GB A100
-    assert mem["per_gpu_sharded"]["device_gib"] == 80
+    assert mem["per_gpu_sharded"]["device_gib"] == 80 and mem["ranks"] > 1
     assert main(["plan", "paper_qwen3_8b"]) == 0
     text = capsys.readouterr().out
     assert "learner memory (Qwen3-8B, one GPU): 18 B/param" in text and "does NOT fit" in text

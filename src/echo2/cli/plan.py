@@ -177,7 +177,9 @@ def _report(plan: dict[str, Any]) -> str:
     if mem:
         lines.append(_memory_line(f"learner memory (Qwen3-{mem['shape']}, one GPU)", mem["one_gpu"]))
         if "per_gpu_sharded" in mem:
-            lines.append(_memory_line("  per GPU if sharded (not built yet)", mem["per_gpu_sharded"]))
+            lines.append(
+                _memory_line(f"  largest rank, sharded over {mem['ranks']} GPUs", mem["per_gpu_sharded"])
+            )
     return "\n".join(lines)
 
 

@@ -214,14 +214,17 @@ def fits(
     world_size: int = 1,
     **kw: object,
 ) -> dict[str, float | bool]:
-    """Whether one device of ``device_gib`` GiB holds the learner (per-parameter parts divided over
-    ``world_size`` ranks as a fully sharded learner divides them; activations per rank)."""
+    """Whether one device of ``device_gib`` GiB holds the learner: with ``world_size`` ranks, its largest
+    one (``learner/sharded.py``): weights, gradients, AdamW states and the KL reference divided over the
+    ranks as FSDP2 divides them, the check model whole (rank 0 keeps it), one micro-batch's activations
+    per rank."""
     mem = learner_memory(shape, precision, gpu=True, **kw)  # type: ignore[arg-type]
-    per_param = mem.device * shape.params / world_size
+    divided = mem.training + mem.reference
+    per_param = (divided / world_size + mem.device - divided) * shape.params
     act = mem.activation_per_token * micro_batch_tokens + logits_chunk_bytes(shape.vocab, logprob_chunk)
     need = per_param + act
     return {
-        "bytes_per_param": mem.device,
+        "bytes_per_param": per_param / shape.params,
         "params_gib": per_param / GIB,
         "activations_gib": act / GIB,
         "need_gib": need / GIB,
@@ -254,5 +257,34 @@ def markdown_table(gpus_gib: tuple[float, ...] = (24, 48, 80, 141), micro_batch_
     return "\n".join(rows)
 
 
+def sharded_table(
+    ks: tuple[int, ...] = (1, 2, 4, 8),
+    sizes: tuple[str, ...] = ("1.7B", "4B", "8B"),
+    micro_batch_tokens: int = 8192,
+) -> str:
+    """The docs' table of a sharded bf16-mixed learner: GiB on its largest rank (weights + gradients +
+    AdamW divided over K, the check model whole) and with one micro-batch's activations under
+    activation checkpointing. ``python -m echo2.planner.memory --sharded`` prints it."""
+    rows = [
+        "| Qwen3 | " + " | ".join(f"K = {k}" for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+    ]
+    for name in sizes:
+        cells = []
+        for k in ks:
+            f = fits(
+                QWEN3_SHAPES[name],
+                1.0,
+                micro_batch_tokens=micro_batch_tokens,
+                world_size=k,
+                checkpointing=True,
+            )
+            cells.append(f"{f['params_gib']:.1f} / {f['need_gib']:.1f} GiB")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    import sys
+
+    print(sharded_table() if "--sharded" in sys.argv else markdown_table())

@@ -170,8 +170,8 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
 def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
     """The learner's memory need for the scenario's model shape (``planner/memory.py``): bytes per
     parameter on the device, GiB for weights + gradients + optimizer (+ check model) and for one
-    micro-batch's activations, and whether one of the learner's GPUs holds it. A one-device learner
-    is what runs today; the per-GPU figure with ``gpus`` > 1 is what a sharded learner would need."""
+    micro-batch's activations, and whether one of the learner's GPUs holds it: as one device, and with
+    ``gpus`` > 1 on the largest rank of a learner sharded over them (``learner/sharded.py``)."""
     from echo2.planner.memory import QWEN3_SHAPES, fits
 
     if sc.model is None or sc.model.shape is None:
@@ -181,6 +181,7 @@ def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
     one = fits(shape, lr.gpu_gib or 0.0, lr.precision, micro_batch_tokens=lr.micro_batch_tokens, **kw)
     out: dict[str, Any] = {"shape": sc.model.shape, "params": shape.params, "one_gpu": one}
     if lr.gpus > 1:
+        out["ranks"] = lr.gpus
         out["per_gpu_sharded"] = fits(
             shape,
             lr.gpu_gib or 0.0,

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo2_bench.synthetic import batch, build  # noqa: E402
+from echo2_bench.synthetic import SHAPE_SMOKE, batch, build  # noqa: E402
 
 QWEN3_17B = {
     "hidden": 2048,
@@ -43,15 +43,7 @@ QWEN3_17B = {
     "head_dim": 128,
     "vocab": 151936,
 }
-SMOKE = {
-    "hidden": 64,
-    "intermediate": 128,
-    "layers": 2,
-    "heads": 2,
-    "kv_heads": 1,
-    "head_dim": 32,
-    "vocab": 512,
-}
+SMOKE = SHAPE_SMOKE
 ROWS, PROMPT, COMPLETION, UPDATES = 256, 64, 512, 3
 SMOKE_ROWS, SMOKE_PROMPT, SMOKE_COMPLETION = 16, 8, 16
 MICRO_BATCH_TOKENS = 16384

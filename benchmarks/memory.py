@@ -50,17 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo2_bench.synthetic import batch, build  # noqa: E402
+from echo2_bench.synthetic import SHAPE_235M, batch, build  # noqa: E402
 
-BIG = {
-    "hidden": 1024,
-    "intermediate": 3072,
-    "layers": 16,
-    "heads": 16,
-    "kv_heads": 8,
-    "head_dim": 64,
-    "vocab": 32768,
-}
+BIG = SHAPE_235M
 MID = {
     "hidden": 512,
     "intermediate": 1536,

@@ -39,19 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo2_bench.synthetic import batch, build  # noqa: E402
+from echo2_bench.synthetic import SHAPE_235M, SHAPE_SMOKE, batch, build  # noqa: E402
 
-BIG = {"hidden": 1024, "intermediate": 3072, "layers": 16, "heads": 16, "kv_heads": 8, "head_dim": 64,
-       "vocab": 32768}  # fmt: skip
-SMOKE = {
-    "hidden": 64,
-    "intermediate": 128,
-    "layers": 2,
-    "heads": 2,
-    "kv_heads": 1,
-    "head_dim": 32,
-    "vocab": 512,
-}
+BIG, SMOKE = SHAPE_235M, SHAPE_SMOKE
 STEPS = 4
 ROWS, PROMPT, COMPLETION = 16, 16, 32
 MAX_RATIO = 0.55  # the largest rank's bytes at K = 2 / the one process's at K = 1

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+# Qwen3-style shapes the learner's benchmarks share (random init, tied embeddings)
+SHAPE_235M = {"hidden": 1024, "intermediate": 3072, "layers": 16, "heads": 16, "kv_heads": 8, "head_dim": 64,
+              "vocab": 32768}  # fmt: skip
+SHAPE_SMOKE = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 32,
+               "vocab": 512}  # fmt: skip
+
 
 def build(shape: dict[str, int], seed: int = 0) -> Any:
     import torch

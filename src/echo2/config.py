@@ -341,6 +341,12 @@ class LearnerConfig(_Section):
         False,
         description="recompute each decoder layer's activations during its backward (less memory, more time)",
     )
+    collective_timeout_s: float = Field(
+        600.0,
+        ge=10.0,
+        description="a sharded learner (--nproc-per-node, torchrun): how long a rank waits in a collective "
+        "before it gives up and the learner stops (a rank that died, a node that is gone)",
+    )
 
 
 class TrainConfig(_Section):

@@ -4,7 +4,9 @@ CPU mesh (gloo):
 - ``train OUT BATCHES``: three updates on the batches every rank is given, the full weights gathered
   for publication (rank 0 saves them and their digest), then a sharded checkpoint in ``OUT/sharded``;
 - ``resume OUT BATCHES``: the one-process checkpoint ``OUT/one`` (HF weights + ``optimizer.pt``)
-  loaded and sharded, one update on the last batch, the full weights gathered (rank 0 saves them)."""
+  loaded and sharded, one update on the last batch, the full weights gathered (rank 0 saves them);
+- ``kl OUT BATCHES``: as ``train`` with ``grpo.kl_beta = 0.1`` and the KL reference sharded the same
+  way, two updates (no checkpoint)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fixt
 
 from conftest import _tiny_policy
 from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
-from echo2.learner.sharded import full_weights, load_full_optimizer, save_states, shard, write_shell
+from echo2.errors import ConfigError
+from echo2.learner.sharded import (
+    frozen_reference,
+    full_weights,
+    load_full_optimizer,
+    save_states,
+    shard,
+    write_shell,
+)
 from echo2.learner.trainer import GRPOTrainer
 from echo2.models.policy import DCP_DIR, load_checkpoint
 from echo2.observe.rundir import OPTIM_FILE
@@ -37,16 +47,27 @@ def main(mode: str, out: Path, batches_file: Path) -> None:
     grpo = GRPOConfig(**json.loads((batches_file.parent / "grpo.json").read_text()))
     batches = [[_trajectory(t) for t in b] for b in json.loads(batches_file.read_text())]
     torch.manual_seed(0)
-    policy = _tiny_policy() if mode == "train" else load_checkpoint(out / "one")
+    policy = load_checkpoint(out / "one") if mode == "resume" else _tiny_policy()
+    reference = None
+    if mode == "kl":
+        grpo = grpo.model_copy(update={"kl_beta": 0.1})
+        reference = shard(frozen_reference(policy.model, mixed=False), mesh)
+        batches = batches[:2]
     model = shard(policy.model, mesh)
-    trainer = GRPOTrainer(model, grpo, SAMPLING, policy.pad_id, learner=LEARNER)
+    try:  # without a reference sharded the same way: refused in one line, not half-built
+        GRPOTrainer(model, grpo.model_copy(update={"kl_beta": 0.1}), SAMPLING, policy.pad_id, learner=LEARNER)
+        raise AssertionError("kl_beta > 0 was accepted by a sharded trainer without a sharded reference")
+    except ConfigError as exc:
+        assert "kl_beta" in str(exc)
+    trainer = GRPOTrainer(model, grpo, SAMPLING, policy.pad_id, learner=LEARNER, reference=reference)
     if mode == "resume":
         load_full_optimizer(model, trainer.optimizer, torch.load(out / "one" / OPTIM_FILE, weights_only=True))
         batches = batches[-1:]
     stats = []
     for batch in batches:
         s = trainer.update(batch)
-        stats.append({"loss": s.loss, "grad_norm": s.grad_norm, "tokens": s.tokens, "clipfrac": s.clipfrac})
+        stats.append({"loss": s.loss, "grad_norm": s.grad_norm, "tokens": s.tokens, "clipfrac": s.clipfrac,
+                      "kl": s.kl})  # fmt: skip
     fp32 = full_weights(model, "float32")
     bf16 = full_weights(model, "bfloat16")
     if mode == "train":

@@ -73,6 +73,7 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: flo
 
 def _same_stats(sharded: list[dict], one: list) -> None:
     for s, want in zip(sharded, one, strict=True):
+        assert s["kl"] == pytest.approx(want.kl, rel=1e-4, abs=1e-8)
         assert s["loss"] == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
         assert s["grad_norm"] == pytest.approx(want.grad_norm, rel=1e-4)
         assert s["tokens"] == want.tokens and s["clipfrac"] == pytest.approx(want.clipfrac, abs=1e-6)
@@ -121,6 +122,14 @@ def test_a_sharded_checkpoint_resumes_in_one_process(world):
     assert all(torch.equal(got[n], gathered[n]) for n in gathered)  # bit-identical to the ranks' weights
     trainer.update(world["batches"][3])  # the optimizer's moments came back: the next step is the same
     _close(sampler_copy(policy.model, "float32"), world["after4"])
+    # with a KL reference (a copy made before the states load): it takes the checkpoint's weights too
+    policy = load_checkpoint(ckpt)
+    grpo = GRPOConfig(**GRPO, kl_beta=0.1)
+    trainer = GRPOTrainer(policy.model, grpo, SAMPLING, policy.pad_id, learner=LEARNER)
+    assert trainer.reference is not None
+    load_states(ckpt / DCP_DIR, policy.model, trainer.optimizer, trainer.reference)
+    reference = sampler_copy(trainer.reference, "float32")
+    assert all(torch.equal(reference[n], gathered[n]) for n in gathered)
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks(world, tiny_policy_factory):
@@ -135,6 +144,34 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(world, tiny_policy_factor
     resumed = _torchrun("resume", out)
     _close(torch.load(out / "resume_weights.pt", weights_only=True), world["after3"])
     _same_stats(resumed["stats"], world["stats"][2:])
+
+
+def test_the_kl_reference_sharded_the_same_way_trains_as_one_process(world, tiny_policy_factory):
+    sharded = _torchrun("kl", world["out"])
+    torch.manual_seed(0)
+    policy = tiny_policy_factory()
+    grpo = GRPOConfig(**GRPO, kl_beta=0.1)
+    trainer = GRPOTrainer(policy.model, grpo, SAMPLING, policy.pad_id, learner=LEARNER)
+    stats = [trainer.update(b) for b in world["batches"][:2]]
+    assert stats[-1].kl > 0  # the policy moved away from its reference: the KL term is in the loss
+    got = torch.load(world["out"] / "kl_weights.pt", weights_only=True)
+    _close(got, sampler_copy(policy.model, "float32"))
+    _same_stats(sharded["stats"], stats)
+
+
+def test_echo2_export_writes_a_plain_hf_checkpoint_of_a_sharded_one(world, tmp_path, capsys):
+    from echo2.cli import main
+
+    out = tmp_path / "hf"
+    assert main(["export", str(world["out"] / "sharded"), str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and not (out / DCP_DIR).exists()
+    exported = sampler_copy(load_checkpoint(out).model, "float32")  # plain from_pretrained
+    gathered = torch.load(world["out"] / "train_weights.pt", weights_only=True)
+    assert all(torch.equal(exported[n], gathered[n]) for n in gathered)
+    assert main(["export", str(world["out"] / "sharded"), str(out)]) == 2  # not over an existing one
+    assert "is not an empty directory" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "hf2")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_bad_sharded_checkpoints_are_named(world, tmp_path, tiny_policy_factory):

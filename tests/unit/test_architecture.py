@@ -155,12 +155,17 @@ LOOP_MODULE = "runtime/loop.py"  # the one learner loop: echo2 train (S = 0) and
 
 
 def _loop_steps(tree: ast.Module) -> list[tuple[int, str]]:
-    """Where a module does what only a learner loop does: make a GRPO update (``<...>trainer.update``),
-    take a batch from the store (``take_batch``) or start a bubble meter (``BubbleMeter(...)``)."""
+    """Where a module does what only a learner loop does: make a GRPO update (``<...>trainer.update``,
+    or the learner core's, ``<...>core.update``), take a batch from the store (``take_batch``) or start
+    a bubble meter (``BubbleMeter(...)``)."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == "update" and "trainer" in ast.unparse(node.value):
-            found.append((node.lineno, "trainer.update"))  # called, or handed to a thread
+        if isinstance(node, ast.Attribute) and node.attr == "update":
+            owner = ast.unparse(node.value)
+            if "trainer" in owner:
+                found.append((node.lineno, "trainer.update"))  # called, or handed to a thread
+            elif owner.endswith("core"):
+                found.append((node.lineno, "core.update"))
         if not isinstance(node, ast.Call):
             continue
         f = node.func
@@ -173,7 +178,9 @@ def _loop_steps(tree: ast.Module) -> list[tuple[int, str]]:
 
 def test_there_is_one_learner_loop():
     """``echo2 train`` is the node's loop at S = 0 with another feed (runtime/local.py): no module but
-    the loop updates, takes batches or meters the bubble, and the synchronous twin is gone."""
+    the loop updates (through the learner core, whose rank 0 and other ranks of a sharded learner are
+    the one caller of the trainer's update), takes batches or meters the bubble, and the synchronous
+    twin is gone."""
     assert not (SRC / "runtime" / "sync.py").exists()
     where = {
         f"{p.relative_to(SRC)}: {what}"
@@ -181,7 +188,9 @@ def test_there_is_one_learner_loop():
         if not str(p.relative_to(SRC)).startswith(("learner/", "data/store.py"))  # the trainer, the store
         for _, what in _loop_steps(tree)
     }
-    assert where == {f"{LOOP_MODULE}: {w}" for w in ("trainer.update", "take_batch", "BubbleMeter")}
+    assert where == {f"{LOOP_MODULE}: {w}" for w in ("core.update", "take_batch", "BubbleMeter")} | {
+        "runtime/core.py: trainer.update"
+    }
 
 
 def test_the_rule_finds_a_loop():
@@ -191,5 +200,6 @@ def test_the_rule_finds_a_loop():
         "meter = BubbleMeter()\n"
         "stats = await asyncio.to_thread(core.trainer.update, flat)\n"
         "record.update({'a': 1})\n"  # a dict's update is not a step
+        "stats = await asyncio.to_thread(self.core.update, flat)\n"
     )
-    assert sorted(line for line, _ in _loop_steps(ast.parse(code))) == [1, 2, 3, 4]
+    assert sorted(line for line, _ in _loop_steps(ast.parse(code))) == [1, 2, 3, 4, 6]

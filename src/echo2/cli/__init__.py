@@ -2,9 +2,10 @@
 
 Every subcommand is a :class:`~echo2.cli.common.Command`: a module-level object with a help line, a
 function that adds its arguments, and a function that runs it (``run.py``: run / learner / worker;
-``train.py``: train / warmstart / eval; ``plan.py``; ``simulate.py``). Modules here import nothing
-heavier than the standard library at module level, so `echo2 --help` stays instant, and nothing in
-the product imports this package back (checked by the import contracts in pyproject.toml).
+``train.py``: train / warmstart / eval; ``plan.py``; ``simulate.py``; ``report.py``; ``export.py``).
+Modules here import nothing heavier than the standard library at module level, so `echo2 --help`
+stays instant, and nothing in the product imports this package back (checked by the import
+contracts in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from echo2.cli.common import Command
 
 
 def _commands() -> dict[str, Command]:
-    from echo2.cli import plan, report, run, simulate, train
+    from echo2.cli import export, plan, report, run, simulate, train
 
     return {
         "run": run.RUN,
@@ -30,6 +31,7 @@ def _commands() -> dict[str, Command]:
         "plan": plan.PLAN,
         "simulate": simulate.SIMULATE,
         "report": report.REPORT,
+        "export": export.EXPORT,
     }
 
 

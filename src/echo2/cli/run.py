@@ -18,6 +18,14 @@ TOKEN_ENV = "ECHO2_JOIN_TOKEN"
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
+    g = p.add_argument_group(
+        "a sharded learner (FSDP2; started as torchrun starts any PyTorch job: rank 0 is the learner node)"
+    )
+    g.add_argument("--nproc-per-node", type=int, default=1, help="learner ranks on this machine (1 per GPU)")
+    g.add_argument("--nnodes", type=int, default=1, help="machines of the learner")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's rank among them (0: the node)")
+    g.add_argument("--master-addr", help="address of the machine of node rank 0 (several machines)")
+    g.add_argument("--master-port", type=int, default=29500, help="its rendezvous port (default 29500)")
     add_budget_arguments(p)
     p.add_argument("--workers", type=int, help="shorthand for --set runtime.workers=N")
     p.add_argument("--staleness", "-S", type=int, help="shorthand for --set staleness.S=S")
@@ -48,7 +56,52 @@ def live_view(args: argparse.Namespace) -> bool:
     return not (args.no_progress or args.quiet)
 
 
+def torchrun_argv(args: argparse.Namespace, argv: list[str]) -> list[str] | None:
+    """The ``torchrun`` command that starts this command's ranks (``argv``: this command's own
+    arguments, which each rank gets again), or None: one rank, or already a rank that torchrun started."""
+    from echo2.errors import ConfigError
+
+    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(
+            f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes} --node-rank {args.node_rank}: "
+            "need at least one rank per node, one node, and 0 <= node rank < nodes"
+        )
+    if args.nproc_per_node * args.nnodes == 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+        return None
+    if args.nnodes > 1 and not args.master_addr:
+        raise ConfigError("a learner on several machines needs --master-addr (the machine of node rank 0)")
+    if args.nnodes == 1 and not args.master_addr:
+        where = ["--standalone"]  # a free port on this machine
+    else:
+        where = [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+                 f"--master-addr={args.master_addr}", f"--master-port={args.master_port}"]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={args.nproc_per_node}",
+            "-m", "echo2.cli", *argv]  # fmt: skip
+
+
+def _ranks_or_none(args: argparse.Namespace) -> int | None:
+    """Start this command's ranks under torchrun (this process becomes its agent), or follow rank 0 when
+    this process is a rank other than 0; None: this process is the learner node (one rank, or rank 0)."""
+    argv = torchrun_argv(args, sys.argv[1:])
+    if argv is not None:
+        sys.stdout.flush()
+        os.execv(argv[0], argv)
+    if int(os.environ.get("RANK", "0")) > 0:
+        from echo2.models.policy import configure_torch
+        from echo2.runtime.core import Follower
+
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the ranks stop (after a checkpoint)
+            signal.signal(sig, signal.SIG_IGN)
+        cfg = load_from_args(args)
+        configure_torch(cfg)
+        Follower.load(cfg).run()
+        return 0
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
+    if (followed := _ranks_or_none(args)) is not None:
+        return followed
     cfg = load_from_args(args)
     from echo2.rollout.engines import require_engine
     from echo2.runtime.launcher import run_local
@@ -84,6 +137,8 @@ def _poker_report(cfg: Any, summary: Any) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     args.overrides.append("runtime.workers=0")
+    if (followed := _ranks_or_none(args)) is not None:
+        return followed
     cfg = load_from_args(args)
     from echo2.observe.view import ProgressView
     from echo2.runtime.learner import AsyncLearner, Endpoints

@@ -22,17 +22,98 @@ without a process group included. The other way, a one-process checkpoint (HF we
 ``optimizer.pt``) resumes sharded: the weights load whole and are sharded, and the optimizer's state,
 keyed by parameter position, is re-keyed by name and sharded (:func:`load_full_optimizer`).
 
-What is not built here: launching ranks from ``echo2 learner`` (rank 0 as the node, the others
-following its updates) and the KL reference of a sharded model.
+The ranks of one learner (:class:`Ranks`): ``torchrun``'s environment names them, rank 0 is the
+learner node (API, store, broadcast, checks, run directory) and announces each collective operation on
+the model before it does it (an update, an evaluation, a publication's gather, a checkpoint's states);
+the other ranks wait for the announcement and do the same (``runtime/core.py``: ``Follower``). Every
+collective runs under a stated timeout (``learner.collective_timeout_s``); while rank 0 waits for
+workers it announces nothing, so it sends an empty announcement every quarter of that timeout.
+
+The KL reference (``grpo.kl_beta > 0``) is a frozen copy sharded the same way
+(:func:`frozen_reference`); resumed from a sharded checkpoint it takes that checkpoint's weights
+(:func:`load_states`), as a one-process learner's reference is the weights it loaded.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class Ranks:
+    """This process's place among the learner's ranks (one rank: ``world`` = 1, no process group)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    timeout_s: float = 600.0
+    last_announced: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def from_env(cls, device_type: str, timeout_s: float) -> Ranks:
+        """The ranks ``torchrun`` started (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` /
+        ``MASTER_PORT``): the process group initialised, gloo on the CPU and NCCL on CUDA, every
+        collective bounded by ``timeout_s``; one rank when ``WORLD_SIZE`` is unset or 1."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls(timeout_s=timeout_s)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_type == "cuda":
+            torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), local, timeout_s)
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def mesh(self, device_type: str) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.world,))
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (what the others pass is ignored)."""
+        if not self.sharded:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def announce(self, op: str, *args: Any) -> None:
+        """Rank 0: the collective operation it is about to do (the other ranks do it too)."""
+        if self.sharded:
+            self.share((op, args))
+            self.last_announced = time.monotonic()
+
+    def receive(self) -> tuple[str, tuple[Any, ...]]:
+        """A rank other than 0: the next operation rank 0 announced."""
+        op, args = self.share(None)
+        return str(op), tuple(args)
+
+    def keepalive(self) -> None:
+        """Rank 0 while it waits: an empty announcement every quarter of the collective timeout, so the
+        other ranks, waiting for the next one, do not time out while workers generate."""
+        if self.sharded and time.monotonic() - self.last_announced > self.timeout_s / 4:
+            self.announce("noop")
+
+    def close(self) -> None:
+        if self.sharded and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
@@ -44,11 +125,26 @@ def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers to shard (model.get_decoder().layers)")
+    if not getattr(model.config, "architectures", None):  # sharding renames the class (FSDP<name>)
+        model.config.architectures = [type(model).__name__]
     for module in [*layers, model]:
         fsdp = fully_shard(module, mesh=mesh)
         fsdp.set_gradient_divide_factor(1.0)  # a sum: each rank's loss is its share of the whole
         fsdp.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
     return model
+
+
+def frozen_reference(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
+    """The KL reference of a model about to be sharded: a frozen copy (in bf16 when the update computes
+    in bf16 anyway), to be sharded the same way (:func:`shard`) and given to ``GRPOTrainer``; every rank
+    then computes its reference log-probs in step with its policy's."""
+    import copy
+
+    reference = copy.deepcopy(model).eval()
+    if mixed:
+        reference.to(torch.bfloat16)
+    reference.requires_grad_(False)
+    return reference
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -96,9 +192,15 @@ def save_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=_unsharded())
 
 
-def load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_states(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    reference: torch.nn.Module | None = None,
+) -> None:
     """The states :func:`save_states` wrote at any world size, into ``model`` and ``optimizer`` as this
-    process holds them (sharded over this world, or whole); every rank calls it."""
+    process holds them (sharded over this world, or whole), and the model's weights into ``reference``
+    (a frozen KL reference, in its own dtype) when given; every rank calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -113,6 +215,26 @@ def load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     except Exception as exc:  # DCP raises its own types (CheckpointException); name the checkpoint
         raise CheckpointError(f"cannot load the sharded checkpoint {path}: {exc}") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if reference is not None:
+        load_model_states(path, reference)
+
+
+def load_model_states(path: Path, model: torch.nn.Module) -> None:
+    """Only the model's weights of a checkpoint :func:`save_states` wrote, into ``model`` in its own
+    dtype (a KL reference; a model to export as a plain HF checkpoint); every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from echo2.errors import CheckpointError
+
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a sharded checkpoint: its DCP .metadata is missing")
+    weights = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(weights, checkpoint_id=str(path), no_dist=_unsharded())
+    except Exception as exc:  # DCP raises its own types (CheckpointException); name the checkpoint
+        raise CheckpointError(f"cannot load the sharded checkpoint {path}: {exc}") from exc
+    set_model_state_dict(model, weights["model"])
 
 
 def write_shell(path: Path, policy: Any) -> None:

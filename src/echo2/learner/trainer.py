@@ -31,7 +31,7 @@ import torch
 
 from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
 from echo2.data.tasks.base import full_mask
-from echo2.errors import TrainingDivergedError
+from echo2.errors import ConfigError, TrainingDivergedError
 from echo2.learner import grpo
 from echo2.learner.logprobs import (
     LMParts,
@@ -104,7 +104,9 @@ class GRPOTrainer:
     ``learner`` says how an update computes (``LearnerConfig``): on the model's own device, in fp32 or
     bf16 autocast (fp32 master weights, gradients and AdamW states either way), in micro-batches of at
     most ``micro_batch_tokens`` padded tokens whose gradients accumulate into one optimizer step per
-    minibatch, with log-probs taken ``logprob_chunk`` completion positions at a time.
+    minibatch, with log-probs taken ``logprob_chunk`` completion positions at a time. ``reference``: the
+    frozen KL reference when the caller builds it (a sharded model's, sharded the same way:
+    ``sharded.frozen_reference``); else a copy of ``model`` is made here.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class GRPOTrainer:
         version: int = 0,
         isolate: bool = False,
         learner: LearnerConfig | None = None,
+        reference: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.isolate = isolate  # leave out the groups that make a minibatch non-finite (module docstring)
@@ -141,9 +144,15 @@ class GRPOTrainer:
         )
         self.reference: torch.nn.Module | None = None
         self.reference_parts: LMParts | None = None
-        if cfg.kl_beta > 0 and self.world > 1:
-            raise ValueError("grpo.kl_beta > 0 with a sharded learner: its KL reference is not built")
-        if cfg.kl_beta > 0:  # frozen; in bf16 when the update computes in bf16 anyway (2 bytes a parameter)
+        if cfg.kl_beta > 0 and reference is not None:  # the caller's (a sharded learner's, sharded)
+            self.reference = reference
+            self.reference_parts = lm_parts(reference) if self.world == 1 else None
+        elif cfg.kl_beta > 0 and self.world > 1:
+            raise ConfigError(
+                "grpo.kl_beta > 0 on a sharded model needs its KL reference sharded the same way "
+                "(learner/sharded.py: frozen_reference)"
+            )
+        elif cfg.kl_beta > 0:  # frozen; in bf16 when the update computes in bf16 anyway (2 bytes a parameter)
             self.reference = copy.deepcopy(model).eval()
             if self.mixed:
                 self.reference.to(torch.bfloat16)

@@ -11,7 +11,7 @@ import os
 import queue
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +138,26 @@ class RunDir:
         return self.checkpoints / name
 
     def save_checkpoint(
-        self, name: str, policy: Any, version: int, optimizer: Any = None, state: dict[str, Any] | None = None
+        self,
+        name: str,
+        policy: Any,
+        version: int,
+        optimizer: Any = None,
+        state: dict[str, Any] | None = None,
+        write: Callable[[Path], None] | None = None,
     ) -> str:
         """Weights + tokenizer, the version and ``state`` (and the optimizer state when given) under
         ``checkpoints/<name>``, crash-consistently: written to a temporary directory, every file and
         the directory fsynced, then renamed into place and the parent fsynced, so a checkpoint either
         exists whole on disk or not at all (the caller prunes the trajectories it covers only after
-        this returns). Older ``step_*`` directories are pruned. Returns the path."""
+        this returns). ``write`` writes the model's files into the temporary directory instead of
+        ``policy.save`` (a sharded learner's states). Older ``step_*`` directories are pruned. Returns
+        the path."""
         path = self.checkpoint_dir(name)
         tmp = self.checkpoints / f"{TMP_PREFIX}{name}"
         shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover of this very name
-        policy.save(tmp)
+        tmp.mkdir(parents=True)
+        (write or policy.save)(tmp)
         if optimizer is not None:
             import torch
 

@@ -12,41 +12,153 @@ the update (publish, retarget the pool).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.config import Config
-from echo2.errors import TrainingDivergedError
+from echo2.errors import Echo2Error, TrainingDivergedError
 from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, RunDir
 from echo2.tasks.base import Task
-from echo2.types import Bounds
+from echo2.types import Bounds, Trajectory
 
 log = logging.getLogger(__name__)
 TOY_LR_FLOOR = 1e-4  # a learning rate at least this large with a user's checkpoint is warned about
 
 if TYPE_CHECKING:
-    from echo2.learner.trainer import GRPOTrainer
+    from echo2.learner.sharded import Ranks
+    from echo2.learner.trainer import GRPOTrainer, UpdateStats
     from echo2.models.policy import Policy
     from echo2.rollout.engines.hf import HFEngine
     from echo2.rollout.evaluate import EvalResult
 
 
 @dataclass
-class LearnerCore:
-    """The learning plane of one learner process (:meth:`load` builds it)."""
+class Plane:
+    """What every rank of a learner holds: the policy (sharded over the ranks when there are several),
+    the task, the GRPO trainer, an engine on the trainer's own weights, the held-out prompts."""
 
-    cfg: Config
-    run_dir: RunDir
     policy: Policy
     task: Task
     trainer: GRPOTrainer
     engine: HFEngine  # greedy evaluation on the trainer's own weights
+    eval_prompts: list[Any]
+    ranks: Ranks
+
+    @classmethod
+    def load(
+        cls, cfg: Config, ranks: Ranks, device: Any, source: Path, resumed: bool, isolate: bool
+    ) -> Plane:
+        """The policy from ``source`` (a checkpoint to resume when ``resumed``, with its optimizer state:
+        a one-process checkpoint or a sharded one, at any world size), sharded over ``ranks``; the task,
+        the trainer (``isolate``: a non-finite group is left out of an update instead of ending it) and
+        the engine."""
+        import torch
+
+        from echo2.learner.sharded import frozen_reference, load_full_optimizer, load_states, shard
+        from echo2.learner.trainer import GRPOTrainer
+        from echo2.models.policy import DCP_DIR, chat_format, load_checkpoint
+        from echo2.rollout.engines.hf import HFEngine
+        from echo2.tasks.registry import build_task
+
+        policy = load_checkpoint(source, chat_format(cfg))
+        policy.model.to(device)
+        reference = None
+        if ranks.sharded:
+            mesh = ranks.mesh(device.type)
+            if cfg.grpo.kl_beta > 0:  # the KL reference, sharded the same way
+                reference = shard(frozen_reference(policy.model, cfg.learner.precision == "bf16-mixed"), mesh)
+            shard(policy.model, mesh)
+        version0 = json.loads((source / STATE_FILE).read_text())["version"] if resumed else 0
+        task = build_task(cfg.task, cfg.seed)
+        trainer = GRPOTrainer(
+            policy.model,
+            cfg.grpo,
+            cfg.sampling,
+            policy.pad_id,
+            task.token_mask,
+            version0,
+            isolate=isolate,
+            learner=cfg.learner,
+            reference=reference,
+        )
+        if resumed and (source / DCP_DIR).is_dir():  # a sharded learner's: any world size loads it
+            load_states(source / DCP_DIR, policy.model, trainer.optimizer, trainer.reference)
+        elif resumed and (source / OPTIM_FILE).is_file():
+            state = torch.load(source / OPTIM_FILE, weights_only=True, map_location=device)
+            if ranks.sharded:
+                load_full_optimizer(policy.model, trainer.optimizer, state)
+            else:
+                trainer.optimizer.load_state_dict(state)
+        engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens)
+        if ranks.sharded:  # every rank stops generating at the same step (each forward is a collective)
+            engine.all_done = _agreed_all
+        return cls(policy, task, trainer, engine, task.eval_prompts(cfg.train.eval_size), ranks)
+
+    def evaluate(self, cfg: Config) -> EvalResult:
+        """The task's greedy held-out score, in the update's precision (this thread's autocast)."""
+        with self.trainer.autocast():
+            return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(cfg))
+
+    def weights(self, dtype: str) -> dict[str, Any] | None:
+        """A sampler copy of the weights in ``dtype`` (``weights.delta.sampler_copy``); sharded: gathered
+        tensor by tensor to rank 0 (None on the others)."""
+        from echo2.learner.sharded import full_weights
+        from echo2.weights.delta import sampler_copy
+
+        if self.ranks.sharded:
+            return full_weights(self.policy.model, dtype)
+        return sampler_copy(self.policy.model, dtype)
+
+    def save_states(self, path: Path) -> None:
+        """The model's and the optimizer's states into ``path/dcp`` (every rank its shards)."""
+        from echo2.learner.sharded import save_states
+        from echo2.models.policy import DCP_DIR
+
+        save_states(path / DCP_DIR, self.policy.model, self.trainer.optimizer)
+
+
+def _agreed_all(done_B: Any) -> bool:
+    """Every row of every rank has ended (a sharded evaluation's stop, agreed over the ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = done_B.all().to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _placement(cfg: Config) -> tuple[Ranks, Any]:
+    """This process's ranks (``torchrun``'s environment) and its device: ``learner.device``, and with
+    several ranks on CUDA the GPU of this rank's ``LOCAL_RANK``."""
+    import torch
+
+    from echo2.learner.sharded import Ranks
+    from echo2.models.policy import resolve_device
+
+    device = resolve_device(cfg.learner.device)
+    ranks = Ranks.from_env(device.type, cfg.learner.collective_timeout_s)
+    if ranks.sharded and device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
+    return ranks, device
+
+
+@dataclass
+class LearnerCore:
+    """The learning plane of one learner process, rank 0 of a sharded one (:meth:`load` builds it).
+
+    Each operation on the model that is a collective over the ranks (an update, an evaluation, a
+    publication's copy, a checkpoint's states) is announced to the other ranks first (:class:`Follower`
+    does the same); with one rank the announcements are nothing."""
+
+    cfg: Config
+    run_dir: RunDir
+    plane: Plane
     resumed_from: int | None  # the checkpoint version this process resumed (None: a fresh run)
-    eval_prompts: list[Any] = field(default_factory=list)
     first_acc: float = math.nan  # held-out score when this process started
     best_acc: float = math.nan  # best held-out score seen
     last_acc: float = math.nan  # newest held-out score
@@ -58,76 +170,147 @@ class LearnerCore:
         """Trackers first (a missing package fails before the warm start), then the run directory (a
         fresh run clears an old run's outputs, a resumed one keeps them), the policy from ``ckpt`` (with
         its version and optimizer state) or the starting checkpoint, the task, the trainer (``isolate``:
-        a non-finite group is left out of an update instead of ending it) and the engine."""
-        import torch
-
-        from echo2.learner.sharded import load_states
-        from echo2.learner.trainer import GRPOTrainer
-        from echo2.models.policy import DCP_DIR, chat_format, load_checkpoint, resolve_device
+        a non-finite group is left out of an update instead of ending it) and the engine. The other
+        ranks, if any, load what this one tells them (:meth:`Follower.load`)."""
         from echo2.observe.trackers import start_trackers
-        from echo2.rollout.engines.hf import HFEngine
-        from echo2.tasks.registry import build_task
         from echo2.tasks.warmstart import starting_checkpoint
 
+        ranks, device = _placement(cfg)
         sinks = start_trackers(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
         run_dir = RunDir(run_path, cfg.to_dict(), resume=ckpt is not None, sinks=sinks, background=True)
-        device = resolve_device(cfg.learner.device)
         if cfg.model.path is not None and cfg.grpo.lr >= TOY_LR_FLOOR:
             log.warning(
                 "grpo.lr = %g is the embedded toy model's learning rate; RL on a pretrained LLM usually "
                 "uses 1e-6 to 3e-6 (configs/math_qwen3.toml): set grpo.lr",
                 cfg.grpo.lr,
             )
-        policy = load_checkpoint(ckpt or starting_checkpoint(cfg), chat_format(cfg))
-        policy.model.to(device)
-        version0 = json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt else 0
-        task = build_task(cfg.task, cfg.seed)
-        trainer = GRPOTrainer(
-            policy.model,
-            cfg.grpo,
-            cfg.sampling,
-            policy.pad_id,
-            task.token_mask,
-            version0,
-            isolate=isolate,
-            learner=cfg.learner,
-        )
-        if ckpt is not None and (ckpt / DCP_DIR).is_dir():  # a sharded learner's: any world size loads it
-            load_states(ckpt / DCP_DIR, policy.model, trainer.optimizer)
-        elif ckpt is not None and (ckpt / OPTIM_FILE).is_file():
-            state = torch.load(ckpt / OPTIM_FILE, weights_only=True, map_location=device)
-            trainer.optimizer.load_state_dict(state)
-        engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens)
-        core = cls(cfg, run_dir, policy, task, trainer, engine, version0 if ckpt else None)
-        core.eval_prompts = task.eval_prompts(cfg.train.eval_size)
-        return core
+        source = ckpt or starting_checkpoint(cfg)
+        ranks.share((str(source), ckpt is not None))  # the other ranks load the same checkpoint
+        plane = Plane.load(cfg, ranks, device, source, ckpt is not None, isolate)
+        return cls(cfg, run_dir, plane, plane.trainer.version if ckpt else None)
+
+    @property
+    def policy(self) -> Policy:
+        return self.plane.policy
+
+    @property
+    def task(self) -> Task:
+        return self.plane.task
+
+    @property
+    def trainer(self) -> GRPOTrainer:
+        return self.plane.trainer
+
+    @property
+    def engine(self) -> HFEngine:
+        return self.plane.engine
+
+    @property
+    def eval_prompts(self) -> list[Any]:
+        return self.plane.eval_prompts
+
+    @property
+    def ranks(self) -> Ranks:
+        return self.plane.ranks
 
     @property
     def version(self) -> int:
         """The learner's ``v_t`` (the trainer is its one provider)."""
         return self.trainer.version
 
+    def update(self, batch: list[Trajectory]) -> UpdateStats:
+        """One GRPO update (``GRPOTrainer.update``; every rank computes its share)."""
+        self.ranks.announce("update", batch)
+        return self.trainer.update(batch)
+
     def evaluate(self) -> EvalResult:
         """The task's greedy held-out score of the current weights, in the update's precision and in
         batches of at most ``learner.micro_batch_tokens`` tokens; the running readings follow it (the
         first call sets the starting one)."""
-        with (
-            self.trainer.autocast()
-        ):  # the update's precision (entered in this thread: autocast is per thread)
-            ev = self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(self.cfg))
+        self.ranks.announce("evaluate")
+        ev = self.plane.evaluate(self.cfg)
         if math.isnan(self.first_acc):
             self.first_acc = self.best_acc = ev.accuracy
         self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)
         return ev
 
+    def weights(self, dtype: str) -> dict[str, Any]:
+        """A sampler copy of the current weights in ``dtype`` (a publication's), gathered from the ranks."""
+        self.ranks.announce("weights", dtype)
+        weights = self.plane.weights(dtype)
+        assert weights is not None  # rank 0 holds the gathered copy
+        return weights
+
     def save(self, name: str, optimizer: bool = False, state: dict[str, Any] | None = None) -> str:
         """A crash-consistent checkpoint of the weights at this version (the optimizer's state too when
-        asked, and ``state``) under ``checkpoints/<name>``; returns its path."""
+        asked, and ``state``) under ``checkpoints/<name>``; returns its path. Sharded: the model's and
+        the optimizer's states with DCP, every rank its shards (``learner/sharded.py``)."""
         opt = self.trainer.optimizer if optimizer else None
-        return self.run_dir.save_checkpoint(name, self.policy, self.version, opt, state)
+        if not self.ranks.sharded:
+            return self.run_dir.save_checkpoint(name, self.policy, self.version, opt, state)
+
+        def write(tmp: Path) -> None:
+            from echo2.learner.sharded import write_shell
+
+            self.ranks.announce("save_states", str(tmp))
+            self.plane.save_states(tmp)
+            write_shell(tmp, self.policy)
+
+        return self.run_dir.save_checkpoint(name, self.policy, self.version, None, state, write=write)
+
+    def close(self) -> None:
+        """The other ranks stop following; the process group ends. Best effort: when a rank is gone the
+        error that ended the loop is the one to report (torchrun then stops every rank)."""
+        try:
+            self.ranks.announce("stop")
+        except RuntimeError as exc:  # torch.distributed's errors (DistBackendError) are RuntimeErrors
+            log.error("could not tell the other learner ranks to stop: %s", exc)
+            return
+        self.ranks.close()
 
     def diverged(self, exc: TrainingDivergedError, good: str, **summary: Any) -> TrainingDivergedError:
         """What a diverged update leaves: the summary names the error and the last good weights (saved
         by the caller as ``good``, before the optimizer stepped); the error to raise says where they are."""
         self.run_dir.write_summary({"error": str(exc), "last_good_checkpoint": good, **summary})
         return TrainingDivergedError(f"{exc}; last good weights saved to {good}")
+
+
+@dataclass
+class Follower:
+    """A rank other than 0 of a sharded learner: it loads the checkpoint rank 0 names and then does each
+    collective operation rank 0 announces (:class:`LearnerCore`), until rank 0 says stop."""
+
+    cfg: Config
+    plane: Plane
+
+    @classmethod
+    def load(cls, cfg: Config, *, isolate: bool = True) -> Follower:
+        ranks, device = _placement(cfg)
+        if not ranks.sharded:
+            raise Echo2Error("a follower rank runs under torchrun with WORLD_SIZE > 1")
+        source, resumed = ranks.share(None)
+        return cls(cfg, Plane.load(cfg, ranks, device, Path(source), resumed, isolate))
+
+    def run(self) -> int:
+        """Follow rank 0 until it stops; the number of operations done."""
+        from echo2.learner.trainer import PoisonedBatch
+
+        plane, done = self.plane, 0
+        while True:
+            op, args = plane.ranks.receive()
+            if op == "stop":
+                break
+            if op == "update":
+                with contextlib.suppress(PoisonedBatch):  # rank 0 deals with it; the ranks agreed on it
+                    plane.trainer.update(args[0])
+            elif op == "evaluate":
+                plane.evaluate(self.cfg)
+            elif op == "weights":
+                plane.weights(args[0])
+            elif op == "save_states":
+                plane.save_states(Path(args[0]))
+            elif op != "noop":
+                raise Echo2Error(f"rank {plane.ranks.rank}: unknown operation {op!r} from rank 0")
+            done += 1
+        plane.ranks.close()
+        return done

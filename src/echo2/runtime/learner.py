@@ -128,7 +128,7 @@ class AsyncLearner:
             )
         self._load_learning_plane()
         await self._open_data_and_network()
-        await self.snapshots.publish_model(self.version, self.core.policy.model)
+        await self.snapshots.publish_copy(self.version, self.core.weights)
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
 
@@ -140,6 +140,7 @@ class AsyncLearner:
 
         core = self.core = LearnerCore.load(self.cfg, self.run_path, self.ckpt, isolate=True)
         self._resources.callback(core.run_dir.close)
+        self._resources.callback(core.close)  # a sharded learner's other ranks stop after the last checkpoint
 
     async def _open_data_and_network(self) -> None:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
@@ -271,8 +272,8 @@ class AsyncLearner:
 
     # ---- the node's feed ------------------------------------------------------------------------------
     def _feed(self) -> NodeFeed:
-        model = self.core.policy.model
-        return NodeFeed(self.cfg, self.parts, self.store, self.status, model, self.data_ready, self.on_tick)
+        copy = self.core.weights
+        return NodeFeed(self.cfg, self.parts, self.store, self.status, copy, self.data_ready, self.on_tick)
 
 
 class NodeFeed:
@@ -286,11 +287,12 @@ class NodeFeed:
         parts: NodeParts,
         store: TrajectoryStore,
         status: NodeStatus,
-        model: Any,
+        copy: Callable[[str], dict[str, Any]],
         data_ready: asyncio.Event,
         on_tick: Callable[[], None] | None,
     ) -> None:
-        self.cfg, self.parts, self.store, self.status, self.model = cfg, parts, store, status, model
+        self.cfg, self.parts, self.store, self.status = cfg, parts, store, status
+        self.copy = copy  # the current weights as a publication's sampler copy (LearnerCore.weights)
         self.data_ready, self.on_tick = data_ready, on_tick
         self.usd_total = 0.0
         self._next_tick = 0.0
@@ -327,7 +329,7 @@ class NodeFeed:
         steps, then every RETARGET_EVERY)."""
         if version % self.cfg.staleness.effective_kappa == 0:
             with meter.idle("publish"):
-                await self.parts.snapshots.publish_model(version, self.model, wait=False)
+                await self.parts.snapshots.publish_copy(version, self.copy, wait=False)
         n = len(t_trains)
         if n == WARMUP_STEPS or (n > WARMUP_STEPS and n % RETARGET_EVERY == 0):
             recent = t_trains[-RETARGET_EVERY:]

@@ -169,6 +169,7 @@ class LearnerLoop:
         P = self.cfg.batch.prompts
         while True:
             self.feed.housekeeping()
+            self.core.ranks.keepalive()  # a sharded learner's other ranks wait for its next operation
             batch = self.store.take_batch(P, self.version, step=self.version + 1)
             if batch is not None or self.stop.is_set() or self._out_of_time():
                 return batch
@@ -189,7 +190,7 @@ class LearnerLoop:
             )
         with self.meter.training():
             try:
-                stats = await asyncio.to_thread(self.core.trainer.update, flat)
+                stats = await asyncio.to_thread(self.core.update, flat)
             except PoisonedBatch as exc:
                 self.feed.poisoned(exc.excluded)
                 self.store.requeue_after(self.version)  # what this step took and did not train on

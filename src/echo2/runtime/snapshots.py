@@ -89,16 +89,23 @@ class Snapshots:
 
     # ---- publishing ------------------------------------------------------------------------------------
     async def publish_model(self, version: int, model: Any, wait: bool = True) -> None:
-        """Publish ``model``'s weights as ``version``: an anchor or a patch (``PublishedChain.encode``).
+        """Publish ``model``'s weights as ``version`` (:meth:`publish_copy` of ``sampler_copy``)."""
+        from echo2.weights.delta import sampler_copy
+
+        await self.publish_copy(version, lambda dtype: sampler_copy(model, dtype), wait)
+
+    async def publish_copy(
+        self, version: int, copy: Callable[[str], dict[str, torch.Tensor]], wait: bool = True
+    ) -> None:
+        """Publish the weights ``copy(dtype)`` returns (a sampler copy in the snapshot's dtype; a sharded
+        learner gathers it from its ranks) as ``version``: an anchor or a patch (``PublishedChain.encode``).
 
         Only the copy of the weights happens before this returns when ``wait`` is false: encoding,
         signing and announcing run in the background while the learner trains on, and the next
         publication waits for this one (it is the next patch's base). ``wait`` (the first version, and
         anything that needs the publication out) returns once it is announced."""
-        from echo2.weights.delta import sampler_copy
-
         t0 = time.perf_counter()
-        weights, copy_cpu_s = await asyncio.to_thread(_cpu_timed, sampler_copy, model, self.cfg.dtype)
+        weights, copy_cpu_s = await asyncio.to_thread(_cpu_timed, copy, self.cfg.dtype)
         await self.flush()
         self._pending = asyncio.ensure_future(self._publish_weights(version, weights, t0, copy_cpu_s))
         if wait:

@@ -16,7 +16,7 @@ be drawn.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ class HFEngine:
         # transformers 5.x renamed `past_key_values` to `cache`; accept both generations
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # whether every row has ended: on a sharded model (learner/sharded.py) every rank must stop at the
+        # same step (each step's forward is a collective), so the learner agrees on it over its ranks
+        self.all_done: Callable[[torch.Tensor], bool] = lambda done_B: bool(done_B.all())
 
     @classmethod
     def on_policy(cls, policy: Any, sampling: SamplingConfig, max_batch_tokens: int | None) -> HFEngine:
@@ -173,7 +176,7 @@ class HFEngine:
             newly_done_B = (~done_B) & torch.isin(next_B, eos_B)
             lengths_B = torch.where(newly_done_B, torch.full_like(lengths_B, n + 1), lengths_B)
             done_B |= newly_done_B
-            if bool(done_B.all()):
+            if self.all_done(done_B):
                 break
             step_ids_BT = next_B[:, None]
             mask_BT = torch.cat([mask_BT, (~done_B).long()[:, None]], dim=-1)

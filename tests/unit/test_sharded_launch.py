@@ -66,3 +66,11 @@ def test_one_rank_announces_nothing_and_shares_its_own_values(monkeypatch):
     ranks.announce("update", [1, 2])  # no process group: nothing to send, nothing raised
     ranks.keepalive()
     ranks.close()
+
+
+def test_echo2_train_under_torchrun_is_refused(monkeypatch, capsys):
+    from echo2.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train"]) == 2
+    assert "echo2 train runs in one process" in capsys.readouterr().err

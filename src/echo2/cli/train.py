@@ -19,6 +19,12 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+
+    from echo2.errors import ConfigError
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: this command is one process
+        raise ConfigError("echo2 train runs in one process; a sharded learner: echo2 run --nproc-per-node")
     cfg = load_from_args(args)
     from echo2.cli.run import held_out, live_view
     from echo2.observe.view import ProgressView

@@ -176,6 +176,8 @@ class LearnerCore:
         from echo2.tasks.warmstart import starting_checkpoint
 
         ranks, device = _placement(cfg)
+        if not ranks.leader:  # the other ranks follow (Follower); a command that does not route them is wrong
+            raise Echo2Error(f"rank {ranks.rank} of {ranks.world}: only rank 0 runs the learner core")
         sinks = start_trackers(cfg.train.report_to, run_path, run_path.resolve().name, cfg.to_dict())
         run_dir = RunDir(run_path, cfg.to_dict(), resume=ckpt is not None, sinks=sinks, background=True)
         if cfg.model.path is not None and cfg.grpo.lr >= TOY_LR_FLOOR:

@@ -194,3 +194,20 @@ def test_plan_reads_simulate_configs_by_short_name(capsys: pytest.CaptureFixture
     # mixed pool: the optimum reaching 2.468/s is 3 x 5090 + 4 x 4090 + 2 x L40S = $4.23/h
     assert plan["active_workers"] == 9
     assert plan["workers_usd_per_hour"] == pytest.approx(3 * 0.35 + 4 * 0.40 + 2 * 0.79)
+
+
+def test_t_train_follows_a_stated_scaling_to_the_learners_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--t-train", "100", "--t-bcast", "50", "--rollouts-per-step", "64", "--worker-rate", "1"]
+    base += ["--json"]
+    same = json.loads(_run([*base, "--gpus", "4"], capsys))
+    assert same["t_train_s"] == 100 and same["learner_gpus"] == 4  # measured as configured: as given
+    # measured on 1 GPU, the learner sharded over 4 at 80% efficiency: 100 / (4 x 0.8) = 31.25 s
+    scaled = ["--scaling-efficiency", "0.8", "--t-train-gpus"]
+    four = json.loads(_run([*base, "--gpus", "4", *scaled, "1"], capsys))
+    assert four["t_train_s"] == pytest.approx(31.25) and "stated scaling" in four["t_train_source"]
+    # and back down, the inverse: measured on 8, run on 2 at 0.8: 100 x (8 / 2) x 0.8 = 320 s
+    two = json.loads(_run([*base, "--gpus", "2", *scaled, "8"], capsys))
+    assert two["t_train_s"] == pytest.approx(320.0)
+    assert four["mu_min"] > same["mu_min"]  # a faster learner needs more rollouts per second
+    with pytest.raises(ConfigError, match=r"state learner\.scaling_efficiency"):
+        _run([*base, "--gpus", "4", "--t-train-gpus", "1"], capsys)

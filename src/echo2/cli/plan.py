@@ -50,7 +50,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-size", choices=("0.6B", "1.7B", "4B", "8B"), help="Qwen3 shape: report the learner's memory"
     )
     p.add_argument("--gpu-gib", type=float, help="memory of one learner GPU, GiB (does the learner fit?)")
-    p.add_argument("--gpus", type=int, help="GPUs of the learner node")
+    p.add_argument("--gpus", type=int, help="GPUs of the learner (its ranks when sharded)")
+    p.add_argument("--t-train-gpus", type=int, help="GPUs --t-train was measured on, when not --gpus")
+    p.add_argument(
+        "--scaling-efficiency",
+        type=float,
+        help="stated scaling from --t-train-gpus to --gpus: r times the GPUs change the update rate by r x e",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -71,6 +77,8 @@ _FIELDS = (
     ("model_size", "model.shape"),
     ("gpu_gib", "learner.gpu_gib"),
     ("gpus", "learner.gpus"),
+    ("t_train_gpus", "learner.t_train_gpus"),
+    ("scaling_efficiency", "learner.scaling_efficiency"),
     ("worker_rate", "workers.0.rollouts_per_s"),
     ("worker_price", "workers.0.usd_per_hour"),
     ("bw_mbps", "workers.0.bandwidth_mbps"),

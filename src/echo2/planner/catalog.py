@@ -78,15 +78,38 @@ class ModelSpec(_Model):
 
 
 class LearnerSpec(_Model):
-    """The centralized learner."""
+    """The centralized learner. ``t_train_s`` is T_train on ``gpus`` GPUs, unless it was measured (or is
+    stated) on ``t_train_gpus``: then T_train on ``gpus`` follows a stated scaling, each change of the
+    GPU count by a factor ``r`` changing the update rate by ``r * scaling_efficiency`` (``r > 1``) or
+    ``r / scaling_efficiency`` (``r < 1``) (:attr:`t_train`)."""
 
     name: str = "learner"  # display name, e.g. "4x A100-80GB"
     usd_per_hour: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # node $/h; None: no costs
-    t_train_s: float = Field(gt=0, allow_inf_nan=False)  # T_train: seconds per update
-    gpus: int = Field(default=1, ge=1)  # accelerators of the learner node
+    t_train_s: float = Field(gt=0, allow_inf_nan=False)  # T_train: seconds per update (on t_train_gpus)
+    gpus: int = Field(default=1, ge=1)  # accelerators of the learner (its ranks when sharded)
+    t_train_gpus: int | None = Field(default=None, ge=1)  # GPUs t_train_s is for; None: gpus
+    scaling_efficiency: float | None = Field(default=None, gt=0, le=1)  # stated; needed when they differ
     gpu_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # memory of one, GiB
     precision: Literal["fp32", "bf16-mixed"] = "bf16-mixed"  # the learner's [learner] precision
     micro_batch_tokens: int = Field(default=8192, ge=16)  # the learner's [learner] micro_batch_tokens
+
+    @model_validator(mode="after")
+    def _scaling_stated(self) -> LearnerSpec:
+        if self.t_train_gpus not in (None, self.gpus) and self.scaling_efficiency is None:
+            raise ValueError(
+                f"learner.t_train_s is for {self.t_train_gpus} GPUs and the learner has {self.gpus}: state "
+                "learner.scaling_efficiency (0 < e <= 1; 1 = linear scaling)"
+            )
+        return self
+
+    @property
+    def t_train(self) -> float:
+        """T_train per update on ``gpus`` GPUs (class docstring)."""
+        measured_on = self.t_train_gpus or self.gpus
+        if measured_on == self.gpus:
+            return self.t_train_s
+        r, e = self.gpus / measured_on, self.scaling_efficiency or 1.0
+        return self.t_train_s / (r * e if r > 1 else r / e)
 
 
 class NetworkSpec(_Model):

@@ -52,7 +52,7 @@ def t_bcast_estimates(sc: PlanScenario, n: int) -> dict[str, float] | None:
 
 def _choose(sc: PlanScenario, kappa: int, t_bcast: float) -> tuple[float, Activation]:
     mu_min = capacity.mu_min(
-        kappa=kappa, t_train=sc.learner.t_train_s, t_bcast=t_bcast, rollouts=sc.batch.rollouts
+        kappa=kappa, t_train=sc.learner.t_train, t_bcast=t_bcast, rollouts=sc.batch.rollouts
     )
     target = capacity.mu_target(mu_min, sc.staleness.gamma)
     cands = expand_catalog((w.name, w.usd_per_hour, w.rollouts_per_s, w.count) for w in sc.workers)
@@ -62,7 +62,7 @@ def _choose(sc: PlanScenario, kappa: int, t_bcast: float) -> tuple[float, Activa
 def make_plan(sc: PlanScenario) -> dict[str, Any]:
     """The full plan as a JSON-ready dict (keys documented in docs/planner.md)."""
     kappa = sc.staleness.effective_kappa
-    t_train = sc.learner.t_train_s
+    t_train = sc.learner.t_train  # on the learner's gpus (a stated scaling from where it was measured)
     r = sc.batch.rollouts
     if sc.network.t_bcast_s is not None:
         t_bcast, source = sc.network.t_bcast_s, "config (network.t_bcast_s)"
@@ -118,6 +118,13 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
         "patch_ratio": sc.model.patch_ratio if sc.model else None,
         "rollouts_per_step": r,
         "t_train_s": t_train,
+        "learner_gpus": sc.learner.gpus,
+        "t_train_source": (
+            f"stated scaling from {sc.learner.t_train_s:g} s on {sc.learner.t_train_gpus} GPUs "
+            f"(efficiency {sc.learner.scaling_efficiency:g})"
+            if sc.learner.t_train_gpus not in (None, sc.learner.gpus)
+            else f"learner.t_train_s on {sc.learner.gpus} GPUs"
+        ),
         "staleness": sc.staleness.S,
         "kappa": kappa,
         "gamma": sc.staleness.gamma,

@@ -76,7 +76,7 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
     params = SimParams(
         rollouts_per_step=p.batch.rollouts,
         group_size=p.batch.group_size,
-        t_train_s=p.learner.t_train_s,
+        t_train_s=p.learner.t_train,
         staleness=p.staleness.S,
         kappa=plan["kappa"],
         learner_usd_per_hour=p.learner.usd_per_hour or 0.0,

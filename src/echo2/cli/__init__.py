@@ -19,7 +19,7 @@ from echo2.cli.common import Command
 
 
 def _commands() -> dict[str, Command]:
-    from echo2.cli import export, plan, report, run, simulate, train
+    from echo2.cli import export, launch, plan, report, run, simulate, train
 
     return {
         "run": run.RUN,
@@ -32,6 +32,7 @@ def _commands() -> dict[str, Command]:
         "simulate": simulate.SIMULATE,
         "report": report.REPORT,
         "export": export.EXPORT,
+        "launch": launch.LAUNCH,
     }
 
 

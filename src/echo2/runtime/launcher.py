@@ -28,12 +28,12 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "ECHO2_JOIN_TOKEN"
 
 
-def worker_command(join: str, name: str, cfg: Config) -> list[str]:
-    """argv of one local ``echo2 worker`` joining with ``join`` (``https://host:port#sha256=<hex>``:
-    a fingerprint is no secret; the token travels in the environment, not argv)."""
+def worker_command(join: str, name: str, cfg: Config, hardware: str = "local-cpu") -> list[str]:
+    """argv of one ``echo2 worker`` joining with ``join`` (``https://host:port#sha256=<hex>``: a
+    fingerprint is no secret; the token travels in the environment, not argv), labelled ``hardware``."""
     rt = cfg.runtime
     cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", join, "--name", name]
-    cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", "local-cpu", "--engine", rt.engine]
+    cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", hardware, "--engine", rt.engine]
     cmd += ["--engine-dtype", rt.engine_dtype, "--engine-memory", str(rt.engine_memory)]  # hf ignores them
     cmd += ["--engine-device", rt.engine_device]
     if rt.engine_batch_tokens:

@@ -1,0 +1,45 @@
+"""`echo2 launch ray` without a cluster: the command line it gives the learner, the one line a machine
+without the [ray] extra gets, and that nothing else in echo2 imports Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from echo2.cli.launch import learner_arguments
+
+
+def test_the_learner_gets_the_config_arguments_and_not_the_launchers():
+    argv = ["launch", "ray", "--address", "10.0.0.1:6379", "--workers=4", "--steps", "40", "--set", "a.b=1",
+            "--run-dir", "runs/x", "--resume", "--max-restarts", "2", "--config", "my.toml"]  # fmt: skip
+    assert learner_arguments(argv) == ["--steps", "40", "--set", "a.b=1", "--config", "my.toml"]
+
+
+def test_without_the_ray_extra_one_line_names_it(monkeypatch, capsys):
+    from echo2.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an install without the extra sees
+    assert main(["launch", "ray", "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["echo2 launch: error: echo2 launch ray needs Ray: pip install 'echo2[ray]'"]
+
+
+@pytest.mark.parametrize("flags", [["--workers", "-1"], ["--max-restarts", "-2"]])
+def test_bad_counts_are_named(flags, capsys):
+    from echo2.cli import main
+
+    pytest.importorskip("ray")
+    assert main(["launch", "ray", *flags]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_nothing_but_the_launcher_imports_ray():
+    code = (
+        "import sys, echo2.cli, echo2.runtime.learner, echo2.runtime.launcher, echo2.runtime.core\n"
+        "from echo2.cli import build_parser; build_parser()\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -13,6 +14,7 @@ from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.strategy import Strategy
 from echo2.broadcast.wire import encode, read_header, write_frame
 from echo2.broadcast.worker import TcpWorkerNode
+from echo2.errors import Echo2Error
 from echo2.physics.rules import DEFAULT_GAMMA
 from echo2.weights.manifest import blob_ok, new_signing_key, synthetic_snapshot
 from echo2_bench.faults import Faults, FaultTap
@@ -358,5 +360,55 @@ def test_a_stalling_relay_costs_the_honest_workers_one_deadline_once() -> None:
         assert staller.counters.acked == 4 and staller.counters.pulls_held == 3
         await staller.close()
         await _shutdown(pub, nodes)
+
+    asyncio.run(go())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _forwarder(listen: int, target: int) -> tuple[asyncio.Server, list[int]]:
+    """A router's port forwarding: connections to ``listen`` are piped to ``target`` (counted)."""
+    seen: list[int] = []
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await r.read(1 << 16):
+                w.write(data)
+                await w.drain()
+        w.close()
+
+    async def on(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        seen.append(1)
+        tr, tw = await asyncio.open_connection("127.0.0.1", target)
+        await asyncio.gather(pipe(r, tw), pipe(tr, w))
+
+    return await asyncio.start_server(on, "127.0.0.1", listen), seen
+
+
+def test_a_relay_behind_port_forwarding_serves_its_peers() -> None:
+    """A worker whose chunk server binds a fixed port (``--relay-port``) behind a router that forwards
+    another (``--advertise-port``): it joins with the forwarded port, its peers pull through the router,
+    and every worker installs the exact blob. A fixed port already taken is refused in one line."""
+
+    async def go() -> None:
+        bound, forwarded = _free_port(), _free_port()
+        router, pulls = await _forwarder(forwarded, bound)
+        behind = {"port": bound, "advertise_port": forwarded}
+        pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 3, node_kw={0: behind})
+        assert nodes[0].port == bound
+        await _broadcast(pub, nodes, got)
+        assert got == {f"w{i}": BLOB for i in range(3)}
+        assert pulls, "no peer pulled through the forwarded port"
+        taken = TcpWorkerNode("late", pub.address, PUBLIC, port=bound)  # the fixed port is in use
+        with pytest.raises(Echo2Error, match=f"cannot serve chunks on 127.0.0.1:{bound}"):
+            await taken.start(join_timeout=2)
+        await _shutdown(pub, nodes)
+        router.close()
 
     asyncio.run(go())

@@ -1,5 +1,6 @@
-"""`echo2 launch ray` without a cluster: the command line it gives the learner, the one line a machine
-without the [ray] extra gets, and that nothing else in echo2 imports Ray."""
+"""How processes are launched, without a cluster: the command line `echo2 launch ray` gives the
+learner, the one line a machine without the [ray] extra gets, that nothing else in echo2 imports Ray;
+and the ports `echo2 worker` is told to serve chunks on."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from echo2.cli.launch import learner_arguments
 
 def test_the_learner_gets_the_config_arguments_and_not_the_launchers():
     argv = ["launch", "ray", "--address", "10.0.0.1:6379", "--workers=4", "--steps", "40", "--set", "a.b=1",
-            "--run-dir", "runs/x", "--resume", "--max-restarts", "2", "--config", "my.toml"]  # fmt: skip
+            "--run-dir", "runs/x", "--resume", "--max-restarts", "2", "--config", "my.toml",
+            "--learner-ranks", "2"]  # fmt: skip
     assert learner_arguments(argv) == ["--steps", "40", "--set", "a.b=1", "--config", "my.toml"]
 
 
@@ -35,6 +37,14 @@ def test_bad_counts_are_named(flags, capsys):
     assert "must be >= 0" in capsys.readouterr().err
 
 
+def test_zero_learner_ranks_are_named(capsys):
+    from echo2.cli import main
+
+    pytest.importorskip("ray")
+    assert main(["launch", "ray", "--learner-ranks", "0"]) == 2
+    assert "ranks >= 1" in capsys.readouterr().err
+
+
 def test_nothing_but_the_launcher_imports_ray():
     code = (
         "import sys, echo2.cli, echo2.runtime.learner, echo2.runtime.launcher, echo2.runtime.core\n"
@@ -43,3 +53,18 @@ def test_nothing_but_the_launcher_imports_ray():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--relay-port", "70000"], "--relay-port 70000: not a TCP port"),
+        (["--relay-port", "-1"], "--relay-port -1: not a TCP port"),
+        (["--advertise-port", "0"], "--advertise-port 0: not a TCP port"),
+    ],
+)
+def test_a_worker_with_a_port_that_is_no_port_is_refused(flags, says, capsys):
+    from echo2.cli import main
+
+    assert main(["worker", "--join", "http://127.0.0.1:9", "--token", "t", *flags]) == 2
+    assert says in capsys.readouterr().err

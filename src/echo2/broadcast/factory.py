@@ -56,12 +56,23 @@ def open_receiver(
     host: str = "127.0.0.1",
     advertise_host: str | None = None,
     pin: str | None = None,
+    port: int = 0,
+    advertise_port: int | None = None,
 ) -> SnapshotReceiver:
     """A worker's end: joins ``publisher`` (call ``await start(join_timeout)``), yields verified
-    snapshots and, over TCP, relays chunks to peers from ``host`` (``advertise_host`` is what they dial);
+    snapshots and, over TCP, relays chunks to peers from ``host:port`` (port 0: any free one;
+    ``advertise_host:advertise_port`` is what they dial, for a relay behind NAT port forwarding);
     ``pin`` (the learner certificate's fingerprint) puts every connection under TLS."""
     if isinstance(publisher, InMemoryHub):
         return publisher.receiver(worker_id)
     return TcpWorkerNode(
-        worker_id, publisher, key, host=host, advertise_host=advertise_host, credential=credential, pin=pin
+        worker_id,
+        publisher,
+        key,
+        host=host,
+        port=port,
+        advertise_host=advertise_host,
+        advertise_port=advertise_port,
+        credential=credential,
+        pin=pin,
     )

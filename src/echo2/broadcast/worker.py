@@ -160,6 +160,7 @@ class TcpWorkerNode:
         port: int = 0,
         advertise_host: str | None = None,
         uplink: Pacer | None = None,
+        advertise_port: int | None = None,
         downlink: Pacer | None = None,
         stall_timeout: float = 5.0,
         serve_wait_timeout: float = 60.0,
@@ -174,8 +175,9 @@ class TcpWorkerNode:
         self.pin = pin  # SHA-256 fingerprint of the learner's certificate: TLS everywhere (None = plain)
         self.publisher = publisher
         self.key = as_key(key)  # the learner's public key (or the shared HMAC secret)
-        self.host, self.port = host, port
-        self.advertise_host = advertise_host or host
+        self.host, self.port = host, port  # where the chunk server binds (port 0: any free one)
+        self.advertise_host = advertise_host or host  # what peers dial (behind NAT: the router's)
+        self.advertise_port = advertise_port  # what peers dial, when not the bound port (NAT forwarding)
         self.uplink, self.downlink = uplink, downlink  # application pacing (loopback harness only)
         self.stall_timeout = stall_timeout  # seconds without a frame before a source counts as stalled
         self.serve_wait_timeout = serve_wait_timeout
@@ -208,9 +210,13 @@ class TcpWorkerNode:
         tls: dict[str, Any] = {} if self.tls is None else {
             "ssl": self.tls.server_context(), "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S,
         }  # fmt: skip
-        self._server = await asyncio.start_server(
-            self._on_connect, self.host, self.port, limit=1 << 22, **tls
-        )
+        try:
+            self._server = await asyncio.start_server(
+                self._on_connect, self.host, self.port, limit=1 << 22, **tls
+            )
+        except OSError as exc:
+            why = exc.strerror or exc
+            raise Echo2Error(f"cannot serve chunks on {self.host}:{self.port}: {why}") from None
         self.port = self._server.sockets[0].getsockname()[1]
         deadline = time.monotonic() + join_timeout
         while True:  # the learner may still be starting: retry until the deadline (a wrong pin: never)
@@ -226,16 +232,18 @@ class TcpWorkerNode:
                 await asyncio.sleep(0.2)
         self._ctl = (reader, writer)
         hello = JoinFrame(
-            worker=self.worker_id, host=self.advertise_host, port=self.port,
+            worker=self.worker_id, host=self.advertise_host, port=self.advertise_port or self.port,
             cert=self.tls.fingerprint if self.tls is not None else "", credential=self.credential,
         )  # fmt: skip
         await write_frame(writer, to_wire(hello))
         self._ctl_task = asyncio.ensure_future(self._control_loop())
         log.info(
-            "worker %s serving on %s:%d, joined %s:%d",
+            "worker %s serving on %s:%d (peers dial %s:%d), joined %s:%d",
             self.worker_id,
-            self.advertise_host,
+            self.host,
             self.port,
+            self.advertise_host,
+            self.advertise_port or self.port,
             *self.publisher,
         )
 

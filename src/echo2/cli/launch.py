@@ -12,7 +12,8 @@ from echo2.cli.common import Command, add_budget_arguments, add_config_arguments
 # the launcher's own flags (with a value each); everything else on the command line is the learner's
 # (and --run-dir: the launcher gives the learner the run directory as an absolute path)
 _LAUNCH_FLAGS = ("--address", "--workers", "--worker-cpus", "--worker-gpus", "--learner-cpus",
-                 "--learner-gpus", "--max-restarts", "--hardware", "--run-dir")  # fmt: skip
+                 "--learner-gpus", "--learner-ranks", "--max-restarts", "--hardware",
+                 "--run-dir")  # fmt: skip
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,8 +25,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=2, help="rollout workers to place (default 2)")
     g.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs per worker (default 1)")
     g.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs per worker (default 0)")
-    g.add_argument("--learner-cpus", type=float, default=1.0, help="CPUs of the learner (default 1)")
-    g.add_argument("--learner-gpus", type=float, default=0.0, help="GPUs of the learner (default 0)")
+    g.add_argument("--learner-cpus", type=float, default=1.0, help="CPUs per learner rank (default 1)")
+    g.add_argument("--learner-gpus", type=float, default=0.0, help="GPUs per learner rank (default 0)")
+    g.add_argument("--learner-ranks", type=int, default=1, help="a learner sharded over K ranks on one node")
     g.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
     g.add_argument("--hardware", default="ray", help="the workers' hardware label (default ray)")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
@@ -53,8 +55,11 @@ def _run(args: argparse.Namespace) -> int:
     from echo2.runtime.ray_launch import RayLaunch, RayOptions, require_ray
 
     require_ray()  # a missing extra fails here, in one line
-    if args.workers < 0 or args.max_restarts < 0:
-        raise ConfigError(f"--workers {args.workers} --max-restarts {args.max_restarts}: must be >= 0")
+    if args.workers < 0 or args.max_restarts < 0 or args.learner_ranks < 1:
+        raise ConfigError(
+            f"--workers {args.workers} --max-restarts {args.max_restarts} --learner-ranks "
+            f"{args.learner_ranks}: workers and restarts must be >= 0, ranks >= 1"
+        )
     cfg = load_from_args(args)
     opts = RayOptions(
         address=args.address,
@@ -63,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         worker_gpus=args.worker_gpus,
         learner_cpus=args.learner_cpus,
         learner_gpus=args.learner_gpus,
+        learner_ranks=args.learner_ranks,
         max_restarts=args.max_restarts,
         hardware=args.hardware,
         resume=args.resume,

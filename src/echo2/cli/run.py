@@ -180,6 +180,14 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts-per-s", type=float, help="own throughput estimate (the controller's prior)")
     p.add_argument("--max-rollouts-per-s", type=float, help="throttle to emulate slower hardware")
     p.add_argument("--advertise-host", help="address peers reach this worker's chunk server at")
+    p.add_argument(
+        "--relay-port", type=int, default=0, help="port of this worker's chunk server (default: any free one)"
+    )
+    p.add_argument(
+        "--advertise-port",
+        type=int,
+        help="port peers dial, when a router forwards it to --relay-port (NAT); default: --relay-port",
+    )
     p.add_argument("--engine", default="hf", help="rollout engine: hf (default) or vllm (docs/engines.md)")
     p.add_argument(  # literals: the parser imports nothing heavy (config.FloatDtype, EngineOptions)
         "--engine-dtype",
@@ -225,6 +233,10 @@ def _worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"--engine-memory {args.engine_memory}: must be in (0, 1]")
     if not re.match(DEVICE_PATTERN, args.engine_device):
         raise ConfigError(f"--engine-device {args.engine_device!r}: choose auto, cpu, cuda or cuda:N")
+    if not 0 <= args.relay_port <= 65535:
+        raise ConfigError(f"--relay-port {args.relay_port}: not a TCP port (1-65535, or 0: any free one)")
+    if args.advertise_port is not None and not 1 <= args.advertise_port <= 65535:
+        raise ConfigError(f"--advertise-port {args.advertise_port}: not a TCP port (1-65535)")
     if args.engine_batch_tokens is not None and args.engine_batch_tokens < 16:
         raise ConfigError(f"--engine-batch-tokens {args.engine_batch_tokens}: must be >= 16")
     require_engine(args.engine)  # a missing or broken engine package fails here, before registering
@@ -243,6 +255,8 @@ def _worker(args: argparse.Namespace) -> int:
         rollouts_per_s=args.rollouts_per_s,
         max_rollouts_per_s=args.max_rollouts_per_s,
         advertise_host=args.advertise_host,
+        relay_port=args.relay_port,
+        advertise_port=args.advertise_port,
         engine=args.engine,
         engine_options=EngineOptions(
             dtype=args.engine_dtype,

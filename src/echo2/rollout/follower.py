@@ -84,6 +84,8 @@ class WeightFollower:
         finished: Callable[[], bool],
         host: str = "127.0.0.1",
         advertise_host: str | None = None,
+        port: int = 0,
+        advertise_port: int | None = None,
         reconnect_s: float = 120.0,
         catchup_s: float = 3.0,
         on_install: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
@@ -96,6 +98,7 @@ class WeightFollower:
         self.counters = counters
         self.finished = finished  # the worker is stopping: stop re-joining and waiting
         self.host, self.advertise_host = host, advertise_host  # where its chunk server binds, what peers dial
+        self.port, self.advertise_port = port, advertise_port  # the same for ports (0: any free one)
         self.reconnect_s = reconnect_s  # give up a join after this long (and try again)
         self.catchup_s = catchup_s  # wait this long for the broadcast before fetching over HTTP
         self.on_install = on_install  # told each installed version's weights (a self-play pool)
@@ -212,6 +215,8 @@ class WeightFollower:
                 credential=self.client.credential,
                 host=self.host,
                 advertise_host=self.advertise_host,
+                port=self.port,
+                advertise_port=self.advertise_port,
                 pin=self.client.pin,  # the learner's certificate: the broadcast presents the API's
             )
             try:

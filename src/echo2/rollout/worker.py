@@ -70,6 +70,8 @@ class WorkerOptions:
     rollouts_per_s: float | None = None  # own throughput estimate (the controller's prior)
     max_rollouts_per_s: float | None = None  # throttle, to emulate slower hardware
     advertise_host: str | None = None  # address peers reach this worker's chunk server at
+    relay_port: int = 0  # the port its chunk server binds (0: any free one)
+    advertise_port: int | None = None  # the port peers dial, when not relay_port (NAT port forwarding)
     engine: EngineName = "hf"  # rollout engine (rollout/engines registry)
     engine_options: EngineOptions = field(default_factory=EngineOptions)  # max_context: the learner's
     reconnect_s: float = 120.0  # give up when the learner is unreachable this long
@@ -168,6 +170,7 @@ class RolloutWorker:
             torch.set_num_threads(st.threads)
         torch.manual_seed(st.seed)
         host, advertise_host = _local_address(reg.broadcast[0], self.opts.advertise_host)
+        _can_bind(host, self.opts.relay_port)
         skeleton = await self.client.model()
         with tempfile.TemporaryDirectory(prefix="echo2-skeleton-") as tmp:
             write_skeleton(skeleton.files, Path(tmp))
@@ -196,6 +199,8 @@ class RolloutWorker:
             finished=lambda: self.finished,
             host=host,
             advertise_host=advertise_host,
+            port=self.opts.relay_port,
+            advertise_port=self.opts.advertise_port,
             reconnect_s=self.opts.reconnect_s,
             catchup_s=self.opts.catchup_s,
             on_install=self.selfplay.offer if self.selfplay is not None else None,
@@ -432,6 +437,20 @@ def _local_address(learner_host: str, advertise: str | None) -> tuple[str, str]:
         return advertise, advertise
     except OSError:
         return route, advertise
+
+
+def _can_bind(host: str, port: int) -> None:
+    """A fixed relay port (``--relay-port``) this machine cannot listen on is refused at the start, in
+    one line, instead of failing every broadcast join later."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            why = exc.strerror or exc
+            raise Echo2Error(f"--relay-port {port}: cannot listen on {host}:{port}: {why}") from None
 
 
 def _eos_ids(ids: list[int], tokenizer: Any) -> tuple[int, ...]:

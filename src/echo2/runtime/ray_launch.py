@@ -80,6 +80,18 @@ class Proc:
     def poll(self) -> int | None:
         return self.child.poll()
 
+    def runs(self, pid: int) -> bool:
+        """Whether ``pid`` is this actor's command or one of its descendants (a sharded learner's rank 0
+        is a child of the torchrun agent the command became)."""
+        while pid > 1:
+            if pid == self.child.pid:
+                return True
+            try:
+                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return False
+        return False
+
     def read(self, path: str, offset: int = 0, lines: bool = True) -> tuple[str, int] | None:
         """Text of ``path`` on this actor's node from byte ``offset`` (whole lines only, unless
         ``lines`` is false), and the offset after it; None when the file is not there yet."""
@@ -113,8 +125,9 @@ class RayOptions:
     workers: int = 2
     worker_cpus: float = 1.0
     worker_gpus: float = 0.0
-    learner_cpus: float = 1.0
-    learner_gpus: float = 0.0
+    learner_cpus: float = 1.0  # per rank
+    learner_gpus: float = 0.0  # per rank
+    learner_ranks: int = 1  # > 1: `echo2 learner --nproc-per-node K` on one node, K x the resources
     max_restarts: int = 3
     hardware: str = "ray"
     resume: bool = False
@@ -169,8 +182,11 @@ class RayLaunch:
         argv = [sys.executable, "-m", "echo2.cli", "learner", *self.opts.learner_args]
         argv += ["--set", f"train.run_dir={json.dumps(str(self.run_dir))}", "--set", "runtime.host={node}"]
         argv += ["--no-progress"] + (["--resume"] if self.opts.resume else [])
+        k = self.opts.learner_ranks
+        if k > 1:  # one actor holds the K ranks' resources on one node; torchrun starts the ranks in it
+            argv += ["--nproc-per-node", str(k)]
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        remote = self._remote(self.opts.learner_cpus, self.opts.learner_gpus, 0)
+        remote = self._remote(k * self.opts.learner_cpus, k * self.opts.learner_gpus, 0)
         self.learner = remote.remote(argv, str(self.run_dir / "learner.log"), {}, os.getcwd())
         self._note("learner", self.ray.get(self.learner.where.remote()))
 
@@ -182,8 +198,10 @@ class RayLaunch:
             if self.ray.get(self.learner.poll.remote()) is not None:
                 raise Echo2Error(f"the learner exited before it was ready; see {self.run_dir}/learner.log")
             got = self.ray.get(self.learner.read.remote(str(info), 0, False))
-            # written atomically once the API is up; an earlier run's (--resume) names another pid
-            if got and got[0].strip() and json.loads(got[0]).get("pid") == self.seen["learner"]["pid"]:
+            # written atomically once the API is up, by the command (or its rank 0); an earlier run's
+            # (--resume) names a process that is not ours
+            pid = json.loads(got[0]).get("pid") if got and got[0].strip() else None
+            if pid is not None and self.ray.get(self.learner.runs.remote(int(pid))):
                 join = json.loads(got[0])["join"]
                 token = self.ray.get(self.learner.read.remote(str(self.run_dir / "join_token"), 0, False))
                 return join, token[0].strip() if token else ""

@@ -60,6 +60,8 @@ def main(mode: str, out: Path, batches_file: Path) -> None:
     except ConfigError as exc:
         assert "kl_beta" in str(exc)
     trainer = GRPOTrainer(model, grpo, SAMPLING, policy.pad_id, learner=LEARNER, reference=reference)
+    assert trainer.parts is not None  # the LM head at completion positions only, sharded too
+    assert reference is None or trainer.reference_parts is not None
     if mode == "resume":
         load_full_optimizer(model, trainer.optimizer, torch.load(out / "one" / OPTIM_FILE, weights_only=True))
         batches = batches[-1:]

@@ -172,10 +172,40 @@ class LMParts:
     head: torch.nn.Module
 
 
-def lm_parts(model: Any) -> LMParts | None:
+class _RootHidden(torch.nn.Module):
+    """The decoder of a sharded model (FSDP2, ``learner/sharded.py``) as the whole model's forward with
+    its LM head set aside: the root's forward gathers the embeddings, the final norm and the head's
+    parameters (a tied head's are the embeddings') and keeps them whole until its backward, so the head
+    can then run on the completion positions alone."""
+
+    def __init__(self, model: torch.nn.Module, head: torch.nn.Module) -> None:
+        super().__init__()
+        self._model = [model]  # not a submodule: the model is the caller's
+        self._head = head
+
+    def release(self) -> None:
+        """Shard the root's parameters again (a backward does it; a pass without one must)."""
+        self._model[0].reshard()  # type: ignore[operator]
+
+    def forward(self, **kwargs: Any) -> Any:
+        model = self._model[0]
+        model.set_output_embeddings(torch.nn.Identity())
+        try:
+            hidden = model(**kwargs).logits  # the head's input: the decoder's normed hidden states
+        finally:
+            model.set_output_embeddings(self._head)
+
+        class _Out:
+            last_hidden_state = hidden
+
+        return _Out()
+
+
+def lm_parts(model: Any, through_root: bool = False) -> LMParts | None:
     """The decoder and LM head of ``model`` if its logits are exactly ``head(decoder(...))`` — probed
     once on a few tokens (an architecture that scales or soft-caps its logits fails the probe) — else
-    None (log-probs then come from the model's own forward)."""
+    None (log-probs then come from the model's own forward). ``through_root``: a sharded model's hidden
+    states come from its own forward with the head set aside (``_RootHidden``; every rank probes)."""
     get_decoder = getattr(model, "get_decoder", None)
     get_head = getattr(model, "get_output_embeddings", None)
     if get_decoder is None or get_head is None:
@@ -183,6 +213,10 @@ def lm_parts(model: Any) -> LMParts | None:
     decoder, head = get_decoder(), get_head()
     if decoder is None or head is None or decoder is model:
         return None
+    if through_root:
+        if not hasattr(model, "set_output_embeddings") or not hasattr(model, "reshard"):
+            return None
+        decoder = _RootHidden(model, head)
     param = next(model.parameters())
     vocab = int(getattr(model.config, "vocab_size", 2))
     ids = (torch.arange(6, device=param.device) * 7919 % max(vocab, 1))[None]
@@ -194,6 +228,8 @@ def lm_parts(model: Any) -> LMParts | None:
             mine = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
     finally:
         model.train(was_training)
+    if isinstance(decoder, _RootHidden):
+        decoder.release()
     if full.shape != mine.shape or not torch.allclose(full, mine, rtol=1e-4, atol=1e-5):
         log.warning(
             "%s's logits are not its LM head applied to its hidden states (scaled or soft-capped): "
@@ -244,5 +280,7 @@ def completion_logprobs(
             else:
                 pieces.append(_chunk_logprobs(*args))
         logp_N = torch.cat(pieces) if pieces else h_NH.new_zeros(0, dtype=torch.float32)
+        if isinstance(parts.decoder, _RootHidden) and not h_NH.requires_grad:
+            parts.decoder.release()  # no backward will: the root's gathered parameters go now
     out_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
     return out_BT.index_put((b_N, j_N), logp_N.float())

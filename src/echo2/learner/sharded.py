@@ -147,6 +147,15 @@ def frozen_reference(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
     return reference
 
 
+def settle(model: torch.nn.Module) -> None:
+    """Every parameter of a sharded model back in its sharded form (the root keeps what its forward
+    gathered until a backward; a forward without one, an evaluation, leaves it gathered): what the
+    optimizer and the state-dict functions expect. Nothing for a model that is not sharded."""
+    reshard = getattr(model, "reshard", None)
+    if callable(reshard) and is_sharded(model):
+        reshard()
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -161,6 +170,7 @@ def full_weights(model: torch.nn.Module, dtype: str = "bfloat16") -> dict[str, t
 
     from echo2.weights.delta import _publish_dtypes
 
+    settle(model)
     target = _publish_dtypes()[dtype]
     rank0 = dist.get_rank() == 0
     seen: set[int] = set()
@@ -188,6 +198,7 @@ def save_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    settle(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=_unsharded())
 
@@ -208,6 +219,7 @@ def load_states(
 
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a sharded checkpoint: its DCP .metadata is missing")
+    settle(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the optimizer's state initialised (zeros)
     state = {"model": model_sd, "optim": optim_sd}
     try:
@@ -229,6 +241,7 @@ def load_model_states(path: Path, model: torch.nn.Module) -> None:
 
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a sharded checkpoint: its DCP .metadata is missing")
+    settle(model)
     weights = {"model": get_model_state_dict(model)}
     try:
         dcp.load(weights, checkpoint_id=str(path), no_dist=_unsharded())

@@ -136,9 +136,13 @@ class GRPOTrainer:
         self.rank, self.world = _ranks(model)
         if self.learner.activation_checkpointing:
             _enable_activation_checkpointing(model)
-        # the LM head at completion positions only (learner/logprobs.py); a sharded model runs its whole
-        # forward instead (its root parameters are gathered by that forward, not by its parts)
-        self.parts = lm_parts(model) if self.world == 1 else None
+        # the LM head at completion positions only (learner/logprobs.py); a sharded model's hidden states
+        # come from its own forward with the head set aside (its root gathers the head's parameters)
+        self.parts = lm_parts(model, through_root=self.world > 1)
+        if self.world > 1:  # the optimizer over the sharded parameters, whatever a forward gathered
+            from echo2.learner.sharded import settle
+
+            settle(model)
         self.optimizer = torch.optim.AdamW(
             (p for p in model.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
@@ -146,7 +150,7 @@ class GRPOTrainer:
         self.reference_parts: LMParts | None = None
         if cfg.kl_beta > 0 and reference is not None:  # the caller's (a sharded learner's, sharded)
             self.reference = reference
-            self.reference_parts = lm_parts(reference) if self.world == 1 else None
+            self.reference_parts = lm_parts(reference, through_root=self.world > 1)
         elif cfg.kl_beta > 0 and self.world > 1:
             raise ConfigError(
                 "grpo.kl_beta > 0 on a sharded model needs its KL reference sharded the same way "

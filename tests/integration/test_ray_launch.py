@@ -82,9 +82,10 @@ def test_launch_ray_places_restarts_and_stops(cluster, tiny_overrides, tmp_path)
     log = tmp_path / "launch.log"
     launcher = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        wait_for(lambda: last_step(run_dir) >= 10, 240, "step 10")
+        wait_for(lambda: last_step(run_dir) >= 10 or launcher.poll() is not None, 240, "step 10")
+        assert launcher.poll() is None, log.read_text()[-3000:]
         actors = json.loads((run_dir / "ray_actors.json").read_text())
-        assert set(actors) == {"learner", "ray-0", "ray-1"}
+        assert set(actors) == {"learner", "learner-rank1", "ray-0", "ray-1"}  # the ranks: a placement group
         first = actors["ray-1"]
         os.kill(first["actor_pid"], signal.SIGKILL)  # the actor dies: Ray restarts it, its worker rejoins
         wait_for(lambda: json.loads((run_dir / "ray_actors.json").read_text())["ray-1"]["restarts"] == 1,

@@ -23,6 +23,7 @@ whose logits are ``[b, L, V]`` per micro-batch.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -191,7 +192,9 @@ class _RootHidden(torch.nn.Module):
         model = self._model[0]
         model.set_output_embeddings(torch.nn.Identity())
         try:
-            hidden = model(**kwargs).logits  # the head's input: the decoder's normed hidden states
+            with warnings.catch_warnings():  # the output is a view of the hidden states; nothing here
+                warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # writes to it
+                hidden = model(**kwargs).logits  # the head's input: the decoder's normed hidden states
         finally:
             model.set_output_embeddings(self._head)
 

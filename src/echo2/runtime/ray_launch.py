@@ -49,13 +49,20 @@ class Proc:
     child fails on its own the actor exits too, so Ray restarts it (and with it the command) within the
     actor's ``max_restarts``; :meth:`stop` ends the child on purpose and nothing is restarted."""
 
-    def __init__(self, argv: list[str], log_path: str, env: dict[str, str], cwd: str | None = None) -> None:
+    def __init__(
+        self, argv: list[str] | None, log_path: str, env: dict[str, str], cwd: str | None = None
+    ) -> None:
+        self.stopping = False
+        self.child: subprocess.Popen[bytes] | None = None
+        if argv is not None:  # else started by :meth:`start` (a learner rank: once its peers are placed)
+            self.start(argv, log_path, env, cwd)
+
+    def start(self, argv: list[str], log_path: str, env: dict[str, str], cwd: str | None = None) -> None:
         import ray
 
         node = ray.util.get_node_ip_address()
         argv = [a.replace("{node}", node) for a in argv]  # e.g. the learner binds its own node's address
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self.stopping = False
         with open(log_path, "ab") as out:
             self.child = subprocess.Popen(
                 argv,
@@ -67,7 +74,16 @@ class Proc:
             )
         threading.Thread(target=self._watch, daemon=True).start()
 
+    def free_port(self) -> int:
+        """A free TCP port on this actor's node (the learner's rendezvous, on its rank 0's node)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
     def _watch(self) -> None:
+        assert self.child is not None
         code = self.child.wait()
         if code != 0 and not self.stopping:
             os._exit(1)  # the command failed: Ray restarts this actor (and so the command) if it may
@@ -75,15 +91,16 @@ class Proc:
     def where(self) -> dict[str, Any]:
         import ray
 
-        return {"node": ray.util.get_node_ip_address(), "actor_pid": os.getpid(), "pid": self.child.pid}
+        pid = self.child.pid if self.child is not None else None
+        return {"node": ray.util.get_node_ip_address(), "actor_pid": os.getpid(), "pid": pid}
 
     def poll(self) -> int | None:
-        return self.child.poll()
+        return self.child.poll() if self.child is not None else None
 
     def runs(self, pid: int) -> bool:
         """Whether ``pid`` is this actor's command or one of its descendants (a sharded learner's rank 0
         is a child of the torchrun agent the command became)."""
-        while pid > 1:
+        while pid > 1 and self.child is not None:
             if pid == self.child.pid:
                 return True
             try:
@@ -108,6 +125,8 @@ class Proc:
         """SIGTERM to the command (a learner checkpoints and stops; a worker leaves), SIGKILL after
         ``timeout`` seconds; its exit code."""
         self.stopping = True
+        if self.child is None:
+            return None
         if self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
             try:
@@ -127,7 +146,7 @@ class RayOptions:
     worker_gpus: float = 0.0
     learner_cpus: float = 1.0  # per rank
     learner_gpus: float = 0.0  # per rank
-    learner_ranks: int = 1  # > 1: `echo2 learner --nproc-per-node K` on one node, K x the resources
+    learner_ranks: int = 1  # > 1: the learner sharded over K ranks, one actor each (a placement group)
     max_restarts: int = 3
     hardware: str = "ray"
     resume: bool = False
@@ -149,7 +168,8 @@ class RayLaunch:
         self.cfg, self.opts = cfg, opts
         self.ray = require_ray()
         self.run_dir = Path(cfg.train.run_dir).resolve()
-        self.learner: Any = None
+        self.learner: Any = None  # the learner's rank 0 (the node)
+        self.ranks: list[Any] = []  # its other ranks
         self.workers: list[Any] = []
         self.seen: dict[str, dict[str, Any]] = {}  # actor name -> where it runs (pids), restarts
 
@@ -171,24 +191,46 @@ class RayLaunch:
             self.stop()
             ray.shutdown()
 
-    def _remote(self, cpus: float, gpus: float, restarts: int) -> Any:
+    def _remote(self, cpus: float, gpus: float, restarts: int, **placement: Any) -> Any:
         return self.ray.remote(Proc).options(
-            num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0
+            num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0, **placement
         )
 
     def _start_learner(self) -> None:
-        """The learner actor; its command binds its node's address (workers on other nodes dial it) and
-        writes the run directory there."""
+        """The learner: one actor, or one per rank in a placement group of K bundles (packed onto as few
+        nodes as hold them); rank 0's command binds its node's address (workers on other nodes dial it)
+        and writes the run directory there. The ranks find each other as torchrun's would (``RANK``,
+        ``WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT`` on rank 0's node); each rank's GPU is the one
+        Ray gives its actor (``LOCAL_RANK`` 0 of its visible devices)."""
         argv = [sys.executable, "-m", "echo2.cli", "learner", *self.opts.learner_args]
         argv += ["--set", f"train.run_dir={json.dumps(str(self.run_dir))}", "--set", "runtime.host={node}"]
         argv += ["--no-progress"] + (["--resume"] if self.opts.resume else [])
-        k = self.opts.learner_ranks
-        if k > 1:  # one actor holds the K ranks' resources on one node; torchrun starts the ranks in it
-            argv += ["--nproc-per-node", str(k)]
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        remote = self._remote(k * self.opts.learner_cpus, k * self.opts.learner_gpus, 0)
-        self.learner = remote.remote(argv, str(self.run_dir / "learner.log"), {}, os.getcwd())
-        self._note("learner", self.ray.get(self.learner.where.remote()))
+        k, cpus, gpus = self.opts.learner_ranks, self.opts.learner_cpus, self.opts.learner_gpus
+        if k > 1:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+            group = placement_group([bundle] * k, strategy="PACK")
+            self.ray.get(group.ready(), timeout=600)
+            places = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(group, i)} for i in range(k)]
+        else:
+            places = [{}]
+        actors = [self._remote(cpus, gpus, 0, **p).remote(None, os.devnull, {}) for p in places]
+        self.learner, self.ranks = actors[0], actors[1:]
+        first = self.ray.get(self.learner.where.remote())
+        env = {}
+        if k > 1:
+            port = self.ray.get(self.learner.free_port.remote())
+            env = {"WORLD_SIZE": str(k), "MASTER_ADDR": first["node"], "MASTER_PORT": str(port),
+                   "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": f"echo2-ray-{port}"}  # fmt: skip
+        for i, actor in enumerate(actors):
+            log_path = self.run_dir / ("learner.log" if i == 0 else f"learner-rank{i}.log")
+            rank_env = {**env, "RANK": str(i)} if k > 1 else {}
+            actor.start.remote(argv, str(log_path), rank_env, os.getcwd())
+        for i, actor in enumerate(actors):
+            self._note("learner" if i == 0 else f"learner-rank{i}", self.ray.get(actor.where.remote()))
 
     def _wait_for_join(self, timeout: float = 600.0) -> tuple[str, str]:
         """The join string and token the learner wrote (read on its node), once its API is up."""
@@ -259,11 +301,14 @@ class RayLaunch:
         """Stop every actor this launcher started (workers first, then the learner, which checkpoints)."""
         ray = self.ray
         stops = [a.stop.remote(10.0) for a in self.workers]
-        if self.learner is not None:
+        if self.learner is not None:  # rank 0 first: it checkpoints and tells its other ranks to stop
             stops.append(self.learner.stop.remote(STOP_WAIT_S))
         with contextlib.suppress(Exception):
             ray.wait(stops, num_returns=len(stops), timeout=STOP_WAIT_S + 10)
-        for actor in [*self.workers, *([self.learner] if self.learner is not None else [])]:
+        rest = [a.stop.remote(10.0) for a in self.ranks]  # gone by now, unless rank 0 died first
+        with contextlib.suppress(Exception):
+            ray.wait(rest, num_returns=len(rest), timeout=20)
+        for actor in [*self.workers, *self.ranks, *([self.learner] if self.learner is not None else [])]:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        self.workers, self.learner = [], None
+        self.workers, self.ranks, self.learner = [], [], None

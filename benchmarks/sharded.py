@@ -132,6 +132,7 @@ def rank_main(shape_name: str, steps: int, device: str, out: Path) -> None:
     if sharded:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
+        dist.barrier()  # every rank done talking before any tears its connections down
         dist.destroy_process_group()
     if rank == 0:
         out.write_text(json.dumps({"world": world, "ranks": everyone}))

@@ -82,6 +82,7 @@ def main(mode: str, out: Path, batches_file: Path) -> None:
         (out / f"{mode}_rank0.json").write_text(
             json.dumps({"stats": stats, "digest": weights_digest(bf16), "world": dist.get_world_size()})
         )
+    dist.barrier()  # every rank done talking before any tears its connections down
     dist.destroy_process_group()
 
 

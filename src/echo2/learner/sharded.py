@@ -112,7 +112,10 @@ class Ranks:
             self.announce("noop")
 
     def close(self) -> None:
+        """The process group ends on every rank together (a rank tearing its connections down while
+        another still talks to it can abort the other's process)."""
         if self.sharded and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 

@@ -165,8 +165,7 @@ class WeightFollower:
             return
         if not links:
             return
-        if await asyncio.to_thread(self._install, links):
-            self.counters.http_installs += 1
+        if await asyncio.to_thread(self._install, links, True):
             log.info("installed v%d over HTTP (%d links)", self.installed, len(links))
 
     async def forget(self) -> None:
@@ -178,9 +177,10 @@ class WeightFollower:
             self._received.clear()
         await self.fetch()
 
-    def _install(self, links: Sequence[tuple[Manifest, Blob]]) -> bool:
+    def _install(self, links: Sequence[tuple[Manifest, Blob]], over_http: bool = False) -> bool:
         """Stage ``links`` on a copy of the weights, load the result between two generations, swap it
-        in (any thread). A link that does not fit leaves the old version serving."""
+        in (any thread). A link that does not fit leaves the old version serving. The counters move
+        before the new version shows (``installed``), so a reader that sees it sees them."""
         with self._stage_lock:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
@@ -193,13 +193,14 @@ class WeightFollower:
                 self.counters.install_failures += 1
                 log.warning("install refused; v%d keeps serving: %s", self.installed, exc)
                 return False
-            self.chain.commit(staged)
             if self.on_install is not None:
                 self.on_install(staged.version, staged.tensors)
             self.counters.installs += 1
+            self.counters.http_installs += int(over_http)
             self.counters.last_install_s = time.perf_counter() - t0
             self.counters.install_s += self.counters.last_install_s
             self.counters.install_cpu_s += time.thread_time() - cpu0
+            self.chain.commit(staged)
             return True
 
     # ---- the broadcast plane ---------------------------------------------------------------------------

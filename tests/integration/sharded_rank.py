@@ -24,14 +24,13 @@ from conftest import _tiny_policy
 from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
 from echo2.errors import ConfigError
 from echo2.learner.sharded import (
-    frozen_reference,
     full_weights,
     load_full_optimizer,
     save_states,
     shard,
     write_shell,
 )
-from echo2.learner.trainer import GRPOTrainer
+from echo2.learner.trainer import GRPOTrainer, frozen_reference
 from echo2.models.policy import DCP_DIR, load_checkpoint
 from echo2.observe.rundir import OPTIM_FILE
 from echo2.types import Trajectory

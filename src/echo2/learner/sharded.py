@@ -29,8 +29,8 @@ the other ranks wait for the announcement and do the same (``runtime/core.py``: 
 collective runs under a stated timeout (``learner.collective_timeout_s``); while rank 0 waits for
 workers it announces nothing, so it sends an empty announcement every quarter of that timeout.
 
-The KL reference (``grpo.kl_beta > 0``) is a frozen copy sharded the same way
-(:func:`frozen_reference`); resumed from a sharded checkpoint it takes that checkpoint's weights
+The KL reference (``grpo.kl_beta > 0``) is a frozen copy (``trainer.frozen_reference``) sharded the
+same way; resumed from a sharded checkpoint it takes that checkpoint's weights
 (:func:`load_states`), as a one-process learner's reference is the weights it loaded.
 """
 
@@ -137,19 +137,6 @@ def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return model
 
 
-def frozen_reference(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
-    """The KL reference of a model about to be sharded: a frozen copy (in bf16 when the update computes
-    in bf16 anyway), to be sharded the same way (:func:`shard`) and given to ``GRPOTrainer``; every rank
-    then computes its reference log-probs in step with its policy's."""
-    import copy
-
-    reference = copy.deepcopy(model).eval()
-    if mixed:
-        reference.to(torch.bfloat16)
-    reference.requires_grad_(False)
-    return reference
-
-
 def settle(model: torch.nn.Module) -> None:
     """Every parameter of a sharded model back in its sharded form (the root keeps what its forward
     gathered until a backward; a forward without one, an evaluation, leaves it gathered): what the
@@ -215,20 +202,11 @@ def load_states(
     """The states :func:`save_states` wrote at any world size, into ``model`` and ``optimizer`` as this
     process holds them (sharded over this world, or whole), and the model's weights into ``reference``
     (a frozen KL reference, in its own dtype) when given; every rank calls it."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from echo2.errors import CheckpointError
-
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a sharded checkpoint: its DCP .metadata is missing")
     settle(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the optimizer's state initialised (zeros)
-    state = {"model": model_sd, "optim": optim_sd}
-    try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=_unsharded())
-    except Exception as exc:  # DCP raises its own types (CheckpointException); name the checkpoint
-        raise CheckpointError(f"cannot load the sharded checkpoint {path}: {exc}") from exc
+    state = _read(path, {"model": model_sd, "optim": optim_sd})
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if reference is not None:
         load_model_states(path, reference)
@@ -237,20 +215,26 @@ def load_states(
 def load_model_states(path: Path, model: torch.nn.Module) -> None:
     """Only the model's weights of a checkpoint :func:`save_states` wrote, into ``model`` in its own
     dtype (a KL reference; a model to export as a plain HF checkpoint); every rank calls it."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    settle(model)
+    set_model_state_dict(model, _read(path, {"model": get_model_state_dict(model)})["model"])
+
+
+def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (state dicts shaped as this process holds them) filled in place from the DCP checkpoint
+    at ``path``; CheckpointError naming the checkpoint when it is none or does not fit."""
+    import torch.distributed.checkpoint as dcp
 
     from echo2.errors import CheckpointError
 
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a sharded checkpoint: its DCP .metadata is missing")
-    settle(model)
-    weights = {"model": get_model_state_dict(model)}
     try:
-        dcp.load(weights, checkpoint_id=str(path), no_dist=_unsharded())
+        dcp.load(state, checkpoint_id=str(path), no_dist=_unsharded())
     except Exception as exc:  # DCP raises its own types (CheckpointException); name the checkpoint
         raise CheckpointError(f"cannot load the sharded checkpoint {path}: {exc}") from exc
-    set_model_state_dict(model, weights["model"])
+    return state
 
 
 def write_shell(path: Path, policy: Any) -> None:

@@ -105,8 +105,8 @@ class GRPOTrainer:
     bf16 autocast (fp32 master weights, gradients and AdamW states either way), in micro-batches of at
     most ``micro_batch_tokens`` padded tokens whose gradients accumulate into one optimizer step per
     minibatch, with log-probs taken ``logprob_chunk`` completion positions at a time. ``reference``: the
-    frozen KL reference when the caller builds it (a sharded model's, sharded the same way:
-    ``sharded.frozen_reference``); else a copy of ``model`` is made here.
+    frozen KL reference when the caller builds it (a sharded model's: :func:`frozen_reference`, sharded
+    the same way); else that copy of ``model`` is made here.
     """
 
     def __init__(
@@ -148,21 +148,14 @@ class GRPOTrainer:
         )
         self.reference: torch.nn.Module | None = None
         self.reference_parts: LMParts | None = None
-        if cfg.kl_beta > 0 and reference is not None:  # the caller's (a sharded learner's, sharded)
-            self.reference = reference
-            self.reference_parts = lm_parts(reference, through_root=self.world > 1)
-        elif cfg.kl_beta > 0 and self.world > 1:
+        if cfg.kl_beta > 0 and reference is None and self.world > 1:
             raise ConfigError(
                 "grpo.kl_beta > 0 on a sharded model needs its KL reference sharded the same way "
-                "(learner/sharded.py: frozen_reference)"
+                "(trainer.frozen_reference, then sharded.shard)"
             )
-        elif cfg.kl_beta > 0:  # frozen; in bf16 when the update computes in bf16 anyway (2 bytes a parameter)
-            self.reference = copy.deepcopy(model).eval()
-            if self.mixed:
-                self.reference.to(torch.bfloat16)
-            for p in self.reference.parameters():
-                p.requires_grad_(False)
-            self.reference_parts = lm_parts(self.reference)
+        if cfg.kl_beta > 0:  # the caller's (a sharded learner's, sharded), else a copy made here
+            self.reference = reference if reference is not None else frozen_reference(model, self.mixed)
+            self.reference_parts = lm_parts(self.reference, through_root=self.world > 1)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The update's compute precision (bf16 autocast under ``bf16-mixed``; a no-op in fp32)."""
@@ -356,6 +349,17 @@ class GRPOTrainer:
                 bad.append(r)
         self.optimizer.zero_grad(set_to_none=True)
         return bad
+
+
+def frozen_reference(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
+    """The KL reference of ``model``: a frozen copy, in bf16 when the update computes in bf16 anyway
+    (2 bytes a parameter). A sharded learner makes it before sharding the model and shards it the same
+    way, so every rank computes its reference log-probs in step with its policy's."""
+    reference = copy.deepcopy(model).eval()
+    if mixed:
+        reference.to(torch.bfloat16)
+    reference.requires_grad_(False)
+    return reference
 
 
 def _ranks(model: torch.nn.Module) -> tuple[int, int]:

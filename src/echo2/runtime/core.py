@@ -59,8 +59,8 @@ class Plane:
         the engine."""
         import torch
 
-        from echo2.learner.sharded import frozen_reference, load_full_optimizer, load_states, shard
-        from echo2.learner.trainer import GRPOTrainer
+        from echo2.learner.sharded import load_full_optimizer, load_states, shard
+        from echo2.learner.trainer import GRPOTrainer, frozen_reference
         from echo2.models.policy import DCP_DIR, chat_format, load_checkpoint
         from echo2.rollout.engines.hf import HFEngine
         from echo2.tasks.registry import build_task

@@ -235,16 +235,16 @@ class RayLaunch:
     def _wait_for_join(self, timeout: float = 600.0) -> tuple[str, str]:
         """The join string and token the learner wrote (read on its node), once its API is up."""
         deadline = time.monotonic() + timeout
-        info = self.run_dir / "learner.json"
+        info_path = self.run_dir / "learner.json"
         while time.monotonic() < deadline:
             if self.ray.get(self.learner.poll.remote()) is not None:
                 raise Echo2Error(f"the learner exited before it was ready; see {self.run_dir}/learner.log")
-            got = self.ray.get(self.learner.read.remote(str(info), 0, False))
+            got = self.ray.get(self.learner.read.remote(str(info_path), 0, False))
             # written atomically once the API is up, by the command (or its rank 0); an earlier run's
             # (--resume) names a process that is not ours
-            pid = json.loads(got[0]).get("pid") if got and got[0].strip() else None
-            if pid is not None and self.ray.get(self.learner.runs.remote(int(pid))):
-                join = json.loads(got[0])["join"]
+            info = json.loads(got[0]) if got and got[0].strip() else {}
+            if "pid" in info and self.ray.get(self.learner.runs.remote(int(info["pid"]))):
+                join = info["join"]
                 token = self.ray.get(self.learner.read.remote(str(self.run_dir / "join_token"), 0, False))
                 return join, token[0].strip() if token else ""
             time.sleep(0.5)
@@ -264,13 +264,17 @@ class RayLaunch:
         log.info("placed the learner and %d workers on the Ray cluster", len(self.workers))
 
     def _note(self, name: str, where: dict[str, Any]) -> None:
-        """Record where an actor runs; a changed actor pid is a restart (logged, counted)."""
+        """Record where an actor runs; a changed actor pid is a restart (logged, counted). The file is
+        written when something changed (the launcher looks every 2 s)."""
         before = self.seen.get(name)
         restarts = (before or {}).get("restarts", 0)
         if before is not None and before["actor_pid"] != where["actor_pid"]:
             restarts += 1
             log.info("%s restarted by Ray (pid %d -> %d)", name, before["actor_pid"], where["actor_pid"])
-        self.seen[name] = {**where, "restarts": restarts}
+        now = {**where, "restarts": restarts}
+        if now == before:
+            return
+        self.seen[name] = now
         tmp = self.run_dir / "ray_actors.json.tmp"
         tmp.write_text(json.dumps(self.seen, indent=1))
         os.replace(tmp, self.run_dir / "ray_actors.json")

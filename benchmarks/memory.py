@@ -11,7 +11,11 @@ Targets (fixed here, before the runs):
    the process's before the model was built, per parameter, read (a) at the optimizer step of each
    update after the first two (weights, gradients, AdamW states, held copies; activations freed) and
    (b) between updates (no gradients). Targets: each reading within 15% of the memory model; (a) in
-   bf16-mixed <= 20 bytes / parameter.
+   bf16-mixed <= 20 bytes / parameter. Since the learner keeps older versions as undos and its
+   published bytes in files (``[snapshot] on_disk``), the child does as the node does: the chain spills
+   each link to a file, the check keeps undos, and after every update the oldest kept version is
+   rebuilt and loaded as a check of it would (then dropped), so a rebuilt copy that outlived its check
+   would show; the model's share of changed elements ``f`` is the one the run's patches measured.
 2. ``--study growth``: a ~55M shape, peak resident memory of one update (``ru_maxrss``, a fresh process
    each) at R = 64 ... 1024 rows of 32 tokens under a fixed budget of 2,048 tokens per micro-batch.
    Target: the peak at R = 1024 <= 1.10x the peak at R = 64. A second reading, added after the first
@@ -42,6 +46,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -112,7 +117,7 @@ def child_bytes(precision: str) -> dict[str, Any]:
     from echo2.physics.rules import admission_floor
     from echo2.planner.memory import learner_memory
     from echo2.tasks.verify import GenerationCheck
-    from echo2.weights.delta import sampler_copy
+    from echo2.weights.delta import patch_info, sampler_copy
     from echo2.weights.publication import Link, PublishedChain
 
     torch.set_num_threads(2)
@@ -128,19 +133,32 @@ def child_bytes(precision: str) -> dict[str, Any]:
         0,
         learner=LearnerConfig(precision=precision, micro_batch_tokens=1024),
     )
-    chain = PublishedChain(SnapshotConfig())
+    spill = Path(tempfile.mkdtemp(prefix="echo2-memory-"))
+    chain = PublishedChain(SnapshotConfig(), spill)  # runtime/node.py: the run directory's published/
     check = GenerationCheck(aliasing_model(model), sampling, SecurityConfig())
+    changed: list[float] = []  # share of elements each patch changed
     at_step: list[int] = []
     hook = register_optimizer_step_pre_hook(lambda opt, a, k: at_step.append(rss()))
 
     def publish(version: int) -> None:  # runtime/snapshots.py + runtime/node.py's on_published
         weights = sampler_copy(model, "bfloat16")
         enc = chain.encode(weights)
-        chain.record(Link(version, {"lineage": dataclasses.asdict(enc.lineage)}, enc.blob))
+        if enc.lineage.kind == "patch":
+            info = patch_info(enc.blob)
+            changed.append(info["changed"] / info["elements"])
+        lineage, blob = dataclasses.asdict(enc.lineage), chain.spill(version, enc.blob)
+        del enc  # the encoded bytes live in the file now
+        chain.record(Link(version, {"lineage": lineage}, blob))
         chain.base = weights
-        check.keep(version, weights)
+        check.keep(version, weights)  # the undo of the version before; the check model reads the newest
         check.forget_below(admission_floor(version, S))
-        load_for_check(check.model, weights)  # the check model reads the newest copy in place
+
+    def check_oldest() -> None:  # what a check of the oldest admissible version loads, then drops
+        oldest = check.versions()[0]
+        with check._lock:
+            load_for_check(check.model, check._weights_of(oldest))
+            check._loaded = oldest
+            check._settle()
 
     publish(0)
     between = []
@@ -148,9 +166,11 @@ def child_bytes(precision: str) -> dict[str, Any]:
         trainer.update(batch(BIG["vocab"], 16, 16, 32, seed=step))
         if trainer.version % KAPPA == 0:
             publish(trainer.version)
+        check_oldest()
         between.append(rss())
     hook.remove()
-    model_mem = learner_memory(_shape_of(BIG), precision, staleness=S, kappa=KAPPA)  # type: ignore[arg-type]
+    f = statistics.mean(changed) if changed else 0.0
+    model_mem = learner_memory(_shape_of(BIG), precision, staleness=S, kappa=KAPPA, changed_fraction=f)  # type: ignore[arg-type]
     steady_step = [(x - base) / params for x in at_step[2:]]
     steady_between = [(x - base) / params for x in between[2:]]
     return {
@@ -160,6 +180,10 @@ def child_bytes(precision: str) -> dict[str, Any]:
         "at_step_bytes_per_param": steady_step,
         "between_bytes_per_param": steady_between,
         "held_copy_bytes_per_param": _held(chain, check) / params,
+        "undo_bytes_per_param": check.held_bytes() / params,
+        "changed_fraction": f,
+        "check_rebuilds": check.rebuilds,
+        "published_file_bytes_per_param": sum(p.stat().st_size for p in spill.iterdir()) / params,
         "check_versions": check.versions(),
         "chain_links": len(chain.links),
         "model_at_step": model_mem.update_peak,
@@ -171,12 +195,13 @@ def child_bytes(precision: str) -> dict[str, Any]:
 
 
 def _held(chain: Any, check: Any) -> int:
-    """Bytes of the sampler copies and encoded publications held (each storage once)."""
+    """Bytes of the sampler copies, undos and encoded publications held in memory (each storage once;
+    a link spilled to a file is the page cache's, not counted)."""
     seen: dict[int, int] = {}
-    for weights in [chain.base or {}, *check._weights.values()]:
-        for t in weights.values():
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values()) + sum(len(link.blob) for link in chain.links)
+    for t in (chain.base or {}).values():
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    in_memory = sum(len(link.blob) for link in chain.links if not isinstance(link.blob, memoryview))
+    return sum(seen.values()) + check.held_bytes() + in_memory
 
 
 def child_growth(rows: int) -> dict[str, Any]:

@@ -398,6 +398,11 @@ class SnapshotConfig(_Section):
         description="send an anchor instead when a patch exceeds this fraction of the full snapshot",
     )
     zstd_level: int = Field(3, ge=1, le=19, description="zstandard level of patches")
+    on_disk: bool = Field(
+        True,
+        description="keep the published anchor and patches in files of the run directory, served from "
+        "the page cache (false: in the learner's memory, 2 bytes per parameter more for the anchor)",
+    )
 
 
 class SecurityConfig(_Section):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from echo2.planner.memory import QWEN3_SHAPES, ModelShape, fits, held_sampler_copies, learner_memory
+from echo2.planner.memory import QWEN3_SHAPES, ModelShape, fits, learner_memory, older_versions
 
 
 def test_qwen3_shapes_count_the_released_parameters():
@@ -22,16 +22,24 @@ def test_bytes_per_parameter_by_part():
     shape = QWEN3_SHAPES["1.7B"]
     m = learner_memory(shape, "bf16-mixed")  # S = 3, kappa = 2, checks on, bf16 publications
     assert (m.weights, m.gradients, m.optimizer) == (4, 4, 8) and m.training == 16  # SPEC §9's floor
-    # the base of the next patch + the latest anchor's bytes + one older admissible version (8 of 8, 10)
-    assert m.sampler_copy_count == 3 and m.sampler_copies == 6
-    assert m.update_peak == 22 and m.check_model == 0 and m.reference == 0
-    assert learner_memory(shape, "fp32", checks=False).update_peak == 20  # no older copies kept
+    # the newest publication (the next patch's base), whole; the one older admissible version (8 of 8,
+    # 10) as an undo of the 5% of elements a publication changes: bf16 values + a bit mask (1/8 < 4 f)
+    assert m.sampler_copy_count == 1 and m.sampler_copies == 2
+    assert m.older_versions == pytest.approx(2 * 0.05 + 1 / 8) and m.check_transient == 2
+    assert m.update_peak == pytest.approx(18.225) and m.check_model == 0 and m.reference == 0
+    sparse = learner_memory(shape, "fp32", changed_fraction=0.01).older_versions
+    assert sparse == pytest.approx(0.01 * (2 + 4))  # int32 positions are smaller below f = 1/32
+    assert learner_memory(shape, "fp32", checks=False).update_peak == 18  # no older version kept
+    assert learner_memory(shape, "fp32", on_disk=False).sampler_copies == 4  # the anchor in memory
+    assert learner_memory(shape, "fp32", changed_fraction=0.95).older_versions == 2  # never above a copy
     assert learner_memory(shape, "fp32", kl_reference=True).reference == 4
     assert learner_memory(shape, "bf16-mixed", kl_reference=True).reference == 2
     gpu = learner_memory(shape, "bf16-mixed", gpu=True)
-    assert gpu.device == 16 + 2 and gpu.host == 6 + 4  # a check model of bf16 weights on the device
-    assert held_sampler_copies(0, 1, True) == 2  # S = 0: only the newest version is admissible
-    assert held_sampler_copies(6, 1, True) == 2 + 6  # kappa = 1: every one of the 7 admissible versions
+    assert gpu.device == 16 + 2  # a check model of bf16 weights on the device
+    assert gpu.host == pytest.approx(2 + 0.225 + 2 + 4)  # copy, undo, a rebuilt version, a publication
+    assert older_versions(0, 1, True) == 0  # S = 0: only the newest version is admissible
+    assert older_versions(6, 1, True) == 6  # kappa = 1: every one of the 7 admissible versions
+    assert older_versions(3, 2, False) == 0
 
 
 def test_activation_bytes_per_token_hand_worked():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,11 +47,14 @@ def nudge(model: Any, lr: float, seed: int) -> None:
 KINDS: list[str] = []  # the kind of each publication of the newest publish_series
 
 
-def publish_series(cfg: SnapshotConfig, lrs: list[float]) -> tuple[Snapshots, list[str], Any]:
+def publish_series(
+    cfg: SnapshotConfig, lrs: list[float], spill_dir: Path | None = None
+) -> tuple[Snapshots, list[str], Any]:
     """Publish version 0, then one version per entry of ``lrs`` after a nudge of that size; returns the
     Snapshots, the learner's weights digest of each version, and the key (kinds in ``KINDS``)."""
     key = new_signing_key()
-    snaps = Snapshots(open_publisher("memory", key, get_strategy("star-limited"), 4096), 1.1, cfg)
+    publisher = open_publisher("memory", key, get_strategy("star-limited"), 4096)
+    snaps = Snapshots(publisher, 1.1, cfg, spill_dir=spill_dir)
     model = tiny_model()
     digests: list[str] = []
     KINDS.clear()
@@ -127,6 +131,29 @@ def test_a_worker_reaches_every_version_bit_for_bit_from_anywhere() -> None:
         staged = chain.stage(links_of(snaps, have))
         assert staged is not None and (staged.version, staged.digest) == (5, digests[5])
         assert weights_digest(staged.tensors) == digests[5]
+
+
+def test_published_bytes_live_in_files_and_leave_with_their_chain(tmp_path: Path) -> None:
+    """``[snapshot] on_disk``: every link's bytes are a read-only map of a file in the run directory
+    (not the learner's memory), workers reach every version bit for bit from them, a new anchor removes
+    the files of the chain it ends, and a restarted learner removes an earlier process's files."""
+    spill = tmp_path / "published"
+    spill.mkdir()
+    (spill / "v0000000099.bin").write_bytes(b"an earlier process's")
+    cfg = SnapshotConfig(anchor_every=3)
+    snaps, digests, _ = publish_series(cfg, [1e-5] * 4, spill_dir=spill)
+    # v0 anchor, v1 v2 patches, v3 anchor, v4 patch: the files of v0-v2 went with their chain
+    assert [link.version for link in snaps.chain] == [3, 4]
+    assert sorted(p.name for p in spill.iterdir()) == ["v0000000003.bin", "v0000000004.bin"]
+    for link in snaps.chain:
+        assert isinstance(link.blob, memoryview) and link.blob.readonly
+        assert bytes(link.blob) == (spill / f"v{link.version:010d}.bin").read_bytes()
+    staged = WeightChain().stage(links_of(snaps, -1))
+    assert staged is not None and (staged.version, staged.digest) == (4, digests[4])
+    off, _, _ = publish_series(
+        SnapshotConfig(anchor_every=3, on_disk=False), [1e-5], spill_dir=tmp_path / "x"
+    )
+    assert isinstance(off.chain[0].blob, bytes) and not (tmp_path / "x").exists()
 
 
 def test_a_gap_stops_the_walk_and_nothing_is_swapped() -> None:

@@ -171,7 +171,7 @@ def test_cherry_picking_and_another_seed_fail(setup):
         check.check(lease, picked, [(0, 2)])
 
 
-def test_a_version_not_held_is_refused_never_passed_and_old_ones_are_forgotten(setup):
+def test_a_version_not_held_is_refused_never_passed_and_old_ones_are_forgotten(setup, tiny_policy_module):
     """A claim of a version whose weights the check does not hold cannot be re-run: it is refused
     (unchecked_version), never waved through as checked."""
     check, lease, sub, _, _ = setup
@@ -180,11 +180,30 @@ def test_a_version_not_held_is_refused_never_passed_and_old_ones_are_forgotten(s
     with pytest.raises(Rejected, match="unchecked_version"):
         check.check(lease, dataclasses.replace(sub, policy_version=7), ALL)
     assert check.checked == checked
-    fresh = GenerationCheck(check.model, check.sampling, SecurityConfig(), rng=random.Random(0))
+    model = aliasing_model(tiny_policy_module.model)
+    fresh = GenerationCheck(model, check.sampling, SecurityConfig(), rng=random.Random(0))
+    weights = sampler_copy(tiny_policy_module.model, "bfloat16")
     for v in range(5):
-        fresh.keep(v, {})
+        name = sorted(weights)[0]
+        weights = {**weights, name: weights[name] + 1} if v else weights
+        fresh.keep(v, weights)
     fresh.forget_below(3)
-    assert fresh.versions() == [3, 4]
+    assert fresh.versions() == [3, 4] and fresh.holds(3) and not fresh.holds(2)
+    with pytest.raises(ValueError, match="not newer"):
+        fresh.keep(4, weights)
+
+
+def test_an_older_version_is_rebuilt_for_its_check_and_not_kept(setup):
+    """The check keeps the newest copy whole and older admissible versions as undos: a claim of the
+    older version (1) is re-run with weights rebuilt bit for bit, and the check model goes back to the
+    newest copy after it (no rebuilt copy outlives the check)."""
+    check, lease, sub, _, _ = setup
+    assert check.versions() == [1, 2] and sub.policy_version == 1
+    undo = check._undos[1]
+    assert 0 < check.held_bytes() == undo.nbytes <= sum(t.nbytes for t in check._newest[1].values())
+    rebuilds = check.rebuilds
+    check.check(lease, sub, ALL)
+    assert check.rebuilds == rebuilds + 1 and check._loaded == 2
 
 
 def test_pick_draws_the_configured_fraction(setup):
@@ -209,6 +228,8 @@ def test_a_batched_rerun_gives_the_single_reruns_verdicts(setup):
     check, lease, sub, _, _ = setup
     picks = [(0, 0), (1, 2), (2, 3)]
     batched = check.check(lease, sub, picks)
+    alias_weights(check.model, check._weights_of(1))  # the check settled back on the newest (2)
+    check._loaded = 1
     single = [check.rerun(sub.groups[i][j], lease.seed, i * G + j) for i, j in picks]
     assert [v.misses for v in batched] == [v.misses for v in single] == [0, 0, 0]
     assert all(

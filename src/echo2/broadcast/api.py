@@ -128,7 +128,9 @@ class SnapshotPublisher(Protocol):
         """Start serving; returns the address receivers join."""
         ...
 
-    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
+    async def publish(
+        self, version: int, blob: bytes | memoryview, lineage: Lineage | None = None
+    ) -> Manifest:
         """Sign and announce ``blob`` as ``version``: a full snapshot, or a patch (``lineage``)."""
         ...
 

@@ -66,7 +66,9 @@ class InMemoryHub:
             await rx.close()
 
     # publisher side (SnapshotPublisher)
-    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
+    async def publish(
+        self, version: int, blob: bytes | memoryview, lineage: Lineage | None = None
+    ) -> Manifest:
         if self._latest is not None and version <= self._latest[0].version:
             raise Echo2Error(f"version {version} is not newer than published {self._latest[0].version}")
         chunk = self.chunk_size or relay_chunk_bytes(len(blob))

@@ -211,7 +211,9 @@ class TcpPublisher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._joined.wait(), left)
 
-    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> Manifest:
+    async def publish(
+        self, version: int, blob: bytes | memoryview, lineage: Lineage | None = None
+    ) -> Manifest:
         """Sign ``blob`` as ``version`` (an anchor or a patch, ``lineage``), plan over the live members
         the ledger makes targets, announce to each, start serving. The bytes travel as they are: a
         relay never decodes them."""

@@ -32,9 +32,10 @@ class SnapshotBuffer:
     ``wait_chunk`` lets a relay stream a chunk to its children the moment it has been verified.
     """
 
-    def __init__(self, manifest: Manifest, data: bytes | bytearray | None = None) -> None:
+    def __init__(self, manifest: Manifest, data: bytes | bytearray | memoryview | None = None) -> None:
         self.manifest = manifest  # authenticated description of the snapshot
-        self.buf: bytearray | bytes = bytearray(manifest.total_size) if data is None else data  # only copy
+        # the only copy (a publisher's: the bytes it was given, a spilled file's map included)
+        self.buf: bytearray | bytes | memoryview = bytearray(manifest.total_size) if data is None else data
         n = manifest.n_chunks
         self._have = bytearray(n) if data is None else bytearray(b"\x01" * n)
         self.count = 0 if data is None else n  # chunks verified so far

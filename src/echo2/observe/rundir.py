@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"  # {"version": v}: the policy version the checkpoint's weights are
 OPTIM_FILE = "optimizer.pt"  # optimizer state, for a learner that resumes
+PUBLISHED_DIR = "published"  # the bytes of the published chain (``[snapshot] on_disk``), one file a link
 # What one run writes into its directory. A fresh run in a used directory starts without them, so two
 # runs never share a metrics.jsonl; a resumed run keeps them (the join token and the signing key stay
 # either way: workers of the directory's earlier run can still join).

@@ -11,20 +11,25 @@ weights             4                          always (fp32 masters; ``bf16-mixe
 gradients           4                          during an update (set to None after its last step)
 optimizer           8                          always (AdamW ``exp_avg`` + ``exp_avg_sq``, fp32)
 reference           4 (fp32) / 2 (bf16-mixed)  when ``grpo.kl_beta > 0`` (the frozen KL reference)
-sampler copies      b x n_copies               always: the last publication (the next patch's base),
-                                               the older admissible versions the generation check keeps
-                                               (``ceil((S + 1) / kappa) - 1`` when checks are on), and
-                                               the latest anchor's encoded bytes; ``b`` = 2 for bf16
-check model         0 on the CPU, b on a GPU   when checks are on: its weights are the kept copies
-                                               themselves (on the CPU) or one of them on the device
+sampler copies      b x n_copies               always: the newest publication (the next patch's base and
+                                               the check's newest version), and with ``snapshot.on_disk``
+                                               off the latest anchor's encoded bytes; ``b`` = 2 for bf16
+older versions      u x n_older                when checks are on: an undo per older admissible version
+                                               (``ceil((S + 1) / kappa) - 1`` of them) of the share ``f`` of
+                                               elements a publication changes, ``u = b f + min(4 f, 1/8)``
+                                               (values, and int32 positions or a bit mask), at most ``b``
+check model         0 on the CPU, b on a GPU   when checks are on: its weights are the newest copy itself
+                                               (on the CPU) or one copy of it on the device
+check transient     b                          while an older version is checked (rebuilt, then dropped)
 publication         b (+ b at an anchor)       while a publication is copied and encoded
 ==================  =========================  ===========================================================
 
 So the floor with AdamW is ``4 + 4 + 8 = 16`` (SPEC §9), and with the defaults (bf16 publications,
-S = 3, kappa = 2, checks on) the held copies add ``2 x 3 = 6``: 22 bytes / param at an update's peak
-(20 right after an anchor, whose encoded bytes are then the base). On a GPU learner the parts split:
-weights, gradients, optimizer, reference, the check model and activations on the device; sampler
-copies and publications in host memory.
+S = 3, kappa = 2, checks on, published bytes on disk) the held copy adds 2 and the undo of the one
+older admissible version ``u`` (0.225 at ``f`` = 5%): about 18.2 bytes / param at an update's peak. The
+published anchor and patches live in files of the run directory (the page cache serves them). On a
+GPU learner the parts split: weights, gradients, optimizer, reference, the check model and
+activations on the device; sampler copies, undos and publications in host memory.
 
 **Activations** of one micro-batch, per token (``H`` hidden, ``I`` MLP width, ``n_q`` / ``n_kv``
 heads of ``d`` dims, ``Lyr`` layers, ``a`` bytes per activation: 4 in fp32, 2 under bf16 autocast),
@@ -117,7 +122,9 @@ class LearnerMemory:
     optimizer: float
     reference: float
     sampler_copies: float  # host memory on a GPU learner
+    older_versions: float  # the check's undos of older admissible versions (host memory)
     check_model: float  # on the learner's device
+    check_transient: float  # an older version rebuilt for its check (host memory)
     publication: float  # transient, host memory
     activation_per_token: float  # bytes per micro-batch token
     sampler_copy_count: int  # how many whole copies ``sampler_copies`` is
@@ -130,7 +137,7 @@ class LearnerMemory:
     @property
     def update_peak(self) -> float:
         """Everything held at an update's peak, activations and publication transients excluded."""
-        return self.training + self.reference + self.sampler_copies + self.check_model
+        return self.training + self.reference + self.sampler_copies + self.older_versions + self.check_model
 
     @property
     def device(self) -> float:
@@ -139,8 +146,9 @@ class LearnerMemory:
 
     @property
     def host(self) -> float:
-        """What a GPU learner's host memory holds per parameter at most (copies + a publication)."""
-        return self.sampler_copies + self.publication
+        """What a GPU learner's host memory holds per parameter at most (copies, undos, a check's
+        rebuilt version and a publication)."""
+        return self.sampler_copies + self.older_versions + self.check_transient + self.publication
 
     def device_bytes(self, params: int, micro_batch_tokens: int, logits_bytes: float = 0.0) -> float:
         """A GPU learner's device bytes at an update's peak: the per-parameter parts plus one micro-batch's
@@ -154,7 +162,9 @@ class LearnerMemory:
             "optimizer": self.optimizer,
             "reference": self.reference,
             "sampler_copies": self.sampler_copies,
+            "older_versions": self.older_versions,
             "check_model": self.check_model,
+            "check_transient": self.check_transient,
             "publication_transient": self.publication,
             "update_peak": self.update_peak,
             "device": self.device,
@@ -162,13 +172,19 @@ class LearnerMemory:
         }
 
 
-def held_sampler_copies(staleness: int, kappa: int, checks: bool) -> int:
-    """Whole sampler copies the learner holds: the last publication (the next patch's base), the latest
-    anchor's encoded bytes, and, with checks, the older published versions still admissible (versions
-    within ``S`` of the newest, published every ``kappa``: ``ceil((S + 1) / kappa)`` of them, the newest
-    being the base)."""
-    older = max(0, math.ceil((staleness + 1) / kappa) - 1) if checks else 0
-    return 2 + older
+CHANGED_FRACTION = 0.05  # share of bf16 elements one publication changes (LLM-RL learning rates: 1-5%)
+
+
+def held_sampler_copies(on_disk: bool = True) -> int:
+    """Whole sampler copies the learner holds: the newest publication (the next patch's base, the check's
+    newest version), and the latest anchor's encoded bytes unless published bytes live on disk."""
+    return 1 if on_disk else 2
+
+
+def older_versions(staleness: int, kappa: int, checks: bool) -> int:
+    """Older published versions still admissible, whose undos the check keeps: versions within ``S`` of
+    the newest, published every ``kappa``: ``ceil((S + 1) / kappa)`` of them, less the newest."""
+    return max(0, math.ceil((staleness + 1) / kappa) - 1) if checks else 0
 
 
 def learner_memory(
@@ -182,9 +198,14 @@ def learner_memory(
     publish_bytes: int = 2,
     gpu: bool = False,
     checkpointing: bool = False,
+    on_disk: bool = True,
+    changed_fraction: float = CHANGED_FRACTION,
 ) -> LearnerMemory:
     """The learner's memory by part for a model of ``shape`` (module docstring)."""
-    copies = held_sampler_copies(staleness, kappa, checks)
+    copies = held_sampler_copies(on_disk)
+    n_older = older_versions(staleness, kappa, checks)
+    f = changed_fraction
+    undo = min(float(publish_bytes), publish_bytes * f + min(4 * f, 1 / 8))  # never above a copy
     act_bytes = 4 if precision == "fp32" else 2
     return LearnerMemory(
         weights=4.0,
@@ -192,7 +213,9 @@ def learner_memory(
         optimizer=8.0,
         reference=(4.0 if precision == "fp32" else 2.0) if kl_reference else 0.0,
         sampler_copies=float(publish_bytes * copies),
+        older_versions=undo * n_older,
         check_model=float(publish_bytes) if (checks and gpu) else 0.0,
+        check_transient=float(publish_bytes) if n_older else 0.0,
         publication=float(2 * publish_bytes),
         activation_per_token=float(act_bytes * shape.activation_elements_per_token(checkpointing)),
         sampler_copy_count=copies,

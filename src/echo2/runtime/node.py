@@ -19,6 +19,7 @@ from echo2.broadcast.api import SnapshotPublisher
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected
+from echo2.observe.rundir import PUBLISHED_DIR
 from echo2.physics.rules import admission_floor
 from echo2.protocol import WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
@@ -94,7 +95,13 @@ def assemble(
     earlier learner process registered in the registry's run directory are restored and offered to the
     pool. ``data_ready`` is called on every admitted submission (the learner loop's wake-up). Each part
     gets its collaborators when it is made; none is patched afterwards."""
-    snapshots = Snapshots(publisher, cfg.staleness.gamma, cfg.snapshot, _keeper(cfg, generation))
+    snapshots = Snapshots(
+        publisher,
+        cfg.staleness.gamma,
+        cfg.snapshot,
+        _keeper(cfg, generation),
+        spill_dir=registry.path.parent / PUBLISHED_DIR,
+    )
     pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock)
     limits = submission_limits(cfg, task, vocab_size)
     intake = Intake(
@@ -159,8 +166,9 @@ def _leasing(
 
 
 def _keeper(cfg: Config, generation: GenerationCheck | None) -> Callable[[int, dict[str, Any]], None]:
-    """What a publication tells the generation check: keep the published weights of the versions a
-    submission may still claim (``v >= v_t - S``), forget the older ones."""
+    """What a publication tells the generation check (in a thread: it computes an undo): keep what
+    rebuilds the published weights of the versions a submission may still claim (``v >= v_t - S``),
+    forget the older ones."""
     if generation is None:
         return lambda version, weights: None
     S = cfg.staleness.S

@@ -9,10 +9,12 @@ on.
 
 A worker that catches up over HTTP gets the patches after the version it holds if they are in the
 chain, else the anchor and every patch (:meth:`Snapshots.chain_from`). Beyond the model it trains,
-the learner holds one full copy of the published weights (the previous publication, the base of the
-next patch; a second, the new copy, while a publication is encoded) and the encoded anchor (bytes
-shared with the publisher, which also keeps the bytes of the version before the newest for workers in
-the middle of that transfer, ``keep_versions = 2``).
+the learner holds one full copy of the published weights (the newest publication, the base of the
+next patch; a second, the new copy, while a publication is encoded). The published bytes themselves
+(anchor and patches) are written to the run directory's ``published/`` and served from read-only maps
+of those files (``[snapshot] on_disk``; ``PublishedChain.spill``), shared with the publisher, which
+also keeps the version before the newest for workers in the middle of that transfer
+(``keep_versions = 2``).
 
 It measures each publication's ``T_bcast``: the seconds until ``install_quorum(members, gamma)``
 workers acked the install (SPEC §3: a fraction ``q = 1/gamma``), in the background so training never
@@ -27,12 +29,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.broadcast.api import SnapshotPublisher
 from echo2.config import SnapshotConfig
 from echo2.observe import catalog
 from echo2.physics.rules import install_quorum
+from echo2.weights.chain import Blob
 from echo2.weights.manifest import Lineage
 from echo2.weights.publication import Link, PublishedChain
 
@@ -51,11 +55,13 @@ class Snapshots:
         gamma: float,
         cfg: SnapshotConfig | None = None,
         on_published: Callable[[int, dict[str, torch.Tensor]], None] = lambda version, weights: None,
+        spill_dir: Path | None = None,
     ) -> None:
         self.publisher = publisher
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
-        self.published_chain = PublishedChain(self.cfg)  # what was published; the next patch's base
+        # what was published (its bytes in files under spill_dir when given); the next patch's base
+        self.published_chain = PublishedChain(self.cfg, spill_dir)
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced
@@ -73,7 +79,7 @@ class Snapshots:
         return self.published_chain.published
 
     @property
-    def latest(self) -> tuple[int, dict[str, Any], bytes] | None:
+    def latest(self) -> tuple[int, dict[str, Any], Blob] | None:
         """The newest publication: version, signed manifest, bytes (None before the first)."""
         link = self.published_chain.latest
         return None if link is None else (link.version, link.manifest, link.blob)
@@ -123,7 +129,7 @@ class Snapshots:
         enc = await asyncio.to_thread(self.published_chain.encode, weights)
         await self.publish(version, enc.blob, enc.lineage)
         self.published_chain.base = weights
-        self.on_published(version, weights)
+        await asyncio.to_thread(self.on_published, version, weights)  # the check computes an undo
         self.publication = {
             catalog.BROADCAST_PUBLICATION_BYTES.key: float(len(enc.blob)),
             catalog.BROADCAST_FULL_BYTES.key: float(enc.full_bytes),
@@ -137,11 +143,12 @@ class Snapshots:
             catalog.BROADCAST_PUBLISH_CPU_S.key: copy_cpu_s + enc.encode_cpu_s,
         }
 
-    async def publish(self, version: int, blob: bytes, lineage: Lineage | None = None) -> None:
+    async def publish(self, version: int, blob: Blob, lineage: Lineage | None = None) -> None:
         """Sign and announce ``blob`` as ``version`` (``lineage``: anchor or patch; default a full
         snapshot of unstated weights); measure its dissemination in the background."""
         # bytes from elsewhere: the next patch has no known base (publish_model sets it)
         self.published_chain.base = None
+        blob = await asyncio.to_thread(self.published_chain.spill, version, blob)
         manifest = (await self.publisher.publish(version, blob, lineage)).to_dict()
         self.published_chain.record(Link(version, manifest, blob))
         members = len(self.publisher.members())

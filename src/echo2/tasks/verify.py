@@ -44,6 +44,7 @@ from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.submission import Rejected, Submission
 from echo2.rollout.engines.base import EosIds, eos_tuple, first_eos
 from echo2.types import Prompt, Trajectory
+from echo2.weights.undo import Undo, rebuild
 
 if TYPE_CHECKING:
     import torch
@@ -250,9 +251,11 @@ class Verdict:
 
 class GenerationCheck:
     """Re-derives sampled completions with the claimed version's published weights (the expensive
-    check, on a fraction of submissions). Holds the sampler copies of the versions still admissible
-    (:meth:`keep`, :meth:`forget_below`): up to ``S + 1`` copies in the publication dtype, the newest
-    shared with the snapshot publisher."""
+    check, on a fraction of submissions). Holds the newest published version's sampler copy (shared
+    with the snapshot publisher: the base of its next patch) and, for each older version still
+    admissible (:meth:`keep`, :meth:`forget_below`), only an undo (``echo2.weights.undo``): the
+    elements the next publication changed, as they were. A check of an older version rebuilds its
+    weights from the newest for the duration of the check (one transient copy of the changed tensors)."""
 
     def __init__(
         self,
@@ -267,7 +270,8 @@ class GenerationCheck:
         self.sampling = sampling
         self.cfg = security
         self.rng = rng or random.SystemRandom()  # which submissions: workers must not predict it
-        self._weights: dict[int, Mapping[str, torch.Tensor]] = {}
+        self._newest: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._undos: dict[int, Undo] = {}  # older version -> the undo from the next held version to it
         self._loaded: int | None = None  # version whose weights are in self.model
         self._lock = threading.Lock()  # one check at a time (the model is loaded per version)
         self._wlock = threading.Lock()  # the held weights (the event loop adds; never waits on a check)
@@ -275,25 +279,62 @@ class GenerationCheck:
         self.tokens = 0  # tokens re-checked
         self.worst_passing_error = 0.0  # largest |claimed - recomputed| log-prob of a passing completion
         self.passing_misses = 0  # tokens that missed in completions that passed (numerical noise)
+        self.rebuilds = 0  # older versions rebuilt from the newest for a check
 
     def keep(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        """The published weights of ``version`` (any thread)."""
+        """The published weights of ``version``, newer than any kept (any thread but the event loop:
+        the undo of the version it replaces as the newest is computed here)."""
         with self._wlock:
-            self._weights[version] = weights
+            newest = self._newest
+        undo = None
+        if newest is not None:
+            if version <= newest[0]:
+                raise ValueError(f"version {version} is not newer than the kept version {newest[0]}")
+            undo = Undo.of(weights, newest[1])
+        with self._wlock:
+            if newest is not None and undo is not None:
+                self._undos[newest[0]] = undo
+            self._newest = (version, weights)
+        if self._lock.acquire(blocking=False):  # else the check in progress settles when it ends
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
 
     def forget_below(self, version: int) -> None:
-        """Drop weights of versions no submission can still be admitted with."""
+        """Drop what is kept of versions no submission can still be admitted with."""
         with self._wlock:
-            for v in [v for v in self._weights if v < version]:
-                del self._weights[v]
+            for v in [v for v in self._undos if v < version]:
+                del self._undos[v]
 
     def versions(self) -> list[int]:
-        return sorted(self._weights)
+        with self._wlock:
+            return sorted([*self._undos, *([self._newest[0]] if self._newest else [])])
+
+    def held_bytes(self) -> int:
+        """Bytes of what the check keeps of older versions (the undos; the newest copy is shared)."""
+        with self._wlock:
+            return sum(u.nbytes for u in self._undos.values())
 
     def holds(self, version: int) -> bool:
-        """Whether the weights of ``version`` are held (a claim of it can be re-run)."""
+        """Whether the weights of ``version`` can be rebuilt (a claim of it can be re-run)."""
         with self._wlock:
-            return version in self._weights
+            return version in self._undos or (self._newest is not None and self._newest[0] == version)
+
+    def _weights_of(self, version: int) -> Mapping[str, torch.Tensor] | None:
+        """The weights of ``version`` (None when not held): the newest copy itself, or an older
+        version rebuilt from it (a transient copy of the tensors the undos touch)."""
+        with self._wlock:
+            if self._newest is None:
+                return None
+            newest_v, newest_w = self._newest
+            if version == newest_v:
+                return newest_w
+            if version not in self._undos:
+                return None
+            undos = [self._undos[v] for v in sorted(self._undos, reverse=True) if v >= version]
+        self.rebuilds += 1
+        return rebuild(newest_w, undos)
 
     def pick(self, sub: Submission) -> list[tuple[int, int]]:
         """The (group, sample) positions to re-check in ``sub``: none unless the submission is drawn
@@ -307,9 +348,7 @@ class GenerationCheck:
         """Re-run the picked completions (any thread; one check at a time); raise
         :class:`Rejected` ``forged_generation`` at the first forgery, ``unchecked_version`` when the
         claimed version's weights are not held (the intake asks :meth:`holds` first)."""
-        with self._wlock:
-            weights = self._weights.get(sub.policy_version)
-        if weights is None:
+        if not self.holds(sub.policy_version):
             raise Rejected(
                 "unchecked_version", f"policy_version: {sub.policy_version}: its weights are not held here"
             )
@@ -319,26 +358,50 @@ class GenerationCheck:
             if self._loaded != sub.policy_version:
                 from echo2.models.snapshot import load_for_check
 
+                weights = self._weights_of(sub.policy_version)
+                if weights is None:  # forgotten since holds() above
+                    raise Rejected(
+                        "unchecked_version",
+                        f"policy_version: {sub.policy_version}: its weights are not held here",
+                    )
                 load_for_check(self.model, weights)
                 self._loaded = sub.policy_version
-            verdicts = []
-            trajectories = [sub.groups[i][j] for i, j in picks]
-            for (i, j), t, logits_CV in zip(picks, trajectories, self._logits(trajectories), strict=True):
-                row = i * len(sub.groups[i]) + j  # the row it was sampled in (rollout/collect.py)
-                verdict = self.rerun(t, lease.seed, row, logits_CV)
-                verdicts.append(verdict)
-                allowed = math.floor(self.cfg.max_token_misses * verdict.tokens)
-                if verdict.misses <= allowed:
-                    self.worst_passing_error = max(self.worst_passing_error, verdict.max_logprob_error)
-                    self.passing_misses += verdict.misses
-                else:
-                    raise Rejected(
-                        "forged_generation",
-                        f"groups[{i}].samples[{j}]: {verdict.draw_misses} of {verdict.tokens} tokens are "
-                        f"not version {sub.policy_version}'s seeded draw, {verdict.logprob_misses} "
-                        f"log-probs are off (worst by {verdict.max_logprob_error:.3g})",
-                    )
-            return verdicts
+                del weights
+            try:
+                return self._run(lease, sub, picks)
+            finally:  # a rebuilt copy goes with the check, an older newest with its successor
+                self._settle()
+
+    def _settle(self) -> None:
+        """Point the check model at the newest kept copy (no copy on the CPU), so that it holds no
+        rebuilt or superseded weights between checks (with ``_lock`` held)."""
+        from echo2.models.snapshot import load_for_check
+
+        with self._wlock:
+            newest = self._newest
+        if newest is not None and self._loaded != newest[0]:
+            load_for_check(self.model, newest[1])
+            self._loaded = newest[0]
+
+    def _run(self, lease: Lease, sub: Submission, picks: Sequence[tuple[int, int]]) -> list[Verdict]:
+        verdicts = []
+        trajectories = [sub.groups[i][j] for i, j in picks]
+        for (i, j), t, logits_CV in zip(picks, trajectories, self._logits(trajectories), strict=True):
+            row = i * len(sub.groups[i]) + j  # the row it was sampled in (rollout/collect.py)
+            verdict = self.rerun(t, lease.seed, row, logits_CV)
+            verdicts.append(verdict)
+            allowed = math.floor(self.cfg.max_token_misses * verdict.tokens)
+            if verdict.misses <= allowed:
+                self.worst_passing_error = max(self.worst_passing_error, verdict.max_logprob_error)
+                self.passing_misses += verdict.misses
+            else:
+                raise Rejected(
+                    "forged_generation",
+                    f"groups[{i}].samples[{j}]: {verdict.draw_misses} of {verdict.tokens} tokens are "
+                    f"not version {sub.policy_version}'s seeded draw, {verdict.logprob_misses} "
+                    f"log-probs are off (worst by {verdict.max_logprob_error:.3g})",
+                )
+        return verdicts
 
     def _logits(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
         """The loaded weights' logits at every completion position of each trajectory (``[C, V]``):

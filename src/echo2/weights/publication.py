@@ -14,11 +14,14 @@ off the loop, signs and announces the result, and records it (:meth:`PublishedCh
 
 from __future__ import annotations
 
+import mmap
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.config import SnapshotConfig
+from echo2.weights.chain import Blob
 from echo2.weights.manifest import Lineage
 
 if TYPE_CHECKING:
@@ -31,7 +34,7 @@ class Link:
 
     version: int
     manifest: dict[str, Any]
-    blob: bytes
+    blob: Blob  # bytes, or a read-only view of the file it was spilled to
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,13 @@ class PublishedChain:
     """The latest anchor and the patches after it, every version published, and the base of the next
     patch (the weights of the newest publication, when this process encoded it)."""
 
-    def __init__(self, cfg: SnapshotConfig | None = None) -> None:
+    def __init__(self, cfg: SnapshotConfig | None = None, spill_dir: Path | None = None) -> None:
         self.cfg = cfg or SnapshotConfig()
+        self.spill_dir = spill_dir if self.cfg.on_disk else None  # where published bytes live
+        if self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.spill_dir.glob("v*.bin"):  # an earlier process's: never served again
+                stale.unlink()
         self.links: list[Link] = []  # the latest anchor, then the patches published after it
         self.published: set[int] = set()  # every version this process published (a claim must be one)
         self.base: dict[str, torch.Tensor] | None = None  # the newest published weights (links[-1])
@@ -95,7 +103,26 @@ class PublishedChain:
         blob = encode_full(weights)
         return Encoded(blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0)
 
+    def spill(self, version: int, blob: Blob) -> Blob:
+        """``blob`` as it will be served: with a spill directory, written to a file there and returned
+        as a read-only memory map of it (the publisher, the routes and this chain share the view; its
+        pages are the kernel's page cache, not the learner's memory), else unchanged (any thread)."""
+        if self.spill_dir is None or len(blob) == 0:
+            return blob
+        path = self.spill_dir / f"v{version:010d}.bin"
+        with open(path, "wb") as f:
+            f.write(blob)
+        with open(path, "rb") as f:  # the map outlives the descriptor
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
     def record(self, link: Link) -> None:
-        """``link`` is announced: a patch extends the chain, an anchor starts a new one."""
+        """``link`` is announced: a patch extends the chain, an anchor starts a new one (the files of the
+        chain it ends are removed; views still open on them stay readable until dropped)."""
         self.published.add(link.version)
-        self.links = [*self.links, link] if link.manifest["lineage"]["kind"] == "patch" else [link]
+        if link.manifest["lineage"]["kind"] == "patch":
+            self.links = [*self.links, link]
+            return
+        ended, self.links = self.links, [link]
+        if self.spill_dir is not None:
+            for old in ended:
+                (self.spill_dir / f"v{old.version:010d}.bin").unlink(missing_ok=True)

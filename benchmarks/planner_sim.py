@@ -1,7 +1,10 @@
 """Issue 4 benchmark: planner arithmetic, activation quality, simulated bubble / staleness / broadcast,
-the Table 2 ablation and simulator speed, in one run.
+the Table 2 ablation and simulator speed, in one run; plus the internet-scale rows (relay-tree model at
+1,000 / 10,000 / 100,000 workers, `echo2 plan` on the 100k case, 100,000 workers x 1,000 steps).
 
-    nice -n 19 python benchmarks/planner_sim.py            # writes results/planner_sim.json + PNGs
+    nice -n 19 python benchmarks/planner_sim.py               # all -> results/planner_sim.json + PNGs
+    nice -n 19 python benchmarks/planner_sim.py --only scale  # the scale rows and the 1,000 x 500 speed
+                                                              # -> results/planner_sim_scale.json + PNG
 
 Every number is computed here from the configs under configs/; nothing is copied from the paper
 except the reference values printed beside ours (SPEC section 6).
@@ -16,15 +19,20 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from echo2.config import ControllerConfig  # noqa: E402
+from echo2.physics import broadcast as pb  # noqa: E402
 from echo2.physics.broadcast import mbps_to_bytes_per_s  # noqa: E402
 from echo2.planner import capacity  # noqa: E402
 from echo2.planner.activation import Candidate, exact, greedy, greedy_prefix, random_nocost  # noqa: E402
@@ -32,9 +40,19 @@ from echo2.planner.catalog import parse_scenario, read_toml  # noqa: E402
 from echo2.planner.plan import make_plan  # noqa: E402
 from echo2.sim import experiments, plots  # noqa: E402
 from echo2.sim.config import load_sim_scenario  # noqa: E402
-from echo2.sim.engine import SimParams, SimWorker, simulate  # noqa: E402
+from echo2.sim.engine import SimParams, SimWorker, _Sim, simulate  # noqa: E402
 
 log = logging.getLogger("planner_sim")
+
+# Targets of the internet-scale rows, fixed before the first run (issue: dissemination at internet scale)
+SCALE_TARGETS = {
+    "model_t_bcast_over_t_star_homogeneous_max": 1.25,  # N = 1,000 / 10,000 / 100,000, equal links
+    "model_t_bcast_over_t_star_heterogeneous_max": 1.5,  # the stated mix below
+    "plan_100k_wall_s_max": 5.0,  # `echo2 plan speed_100k` end to end (process start included)
+    "sim_100k_x_1000_wall_s_max": 60.0,  # configs/sim_speed_100k.toml
+}
+# the heterogeneous mix: (share, Mbit/s); B0 = 1 Gbit/s, G = 1.2 GB as in the speed case
+LINK_MIX = ((0.60, 200.0), (0.25, 100.0), (0.15, 1000.0))
 
 # GPU templates for random heterogeneous pools: (type, $/h, rollouts/s) around marketplace prices
 TEMPLATES = [
@@ -294,16 +312,191 @@ def speed(repeats: int = 3) -> dict[str, Any]:
     return out
 
 
+def relay_model(out: Path) -> dict[str, Any]:
+    """T_bcast (last worker, no reload) over T* of the relay trees (``tree-pipelined``) and, for reference,
+    the former chain model (``tree-chains``), at the speed case's sizes: G = 1.2 GB, B0 = 1 Gbit/s,
+    B_w = 200 Mbit/s, 4 MiB chunks, 50 ms per hop; then the heterogeneous ``LINK_MIX``, where
+    T* = max(G/min B_i, G/B0, N*G/(B0 + sum B_i)) (every worker must receive G over its own link)."""
+    g, b0, bw = 1.2e9, mbps_to_bytes_per_s(1000), mbps_to_bytes_per_s(200)
+    rows, het = [], []
+    rng = np.random.default_rng(0)
+    for n in (1_000, 10_000, 100_000):
+        links = np.full(n, bw)
+        t0 = time.perf_counter()
+        lay = pb.relay_layout(links, b0)
+        t = pb.relay_times(g, links, b0, layout=lay)
+        wall = time.perf_counter() - t0
+        star = pb.lower_bound(g, b0, bw, n)
+        chains = float(pb.tree_chains_times(g, links, b0).max()) if n <= 10_000 else None
+        rows.append(
+            {
+                "n": n,
+                "t_bcast_s": float(t.max()),
+                "t_star_s": star,
+                "ratio": float(t.max()) / star,
+                "chain_model_ratio": None if chains is None else chains / star,
+                "stripes": lay.stripes,
+                "depth": lay.depth(),
+                "max_degree": int(lay.degree().max()),
+                "max_children": int(lay.children().max()),
+                "learner_streams": int((lay.parent == pb.LEARNER_INDEX).sum()),
+                "model_wall_s": wall,
+            }
+        )
+        shares = np.array([m[0] for m in LINK_MIX])
+        mix = rng.choice([mbps_to_bytes_per_s(m[1]) for m in LINK_MIX], size=n, p=shares)
+        lay = pb.relay_layout(mix, b0)
+        t = pb.relay_times(g, mix, b0, layout=lay)
+        star_het = max(g / float(mix.min()), g / b0, n * g / (b0 + float(mix.sum())))
+        own = np.maximum(g / mix, g / b0)  # what each worker could get alone
+        het.append(
+            {
+                "n": n,
+                "t_bcast_s": float(t.max()),
+                "t_star_s": star_het,
+                "ratio": float(t.max()) / star_het,
+                "mean_time_over_mean_own_bound": float(t.mean() / own.mean()),
+                "stripes": lay.stripes,
+                "depth": lay.depth(),
+                "max_degree": int(lay.degree().max()),
+            }
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["n"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.plot(ns, [r["ratio"] for r in rows], "o-", label="relay trees, equal links (tree-pipelined)")
+    ax.plot(ns, [r["ratio"] for r in het], "s-", label="relay trees, link mix 60/25/15% of 200/100/1000 Mbit")
+    cn = [r for r in rows if r["chain_model_ratio"] is not None]
+    ax.plot([r["n"] for r in cn], [r["chain_model_ratio"] for r in cn], "x--", label="former chain model")
+    ax.axhline(SCALE_TARGETS["model_t_bcast_over_t_star_homogeneous_max"], color="grey", lw=0.8, ls=":")
+    ax.axhline(SCALE_TARGETS["model_t_bcast_over_t_star_heterogeneous_max"], color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("T_bcast / T* (model, last worker)")
+    ax.set_title("G = 1.2 GB, B0 = 1 Gbit/s, B_w = 200 Mbit/s, 4 MiB chunks")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "relay_tree_model.png", dpi=120)
+    plt.close(fig)
+    return {"homogeneous": rows, "heterogeneous": het, "link_mix_share_mbps": LINK_MIX}
+
+
+def plan_100k() -> dict[str, Any]:
+    """`echo2 plan speed_100k --json` as a user runs it (a fresh process), best of 3."""
+    walls, plan = [], {}
+    for _ in range(3):
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "echo2.cli",
+                "plan",
+                str(ROOT / "configs" / "sim_speed_100k.toml"),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        walls.append(time.perf_counter() - t0)
+        plan = json.loads(done.stdout)
+    return {
+        "wall_s": walls,
+        "wall_s_best": min(walls),
+        "active_workers": plan["active_workers"],
+        "t_bcast_s": plan["t_bcast_s"],
+        "t_bcast_estimates_s": plan["t_bcast_estimates_s"],
+    }
+
+
+def sim_100k() -> dict[str, Any]:
+    """configs/sim_speed_100k.toml: 100,000 fixed workers x 1,000 steps, one timed run; then the memory
+    per simulated worker: tracemalloc's peak while the marketplace and the engine's state are built
+    (a separate, untimed pass), divided by the workers."""
+    sc, _ = load_sim_scenario(str(ROOT / "configs" / "sim_speed_100k.toml"))
+    t0 = time.perf_counter()
+    s = experiments.setup(sc)
+    setup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = simulate(s.params, s.workers, s.active_ids)
+    run_s = time.perf_counter() - t0
+    sm = res.summary
+    n = len(s.workers)
+    del res, s
+    tracemalloc.start()
+    s = experiments.setup(sc)
+    _Sim(s.params, s.workers, s.active_ids)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {
+        "workers": n,
+        "active": len(s.active_ids),
+        "steps": sm["steps"],
+        "setup_s": setup_s,
+        "simulate_s": run_s,
+        "wall_s": setup_s + run_s,
+        "events": sm["events"],
+        "bubble_ratio": sm["bubble_ratio"],
+        "staleness_max": sm["staleness_max"],
+        "t_bcast_mean_s": sm["t_bcast_mean_s"],
+        "t_bcast_max_s": sm["t_bcast_max_s"],
+        "memory_peak_bytes": peak,
+        "memory_bytes_per_worker": peak / n,
+        "loadavg_1m_after": os.getloadavg()[0],
+    }
+
+
+def scale(out: Path) -> dict[str, Any]:
+    r: dict[str, Any] = {}
+    log.info("relay-tree model at 1k / 10k / 100k")
+    r["relay_model"] = relay_model(out)
+    log.info("echo2 plan on the 100k case")
+    r["plan_100k"] = plan_100k()
+    log.info("simulator: 100,000 workers x 1,000 steps")
+    r["sim_100k"] = sim_100k()
+    log.info("simulator: 1,000 x 500 (speed)")
+    r["speed"] = speed(repeats=2)
+    tg = SCALE_TARGETS
+    r["targets_fixed"] = tg
+    r["targets"] = {
+        "model_homogeneous_le_1.25": all(
+            x["ratio"] <= tg["model_t_bcast_over_t_star_homogeneous_max"]
+            for x in r["relay_model"]["homogeneous"]
+        ),
+        "model_heterogeneous_le_1.5": all(
+            x["ratio"] <= tg["model_t_bcast_over_t_star_heterogeneous_max"]
+            for x in r["relay_model"]["heterogeneous"]
+        ),
+        "plan_100k_le_5s": r["plan_100k"]["wall_s_best"] <= tg["plan_100k_wall_s_max"],
+        "sim_100k_x_1000_le_60s": r["sim_100k"]["wall_s"] <= tg["sim_100k_x_1000_wall_s_max"],
+    }
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--pools", type=int, default=1000)
     ap.add_argument("--fuzz", type=int, default=60)
+    ap.add_argument("--only", choices=("scale",), help="run only these rows (scale: internet-scale rows)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    if args.only == "scale":
+        sc_r = scale(out)
+        sc_r["benchmark_wall_s"] = time.perf_counter() - t0
+        (out / "planner_sim_scale.json").write_text(json.dumps(sc_r, indent=2))
+        print(json.dumps(sc_r["targets"], indent=2))
+        print(f"wrote {out / 'planner_sim_scale.json'} in {sc_r['benchmark_wall_s']:.0f} s")
+        return 0
     r: dict[str, Any] = {}
     log.info("paper arithmetic")
     r["paper_arithmetic"] = paper_arithmetic()
@@ -334,6 +527,7 @@ def main() -> int:
     r["paper_run"] = res.summary
     log.info("speed")
     r["speed"] = speed()
+    r["scale"] = scale(out)
 
     c3 = r["bubble"]["fig3c_bubble"]["checks"]["3"]
     fz = r["staleness_fuzz"]
@@ -350,6 +544,7 @@ def main() -> int:
         "staleness_le_S_all_runs": sweep_stale_ok and fz["max_over_S_violations"] == 0 and not fz["errors"],
         "staleness_le_conservative_bound_all_runs": fz["discrete_bound_violations"] == 0 and not fz["errors"],
         "speed_1000x500_le_15s": r["speed"]["wall_s_best"] <= 15.0,
+        **r["scale"]["targets"],
     }
     r["benchmark_wall_s"] = time.perf_counter() - t0
     (out / "planner_sim.json").write_text(json.dumps(r, indent=2))

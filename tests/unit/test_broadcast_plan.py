@@ -48,8 +48,9 @@ def test_every_worker_gets_every_chunk_from_a_tree_rooted_at_the_learner(n: int,
             _depth(src, w, i)  # terminates at the learner: no cycles, no orphans
 
 
-@pytest.mark.parametrize("n", [4, 8, 16, 32])
+@pytest.mark.parametrize("n", [4, 8])
 def test_tree_pipelined_learner_sends_each_chunk_once_and_workers_share_upload(n: int) -> None:
+    # N <= max_peers // 2: the relay trees are the former all-to-all plan (larger N: test_relay_tree.py)
     workers = [f"w{i}" for i in range(n)]
     n_chunks = 10 * n
     src = _sources(TreePipelined().plan(workers, n_chunks))

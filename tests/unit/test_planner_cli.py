@@ -39,9 +39,12 @@ def test_paper_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["staleness_bound"] == 3
     est = plan["t_bcast_estimates_s"]
     assert set(est) == {"star-unlimited", "star-limited", "tree-pipelined", "lower_bound"}
-    # 8 workers on 100 Mbit/s = 12.5 MB/s links, 16.38 GB, B0 = 62.5 MB/s -> k = 5 chains, depth 2:
-    # G/B_w + (2 - 1) x 4 MiB / B_w + 2 x 0.05 + reload 127 = 1310.4 + 0.33554 + 0.1 + 127 = 1437.836 s
-    assert est["tree-pipelined"] == pytest.approx(1310.4 + 4 * 2**20 / 12.5e6 + 0.1 + 127, rel=1e-9)
+    # 8 workers on 100 Mbit/s = 12.5 MB/s links, 16.38 GB, B0 = 62.5 MB/s -> relay trees with k = 8 stripes
+    # at r = B_w/8, depth 2 (each worker roots one stripe and feeds the 7 others). 3906 chunks of 4 MiB
+    # dealt over 8 stripes: the first two hold 489, so G_s = G x 489/3906; the last worker holds them at
+    # G_s/r + (2 - 1) x c/r + 2 x 0.05 + reload 127 = 1312.413 + 2.684 + 0.1 + 127 = 1442.197 s
+    g_s, r = 16.38e9 * 489 / 3906, 12.5e6 / 8
+    assert est["tree-pipelined"] == pytest.approx(g_s / r + 4 * 2**20 / r + 0.1 + 127, rel=1e-9)
     # Star-Limited: 8 x 16.38e9 / 62.5e6 = 2096.64 s + 127
     assert est["star-limited"] == pytest.approx(2096.64 + 127, rel=1e-9)
 

@@ -1,49 +1,237 @@
-"""Tree-Pipelined (ECHO-2): striped, chunked store-and-forward trees rooted at the learner (SPEC §4).
+"""Tree-Pipelined (ECHO-2): striped, chunked store-and-forward relay trees of bounded degree (SPEC §4).
 
-Design (see docs/broadcast.md for the derivation). The chunks are dealt round-robin into N stripes, one
-per worker; stripe ``s`` is a tree over all N workers whose root is worker ``s``:
+Design (docs/broadcast.md derives it; :func:`echo2.physics.broadcast.relay_layout` builds it, so the
+planner's and the simulator's times come from the very topology the runtime plans). The chunks are dealt
+round-robin into ``k`` stripes; stripe s is a tree over all N workers fed by the learner at its root:
 
-    order_s = workers rotated by s
-    parent(order_s[0]) = learner,  parent(order_s[j]) = order_s[(j - 1) // d]   (j >= 1)
+    k = min(N, max_peers // 2)   (links unknown: equal; echo2.physics.broadcast.relay_stripes)
+    each worker relays in one stripe (its home) to up to k children, and is a leaf in the others
 
-with fan-out ``d``. Every worker is the root of exactly one stripe and, by rotation, holds every tree
-position once, so the learner sends each chunk exactly once (G bytes over B0) and every worker uploads
-about (N-1)/N * G over its own B_w. Per link the time is therefore max(G/B0, G/B_w) = T* whenever
-B0 >= B_w; what remains is pipeline fill, which grows with the tree depth times the per-hop delay of
-one chunk (N * chunk / B_w, because N stripes share each link):
+so the learner sends each chunk once (G over B0), every worker uploads about G, holds at most
+``max_peers`` relay connections (k parents + k children), and a chunk crosses ``~log_k N`` relays.
+At N <= max_peers // 2 this is exactly the former default: N stripes, each rooted at one worker that
+forwards it to all N - 1 others (depth 2). Each relay forwards a chunk as soon as it has verified it.
 
-* d = 1 (paper-literal fan-out-1 chains, `RelayChain` with N stripes): depth N, fill ~ N^2 * chunk / B_w;
-* d = N - 1 (default, "slice + all-to-all"): depth 2, fill ~ N * chunk * (1/B0 + 1/B_w).
+Membership changes between versions (:class:`RelayTree`, the ledger's targets being the input): a
+member that left is cut out and each of its children, in every stripe, re-attached to the nearest
+ancestor with a free connection (its parent first, which just lost one; the learner last); a joiner is
+attached as a leaf under the shallowest relay with a free slot in every stripe, and becomes a relay of
+the stripe with the fewest. The tree is rebuilt only when the learner feeds more than twice the stripes.
 
-Each relay forwards a chunk as soon as it has verified it (pull streams wait on per-chunk events).
-
-Rate matching: stripe s leaves its root at the rate the root can pass it on, about B_w/N (its uplink
-is shared by N-1 children streams of 1/N of G each, over T = G/B_w). Feeding the root faster than
-that gains nothing and, while the learner streams, overloads the root's downlink (learner stream +
-N-1 peer streams > B_w), which costs TCP losses at small N. So when the publisher knows the link
-rates, each learner stream is capped at ``RATE_MATCH * B_w / N`` (and never below B0/N's fair share
+Rate matching: stripe s leaves its root at about B_w/k (the root's uplink carries its k children's
+streams of 1/k of G each). Feeding the root faster gains nothing and, while the learner streams,
+overloads the root's downlink, which costs TCP losses at small N. So when the publisher knows the link
+rates, each learner stream is capped at ``RATE_MATCH * B_w / k`` (and never below B0/k's fair share
 when B0 < B_w, where the learner link is the bottleneck anyway).
 
-Predicted times (planner and simulator): :mod:`echo2.physics.broadcast`, whose chain model covers
-``relay-chain`` (one chain) and ``tree-chains`` / ``tree-pipelined`` (k striped chains).
+``tree-chains`` (fan-out-1 rotated chains) and ``relay-chain`` (one chain) keep the rotated-stripe plan
+of :func:`striped_tree_plan`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from echo2.broadcast.strategy import LEARNER, Assignment, Plan
-from echo2.physics.broadcast import StrategyName
+from echo2.errors import ConfigError
+from echo2.physics.broadcast import DEFAULT_MAX_PEERS, StrategyName, relay_layout, relay_stripes
 
-RATE_MATCH = 1.1  # learner stripe streams run this much above B_w/N (slack for jitter)
+RATE_MATCH = 1.1  # learner stripe streams run this much above B_w/k (slack for jitter)
 
 
-def matched_stream_rate(n: int, b0: float, bw: float) -> float | None:
-    """Per-stripe learner stream cap in bytes/s (None when a cap cannot help: N = 1)."""
-    if n <= 1:
+def matched_stream_rate(n: int, b0: float, bw: float, stripes: int | None = None) -> float | None:
+    """Per-stripe learner stream cap in bytes/s for ``stripes`` = k stripes (default N, the rotated
+    plans); None when a cap cannot help (one stripe)."""
+    k = n if stripes is None else stripes
+    if k <= 1:
         return None
-    return max(RATE_MATCH * bw / n, b0 / n) if b0 < bw else RATE_MATCH * bw / n
+    return max(RATE_MATCH * bw / k, b0 / k) if b0 < bw else RATE_MATCH * bw / k
+
+
+class RelayTree:
+    """Striped relay trees over a changing membership; :meth:`plan` turns them into pulls.
+
+    Built by :func:`echo2.physics.broadcast.relay_layout` (links unknown: all equal), then kept across
+    versions: :meth:`remove` repairs a departed member's subtrees from its ancestors, :meth:`add`
+    attaches a joiner without touching anyone else's parent. No member ever holds more than
+    ``max_peers`` relay connections (:meth:`degree`)."""
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        max_peers: int = DEFAULT_MAX_PEERS,
+        links: Mapping[str, float] | None = None,
+        b0: float | None = None,
+    ) -> None:
+        if len(set(workers)) != len(workers):
+            raise ConfigError("relay tree members must be unique")
+        self.max_peers = max_peers
+        ids = list(workers)
+        n = len(ids)
+        self.stripes = 1
+        self.parent: list[dict[str, str]] = []  # per stripe: member -> its source (LEARNER for a root)
+        self.children: list[dict[str, list[str]]] = []  # per stripe: source -> members it feeds
+        self.capacity: dict[str, int] = {}  # children a member may serve over all stripes
+        self.home: dict[str, int] = {}  # the stripe a member relays in (-1: a leaf everywhere)
+        self.repairs = 0  # children re-attached after a departure (cumulative)
+        if n == 0:
+            return
+        b = np.array([links[w] for w in ids] if links else np.ones(n), dtype=float)
+        lay = relay_layout(b, float(b0) if b0 else float(np.median(b)), max_peers)
+        self.stripes = lay.stripes
+        for s in range(lay.stripes):
+            par = {ids[i]: (LEARNER if p < 0 else ids[p]) for i, p in enumerate(lay.parent[s].tolist())}
+            kids: dict[str, list[str]] = {}
+            for i in lay.order[s].tolist():  # breadth first: children listed shallowest first
+                kids.setdefault(par[ids[i]], []).append(ids[i])
+            self.parent.append(par)
+            self.children.append(kids)
+        self.capacity = {w: int(c) for w, c in zip(ids, lay.capacity.tolist(), strict=True)}
+        self.home = {w: int(h) for w, h in zip(ids, lay.home.tolist(), strict=True)}
+
+    @property
+    def members(self) -> list[str]:
+        return list(self.parent[0]) if self.parent else []
+
+    def out_degree(self, w: str) -> int:
+        """Children ``w`` serves over all stripes (its upload streams)."""
+        return sum(len(kids.get(w, ())) for kids in self.children)
+
+    def degree(self, w: str) -> int:
+        """Relay connections of ``w``: distinct peer sources plus distinct peers it feeds."""
+        srcs = {par[w] for par in self.parent} - {LEARNER}
+        kids = {c for kids in self.children for c in kids.get(w, ())}
+        return len(srcs) + len(kids)
+
+    def learner_streams(self) -> int:
+        """Members the learner feeds directly, over all stripes (k in a fresh tree)."""
+        return sum(len(kids.get(LEARNER, ())) for kids in self.children)
+
+    def depth(self) -> int:
+        """Hops from the learner to the deepest member over all stripes."""
+        best = 0
+        for par in self.parent:
+            memo: dict[str, int] = {LEARNER: 0}
+            for w in par:
+                chain = []
+                x = w
+                while x not in memo:
+                    chain.append(x)
+                    x = par[x]
+                d = memo[x]
+                for y in reversed(chain):
+                    d += 1
+                    memo[y] = d
+            best = max(best, max(memo.values()))
+        return best
+
+    def _free(self, w: str) -> bool:
+        return w == LEARNER or self.degree(w) < self.max_peers
+
+    def remove(self, w: str) -> None:
+        """Cut ``w`` out; in each stripe its children re-attach to the nearest ancestor of ``w`` with a
+        free connection (its parent first: it just lost one), else to the learner."""
+        if not self.parent or w not in self.parent[0]:
+            return
+        cut = []  # per stripe: (its former source, its children), after w is gone from every stripe
+        for par, kids in zip(self.parent, self.children, strict=True):
+            up = par.pop(w)
+            kids[up].remove(w)
+            orphans = kids.pop(w, [])
+            for child in orphans:
+                par[child] = LEARNER  # until re-attached: w no longer counts as its connection
+            cut.append((up, orphans))
+        for (up, orphans), par, kids in zip(cut, self.parent, self.children, strict=True):
+            for child in orphans:
+                src = self._adopter(par, kids, child, up)
+                par[child] = src
+                kids.setdefault(src, []).append(child)
+                self.repairs += 1
+        self.capacity.pop(w, None)
+        self.home.pop(w, None)
+
+    def _adopter(self, par: dict[str, str], kids: dict[str, list[str]], child: str, up: str) -> str:
+        """The new source of an orphaned ``child`` in one stripe: the nearest ancestor of the departed member
+        with a free slot and connection (``up`` first), else the shallowest member with a free child slot
+        outside the child's own subtree (the departed member's parents in the other stripes each freed
+        one), else the learner."""
+        anc = up
+        while anc != LEARNER:
+            if self._can_adopt(anc, child):
+                return anc
+            anc = par[anc]
+        queue, i = list(kids.get(LEARNER, ())), 0
+        while i < len(queue):
+            x = queue[i]
+            i += 1
+            if x != child:  # the child's subtree is never entered: a cycle is impossible
+                if self._can_adopt(x, child):
+                    return x
+                queue.extend(kids.get(x, ()))
+        return LEARNER
+
+    def _can_adopt(self, x: str, child: str) -> bool:
+        return self.out_degree(x) < self.capacity.get(x, 0) and self._free(x) and self._connects(child, x)
+
+    def _connects(self, child: str, source: str) -> bool:
+        """Whether ``child`` may take one more source without exceeding its own degree cap (a source it
+        already pulls from costs no new connection)."""
+        if source == LEARNER or any(par.get(child) == source for par in self.parent):
+            return True
+        return self.degree(child) < self.max_peers
+
+    def add(self, w: str) -> None:
+        """Attach ``w`` as a leaf in every stripe under the shallowest member with a free child slot and
+        a free connection (else the learner); it relays in the stripe with the fewest relays."""
+        if not self.parent:
+            self.__dict__.update(RelayTree([w], self.max_peers).__dict__)
+            return
+        if w in self.parent[0]:
+            return
+        counts = [0] * self.stripes
+        for h in self.home.values():
+            if h >= 0:
+                counts[h] += 1
+        self.home[w] = counts.index(min(counts))
+        self.capacity[w] = min(self.stripes, self.max_peers - self.stripes)
+        for par, kids in zip(self.parent, self.children, strict=True):
+            src = self._shallowest_free(par, kids)
+            par[w] = src
+            kids.setdefault(src, []).append(w)
+
+    def _shallowest_free(self, par: dict[str, str], kids: dict[str, list[str]]) -> str:
+        queue, i = list(kids.get(LEARNER, ())), 0
+        while i < len(queue):
+            x = queue[i]
+            i += 1
+            if self.out_degree(x) < self.capacity.get(x, 0) and self._free(x):
+                return x
+            queue.extend(kids.get(x, ()))
+        return LEARNER
+
+    def plan(self, n_chunks: int) -> Plan:
+        """Chunk i travels stripe ``i % k``: each member pulls a stripe's chunks from its source there."""
+        k = self.stripes
+        pulls: dict[str, dict[str, list[int]]] = {w: {} for w in self.members}
+        for s, par in enumerate(self.parent):
+            stripe = list(range(s, n_chunks, k))
+            if not stripe:
+                continue
+            for w, src in par.items():
+                pulls[w].setdefault(src, []).extend(stripe)
+        out: Plan = {}
+        for w, by_src in pulls.items():
+            items = sorted(by_src.items(), key=lambda kv: (kv[0] != LEARNER, kv[0]))
+            out[w] = tuple(Assignment(src, tuple(sorted(ch))) for src, ch in items)
+        return out
+
+
+@dataclass
+class _TreeCache:
+    tree: RelayTree | None = None  # the relay trees of the last plan, kept for the next version
 
 
 def striped_tree_plan(
@@ -73,18 +261,38 @@ def striped_tree_plan(
 
 @dataclass(frozen=True)
 class TreePipelined:
-    """ECHO-2 peer-assisted pipelined broadcast; ``fanout=0`` means N-1 (depth-2 trees, the default)."""
+    """ECHO-2 peer-assisted pipelined broadcast over bounded-degree striped relay trees (:class:`RelayTree`),
+    kept across versions: members that left are repaired around, joiners attached."""
 
     name: StrategyName = "tree-pipelined"  # registry key
     learner_uplink_capped: bool = True  # the learner uplink is capped at B0 on the harness
-    fanout: int = 0  # children per relay in each stripe tree; 0 = all other workers, 1 = chains
+    max_peers: int = DEFAULT_MAX_PEERS  # relay connections per worker: k parents + max_peers - k children
+    _cache: _TreeCache = field(default_factory=_TreeCache, compare=False, repr=False)  # last version's trees
+
+    def tree(self, workers: Sequence[str]) -> RelayTree:
+        """The relay trees for ``workers``: last version's, repaired and extended, or a fresh build when
+        none fits (first version, all members changed, or the learner feeds more than twice the stripes)."""
+        old = self._cache.tree
+        now = set(workers)
+        if old is not None and old.members and now & set(old.members):
+            for w in [m for m in old.members if m not in now]:
+                old.remove(w)
+            for w in workers:
+                old.add(w)
+            if old.learner_streams() <= 2 * old.stripes and old.stripes == relay_stripes(
+                np.ones(len(workers)), 1.0, self.max_peers
+            ):
+                return old
+        self._cache.tree = RelayTree(workers, self.max_peers)
+        return self._cache.tree
 
     def plan(self, workers: Sequence[str], n_chunks: int) -> Plan:
-        d = self.fanout if self.fanout > 0 else max(1, len(workers) - 1)
-        return striped_tree_plan(workers, n_chunks, d)
+        if not workers:
+            return {}
+        return self.tree(workers).plan(n_chunks)
 
     def learner_stream_rate(self, n: int, b0: float, bw: float) -> float | None:
-        return matched_stream_rate(n, b0, bw)
+        return matched_stream_rate(n, b0, bw, relay_stripes(np.ones(max(1, n)), 1.0, self.max_peers))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from echo2.errors import InfeasibleError
 from echo2.physics import broadcast
 from echo2.physics.rules import bubble_ratio
 from echo2.planner import capacity
-from echo2.planner.activation import Activation, activate, expand_catalog
+from echo2.planner.activation import Activation, Candidate, activate, expand_catalog
 from echo2.planner.catalog import PlanScenario
 
 # the strategies the plan reports estimates for: the three of SPEC section 4 plus the scenario's own
@@ -55,8 +55,21 @@ def _choose(sc: PlanScenario, kappa: int, t_bcast: float) -> tuple[float, Activa
         kappa=kappa, t_train=sc.learner.t_train, t_bcast=t_bcast, rollouts=sc.batch.rollouts
     )
     target = capacity.mu_target(mu_min, sc.staleness.gamma)
-    cands = expand_catalog((w.name, w.usd_per_hour, w.rollouts_per_s, w.count) for w in sc.workers)
-    return mu_min, activate(sc.activation, cands, target)
+    return mu_min, activate(sc.activation, _candidates(sc, target), target)
+
+
+def _candidates(sc: PlanScenario, target: float) -> list[Candidate]:
+    """The catalog as candidates. Workers of one type are interchangeable, and no policy but ``random``
+    ever takes more than ``ceil(target/mu) + 1`` of a type (one fewer still reaches the target, and the
+    prune step releases it), so for those policies each type is cut to that many: a 200,000-worker
+    catalog plans as fast as a 1,000-worker one, with the same counts by type."""
+    rows = []
+    for w in sc.workers:
+        n = w.count
+        if sc.activation != "random":
+            n = min(n, math.ceil(target / w.rollouts_per_s) + 1)
+        rows.append((w.name, w.usd_per_hour, w.rollouts_per_s, n))
+    return expand_catalog(rows)
 
 
 def make_plan(sc: PlanScenario) -> dict[str, Any]:

@@ -37,6 +37,9 @@ class SimSection(_Model):
     fixed_workers: dict[str, int] | None = None  # type -> count active at t=0; None: the plan's set
     control_interval_s: float = Field(default=30.0, gt=0)  # heartbeat + decision period
     controller: bool = False  # run the closed-loop controller with the [controller] thresholds
+    # backpressure: no new group while stored + in flight >= this x R (the runtime's max_inflight_batches)
+    buffer_steps: float | None = Field(default=None, gt=0)
+    record_metrics: bool = True  # keep the per-step metric dicts (off for scale runs)
 
 
 class ChurnSection(_Model):

@@ -28,7 +28,13 @@ longest group and longest wait of a taken group in the FIFO store. SPEC section 
 asserted.
 
 SimPy was not used: every process here is a one-shot timer, and a bare ``heapq`` loop runs the
-1,000-worker x 500-step case several times faster than generator processes would.
+1,000-worker x 500-step case several times faster than generator processes would. At 100,000 workers
+nothing may touch every worker at every step, so: a publication is one vectorised computation and one
+close event (each worker's install time sits in an array; a worker applies the installs due by now
+when it next acts, and an event wakes it only if it is waiting for one: lazy installs); workers held
+back by backpressure wait in a FIFO queue; the pool's rate and size are kept as running sums. The
+controller's heartbeats and the churn's leaves remain per worker (the controller observes every
+active worker each ``control_interval_s``).
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from echo2.planner.controller import Heartbeat, PoolController
 
 log = logging.getLogger(__name__)
 
-_DONE, _TRAINED, _INSTALL, _CONTROL, _LEAVE, _JOIN = range(6)
+_DONE, _TRAINED, _WAKE, _CLOSE, _UNBLOCK, _CONTROL, _LEAVE, _JOIN = range(8)
 
 
 class SimulationInvariantError(AssertionError):
@@ -134,14 +140,25 @@ class SimParams:
 @dataclass
 class _W:
     spec: SimWorker
+    idx: int  # row of this worker in the engine's per-worker arrays
     active: bool = False
     present: bool = True
-    installed: int = -1  # newest installed version, -1: none
-    awaiting: int = -1  # version being received (pause mode blocks generation while > installed)
     busy: bool = False
     token: int = 0  # bumps on release/leave: invalidates in-flight events
+    wake_at: float = math.inf  # a pending wake-up for an install it waits for (inf: none)
     rollouts_since: int = 0
     busy_since: float = 0.0
+
+
+@dataclass
+class _Pub:
+    """One publication: every target's install time in one array (lazy installs: nothing per worker)."""
+
+    version: int  # the policy version published
+    t0: float  # publication time
+    targets: np.ndarray  # worker rows targeted (active and present at publication)
+    due: np.ndarray  # (rows,) absolute install time per worker row; inf: not a target
+    cancelled: set[int] = field(default_factory=set)  # rows released meanwhile: their install is void
 
 
 @dataclass
@@ -162,9 +179,22 @@ class _Sim:
     def __init__(self, p: SimParams, workers: Sequence[SimWorker], active_ids: Sequence[str]) -> None:
         self.p = p
         self.rng = random.Random(p.seed)
-        self.ws: dict[str, _W] = {w.worker_id: _W(w) for w in workers}
+        self.ws: dict[str, _W] = {w.worker_id: _W(w, i) for i, w in enumerate(workers)}
         if len(self.ws) != len(workers):
             raise ConfigError("worker ids must be unique")
+        self.rows: list[_W] = list(self.ws.values())  # row -> worker
+        self.specs: list[SimWorker] = list(workers)  # join templates
+        # per-worker arrays (grown by doubling when workers join)
+        size = max(16, len(workers))
+        self.inst = np.full(size, -1, dtype=np.int64)  # newest installed version (-1: none)
+        self.links = np.zeros(size)  # B_i, bytes/s
+        self.links[: len(workers)] = [w.link_bytes_per_s for w in workers]
+        self.on = np.zeros(size, dtype=bool)  # active and present: the targets of a publication
+        self.left_at = np.full(size, math.inf)  # when a worker left (inf: present)
+        self.private: dict[int, tuple[int, float]] = {}  # row -> (version, due) of a direct download
+        self.open: list[_Pub] = []  # publications not yet installed everywhere, oldest first
+        self.n_active = 0  # workers active (billed)
+        self.rate_counts: dict[float, int] = {}  # mu_i -> active and present workers of that rate
         for w in active_ids:
             if w not in self.ws:
                 raise ConfigError(f"unknown worker id {w!r} in the initial active set")
@@ -182,18 +212,23 @@ class _Sim:
         self.wait_max = 0.0  # longest a taken group sat in the store (for the FIFO staleness invariant)
         self.store_total = 0
         self.in_flight = 0  # rollouts of groups being generated
-        self.blocked: set[str] = set()  # idle workers held back by backpressure
+        # idle workers held back by backpressure, first come first served: rows and enqueue tickets
+        self.bq = np.empty(size, dtype=np.int64)
+        self.bq_seq = np.empty(size, dtype=np.int64)
+        self.bq_n = 0
+        self.ticket = np.full(size, -1, dtype=np.int64)  # row -> its live ticket in the queue (-1: none)
+        self.n_tickets = 0
+        self.priv_due = np.zeros(size)  # due time of a row's direct download (0: none)
+        self.unblock_at = math.inf  # a pending _UNBLOCK event
         self.cap = math.inf if p.buffer_steps is None else p.buffer_steps * p.rollouts_per_step
         self.admitted = 0
         self.dropped = 0
         self.batch_stats = (0, 0.0)
-        # broadcast bookkeeping: version -> (publication time, expected installs, times)
-        self.pubs: dict[int, tuple[float, int, list[float]]] = {}
         self.t_bcast: list[float] = []
         self.install_p90: list[float] = []
         self.t_bcast_all: list[float] = []
         self.group_s_max = 0.0  # longest group generation seen (for the discrete staleness bound)
-        self.bcast_cache: dict[tuple[str, float, bytes], np.ndarray] = {}
+        self.bcast_cache: dict[tuple[Any, ...], np.ndarray] = {}
         self.n_pubs = 0  # publications so far (anchors and patches alternate by count)
         # cost
         self.rate_usd_h = p.learner_usd_per_hour
@@ -220,8 +255,7 @@ class _Sim:
                 self.ctl.add_candidate(self._cand(w.spec))
             self.ctl.activate_initial(active_ids, 0.0)
         for wid in active_ids:
-            w = self.ws[wid]
-            self._activate(w, installed=0)
+            self._activate(self.ws[wid], installed=0)
 
     # ---- helpers ------------------------------------------------------------------------------------
     @staticmethod
@@ -236,44 +270,90 @@ class _Sim:
         self.usd += self.rate_usd_h * (self.now - self.last_bill) / 3600.0
         self.last_bill = self.now
 
+    def _pool_add(self, w: _W, sign: int) -> None:
+        """Running pool sums: ``sign`` = +1 when w becomes active and present, -1 when it stops being."""
+        r = w.spec.rollouts_per_s
+        self.rate_counts[r] = self.rate_counts.get(r, 0) + sign
+        self.on[w.idx] = sign > 0
+
     def _activate(self, w: _W, installed: int) -> None:
         self._bill()
         w.active = True
+        self.n_active += 1
+        self._pool_add(w, +1)
         self.rate_usd_h += w.spec.usd_per_hour
         if self.p.churn_mean_lifetime_s:
             self._push(self.now + self.rng.expovariate(1 / self.p.churn_mean_lifetime_s), _LEAVE, w, w.token)
         if installed >= 0:
-            w.installed = installed
+            self.inst[w.idx] = max(int(self.inst[w.idx]), installed)
             self._start(w)
         else:  # fetch the newest snapshot straight from the learner
             v = self._published()
-            w.awaiting = v
             dt = float(star_unlimited_times(self.p.snapshot_bytes, [w.spec.link_bytes_per_s])[0])
-            self._push(self.now + dt + self.p.reload_s, _INSTALL, w, v)
+            self.private[w.idx] = (v, self.now + dt + self.p.reload_s)
+            self.priv_due[w.idx] = self.now + dt + self.p.reload_s
+            self._start(w)  # it waits for that download: schedules its wake-up
 
     def _deactivate(self, w: _W) -> None:
         if not w.active:
             return
         self._bill()
         w.active = False
+        self.n_active -= 1
+        if w.present:
+            self._pool_add(w, -1)
         if w.busy:
             self.in_flight -= self.p.group_size
         w.busy = False
         w.token += 1
-        self.blocked.discard(w.spec.worker_id)
+        w.wake_at = math.inf
+        for pub in self.open:  # a released worker drops what it was receiving (it re-downloads if recalled)
+            pub.cancelled.add(w.idx)
+        self.ticket[w.idx] = -1  # its entry in the queue is void
         self.rate_usd_h -= w.spec.usd_per_hour
 
     def _published(self) -> int:
         return (self.version // self.p.kappa) * self.p.kappa
 
+    def _sync(self, w: _W) -> tuple[int, float]:
+        """Apply the installs due by now to w (lazy installs); returns the newest version it still waits
+        for and when it will hold it, ``(-1, inf)`` if none."""
+        i = w.idx
+        have = int(self.inst[i])
+        wait_v, wait_t = -1, math.inf
+        for pub in self.open:
+            if pub.version <= have or i in pub.cancelled:
+                continue
+            due = float(pub.due[i])
+            if due <= self.now:
+                have = pub.version
+            elif due < math.inf:
+                wait_v, wait_t = pub.version, due
+        got = self.private.get(i)
+        if got is not None:
+            v, due = got
+            if due <= self.now:
+                have = max(have, v)
+                del self.private[i]
+                self.priv_due[i] = 0.0
+            elif v > have and v > wait_v:
+                wait_v, wait_t = v, due
+        self.inst[i] = have
+        return (wait_v, wait_t) if wait_v > have else (-1, math.inf)
+
     def _start(self, w: _W) -> None:
-        if not w.active or w.busy or w.installed < 0:
+        if not w.active or w.busy:
             return
-        if not self.p.overlap_generation and w.awaiting > w.installed:
+        wait_v, wait_t = self._sync(w)
+        installed = int(self.inst[w.idx])
+        if installed < 0 or (not self.p.overlap_generation and wait_v > installed):
+            if wait_t < w.wake_at:  # wake it when the install it waits for is due
+                w.wake_at = wait_t
+                self._push(wait_t, _WAKE, w, w.token)
             return
         p = self.p
         if self.store_total + self.in_flight >= self.cap:
-            self.blocked.add(w.spec.worker_id)
+            self._enqueue(w.idx)
             return
         self.in_flight += p.group_size
         mult = math.exp(self.rng.gauss(self.ln_mu, p.noise_sigma)) if p.noise_sigma > 0 else 1.0
@@ -283,7 +363,60 @@ class _Sim:
         w.busy = True
         if dur > self.group_s_max:
             self.group_s_max = dur
-        self._push(self.now + dur, _DONE, (w, w.installed, dur), w.token)
+        self._push(self.now + dur, _DONE, (w, installed, dur), w.token)
+
+    def _enqueue(self, row: int) -> None:
+        if self.ticket[row] >= 0:
+            return
+        if self.bq_n >= self.bq.size:
+            self.bq = np.concatenate([self.bq, np.empty(self.bq.size, dtype=np.int64)])
+            self.bq_seq = np.concatenate([self.bq_seq, np.empty(self.bq_seq.size, dtype=np.int64)])
+        self.bq[self.bq_n] = row
+        self.bq_seq[self.bq_n] = self.ticket[row] = self.n_tickets
+        self.n_tickets += 1
+        self.bq_n += 1
+
+    def _waiting_until(self, rows: np.ndarray) -> np.ndarray:
+        """Vectorised over queued rows: when each can generate (<= now: now; inf: no version yet)."""
+        inst = self.inst[rows]
+        newest = np.full(rows.size, -math.inf)  # due of the newest publication targeting the row
+        have = inst >= 0
+        for pub in self.open:
+            d = pub.due[rows]
+            targeted = (d < math.inf) & (pub.version > inst)
+            newest = np.where(targeted, d, newest)
+            have |= d <= self.now
+        ready_at = newest if not self.p.overlap_generation else np.where(have, -math.inf, newest)
+        ready_at = np.maximum(ready_at, self.priv_due[rows])
+        return np.where(have | (ready_at > self.now), ready_at, math.inf)
+
+    def _unblock(self) -> None:
+        """Start held-back workers while the backpressure cap allows: the longest-queued of those that
+        hold their newest snapshot first (one vectorised pass over the queue, not one event per worker);
+        if some wait for an install, look again when the first of those is due."""
+        free = self.cap - (self.store_total + self.in_flight)
+        if self.bq_n == 0 or free <= 0:
+            return
+        rows, seqs = self.bq[: self.bq_n], self.bq_seq[: self.bq_n]
+        valid = self.ticket[rows] == seqs
+        ready_at = self._waiting_until(rows)
+        ready = valid & (ready_at <= self.now)
+        take = np.flatnonzero(ready)[: math.ceil(free / self.p.group_size)]
+        keep = valid.copy()
+        keep[take] = False
+        later = keep & (ready_at < math.inf) & (ready_at > self.now)
+        if take.size < math.ceil(free / self.p.group_size) and later.any():
+            t = float(ready_at[later].min())
+            if t < self.unblock_at:
+                self.unblock_at = t
+                self._push(t, _UNBLOCK, None)
+        started = rows[take].tolist()
+        m = int(keep.sum())
+        self.bq[:m], self.bq_seq[:m] = rows[keep], seqs[keep]
+        self.bq_n = m
+        self.ticket[started] = -1
+        for row in started:
+            self._start(self.rows[row])
 
     # ---- learner ------------------------------------------------------------------------------------
     def _deliver(self, version: int) -> None:
@@ -302,10 +435,7 @@ class _Sim:
             self.dropped += c
         if stale:
             self.fifo = deque(grp for grp in self.fifo if grp[0] in self.store)
-        if self.blocked and self.store_total + self.in_flight < self.cap:
-            for wid in sorted(self.blocked):
-                self.blocked.discard(wid)
-                self._start(self.ws[wid])
+        self._unblock()
 
     def _try_train(self) -> None:
         if not self.waiting or self.step >= self.p.steps:
@@ -325,10 +455,7 @@ class _Sim:
             stale_sum += (self.version - v) * g
             self.wait_max = max(self.wait_max, self.now - arrived)
         self.store_total -= r
-        if self.blocked:
-            for wid in sorted(self.blocked):
-                self.blocked.discard(wid)
-                self._start(self.ws[wid])
+        self._unblock()
         delta = self.version - oldest
         if delta > self.p.staleness:
             raise SimulationInvariantError(
@@ -348,10 +475,10 @@ class _Sim:
         idle = self.idle_per_step[-1]
         length = self.now - self.step_start
         self.step_len.append(length)
-        mu_pool = math.fsum(w.spec.rollouts_per_s for w in self.ws.values() if w.active and w.present)
+        mu_pool = math.fsum(r * c for r, c in self.rate_counts.items())
         self.mu_pool_per_step.append(mu_pool)
         if p.record_metrics:
-            n_active = sum(1 for w in self.ws.values() if w.active)
+            n_active = self.n_active
             m: dict[str, Any] = {
                 "step": self.step,
                 "time_s": self.now,
@@ -388,51 +515,50 @@ class _Sim:
 
     def _publish(self) -> None:
         p, v = self.p, self.version
-        targets = [w for w in self.ws.values() if w.active and w.present]
-        if not targets:
+        n_rows = len(self.rows)
+        targets = np.flatnonzero(self.on[:n_rows])
+        if targets.size == 0:
             return
-        links = np.array([w.spec.link_bytes_per_s for w in targets])
+        links = self.links[targets]
         size = p.snapshot_bytes  # an anchor; with deltas every other publication is a patch
         if p.patch_ratio is not None and self.n_pubs % p.anchor_every:
             size = p.patch_ratio * p.snapshot_bytes
         self.n_pubs += 1
-        key = (p.strategy, size, np.sort(links).tobytes())
+        order = np.argsort(links, kind="stable")
+        lo, hi = float(links[order[0]]), float(links[order[-1]])
+        # equal links: the key needs no sort of the links (a 100,000-worker pool publishes in O(N))
+        key = (p.strategy, size, links.size, lo) if lo == hi else (p.strategy, size, links[order].tobytes())
         cached = self.bcast_cache.get(key)
         if cached is None:
-            order = np.argsort(links, kind="stable")
-            times_sorted = completion_times(
+            cached = completion_times(
                 p.strategy, size, links[order], p.b0_bytes_per_s, p.chunk_bytes, p.hop_latency_s
             )
-            cached = times_sorted
             self.bcast_cache[key] = cached
-        order = np.argsort(links, kind="stable")
-        times = np.empty(len(targets))
-        times[order] = cached
-        self.pubs[v] = (self.now, len(targets), [])
-        for w, dt in zip(targets, times.tolist(), strict=True):
-            w.awaiting = v
-            self._push(self.now + dt + p.reload_s, _INSTALL, w, v)
+        due = np.full(self.inst.size, math.inf)
+        due[targets[order]] = self.now + cached + p.reload_s
+        self.open.append(_Pub(v, self.now, targets, due))
+        self._push(self.now + float(cached[-1]) + p.reload_s, _CLOSE, self.open[-1])
+        # workers waiting for nothing but generation are stopped lazily, when they next act
 
-    def _close_pub_if_done(self, v: int) -> None:
-        _t0, n, got = self.pubs[v]
-        if len(got) < n:
+    def _close(self, pub: _Pub) -> None:
+        """Every target's install is due: record T_bcast over those that did not leave before theirs,
+        and mark the version installed on every present target."""
+        due = pub.due[pub.targets]
+        got = np.sort(due[self.left_at[pub.targets] >= due]) - pub.t0
+        present = pub.targets[self.on[pub.targets]]
+        if pub.cancelled:
+            present = present[~np.isin(present, list(pub.cancelled))]
+        self.inst[present] = np.maximum(self.inst[present], pub.version)
+        self.open.remove(pub)
+        k = got.size
+        if not k:
             return
-        del self.pubs[v]
-        if not got:
-            return
-        got.sort()
-        k = len(got)
-        self.t_bcast.append(got[install_quorum(k, self.p.gamma) - 1])  # fraction q = 1/gamma installed
-        self.t_bcast_all.append(got[-1])  # dissemination complete: the last worker installed
-        self.install_p90.append(got[max(0, math.ceil(0.9 * k) - 1)])
+        self.t_bcast.append(float(got[install_quorum(k, self.p.gamma) - 1]))  # fraction q = 1/gamma
+        self.t_bcast_all.append(float(got[-1]))  # dissemination complete: the last worker installed
+        self.install_p90.append(float(got[max(0, math.ceil(0.9 * k) - 1)]))
 
-    def _install(self, w: _W, v: int) -> None:
-        if v in self.pubs and w.present:
-            self.pubs[v][2].append(self.now - self.pubs[v][0])
-            self._close_pub_if_done(v)
-        if not (w.active and w.present) or v <= w.installed:
-            return
-        w.installed = v
+    def _wake(self, w: _W) -> None:
+        w.wake_at = math.inf
         self._start(w)
 
     # ---- control and churn --------------------------------------------------------------------------
@@ -459,16 +585,13 @@ class _Sim:
         self.left += 1
         self._deactivate(w)
         w.present = False
-        for v in list(self.pubs):  # it will never report this install: stop waiting for it
-            t0, n, got = self.pubs[v]
-            if w.awaiting >= v > w.installed:
-                self.pubs[v] = (t0, n - 1, got)
-                self._close_pub_if_done(v)
+        self.left_at[w.idx] = self.now  # its pending installs never happen: _close leaves them out
+        self.private.pop(w.idx, None)
+        self.priv_due[w.idx] = 0.0
 
     def _join(self) -> None:
         assert self.p.join_interval_s is not None
-        specs = [w.spec for w in self.ws.values()]
-        tmpl = specs[self.rng.randrange(len(specs))]
+        tmpl = self.specs[self.rng.randrange(len(self.specs))]
         self.joined += 1
         spec = SimWorker(
             f"{tmpl.type_name}-join{self.joined}",
@@ -477,7 +600,22 @@ class _Sim:
             tmpl.rollouts_per_s,
             tmpl.link_bytes_per_s,
         )
-        self.ws[spec.worker_id] = _W(spec)
+        row = len(self.rows)
+        if row >= self.inst.size:  # grow the per-worker arrays by doubling
+            extra = self.inst.size
+            self.inst = np.concatenate([self.inst, np.full(extra, -1, dtype=np.int64)])
+            self.links = np.concatenate([self.links, np.zeros(extra)])
+            self.on = np.concatenate([self.on, np.zeros(extra, dtype=bool)])
+            self.left_at = np.concatenate([self.left_at, np.full(extra, math.inf)])
+            self.ticket = np.concatenate([self.ticket, np.full(extra, -1, dtype=np.int64)])
+            self.priv_due = np.concatenate([self.priv_due, np.zeros(extra)])
+            for pub in self.open:
+                pub.due = np.concatenate([pub.due, np.full(extra, math.inf)])
+        self.links[row] = spec.link_bytes_per_s
+        w = _W(spec, row)
+        self.ws[spec.worker_id] = w
+        self.rows.append(w)
+        self.specs.append(spec)
         if self.ctl is not None:
             self.ctl.add_candidate(self._cand(spec))
         self._push(self.now + self.rng.expovariate(1 / self.p.join_interval_s), _JOIN, None)
@@ -518,8 +656,14 @@ class _Sim:
                     self._try_train()
             elif kind == _TRAINED:
                 self._trained()
-            elif kind == _INSTALL:
-                self._install(obj, token)
+            elif kind == _WAKE:
+                if token == obj.token:
+                    self._wake(obj)
+            elif kind == _CLOSE:
+                self._close(obj)
+            elif kind == _UNBLOCK:
+                self.unblock_at = math.inf
+                self._unblock()
             elif kind == _CONTROL:
                 self._control()
             elif kind == _LEAVE:
@@ -590,7 +734,7 @@ class _Sim:
             "t_bcast_max_s": t_bcast_max if self.t_bcast else None,
             "usd_total": self.usd,
             "usd_per_step_steady": usd_steady,
-            "active_workers_final": sum(1 for w in self.ws.values() if w.active),
+            "active_workers_final": self.n_active,
             "mu_pool_min": mu_min_obs,
             "controller_decisions": self.ctl.decisions_made if self.ctl else 0,
             "workers_joined": self.joined,

@@ -101,6 +101,8 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         control_interval_s=sc.sim.control_interval_s,
         churn_mean_lifetime_s=sc.churn.mean_lifetime_s,
         join_interval_s=sc.churn.join_interval_s,
+        buffer_steps=sc.sim.buffer_steps,
+        record_metrics=sc.sim.record_metrics,
     )
     return Setup(params, workers, active, plan)
 

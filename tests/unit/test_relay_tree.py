@@ -1,0 +1,198 @@
+"""Tree-Pipelined's bounded-degree striped relay trees (echo2.broadcast.pipelined.RelayTree): the runtime
+plans the topology the physics model times, with every chunk once from the learner, no member above the
+degree cap, depth ~log_k N, churn repaired from ancestors and joiners attached; and a 1,000-peer plan run
+in-process on the in-memory hub's signed manifest installs everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.pipelined import RelayTree, TreePipelined
+from echo2.broadcast.strategy import LEARNER, Plan
+from echo2.physics import broadcast as pb
+from echo2.weights.manifest import blob_ok, chunk_ok, new_signing_key, verify_manifest
+
+
+def _sources(plan: Plan) -> dict[tuple[str, int], str]:
+    out: dict[tuple[str, int], str] = {}
+    for w, pulls in plan.items():
+        for a in pulls:
+            for i in a.chunks:
+                assert (w, i) not in out, f"{w} pulls chunk {i} twice"
+                out[(w, i)] = a.source
+    return out
+
+
+def _depth(src: dict[tuple[str, int], str], w: str, i: int) -> int:
+    d = 0
+    while w != LEARNER:
+        w = src[(w, i)]
+        d += 1
+        assert d < 100_000, "cycle"
+    return d
+
+
+def _connections(plan: Plan) -> Counter[str]:
+    """Distinct relay peers per member, from the plan alone: its sources + the members pulling from it."""
+    edges = {(a.source, w) for w, pulls in plan.items() for a in pulls if a.source != LEARNER}
+    deg: Counter[str] = Counter()
+    for src, dst in edges:
+        deg[src] += 1
+        deg[dst] += 1
+    return deg
+
+
+@pytest.mark.parametrize("n", [16, 33, 100, 1000])
+def test_every_chunk_once_from_the_learner_bounded_degree_log_depth(n: int) -> None:
+    workers = [f"w{i}" for i in range(n)]
+    n_chunks = 64
+    plan = TreePipelined().plan(workers, n_chunks)
+    src = _sources(plan)
+    assert set(src) == {(w, i) for w in workers for i in range(n_chunks)}
+    uploads = Counter(src.values())
+    k = pb.relay_stripes(np.ones(n), 1.0)
+    assert k == 8
+    # the learner sends about G: each chunk once, plus a few whole-stripe streams where N % k leaves a
+    # stripe short of slots (<= k - 1 extra streams of 1/k of the chunks each)
+    assert n_chunks <= uploads[LEARNER] <= n_chunks * (1 + (k - 1) / k)
+    # every member uploads about G (k children x 1/k of the chunks), never more than k x its stripe
+    assert max(uploads[w] for w in workers) <= k * (n_chunks // k) * 1.25
+    assert max(_connections(plan).values()) <= pb.DEFAULT_MAX_PEERS
+    depth = max(_depth(src, w, i) for w in workers for i in range(n_chunks))
+    assert depth <= pb.complete_tree_hops(n, k) + 2
+
+
+def test_the_runtime_plans_the_physics_layout() -> None:
+    # one topology: the runtime's parents are relay_layout's on equal links, stripe by stripe
+    workers = [f"w{i}" for i in range(50)]
+    tree = RelayTree(workers)
+    lay = pb.relay_layout(np.ones(50), 1.0)
+    assert tree.stripes == lay.stripes
+    for s in range(lay.stripes):
+        want = {workers[i]: (LEARNER if p < 0 else workers[p]) for i, p in enumerate(lay.parent[s].tolist())}
+        assert tree.parent[s] == want
+    assert tree.depth() == lay.depth()
+    # and the model times that same layout: T_bcast within 1.25 x T* at the speed case's links
+    t = pb.relay_times(1.2e9, np.full(50, 25e6), 125e6, layout=pb.relay_layout(np.full(50, 25e6), 125e6))
+    assert t.max() <= 1.25 * pb.lower_bound(1.2e9, 125e6, 25e6, 50)
+
+
+def test_a_departed_relay_is_repaired_from_its_ancestors() -> None:
+    workers = [f"w{i}" for i in range(200)]
+    tree = RelayTree(workers)
+    victim = tree.children[0][LEARNER][0]  # stripe 0's root: it relays stripe 0 to up to k children
+    before = [dict(p) for p in tree.parent]
+    orphans = [list(kids.get(victim, [])) for kids in tree.children]
+    tree.remove(victim)
+    assert victim not in tree.members and len(tree.members) == 199
+    for s, par in enumerate(tree.parent):
+        for w, src in par.items():
+            if w in orphans[s]:
+                # re-attached to a member with a free slot (the departed one's parents in the other
+                # stripes each freed one) or the learner, never inside its own subtree (checked below)
+                assert src != victim
+            else:
+                assert src == before[s][w]  # nobody else moved
+    assert tree.repairs == sum(len(o) for o in orphans)
+    assert max(tree.degree(w) for w in tree.members) <= pb.DEFAULT_MAX_PEERS
+    plan = tree.plan(40)
+    src = _sources(plan)
+    assert set(src) == {(w, i) for w in tree.members for i in range(40)}
+    for w in tree.members:
+        for i in range(40):
+            _depth(src, w, i)
+    # the learner feeds at most the stripes' roots plus the orphans of a root (here: the departed root's
+    # own stripe), fewer when peers adopt them
+    assert tree.learner_streams() <= tree.stripes + len(orphans[0])
+
+
+def test_a_mid_tree_departure_reuses_the_parents_freed_slot() -> None:
+    workers = [f"w{i}" for i in range(200)]
+    tree = RelayTree(workers)
+    s = 3
+    mid = next(w for w in tree.children[s] if w != LEARNER and tree.parent[s][w] != LEARNER)
+    up = tree.parent[s][mid]
+    first = tree.children[s][mid][0]
+    tree.remove(mid)
+    assert tree.parent[s][first] == up  # the parent's slot went to the departed member's first child
+
+
+def test_a_joiner_is_attached_without_moving_anyone() -> None:
+    workers = [f"w{i}" for i in range(100)]
+    strategy = TreePipelined()
+    strategy.plan(workers, 16)
+    tree = strategy.tree(workers)
+    before = [dict(p) for p in tree.parent]
+    strategy.plan([*workers, "new"], 16)
+    after = strategy.tree([*workers, "new"])
+    assert after is tree  # kept, not rebuilt
+    for s in range(tree.stripes):
+        assert {w: after.parent[s][w] for w in workers} == before[s]
+        assert after.parent[s]["new"] != "new"
+    src = _sources(after.plan(16))
+    assert all((("new", i) in src) for i in range(16))
+    assert max(after.degree(w) for w in after.members) <= pb.DEFAULT_MAX_PEERS
+    # a leave through the strategy: the departed member is cut out, the tree kept
+    strategy.plan([w for w in [*workers, "new"] if w != "w5"], 16)
+    assert strategy.tree([w for w in [*workers, "new"] if w != "w5"]) is tree
+
+
+def test_small_pools_keep_the_former_all_to_all_plan() -> None:
+    # N <= 8: k = N stripes, each rooted at one member that feeds every other (depth 2)
+    workers = [f"w{i}" for i in range(6)]
+    src = _sources(TreePipelined().plan(workers, 60))
+    assert Counter(src.values())[LEARNER] == 60
+    assert max(_depth(src, w, i) for w in workers for i in range(60)) == 2
+
+
+def test_thousand_peers_in_process_on_the_in_memory_hub() -> None:
+    """N = 1,000 peers, G = 256 KiB in 64 chunks: the hub signs the manifest and counts acks; every peer
+    pulls each chunk from its planned source only once that source holds it (store and forward), checks
+    it against the manifest, assembles, verifies the blob and acks. Every install completes, and no peer
+    holds more than the degree cap of relay connections."""
+    n, chunk = 1000, 4096
+    blob = np.random.default_rng(0).integers(0, 256, 64 * chunk, dtype=np.uint8).tobytes()
+    workers = [f"p{i}" for i in range(n)]
+    plan = TreePipelined().plan(workers, 64)
+    assert max(_connections(plan).values()) <= pb.DEFAULT_MAX_PEERS
+
+    async def main() -> int:
+        key = new_signing_key()
+        hub = InMemoryHub(key, chunk)
+        receivers = {w: hub.receiver(w) for w in workers}
+        manifest = await hub.publish(1, blob)
+        verify_manifest(manifest, key.verifier())
+        have: dict[str, dict[int, bytes]] = {w: {} for w in workers}
+        ready: dict[tuple[str, int], asyncio.Event] = {
+            (w, i): asyncio.Event() for w in workers for i in range(64)
+        }
+
+        async def pull(w: str, source: str, chunks: tuple[int, ...]) -> None:
+            for i in chunks:
+                if source == LEARNER:
+                    lo, hi = manifest.chunk_range(i)
+                    data = blob[lo:hi]
+                else:
+                    await ready[(source, i)].wait()
+                    data = have[source][i]
+                assert chunk_ok(manifest, i, data)
+                have[w][i] = data
+                ready[(w, i)].set()
+
+        async def peer(w: str) -> None:
+            await asyncio.gather(*(pull(w, a.source, a.chunks) for a in plan[w]))
+            got = b"".join(have[w][i] for i in range(64))
+            assert blob_ok(manifest, got)
+            await receivers[w].report_installed(1)
+
+        await asyncio.wait_for(asyncio.gather(*(peer(w) for w in workers)), 60)
+        stats = await hub.wait_installed(1, timeout=5)
+        await hub.close()
+        return len(stats.install_s)
+
+    assert asyncio.run(main()) == n

@@ -117,7 +117,8 @@ class Attacker:
                 p.add_(0.1 * p.abs().mean() * torch.randn(p.shape, generator=gen))
 
     async def submit_one(self) -> str:
-        """Lease, generate, lie, submit once; the outcome ("admitted", "no_lease" or the refusal)."""
+        """Lease, generate, lie, submit once; the outcome ("admitted", "pending_check": drawn for the
+        check, whose verdict comes later, "no_lease" or the refusal)."""
         w = self.w
         if self.kind != "inflated":
             await w._follower().fetch()  # stay current like an honest worker
@@ -145,7 +146,7 @@ class Attacker:
         outcome = await self._submit(req)
         # the store took the original (admitted, or dropped as stale on a slow machine: the lease is
         # submitted either way), so the copy is the replay under test
-        if self.kind == "replay" and outcome in ("admitted", "dropped_stale"):
+        if self.kind == "replay" and outcome in ("admitted", "pending_check", "dropped_stale"):
             outcome = await self._submit(req)
         return outcome
 
@@ -172,6 +173,8 @@ class Attacker:
             reply = await self.w.client.submit(req)
         except Refused as exc:
             return exc.reply.error
+        if reply.pending_check:  # drawn: held until the learner's check, which runs after this answer
+            return "pending_check"
         return "admitted" if reply.admitted else "dropped_stale"
 
     def _generate(self, lease: LeaseGrant) -> list[list[Trajectory]]:

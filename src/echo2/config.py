@@ -421,6 +421,18 @@ class SecurityConfig(_Section):
         "Gumbel-max tokens recomputed with the claimed version's weights); 0 = never",
     )
     check_samples: int = Field(4, ge=1, description="completions re-checked per checked submission")
+    check_queue: int = Field(
+        32,
+        ge=1,
+        description="submissions that may wait for their generation check (their groups held untrained); "
+        "the share checked falls as the queue fills: check_fraction x (1 - waiting / check_queue)",
+    )
+    check_chunk_tokens: int = Field(
+        64,
+        ge=1,
+        description="completion positions whose logits, seeded noise and nucleus the check holds at once "
+        "(peak memory: about 60 x this x vocabulary bytes, whatever the completion's length)",
+    )
     logprob_tolerance: float = Field(
         0.05,
         gt=0.0,

@@ -1,14 +1,17 @@
 """Every claimed version is checkable, or the claim is refused (runtime/intake.py): never published,
-answered across a restart, or not held by the check; security/checked_* count only real re-runs."""
+answered across a restart, or not held by the check; security/checked_* count only real re-runs.
+Drawn submissions are checked off the request path: held untrained until the checker's verdict."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from echo2.config import SecurityConfig
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected, SubmissionLimits
 from echo2.protocol import SubmitRequest
@@ -22,22 +25,34 @@ LIMITS = SubmissionLimits(
 
 
 class FakeCheck:
-    """The generation check's seam: draws every submission, holds the versions it is given."""
+    """The generation check's seam: draws every submission while the share is above 0, holds the
+    versions it is given; ``verdict`` decides each check (None: passes), ``gate`` holds it until set."""
 
-    def __init__(self, held: set[int]) -> None:
+    def __init__(self, held: set[int], queue: int = 32) -> None:
         self.held = held
         self.runs = 0
-        self.checked = self.tokens = self.passing_misses = 0
+        self.checked = self.tokens = self.passing_misses = self.declined = self.near_ties = 0
         self.worst_passing_error = 0.0
+        self.cfg = SecurityConfig(check_fraction=1.0, check_queue=queue)
+        self.verdict: Rejected | None = None
+        self.gate = threading.Event()
+        self.gate.set()
 
-    def pick(self, sub: Any) -> list[tuple[int, int]]:
+    def pick(self, sub: Any, share: float) -> list[tuple[int, int]]:
+        if share <= 0:
+            self.declined += 1
+            return []
         return [(0, 0)]
 
     def holds(self, version: int) -> bool:
         return version in self.held
 
     def check(self, lease: Any, sub: Any, picks: Any) -> list[Any]:
+        assert threading.current_thread().name.startswith("echo2-check")  # the checker's own thread
+        self.gate.wait(10)
         self.runs += 1
+        if self.verdict is not None:
+            raise self.verdict
         return []
 
 
@@ -53,26 +68,42 @@ def _body(lease_id: str, version: int) -> SubmitRequest:
 
 
 REFUSED: list[tuple[str, str, str]] = []
+QUARANTINED: list[tuple[str, str]] = []
+RUNNER: list[asyncio.Runner] = []  # one event loop per test: the checker is a task on it
+
+
+@pytest.fixture(autouse=True)
+def _loop():
+    with asyncio.Runner() as runner:
+        RUNNER[:] = [runner]
+        yield
+        RUNNER.clear()
 
 
 def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[float]) -> tuple[Intake, Any]:
     store = TrajectoryStore(tmp_path / "s.sqlite", staleness=3, group_size=G)
     REFUSED.clear()
+    QUARANTINED.clear()
     intake = Intake(
         store, LIMITS, lambda: 4, lambda: max(published), lambda: now[0], None, check,  # type: ignore[arg-type]
         lambda v: v in published, lambda w: None, lambda *a: REFUSED.append(a),
+        quarantine=lambda rec, exc: QUARANTINED.append((rec.worker_id, exc.reason)),
     )  # fmt: skip
     return intake, store
 
 
-def _submit(intake: Intake, store: TrajectoryStore, version: int, issued: float) -> str:
+def _submit(intake: Intake, store: TrajectoryStore, version: int, issued: float, settle: bool = True) -> str:
+    """What the worker is told: ``pending`` (drawn: held for the check), ``admitted``, or the refusal;
+    ``settle``: then wait for the check's verdict."""
     lease = store.issue_lease("w", [Prompt("p", "1+1=", "2")], now=issued, ttl_s=60.0, seed=1)
     rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)
     try:
-        asyncio.run(intake.accept(rec, _body(lease, version)))  # type: ignore[arg-type]
+        result = RUNNER[0].run(intake.accept(rec, _body(lease, version)))  # type: ignore[arg-type]
     except Rejected as exc:
         return exc.reason
-    return "admitted"
+    if settle:
+        RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    return "pending" if result.held else "admitted"
 
 
 def test_claims_of_unpublished_versions_are_refused_every_time(tmp_path):
@@ -84,7 +115,7 @@ def test_claims_of_unpublished_versions_are_refused_every_time(tmp_path):
     got = [_submit(intake, store, 3, issued=200.0) for _ in range(20)]
     assert got == ["unpublished_version"] * 20 and check.runs == 0
     assert store.stats().rejected_by_reason == {"unpublished_version": 20} and store.stats().admitted == 0
-    assert _submit(intake, store, 4, issued=200.0) == "admitted"
+    assert _submit(intake, store, 4, issued=200.0) == "pending"
     assert check.runs == 1 and intake.metrics()["security/checked_submissions"] == 1
     # each refused answer was handed to the lease broker (which expires the lease and strikes)
     assert len(REFUSED) == 20 and {r[2] for r in REFUSED} == {"unpublished_version"}
@@ -105,7 +136,7 @@ def test_a_lease_issued_before_a_restart_is_refused(tmp_path):
     check = FakeCheck(held={4})
     intake, store = _intake(tmp_path, {4}, check, now)
     assert _submit(intake, store, 4, issued=50.0) == "lease_before_restart"
-    assert _submit(intake, store, 4, issued=150.0) == "admitted"
+    assert _submit(intake, store, 4, issued=150.0) == "pending"
     assert check.runs == 1
 
 
@@ -127,9 +158,62 @@ def test_a_body_refused_before_its_lease_was_looked_up_still_gives_the_lease_bac
     body.groups[0].samples[0].sampler_logprobs = [0.5]
     rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)
     with pytest.raises(Rejected, match="logprob"):
-        asyncio.run(intake.accept(rec, body))  # type: ignore[arg-type]
+        RUNNER[0].run(intake.accept(rec, body))  # type: ignore[arg-type]
     assert len(REFUSED) == 1 and REFUSED[0] == ("w", lease, "logprob")
     other = SimpleNamespace(worker_id="intruder", quarantined="", rollouts=0)
     with pytest.raises(Rejected):
-        asyncio.run(intake.accept(other, body))  # type: ignore[arg-type]
+        RUNNER[0].run(intake.accept(other, body))  # type: ignore[arg-type]
     assert len(REFUSED) == 1  # another identity's lease is never given back on its word
+
+
+def test_a_drawn_submission_is_answered_at_once_and_trained_only_after_its_check(tmp_path):
+    """The worker's request returns before the check runs (the check waits on a gate); the groups are
+    held untrained meanwhile, released when it passes; the backlog, the share and the latency are
+    reported."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    assert _submit(intake, store, 4, issued=150.0, settle=False) == "pending"
+    assert check.runs == 0 and store.stats().held == G and store.take_batch(1, 4, step=1) is None
+    m = intake.metrics()
+    assert m["security/check_backlog"] == 1 and m["security/check_share"] == pytest.approx(1 - 1 / 32)
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert check.runs == 1 and store.stats().held == 0 and store.take_batch(1, 4, step=1) is not None
+    assert intake.metrics()["security/check_backlog"] == 0 and intake.check_latency_s > 0
+    RUNNER[0].run(intake.close())
+
+
+def test_a_forgery_found_off_the_request_path_quarantines_and_is_never_trained(tmp_path):
+    now = [100.0]
+    check = FakeCheck(held={4})
+    check.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
+    intake, store = _intake(tmp_path, {4}, check, now)
+    assert _submit(intake, store, 4, issued=150.0) == "pending"  # the worker learns nothing at once
+    assert QUARANTINED == [("w", "forged_generation")]
+    assert store.stats().rejected_by_reason == {"forged_generation": 1}
+    assert store.take_batch(1, 4, step=1) is None and store.stats().held == 0
+    assert store.stats().unchecked_dropped == G  # the quarantine callback here purges nothing itself
+    check.verdict = RuntimeError("the check itself broke")  # type: ignore[assignment]
+    assert _submit(intake, store, 4, issued=150.0) == "pending"
+    assert store.take_batch(1, 4, step=2) is None and store.stats().unchecked_dropped == 2 * G
+    assert len(QUARANTINED) == 1  # an error of the check is no evidence
+    RUNNER[0].run(intake.close())
+
+
+def test_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
+    """check_queue = 2: while two checks wait, the share drawn is 0, further submissions are admitted
+    unchecked (counted as declined), and the backlog never passes 2."""
+    now = [100.0]
+    check = FakeCheck(held={4}, queue=2)
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    got = [_submit(intake, store, 4, issued=150.0, settle=False) for _ in range(5)]
+    assert got == ["pending", "pending", "admitted", "admitted", "admitted"]
+    assert intake.metrics()["security/check_backlog"] == 2 and intake.check_share() == 0
+    assert intake.metrics()["security/check_declined"] == 3
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert check.runs == 2 and store.stats().held == 0 and intake.check_share() == 1.0
+    RUNNER[0].run(intake.close())

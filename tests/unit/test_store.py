@@ -461,11 +461,46 @@ def test_stats_metrics_keys(store):
         "store/rejected",
         "store/purged",
         "store/poisoned",
+        "store/held",
+        "store/unchecked_dropped",
         "store/rejected/token_range",
     }
     assert isinstance(store.stats(), StoreStats)
     with pytest.raises(ValueError):
         store.record_rejection("bad label!")
+
+
+# --- groups held for their generation check -----------------------------------------------------------
+
+
+def test_held_groups_are_never_trained_until_released(store):
+    """A submission drawn for the generation check is stored held: counted in size and outstanding work,
+    never returned by take_batch until its check passes (release); one whose check cannot run is
+    dropped untrained, counted, its prompts leased again."""
+    l1 = store.issue_lease("w1", prompts("a", "b"), now=0.0, ttl_s=10.0)
+    l2 = store.issue_lease("w1", prompts("c"), now=0.0, ttl_s=10.0)
+    r1 = store.submit(validate_submission(body(l1, ["a", "b"]), LIMITS, 0), "w1", 0, now=1.0, hold=True)
+    store.submit(validate_submission(body(l2, ["c"]), LIMITS, 0), "w1", 0, now=1.0, hold=True)
+    assert (r1.admitted, r1.held) == (2 * G, 2 * G) and store.stats().held == 3 * G
+    assert store.stats().size == 3 * G and store.outstanding_rollouts() == 3 * G
+    assert store.take_batch(1, 0, step=1) is None  # nothing trainable yet
+    assert store.release(l1) == 2 * G and store.release(l1) == 0
+    batch = store.take_batch(2, 0, step=1)
+    assert batch is not None and [g[0].prompt_id for g in batch] == ["a", "b"]
+    assert store.drop_held(l2) == G and store.stats().unchecked_dropped == G
+    assert [(p.prompt_id, why) for p, why in store.take_redo()] == [("c", "unchecked")]
+    assert store.take_batch(1, 0, step=2) is None and store.stats().held == 0
+
+
+def test_a_restarted_store_drops_what_an_earlier_process_held(tmp_path):
+    first = TrajectoryStore(tmp_path / "s.db", staleness=2, group_size=G)
+    lease = first.issue_lease("w1", prompts("a"), now=0.0, ttl_s=10.0)
+    first.submit(validate_submission(body(lease, ["a"]), LIMITS, 0), "w1", 0, now=1.0, hold=True)
+    first.close()
+    again = TrajectoryStore(tmp_path / "s.db", staleness=2, group_size=G)
+    assert again.stats().held == G and again.drop_held() == G  # the learner does this at start
+    assert again.take_batch(1, 0, step=1) is None and again.stats().held == 0
+    again.close()
 
 
 # --- quarantine, rejection counting, migration ---------------------------------------------------------
@@ -544,11 +579,11 @@ def test_a_version_2_store_gains_the_lease_columns(tmp_path):
     db.executescript(
         "CREATE TABLE l2 AS SELECT lease_id, worker_id, state, issued_at, expires_at, submitted_at, "
         "n_prompts, prompts FROM leases; DROP TABLE leases; ALTER TABLE l2 RENAME TO leases; "
-        "PRAGMA user_version = 2;"
+        "ALTER TABLE rollout_groups DROP COLUMN held; PRAGMA user_version = 2;"
     )
     db.close()
     s = TrajectoryStore(path, staleness=2, group_size=G)
     info = s.lease(lease)
     assert info is not None and (info.seed, info.installed_version, info.state) == (0, -1, "submitted")
-    assert s.stats().admitted == G
+    assert s.stats().admitted == G and s.stats().held == 0  # groups gained their held flag, unset
     s.close()

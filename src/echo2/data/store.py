@@ -54,7 +54,9 @@ from echo2.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4  # 4: leases say if their answer came late; 3: seed and version; 2: without; 1: positional
+SCHEMA_VERSION = (
+    5  # 5: groups held for a check; 4: late answers; 3: seed and version; 2: without; 1: positional
+)
 DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept in the ledger)
 PURGED = -2  # consumed_step of a group purged untrained because its worker was quarantined
 REJECTION_FLUSH = 256  # rejections counted in memory are written at the next transaction or at this many
@@ -84,7 +86,8 @@ CREATE TABLE IF NOT EXISTS rollout_groups (
     policy_version INTEGER NOT NULL,
     n_traj INTEGER NOT NULL,
     consumed_step INTEGER,
-    data TEXT NOT NULL
+    data TEXT NOT NULL,
+    held INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS groups_buffered ON rollout_groups (seq) WHERE consumed_step IS NULL;
 CREATE INDEX IF NOT EXISTS groups_consumed ON rollout_groups (consumed_step) WHERE consumed_step IS NOT NULL;
@@ -99,6 +102,7 @@ class SubmitResult:
 
     admitted: int  # trajectories stored for training
     dropped_stale: int  # trajectories accepted but discarded: policy_version < v_t - S
+    held: int = 0  # of the admitted, trajectories not trainable until their generation check passes
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,8 @@ class StoreStats:
     leases_open: int  # leases issued and neither submitted nor expired
     leases_expired: int  # leases ever expired
     admitted_tokens: int = 0  # completion tokens of the trajectories ever stored for training
+    held: int = 0  # of ``size``, trajectories waiting for their generation check (not yet trainable)
+    unchecked_dropped: int = 0  # trajectories discarded because their generation check could not run
 
     def metrics(self) -> dict[str, float]:
         """SPEC §7 keys ``store/size``, ``store/admitted``, ``store/dropped_stale``, ``store/rejected``,
@@ -139,6 +145,8 @@ class StoreStats:
             catalog.STORE_REJECTED.key: self.rejected,
             catalog.STORE_PURGED.key: self.purged,
             catalog.STORE_POISONED.key: self.poisoned,
+            catalog.STORE_HELD.key: self.held,
+            catalog.STORE_UNCHECKED_DROPPED.key: self.unchecked_dropped,
         }
         for reason, n in sorted(self.rejected_by_reason.items()):
             out[catalog.STORE_REJECTED_BY.of(reason)] = n
@@ -202,7 +210,7 @@ class TrajectoryStore:
             log.warning("%s: journal_mode is %s, not wal (still durable, slower)", self.path, mode)
         db.execute("PRAGMA synchronous = FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 2, 3, SCHEMA_VERSION):
+        if version not in (0, 2, 3, 4, SCHEMA_VERSION):
             raise ConfigError(
                 f"{self.path}: store schema version {version}, this echo2 reads {SCHEMA_VERSION}; "
                 "start a fresh run (without --resume) or use the echo2 that wrote it"
@@ -213,6 +221,9 @@ class TrajectoryStore:
                 db.execute("ALTER TABLE leases ADD COLUMN installed_version INTEGER NOT NULL DEFAULT -1")
             if version in (2, 3):  # leases say whether their answer came after they expired
                 db.execute("ALTER TABLE leases ADD COLUMN late INTEGER NOT NULL DEFAULT 0")
+            groups = {row[1] for row in db.execute("PRAGMA table_info(rollout_groups)")}
+            if version in (2, 3, 4) and "held" not in groups:  # groups may wait for their check
+                db.execute("ALTER TABLE rollout_groups ADD COLUMN held INTEGER NOT NULL DEFAULT 0")
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
@@ -452,7 +463,9 @@ class TrajectoryStore:
 
     # --- ingest ---------------------------------------------------------------------------------------
 
-    def submit(self, sub: Submission, worker_id: str, learner_version: int, now: float) -> SubmitResult:
+    def submit(
+        self, sub: Submission, worker_id: str, learner_version: int, now: float, hold: bool = False
+    ) -> SubmitResult:
         """Accept a validated submission for its lease, in one transaction; or raise :class:`Rejected`.
 
         Checks, in order: the lease exists [unknown_lease], was issued to ``worker_id`` [wrong_worker],
@@ -460,7 +473,8 @@ class TrajectoryStore:
         prompt ids equal the lease's, in order [prompt_mismatch]. Then admission at ``v_t =
         learner_version``: if ``sub.policy_version < v_t - S`` every trajectory is dropped (counted
         ``dropped_stale``), else every group is stored (counted ``admitted``). The lease becomes
-        ``submitted`` either way.
+        ``submitted`` either way. ``hold``: the stored groups are not trainable until :meth:`release`
+        (their generation check passed) or :meth:`drop_held` (it could not run).
 
         A rejected submission changes nothing. Rejections are *not* counted here: the caller counts
         each one, from here or the validator, with :meth:`record_rejection` (one place, no double count).
@@ -500,8 +514,8 @@ class TrajectoryStore:
                 result = SubmitResult(admitted=0, dropped_stale=n)
             else:
                 self._db.executemany(
-                    "INSERT INTO rollout_groups "
-                    "(group_id, lease_id, prompt_id, policy_version, n_traj, data) VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO rollout_groups (group_id, lease_id, prompt_id, policy_version, n_traj, "
+                    "data, held) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     [
                         (
                             g[0].group_id,
@@ -510,13 +524,14 @@ class TrajectoryStore:
                             sub.policy_version,
                             len(g),
                             encode_group(g),
+                            int(hold),
                         )
                         for g in sub.groups
                     ],
                 )
                 self._bump("admitted", n)
                 self._bump("admitted_tokens", sum(len(t.completion_ids) for g in sub.groups for t in g))
-                result = SubmitResult(admitted=n, dropped_stale=0)
+                result = SubmitResult(admitted=n, dropped_stale=0, held=n if hold else 0)
             self._db.execute(
                 "UPDATE leases SET state = 'submitted', submitted_at = ?, late = ? WHERE lease_id = ?",
                 (now, int(state == "expired"), sub.lease_id),
@@ -531,6 +546,43 @@ class TrajectoryStore:
                 self.staleness,
             )
         return result
+
+    def release(self, lease_id: str) -> int:
+        """The groups of ``lease_id`` held for their generation check become trainable (it passed);
+        returns the trajectories released (0 when they were purged or dropped meanwhile)."""
+        with self._tx():
+            (n,) = self._db.execute(
+                "SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups "
+                "WHERE lease_id = ? AND held = 1 AND consumed_step IS NULL",
+                (lease_id,),
+            ).fetchone()
+            self._db.execute(
+                "UPDATE rollout_groups SET held = 0 WHERE lease_id = ? AND held = 1", (lease_id,)
+            )
+        return int(n)
+
+    def drop_held(self, lease_id: str | None = None) -> int:
+        """Discard untrained the groups held for a check that cannot run (``lease_id``'s; None: every
+        held group, those of a learner process that stopped before their checks ran), counted
+        ``unchecked_dropped`` (trajectories); their prompts are leased again. Returns the trajectories."""
+        one = lease_id is not None
+        args = (lease_id,) if one else ()
+        with self._tx():
+            rows = self._db.execute(
+                "SELECT g.n_traj, g.prompt_id, l.prompts FROM rollout_groups g LEFT JOIN leases l "
+                "USING (lease_id) WHERE g.held = 1 AND g.consumed_step IS NULL"
+                + (" AND g.lease_id = ?" if one else ""),
+                args,
+            ).fetchall()
+            n = sum(int(r[0]) for r in rows)
+            self._redo += _lease_prompts([(pid, text) for _, pid, text in rows], "unchecked")
+            self._db.execute(
+                f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' "
+                "WHERE held = 1 AND consumed_step IS NULL" + (" AND lease_id = ?" if one else ""),
+                args,
+            )
+            self._bump("unchecked_dropped", n)
+        return n
 
     def record_rejection(self, reason: str) -> None:
         """Count one rejected submission under ``rejected/<reason>``.
@@ -573,7 +625,7 @@ class TrajectoryStore:
             self._drop_stale(learner_version)
             rows = self._db.execute(
                 "SELECT seq, group_id, prompt_id, policy_version, data FROM rollout_groups "
-                "WHERE consumed_step IS NULL ORDER BY seq LIMIT ?",
+                "WHERE consumed_step IS NULL AND held = 0 ORDER BY seq LIMIT ?",
                 (n_groups,),
             ).fetchall()
             if len(rows) < n_groups:
@@ -621,12 +673,13 @@ class TrajectoryStore:
 
     # --- observation ----------------------------------------------------------------------------------
 
-    def _buffered(self) -> int:
+    def _buffered(self, held_only: bool = False) -> int:
         floor = -(2**62) if self._floor is None else self._floor
         return int(
             self._db.execute(
                 "SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups "
-                "WHERE consumed_step IS NULL AND policy_version >= ?",
+                "WHERE consumed_step IS NULL AND policy_version >= ?"
+                + (" AND held = 1" if held_only else ""),
                 (floor,),
             ).fetchone()[0]
         )
@@ -650,6 +703,8 @@ class TrajectoryStore:
             leases_open=int(leases_open),
             leases_expired=int(counters.get("leases_expired", 0)),
             admitted_tokens=int(counters.get("admitted_tokens", 0)),
+            held=self._buffered(held_only=True),
+            unchecked_dropped=int(counters.get("unchecked_dropped", 0)),
         )
 
     def outstanding_rollouts(self) -> int:

@@ -315,6 +315,19 @@ STORE_PURGED = _m(
 STORE_POISONED = _m(
     "store/poisoned", "count", "groups purged because their loss or gradient was not finite", BOTH
 )
+STORE_HELD = _m(
+    "store/held",
+    "count",
+    "buffered trajectories waiting for their generation check (not trainable until it passes)",
+    BOTH,
+    _gauge("echo2_store_held", "trajectories held for their generation check"),
+)
+STORE_UNCHECKED_DROPPED = _m(
+    "store/unchecked_dropped",
+    "count",
+    "trajectories discarded untrained because their generation check could not run (so far)",
+    BOTH,
+)
 DATA_EPOCH = _m(
     "data/epoch",
     "epochs",
@@ -549,6 +562,37 @@ SECURITY_PASSING_TOKEN_MISSES = _m(
     "security/passing_token_misses",
     "count",
     "tokens of passing completions the re-run would not have drawn",
+    RUN,
+)
+SECURITY_CHECK_BACKLOG = _m(
+    "security/check_backlog",
+    "count",
+    "submissions waiting for their generation check (at most security.check_queue)",
+    RUN,
+    _gauge("echo2_security_check_backlog", "submissions waiting for their generation check"),
+)
+SECURITY_CHECK_LATENCY_S = _m(
+    "security/check_latency_s",
+    "s",
+    "seconds from a checked submission's arrival to its verdict, the newest one's",
+    RUN,
+)
+SECURITY_CHECK_SHARE = _m(
+    "security/check_share",
+    "ratio",
+    "the share of submissions drawn for the check now: check_fraction x (1 - backlog / check_queue)",
+    RUN,
+)
+SECURITY_CHECK_DECLINED = _m(
+    "security/check_declined",
+    "count",
+    "submissions the full-rate draw would have checked that the backlog rule let through unchecked",
+    RUN,
+)
+SECURITY_NEAR_TIES = _m(
+    "security/near_ties",
+    "count",
+    "checked tokens that were not the top perturbed score but within gumbel_tolerance of it (passed)",
     RUN,
 )
 SECURITY_QUARANTINED = _m(

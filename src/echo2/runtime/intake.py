@@ -3,8 +3,11 @@
 Validation (``data/submission.py``, the protocol's codec) checks the body against the run's limits
 and the newest published version; the verifier (``verify.py``, off the event loop) checks that each
 sample answers the leased prompt with its own tokens, is well formed, earned the reward it claims and
-claims a version the worker could hold; on a drawn fraction of submissions the generation check
-re-runs completions with the claimed version's weights and the lease's seed; the store checks the
+claims a version the worker could hold. A drawn fraction of submissions (``check_share``: the
+configured ``check_fraction``, lowered as the check queue fills) is stored *held*, not trainable, and
+the worker is answered at once (``pending_check``); the checker, a task with a thread of its own,
+re-runs their completions with the claimed version's weights and the lease's seed and releases the
+groups (passed) or quarantines the worker (forged); the store checks the
 lease (exists, this worker's, not answered before, same prompts) and applies the admission rule at the
 learner's current version. Every refusal is counted by reason in the store
 (``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
@@ -19,14 +22,19 @@ ones: the learner holds no weights of them), and any claim answering a lease iss
 started [lease_before_restart] (after a restart from a checkpoint a version number may name other
 weights than the ones the worker sampled with, so its generation cannot be re-run; the lease's prompts
 go out again when it expires). A drawn submission whose version the check does not hold is refused
-[unchecked_version] (it cannot happen for an admissible published version: the check keeps them all).
+[unchecked_version] (it cannot happen for an admissible published version: the check keeps them all);
+held groups whose check cannot run (their version left the window meanwhile, the learner stopped) are
+dropped untrained and counted (``store/unchecked_dropped``), never trained unchecked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from echo2.config import Config
 from echo2.data.store import Lease, SubmitResult, TrajectoryStore
@@ -95,11 +103,19 @@ class Intake:
         self.quarantine = quarantine  # the node's: credential revoked, buffered groups purged, leases back
         self.checked_submissions = 0  # submissions whose generation was re-run (only real re-runs)
         self.quarantined = quarantined  # workers quarantined in this run (the registry's)
+        # drawn submissions waiting for the checker (lease id -> arrival, monotonic), and its queue
+        self._pending: dict[str, float] = {}
+        self._queue: asyncio.Queue[tuple[WorkerRecord, Lease, Submission, list[tuple[int, int]]]] = (
+            asyncio.Queue()
+        )
+        self._checker: asyncio.Future[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.check_latency_s = 0.0  # arrival to verdict of the newest checked submission
 
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
         """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if
         refused. Evidence of lying (``verify.EVIDENCE``) also quarantines the worker."""
-        lease = None
+        lease, picks = None, []
         try:
             sub = validate_submission(body, self.limits, self.published())
             lease = self.store.lease(sub.lease_id)  # the store's own thread
@@ -115,8 +131,8 @@ class Intake:
                         f"lease_id: {sub.lease_id!r} was issued before the learner restarted; its "
                         "version cannot be checked against the weights that number names now",
                     )
-                await self._verify(lease, sub)  # else the store refuses it, without the expense
-            result = self.store.submit(sub, rec.worker_id, self.version(), self.clock())
+                picks = await self._verify(lease, sub)  # else the store refuses it, without the expense
+            result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
         except Rejected as exc:
             self.store.record_rejection(exc.reason)
             log.warning("submission from %s rejected: %s", rec.worker_id, exc)
@@ -129,7 +145,9 @@ class Intake:
             raise
         self.returned(rec.worker_id)
         rec.rollouts += result.admitted
-        if result.admitted:
+        if result.held and lease is not None:
+            self._enqueue(rec, lease, sub, picks)
+        elif result.admitted:
             self.data_ready()
         return result
 
@@ -149,20 +167,91 @@ class Intake:
             m.SECURITY_WORST_PASSING_LOGPROB_ERROR.key: gen.worst_passing_error if gen else 0.0,
             m.SECURITY_PASSING_TOKEN_MISSES.key: gen.passing_misses if gen else 0,
             m.SECURITY_QUARANTINED.key: self.quarantined(),
+            m.SECURITY_CHECK_BACKLOG.key: len(self._pending),
+            m.SECURITY_CHECK_LATENCY_S.key: self.check_latency_s,
+            m.SECURITY_CHECK_SHARE.key: self.check_share(),
+            m.SECURITY_CHECK_DECLINED.key: gen.declined if gen else 0,
+            m.SECURITY_NEAR_TIES.key: gen.near_ties if gen else 0,
         }
 
-    async def _verify(self, lease: Lease, sub: Submission) -> None:
+    async def _verify(self, lease: Lease, sub: Submission) -> list[tuple[int, int]]:
+        """The deterministic checks (in the request); then whether the submission is drawn for the
+        generation check: the completions to re-run (none: not drawn). A drawn claim of a version whose
+        weights are not held is refused here, never passed."""
         if self.verifier is not None:
             await asyncio.to_thread(self.verifier.check, lease, sub)
         admissible = sub.policy_version >= admission_floor(self.version(), self.store.staleness)
-        if self.generation is not None and admissible:
-            picks = self.generation.pick(sub)
-            if picks:
-                if not self.generation.holds(sub.policy_version):
-                    raise Rejected(
-                        "unchecked_version",
-                        f"policy_version: {sub.policy_version}: the learner does not hold its weights to "
-                        "re-run the generation",
-                    )
-                await asyncio.to_thread(self.generation.check, lease, sub, picks)
-                self.checked_submissions += 1  # re-run (a forgery raised above: counted by its reason)
+        if self.generation is None or not admissible:
+            return []
+        picks = self.generation.pick(sub, self.check_share())
+        if picks and not self.generation.holds(sub.policy_version):
+            raise Rejected(
+                "unchecked_version",
+                f"policy_version: {sub.policy_version}: the learner does not hold its weights to "
+                "re-run the generation",
+            )
+        return picks
+
+    def check_share(self) -> float:
+        """The share of submissions drawn for the generation check now: ``check_fraction x (1 - backlog
+        / check_queue)``, so the backlog never passes ``check_queue`` (at a full queue nothing more is
+        drawn until a check ends)."""
+        if self.generation is None:
+            return 0.0
+        cfg = self.generation.cfg
+        return cfg.check_fraction * max(0.0, 1.0 - len(self._pending) / cfg.check_queue)
+
+    def _enqueue(
+        self, rec: WorkerRecord, lease: Lease, sub: Submission, picks: list[tuple[int, int]]
+    ) -> None:
+        """Queue a drawn submission (its groups stored held) for the checker, started on first use."""
+        if self._checker is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="echo2-check")
+            self._checker = asyncio.ensure_future(self._run_checks())
+        self._pending[lease.lease_id] = time.monotonic()
+        self._queue.put_nowait((rec, lease, sub, picks))
+
+    async def _run_checks(self) -> None:
+        """The checker: one drawn submission at a time, on a thread of its own (never the executor the
+        update, the publisher or the deterministic checks use). Passed: its groups become trainable.
+        Evidence of a forgery: the worker is quarantined (its groups purged). A check that cannot run
+        (its version left the admissible window, an error): its groups are dropped untrained, counted,
+        their prompts leased again. Never trained unchecked."""
+        assert self.generation is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            rec, lease, sub, picks = await self._queue.get()
+            try:
+                await loop.run_in_executor(self._executor, self.generation.check, lease, sub, picks)
+            except Rejected as exc:
+                self.store.record_rejection(exc.reason)
+                log.warning("checked submission from %s rejected: %s", rec.worker_id, exc)
+                if exc.reason in EVIDENCE and not rec.quarantined:
+                    self.quarantine(rec, exc)  # its groups (these held ones too) and leases
+                self.store.drop_held(lease.lease_id)
+            except Exception:  # a bug or resource failure of the check itself: the groups go, untrained
+                log.exception("the generation check of %s's lease %s failed", rec.worker_id, lease.lease_id)
+                self.store.drop_held(lease.lease_id)
+            else:
+                self.checked_submissions += 1
+                if self.store.release(lease.lease_id):
+                    self.data_ready()
+            finally:
+                self.check_latency_s = time.monotonic() - self._pending.pop(lease.lease_id)
+                self._queue.task_done()
+
+    async def settled(self) -> None:
+        """Wait until every drawn submission so far has its verdict."""
+        await self._queue.join()
+
+    async def close(self) -> None:
+        """Stop the checker; submissions still waiting stay held in the store (the next learner process
+        drops them untrained, their prompts leased again: their versions cannot be re-run there)."""
+        if self._checker is not None:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
+            self._checker = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

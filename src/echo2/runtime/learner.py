@@ -156,6 +156,9 @@ class AsyncLearner:
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
         self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
         self._resources.callback(self.store.close)
+        unchecked = self.store.drop_held()  # an earlier process's groups whose checks never ran
+        if unchecked:
+            log.info("%d trajectories held for a check by an earlier learner process dropped", unchecked)
         if self.ckpt is not None:
             n = self.store.requeue_after(self.version)
             log.info("resuming at version %d from %s; %d groups put back", self.version, self.ckpt, n)
@@ -200,6 +203,7 @@ class AsyncLearner:
         self.broker, self.snapshots = parts.broker, parts.snapshots
         self._resources.push_async_callback(self.snapshots.close)
         self.intake = parts.intake
+        self._resources.push_async_callback(self.intake.close)
         await self._serve(parts.routes, broadcast)
         await self._serve_dashboard(parts)
 

@@ -230,7 +230,9 @@ class Routes:
             result = await self.intake.accept(rec, body)
         except Rejected as exc:  # counted by the intake
             return _reply(ErrorReply(error=exc.reason, detail=_clean(exc.detail)), status=exc.http_status)
-        reply = SubmitReply(admitted=result.admitted, dropped_stale=result.dropped_stale)
+        reply = SubmitReply(
+            admitted=result.admitted, dropped_stale=result.dropped_stale, pending_check=result.held
+        )
         if body.next_lease is not None:  # the submission stands even if this part is bad
             try:
                 reply.next_lease = self._grant(rec, parse_model(LeaseRequest, body.next_lease))

@@ -247,6 +247,7 @@ class Verdict:
     draw_misses: int  # tokens that are not the seeded draw of the claimed weights
     logprob_misses: int  # tokens whose claimed log-prob is off by more than the tolerance
     max_logprob_error: float  # largest |claimed - recomputed| log-prob
+    near_ties: int = 0  # drawn tokens that were not the top perturbed score but within gumbel_tolerance
 
 
 class GenerationCheck:
@@ -280,6 +281,9 @@ class GenerationCheck:
         self.worst_passing_error = 0.0  # largest |claimed - recomputed| log-prob of a passing completion
         self.passing_misses = 0  # tokens that missed in completions that passed (numerical noise)
         self.rebuilds = 0  # older versions rebuilt from the newest for a check
+        self.near_ties = 0  # drawn tokens that passed only within gumbel_tolerance (rounding near a tie)
+        self.declined = 0  # submissions the full-rate draw picked that a full check queue let through
+        self._parts: Any = None  # the model's decoder and LM head (learner/logprobs.lm_parts), False: none
 
     def keep(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """The published weights of ``version``, newer than any kept (any thread but the event loop:
@@ -336,10 +340,16 @@ class GenerationCheck:
         self.rebuilds += 1
         return rebuild(newest_w, undos)
 
-    def pick(self, sub: Submission) -> list[tuple[int, int]]:
+    def pick(self, sub: Submission, share: float | None = None) -> list[tuple[int, int]]:
         """The (group, sample) positions to re-check in ``sub``: none unless the submission is drawn
-        (probability ``check_fraction``), else ``check_samples`` of them at random."""
-        if self.cfg.check_fraction <= 0 or self.rng.random() >= self.cfg.check_fraction:
+        (probability ``share``, at most ``check_fraction``: the intake lowers it as its check queue
+        fills; a draw under ``check_fraction`` but not under ``share`` is counted ``declined``), else
+        ``check_samples`` of them at random."""
+        full = self.cfg.check_fraction
+        share = full if share is None else min(share, full)
+        u = self.rng.random()
+        if u >= share:
+            self.declined += int(u < full)
             return []
         where = [(i, j) for i, g in enumerate(sub.groups) for j in range(len(g))]
         return self.rng.sample(where, min(self.cfg.check_samples, len(where)))
@@ -386,9 +396,9 @@ class GenerationCheck:
     def _run(self, lease: Lease, sub: Submission, picks: Sequence[tuple[int, int]]) -> list[Verdict]:
         verdicts = []
         trajectories = [sub.groups[i][j] for i, j in picks]
-        for (i, j), t, logits_CV in zip(picks, trajectories, self._logits(trajectories), strict=True):
+        for (i, j), t, state_CX in zip(picks, trajectories, self._hidden(trajectories), strict=True):
             row = i * len(sub.groups[i]) + j  # the row it was sampled in (rollout/collect.py)
-            verdict = self.rerun(t, lease.seed, row, logits_CV)
+            verdict = self.rerun(t, lease.seed, row, state_CX)
             verdicts.append(verdict)
             allowed = math.floor(self.cfg.max_token_misses * verdict.tokens)
             if verdict.misses <= allowed:
@@ -403,52 +413,92 @@ class GenerationCheck:
                 )
         return verdicts
 
-    def _logits(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
-        """The loaded weights' logits at every completion position of each trajectory (``[C, V]``):
-        one forward pass over them all, packed as the trainer packs a batch."""
+    def _hidden(self, trajectories: Sequence[Trajectory]) -> list[Any]:
+        """What the loaded weights give at every completion position of each trajectory, from one
+        teacher-forced forward pass over them all (packed as the trainer packs a batch): the decoder's
+        hidden states there (``[C, H]``; the LM head runs later, one chunk of positions at a time), or,
+        for a model whose logits are not its head of its hidden states, the logits themselves
+        (``[C, V]``, float32)."""
         import torch
 
-        from echo2.learner.logprobs import completion_logits, pack
+        from echo2.learner.logprobs import completion_logits, lm_parts, pack
 
+        if self._parts is None:
+            self._parts = lm_parts(self.model) or False
         device = next(self.model.parameters()).device
         batch = pack(trajectories, [[1.0] * len(t.completion_ids) for t in trajectories], 0, device)
         with torch.no_grad():
-            logits_BTV = completion_logits(self.model, batch).float().cpu()
+            if self._parts:
+                h_BLH = self._parts.decoder(
+                    input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False
+                ).last_hidden_state
+                # the hidden state at position start - 1 + j predicts completion token j
+                starts = (batch.start_B - 1).tolist()
+                return [
+                    h_BLH[b, s0 : s0 + len(t.completion_ids)]
+                    for b, (s0, t) in enumerate(zip(starts, trajectories, strict=True))
+                ]
+            logits_BTV = completion_logits(self.model, batch).float()
         return [logits_BTV[b, : len(t.completion_ids)] for b, t in enumerate(trajectories)]
 
-    def rerun(self, t: Trajectory, seed: int, row: int, logits_CV: torch.Tensor | None = None) -> Verdict:
+    def _chunk_logits(self, state_CX: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Float32 logits of completion positions ``lo:hi`` from :meth:`_hidden`'s state."""
+        import torch
+
+        if not self._parts:
+            return state_CX[lo:hi].float()
+        with torch.no_grad():
+            return self._parts.head(state_CX[lo:hi]).float()
+
+    def rerun(self, t: Trajectory, seed: int, row: int, state_CX: torch.Tensor | None = None) -> Verdict:
         """Recompute one completion's per-step log-probs and seeded draws with the loaded weights
-        (``logits_CV``: their logits at its completion positions, when already computed)."""
+        (``state_CX``: :meth:`_hidden`'s for it, when already computed), ``check_chunk_tokens``
+        positions at a time: the logits, the noise and the nucleus of one chunk exist at once, never
+        ``[C, V]`` tensors."""
         import torch
 
         from echo2.learner.grpo import token_logprobs
         from echo2.rollout.sampling import gumbel_noise, nucleus_mass_before
 
         C = len(t.completion_ids)
-        if logits_CV is None:
-            (logits_CV,) = self._logits([t])
+        if state_CX is None:
+            (state_CX,) = self._hidden([t])
         temperature = self.sampling.temperature
-        scaled_CV = logits_CV / temperature
-        tokens_C = torch.tensor(t.completion_ids, dtype=torch.long)
-        logp_C = token_logprobs(logits_CV[None], tokens_C[None], temperature)[0]  # as the learner's ratio
-        err_C = (logp_C - torch.tensor(t.sampler_logprobs, dtype=torch.float32)).abs()
-
-        noise_CV = gumbel_noise(seed, torch.full((C,), row), torch.arange(C), scaled_CV.shape[-1])
-        scores_CV = scaled_CV + noise_CV
         top_p = self.sampling.top_p
-        if top_p < 1.0:
-            before_CV = nucleus_mass_before(scaled_CV)
-            surely_in_CV = (before_CV < top_p - NUCLEUS_SLACK) | (before_CV == 0)
-            maybe_in_C = before_CV.gather(-1, tokens_C[:, None]).squeeze(-1) < top_p + NUCLEUS_SLACK
-        else:
-            surely_in_CV = torch.ones_like(scores_CV, dtype=torch.bool)
-            maybe_in_C = torch.ones(C, dtype=torch.bool)
-        best_C = scores_CV.masked_fill(~surely_in_CV, float("-inf")).max(dim=-1).values
-        chosen_C = scores_CV.gather(-1, tokens_C[:, None]).squeeze(-1)
-        draw_ok_C = maybe_in_C & (chosen_C >= best_C - self.cfg.gumbel_tolerance)
+        tokens_C = torch.tensor(t.completion_ids, dtype=torch.long, device=state_CX.device)
+        claimed_C = torch.tensor(t.sampler_logprobs, dtype=torch.float32, device=state_CX.device)
+        draw_ok, errs, ties = [], [], 0
+        for lo in range(0, C, max(1, self.cfg.check_chunk_tokens)):
+            hi = min(C, lo + max(1, self.cfg.check_chunk_tokens))
+            logits_cV = self._chunk_logits(state_CX, lo, hi)
+            tok_c = tokens_C[lo:hi]
+            logp_c = token_logprobs(logits_cV[None], tok_c[None], temperature)[0]  # as the learner's ratio
+            errs.append((logp_c - claimed_C[lo:hi]).abs())
+            scaled_cV = logits_cV.div_(temperature)
+            steps_c = torch.arange(lo, hi, device=scaled_cV.device)
+            rows_c = torch.full((hi - lo,), row, device=scaled_cV.device)
+            if top_p < 1.0:
+                before_cV = nucleus_mass_before(scaled_cV)
+                out_cV = (before_cV >= top_p - NUCLEUS_SLACK) & (before_cV != 0)  # not surely in
+                maybe_in_c = before_cV.gather(-1, tok_c[:, None]).squeeze(-1) < top_p + NUCLEUS_SLACK
+                del before_cV
+            scores_cV = scaled_cV.add_(gumbel_noise(seed, rows_c, steps_c, scaled_cV.shape[-1]))
+            chosen_c = scores_cV.gather(-1, tok_c[:, None]).squeeze(-1)
+            if top_p < 1.0:
+                scores_cV.masked_fill_(out_cV, float("-inf"))
+                del out_cV
+            else:
+                maybe_in_c = torch.ones(hi - lo, dtype=torch.bool, device=scores_cV.device)
+            best_c = scores_cV.max(dim=-1).values
+            del scores_cV
+            ok_c = maybe_in_c & (chosen_c >= best_c - self.cfg.gumbel_tolerance)
+            ties += int((ok_c & (chosen_c < best_c)).sum())  # passed only within the tolerance
+            draw_ok.append(ok_c)
+        draw_ok_C = torch.cat(draw_ok) if draw_ok else torch.ones(0, dtype=torch.bool)
+        err_C = torch.cat(errs) if errs else torch.zeros(0)
         lp_ok_C = err_C <= self.cfg.logprob_tolerance
         if t.turn_mask:  # an episode: only the policy's tokens were drawn (step = completion index)
-            policy_C = torch.tensor(t.turn_mask, dtype=torch.bool)
+            policy_C = torch.tensor(t.turn_mask, dtype=torch.bool, device=draw_ok_C.device)
             draw_ok_C, lp_ok_C, err_C = draw_ok_C[policy_C], lp_ok_C[policy_C], err_C[policy_C]
             C = int(policy_C.sum())
         verdict = Verdict(
@@ -457,7 +507,9 @@ class GenerationCheck:
             draw_misses=int((~draw_ok_C).sum()),
             logprob_misses=int((~lp_ok_C).sum()),
             max_logprob_error=float(err_C.max()) if C else 0.0,
+            near_ties=ties,
         )
         self.checked += 1
         self.tokens += C
+        self.near_ties += ties
         return verdict

@@ -14,8 +14,13 @@ fixed here, before any run:
   + 1 in the median). Targets: sampled attacks quarantined within a median of <= 5 submissions;
   deterministic attacks 100% refused and 0 of their groups trained on (for replay: 0 replayed copies,
   its first submissions being its own honest work).
-- **honest**: every completion of every submission re-run (``security.check_fraction = 1``) on honest
-  workers until >= 10,000 trajectories were checked. Target: 0 quarantines.
+- **honest**: every completion of every submission re-run (``security.check_fraction = 1``, a check
+  queue that declines none) on honest workers until >= 10,000 trajectories were checked. Target: 0
+  quarantines.
+- **honest_bf16** (added with ``security.engine_precision``, target fixed before its first run): the
+  same with the workers' HF engines computing in bfloat16 and the run declaring it
+  (``runtime.engine_dtype = security.engine_precision = "bfloat16"``). Target: >= 10,000 re-run, 0
+  quarantines.
 - **cost**: interleaved pairs of runs, the sampled check off and at its default: median on/off step
   time <= 1.05; the accuracy difference is reported with its t-interval.
 - **poison**: ``echo2 learner`` + one honest worker while identities submit groups whose every sampler
@@ -168,9 +173,21 @@ def _honest_quarantined(run_dir: Path) -> int:
     return sum(1 for w in workers if w["quarantined"] and not w["name"].startswith("attacker-"))
 
 
-def study_honest(out: Path, steps: int) -> dict[str, Any]:
-    run_dir = out / "adversary_runs" / "honest"
-    proc = start_run(run_dir, "security.check_fraction=1.0", "security.check_samples=1000000", steps=steps)
+def study_honest(out: Path, steps: int, precision: str = "float32") -> dict[str, Any]:
+    """Every completion of every submission re-run, the workers' HF engines computing in ``precision``
+    and the run declaring it (``security.engine_precision``: the check's tolerances follow it); the
+    check queue is sized so that no drawn submission is declined."""
+    name = "honest" if precision == "float32" else f"honest_{precision}"
+    run_dir = out / "adversary_runs" / name
+    proc = start_run(
+        run_dir,
+        "security.check_fraction=1.0",
+        "security.check_samples=1000000",
+        "security.check_queue=100000",
+        f"runtime.engine_dtype={precision}",
+        f"security.engine_precision={precision}",
+        steps=steps,
+    )
     try:
         if proc.wait(3600) != 0:
             raise RuntimeError(f"echo2 run failed; see {run_dir.with_suffix('.log')}")
@@ -181,6 +198,7 @@ def study_honest(out: Path, steps: int) -> dict[str, Any]:
     checked = int(sec["security/checked_trajectories"])
     return {
         "steps": steps,
+        "engine_precision": precision,
         "security": sec,
         "checked_trajectories": checked,
         "quarantined": int(sec["security/quarantined"]),
@@ -407,7 +425,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    studies = ["attacks", "honest", "cost", "poison", "liveness", "garbage"]
+    studies = ["attacks", "honest", "honest_bf16", "cost", "poison", "liveness", "garbage"]
     p.add_argument("--study", choices=[*studies, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
     p.add_argument("--window", type=float, default=LIVENESS_WINDOW_S, help="seconds of the liveness window")
@@ -426,6 +444,8 @@ def main() -> int:
             res["attacks"] = study_attacks(a.out, a.trials)
         elif s == "honest":
             res["honest"] = study_honest(a.out, a.honest_steps)
+        elif s == "honest_bf16":
+            res["honest_bf16"] = study_honest(a.out, a.honest_steps, "bfloat16")
         elif s == "cost":
             res["cost"] = study_cost(a.out, a.pairs, a.steps)
         elif s == "poison":

@@ -405,6 +405,19 @@ class SnapshotConfig(_Section):
     )
 
 
+# The generation check's default (log-prob, draw) tolerances per engine precision. float32: the
+# learner's float32 re-run of a float32 engine differs by reduction order only. bfloat16: measured on
+# honest bf16 HF-engine samples of the embedded model (1,024 completions, 3,618 tokens: largest
+# |log-prob error| 0.143, p99 0.097; no drawn token further than 0.1 below the best perturbed score),
+# with about 2x headroom (docs/security.md). float16 (10 mantissa bits to bfloat16's 7) is not
+# measured and takes bfloat16's.
+ENGINE_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (0.05, 0.05),
+    "bfloat16": (0.3, 0.2),
+    "float16": (0.3, 0.2),
+}
+
+
 class SecurityConfig(_Section):
     """What the learner checks of strangers' machines (``[security]``; docs/security.md)."""
 
@@ -433,16 +446,24 @@ class SecurityConfig(_Section):
         description="completion positions whose logits, seeded noise and nucleus the check holds at once "
         "(peak memory: about 60 x this x vocabulary bytes, whatever the completion's length)",
     )
-    logprob_tolerance: float = Field(
-        0.05,
-        gt=0.0,
-        description="largest |claimed - recomputed| sampler log-prob of a token counted as numerical noise",
+    engine_precision: FloatDtype = Field(
+        "float32",
+        description="the precision the run's workers' engines compute in (a run setting, never a worker's "
+        "claim): sets the check's default tolerances (float32: log-prob 0.05, draw 0.05; bfloat16: 0.3, "
+        "0.2, measured on honest bf16 samples, docs/security.md); bfloat16 for GPU workers in bf16",
     )
-    gumbel_tolerance: float = Field(
-        0.05,
+    logprob_tolerance: float | None = Field(
+        None,
+        gt=0.0,
+        description="largest |claimed - recomputed| sampler log-prob of a token counted as numerical noise; "
+        "unset = engine_precision's (float32 0.05, bfloat16 0.3)",
+    )
+    gumbel_tolerance: float | None = Field(
+        None,
         gt=0.0,
         description="a sampled token whose perturbed score is within this of the best (logit units) "
-        "is taken as the seeded draw (numerical noise near ties)",
+        "is taken as the seeded draw (numerical noise near ties); unset = engine_precision's (float32 0.05, "
+        "bfloat16 0.2)",
     )
     max_token_misses: float = Field(
         0.02,
@@ -507,6 +528,15 @@ class SecurityConfig(_Section):
         30.0, gt=0.0, allow_inf_nan=False, description="seconds a request body may take to arrive"
     )
 
+    def tolerances(self) -> tuple[float, float]:
+        """(log-prob, draw) tolerances of the generation check: the ones set, else the engine
+        precision's (ENGINE_TOLERANCES)."""
+        lp, draw = ENGINE_TOLERANCES[self.engine_precision]
+        return (
+            lp if self.logprob_tolerance is None else self.logprob_tolerance,
+            draw if self.gumbel_tolerance is None else self.gumbel_tolerance,
+        )
+
     @model_validator(mode="after")
     def _price_range(self) -> SecurityConfig:
         if self.min_usd_per_hour > self.max_usd_per_hour:
@@ -564,7 +594,9 @@ class RuntimeConfig(_Section):
         "hf", description="rollout engine of the workers `echo2 run` starts: hf or vllm (docs/engines.md)"
     )
     engine_dtype: FloatDtype = Field(
-        "float32", description="compute dtype of a vLLM engine (float32: what the learner re-checks in)"
+        "float32",
+        description="compute dtype of the workers' engines (float32, or bfloat16 as GPU workers run it: "
+        "declare security.engine_precision to match, the check's tolerances follow it)",
     )
     engine_memory: float = Field(
         0.3, gt=0.0, le=1.0, description="share of GPU (CPU: host) memory a vLLM engine may claim"
@@ -625,6 +657,18 @@ class Config(_Section):
         if isinstance(data, dict) and isinstance(data.get("task"), dict) and "name" not in data["task"]:
             data = {**data, "task": {"name": "arithmetic", **data["task"]}}
         return data
+
+    @model_validator(mode="after")
+    def _engines_checked_as_they_compute(self) -> Config:
+        rt, sec = self.runtime, self.security
+        if rt.engine_dtype != "float32" and rt.engine_dtype != sec.engine_precision:
+            raise ValueError(
+                f"runtime.engine_dtype = {rt.engine_dtype!r} but security.engine_precision = "
+                f"{sec.engine_precision!r}: the generation check would flag the honest workers' "
+                f"completions at {sec.engine_precision} tolerances; set security.engine_precision = "
+                f"{rt.engine_dtype!r}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _record_system_needs_template(self) -> Config:

@@ -267,3 +267,47 @@ def test_the_check_model_reads_the_kept_copies_in_place_and_computes_as_a_float3
         alias_weights(twin, bad)
     with pytest.raises(CheckpointError, match="lacks"):
         alias_weights(twin, {k: v for k, v in weights.items() if k != name})
+
+
+def test_a_bf16_engine_passes_at_the_declared_precision_and_forgeries_still_fail(setup, tiny_policy_module):
+    """A bfloat16 engine's honest completions pass a check whose tolerances come from the run's
+    declared engine precision; tampered log-probs and another version's tokens still fail it."""
+    policy = tiny_policy_module
+    check32, lease, sub, engine, encoded = setup
+    bf16 = HFEngine(
+        copy.deepcopy(engine.model).to(torch.bfloat16), policy.eos_id, policy.pad_id, engine.sampling
+    )
+    samples = bf16.generate([ids for ids in encoded for _ in range(G)], seed=lease.seed)
+    groups = tuple(
+        tuple(
+            dataclasses.replace(t, completion_ids=s.completion_ids, sampler_logprobs=s.logprobs)
+            for t, s in zip(g, samples[i * G : (i + 1) * G], strict=True)
+        )
+        for i, g in enumerate(sub.groups)
+    )
+    honest = dataclasses.replace(sub, groups=groups)
+    check = GenerationCheck(
+        check32.model, check32.sampling, SecurityConfig(engine_precision="bfloat16"), rng=random.Random(0)
+    )
+    assert SecurityConfig(engine_precision="bfloat16").tolerances() == (0.3, 0.2)
+    assert SecurityConfig(engine_precision="bfloat16", logprob_tolerance=0.1).tolerances() == (0.1, 0.2)
+    for v, w in ((1, check32._weights_of(1)), (2, check32._weights_of(2))):
+        check.keep(v, {k: t.clone() for k, t in w.items()})
+    verdicts = check.check(lease, honest, ALL)
+    assert all(v.misses == 0 for v in verdicts)
+    t = honest.groups[1][2]
+    tampered = _forged(honest, 1, 2, sampler_logprobs=tuple(lp - 0.5 for lp in t.sampler_logprobs))
+    with pytest.raises(Rejected, match="forged_generation"):
+        check.check(lease, tampered, [(1, 2)])
+    with pytest.raises(Rejected, match="forged_generation"):
+        check.check(lease, dataclasses.replace(honest, policy_version=2), ALL)
+
+
+def test_the_workers_engine_dtype_must_be_the_checks_declared_precision():
+    from echo2.config import Config
+
+    with pytest.raises(ValueError, match=r"security.engine_precision = 'bfloat16'"):
+        Config.model_validate({"runtime": {"engine_dtype": "bfloat16"}})
+    Config.model_validate(
+        {"runtime": {"engine_dtype": "bfloat16"}, "security": {"engine_precision": "bfloat16"}}
+    )

@@ -193,7 +193,8 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
         "--engine-dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
-        help="compute dtype of the vLLM engine (default float32, what the learner's re-check computes in)",
+        help="compute dtype of the engine (default float32; bfloat16 needs the run's "
+        "security.engine_precision = bfloat16)",
     )
     p.add_argument(
         "--engine-memory",
@@ -240,11 +241,12 @@ def _worker(args: argparse.Namespace) -> int:
     if args.engine_batch_tokens is not None and args.engine_batch_tokens < 16:
         raise ConfigError(f"--engine-batch-tokens {args.engine_batch_tokens}: must be >= 16")
     require_engine(args.engine)  # a missing or broken engine package fails here, before registering
-    if args.engine == "vllm" and args.engine_dtype != "float32":
+    if args.engine_dtype != "float32":
         print(
-            f"echo2 worker: warning: --engine-dtype {args.engine_dtype}: the learner re-checks completions "
-            "in float32, and at its default tolerances it flagged 14% of a bf16 engine's completions "
-            "(docs/engines.md); the learner's security.logprob_tolerance must allow for it",
+            f"echo2 worker: warning: --engine-dtype {args.engine_dtype}: the learner's generation check "
+            f"must expect it (security.engine_precision = {args.engine_dtype!r} in the run's config), or "
+            "at float32 tolerances it flags honest completions of this engine and quarantines the worker "
+            "(docs/engines.md)",
             file=sys.stderr,
         )
     opts = WorkerOptions(

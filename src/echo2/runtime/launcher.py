@@ -34,7 +34,7 @@ def worker_command(join: str, name: str, cfg: Config, hardware: str = "local-cpu
     rt = cfg.runtime
     cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", join, "--name", name]
     cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", hardware, "--engine", rt.engine]
-    cmd += ["--engine-dtype", rt.engine_dtype, "--engine-memory", str(rt.engine_memory)]  # hf ignores them
+    cmd += ["--engine-dtype", rt.engine_dtype, "--engine-memory", str(rt.engine_memory)]  # hf: dtype only
     cmd += ["--engine-device", rt.engine_device]
     if rt.engine_batch_tokens:
         cmd += ["--engine-batch-tokens", str(rt.engine_batch_tokens)]

@@ -17,7 +17,9 @@ A worker is a stranger's machine (docs/security.md). Nothing it claims is believ
   ``logprob_tolerance`` is a miss; more than ``max_token_misses`` of a completion's tokens is a forgery
   [forged_generation]. A different model, tampered log-probs, an inflated version (the tokens are
   not the claimed version's draw), best-of-n cherry-picking and a made-up completion all fail it;
-  honest numerical noise (batched vs unbatched kernels, another GPU) stays inside the tolerances.
+  honest numerical noise (batched vs unbatched kernels, another GPU) stays inside the tolerances. The
+  tolerances follow the run's declared ``security.engine_precision`` (config.ENGINE_TOLERANCES: a
+  bf16 engine's rounding is larger than a float32 one's), never a worker's claim.
   In a multi-turn episode only the policy's tokens are checked: its token at completion index ``c``
   was drawn at noise step ``c`` (``rollout/episodes.py``), whatever turn it belongs to.
 - **Episodes** (:class:`EpisodeReplay`, every submission of an environment task): the learner replays
@@ -465,6 +467,7 @@ class GenerationCheck:
             (state_CX,) = self._hidden([t])
         temperature = self.sampling.temperature
         top_p = self.sampling.top_p
+        lp_tol, draw_tol = self.cfg.tolerances()
         tokens_C = torch.tensor(t.completion_ids, dtype=torch.long, device=state_CX.device)
         claimed_C = torch.tensor(t.sampler_logprobs, dtype=torch.float32, device=state_CX.device)
         draw_ok, errs, ties = [], [], 0
@@ -491,12 +494,12 @@ class GenerationCheck:
                 maybe_in_c = torch.ones(hi - lo, dtype=torch.bool, device=scores_cV.device)
             best_c = scores_cV.max(dim=-1).values
             del scores_cV
-            ok_c = maybe_in_c & (chosen_c >= best_c - self.cfg.gumbel_tolerance)
+            ok_c = maybe_in_c & (chosen_c >= best_c - draw_tol)
             ties += int((ok_c & (chosen_c < best_c)).sum())  # passed only within the tolerance
             draw_ok.append(ok_c)
         draw_ok_C = torch.cat(draw_ok) if draw_ok else torch.ones(0, dtype=torch.bool)
         err_C = torch.cat(errs) if errs else torch.zeros(0)
-        lp_ok_C = err_C <= self.cfg.logprob_tolerance
+        lp_ok_C = err_C <= lp_tol
         if t.turn_mask:  # an episode: only the policy's tokens were drawn (step = completion index)
             policy_C = torch.tensor(t.turn_mask, dtype=torch.bool, device=draw_ok_C.device)
             draw_ok_C, lp_ok_C, err_C = draw_ok_C[policy_C], lp_ok_C[policy_C], err_C[policy_C]

@@ -78,9 +78,9 @@ class Engine(Protocol):
 class EngineOptions:
     """How a worker sizes its engine (``echo2 worker --engine-*`` flags, ``[runtime]`` for the workers
     ``echo2 run`` starts). Engines take what applies to them: the HF engine computes in float32 on its
-    ``device`` in batches of at most ``max_batch_tokens`` tokens."""
+    ``device`` in ``dtype`` in batches of at most ``max_batch_tokens`` tokens."""
 
-    dtype: str = "float32"  # compute dtype of engines that choose one (vLLM)
+    dtype: str = "float32"  # compute dtype of the engine (float32, bfloat16)
     memory_fraction: float = 0.3  # share of accelerator memory (host memory on CPU) vLLM may claim
     max_context: int = 0  # longest prompt + completion the engine must hold; 0 = the model's own limit
     eager: bool | None = None  # vLLM without CUDA graphs / compilation; None = eager on CPU only

@@ -70,12 +70,14 @@ class HFEngine:
         options: EngineOptions | None = None,
     ) -> HFEngine:
         """The architecture of the skeleton's ``config.json`` with untrained weights (the first snapshot
-        fills them)."""
+        fills them), computing in ``options.dtype`` (float32, or bfloat16 as GPU workers run: the
+        learner's check then needs ``security.engine_precision = "bfloat16"``)."""
         from echo2.models.policy import resolve_device
         from echo2.models.snapshot import model_from_skeleton
 
         options = options or EngineOptions()
-        model = model_from_skeleton(skeleton_dir).to(resolve_device(options.device, "engine device"))
+        dtype = getattr(torch, options.dtype)
+        model = model_from_skeleton(skeleton_dir).to(resolve_device(options.device, "engine device"), dtype)
         return cls(model, eos_id, pad_id, sampling, max_batch_tokens=options.max_batch_tokens)
 
     def install(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -173,7 +173,13 @@ def test_lease_submit_and_rejections_are_counted(tmp_path):
         "ok": 200,
         "replay": 409,
     }
-    assert reply == {"admitted": 4, "dropped_stale": 0, "next_lease": None, "next_lease_error": None}
+    assert reply == {
+        "admitted": 4,
+        "dropped_stale": 0,
+        "pending_check": 0,
+        "next_lease": None,
+        "next_lease_error": None,
+    }
     by = stats.rejected_by_reason
     assert by["future_version"] == 1 and by["token_range"] == 1 and by["malformed"] == 2 and by["replay"] == 1
 

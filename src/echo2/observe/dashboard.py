@@ -163,6 +163,8 @@ def _learner_metrics(st: dict[str, Any], status: StatusSource) -> Iterator[Any]:
 def _store_metrics(st: dict[str, Any]) -> Iterator[Any]:
     store = st["store"]  # the last record's store/ keys, without the prefix
     yield _gauge(catalog.STORE_SIZE.exported, store.get("size"))
+    yield _gauge(catalog.STORE_HELD.exported, store.get("held"))
+    yield _gauge(catalog.SECURITY_CHECK_BACKLOG.exported, st.get("security", {}).get("check_backlog"))
     for m in (catalog.STORE_ADMITTED, catalog.STORE_DROPPED_STALE):
         yield _counter(m.exported, store.get(m.key.split("/", 1)[1], 0))
     rejected = catalog.STORE_REJECTED_BY

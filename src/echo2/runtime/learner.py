@@ -146,7 +146,6 @@ class AsyncLearner:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
         from echo2.broadcast.factory import open_publisher
         from echo2.broadcast.registry import get_strategy
-        from echo2.data.store import TrajectoryStore
         from echo2.models.snapshot import skeleton_files
         from echo2.runtime.node import assemble, worker_settings
         from echo2.runtime.registry import WorkerRegistry
@@ -154,14 +153,7 @@ class AsyncLearner:
         from echo2.transport import run_identity
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
-        self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
-        self._resources.callback(self.store.close)
-        unchecked = self.store.drop_held()  # an earlier process's groups whose checks never ran
-        if unchecked:
-            log.info("%d trajectories held for a check by an earlier learner process dropped", unchecked)
-        if self.ckpt is not None:
-            n = self.store.requeue_after(self.version)
-            log.info("resuming at version %d from %s; %d groups put back", self.version, self.ckpt, n)
+        self._open_store()
         key = _persistent_key(self.run_path)
         self.token = rt.join_token or _persistent_token(self.run_path)
         # the API and the broadcast consult it
@@ -206,6 +198,21 @@ class AsyncLearner:
         self._resources.push_async_callback(self.intake.close)
         await self._serve(parts.routes, broadcast)
         await self._serve_dashboard(parts)
+
+    def _open_store(self) -> None:
+        """The trajectory store, less an earlier process's groups whose checks never ran, with the
+        groups past a resumed checkpoint's version put back."""
+        from echo2.data.store import TrajectoryStore
+
+        cfg = self.cfg
+        self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
+        self._resources.callback(self.store.close)
+        unchecked = self.store.drop_held()
+        if unchecked:
+            log.info("%d trajectories held for a check by an earlier learner process dropped", unchecked)
+        if self.ckpt is not None:
+            n = self.store.requeue_after(self.version)
+            log.info("resuming at version %d from %s; %d groups put back", self.version, self.ckpt, n)
 
     def _checks(self) -> tuple[Any, Any]:
         """What the learner checks of workers' submissions (``tasks/verify.py``): every one's prompts,

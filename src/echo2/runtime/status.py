@@ -135,6 +135,7 @@ class NodeStatus:
                 "t_train_s": last.get(catalog.LEARNER_T_TRAIN_S.key),
             },
             "store": {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("store/")},
+            "security": {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("security/")},
             "cost": {
                 "usd_per_hour": self.pool.usd_per_hour(),
                 "usd_total": last.get(catalog.COST_USD_TOTAL.key, 0.0),

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import ctypes.util
 import dataclasses
 import math
 import time
@@ -309,8 +307,6 @@ class GRPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 return value, _combine(parts), math.nan
             loss.backward()
-            del loss, logp_BT, logp_ref_BT
-            release_host_memory(self.device)  # the next micro-batch's activations start from what is live
             loss_sum += value
             if mine:
                 parts.append((stats, float(mb.mask_BT.sum())))
@@ -417,25 +413,3 @@ def _group_sizes(trajectories: Sequence[Trajectory]) -> list[int]:
             current = t.group_id
         sizes[-1] += 1
     return sizes
-
-
-_LIBC: list[Any] = []  # glibc's handle once looked up ([None] when there is none)
-
-
-def release_host_memory(device: torch.device) -> None:
-    """On a CPU device, return the heap pages freed since the last call to the system (glibc's
-    ``malloc_trim``), so that the resident memory of an update is what its live tensors take: glibc
-    keeps freed pages of a micro-batch's activations otherwise, and peak resident memory would grow
-    with the number of micro-batches instead of staying at one micro-batch's worth. A no-op on other
-    devices (their allocators cache by design) and without glibc."""
-    if device.type != "cpu":
-        return
-    if not _LIBC:
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name) if name else None
-            _LIBC.append(libc if libc is not None and hasattr(libc, "malloc_trim") else None)
-        except OSError:
-            _LIBC.append(None)
-    if _LIBC[0] is not None:
-        _LIBC[0].malloc_trim(0)

@@ -5,6 +5,9 @@ the Table 2 ablation and simulator speed, in one run; plus the internet-scale ro
     nice -n 19 python benchmarks/planner_sim.py               # all -> results/planner_sim.json + PNGs
     nice -n 19 python benchmarks/planner_sim.py --only scale  # the scale rows and the 1,000 x 500 speed
                                                               # -> results/planner_sim_scale.json + PNG
+    git worktree add ../echo2-before 526f9f9                  # the engine before the relay trees, then
+    nice -n 19 python benchmarks/planner_sim.py --study speed-compare --before ../echo2-before/src
+                                                              # -> results/planner_sim_speed_compare.json
 
 Every number is computed here from the configs under configs/; nothing is copied from the paper
 except the reference values printed beside ours (SPEC section 6).
@@ -51,6 +54,14 @@ SCALE_TARGETS = {
     "plan_100k_wall_s_max": 5.0,  # `echo2 plan speed_100k` end to end (process start included)
     "sim_100k_x_1000_wall_s_max": 60.0,  # configs/sim_speed_100k.toml
 }
+# "1,000 x 500 no slower than today" (issue: dissemination at internet scale), read as: over interleaved
+# pairs (the engine before the relay-tree commit and the current one, each in a fresh process, same
+# session, same machine, alternating which runs first), the median of (now / before) wall seconds is at
+# most this, per case (controller + churn, fixed pool). Declared before the first run of this study; the
+# margin is this shared 2-core machine's run-to-run noise (the speed rows' best-of-3 readings move by
+# 5-10% between runs of the same code).
+SPEED_COMPARE_TARGET = {"median_ratio_max": 1.05, "pairs": 5}
+SPEED_COMPARE_CASES = ("controller_churn", "fixed_1000")
 # the heterogeneous mix: (share, Mbit/s); B0 = 1 Gbit/s, G = 1.2 GB as in the speed case
 LINK_MIX = ((0.60, 200.0), (0.25, 100.0), (0.15, 1000.0))
 
@@ -312,6 +323,79 @@ def speed(repeats: int = 3) -> dict[str, Any]:
     return out
 
 
+_ONE_RUN = """
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+import echo2
+from echo2.sim import experiments
+from echo2.sim.config import load_sim_scenario
+assert echo2.__file__.startswith(sys.argv[1]), (echo2.__file__, sys.argv[1])  # the engine asked for
+sc, _ = load_sim_scenario(sys.argv[2])
+if sys.argv[3] == "fixed_1000":
+    sc = experiments.with_overrides(
+        sc, **{"sim.controller": False, "churn.mean_lifetime_s": None, "churn.join_interval_s": None}
+    )
+load = os.getloadavg()[0]
+t0 = time.perf_counter()
+res, _ = experiments.run(sc)
+wall = time.perf_counter() - t0
+sm = res.summary
+print(json.dumps({"wall_s": wall, "loadavg_1m_before": load, "loadavg_1m_after": os.getloadavg()[0],
+                  "events": sm["events"], "steps": sm["steps"], "bubble_ratio": sm["bubble_ratio"],
+                  "staleness_max": sm["staleness_max"], "decisions": sm["controller_decisions"]}))
+"""
+
+
+def speed_compare(before_src: Path, pairs: int) -> dict[str, Any]:
+    """``configs/sim_speed_1000.toml`` (1,000 x 500) on the engine at ``before_src`` (a worktree of the
+    commit before the relay trees) and on this checkout's, each run in a fresh process (imports not
+    timed), interleaved: per pair and case one run of each, the order alternating between pairs. Per
+    case: the wall times, the ratio now / before per pair, its median and spread, against
+    ``SPEED_COMPARE_TARGET``."""
+    config = str(ROOT / "configs" / "sim_speed_1000.toml")
+    sides = {"before": str(before_src), "now": str(ROOT / "src")}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        c: {"before": [], "now": []} for c in SPEED_COMPARE_CASES
+    }
+    for k in range(pairs):
+        for case in SPEED_COMPARE_CASES:
+            order = ("before", "now") if k % 2 == 0 else ("now", "before")
+            for side in order:
+                done = subprocess.run(
+                    [sys.executable, "-c", _ONE_RUN, sides[side], config, case],
+                    capture_output=True, text=True, check=True, cwd="/",
+                )  # fmt: skip
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                runs[case][side].append(row)
+                log.info(
+                    "pair %d %s %s: %.2f s (load %.2f)", k, case, side, row["wall_s"], row["loadavg_1m_after"]
+                )
+    out: dict[str, Any] = {"before_src": str(before_src), "pairs": pairs, "cpus": os.cpu_count(), "cases": {}}
+    for case in SPEED_COMPARE_CASES:
+        b = [r["wall_s"] for r in runs[case]["before"]]
+        n = [r["wall_s"] for r in runs[case]["now"]]
+        ratios = [x / y for x, y in zip(n, b, strict=True)]
+        med = statistics.median(ratios)
+        out["cases"][case] = {
+            "wall_s_before": b,
+            "wall_s_now": n,
+            "ratio_now_over_before": ratios,
+            "median_ratio": med,
+            "min_ratio": min(ratios),
+            "max_ratio": max(ratios),
+            "median_wall_s_before": statistics.median(b),
+            "median_wall_s_now": statistics.median(n),
+            "events_before": runs[case]["before"][0]["events"],
+            "events_now": runs[case]["now"][0]["events"],
+            "loadavg_1m": [r["loadavg_1m_after"] for side in ("before", "now") for r in runs[case][side]],
+            "runs": runs[case],
+            "met": med <= SPEED_COMPARE_TARGET["median_ratio_max"],
+        }
+    out["target"] = SPEED_COMPARE_TARGET
+    out["met"] = all(c["met"] for c in out["cases"].values())
+    return out
+
+
 def relay_model(out: Path) -> dict[str, Any]:
     """T_bcast (last worker, no reload) over T* of the relay trees (``tree-pipelined``) and, for reference,
     the former chain model (``tree-chains``), at the speed case's sizes: G = 1.2 GB, B0 = 1 Gbit/s,
@@ -485,11 +569,29 @@ def main() -> int:
     ap.add_argument("--pools", type=int, default=1000)
     ap.add_argument("--fuzz", type=int, default=60)
     ap.add_argument("--only", choices=("scale",), help="run only these rows (scale: internet-scale rows)")
+    ap.add_argument(
+        "--study",
+        choices=("speed-compare",),
+        help="speed-compare: 1,000 x 500 on the engine at --before vs this checkout, interleaved "
+        "-> results/planner_sim_speed_compare.json",
+    )
+    ap.add_argument("--before", help="src/ of a worktree of the commit to compare with (speed-compare)")
+    ap.add_argument("--pairs", type=int, default=SPEED_COMPARE_TARGET["pairs"], help="interleaved pairs")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    if args.study == "speed-compare":
+        if not args.before or not (Path(args.before) / "echo2" / "sim" / "engine.py").exists():
+            ap.error("--study speed-compare needs --before SRC, the src/ folder of the other checkout")
+        cmp = speed_compare(Path(args.before).resolve(), args.pairs)
+        cmp["benchmark_wall_s"] = time.perf_counter() - t0
+        (out / "planner_sim_speed_compare.json").write_text(json.dumps(cmp, indent=2))
+        print(json.dumps({c: {k: v[k] for k in ("median_ratio", "min_ratio", "max_ratio", "met")}
+                          for c, v in cmp["cases"].items()}, indent=2))  # fmt: skip
+        print(f"wrote {out / 'planner_sim_speed_compare.json'} in {cmp['benchmark_wall_s']:.0f} s")
+        return 0
     if args.only == "scale":
         sc_r = scale(out)
         sc_r["benchmark_wall_s"] = time.perf_counter() - t0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -207,3 +208,24 @@ def test_batches_are_the_oldest_admissible_groups_by_arrival() -> None:
     assert sim.batch_stats == (2, 1.0)
     # the v3 group waited longest: taken at 10 s, arrived at 1 s
     assert sim.wait_max == 9.0
+
+
+def test_the_engines_normal_draws_are_random_gauss_draws() -> None:
+    # _Sim._gauss is random.gauss's Box-Muller pair without the call: the same numbers from the same seed
+    sim = _Sim(_params(), [], [])
+    ref = random.Random(sim.p.seed)
+    assert [sim._gauss() for _ in range(101)] == [ref.gauss(0.0, 1.0) for _ in range(101)]
+
+
+def test_a_dropped_versions_groups_are_skipped_in_arrival_order() -> None:
+    # v_t = 5, S = 3: v1 is dropped while it sits between admissible groups (arrivals v3, v1, v5, v4);
+    # the batch (R = 2 groups) is v3 + v5, the FIFO keeps v4 only
+    sim = _Sim(_params(rollouts_per_step=32, group_size=16), [], [])
+    sim.version = 5
+    for t, v in enumerate((3, 1, 5, 4)):
+        sim.now = float(t)
+        sim._deliver(v)
+    sim.now = 10.0
+    sim._try_train()
+    assert sim.dropped == 16 and sim.store == {4: 16} and list(sim.fifo) == [(4, 3.0)]
+    assert sim.batch_stats == (2, 1.0) and sim.wait_max == 10.0

@@ -67,6 +67,7 @@ from echo2.planner.activation import Candidate
 from echo2.planner.controller import Heartbeat, PoolController
 
 log = logging.getLogger(__name__)
+_TWO_PI = 2.0 * math.pi  # random.gauss's TWOPI
 
 _DONE, _TRAINED, _WAKE, _CLOSE, _UNBLOCK, _CONTROL, _LEAVE, _JOIN = range(8)
 
@@ -148,6 +149,7 @@ class _W:
     wake_at: float = math.inf  # a pending wake-up for an install it waits for (inf: none)
     rollouts_since: int = 0
     busy_since: float = 0.0
+    group_s: float = 0.0  # group_size / rollouts_per_s: one group's mean seconds before noise
 
 
 @dataclass
@@ -179,7 +181,11 @@ class _Sim:
     def __init__(self, p: SimParams, workers: Sequence[SimWorker], active_ids: Sequence[str]) -> None:
         self.p = p
         self.rng = random.Random(p.seed)
-        self.ws: dict[str, _W] = {w.worker_id: _W(w, i) for i, w in enumerate(workers)}
+        self.gauss_next: float | None = None  # the second normal of the last Box-Muller pair (_gauss)
+        g = p.group_size
+        self.ws: dict[str, _W] = {
+            w.worker_id: _W(w, i, group_s=g / w.rollouts_per_s) for i, w in enumerate(workers)
+        }
         if len(self.ws) != len(workers):
             raise ConfigError("worker ids must be unique")
         self.rows: list[_W] = list(self.ws.values())  # row -> worker
@@ -208,7 +214,8 @@ class _Sim:
         self.step = 0
         self.step_start = 0.0
         self.store: dict[int, int] = {}  # version -> rollouts buffered (admission bookkeeping)
-        self.fifo: deque[tuple[int, float]] = deque()  # (version, arrival time) per group: take order
+        # (version, arrival time) per group: take order; entries of dropped versions are skipped lazily
+        self.fifo: deque[tuple[int, float]] = deque()
         self.wait_max = 0.0  # longest a taken group sat in the store (for the FIFO staleness invariant)
         self.store_total = 0
         self.in_flight = 0  # rollouts of groups being generated
@@ -239,6 +246,9 @@ class _Sim:
         s = p.noise_sigma
         self.ln_mu = -0.5 * s * s
         self.strag_norm = 1.0 + p.straggler_prob * (p.straggler_factor - 1.0)
+        # the hot path's constants (_start), read once
+        self.sigma, self.strag_p, self.strag_f = p.noise_sigma, p.straggler_prob, p.straggler_factor
+        self.group_size, self.overlap = p.group_size, p.overlap_generation
         self.metrics: list[dict[str, Any]] = []
         self.idle_per_step: list[float] = []
         self.step_len: list[float] = []
@@ -315,16 +325,16 @@ class _Sim:
     def _published(self) -> int:
         return (self.version // self.p.kappa) * self.p.kappa
 
-    def _sync(self, w: _W) -> tuple[int, float]:
-        """Apply the installs due by now to w (lazy installs); returns the newest version it still waits
-        for and when it will hold it, ``(-1, inf)`` if none."""
-        i = w.idx
-        have = int(self.inst[i])
+    def _sync(self, i: int) -> tuple[int, int, float]:
+        """Apply the installs due by now to worker row ``i`` (lazy installs); returns the version it
+        holds, and the newest version it still waits for and when it will hold it (``-1, inf``: none)."""
+        have = self.inst.item(i)
+        was = have
         wait_v, wait_t = -1, math.inf
         for pub in self.open:
             if pub.version <= have or i in pub.cancelled:
                 continue
-            due = float(pub.due[i])
+            due = pub.due.item(i)
             if due <= self.now:
                 have = pub.version
             elif due < math.inf:
@@ -338,32 +348,54 @@ class _Sim:
                 self.priv_due[i] = 0.0
             elif v > have and v > wait_v:
                 wait_v, wait_t = v, due
-        self.inst[i] = have
-        return (wait_v, wait_t) if wait_v > have else (-1, math.inf)
+        if have != was:
+            self.inst[i] = have
+        return (have, wait_v, wait_t) if wait_v > have else (have, -1, math.inf)
 
     def _start(self, w: _W) -> None:
+        """Start w's next group if it may: active, idle, holding the snapshot it must generate with
+        (installs applied lazily, :meth:`_sync`), and under the backpressure cap. The hot path of the
+        engine (once per group): it reads no numpy array unless a publication or a download is open."""
         if not w.active or w.busy:
             return
-        wait_v, wait_t = self._sync(w)
-        installed = int(self.inst[w.idx])
-        if installed < 0 or (not self.p.overlap_generation and wait_v > installed):
-            if wait_t < w.wake_at:  # wake it when the install it waits for is due
-                w.wake_at = wait_t
-                self._push(wait_t, _WAKE, w, w.token)
-            return
-        p = self.p
+        i = w.idx
+        if self.open or i in self.private:  # an install may be due or awaited: apply what is due
+            installed, wait_v, wait_t = self._sync(i)
+            if installed < 0 or (not self.overlap and wait_v > installed):
+                if wait_t < w.wake_at:  # wake it when the install it waits for is due
+                    w.wake_at = wait_t
+                    self._push(wait_t, _WAKE, w, w.token)
+                return
+        else:  # nothing in flight to this worker: what it holds is all there is (the common case)
+            installed = self.inst.item(i)
+            if installed < 0:
+                return
         if self.store_total + self.in_flight >= self.cap:
-            self._enqueue(w.idx)
+            self._enqueue(i)
             return
-        self.in_flight += p.group_size
-        mult = math.exp(self.rng.gauss(self.ln_mu, p.noise_sigma)) if p.noise_sigma > 0 else 1.0
-        if p.straggler_prob > 0 and self.rng.random() < p.straggler_prob:
-            mult *= p.straggler_factor
-        dur = p.group_size / w.spec.rollouts_per_s * mult / self.strag_norm
+        self.in_flight += self.group_size
+        mult = math.exp(self.ln_mu + self._gauss() * self.sigma) if self.sigma > 0 else 1.0
+        if self.strag_p > 0 and self.rng.random() < self.strag_p:
+            mult *= self.strag_f
+        dur = w.group_s * mult / self.strag_norm
         w.busy = True
         if dur > self.group_s_max:
             self.group_s_max = dur
-        self._push(self.now + dur, _DONE, (w, installed, dur), w.token)
+        self.seq += 1  # _push, inlined
+        heapq.heappush(self.q, (self.now + dur, self.seq, _DONE, (w, installed, dur), w.token))
+
+    def _gauss(self) -> float:
+        """A standard normal draw: ``random.gauss``'s Box-Muller pair, drawn from ``self.rng`` exactly as
+        it draws them (the same numbers from the same seed), without its call per group."""
+        z = self.gauss_next
+        if z is None:
+            x2pi = self.rng.random() * _TWO_PI
+            g2rad = math.sqrt(-2.0 * math.log(1.0 - self.rng.random()))
+            z = math.cos(x2pi) * g2rad
+            self.gauss_next = math.sin(x2pi) * g2rad
+        else:
+            self.gauss_next = None
+        return z
 
     def _enqueue(self, row: int) -> None:
         if self.ticket[row] >= 0:
@@ -421,7 +453,7 @@ class _Sim:
     # ---- learner ------------------------------------------------------------------------------------
     def _deliver(self, version: int) -> None:
         """A group generated by ``version`` arrives at the store (appended: arrival order is take order)."""
-        g = self.p.group_size
+        g = self.group_size
         self.store[version] = self.store.get(version, 0) + g
         self.fifo.append((version, self.now))
         self.store_total += g
@@ -433,8 +465,8 @@ class _Sim:
             c = self.store.pop(v)
             self.store_total -= c
             self.dropped += c
-        if stale:
-            self.fifo = deque(grp for grp in self.fifo if grp[0] in self.store)
+        # the dropped versions' entries stay in the FIFO and are skipped when reached (_try_train): a
+        # version dropped is never admissible again, so an entry counts iff its version is in the store
         self._unblock()
 
     def _try_train(self) -> None:
@@ -444,16 +476,25 @@ class _Sim:
         r = self.p.rollouts_per_step
         if self.store_total < r:
             return
-        g = self.p.group_size
-        oldest, stale_sum = self.version, 0.0
+        g, store, popleft = self.p.group_size, self.store, self.fifo.popleft
+        taken: dict[int, int] = {}  # version -> groups taken
+        first = math.inf  # arrival of the first group taken: the longest-waiting one (FIFO)
         for _ in range(r // g):  # the R/g earliest-arrived admissible groups (TrajectoryStore.take_batch)
-            v, arrived = self.fifo.popleft()
-            self.store[v] -= g
-            if not self.store[v]:
-                del self.store[v]
-            oldest = min(oldest, v)
-            stale_sum += (self.version - v) * g
-            self.wait_max = max(self.wait_max, self.now - arrived)
+            v, arrived = popleft()
+            while v not in store:  # a dropped version's group (_drop_stale)
+                v, arrived = popleft()
+            taken[v] = taken.get(v, 0) + 1
+            if first == math.inf:
+                first = arrived
+        for v, n in taken.items():  # each version's store entry holds at least its groups in the FIFO
+            left = store[v] - n * g
+            if left:
+                store[v] = left
+            else:
+                del store[v]
+        oldest = min(taken)
+        stale_sum = float(sum((self.version - v) * n * g for v, n in taken.items()))
+        self.wait_max = max(self.wait_max, self.now - first)
         self.store_total -= r
         self._unblock()
         delta = self.version - oldest
@@ -612,7 +653,7 @@ class _Sim:
             for pub in self.open:
                 pub.due = np.concatenate([pub.due, np.full(extra, math.inf)])
         self.links[row] = spec.link_bytes_per_s
-        w = _W(spec, row)
+        w = _W(spec, row, group_s=self.p.group_size / spec.rollouts_per_s)
         self.ws[spec.worker_id] = w
         self.rows.append(w)
         self.specs.append(spec)

@@ -128,7 +128,9 @@ class Attacker:
         try:
             lease = await w.client.lease(
                 LeaseRequest(
-                    max_prompts=self.max_prompts or w.settings.lease_prompts, installed_version=claim
+                    max_prompts=self.max_prompts or w.settings.lease_prompts,
+                    installed_version=claim,
+                    installed_epoch=w._follower().epoch,  # the run epoch of the weights it holds
                 )
             )
         except Refused as exc:
@@ -361,14 +363,20 @@ class Hoarder(Liar):
         while not stop.is_set():
             wait = 0.25
             try:
-                newest = (await self.client.version()).version or 0
+                got_version = await self.client.version()
+                newest = got_version.version or 0
+                epoch = int((got_version.manifest or {}).get("lineage", {}).get("epoch", 0))
                 if loop.time() >= next_beat:
                     await self.client.heartbeat(
                         HeartbeatRequest(rollouts=0, busy_s=0.0, installed_version=newest)
                     )
                     next_beat = loop.time() + reg.settings.heartbeat_s
                 got = await self.client.lease(
-                    LeaseRequest(max_prompts=reg.settings.lease_prompts, installed_version=newest)
+                    LeaseRequest(
+                        max_prompts=reg.settings.lease_prompts,
+                        installed_version=newest,
+                        installed_epoch=epoch,
+                    )
                 )
                 if isinstance(got, LeaseGrant):
                     self.tally.grants += 1

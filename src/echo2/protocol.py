@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, TypeAdapter
 
 from echo2.config import SamplingConfig, TaskConfig
-from echo2.types import Prompt, Trajectory
+from echo2.types import MAX_EPOCH, Prompt, Trajectory
 
 API = "/v1"
 VERSION_HEADER = "X-Echo2-Version"
@@ -83,6 +83,7 @@ class LeaseRequest(BaseModel):
 
     max_prompts: Annotated[int, Field(ge=1, le=MAX_INT)]  # most prompts it wants
     installed_version: Version  # the snapshot it would generate with
+    installed_epoch: Annotated[int, Field(ge=0, le=MAX_EPOCH)] = 0  # the run epoch of its manifest
 
 
 class SampleWire(BaseModel):
@@ -167,12 +168,14 @@ class LeaseGrant(BaseModel):
     min_version: int  # generate with at least this version (else the groups are dropped as stale)
     expires_in_s: float  # after this the prompts are leased to someone else (a late answer still counts)
     seed: int  # sample with seeded Gumbel-max under this seed: sample j of prompt i is row i*G + j
+    epoch: int = 0  # the run epoch of the learner process that issued it (its manifests carry it too)
 
 
 LeaseRefusalReason = Literal[
     "finished",  # the run is over
     "inactive",  # the pool controller has not activated this worker
     "benched",  # too many of its leases went unreturned: no leases for a while (retry_after_s)
+    "stale_epoch",  # its weights are of another learner process's run epoch: drop them, install min_version
     "stale_weights",  # its weights are older than v_t - S: install min_version first
     "unpublished_version",  # the learner never published (or does not hold) the version it claims
     "rolled_back",  # its weights are newer than the learner's: drop them, install the learner's

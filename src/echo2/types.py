@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from echo2.config import Config
 
+# A learner process's run epoch (observe/rundir.next_epoch): one more at every start on a run directory;
+# versions, leases and manifests are of one epoch. Below 2^53 so that any JSON reader keeps it exact.
+MAX_EPOCH = 2**53
+
 
 @dataclass(frozen=True)
 class Prompt:

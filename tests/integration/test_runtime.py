@@ -72,10 +72,14 @@ def test_echo2_run_end_to_end(tiny_overrides, tmp_path):
     assert summary["version"] == 30 and summary["staleness_max"] <= 3
     assert (run_dir / "run.png").stat().st_size > 0
     assert len(list((run_dir / "workers").glob("*.log"))) == 2
-    for log in (run_dir / "workers").glob("*.log"):
-        report = json.loads(next(x for x in reversed(log.read_text().splitlines()) if x.startswith("{")))
-        assert report["rollouts_submitted"] > 0  # each worker left cleanly with its report
-        assert report["installs"] > 0 and 0 < report["install_cpu_s"] <= report["install_s"] + 0.05
+    reports = [
+        json.loads(next(x for x in reversed(log.read_text().splitlines()) if x.startswith("{")))
+        for log in (run_dir / "workers").glob("*.log")
+    ]  # each worker left cleanly with its report
+    assert sum(r["rollouts_submitted"] for r in reports) > 0
+    for report in reports:  # a worker that started after the 30 fast steps were done may have none
+        if report["rollouts_submitted"]:
+            assert report["installs"] > 0 and 0 < report["install_cpu_s"] <= report["install_s"] + 0.05
     publications = [r for r in rows if "broadcast/publish_cpu_s" in r]
     assert publications and all(r["broadcast/publish_cpu_s"] > 0 for r in publications)
 
@@ -181,6 +185,7 @@ def _hostile(
     one_round: threading.Event,
     done: threading.Event,
     tls: ssl.SSLContext,
+    epoch: int = 0,
 ) -> dict[str, int]:
     """A registered worker that sends every kind of garbage, round after round, until ``done`` (sets
     ``one_round`` after its first whole round); the status codes it got, counted."""
@@ -204,7 +209,8 @@ def _hostile(
         note("future_heartbeat", _post(f"{api}/heartbeat", future, cred)[0])
         with contextlib.suppress(OSError), socket.create_connection(broadcast, timeout=5) as s:
             s.sendall(b"\xde\xad\xbe\xef" * 4096)  # junk on the broadcast port
-        status, le = _post(f"{api}/lease", {"max_prompts": 2, "installed_version": 0}, cred)
+        lease_req = {"max_prompts": 2, "installed_version": 0, "installed_epoch": epoch}  # learner.json's
+        status, le = _post(f"{api}/lease", lease_req, cred)
         if status != 200 or not le.get("lease_id"):
             time.sleep(0.2)
             continue
@@ -243,7 +249,9 @@ def test_a_hostile_worker_cannot_crash_or_stall_the_learner(tiny_overrides, tmp_
         tls = ssl.create_default_context(cadata=(run_dir / "tls_cert.pem").read_text())  # the only CA
         tls.check_hostname = False  # trusting exactly the run's certificate is the check
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            hostile = pool.submit(_hostile, api, token, tuple(info["broadcast"]), one_round, done, tls)
+            hostile = pool.submit(
+                _hostile, api, token, tuple(info["broadcast"]), one_round, done, tls, info["epoch"]
+            )
             assert one_round.wait(60), "the hostile worker never got a lease"  # then the honest one joins
             env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
             honest = _echo2("worker", "--join", info["join"], "--name", "honest", env=env,

@@ -201,3 +201,51 @@ async def _busy() -> None:
     await follower.close()
     await following
     await snaps.close()
+
+
+def test_after_a_restart_the_new_run_epoch_replaces_the_old_weights_whatever_their_numbers() -> None:
+    asyncio.run(_restart())
+
+
+async def _restart() -> None:
+    """A worker holds v3 of run epoch 1; the learner restarts (epoch 2) from an earlier checkpoint and
+    publishes v1 and v2 with other weights. The follower installs epoch 2's v2 (a lower number than the
+    v3 it held), fetching epoch 2's whole chain (epoch 1's v3 is no base for its patches), and never
+    goes back to an epoch-1 version delivered late."""
+    key = new_signing_key()
+    model = build_model(TINY, build_tokenizer(), seed=0)
+    old = Snapshots(open_publisher("memory", key, get_strategy("star-limited"), 4096), 1.1, epoch=1)
+    for v in range(4):
+        nudge(model, v + 1)
+        await old.publish_model(v, model)
+    learner, counters, stop = Learner(old), WorkerCounters(), [False]
+    follower = WeightFollower(
+        learner, Engine(), key.verifier(), None, "w0", counters, finished=lambda: stop[0], catchup_s=0.2
+    )  # type: ignore[arg-type]
+    await follower.fetch()
+    assert (follower.epoch, follower.installed) == (1, 3)
+
+    hub = open_publisher("memory", key, get_strategy("star-limited"), 4096)
+    new = Snapshots(hub, 1.1, epoch=2)  # the restarted learner
+    nudge(model, 99)
+    await new.publish_model(1, model)
+    learner.snaps, follower.broadcast = new, hub
+    following = asyncio.ensure_future(follower.follow())
+    await until(lambda: hub.members() == ["w0"])
+    nudge(model, 100)
+    await new.publish_model(2, model)  # delivered: a patch of epoch 2's v1, which the follower lacks
+    await until(lambda: (follower.epoch, follower.installed) == (2, 2))
+    assert learner.asked[-1] == -1  # the whole chain of the new epoch, not "the links after v1"
+    assert weights_digest(follower.engine.loaded) == weights_digest(sampler_copy(model, "bfloat16"))
+    late = old.chain[-1]  # an epoch-1 version delivered after the restart: ignored
+    from echo2.broadcast.api import InstalledSnapshot
+    from echo2.weights.manifest import Manifest
+
+    await follower._delivered(InstalledSnapshot(Manifest.from_dict(late.manifest), memoryview(late.blob)))
+    follower.install_pending()
+    assert (follower.epoch, follower.installed) == (2, 2)
+    stop[0] = True
+    await follower.close()
+    await following
+    await old.close()
+    await new.close()

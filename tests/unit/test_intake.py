@@ -80,6 +80,9 @@ def _loop():
         RUNNER.clear()
 
 
+EPOCH = 7  # the run epoch of the learner process under test
+
+
 def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[float]) -> tuple[Intake, Any]:
     store = TrajectoryStore(tmp_path / "s.sqlite", staleness=3, group_size=G)
     REFUSED.clear()
@@ -87,15 +90,20 @@ def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[floa
     intake = Intake(
         store, LIMITS, lambda: 4, lambda: max(published), lambda: now[0], None, check,  # type: ignore[arg-type]
         lambda v: v in published, lambda w: None, lambda *a: REFUSED.append(a),
-        quarantine=lambda rec, exc: QUARANTINED.append((rec.worker_id, exc.reason)),
+        quarantine=lambda rec, exc: QUARANTINED.append((rec.worker_id, exc.reason)), epoch=EPOCH,
     )  # fmt: skip
     return intake, store
 
 
-def _submit(intake: Intake, store: TrajectoryStore, version: int, issued: float, settle: bool = True) -> str:
+def _submit(
+    intake: Intake, store: TrajectoryStore, version: int, issued: float, settle: bool = True, epoch: int = 0
+) -> str:
     """What the worker is told: ``pending`` (drawn: held for the check), ``admitted``, or the refusal;
-    ``settle``: then wait for the check's verdict."""
-    lease = store.issue_lease("w", [Prompt("p", "1+1=", "2")], now=issued, ttl_s=60.0, seed=1)
+    ``settle``: then wait for the check's verdict. The lease is of this learner's run epoch unless
+    ``epoch`` names another."""
+    lease = store.issue_lease(
+        "w", [Prompt("p", "1+1=", "2")], now=issued, ttl_s=60.0, seed=1, epoch=epoch or EPOCH
+    )
     rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)
     try:
         result = RUNNER[0].run(intake.accept(rec, _body(lease, version)))  # type: ignore[arg-type]
@@ -129,18 +137,20 @@ def test_a_version_the_check_does_not_hold_is_refused_not_counted_as_checked(tmp
     assert check.runs == 0 and intake.metrics()["security/checked_submissions"] == 0
 
 
-def test_a_lease_issued_before_a_restart_is_refused(tmp_path):
-    """After a restart from a checkpoint a version number may name other weights than the ones the
-    worker sampled with: a lease issued before this learner process started cannot be checked."""
+def test_a_lease_of_an_earlier_run_epoch_is_refused(tmp_path):
+    """After a restart a version number may name other weights than the ones the worker sampled with: a
+    lease of an earlier learner process's run epoch cannot be checked, whenever it was issued (the
+    clock of the new process may even be behind the old one's); counted, never drawn."""
     now = [100.0]
     check = FakeCheck(held={4})
     intake, store = _intake(tmp_path, {4}, check, now)
-    assert _submit(intake, store, 4, issued=50.0) == "lease_before_restart"
-    assert _submit(intake, store, 4, issued=150.0) == "pending"
-    assert check.runs == 1
+    assert _submit(intake, store, 4, issued=500.0, epoch=EPOCH - 1) == "stale_epoch"
+    assert check.runs == 0 and store.stats().rejected_by_reason == {"stale_epoch": 1}
+    assert _submit(intake, store, 4, issued=50.0) == "pending"
+    assert check.runs == 1 and not QUARANTINED
 
 
-@pytest.mark.parametrize("reason", ["unpublished_version", "lease_before_restart", "unchecked_version"])
+@pytest.mark.parametrize("reason", ["unpublished_version", "stale_epoch", "unchecked_version"])
 def test_version_refusals_are_not_evidence(reason):
     """None of them quarantines: an honest worker after a restart can trigger each."""
     from echo2.tasks.verify import EVIDENCE

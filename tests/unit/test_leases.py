@@ -182,8 +182,8 @@ def test_a_refused_answer_expires_its_lease_at_once_and_strikes_unless_the_learn
     assert broker.standings.struck(w) and broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
     second = _ask(broker, w)  # its prompts went back and it may lease again at once (on probation)
     assert isinstance(second, LeaseGrant) and second.expires_in_s == cfg.runtime.lease_ttl_s / 2
-    broker.refused(w, second.lease_id, "lease_before_restart")  # the learner's doing: no strike
-    assert "lease_before_restart" in NO_FAULT and broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
+    broker.refused(w, second.lease_id, "stale_epoch")  # the learner's doing: no strike
+    assert "stale_epoch" in NO_FAULT and broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
     broker.refused(w, second.lease_id, "prompt_mismatch")  # no longer open: nothing happens
     assert broker.standings.ttl(w) == cfg.runtime.lease_ttl_s / 2
 
@@ -239,3 +239,18 @@ def test_a_lease_is_cut_to_what_fits_in_the_budget(tmp_path):
     assert isinstance(cut, LeaseGrant) and len(cut.prompts) == 6
     full = _ask(broker, b)
     assert isinstance(full, LeaseRefusal) and full.reason == "buffer_full"
+
+
+def test_weights_of_another_run_epoch_get_no_lease_and_leases_carry_the_epoch(tmp_path):
+    """A worker still holding an earlier learner process's version (its number may name other weights
+    now) is told stale_epoch with the newest version to install; a grant carries this process's epoch,
+    and so does the lease the store keeps."""
+    _, store, broker, pool, clock = _node(tmp_path)
+    broker.epoch = 3
+    w = _register(pool.registry, pool, "w")
+    broker.is_active.__self__.registry[w].last_seen_s = clock()  # type: ignore[attr-defined]
+    old = broker.grant(w, LeaseRequest(max_prompts=8, installed_version=10, installed_epoch=2))
+    assert isinstance(old, LeaseRefusal) and old.reason == "stale_epoch" and old.min_version == 10
+    fresh = broker.grant(w, LeaseRequest(max_prompts=8, installed_version=10, installed_epoch=3))
+    assert isinstance(fresh, LeaseGrant) and fresh.epoch == 3
+    assert store.lease(fresh.lease_id).epoch == 3

@@ -232,3 +232,61 @@ def test_the_chain_codec_refuses_malformed_bodies() -> None:
     ):
         with pytest.raises(ChainError, match=match):
             decode_chain(bad)
+
+
+def test_a_newer_run_epoch_starts_from_its_anchor_and_an_older_one_is_ignored():
+    """Versions are ordered within their run epoch: after a learner restart (epoch 2) the same number
+    names other weights, so a worker holding epoch 1's v2 installs epoch 2's anchor even at a lower
+    number, never patches epoch 1's weights with epoch 2's patch, and never goes back to epoch 1."""
+    import torch
+
+    from echo2.weights.chain import WeightChain
+    from echo2.weights.manifest import build_manifest
+    from echo2.weights.publication import Link, PublishedChain
+
+    key = b"k" * 32
+    w1 = {"a": torch.linspace(-1, 1, 4096).to(torch.bfloat16)}
+    w2 = {"a": w1["a"].clone()}
+    w2["a"][:3] += 1  # a publication that changes 3 elements: a patch
+
+    def links(epoch: int, *weights: dict) -> list:
+        chain, out = PublishedChain(epoch=epoch), []
+        for v, w in enumerate(weights):
+            enc = chain.encode(w)
+            assert enc.lineage.epoch == epoch
+            manifest = build_manifest(enc.blob, v, 1 << 16, key, enc.lineage)
+            out.append((manifest, enc.blob))
+            chain.record(Link(v, manifest.to_dict(), enc.blob))
+            chain.base = w
+        return out
+
+    old = links(1, w1, w2, w1)  # epoch 1: v0, v1, v2
+    new = links(2, w2, w1)  # epoch 2 after a restart: v0 (anchor), v1 (patch)
+    assert new[1][0].kind == "patch" and new[1][0].lineage.base_version == 0
+    held = WeightChain()
+    held.commit(held.stage(old))
+    assert (held.epoch, held.version) == (1, 2)
+    assert held.stage([new[1]]) is None  # epoch 2's patch has no base here: a gap, not a wrong install
+    staged = held.stage(new)
+    assert staged is not None and (staged.epoch, staged.version) == (2, 1)
+    assert torch.equal(staged.tensors["a"], w1["a"])
+    held.commit(staged)
+    assert held.stage(old) is None  # epoch 1's versions, however numbered, are behind
+
+
+def test_the_run_epoch_is_signed_and_bounded():
+    import dataclasses
+
+    from echo2.weights.manifest import Lineage, Manifest, ManifestError, build_manifest, verify_manifest
+
+    key = b"k" * 32
+    m = build_manifest(b"x" * 100, 4, 64, key, Lineage("full", epoch=5))
+    verify_manifest(Manifest.from_dict(m.to_dict()), key)
+    assert Manifest.from_dict(m.to_dict()).lineage.epoch == 5
+    moved = dataclasses.replace(m, lineage=dataclasses.replace(m.lineage, epoch=6))
+    with pytest.raises(ManifestError):
+        verify_manifest(moved, key)  # a relay cannot move a version into another epoch
+    bad = m.to_dict()
+    bad["lineage"]["epoch"] = -1
+    with pytest.raises(ManifestError, match="epoch"):
+        Manifest.from_dict(bad)

@@ -585,5 +585,35 @@ def test_a_version_2_store_gains_the_lease_columns(tmp_path):
     s = TrajectoryStore(path, staleness=2, group_size=G)
     info = s.lease(lease)
     assert info is not None and (info.seed, info.installed_version, info.state) == (0, -1, "submitted")
+    assert info.epoch == 0  # a lease of an earlier store is of no run epoch a learner has now
     assert s.stats().admitted == G and s.stats().held == 0  # groups gained their held flag, unset
     s.close()
+
+
+def test_a_version_5_store_gains_the_lease_epoch_and_leases_keep_theirs(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "v5.db"
+    s = TrajectoryStore(path, staleness=2, group_size=G)
+    old = s.issue_lease("w", prompts("a"), now=0.0, ttl_s=5.0, epoch=4)
+    assert s.lease(old).epoch == 4
+    s.close()
+    db = sqlite3.connect(path)
+    db.executescript("ALTER TABLE leases DROP COLUMN epoch; PRAGMA user_version = 5;")
+    db.close()
+    s = TrajectoryStore(path, staleness=2, group_size=G)
+    assert s.lease(old).epoch == 0
+    assert s.lease(s.issue_lease("w", prompts("b"), now=0.0, ttl_s=5.0, epoch=5)).epoch == 5
+    s.close()
+
+
+def test_every_learner_process_on_a_run_directory_has_a_run_epoch_of_its_own(tmp_path):
+    from echo2.errors import ConfigError
+    from echo2.observe.rundir import EPOCH_FILE, clear_run, next_epoch
+
+    assert [next_epoch(tmp_path) for _ in range(3)] == [1, 2, 3]
+    clear_run(tmp_path)  # a fresh run in the same directory keeps counting: old workers may linger
+    assert next_epoch(tmp_path) == 4
+    (tmp_path / EPOCH_FILE).write_text("four\n")
+    with pytest.raises(ConfigError, match="not a run epoch"):
+        next_epoch(tmp_path)

@@ -8,10 +8,11 @@ restart (a new ``TrajectoryStore`` on the same file) loses no accepted group, le
 ``check_same_thread`` guard enforces it). A server that runs requests on several threads must funnel
 store calls through one thread (e.g. its event loop thread, or one executor thread).
 
-**Schema** (``PRAGMA user_version = 3``; a version-2 store gains the two lease columns on open)::
+**Schema** (``PRAGMA user_version = 6``; an older store gains the missing columns on open)::
 
     leases(lease_id PK, worker_id, state IN ('open','expired','submitted'), issued_at, expires_at,
-           submitted_at NULL, n_prompts, prompts, seed, installed_version, late (answered after expiry))
+           submitted_at NULL, n_prompts, prompts, seed, installed_version, late (answered after expiry),
+           epoch (the run epoch of the learner process that issued it; 0 for an older store's))
         prompts: JSON [[prompt_id, text, answer, meta], ...] in lease order
         seed: the sampling seed the lease assigned; installed_version: what the worker said it held
     rollout_groups(seq INTEGER PK AUTOINCREMENT, group_id UNIQUE, lease_id, prompt_id, policy_version,
@@ -54,9 +55,9 @@ from echo2.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (
-    5  # 5: groups held for a check; 4: late answers; 3: seed and version; 2: without; 1: positional
-)
+# 6: leases of a run epoch; 5: groups held for a check; 4: late answers; 3: seed and version; 2: without;
+# 1: positional
+SCHEMA_VERSION = 6
 DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept in the ledger)
 PURGED = -2  # consumed_step of a group purged untrained because its worker was quarantined
 REJECTION_FLUSH = 256  # rejections counted in memory are written at the next transaction or at this many
@@ -75,7 +76,8 @@ CREATE TABLE IF NOT EXISTS leases (
     prompts TEXT NOT NULL,
     seed INTEGER NOT NULL DEFAULT 0,
     installed_version INTEGER NOT NULL DEFAULT -1,
-    late INTEGER NOT NULL DEFAULT 0
+    late INTEGER NOT NULL DEFAULT 0,
+    epoch INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, expires_at);
 CREATE TABLE IF NOT EXISTS rollout_groups (
@@ -116,6 +118,7 @@ class Lease:
     prompts: list[Prompt]  # in lease order
     seed: int  # the sampling seed it assigned (row i*G + j samples prompt i's j-th completion)
     installed_version: int  # the version the worker said it held when it asked for the lease
+    epoch: int = 0  # the run epoch of the learner process that issued it
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ class TrajectoryStore:
             log.warning("%s: journal_mode is %s, not wal (still durable, slower)", self.path, mode)
         db.execute("PRAGMA synchronous = FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 2, 3, 4, SCHEMA_VERSION):
+        if version not in (0, 2, 3, 4, 5, SCHEMA_VERSION):
             raise ConfigError(
                 f"{self.path}: store schema version {version}, this echo2 reads {SCHEMA_VERSION}; "
                 "start a fresh run (without --resume) or use the echo2 that wrote it"
@@ -221,6 +224,9 @@ class TrajectoryStore:
                 db.execute("ALTER TABLE leases ADD COLUMN installed_version INTEGER NOT NULL DEFAULT -1")
             if version in (2, 3):  # leases say whether their answer came after they expired
                 db.execute("ALTER TABLE leases ADD COLUMN late INTEGER NOT NULL DEFAULT 0")
+            leases = {row[1] for row in db.execute("PRAGMA table_info(leases)")}
+            if version in (2, 3, 4, 5) and "epoch" not in leases:  # leases of an earlier process: epoch 0
+                db.execute("ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0")
             groups = {row[1] for row in db.execute("PRAGMA table_info(rollout_groups)")}
             if version in (2, 3, 4) and "held" not in groups:  # groups may wait for their check
                 db.execute("ALTER TABLE rollout_groups ADD COLUMN held INTEGER NOT NULL DEFAULT 0")
@@ -306,11 +312,13 @@ class TrajectoryStore:
         ttl_s: float,
         seed: int = 0,
         installed_version: int = -1,
+        epoch: int = 0,
     ) -> str:
         """Lease ``prompts`` to ``worker_id`` until ``now + ttl_s``; returns a new lease id (uuid4 hex).
 
         The lease is ``open`` and valid while ``now < expires_at``; its prompts, the sampling ``seed`` it
-        assigns and the ``installed_version`` the worker said it held are stored with it.
+        assigns, the ``installed_version`` the worker said it held and the run ``epoch`` of the learner
+        process that issued it are stored with it.
         """
         if not prompts:
             raise ValueError("a lease needs at least one prompt")
@@ -320,7 +328,7 @@ class TrajectoryStore:
         with self._tx():
             self._db.execute(
                 "INSERT INTO leases (lease_id, worker_id, state, issued_at, expires_at, n_prompts, prompts, "
-                "seed, installed_version) VALUES (?, ?, 'open', ?, ?, ?, ?, ?, ?)",
+                "seed, installed_version, epoch) VALUES (?, ?, 'open', ?, ?, ?, ?, ?, ?, ?)",
                 (
                     lease_id,
                     worker_id,
@@ -330,6 +338,7 @@ class TrajectoryStore:
                     _encode_prompts(prompts),
                     seed,
                     installed_version,
+                    epoch,
                 ),
             )
         return lease_id
@@ -337,13 +346,13 @@ class TrajectoryStore:
     def lease(self, lease_id: str) -> Lease | None:
         """The lease ``lease_id``, or None if it was never issued."""
         row = self._db.execute(
-            "SELECT worker_id, state, issued_at, prompts, seed, installed_version FROM leases "
+            "SELECT worker_id, state, issued_at, prompts, seed, installed_version, epoch FROM leases "
             "WHERE lease_id = ?",
             (lease_id,),
         ).fetchone()
         if row is None:
             return None
-        owner, state, issued, prompts, seed, installed = row
+        owner, state, issued, prompts, seed, installed, epoch = row
         return Lease(
             lease_id,
             str(owner),
@@ -352,6 +361,7 @@ class TrajectoryStore:
             _decode_prompts(prompts),
             int(seed),
             int(installed),
+            int(epoch),
         )
 
     def purge_worker(self, worker_id: str) -> tuple[int, list[Prompt]]:

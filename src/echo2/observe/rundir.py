@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"  # {"version": v}: the policy version the checkpoint's weights are
 OPTIM_FILE = "optimizer.pt"  # optimizer state, for a learner that resumes
 PUBLISHED_DIR = "published"  # the bytes of the published chain (``[snapshot] on_disk``), one file a link
+EPOCH_FILE = "epoch"  # the run epoch of the newest learner process on the directory (kept by fresh runs too)
 # What one run writes into its directory. A fresh run in a used directory starts without them, so two
 # runs never share a metrics.jsonl; a resumed run keeps them (the join token and the signing key stay
 # either way: workers of the directory's earlier run can still join).
@@ -51,6 +52,26 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def next_epoch(run_dir: Path) -> int:
+    """The run epoch of a learner process starting on ``run_dir``: one more than the last one started
+    there (1 on a new directory), recorded before it is used (fsynced), so no two learner processes on
+    a directory ever share one, whether the run resumes or starts fresh. Its versions, leases and
+    manifests carry it; those of an earlier process are refused by it."""
+    from echo2.errors import ConfigError
+    from echo2.types import MAX_EPOCH
+
+    path = run_dir / EPOCH_FILE
+    last = 0
+    if path.is_file():
+        text = path.read_text(encoding="utf-8").strip()
+        if not text.isdigit() or int(text) >= MAX_EPOCH:
+            raise ConfigError(f"{path}: not a run epoch (a whole number below 2^53): {text[:40]!r}")
+        last = int(text)
+    write_atomic(path, f"{last + 1}\n")
+    _fsync_dir(run_dir)
+    return last + 1
 
 
 def _fsync_dir(path: Path) -> None:

@@ -13,7 +13,9 @@ The worker asks it for three things between generations, and for nothing about h
 In the background ``follow()`` keeps a broadcast receiver joined (re-joining after a learner restart
 or a new identity, :meth:`WeightFollower.rejoin`), collects what it delivers and, when the broadcast
 handed it a version its weights cannot reach (it missed a link), fetches the chain from what it holds.
-``forget()`` drops the weights held (the learner was rolled back below them) and fetches the learner's.
+``forget()`` drops the weights held (an earlier learner process's: another run epoch) and fetches the
+learner's. Versions are ordered within their run epoch (the signed manifest's ``lineage.epoch``), epochs
+first: a delivered version of an earlier epoch is ignored, one of a newer epoch replaces everything held.
 
 Every install goes through :class:`echo2.weights.chain.WeightChain`: staged on a copy, checked against
 the digest the learner signed, loaded into the engine between two generations, and only then swapped
@@ -109,11 +111,21 @@ class WeightFollower:
         self._engine_lock = threading.Lock()  # held while generating: weights change only between them
         self._loop = asyncio.get_running_loop()  # where acks of installs made in threads are sent from
         self._gap: asyncio.Future[None] | None = None  # the HTTP fetch of a missed link, while running
+        self._seen_epoch = 0  # the newest run epoch a delivered manifest carried
 
     @property
     def installed(self) -> int:
         """The version served (-1 before the first install)."""
         return self.chain.version
+
+    @property
+    def epoch(self) -> int:
+        """The run epoch of the weights served: a version number names weights only within it."""
+        return self.chain.epoch
+
+    def _ahead(self, manifest: Manifest) -> bool:
+        """Whether ``manifest`` names weights newer than those served (epoch first, then version)."""
+        return (manifest.lineage.epoch, manifest.version) > (self.epoch, self.installed)
 
     # ---- between generations -----------------------------------------------------------------------
     @contextmanager
@@ -125,11 +137,11 @@ class WeightFollower:
     def install_pending(self) -> None:
         """Install what the broadcast delivered, as far as the chain reaches (any thread), and ack it; if
         it delivered a version the chain cannot reach (a link was missed), fetch the chain over HTTP."""
-        links = [(s.manifest, s.data) for v, s in list(self._received.items()) if v > self.installed]
+        links = [(s.manifest, s.data) for s in list(self._received.values()) if self._ahead(s.manifest)]
         if links and self._install(links) and (node := self.node) is not None:
             v = self.installed
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(node.report_installed(v)))
-        if max(self._received, default=-1) > self.installed:
+        if any(self._ahead(s.manifest) for s in list(self._received.values())):
             self._loop.call_soon_threadsafe(self._fetch_gap)
 
     def _fetch_gap(self) -> None:
@@ -151,8 +163,10 @@ class WeightFollower:
     async def fetch(self) -> None:
         """Fetch the links from the installed version to the newest over HTTP (the patches after it, or
         the latest anchor and its patches), verify each against its signed manifest, and install."""
+        # weights of an earlier run epoch are no base for this one's patches: the whole chain then
+        have = self.installed if self.epoch >= self._seen_epoch else -1
         try:
-            links = verified_links(await self.client.snapshot_chain(self.installed), self.key)
+            links = verified_links(await self.client.snapshot_chain(have), self.key)
         except (ChainError, ManifestError) as exc:
             self.counters.install_failures += 1
             log.warning("snapshot chain over HTTP refused: %s", exc)
@@ -169,9 +183,14 @@ class WeightFollower:
             log.info("installed v%d over HTTP (%d links)", self.installed, len(links))
 
     async def forget(self) -> None:
-        """The learner was rolled back to a checkpoint older than the weights held: their version number
-        will name other weights. Drop them and install the learner's latest anchor and chain."""
-        log.warning("the learner was rolled back below v%d; fetching its weights again", self.installed)
+        """The weights held are of an earlier learner process (another run epoch, or a learner rolled
+        back to a checkpoint below them): their version number names other weights now. Drop them and
+        install the learner's latest anchor and chain."""
+        log.warning(
+            "the weights held (v%d of run epoch %d) are not the learner's now; fetching its weights",
+            self.installed,
+            self.epoch,
+        )
         with self._stage_lock:
             self.chain = WeightChain()
             self._received.clear()
@@ -240,9 +259,20 @@ class WeightFollower:
         generation ends (``install_pending``: a snapshot that arrives mid-generation is not a gap, and
         is not fetched again over HTTP). Either install fetches the chain over HTTP if the weights held
         cannot reach what was delivered."""
-        # nothing already installed, and nothing older than an anchor
-        floor = snap.manifest.version if snap.manifest.kind == "full" else self.installed + 1
-        self._received = {v: s for v, s in self._received.items() if v >= floor}
+        epoch = snap.manifest.lineage.epoch
+        if epoch < max(self.epoch, self._seen_epoch):  # a version of an earlier learner process: never
+            log.info(
+                "v%d of run epoch %d ignored: epoch %d is newer", snap.manifest.version, epoch, self.epoch
+            )
+            return
+        self._seen_epoch = epoch
+        # only this epoch's versions; nothing already installed, and nothing older than an anchor
+        floor = snap.manifest.version if snap.manifest.kind == "full" else 0
+        if epoch == self.epoch and snap.manifest.kind != "full":
+            floor = self.installed + 1
+        self._received = {
+            v: s for v, s in self._received.items() if s.manifest.lineage.epoch == epoch and v >= floor
+        }
         self._received[snap.manifest.version] = snap
         if not self._engine_lock.locked():  # idle: switch now, else the generator switches next
             await asyncio.to_thread(self.install_pending)

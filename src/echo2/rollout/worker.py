@@ -264,7 +264,11 @@ class RolloutWorker:
             await asyncio.sleep(self.settings.heartbeat_s)
 
     def _lease_request(self) -> LeaseRequest:
-        return LeaseRequest(max_prompts=self.settings.lease_prompts, installed_version=self.installed)
+        return LeaseRequest(
+            max_prompts=self.settings.lease_prompts,
+            installed_version=self.installed,
+            installed_epoch=self.follower.epoch if self.follower is not None else 0,
+        )
 
     async def _lease(self) -> LeaseGrant | LeaseRefusal | None:
         """A lease or a refusal; None when the learner refused the request itself (asked again in 1 s)."""
@@ -349,7 +353,7 @@ class RolloutWorker:
         if refusal.reason in ("stale_weights", "unpublished_version") and refusal.min_version is not None:
             await self._follower().catch_up(refusal.min_version)  # unpublished: held since a learner restart
             return 0.0
-        if refusal.reason == "rolled_back":
+        if refusal.reason in ("rolled_back", "stale_epoch"):  # weights of an earlier learner process
             await self._follower().forget()
             return 0.0
         return refusal.retry_after_s

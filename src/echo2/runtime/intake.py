@@ -18,10 +18,11 @@ be admitted are not re-run.
 
 Every claimed version can be checked, or the claim is refused, deterministically, before anything is
 drawn: a version this learner process never published [unpublished_version] (with kappa = 2 the odd
-ones: the learner holds no weights of them), and any claim answering a lease issued before this process
-started [lease_before_restart] (after a restart from a checkpoint a version number may name other
-weights than the ones the worker sampled with, so its generation cannot be re-run; the lease's prompts
-go out again when it expires). A drawn submission whose version the check does not hold is refused
+ones: the learner holds no weights of them), and any claim answering a lease of another run epoch
+[stale_epoch]: every learner process on a run directory has an epoch of its own (one more than the last),
+carried by its leases and its signed manifests; after a restart a version number may name other weights
+than the ones the worker sampled with, so such a generation cannot be re-run (no strike; the lease's
+prompts go out again at once). A drawn submission whose version the check does not hold is refused
 [unchecked_version] (it cannot happen for an admissible published version: the check keeps them all);
 held groups whose check cannot run (their version left the window meanwhile, the learner stopped) are
 dropped untrained and counted (``store/unchecked_dropped``), never trained unchecked.
@@ -87,8 +88,10 @@ class Intake:
         quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None,
         quarantined: Callable[[], int] = lambda: 0,
         data_ready: Callable[[], None] = lambda: None,
+        epoch: int = 0,
     ) -> None:
         self.store = store
+        self.epoch = epoch  # this learner process's run epoch: an answer to a lease of another is refused
         self.returned = returned  # a worker answered one of its leases (the lease broker's standing)
         self.refused = refused  # the answer to an open lease (worker, lease, reason) was refused
         self.is_published = is_published  # did this learner process publish that version
@@ -99,7 +102,6 @@ class Intake:
         self.published = published  # newest published snapshot version (-1 before the first)
         self.clock = clock
         self.data_ready = data_ready  # the learner loop's wake-up
-        self.started = clock()  # leases issued before (by a learner process since rolled back) are not re-run
         self.quarantine = quarantine  # the node's: credential revoked, buffered groups purged, leases back
         self.checked_submissions = 0  # submissions whose generation was re-run (only real re-runs)
         self.quarantined = quarantined  # workers quarantined in this run (the registry's)
@@ -125,11 +127,11 @@ class Intake:
                     f"policy_version: {sub.policy_version} was never published by this learner",
                 )
             if lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted":
-                if lease.issued_at < self.started:
+                if lease.epoch != self.epoch:
                     raise Rejected(
-                        "lease_before_restart",
-                        f"lease_id: {sub.lease_id!r} was issued before the learner restarted; its "
-                        "version cannot be checked against the weights that number names now",
+                        "stale_epoch",
+                        f"lease_id: {sub.lease_id!r} was issued by the learner process of run epoch "
+                        f"{lease.epoch}, this one is {self.epoch}: its version numbers name other weights",
                     )
                 picks = await self._verify(lease, sub)  # else the store refuses it, without the expense
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))

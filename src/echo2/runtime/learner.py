@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error
 from echo2.observe import catalog as m
-from echo2.observe.rundir import STATE_FILE, latest_checkpoint, write_atomic
+from echo2.observe.rundir import STATE_FILE, latest_checkpoint, next_epoch, write_atomic
 from echo2.runtime.loop import LearnerSummary
 
 if TYPE_CHECKING:
@@ -153,6 +153,8 @@ class AsyncLearner:
         from echo2.transport import run_identity
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
+        self.epoch = next_epoch(self.run_path)  # this process's: its versions and leases are its own
+        log.info("learner process of run epoch %d", self.epoch)
         self._open_store()
         key = _persistent_key(self.run_path)
         self.token = rt.join_token or _persistent_token(self.run_path)
@@ -187,6 +189,7 @@ class AsyncLearner:
             self.clock,
             *self._checks(),
             data_ready=self.data_ready.set,
+            epoch=self.epoch,
         )
         if self.ckpt is not None:
             parts.broker.prompts.restore(json.loads((self.ckpt / STATE_FILE).read_text()).get("leases"))
@@ -240,7 +243,13 @@ class AsyncLearner:
         url = f"{'https' if tls else 'http'}://{rt.advertise_host or rt.host}:{port}"
         join = join_string(url, tls.fingerprint if tls else None)
         self.endpoints = Endpoints(url, broadcast, self.token, str(self.run_path), join)
-        public = {"url": url, "join": join, "broadcast": list(broadcast), "pid": os.getpid()}
+        public = {
+            "url": url,
+            "join": join,
+            "broadcast": list(broadcast),
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+        }
         write_atomic(self.run_path / "learner.json", json.dumps(public))
         log.info(
             "learner API at %s, broadcast at %s:%d; workers join with %s; join token in %s",

@@ -4,6 +4,8 @@ A lease is granted only (in this order of refusal reasons):
 - while the run is not finished                          [finished]
 - to a worker the pool controller has active              [inactive]
 - that is not benched for leases it left unreturned (``standing.py``)   [benched]
+- whose installed weights are of this learner process's run epoch (a version number names weights only
+  within its epoch: those of an earlier process may be other weights under the same number) [stale_epoch]
 - whose installed version is still admissible (``>= v_t - S``), so it never generates what the
   learner would discard                                   [stale_weights]
 - and not newer than ``v_t``: such weights were published by a learner process that crashed after
@@ -25,7 +27,8 @@ A lease is granted only (in this order of refusal reasons):
 A lease on probation has ``security.probation_prompts`` prompts; its time to live halves with every
 unreturned lease in a row (``standing.py``). A lease whose answer is refused expires at once: its
 prompts go out again, and the worker takes a strike as for an unreturned lease (unless the learner
-caused the refusal: a restart, a version it does not hold).
+caused the refusal: a restart, a version it does not hold). Every lease carries the run epoch of the
+learner process that issued it; an answer to a lease of another epoch is refused (``intake.py``).
 
 Each lease assigns a fresh random sampling seed (the worker samples with seeded Gumbel-max under it,
 so the learner can re-derive any sampled token, ``tasks/verify.py``) and records the version the
@@ -50,7 +53,7 @@ from echo2.runtime.standing import Standings
 
 SEED_BITS = 53  # lease seeds stay exact in any JSON reader
 # refusals of an answer that are the learner's doing, not the worker's: no strike (intake.py)
-NO_FAULT = frozenset({"lease_before_restart", "unchecked_version"})
+NO_FAULT = frozenset({"stale_epoch", "unchecked_version"})
 
 
 class LeaseBroker:
@@ -67,8 +70,10 @@ class LeaseBroker:
         security: SecurityConfig | None = None,
         standings: Standings | None = None,
         published: Callable[[], set[int]] = set,
+        epoch: int = 0,
     ) -> None:
         self.store = store
+        self.epoch = epoch  # this learner process's run epoch: leases carry it, installs of another refuse
         self.prompts = prompts
         self.batch = batch
         self.S = staleness.S
@@ -100,16 +105,19 @@ class LeaseBroker:
         self.standings.asked(worker_id, now)
         probation = self.standings.on_probation(worker_id)
         n = min(req.max_prompts, self.rt.lease_prompts, self.sec.probation_prompts if probation else 2**62)
-        fit = self._refusal(worker_id, req.installed_version, n, probation, now)
+        fit = self._refusal(worker_id, req.installed_version, req.installed_epoch, n, probation, now)
         if isinstance(fit, LeaseRefusal):
             return fit
         self.prompts.redo(self.store.take_redo())  # discarded untrained since the last look: first in line
         prompts = self.prompts.take(fit)
         seed = secrets.randbits(SEED_BITS)  # not the run's seed: workers know that one
         ttl = self.standings.ttl(worker_id)
-        lease_id = self.store.issue_lease(worker_id, prompts, now, ttl, seed, req.installed_version)
+        lease_id = self.store.issue_lease(
+            worker_id, prompts, now, ttl, seed, req.installed_version, self.epoch
+        )
         return LeaseGrant(
             lease_id=lease_id,
+            epoch=self.epoch,
             prompts=prompts,
             group_size=self.batch.group_size,
             min_version=self.min_version,
@@ -118,7 +126,7 @@ class LeaseBroker:
         )
 
     def _refusal(
-        self, worker_id: str, installed: int, n: int, probation: bool, now: float
+        self, worker_id: str, installed: int, epoch: int, n: int, probation: bool, now: float
     ) -> LeaseRefusal | int:
         """Why no lease of ``n`` prompts now, or how many prompts to lease: ``n``, or fewer when only
         fewer fit in the in-flight budget (a lease of whatever fits rather than none: a budget of
@@ -131,6 +139,10 @@ class LeaseBroker:
             return LeaseRefusal(reason="inactive", retry_after_s=retry * 4)
         if (bench := self.standings.bench_left(worker_id, now)) > 0:
             return LeaseRefusal(reason="benched", retry_after_s=bench)
+        if installed >= 0 and epoch != self.epoch:  # weights of another learner process: numbers name others
+            published = self.published()
+            newest = max(published) if published else self.min_version
+            return LeaseRefusal(reason="stale_epoch", retry_after_s=retry, min_version=newest)
         if installed < self.min_version:
             return LeaseRefusal(reason="stale_weights", retry_after_s=retry, min_version=self.min_version)
         if installed > self.version():  # weights of a learner process that was rolled back to a checkpoint

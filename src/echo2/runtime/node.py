@@ -89,20 +89,24 @@ def assemble(
     verifier: Verifier | None = None,
     generation: GenerationCheck | None = None,
     data_ready: Callable[[], None] = lambda: None,
+    epoch: int = 0,
 ) -> NodeParts:
     """The serving parts of a learner node over ``store`` and ``registry`` (which the broadcast
     ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
     earlier learner process registered in the registry's run directory are restored and offered to the
-    pool. ``data_ready`` is called on every admitted submission (the learner loop's wake-up). Each part
-    gets its collaborators when it is made; none is patched afterwards."""
+    pool. ``data_ready`` is called on every admitted submission (the learner loop's wake-up). ``epoch``
+    is this learner process's run epoch (``observe.rundir.next_epoch``): its manifests and leases carry
+    it, and leases of another refuse. Each part gets its collaborators when it is made; none is patched
+    afterwards."""
     snapshots = Snapshots(
         publisher,
         cfg.staleness.gamma,
         cfg.snapshot,
         _keeper(cfg, generation),
         spill_dir=registry.path.parent / PUBLISHED_DIR,
+        epoch=epoch,
     )
-    pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock)
+    pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch)
     limits = submission_limits(cfg, task, vocab_size)
     intake = Intake(
         store,
@@ -118,6 +122,7 @@ def assemble(
         quarantine=_quarantine(registry, pool, broker),
         quarantined=lambda: sum(1 for r in registry if r.quarantined),  # persisted: restarts keep it
         data_ready=data_ready,
+        epoch=epoch,
     )
     routes = Routes(
         registry,
@@ -141,6 +146,7 @@ def _leasing(
     snapshots: Snapshots,
     version: Callable[[], int],
     clock: Callable[[], float],
+    epoch: int,
 ) -> tuple[Pool, LeaseBroker]:
     """The pool (with the workers an earlier learner process registered, restored) and the lease
     broker, sharing one ledger of lease standings: a heartbeat keeps a worker alive in the pool only
@@ -160,7 +166,7 @@ def _leasing(
         pool.enroll(rec)
     broker = LeaseBroker(
         store, PromptSource(task, cfg.seed), cfg.batch, cfg.staleness, rt, version, pool.is_active, clock,
-        cfg.security, standings, lambda: snapshots.published,
+        cfg.security, standings, lambda: snapshots.published, epoch,
     )  # fmt: skip
     return pool, broker
 

@@ -56,12 +56,14 @@ class Snapshots:
         cfg: SnapshotConfig | None = None,
         on_published: Callable[[int, dict[str, torch.Tensor]], None] = lambda version, weights: None,
         spill_dir: Path | None = None,
+        epoch: int = 0,
     ) -> None:
         self.publisher = publisher
+        self.epoch = epoch  # this learner process's run epoch (every manifest's lineage carries it)
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
         # what was published (its bytes in files under spill_dir when given); the next patch's base
-        self.published_chain = PublishedChain(self.cfg, spill_dir)
+        self.published_chain = PublishedChain(self.cfg, spill_dir, epoch)
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced

@@ -109,6 +109,7 @@ class Weights:
     version: int
     digest: str  # ``weights_digest(tensors)``
     tensors: dict[str, torch.Tensor]
+    epoch: int = 0  # the run epoch of the learner process that published it (its manifest's lineage)
 
 
 class WeightChain:
@@ -121,21 +122,28 @@ class WeightChain:
     def version(self) -> int:
         return self.current.version if self.current is not None else -1
 
+    @property
+    def epoch(self) -> int:
+        """The run epoch of the weights served (0 before the first install)."""
+        return self.current.epoch if self.current is not None else 0
+
     def stage(self, links: Iterable[tuple[Manifest, bytes | bytearray | memoryview]]) -> Weights | None:
         """Apply ``links`` (authenticated manifests with their verified bytes; any order, older ones
         ignored) in version order to a copy of the current weights. Returns the newest version reached
-        (None if none was newer or the first one needed is missing); stops at a gap. Raises
+        (None if none was newer or the first one needed is missing); stops at a gap. Versions are
+        ordered within their run epoch, epochs first: a link of an earlier epoch than the weights held
+        is ignored, and a newer epoch starts from its anchor (its patches' bases are of its own epoch,
+        whatever their numbers). Raises
         :class:`DeltaError` when a link does not fit what it claims (wrong base digest, result digest
         mismatch, malformed bytes): nothing is swapped in then."""
         cur = self.current
-        for manifest, data in sorted(links, key=lambda link: link[0].version):
-            held = cur.version if cur is not None else -1
-            if manifest.version <= held:
-                continue
+        for manifest, data in sorted(links, key=lambda link: (link[0].lineage.epoch, link[0].version)):
             lin = manifest.lineage
+            if cur is not None and (lin.epoch, manifest.version) <= (cur.epoch, cur.version):
+                continue
             if lin.kind == "full":
                 tensors = decode_full(data)
-            elif cur is None or lin.base_version != cur.version:
+            elif cur is None or lin.epoch != cur.epoch or lin.base_version != cur.version:
                 break  # a gap: the caller fetches the chain from the version it holds
             elif lin.base_digest != cur.digest:
                 raise DeltaError(
@@ -150,7 +158,7 @@ class WeightChain:
                     f"v{manifest.version}: the weights built have digest {digest[:12]}, the learner "
                     f"published {lin.weights_digest[:12]}; not installing"
                 )
-            cur = Weights(manifest.version, digest, tensors)
+            cur = Weights(manifest.version, digest, tensors, lin.epoch)
         return cur if cur is not None and cur is not self.current else None
 
     def commit(self, staged: Weights) -> None:

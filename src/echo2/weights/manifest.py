@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from echo2.errors import Echo2Error
+from echo2.types import MAX_EPOCH
 
 DIGEST = "sha256"
 CHUNK_DIGEST_BYTES = 16  # a chunk's digest: the first 128 bits of its SHA-256 (see chunk_digest)
@@ -57,14 +58,20 @@ _HEX64 = frozenset("0123456789abcdef")
 class Lineage:
     """What a snapshot's bytes turn into: the full weights (``full``) or a patch of ``base_version``
     (``patch``), and the digest (``echo2.weights.delta.weights_digest``) of the base and of the result.
-    Empty digests mean "not stated" (a blob that is not model weights, as in the transport tests)."""
+    Empty digests mean "not stated" (a blob that is not model weights, as in the transport tests).
+    ``epoch`` is the run epoch of the learner process that published it (one more at every start of a
+    learner on the run directory): a version number names weights only within its epoch, so a restart
+    makes every earlier version unusable by construction (a patch's base is of its own epoch)."""
 
     kind: str = "full"  # "full" (an anchor) or "patch"
     base_version: int = -1  # the version a patch applies to; -1 for an anchor
     base_digest: str = ""  # weights digest of the base (patches only)
     weights_digest: str = ""  # weights digest of the result of installing this snapshot
+    epoch: int = 0  # the publishing learner process's run epoch (0: none stated)
 
     def check(self, version: int) -> None:
+        if not 0 <= self.epoch <= MAX_EPOCH:
+            raise ManifestError(f"manifest.lineage.epoch must be in [0, {MAX_EPOCH}], got {self.epoch}")
         if self.kind not in KINDS:
             raise ManifestError(f"manifest.kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("base_digest", "weights_digest"):
@@ -179,7 +186,7 @@ def _digests(value: object) -> tuple[str, ...]:
 def _lineage(d: object) -> Lineage:
     if not isinstance(d, Mapping):
         raise ManifestError(f"manifest.lineage must be an object, got {d!r}")
-    unknown = set(d) - {"kind", "base_version", "base_digest", "weights_digest"}
+    unknown = set(d) - {"kind", "base_version", "base_digest", "weights_digest", "epoch"}
     if unknown:
         raise ManifestError(f"manifest.lineage has unknown fields {sorted(unknown)}")
     return Lineage(
@@ -187,6 +194,7 @@ def _lineage(d: object) -> Lineage:
         base_version=_int(d, "base_version") if "base_version" in d else -1,
         base_digest=str(d.get("base_digest", "")),
         weights_digest=str(d.get("weights_digest", "")),
+        epoch=_int(d, "epoch") if "epoch" in d else 0,
     )
 
 

@@ -52,8 +52,11 @@ class PublishedChain:
     """The latest anchor and the patches after it, every version published, and the base of the next
     patch (the weights of the newest publication, when this process encoded it)."""
 
-    def __init__(self, cfg: SnapshotConfig | None = None, spill_dir: Path | None = None) -> None:
+    def __init__(
+        self, cfg: SnapshotConfig | None = None, spill_dir: Path | None = None, epoch: int = 0
+    ) -> None:
         self.cfg = cfg or SnapshotConfig()
+        self.epoch = epoch  # this learner process's run epoch: signed into every lineage
         self.spill_dir = spill_dir if self.cfg.on_disk else None  # where published bytes live
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -95,11 +98,11 @@ class PublishedChain:
             patch = encode_patch(self.base, weights, cfg.zstd_level)
             if len(patch) <= cfg.max_patch_ratio * full_bytes:
                 base_digest = self.links[-1].manifest["lineage"]["weights_digest"]
-                lineage = Lineage("patch", self.version, base_digest, digest)
+                lineage = Lineage("patch", self.version, base_digest, digest, self.epoch)
                 return Encoded(
                     patch, lineage, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0
                 )
-        anchor = Lineage("full", weights_digest=digest)
+        anchor = Lineage("full", weights_digest=digest, epoch=self.epoch)
         blob = encode_full(weights)
         return Encoded(blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0)
 

@@ -45,17 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo2_bench.synthetic import SHAPE_SMOKE, batch, build  # noqa: E402
+from echo2_bench.synthetic import SHAPE_55M, SHAPE_SMOKE, batch, build  # noqa: E402
 
-MID = {
-    "hidden": 512,
-    "intermediate": 1536,
-    "layers": 12,
-    "heads": 8,
-    "kv_heads": 4,
-    "head_dim": 64,
-    "vocab": 32768,
-}  # fmt: skip  (benchmarks/memory.py's MID)
+MID = SHAPE_55M  # benchmarks/memory.py's growth and speed shape
 SAMPLES = 4  # completions re-run per checked submission (security.check_samples)
 LATENCY_N, LATENCY_EVERY_S, MAX_P99_S = 100, 0.25, 1.0
 STEP_PAIRS, MAX_STEP_RATIO = 3, 1.05

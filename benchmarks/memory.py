@@ -55,18 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from echo2_bench.synthetic import SHAPE_235M, batch, build  # noqa: E402
+from echo2_bench.synthetic import SHAPE_55M, SHAPE_235M, batch, build  # noqa: E402
 
 BIG = SHAPE_235M
-MID = {
-    "hidden": 512,
-    "intermediate": 1536,
-    "layers": 12,
-    "heads": 8,
-    "kv_heads": 4,
-    "head_dim": 64,
-    "vocab": 32768,
-}
+MID = SHAPE_55M
 STEPS = 6
 S, KAPPA = 3, 2
 WITHIN = 0.15  # measured / model - 1, both readings

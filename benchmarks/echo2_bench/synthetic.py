@@ -7,6 +7,8 @@ from typing import Any
 # Qwen3-style shapes the learner's benchmarks share (random init, tied embeddings)
 SHAPE_235M = {"hidden": 1024, "intermediate": 3072, "layers": 16, "heads": 16, "kv_heads": 8, "head_dim": 64,
               "vocab": 32768}  # fmt: skip
+SHAPE_55M = {"hidden": 512, "intermediate": 1536, "layers": 12, "heads": 8, "kv_heads": 4, "head_dim": 64,
+             "vocab": 32768}  # fmt: skip
 SHAPE_SMOKE = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 32,
                "vocab": 512}  # fmt: skip
 

@@ -6,34 +6,15 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from plans import depth as _depth
+from plans import sources as _sources
 
 from echo2.broadcast.pipelined import RelayChain, TreeChains, TreePipelined, striped_tree_plan
 from echo2.broadcast.registry import get_strategy, registry
 from echo2.broadcast.star import StarLimited, StarUnlimited
-from echo2.broadcast.strategy import LEARNER, Plan
+from echo2.broadcast.strategy import LEARNER
 from echo2.errors import ConfigError
 from echo2.physics.broadcast import STRATEGY_NAMES, homogeneous_time, lower_bound
-
-
-def _sources(plan: Plan) -> dict[tuple[str, int], str]:
-    """(worker, chunk) -> source; asserts each worker pulls each chunk exactly once."""
-    out: dict[tuple[str, int], str] = {}
-    for w, pulls in plan.items():
-        for a in pulls:
-            assert list(a.chunks) == sorted(a.chunks)
-            for i in a.chunks:
-                assert (w, i) not in out, f"{w} pulls chunk {i} twice"
-                out[(w, i)] = a.source
-    return out
-
-
-def _depth(src: dict[tuple[str, int], str], w: str, i: int) -> int:
-    d = 0
-    while w != LEARNER:
-        w = src[(w, i)]
-        d += 1
-        assert d < 10_000, "cycle"
-    return d
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16, 33])

@@ -10,31 +10,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from plans import depth as _depth
+from plans import sources as _sources
 
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.pipelined import RelayTree, TreePipelined
 from echo2.broadcast.strategy import LEARNER, Plan
 from echo2.physics import broadcast as pb
 from echo2.weights.manifest import blob_ok, chunk_ok, new_signing_key, verify_manifest
-
-
-def _sources(plan: Plan) -> dict[tuple[str, int], str]:
-    out: dict[tuple[str, int], str] = {}
-    for w, pulls in plan.items():
-        for a in pulls:
-            for i in a.chunks:
-                assert (w, i) not in out, f"{w} pulls chunk {i} twice"
-                out[(w, i)] = a.source
-    return out
-
-
-def _depth(src: dict[tuple[str, int], str], w: str, i: int) -> int:
-    d = 0
-    while w != LEARNER:
-        w = src[(w, i)]
-        d += 1
-        assert d < 100_000, "cycle"
-    return d
 
 
 def _connections(plan: Plan) -> Counter[str]:

@@ -17,6 +17,8 @@ re-run per checked submission, ``check_chunk_tokens = 64``. Targets (fixed here,
    reset through ``/proc/self/clear_refs`` before it) at completions of 64 tokens (one chunk) and of
    512 tokens. Target: peak(512) <= 1.2 x peak(64), i.e. the check's memory does not grow with the
    completion's length beyond one chunk's worth (the hidden states, ``[C, H]``, are what grows).
+   A second reading, added after the first run (2.3x): the same children with glibc's mmap threshold
+   fixed (``MALLOC_MMAP_THRESHOLD_=65536``); both are reported, the verdict is the first's.
 
 Writes results/check_scale.json.
 
@@ -111,15 +113,27 @@ def child_memory(shape_name: str, completion: int) -> dict[str, Any]:
 
 
 def study_memory(shape_name: str) -> dict[str, Any]:
-    runs = []
-    for c in MEMORY_LENGTHS:
+    def spawn(c: int, env: dict[str, str]) -> dict[str, Any]:
         out = subprocess.run(
             [sys.executable, __file__, "--child-memory", shape_name, str(c)],
-            capture_output=True, text=True, check=True,
+            capture_output=True, text=True, check=True, env={**os.environ, **env},
         )  # fmt: skip
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    runs = [spawn(c, {}) for c in MEMORY_LENGTHS]
+    # a second reading, added after the first run read 2.3x: glibc's mmap threshold fixed, so a freed
+    # tensor's pages go back at once and the peak is the live tensors' (as benchmarks/memory.py's growth)
+    fixed = [spawn(c, {"MALLOC_MMAP_THRESHOLD_": "65536"}) for c in MEMORY_LENGTHS]
     ratio = runs[-1]["peak_bytes"] / max(1, runs[0]["peak_bytes"])
-    return {"runs": runs, "peak_ratio_512_vs_64": ratio, "met": ratio <= MAX_MEMORY_RATIO}
+    ratio_fixed = fixed[-1]["peak_bytes"] / max(1, fixed[0]["peak_bytes"])
+    return {
+        "runs": runs,
+        "peak_ratio_512_vs_64": ratio,
+        "met": ratio <= MAX_MEMORY_RATIO,
+        "runs_fixed_mmap_threshold": fixed,
+        "peak_ratio_512_vs_64_fixed_mmap_threshold": ratio_fixed,
+        "second_reading_met": ratio_fixed <= MAX_MEMORY_RATIO,
+    }
 
 
 # ---- latency -----------------------------------------------------------------------------------------

@@ -406,15 +406,17 @@ class SnapshotConfig(_Section):
 
 
 # The generation check's default (log-prob, draw) tolerances per engine precision. float32: the
-# learner's float32 re-run of a float32 engine differs by reduction order only. bfloat16: measured on
-# honest bf16 HF-engine samples of the embedded model (1,024 completions, 3,618 tokens: largest
-# |log-prob error| 0.143, p99 0.097; no drawn token further than 0.1 below the best perturbed score),
-# with about 2x headroom (docs/security.md). float16 (10 mantissa bits to bfloat16's 7) is not
+# learner's float32 re-run of a float32 engine differs by reduction order only. bfloat16: first set to
+# 0.3 / 0.2 from honest bf16 HF-engine samples of the embedded model (1,024 completions, 3,618 tokens:
+# largest |log-prob error| 0.143, p99 0.097; no drawn token further than 0.1 below the best perturbed
+# score); the validating run (benchmarks/adversary.py --study honest_bf16) then quarantined both honest
+# workers within 90 s (errors of 0.301 and 0.305, one drawn token beyond 0.2), so they are 0.6 / 0.5 now,
+# about twice the worst seen (docs/security.md). float16 (10 mantissa bits to bfloat16's 7) is not
 # measured and takes bfloat16's.
 ENGINE_TOLERANCES: dict[str, tuple[float, float]] = {
     "float32": (0.05, 0.05),
-    "bfloat16": (0.3, 0.2),
-    "float16": (0.3, 0.2),
+    "bfloat16": (0.6, 0.5),
+    "float16": (0.6, 0.5),
 }
 
 
@@ -449,21 +451,21 @@ class SecurityConfig(_Section):
     engine_precision: FloatDtype = Field(
         "float32",
         description="the precision the run's workers' engines compute in (a run setting, never a worker's "
-        "claim): sets the check's default tolerances (float32: log-prob 0.05, draw 0.05; bfloat16: 0.3, "
-        "0.2, measured on honest bf16 samples, docs/security.md); bfloat16 for GPU workers in bf16",
+        "claim): sets the check's default tolerances (float32: log-prob 0.05, draw 0.05; bfloat16: 0.6, "
+        "0.5, measured on honest bf16 samples, docs/security.md); bfloat16 for GPU workers in bf16",
     )
     logprob_tolerance: float | None = Field(
         None,
         gt=0.0,
         description="largest |claimed - recomputed| sampler log-prob of a token counted as numerical noise; "
-        "unset = engine_precision's (float32 0.05, bfloat16 0.3)",
+        "unset = engine_precision's (float32 0.05, bfloat16 0.6)",
     )
     gumbel_tolerance: float | None = Field(
         None,
         gt=0.0,
         description="a sampled token whose perturbed score is within this of the best (logit units) "
         "is taken as the seeded draw (numerical noise near ties); unset = engine_precision's (float32 0.05, "
-        "bfloat16 0.2)",
+        "bfloat16 0.5)",
     )
     max_token_misses: float = Field(
         0.02,

@@ -244,9 +244,9 @@ def _worker(args: argparse.Namespace) -> int:
     if args.engine_dtype != "float32":
         print(
             f"echo2 worker: warning: --engine-dtype {args.engine_dtype}: the learner's generation check "
-            f"must expect it (security.engine_precision = {args.engine_dtype!r} in the run's config), or "
-            "at float32 tolerances it flags honest completions of this engine and quarantines the worker "
-            "(docs/engines.md)",
+            f"must expect it (security.engine_precision = {args.engine_dtype!r} in the run's config), and "
+            "even then it has quarantined honest bf16 workers (docs/security.md, 'bf16 engines'); "
+            "float32 engines pass it",
             file=sys.stderr,
         )
     opts = WorkerOptions(

@@ -397,9 +397,10 @@ class GenerationCheck:
 
     def _run(self, lease: Lease, sub: Submission, picks: Sequence[tuple[int, int]]) -> list[Verdict]:
         verdicts = []
-        trajectories = [sub.groups[i][j] for i, j in picks]
-        for (i, j), t, state_CX in zip(picks, trajectories, self._hidden(trajectories), strict=True):
+        for i, j in picks:  # one completion at a time: the first forgery ends the check
+            t = sub.groups[i][j]
             row = i * len(sub.groups[i]) + j  # the row it was sampled in (rollout/collect.py)
+            (state_CX,) = self._hidden([t])
             verdict = self.rerun(t, lease.seed, row, state_CX)
             verdicts.append(verdict)
             allowed = math.floor(self.cfg.max_token_misses * verdict.tokens)
@@ -416,11 +417,12 @@ class GenerationCheck:
         return verdicts
 
     def _hidden(self, trajectories: Sequence[Trajectory]) -> list[Any]:
-        """What the loaded weights give at every completion position of each trajectory, from one
-        teacher-forced forward pass over them all (packed as the trainer packs a batch): the decoder's
-        hidden states there (``[C, H]``; the LM head runs later, one chunk of positions at a time), or,
-        for a model whose logits are not its head of its hidden states, the logits themselves
-        (``[C, V]``, float32)."""
+        """What the loaded weights give at every completion position of each trajectory: the decoder's
+        hidden states there (``[C, H]``; the LM head runs later, one chunk of positions at a time), from
+        a teacher-forced pass over ``check_chunk_tokens`` positions at a time with the keys and values
+        of the earlier ones cached (:meth:`_states`), so that no activation of the whole sequence
+        exists at once; or, for a model whose logits are not its head of its hidden states, the logits
+        themselves (``[C, V]``, float32, from one packed forward pass)."""
         import torch
 
         from echo2.learner.logprobs import completion_logits, lm_parts, pack
@@ -428,20 +430,33 @@ class GenerationCheck:
         if self._parts is None:
             self._parts = lm_parts(self.model) or False
         device = next(self.model.parameters()).device
+        if self._parts:
+            return [self._states(t, device) for t in trajectories]
         batch = pack(trajectories, [[1.0] * len(t.completion_ids) for t in trajectories], 0, device)
         with torch.no_grad():
-            if self._parts:
-                h_BLH = self._parts.decoder(
-                    input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False
-                ).last_hidden_state
-                # the hidden state at position start - 1 + j predicts completion token j
-                starts = (batch.start_B - 1).tolist()
-                return [
-                    h_BLH[b, s0 : s0 + len(t.completion_ids)]
-                    for b, (s0, t) in enumerate(zip(starts, trajectories, strict=True))
-                ]
             logits_BTV = completion_logits(self.model, batch).float()
         return [logits_BTV[b, : len(t.completion_ids)] for b, t in enumerate(trajectories)]
+
+    def _states(self, t: Trajectory, device: Any) -> Any:
+        """The decoder's hidden states at the positions that predict ``t``'s completion tokens
+        (``[C, H]``: position ``P - 1 + j`` predicts token ``j``), computed ``check_chunk_tokens``
+        positions at a time over the prompt and the completion with a key-value cache: the memory of
+        one chunk's activations plus the cache, never the whole sequence's."""
+        import torch
+        from transformers import DynamicCache
+
+        P, C = len(t.prompt_ids), len(t.completion_ids)
+        ids = torch.tensor([[*t.prompt_ids, *t.completion_ids]], dtype=torch.long, device=device)
+        step, cache, parts = max(1, self.cfg.check_chunk_tokens), DynamicCache(), []
+        with torch.no_grad():
+            for lo in range(0, P + C - 1, step):  # the last token predicts nothing that is checked
+                hi = min(P + C - 1, lo + step)
+                h_cH = self._parts.decoder(
+                    input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True
+                ).last_hidden_state[0]
+                if hi > P - 1:
+                    parts.append(h_cH[max(0, P - 1 - lo) :])
+        return torch.cat(parts)
 
     def _chunk_logits(self, state_CX: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Float32 logits of completion positions ``lo:hi`` from :meth:`_hidden`'s state."""

@@ -259,11 +259,9 @@ class WeightFollower:
         generation ends (``install_pending``: a snapshot that arrives mid-generation is not a gap, and
         is not fetched again over HTTP). Either install fetches the chain over HTTP if the weights held
         cannot reach what was delivered."""
-        epoch = snap.manifest.lineage.epoch
-        if epoch < max(self.epoch, self._seen_epoch):  # a version of an earlier learner process: never
-            log.info(
-                "v%d of run epoch %d ignored: epoch %d is newer", snap.manifest.version, epoch, self.epoch
-            )
+        epoch, newest = snap.manifest.lineage.epoch, max(self.epoch, self._seen_epoch)
+        if epoch < newest:  # a version of an earlier learner process: never
+            log.info("v%d of run epoch %d ignored: epoch %d is newer", snap.manifest.version, epoch, newest)
             return
         self._seen_epoch = epoch
         # only this epoch's versions; nothing already installed, and nothing older than an anchor

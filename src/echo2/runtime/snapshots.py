@@ -59,10 +59,10 @@ class Snapshots:
         epoch: int = 0,
     ) -> None:
         self.publisher = publisher
-        self.epoch = epoch  # this learner process's run epoch (every manifest's lineage carries it)
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
-        # what was published (its bytes in files under spill_dir when given); the next patch's base
+        # what was published (its bytes in files under spill_dir when given); the next patch's base;
+        # every manifest's lineage carries this learner process's run epoch
         self.published_chain = PublishedChain(self.cfg, spill_dir, epoch)
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped

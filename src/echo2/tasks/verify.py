@@ -485,9 +485,9 @@ class GenerationCheck:
         lp_tol, draw_tol = self.cfg.tolerances()
         tokens_C = torch.tensor(t.completion_ids, dtype=torch.long, device=state_CX.device)
         claimed_C = torch.tensor(t.sampler_logprobs, dtype=torch.float32, device=state_CX.device)
-        draw_ok, errs, ties = [], [], 0
-        for lo in range(0, C, max(1, self.cfg.check_chunk_tokens)):
-            hi = min(C, lo + max(1, self.cfg.check_chunk_tokens))
+        draw_ok, errs, ties, step = [], [], 0, max(1, self.cfg.check_chunk_tokens)
+        for lo in range(0, C, step):
+            hi = min(C, lo + step)
             logits_cV = self._chunk_logits(state_CX, lo, hi)
             tok_c = tokens_C[lo:hi]
             logp_c = token_logprobs(logits_cV[None], tok_c[None], temperature)[0]  # as the learner's ratio

@@ -48,6 +48,9 @@ class Encoded:
     encode_cpu_s: float  # of which CPU seconds of the encoding thread
 
 
+SPILL_GLOB = "v*.bin"  # the files PublishedChain.spill writes (_spilled: v<version, 10 digits>.bin)
+
+
 class PublishedChain:
     """The latest anchor and the patches after it, every version published, and the base of the next
     patch (the weights of the newest publication, when this process encoded it)."""
@@ -60,7 +63,7 @@ class PublishedChain:
         self.spill_dir = spill_dir if self.cfg.on_disk else None  # where published bytes live
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.spill_dir.glob("v*.bin"):  # an earlier process's: never served again
+            for stale in self.spill_dir.glob(SPILL_GLOB):  # an earlier process's: never served again
                 stale.unlink()
         self.links: list[Link] = []  # the latest anchor, then the patches published after it
         self.published: set[int] = set()  # every version this process published (a claim must be one)
@@ -112,11 +115,16 @@ class PublishedChain:
         pages are the kernel's page cache, not the learner's memory), else unchanged (any thread)."""
         if self.spill_dir is None or len(blob) == 0:
             return blob
-        path = self.spill_dir / f"v{version:010d}.bin"
+        path = self._spilled(version)
         with open(path, "wb") as f:
             f.write(blob)
         with open(path, "rb") as f:  # the map outlives the descriptor
             return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+    def _spilled(self, version: int) -> Path:
+        """The file ``version``'s published bytes are spilled to (a spill directory is set)."""
+        assert self.spill_dir is not None
+        return self.spill_dir / f"v{version:010d}.bin"
 
     def record(self, link: Link) -> None:
         """``link`` is announced: a patch extends the chain, an anchor starts a new one (the files of the
@@ -128,4 +136,4 @@ class PublishedChain:
         ended, self.links = self.links, [link]
         if self.spill_dir is not None:
             for old in ended:
-                (self.spill_dir / f"v{old.version:010d}.bin").unlink(missing_ok=True)
+                self._spilled(old.version).unlink(missing_ok=True)

@@ -76,6 +76,13 @@ def mbps_to_bytes_per_s(mbps: float) -> float:
     return float(mbps) * 1e6 / 8.0
 
 
+def _hop_latency(seconds: float) -> float:
+    """A per-hop latency, checked: finite and >= 0 s (the chain and relay-tree models share it)."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ConfigError(f"hop latency must be a finite number >= 0 s, got {seconds!r}")
+    return seconds
+
+
 def _positive(name: str, value: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
@@ -192,8 +199,7 @@ def chain_times(
     g = _positive("snapshot size (bytes)", g_bytes)
     b0 = _positive("learner uplink b0 (bytes/s)", b0)
     c = min(_positive("chunk size (bytes)", chunk_bytes), g)
-    if not (math.isfinite(hop_latency_s) and hop_latency_s >= 0):
-        raise ConfigError(f"hop latency must be a finite number >= 0 s, got {hop_latency_s!r}")
+    _hop_latency(hop_latency_s)
     b = _links(links)
     n = b.size
     if int(stripes) != stripes or stripes < 1:
@@ -480,8 +486,7 @@ def relay_times(
     g = _positive("snapshot size (bytes)", g_bytes)
     b0 = _positive("learner uplink b0 (bytes/s)", b0)
     c = _positive("chunk size (bytes)", chunk_bytes)
-    if not (math.isfinite(hop_latency_s) and hop_latency_s >= 0):
-        raise ConfigError(f"hop latency must be a finite number >= 0 s, got {hop_latency_s!r}")
+    _hop_latency(hop_latency_s)
     b = _links(links)
     n = b.size
     if n == 0:

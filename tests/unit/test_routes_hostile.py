@@ -221,6 +221,53 @@ def test_a_body_shorter_than_its_length_is_408_and_the_connection_closes(tmp_pat
     assert stats.rejected_by_reason == {"slow_body": 1, "dropped": 1, "auth": 1}
 
 
+def test_a_body_still_arriving_when_the_learner_stops_serving_is_answered(tmp_path):
+    """The learner stops its HTTP server (``AppRunner.cleanup``) while a request's body is half sent:
+    aiohttp dropped the rest of the body once shutdown began, so the handler waited out the body
+    timeout and the peer got nothing for 30 s (a worker's 2 MiB submission, seen in CI). Now the body
+    still arrives, the peer gets its answer and the server stops at once."""
+    register = json.dumps({"token": "nope", "usd_per_hour": 1.0}).encode() + b" " * (256 << 10)
+
+    async def in_flight(port: int, runner: Any, request: bytes) -> tuple[int, str, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        half = len(request) // 2
+        writer.write(request[:half])
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        stopping = asyncio.ensure_future(runner.cleanup())
+        await asyncio.sleep(0.2)  # the shutdown has begun: connections marked closing
+        try:
+            writer.write(request[half:])
+            await writer.drain()
+            data = await asyncio.wait_for(reader.read(), 10.0)
+        except ConnectionResetError:  # answered and closed before the client finished writing
+            data = b"0 0\r\n\r\n" + json.dumps({"error": "reset"}).encode()
+        await asyncio.wait_for(stopping, 10.0)
+        writer.close()
+        head = data.partition(b"\r\n\r\n")
+        return int(head[0].split()[1]), json.loads(head[2])["error"], time.monotonic() - t0
+
+    async def main(node: Any) -> list[tuple[int, str, float]]:
+        await node.snapshots.publish(0, b"blob")
+        got = []
+        for request in (post("/v1/register", register), post("/v1/register", b"x" * (2 << 20))):
+            runner, port = await node.routes.serve("127.0.0.1", 0)
+            got.append(await in_flight(port, runner, request))
+        return got
+
+    node = make_node(tmp_path, "security.body_timeout_s=5", "runtime.max_request_mb=1")
+    try:
+        (reg, big) = asyncio.run(main(node))
+    finally:
+        node.store.close()
+    assert reg[:2] == (403, "auth")  # answered, not timed out
+    # refused 413 before its end arrived: the stopping server does not linger to read the rest, so
+    # the peer sees the answer or, if it was still writing, a reset connection (never a silent one)
+    assert big[:2] in {(413, "oversized"), (0, "reset")}
+    assert reg[2] < 3.0 and big[2] < 3.0  # and the server stopped without waiting out the body timeout
+
+
 # ---- 5. the price floor --------------------------------------------------------------------------------
 def test_prices_below_the_floor_are_invalid_price(tmp_path):
     async def body(client: TestClient) -> list[tuple[int, str]]:

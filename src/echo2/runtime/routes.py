@@ -429,6 +429,23 @@ class _JsonRefusals(RequestHandler):
         super().__init__(manager, **kwargs)
         self.on_refusal = on_refusal  # counts a refusal by reason (the store's record_rejection)
 
+    def data_received(self, data: bytes) -> None:
+        """aiohttp drops every byte that arrives once a graceful shutdown has begun (``AppRunner.cleanup``
+        marks every connection closing, then waits for the handlers in progress), the rest of a body
+        such a handler is still reading included: the handler then waits out ``security.body_timeout_s``
+        and its peer for an answer that comes only then. Here the bytes keep reaching the request in
+        progress until its handler is done and the transport closes; aiohttp starts no new request on a
+        closing connection either way."""
+        flags = self._close, self._force_close
+        if not any(flags) or not self._request_in_progress:
+            super().data_received(data)
+            return
+        self._close = self._force_close = False
+        try:
+            super().data_received(data)
+        finally:
+            self._close, self._force_close = flags
+
     def handle_error(
         self,
         request: Any,

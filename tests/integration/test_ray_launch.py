@@ -2,9 +2,7 @@
 temporary directory, stopped by its pid): the learner, sharded over 2 ranks in its actor
 (`--learner-ranks 2`), and 2 workers placed as actors train 30+ steps;
 one worker actor is killed and Ray restarts it, and its new process joins again; at the end every
-process the launcher started is gone, and so is every process of the cluster. Beside it, an `echo2
-run` of the same length and settings: the same staleness bound; held-out accuracy printed (one seed
-each: no difference is claimed)."""
+process the launcher started is gone, and so is every process of the cluster."""
 
 from __future__ import annotations
 
@@ -106,15 +104,4 @@ def test_launch_ray_places_restarts_and_stops(cluster, tiny_overrides, tmp_path)
     assert reports and reports[-1]["rollouts_submitted"] > 0  # the restarted worker delivered, left cleanly
     text = log.read_text()
     assert "echo2 launch ray: " in text and "restarted by Ray" in text
-    # an `echo2 run` of the same length and settings, for comparison (one seed each: printed, not judged)
-    local = tmp_path / "local"
-    cmd = [sys.executable, "-m", "echo2.cli", "run", "--steps", str(STEPS), "--no-progress", *sets,
-           "--set", "train.eval_every=10", "--run-dir", str(local)]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    other = json.loads((local / "summary.json").read_text())
-    assert other["staleness_max"] <= 3
-    print(
-        f"held-out: launch ray {summary['final_accuracy']:.3f} (max staleness {summary['staleness_max']}), "
-        f"echo2 run {other['final_accuracy']:.3f} (max staleness {other['staleness_max']})"
-    )
+    print(f"held-out: launch ray {summary['final_accuracy']:.3f} (max staleness {summary['staleness_max']})")

@@ -237,19 +237,21 @@ def test_a_batched_rerun_gives_the_single_reruns_verdicts(setup):
     )
 
 
-def test_the_check_model_reads_the_kept_copies_in_place_and_computes_as_a_float32_worker(tiny_policy):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_check_model_reads_the_kept_copies_in_place_and_computes_as_the_worker(tiny_policy, dtype):
     """The learner's check model (``aliasing_model``) owns no weights: after a version is loaded, each
-    of its parameters is a kept bf16 tensor itself, read as float32 at each use; its logits are the
-    float32 worker's (the same model holding the same rounded values) bit for bit."""
+    of its parameters is a kept bf16 tensor itself, read in the engines' compute dtype at each use; its
+    logits are those of a worker's engine computing in that dtype (the same model holding the same
+    rounded values, cast whole as ``HFEngine.from_skeleton`` casts it) bit for bit."""
     from echo2.errors import CheckpointError
 
     weights = sampler_copy(tiny_policy.model, "bfloat16")
-    twin = aliasing_model(tiny_policy.model)
+    twin = aliasing_model(tiny_policy.model, dtype)
     assert sum(p.numel() for p in twin.parameters()) == 0  # nothing loaded yet: no weight bytes at all
     alias_weights(twin, weights)
     kept = {t.untyped_storage().data_ptr() for t in weights.values()}
     assert {p.untyped_storage().data_ptr() for p in twin.parameters()} <= kept  # no copy
-    worker = copy.deepcopy(tiny_policy.model)
+    worker = copy.deepcopy(tiny_policy.model).to(getattr(torch, dtype))
     install_weights(worker, weights)
     ids = torch.tensor([[5, 9, 3, 17, 4, 11], [8, 2, 6, 6, 13, 1]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
@@ -286,15 +288,20 @@ def test_a_bf16_engine_passes_at_the_declared_precision_and_forgeries_still_fail
         for i, g in enumerate(sub.groups)
     )
     honest = dataclasses.replace(sub, groups=groups)
-    check = GenerationCheck(
-        check32.model, check32.sampling, SecurityConfig(engine_precision="bfloat16"), rng=random.Random(0)
+    declared = SecurityConfig(engine_precision="bfloat16")
+    check = GenerationCheck(  # as the learner builds it: computing in the declared precision
+        aliasing_model(policy.model, "bfloat16"), check32.sampling, declared, rng=random.Random(0)
     )
-    assert SecurityConfig(engine_precision="bfloat16").tolerances() == (0.6, 0.5)
+    in_float32 = GenerationCheck(check32.model, check32.sampling, declared, rng=random.Random(0))
+    assert declared.tolerances() == (0.6, 0.5)
     assert SecurityConfig(engine_precision="bfloat16", logprob_tolerance=0.1).tolerances() == (0.1, 0.5)
     for v, w in ((1, check32._weights_of(1)), (2, check32._weights_of(2))):
         check.keep(v, {k: t.clone() for k, t in w.items()})
+        in_float32.keep(v, {k: t.clone() for k, t in w.items()})
     verdicts = check.check(lease, honest, ALL)
     assert all(v.misses == 0 for v in verdicts)
+    worst = max(v.max_logprob_error for v in verdicts)
+    assert worst < max(v.max_logprob_error for v in in_float32.check(lease, honest, ALL))  # closer
     t = honest.groups[1][2]
     tampered = _forged(honest, 1, 2, sampler_logprobs=tuple(lp - 1.0 for lp in t.sampler_logprobs))
     with pytest.raises(Rejected, match="forged_generation"):

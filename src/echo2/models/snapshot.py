@@ -50,24 +50,28 @@ def install_weights(model: Any, tensors: Mapping[str, Any]) -> None:
         raise CheckpointError(f"snapshot lacks weights for {missing[:5]}")
 
 
-class _Float32Module:
+class _Cast:
     """The parametrization :func:`aliasing_model` registers (built lazily: this module imports no torch)."""
 
     cls: Any = None
 
     @classmethod
-    def make(cls) -> Any:
+    def make(cls, dtype: Any) -> Any:
         if cls.cls is None:
             import torch
 
-            class Float32(torch.nn.Module):
-                """The stored tensor (the publication dtype) read as float32 at each use."""
+            class Cast(torch.nn.Module):
+                """The stored tensor (the publication dtype) read in the compute dtype at each use."""
+
+                def __init__(self, dtype: torch.dtype) -> None:
+                    super().__init__()
+                    self.dtype = dtype
 
                 def forward(self, x: torch.Tensor) -> torch.Tensor:
-                    return x.float()
+                    return x.to(self.dtype)
 
-            cls.cls = Float32
-        return cls.cls()
+            cls.cls = Cast
+        return cls.cls(dtype)
 
 
 @dataclass
@@ -80,20 +84,22 @@ class _Aliases:
     buffers: dict[str, Any]  # shipped buffer name -> the buffer (copied into, as install_weights does)
 
 
-def aliasing_model(model: Any) -> Any:
-    """A model of ``model``'s architecture (built as a worker builds its engine's: float32, from the
-    config) whose floating parameters own no memory: each is a parametrization that reads, at every use,
-    the tensor :func:`alias_weights` gave it, as float32. So a version's weights in the publication
-    dtype (the sampler copies the learner keeps anyway) are loaded without a copy on the same device,
-    and the model computes what a float32 model holding the same (rounded) values computes: the
-    worker's engine. Built on ``model``'s device (its float32 init is freed at once); tied parameters
-    stay tied (one tensor read by two modules)."""
+def aliasing_model(model: Any, dtype: str = "float32") -> Any:
+    """A model of ``model``'s architecture (built as a worker builds its engine's: from the config, then
+    cast whole to ``dtype``, the engines' compute dtype) whose floating parameters own no memory: each
+    is a parametrization that reads, at every use, the tensor :func:`alias_weights` gave it, cast to
+    ``dtype``. So a version's weights in the publication dtype (the sampler copies the learner keeps
+    anyway) are loaded without a copy on the same device, and the model computes what an engine in
+    ``dtype`` holding the same (rounded) values computes: the worker's (a bf16 engine checked in
+    float32 differed 25x more at the median, docs/security.md). Built on ``model``'s device (its
+    init is freed at once); tied parameters stay tied (one tensor read by two modules)."""
     import torch
     from torch.nn.utils import parametrize
     from transformers import AutoModelForCausalLM
 
     device = next(model.parameters()).device
-    twin = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).to(device).eval()
+    compute = getattr(torch, dtype)
+    twin = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).to(device, compute).eval()
     twin.requires_grad_(False)
     first: dict[int, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -109,7 +115,7 @@ def aliasing_model(model: Any) -> Any:
         )
         delattr(module, attr)
         module.register_parameter(attr, empty)  # tied parameters share one placeholder
-        parametrize.register_parametrization(module, attr, _Float32Module.make(), unsafe=True)
+        parametrize.register_parametrization(module, attr, _Cast.make(compute), unsafe=True)
         slots.setdefault(shipped, []).append(module.parametrizations[attr])
     buffers = {
         n: b

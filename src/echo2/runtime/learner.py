@@ -230,7 +230,10 @@ class AsyncLearner:
             return verifier, None
         from echo2.models.snapshot import aliasing_model
 
-        return verifier, GenerationCheck(aliasing_model(policy.model), cfg.sampling, cfg.security)
+        check_model = aliasing_model(
+            policy.model, cfg.security.engine_precision
+        )  # computes as the engines do
+        return verifier, GenerationCheck(check_model, cfg.sampling, cfg.security)
 
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
         """Start the API (over TLS with the run's certificate unless ``security.tls`` is off); say where

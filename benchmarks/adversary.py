@@ -21,6 +21,17 @@ fixed here, before any run:
   same with the workers' HF engines computing in bfloat16 and the run declaring it
   (``runtime.engine_dtype = security.engine_precision = "bfloat16"``). Target: >= 10,000 re-run, 0
   quarantines.
+- **bf16_errors** (a reading, no target): honest bf16 HF-engine completions of the warm-started
+  embedded default re-run by a check computing in float32 and by one computing in bfloat16 (the
+  engines' dtype: what the learner's check does since), every error kept: median, p99, max.
+- **restart** (added with run epochs; target fixed before its first run): ``echo2 learner`` + an
+  honest worker; 4 identities each install the weights, take a lease and generate its groups; the
+  learner is killed (SIGKILL) and resumed on its run directory (the next epoch); each identity then
+  submits its old lease's groups and asks for a lease with its old weights, then catches up and works.
+  Targets: every stale submission and lease request refused ``stale_epoch`` (the submissions counted
+  under ``store/rejected/stale_epoch``), 0 groups admitted twice, 0 groups of the old leases stored,
+  every identity admitted after catching up, the resumed learner 10 steps past the crash, 0
+  tracebacks.
 - **cost**: interleaved pairs of runs, the sampled check off and at its default: median on/off step
   time <= 1.05; the accuracy difference is reported with its t-interval.
 - **poison**: ``echo2 learner`` + one honest worker while identities submit groups whose every sampler
@@ -78,6 +89,8 @@ WARMUP = 20
 BUDGET = 30  # submissions one sampled-attack identity may make before the trial counts as not caught
 ATTACKER_PROMPTS = 2  # prompts per attacker lease (its generations stay short beside the run)
 HONEST_RATE = 300.0  # rollouts/s of the liveness study's honest worker
+HONEST_RATE_RESTART = 100.0  # rollouts/s of the restart study's honest worker
+RESTART_STEPS_AFTER = 10  # learner steps the resumed process must train past the crash
 LIVENESS_WARM_S = 20.0  # after the first step: T_train measured, the controller has its target
 LIVENESS_WINDOW_S = 60.0
 CONDITIONS = ("baseline", "rate_lie", "hoard_2", "hoard_4", "hoard_8", "staller")
@@ -205,6 +218,113 @@ def study_honest(out: Path, steps: int, precision: str = "float32") -> dict[str,
         "quarantined": int(sec["security/quarantined"]),
         "met": checked >= HONEST_CHECKED and sec["security/quarantined"] == 0,
         "target": f">= {HONEST_CHECKED} honest trajectories re-run, 0 quarantined",
+    }
+
+
+def study_bf16_errors(rounds: int) -> dict[str, Any]:
+    """The generation check's error on honest bf16 samples, checked in float32 and in bfloat16 (the
+    engines' compute dtype, ``security.engine_precision``): the warm-started embedded default, an HF
+    engine computing in bfloat16 with the published bf16 weights, ``rounds`` x 16 arithmetic prompts x
+    4 samples under the seeded sampler; each completion re-run by a check computing in each dtype with
+    no tolerance (every error kept). A reading that motivates a design, no target: the verdicts are
+    the honest_bf16 study's."""
+    import copy
+    import random
+
+    import torch
+
+    from echo2.config import SecurityConfig, load_config
+    from echo2.data.store import Lease
+    from echo2.data.submission import Submission
+    from echo2.models.policy import load_checkpoint
+    from echo2.models.snapshot import aliasing_model, install_weights
+    from echo2.rollout.engines.hf import HFEngine
+    from echo2.tasks.verify import GenerationCheck
+    from echo2.tasks.warmstart import warmstart_checkpoint
+    from echo2.types import Prompt, Trajectory
+    from echo2.weights.delta import sampler_copy
+
+    cfg = load_config()
+    policy = load_checkpoint(warmstart_checkpoint(cfg))
+    weights = sampler_copy(policy.model, "bfloat16")
+    engine_model = copy.deepcopy(policy.model).to(torch.bfloat16)
+    install_weights(engine_model, weights)
+    engine = HFEngine(engine_model, policy.eos_ids, policy.pad_id, cfg.sampling)
+    loose = SecurityConfig(logprob_tolerance=1e9, gumbel_tolerance=1e9)  # every error kept, none refused
+    checks = {
+        dtype: GenerationCheck(aliasing_model(policy.model, dtype), cfg.sampling, loose, rng=random.Random(0))
+        for dtype in ("float32", "bfloat16")
+    }
+    for check in checks.values():
+        check.keep(1, weights)
+    rng, groups_of = random.Random(1), 4
+    errors: dict[str, list[float]] = {dtype: [] for dtype in checks}
+    for _ in range(rounds):
+        prompts = [Prompt(f"p{i}", f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=", "0") for i in range(16)]
+        encoded = [policy.encode_prompt(p.text) for p in prompts]
+        seed = rng.getrandbits(62)
+        samples = engine.generate([ids for ids in encoded for _ in range(groups_of)], seed=seed)
+        groups = tuple(
+            tuple(
+                Trajectory(p.prompt_id, "L", tuple(ids), s.completion_ids, s.logprobs, 0.0, 1)
+                for s in samples[i * groups_of : (i + 1) * groups_of]
+            )
+            for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True))
+        )
+        lease, sub = Lease("L", "w", "open", 0.0, tuple(prompts), seed, 1), Submission("L", 1, groups)
+        picks = [(i, j) for i in range(len(prompts)) for j in range(groups_of)]
+        for dtype, check in checks.items():
+            errors[dtype] += [v.max_logprob_error for v in check.check(lease, sub, picks)]
+    lp_tol, _ = SecurityConfig(engine_precision="bfloat16").tolerances()
+
+    def summary(errs: list[float]) -> dict[str, Any]:
+        errs = sorted(errs)
+        return {
+            "completions": len(errs),
+            "median": statistics.median(errs),
+            "p99": errs[int(0.99 * len(errs))],
+            "max": errs[-1],
+            "over_bf16_logprob_tolerance": sum(e > lp_tol for e in errs),
+        }
+
+    by_dtype = {dtype: summary(errs) for dtype, errs in errors.items()}
+    return {
+        "what": "per completion, the largest |claimed - recomputed| sampler log-prob of an honest bf16 HF "
+        "engine's completion, the check computing in each dtype",
+        "bf16_logprob_tolerance": lp_tol,
+        "check_dtype": by_dtype,
+        "median_ratio_float32_over_bfloat16": by_dtype["float32"]["median"]
+        / max(by_dtype["bfloat16"]["median"], 1e-12),
+    }
+
+
+def study_restart(out: Path, holders: int) -> dict[str, Any]:
+    """Leases and weights of a learner process that crashed, used against the one resumed after it."""
+    from echo2_bench.adversary_runs import restart_run
+
+    run_dir = out / "adversary_runs" / "restart"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    got = restart_run(run_dir, holders, HONEST_RATE_RESTART, RESTART_STEPS_AFTER)
+    hs = got["holders"]
+    met = (
+        got["epoch_after"] == got["epoch_before"] + 1
+        and all(h["stale_submit"] == "stale_epoch" and h["stale_lease"] == "stale_epoch" for h in hs)
+        and got["rejected_stale_epoch"] >= len(hs)
+        and got["groups_admitted_twice"] == 0
+        and got["old_lease_groups_stored"] == 0
+        and all(h["then"] in ("admitted", "pending_check") for h in hs)
+        and got["steps_after_resume"] >= got["step"] + RESTART_STEPS_AFTER
+        and got["tracebacks"] == 0
+    )
+    return {
+        **got,
+        "target": "every stale lease and version refused stale_epoch (counted), 0 groups admitted twice, "
+        "0 groups of the old leases stored, every holder admitted after catching up, the resumed "
+        f"learner {RESTART_STEPS_AFTER} steps past the crash, 0 tracebacks",
+        "met": met,
     }
 
 
@@ -426,13 +546,18 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    studies = ["attacks", "honest", "honest_bf16", "cost", "poison", "liveness", "garbage"]
+    studies = [
+        "attacks", "honest", "honest_bf16", "bf16_errors", "restart", "cost", "poison", "liveness", "garbage",
+    ]  # fmt: skip
     p.add_argument("--study", choices=[*studies, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
     p.add_argument("--window", type=float, default=LIVENESS_WINDOW_S, help="seconds of the liveness window")
     p.add_argument("--poison-minutes", type=float, default=2.0, help="time budget of each poison learner")
     p.add_argument("--trials", type=int, default=20, help="identities per sampled-check attack")
     p.add_argument("--honest-steps", type=int, default=60, help="steps of the all-checked honest run")
+    p.add_argument("--reading", default="", help="what changed since the last honest_bf16 reading (recorded)")
+    p.add_argument("--bf16-rounds", type=int, default=20, help="rounds of 16 x 4 completions (bf16_errors)")
+    p.add_argument("--holders", type=int, default=4, help="identities holding leases across the restart")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=300, help="steps of each cost-study run")
     p.add_argument("--out", type=Path, default=ROOT / "results")
@@ -446,7 +571,17 @@ def main() -> int:
         elif s == "honest":
             res["honest"] = study_honest(a.out, a.honest_steps)
         elif s == "honest_bf16":
+            earlier = res.get("honest_bf16")
             res["honest_bf16"] = study_honest(a.out, a.honest_steps, "bfloat16")
+            if earlier:  # every reading stays on record, the newest first
+                older = earlier.pop("earlier_readings", [])
+                res["honest_bf16"]["earlier_readings"] = [earlier, *older]
+                if a.reading:
+                    res["honest_bf16"]["reading"] = a.reading
+        elif s == "bf16_errors":
+            res["bf16_errors"] = study_bf16_errors(a.bf16_rounds)
+        elif s == "restart":
+            res["restart"] = study_restart(a.out, a.holders)
         elif s == "cost":
             res["cost"] = study_cost(a.out, a.pairs, a.steps)
         elif s == "poison":

@@ -71,8 +71,8 @@ class Attacker:
     def __init__(
         self, join: str, token: str, kind: str, session: aiohttp.ClientSession, max_prompts: int | None = None
     ) -> None:
-        if kind not in ATTACKS:
-            raise ValueError(f"unknown attack {kind!r}; one of {ATTACKS}")
+        if kind not in FORGE:
+            raise ValueError(f"unknown attack {kind!r}; one of {ATTACKS} (or honest)")
         self.kind = kind
         self.max_prompts = max_prompts  # prompts per lease (None: what the run's settings say)
         self.w = RolloutWorker(WorkerOptions(join_url=join, token=token, name=f"attacker-{kind}"), build_task)
@@ -259,6 +259,7 @@ def _poison(value: float) -> Callable[..., Any]:
 
 
 FORGE: dict[str, Callable[..., list[list[Trajectory]]]] = {
+    "honest": _same,  # no lie: the restart study's lease holders (adversary_runs.restart_run)
     **{kind: _poison(value) for kind, value in POISONS.items()},
     "unpublished": _same,  # the claimed version is changed at submission
     "model": _same,  # the engine's weights are perturbed: its honest-looking output is the forgery

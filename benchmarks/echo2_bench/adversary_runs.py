@@ -10,6 +10,9 @@ attackers of ``adversary.py`` (this package) joining over the wire like any work
   every sampler log-prob is poison (-100, -1e4, -1e30) while the learner trains to its time budget;
   then ``echo2 learner --resume`` on the same run directory (after a kill -9 when the door is open, so
   the resumed process puts back groups, poison among them, that the lost steps had trained on).
+- :func:`restart_run`: ``echo2 learner`` + one honest worker; identities hold a lease and the weights
+  of the learner process, which is killed and resumed (the next run epoch); then each submits its old
+  lease and asks for a lease with its old weights.
 """
 
 from __future__ import annotations
@@ -379,3 +382,130 @@ def broadcast_counters(run_dir: Path) -> dict[str, Any]:
     acks, T_bcast)."""
     rows = [r for r in records(run_dir) if "learner/t_train_s" in r]
     return {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("broadcast/")}
+
+
+# ---- restart: leases and weights of the learner process before a crash ----------------------------------
+def restart_run(run_dir: Path, holders: int, rate: float, steps_after: int) -> dict[str, Any]:
+    """``echo2 learner`` + one honest ``echo2 worker``; ``holders`` honest identities each install the
+    current weights, take a lease and generate its groups, then the learner is killed (SIGKILL) and
+    resumed on the same run directory (the next run epoch). Each holder then submits its old lease's
+    groups and asks for a lease with its old weights, and finally catches up (installs the new epoch's
+    anchor) and works honestly. The resumed learner trains ``steps_after`` steps past the crash."""
+    ports = [
+        f"runtime.port={free_port()}",
+        f"runtime.broadcast_port={free_port()}",
+    ]  # the same after --resume
+    common = sets(
+        "runtime.dashboard=false", "train.eval_every=100000", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+        "security.max_workers=100", "train.max_minutes=30", *ports,
+    )  # fmt: skip
+    args = ["learner", "--seed", "0", "--run-dir", str(run_dir), "--no-progress", *common]
+    log = run_dir.with_suffix(".log")
+    learner = echo2(*args, log=log)
+    started = [learner]
+    crash: dict[str, Any] = {}
+    try:
+        info = wait_ready(run_dir, learner)
+        token = (run_dir / "join_token").read_text().strip()
+        env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
+        worker = echo2(
+            "worker", "--join", info["join"], "--name", "honest", "--max-rollouts-per-s", str(rate),
+            env=env, log=run_dir.parent / f"{run_dir.name}_worker.log",
+        )  # fmt: skip
+        started.append(worker)
+        wait_step(run_dir, learner, CHECKPOINT_EVERY + 2)  # a checkpoint to resume from
+
+        def kill_and_resume() -> None:
+            crash["epoch_before"] = json.loads((run_dir / "learner.json").read_text())["epoch"]
+            crash["step"] = last_step(run_dir)
+            stop(learner, signal.SIGKILL)
+            resumed = echo2(*args, "--resume", log=log, append=True)
+            started.append(resumed)
+            crash["epoch_after"] = wait_ready(run_dir, resumed)["epoch"]
+            crash["resumed"] = resumed
+
+        held = asyncio.run(_hold_across_restart(info["join"], token, holders, kill_and_resume))
+        resumed = crash.pop("resumed")
+        wait_step(run_dir, resumed, crash["step"] + steps_after, timeout=600)
+        rc = stop(resumed)
+        stop(worker)
+    finally:
+        for p in started:
+            stop(p, signal.SIGKILL, timeout=10)
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    (twice,) = db.execute(
+        "SELECT COUNT(*) FROM (SELECT 1 FROM rollout_groups GROUP BY lease_id, prompt_id HAVING COUNT(*) > 1)"
+    ).fetchone()
+    old = [h["old_lease"] for h in held]
+    (old_stored,) = db.execute(
+        f"SELECT COUNT(*) FROM rollout_groups WHERE lease_id IN ({','.join('?' * len(old))})", old
+    ).fetchone()
+    db.close()
+    last = [r for r in records(run_dir) if "learner/t_train_s" in r][-1]
+    return {
+        **crash,
+        "holders": held,
+        "resume_exit": rc,
+        "steps_after_resume": int(last["step"]),
+        "rejected_stale_epoch": int(last.get("store/rejected/stale_epoch", 0)),
+        "groups_admitted_twice": int(twice),
+        "old_lease_groups_stored": int(old_stored),
+        "tracebacks": log.read_text(errors="replace").count("Traceback"),
+    }
+
+
+async def _hold_across_restart(
+    join: str, token: str, n: int, kill_and_resume: Callable[[], None]
+) -> list[dict[str, Any]]:
+    import aiohttp
+
+    from echo2.protocol import LeaseGrant, LeaseRequest, SubmitRequest, group_to_wire
+    from echo2_bench.adversary import Attacker
+
+    out: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        holders = [Attacker(join, token, "honest", session, max_prompts=2) for _ in range(n)]
+        held = []
+        for h in holders:
+            await h.start()
+            for _ in range(120):  # a lease with the weights it installed (the pool may make it wait)
+                await h.w._follower().fetch()
+                req = LeaseRequest(
+                    max_prompts=2, installed_version=h.w.installed, installed_epoch=h.w._follower().epoch
+                )
+                lease = await h.w.client.lease(req)
+                if isinstance(lease, LeaseGrant):
+                    break
+                await asyncio.sleep(min(lease.retry_after_s, 1.0))
+            else:
+                raise RuntimeError("a holder never got a lease before the crash")
+            groups = await asyncio.to_thread(h._generate, lease)
+            body = SubmitRequest(
+                lease_id=lease.lease_id,
+                policy_version=h.w.installed,
+                groups=[group_to_wire(g) for g in groups],
+            )
+            held.append((h, lease, req, body))
+        await asyncio.to_thread(kill_and_resume)
+        for h, lease, req, body in held:
+            stale_submit = await h._submit(body)  # the old process's lease and version
+            again = await h.w.client.lease(req)  # a lease for the old process's weights
+            stale_lease = "granted" if isinstance(again, LeaseGrant) else again.reason
+            after = []
+            while len(after) < 30 and (not after or after[-1] in ("no_lease", "inactive", "benched")):
+                after.append(await h.submit_one())  # installs the new epoch's anchor first
+            out.append(
+                {
+                    "worker_id": h.w.worker_id,
+                    "old_lease": lease.lease_id,
+                    "old_epoch": req.installed_epoch,
+                    "old_version": req.installed_version,
+                    "stale_submit": stale_submit,
+                    "stale_lease": stale_lease,
+                    "caught_up_epoch": h.w._follower().epoch,
+                    "then": after[-1] if after else None,
+                }
+            )
+        for h in holders:
+            await h.close()
+    return out

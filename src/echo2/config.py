@@ -451,8 +451,8 @@ class SecurityConfig(_Section):
     engine_precision: FloatDtype = Field(
         "float32",
         description="the precision the run's workers' engines compute in (a run setting, never a worker's "
-        "claim): sets the check's default tolerances (float32: log-prob 0.05, draw 0.05; bfloat16: 0.6, "
-        "0.5, measured on honest bf16 samples, docs/security.md); bfloat16 for GPU workers in bf16",
+        "claim): the generation check computes in it too and takes its default tolerances (float32: "
+        "log-prob 0.05, draw 0.05; bfloat16: 0.6, 0.5, docs/security.md); bfloat16 for GPU workers in bf16",
     )
     logprob_tolerance: float | None = Field(
         None,

@@ -544,6 +544,17 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _on_record(earlier: dict[str, Any] | None, new: dict[str, Any], reading: str) -> dict[str, Any]:
+    """``new``, with every earlier reading of the same study kept (the newest first) and what changed
+    since the last one (``--reading``)."""
+    if earlier:
+        older = earlier.pop("earlier_readings", [])
+        new["earlier_readings"] = [earlier, *older]
+        if reading:
+            new["reading"] = reading
+    return new
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     studies = [
@@ -555,7 +566,7 @@ def main() -> int:
     p.add_argument("--poison-minutes", type=float, default=2.0, help="time budget of each poison learner")
     p.add_argument("--trials", type=int, default=20, help="identities per sampled-check attack")
     p.add_argument("--honest-steps", type=int, default=60, help="steps of the all-checked honest run")
-    p.add_argument("--reading", default="", help="what changed since the last honest_bf16 reading (recorded)")
+    p.add_argument("--reading", default="", help="what changed since the study's last reading (kept with it)")
     p.add_argument("--bf16-rounds", type=int, default=20, help="rounds of 16 x 4 completions (bf16_errors)")
     p.add_argument("--holders", type=int, default=4, help="identities holding leases across the restart")
     p.add_argument("--pairs", type=int, default=3)
@@ -571,17 +582,13 @@ def main() -> int:
         elif s == "honest":
             res["honest"] = study_honest(a.out, a.honest_steps)
         elif s == "honest_bf16":
-            earlier = res.get("honest_bf16")
-            res["honest_bf16"] = study_honest(a.out, a.honest_steps, "bfloat16")
-            if earlier:  # every reading stays on record, the newest first
-                older = earlier.pop("earlier_readings", [])
-                res["honest_bf16"]["earlier_readings"] = [earlier, *older]
-                if a.reading:
-                    res["honest_bf16"]["reading"] = a.reading
+            res["honest_bf16"] = _on_record(
+                res.get("honest_bf16"), study_honest(a.out, a.honest_steps, "bfloat16"), a.reading
+            )
         elif s == "bf16_errors":
             res["bf16_errors"] = study_bf16_errors(a.bf16_rounds)
         elif s == "restart":
-            res["restart"] = study_restart(a.out, a.holders)
+            res["restart"] = _on_record(res.get("restart"), study_restart(a.out, a.holders), a.reading)
         elif s == "cost":
             res["cost"] = study_cost(a.out, a.pairs, a.steps)
         elif s == "poison":

@@ -146,6 +146,11 @@ def test_a_lease_of_an_earlier_run_epoch_is_refused(tmp_path):
     intake, store = _intake(tmp_path, {4}, check, now)
     assert _submit(intake, store, 4, issued=500.0, epoch=EPOCH - 1) == "stale_epoch"
     assert check.runs == 0 and store.stats().rejected_by_reason == {"stale_epoch": 1}
+    # the earlier process got further than the checkpoint this one resumed from, or published other
+    # numbers: its lease's version is refused by its epoch first, never as a worker's lie (a fault)
+    assert _submit(intake, store, 9, issued=500.0, epoch=EPOCH - 1) == "stale_epoch"  # future here
+    assert _submit(intake, store, 3, issued=500.0, epoch=EPOCH - 1) == "stale_epoch"  # unpublished here
+    assert store.stats().rejected_by_reason == {"stale_epoch": 3} and not QUARANTINED
     assert _submit(intake, store, 4, issued=50.0) == "pending"
     assert check.runs == 1 and not QUARANTINED
 
@@ -158,12 +163,12 @@ def test_version_refusals_are_not_evidence(reason):
     assert reason not in EVIDENCE
 
 
-def test_a_body_refused_before_its_lease_was_looked_up_still_gives_the_lease_back(tmp_path):
-    """A log-prob above 0 is refused by the validator, before the lease is read: the lease it names is
-    handed to the lease broker all the same (so its prompts go out again at once)."""
+def test_a_body_the_validator_refuses_still_gives_the_lease_back(tmp_path):
+    """A log-prob above 0 is refused by the validator: the lease it names is handed to the lease broker
+    all the same (so its prompts go out again at once)."""
     now = [100.0]
     intake, store = _intake(tmp_path, {4}, FakeCheck(held={4}), now)
-    lease = store.issue_lease("w", [Prompt("p", "1+1=", "2")], now=150.0, ttl_s=60.0, seed=1)
+    lease = store.issue_lease("w", [Prompt("p", "1+1=", "2")], now=150.0, ttl_s=60.0, seed=1, epoch=EPOCH)
     body = _body(lease, 4)
     body.groups[0].samples[0].sampler_logprobs = [0.5]
     rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)

@@ -119,20 +119,23 @@ class Intake:
         refused. Evidence of lying (``verify.EVIDENCE``) also quarantines the worker."""
         lease, picks = None, []
         try:
+            lease = self._lease_named(body)  # the store's own thread
+            mine = lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted"
+            if mine and lease is not None and lease.epoch != self.epoch:  # before any version check: the
+                # numbers it claims name the earlier process's weights (a "future" or "unpublished" one
+                # here is no lie of the worker's)
+                raise Rejected(
+                    "stale_epoch",
+                    f"lease_id: {body.lease_id!r} was issued by the learner process of run epoch "
+                    f"{lease.epoch}, this one is {self.epoch}: its version numbers name other weights",
+                )
             sub = validate_submission(body, self.limits, self.published())
-            lease = self.store.lease(sub.lease_id)  # the store's own thread
             if not self.is_published(sub.policy_version):
                 raise Rejected(
                     "unpublished_version",
                     f"policy_version: {sub.policy_version} was never published by this learner",
                 )
-            if lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted":
-                if lease.epoch != self.epoch:
-                    raise Rejected(
-                        "stale_epoch",
-                        f"lease_id: {sub.lease_id!r} was issued by the learner process of run epoch "
-                        f"{lease.epoch}, this one is {self.epoch}: its version numbers name other weights",
-                    )
+            if mine and lease is not None:
                 picks = await self._verify(lease, sub)  # else the store refuses it, without the expense
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
         except Rejected as exc:

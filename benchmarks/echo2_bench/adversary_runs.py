@@ -235,6 +235,17 @@ def _pool_state(run_dir: Path, worker_id: str) -> str:
 
 
 # ---- poison: log-probs no sampler can produce, and a resume on the poisoned run directory ------------
+def resumable_learner(run_dir: Path, *overrides: str) -> list[str]:
+    """``echo2 learner`` arguments that ``--resume`` can repeat: fixed ports (a worker finds the resumed
+    process where it left the first), checkpoints every ``CHECKPOINT_EVERY`` steps, no evaluations."""
+    ports = [f"runtime.port={free_port()}", f"runtime.broadcast_port={free_port()}"]
+    common = sets(
+        "runtime.dashboard=false", "train.eval_every=100000", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+        "security.max_workers=100", *ports, *overrides,
+    )  # fmt: skip
+    return ["learner", "--seed", "0", "--run-dir", str(run_dir), "--no-progress", *common]
+
+
 def poison_run(
     run_dir: Path, door_open: bool, minutes: float, resume_minutes: float, rate: float
 ) -> dict[str, Any]:
@@ -245,15 +256,7 @@ def poison_run(
     from echo2_bench.adversary import POISONS
 
     door = ["security.min_logprob=-1e308"] if door_open else []
-    ports = [
-        f"runtime.port={free_port()}",
-        f"runtime.broadcast_port={free_port()}",
-    ]  # the same after --resume
-    common = sets(
-        "runtime.dashboard=false", "train.eval_every=100000", f"train.checkpoint_every={CHECKPOINT_EVERY}",
-        "security.max_workers=100", *ports, *door,
-    )  # fmt: skip
-    args = ["learner", "--seed", "0", "--run-dir", str(run_dir), "--no-progress", *common]
+    args = resumable_learner(run_dir, *door)
     log = run_dir.with_suffix(".log")
     learner = echo2(*args, *sets(f"train.max_minutes={minutes}"), log=log)
     started = [learner]
@@ -391,15 +394,7 @@ def restart_run(run_dir: Path, holders: int, rate: float, steps_after: int) -> d
     resumed on the same run directory (the next run epoch). Each holder then submits its old lease's
     groups and asks for a lease with its old weights, and finally catches up (installs the new epoch's
     anchor) and works honestly. The resumed learner trains ``steps_after`` steps past the crash."""
-    ports = [
-        f"runtime.port={free_port()}",
-        f"runtime.broadcast_port={free_port()}",
-    ]  # the same after --resume
-    common = sets(
-        "runtime.dashboard=false", "train.eval_every=100000", f"train.checkpoint_every={CHECKPOINT_EVERY}",
-        "security.max_workers=100", "train.max_minutes=30", *ports,
-    )  # fmt: skip
-    args = ["learner", "--seed", "0", "--run-dir", str(run_dir), "--no-progress", *common]
+    args = resumable_learner(run_dir, "train.max_minutes=30")
     log = run_dir.with_suffix(".log")
     learner = echo2(*args, log=log)
     started = [learner]

@@ -120,14 +120,15 @@ class Intake:
         lease, picks = None, []
         try:
             lease = self._lease_named(body)  # the store's own thread
-            mine = lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted"
-            if mine and lease is not None and lease.epoch != self.epoch:  # before any version check: the
-                # numbers it claims name the earlier process's weights (a "future" or "unpublished" one
-                # here is no lie of the worker's)
+            ours = lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted"
+            mine = lease if ours else None  # a lease of this worker's it may still answer
+            if mine is not None and mine.epoch != self.epoch:  # before any version check: the numbers
+                # it claims name the earlier process's weights (a "future" or "unpublished" one here is
+                # no lie of the worker's)
                 raise Rejected(
                     "stale_epoch",
                     f"lease_id: {body.lease_id!r} was issued by the learner process of run epoch "
-                    f"{lease.epoch}, this one is {self.epoch}: its version numbers name other weights",
+                    f"{mine.epoch}, this one is {self.epoch}: its version numbers name other weights",
                 )
             sub = validate_submission(body, self.limits, self.published())
             if not self.is_published(sub.policy_version):
@@ -135,18 +136,16 @@ class Intake:
                     "unpublished_version",
                     f"policy_version: {sub.policy_version} was never published by this learner",
                 )
-            if mine and lease is not None:
-                picks = await self._verify(lease, sub)  # else the store refuses it, without the expense
+            if mine is not None:
+                picks = await self._verify(mine, sub)  # else the store refuses it, without the expense
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
         except Rejected as exc:
             self.store.record_rejection(exc.reason)
             log.warning("submission from %s rejected: %s", rec.worker_id, exc)
             if exc.reason in EVIDENCE and not rec.quarantined:
                 self.quarantine(rec, exc)  # its leases too
-            else:  # the lease it answers: looked up, or (refused before that) the one its body names
-                lease = lease or self._lease_named(body)
-                if lease is not None and lease.worker_id == rec.worker_id and lease.state == "open":
-                    self.refused(rec.worker_id, lease.lease_id, exc.reason)
+            elif lease is not None and lease.worker_id == rec.worker_id and lease.state == "open":
+                self.refused(rec.worker_id, lease.lease_id, exc.reason)  # the lease its body names
             raise
         self.returned(rec.worker_id)
         rec.rollouts += result.admitted

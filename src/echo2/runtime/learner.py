@@ -230,9 +230,7 @@ class AsyncLearner:
             return verifier, None
         from echo2.models.snapshot import aliasing_model
 
-        check_model = aliasing_model(
-            policy.model, cfg.security.engine_precision
-        )  # computes as the engines do
+        check_model = aliasing_model(policy.model, cfg.security.engine_precision)  # as the engines compute
         return verifier, GenerationCheck(check_model, cfg.sampling, cfg.security)
 
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:

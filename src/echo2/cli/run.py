@@ -244,9 +244,9 @@ def _worker(args: argparse.Namespace) -> int:
     if args.engine_dtype != "float32":
         print(
             f"echo2 worker: warning: --engine-dtype {args.engine_dtype}: the learner's generation check "
-            f"must expect it (security.engine_precision = {args.engine_dtype!r} in the run's config), and "
-            "even then it has quarantined honest bf16 workers (docs/security.md, 'bf16 engines'); "
-            "float32 engines pass it",
+            f"must expect it (security.engine_precision = {args.engine_dtype!r} in the run's config: it "
+            "then computes in it); measured passing for the HF engine, not for a bf16 vLLM engine "
+            "(docs/security.md, 'bf16 engines')",
             file=sys.stderr,
         )
     opts = WorkerOptions(

@@ -437,6 +437,13 @@ class SecurityConfig(_Section):
         "Gumbel-max tokens recomputed with the claimed version's weights); 0 = never",
     )
     check_samples: int = Field(4, ge=1, description="completions re-checked per checked submission")
+    check_first: int = Field(
+        3,
+        ge=0,
+        description="generation checks a new identity must pass before its submissions are drawn at "
+        "check_fraction: until then every one of them is drawn (at the check queue's bound), so a "
+        "forger is caught in its first submissions, before it has been trusted with much; 0 = none",
+    )
     check_queue: int = Field(
         32,
         ge=1,

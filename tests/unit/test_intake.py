@@ -28,17 +28,19 @@ class FakeCheck:
     """The generation check's seam: draws every submission while the share is above 0, holds the
     versions it is given; ``verdict`` decides each check (None: passes), ``gate`` holds it until set."""
 
-    def __init__(self, held: set[int], queue: int = 32) -> None:
+    def __init__(self, held: set[int], queue: int = 32, fraction: float = 1.0, first: int = 3) -> None:
         self.held = held
         self.runs = 0
         self.checked = self.tokens = self.passing_misses = self.declined = self.near_ties = 0
         self.worst_passing_error = 0.0
-        self.cfg = SecurityConfig(check_fraction=1.0, check_queue=queue)
+        self.cfg = SecurityConfig(check_fraction=fraction, check_queue=queue, check_first=first)
         self.verdict: Rejected | None = None
         self.gate = threading.Event()
         self.gate.set()
+        self.draws: list[float] = []  # the submitter's draw (``full``) the intake asked with, in order
 
-    def pick(self, sub: Any, share: float) -> list[tuple[int, int]]:
+    def pick(self, sub: Any, share: float, full: float) -> list[tuple[int, int]]:
+        self.draws.append(full)
         if share <= 0:
             self.declined += 1
             return []
@@ -96,15 +98,21 @@ def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[floa
 
 
 def _submit(
-    intake: Intake, store: TrajectoryStore, version: int, issued: float, settle: bool = True, epoch: int = 0
+    intake: Intake,
+    store: TrajectoryStore,
+    version: int,
+    issued: float,
+    settle: bool = True,
+    epoch: int = 0,
+    rec: Any = None,
 ) -> str:
     """What the worker is told: ``pending`` (drawn: held for the check), ``admitted``, or the refusal;
     ``settle``: then wait for the check's verdict. The lease is of this learner's run epoch unless
-    ``epoch`` names another."""
+    ``epoch`` names another; the worker ``w`` is a new identity unless ``rec`` is given."""
     lease = store.issue_lease(
         "w", [Prompt("p", "1+1=", "2")], now=issued, ttl_s=60.0, seed=1, epoch=epoch or EPOCH
     )
-    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)
+    rec = rec or SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0)
     try:
         result = RUNNER[0].run(intake.accept(rec, _body(lease, version)))  # type: ignore[arg-type]
     except Rejected as exc:
@@ -231,4 +239,22 @@ def test_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
     check.gate.set()
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     assert check.runs == 2 and store.stats().held == 0 and intake.check_share() == 1.0
+    RUNNER[0].run(intake.close())
+
+
+def test_a_new_identity_is_drawn_every_time_until_it_has_passed_check_first_checks(tmp_path):
+    """check_fraction = 0.25, check_first = 2: the first two submissions are drawn with certainty (the
+    draw the intake asks with is 1), the third at 0.25 once two checks passed; a check that found a
+    forgery proves nothing (the count stays)."""
+    now = [100.0]
+    check = FakeCheck(held={4}, fraction=0.25, first=2)
+    intake, store = _intake(tmp_path, {4}, check, now)
+    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0)
+    assert [_submit(intake, store, 4, issued=150.0, rec=rec) for _ in range(3)] == ["pending"] * 3
+    assert check.draws == [1.0, 1.0, 0.25] and rec.checks_passed == 3
+    other = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0)
+    check.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
+    assert _submit(intake, store, 4, issued=150.0, rec=other) == "pending"
+    assert check.draws[-1] == 1.0 and other.checks_passed == 0
+    assert intake.metrics()["security/check_share"] == 0.25  # a proven identity's share, queue empty
     RUNNER[0].run(intake.close())

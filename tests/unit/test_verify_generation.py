@@ -215,6 +215,10 @@ def test_pick_draws_the_configured_fraction(setup):
     assert 0.2 < drawn / 2000 < 0.3 and all(len(p) == SecurityConfig().check_samples for p in picks if p)
     never = GenerationCheck(setup[0].model, setup[0].sampling, SecurityConfig(check_fraction=0.0))
     assert all(never.pick(sub) == [] for _ in range(100))
+    # a new identity's draw (full = 1): every submission, unless the queue's share declines it
+    assert all(check.pick(sub, 1.0, 1.0) for _ in range(100))
+    declined = check.declined
+    assert all(check.pick(sub, 0.0, 1.0) == [] for _ in range(100)) and check.declined == declined + 100
 
 
 def test_noise_for_every_step_of_one_row_in_one_call_is_the_same_noise():

@@ -580,7 +580,8 @@ SECURITY_CHECK_LATENCY_S = _m(
 SECURITY_CHECK_SHARE = _m(
     "security/check_share",
     "ratio",
-    "the share of submissions drawn for the check now: check_fraction x (1 - backlog / check_queue)",
+    "the share of a proven identity's submissions drawn for the check now: check_fraction x "
+    "(1 - backlog / check_queue) (a new one's: 1 x the same, until it passed check_first checks)",
     RUN,
 )
 SECURITY_CHECK_DECLINED = _m(

@@ -3,8 +3,9 @@
 Validation (``data/submission.py``, the protocol's codec) checks the body against the run's limits
 and the newest published version; the verifier (``verify.py``, off the event loop) checks that each
 sample answers the leased prompt with its own tokens, is well formed, earned the reward it claims and
-claims a version the worker could hold. A drawn fraction of submissions (``check_share``: the
-configured ``check_fraction``, lowered as the check queue fills) is stored *held*, not trainable, and
+claims a version the worker could hold. A drawn fraction of submissions (all of a new identity's until
+it has passed ``check_first`` checks, then ``check_fraction``; lowered as the check queue fills) is
+stored *held*, not trainable, and
 the worker is answered at once (``pending_check``); the checker, a task with a thread of its own,
 re-runs their completions with the claimed version's weights and the lease's seed and releases the
 groups (passed) or quarantines the worker (forged); the store checks the
@@ -137,7 +138,7 @@ class Intake:
                     f"policy_version: {sub.policy_version} was never published by this learner",
                 )
             if mine is not None:
-                picks = await self._verify(mine, sub)  # else the store refuses it, without the expense
+                picks = await self._verify(rec, mine, sub)  # else the store refuses it, without the expense
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
         except Rejected as exc:
             self.store.record_rejection(exc.reason)
@@ -178,16 +179,17 @@ class Intake:
             m.SECURITY_NEAR_TIES.key: gen.near_ties if gen else 0,
         }
 
-    async def _verify(self, lease: Lease, sub: Submission) -> list[tuple[int, int]]:
+    async def _verify(self, rec: WorkerRecord, lease: Lease, sub: Submission) -> list[tuple[int, int]]:
         """The deterministic checks (in the request); then whether the submission is drawn for the
-        generation check: the completions to re-run (none: not drawn). A drawn claim of a version whose
-        weights are not held is refused here, never passed."""
+        generation check (:meth:`draw`): the completions to re-run (none: not drawn). A drawn claim of
+        a version whose weights are not held is refused here, never passed."""
         if self.verifier is not None:
             await asyncio.to_thread(self.verifier.check, lease, sub)
         admissible = sub.policy_version >= admission_floor(self.version(), self.store.staleness)
         if self.generation is None or not admissible:
             return []
-        picks = self.generation.pick(sub, self.check_share())
+        full = self.draw(rec)
+        picks = self.generation.pick(sub, full * self.queue_room(), full)
         if picks and not self.generation.holds(sub.policy_version):
             raise Rejected(
                 "unchecked_version",
@@ -196,14 +198,27 @@ class Intake:
             )
         return picks
 
+    def draw(self, rec: WorkerRecord) -> float:
+        """The share of ``rec``'s submissions drawn for the generation check while the check queue is
+        empty: 1 until it has passed ``security.check_first`` checks (a new identity proves itself
+        first: a forger is caught in its first submissions, before the pool has trusted it with much or
+        released it), then ``check_fraction``."""
+        assert self.generation is not None
+        cfg = self.generation.cfg
+        return 1.0 if rec.checks_passed < cfg.check_first else cfg.check_fraction
+
+    def queue_room(self) -> float:
+        """``1 - backlog / check_queue``: the factor every draw is scaled by, so the backlog never passes
+        ``check_queue`` (at a full queue nothing more is drawn until a check ends)."""
+        assert self.generation is not None
+        return max(0.0, 1.0 - len(self._pending) / self.generation.cfg.check_queue)
+
     def check_share(self) -> float:
-        """The share of submissions drawn for the generation check now: ``check_fraction x (1 - backlog
-        / check_queue)``, so the backlog never passes ``check_queue`` (at a full queue nothing more is
-        drawn until a check ends)."""
+        """The share of a proven identity's submissions drawn for the generation check now:
+        ``check_fraction x (1 - backlog / check_queue)`` (0 without a check)."""
         if self.generation is None:
             return 0.0
-        cfg = self.generation.cfg
-        return cfg.check_fraction * max(0.0, 1.0 - len(self._pending) / cfg.check_queue)
+        return self.generation.cfg.check_fraction * self.queue_room()
 
     def _enqueue(
         self, rec: WorkerRecord, lease: Lease, sub: Submission, picks: list[tuple[int, int]]
@@ -238,6 +253,7 @@ class Intake:
                 self.store.drop_held(lease.lease_id)
             else:
                 self.checked_submissions += 1
+                rec.checks_passed += 1
                 if self.store.release(lease.lease_id):
                     self.data_ready()
             finally:

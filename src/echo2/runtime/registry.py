@@ -65,6 +65,7 @@ class WorkerRecord:
     install_s: float = 0.0  # seconds its newest install took: its heartbeat's figure, or from publication
     #                         to its counted broadcast ack, whichever came last (a metric; not persisted)
     rollouts: int = 0  # rollouts it has had admitted
+    checks_passed: int = 0  # of its submissions, those whose generation check passed
     quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
     quarantined_s: float = 0.0  # clock time it was quarantined (its slot frees slot_idle_s later)
     retired_s: float | None = None  # clock time it was retired for silence (None: not retired)

@@ -342,12 +342,15 @@ class GenerationCheck:
         self.rebuilds += 1
         return rebuild(newest_w, undos)
 
-    def pick(self, sub: Submission, share: float | None = None) -> list[tuple[int, int]]:
+    def pick(
+        self, sub: Submission, share: float | None = None, full: float | None = None
+    ) -> list[tuple[int, int]]:
         """The (group, sample) positions to re-check in ``sub``: none unless the submission is drawn
-        (probability ``share``, at most ``check_fraction``: the intake lowers it as its check queue
-        fills; a draw under ``check_fraction`` but not under ``share`` is counted ``declined``), else
-        ``check_samples`` of them at random."""
-        full = self.cfg.check_fraction
+        (probability ``share``, at most ``full``: the submitter's draw, ``check_fraction`` unless the
+        intake says otherwise; the intake lowers ``share`` as its check queue fills, and a draw under
+        ``full`` but not under ``share`` is counted ``declined``), else ``check_samples`` of them at
+        random."""
+        full = self.cfg.check_fraction if full is None else full
         share = full if share is None else min(share, full)
         u = self.rng.random()
         if u >= share:

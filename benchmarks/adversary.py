@@ -576,27 +576,19 @@ def main() -> int:
     subprocess.run([sys.executable, "-m", "echo2.cli", "warmstart"], check=True, capture_output=True)
     path = a.out / "adversary.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    run = {
+        "attacks": lambda: study_attacks(a.out, a.trials),
+        "honest": lambda: study_honest(a.out, a.honest_steps),
+        "honest_bf16": lambda: study_honest(a.out, a.honest_steps, "bfloat16"),
+        "bf16_errors": lambda: study_bf16_errors(a.bf16_rounds),
+        "restart": lambda: study_restart(a.out, a.holders),
+        "cost": lambda: study_cost(a.out, a.pairs, a.steps),
+        "poison": lambda: study_poison(a.out, a.poison_minutes, a.poison_minutes / 2),
+        "liveness": lambda: study_liveness(a.out, a.repeats, a.window),
+        "garbage": lambda: study_garbage(a.out),
+    }
     for s in studies if a.study == "all" else [a.study]:
-        if s == "attacks":
-            res["attacks"] = study_attacks(a.out, a.trials)
-        elif s == "honest":
-            res["honest"] = study_honest(a.out, a.honest_steps)
-        elif s == "honest_bf16":
-            res["honest_bf16"] = _on_record(
-                res.get("honest_bf16"), study_honest(a.out, a.honest_steps, "bfloat16"), a.reading
-            )
-        elif s == "bf16_errors":
-            res["bf16_errors"] = study_bf16_errors(a.bf16_rounds)
-        elif s == "restart":
-            res["restart"] = _on_record(res.get("restart"), study_restart(a.out, a.holders), a.reading)
-        elif s == "cost":
-            res["cost"] = study_cost(a.out, a.pairs, a.steps)
-        elif s == "poison":
-            res["poison"] = study_poison(a.out, a.poison_minutes, a.poison_minutes / 2)
-        elif s == "liveness":
-            res["liveness"] = study_liveness(a.out, a.repeats, a.window)
-        else:
-            res["garbage"] = study_garbage(a.out)
+        res[s] = _on_record(res.get(s), run[s](), a.reading)  # every earlier reading kept
         a.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))
     plot(res, a.out / "adversary.png")

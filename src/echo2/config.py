@@ -349,6 +349,22 @@ class LearnerConfig(_Section):
     )
 
 
+class LoRAConfig(_Section):
+    """Low-rank adapters on the learner (``[lora]``, docs/learner.md#lora): the base frozen, only the
+    adapter trains (PEFT)."""
+
+    enabled: bool = Field(False, description="train a LoRA adapter instead of every weight")
+    r: int = Field(16, ge=1, description="the adapter's rank")
+    alpha: float = Field(32.0, gt=0.0, description="the adapter's scale is alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="names of the linear layers that get an adapter (default: attention and MLP "
+        "projections of Qwen / Llama-style models)",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(2000, ge=1, description="learner updates at most")
     max_minutes: float | None = Field(8.0, gt=0.0, description="wall-clock budget; unset = no limit")
@@ -652,6 +668,7 @@ class Config(_Section):
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)

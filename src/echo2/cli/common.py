@@ -53,6 +53,11 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--max-minutes", type=float, help="shorthand for --set train.max_minutes=M")
     p.add_argument(
+        "--lora",
+        action="store_true",
+        help="train a LoRA adapter on the frozen model (shorthand for --set lora.enabled=true; [lora])",
+    )
+    p.add_argument(
         "--report-to",
         metavar="TRACKERS",
         help="also log metrics to tensorboard,wandb,trackio,mlflow (comma list; shorthand for "
@@ -94,6 +99,8 @@ def load_from_args(args: argparse.Namespace) -> Config:
     for flag, key in PATH_SHORTHANDS:
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}={json.dumps(getattr(args, flag))}")
+    if getattr(args, "lora", False):
+        overrides.append("lora.enabled=true")
     if getattr(args, "report_to", None) is not None:  # "tensorboard,wandb" -> a TOML list
         names = [n.strip() for n in args.report_to.split(",") if n.strip()]
         overrides.append(f"train.report_to={json.dumps(names)}")

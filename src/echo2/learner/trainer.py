@@ -43,6 +43,7 @@ from echo2.learner.logprobs import (
     pack,
     with_proximal,
 )
+from echo2.models.lora import adapter_off, has_adapter
 from echo2.observe import catalog
 from echo2.types import Trajectory
 
@@ -106,7 +107,8 @@ class GRPOTrainer:
     most ``micro_batch_tokens`` padded tokens whose gradients accumulate into one optimizer step per
     minibatch, with log-probs taken ``logprob_chunk`` completion positions at a time. ``reference``: the
     frozen KL reference when the caller builds it (a sharded model's: :func:`frozen_reference`, sharded
-    the same way); else that copy of ``model`` is made here.
+    the same way); else that copy of ``model`` is made here, or, for a model carrying a LoRA adapter
+    (``models/lora.py``), the model itself with its adapter off.
     """
 
     def __init__(
@@ -153,7 +155,11 @@ class GRPOTrainer:
                 "grpo.kl_beta > 0 on a sharded model needs its KL reference sharded the same way "
                 "(trainer.frozen_reference, then sharded.shard)"
             )
-        if cfg.kl_beta > 0:  # the caller's (a sharded learner's, sharded), else a copy made here
+        # LoRA (models/lora.py): the reference is the base alone, the same model with its adapter off
+        self.adapter_reference = cfg.kl_beta > 0 and has_adapter(model)
+        if self.adapter_reference:
+            self.reference, self.reference_parts = model, self.parts
+        elif cfg.kl_beta > 0:  # the caller's (a sharded learner's, sharded), else a copy made here
             self.reference = reference if reference is not None else frozen_reference(model, self.mixed)
             self.reference_parts = lm_parts(self.reference, through_root=self.world > 1)
 
@@ -168,7 +174,8 @@ class GRPOTrainer:
         update's precision; float32 out."""
         model, parts = (self.reference, self.reference_parts) if reference else (self.model, self.parts)
         assert model is not None
-        with self.autocast():
+        base_alone = adapter_off(model) if reference and self.adapter_reference else contextlib.nullcontext()
+        with self.autocast(), base_alone:
             return completion_logprobs(
                 model, batch, self.temperature, chunk=self.learner.logprob_chunk, parts=parts
             )

@@ -91,6 +91,7 @@ class Policy:
     source: str  # the checkpoint directory it was loaded from
     chat: ChatFormat | None = None  # system prompt and template arguments (None: the template alone)
     extra_eos: tuple[int, ...] = ()  # more tokens that end a completion (the generation config's)
+    lora_base: dict[str, str] | None = None  # a LoRA policy's base checkpoint: path and weights digest
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -108,8 +109,15 @@ class Policy:
         return self.codec.decode_completion(ids)
 
     def save(self, path: Path) -> None:
+        """``save_pretrained`` of the model and the tokenizer; a LoRA policy's: the adapter alone, with its
+        base's path and digest (``models/lora.py``)."""
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        if self.lora_base is not None:
+            from echo2.models.lora import save_adapter
+
+            save_adapter(self.model, path, self.lora_base)
+        else:
+            self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
 
@@ -172,7 +180,8 @@ def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) 
     """Model + tokenizer from a local directory; CheckpointError says what is missing or broken. Every
     end-of-sequence id of the tokenizer and of ``generation_config.json`` ends a completion. A sharded
     checkpoint (a ``dcp/`` folder, ``learner/sharded.py``) gives the model built from its config: its
-    states are loaded by the caller (``sharded.load_states``, with the optimizer's)."""
+    states are loaded by the caller (``sharded.load_states``, with the optimizer's). A LoRA checkpoint
+    (``models/lora.py``) gives its base with the adapter attached."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -181,6 +190,12 @@ def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) 
     p = Path(path).expanduser()
     if not p.is_dir():
         raise CheckpointError(f"checkpoint directory {p} does not exist")
+    from echo2.models.lora import is_lora_checkpoint, load_lora_checkpoint
+
+    if is_lora_checkpoint(p):  # an adapter: its base loaded from the path it records, then the adapter
+        policy, base = load_lora_checkpoint(p, lambda b: load_checkpoint(b, chat_template))
+        policy.lora_base = base
+        return policy
     if not (p / "config.json").is_file():
         raise CheckpointError(f"{p} is not an HF checkpoint: config.json is missing")
     try:

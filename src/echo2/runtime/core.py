@@ -66,6 +66,7 @@ class Plane:
         from echo2.tasks.registry import build_task
 
         policy = load_checkpoint(source, chat_format(cfg))
+        _lora(cfg, policy, source, resumed, ranks.sharded)
         policy.model.to(device)
         reference = None
         if ranks.sharded:
@@ -120,6 +121,32 @@ class Plane:
         from echo2.models.policy import DCP_DIR
 
         save_states(path / DCP_DIR, self.policy.model, self.trainer.optimizer)
+
+
+def _lora(cfg: Config, policy: Policy, source: Path, resumed: bool, sharded: bool) -> None:
+    """``[lora]`` on the loaded policy: a fresh adapter on the starting checkpoint (its path and digest
+    recorded), or the resumed checkpoint's, which must be the one ``[lora]`` describes; ConfigError for
+    a checkpoint of the other kind, or LoRA on a sharded learner (not built)."""
+    from echo2.errors import ConfigError
+    from echo2.models import lora
+
+    carries = lora.has_adapter(policy.model)
+    if not cfg.lora.enabled:
+        if carries:
+            raise ConfigError(
+                f"{source} is a LoRA checkpoint (an adapter): set lora.enabled = true to resume it"
+            )
+        return
+    if sharded:
+        raise ConfigError("lora.enabled on a sharded learner is not built: run LoRA on one process")
+    if carries:
+        lora.check_matches(policy.model, cfg.lora, source)
+    else:
+        if resumed:
+            raise ConfigError(f"{source} is a checkpoint of full fine-tuning: it cannot resume as LoRA")
+        policy.lora_base = {"path": str(source.resolve()), "sha256": lora.base_digest(policy.model)}
+        lora.attach(policy.model, cfg.lora)
+    lora.train_adapter_only(policy.model, cfg.learner.precision)
 
 
 def _agreed_all(done_B: Any) -> bool:

@@ -89,6 +89,11 @@ class AsyncLearner:
         clock: Callable[[], float] = time.time,
     ) -> None:
         check_reachable(cfg)
+        if cfg.lora.enabled:
+            raise ConfigError(
+                "lora.enabled: publishing adapters to workers is not built yet (docs/learner.md#lora): "
+                "train LoRA in one process with echo2 train --lora"
+            )
         self.cfg = cfg
         self.resume = resume
         self.on_ready = on_ready

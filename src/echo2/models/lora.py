@@ -1,0 +1,205 @@
+"""LoRA on the learner (``[lora]``, docs/learner.md#lora): low-rank adapters attached to a policy's
+linear layers through transformers' PEFT integration (``add_adapter``), the base frozen.
+
+- :func:`attach`: the adapter on ``lora.target_modules`` (rank ``r``, ``alpha``, ``dropout``); only
+  its weights train (float32, as are their AdamW states); the frozen base is cast to bf16 under
+  ``learner.precision = "bf16-mixed"`` (it is never stepped, so it needs no float32 master copy).
+  A module list or a rank that does not fit the model, or a model PEFT cannot wrap, is a ConfigError
+  naming what is wrong.
+- :func:`adapter_off`: the KL reference is the base alone: the same model with its adapter disabled
+  for the duration of a ``with`` (no second model).
+- A LoRA checkpoint holds the adapter (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``),
+  the tokenizer, and ``base.json``: the base checkpoint's path and the digest of its weights
+  (:func:`base_digest`), so a checkpoint is never resumed or exported over another base
+  (:func:`load_lora_checkpoint`).
+- :func:`merged_weights`: the adapter folded into the base weights (``W + alpha / r * B @ A``) under
+  the base's own names: a plain HF model's state (``echo2 export``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from echo2.config import LoRAConfig
+from echo2.errors import CheckpointError, ConfigError
+
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file: what makes a checkpoint directory a LoRA one
+BASE_FILE = "base.json"  # the base checkpoint a LoRA checkpoint was trained on: path and digest
+
+log = logging.getLogger(__name__)
+
+
+def is_lora_checkpoint(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).is_file()
+
+
+def has_adapter(model: Any) -> bool:
+    """Is a LoRA adapter attached to ``model`` (by :func:`attach` or a LoRA checkpoint)."""
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+def base_digest(model: Any) -> str:
+    """sha256 over the base weights of ``model`` (name, dtype, shape and bytes of every tensor of its
+    state, by name), taken as loaded, before an adapter is attached or the base is cast."""
+    import torch
+
+    if has_adapter(model):
+        raise ValueError("base_digest: the model already carries an adapter")
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _linear_names(model: Any) -> list[str]:
+    import torch
+
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def attach(model: Any, cfg: LoRAConfig, precision: str = "fp32") -> None:
+    """Attach a LoRA adapter of ``cfg`` to ``model`` (only its weights train, in float32); under
+    ``bf16-mixed`` the frozen base is cast to bf16. ConfigError when the model cannot take it."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+
+    if not hasattr(model, "add_adapter"):
+        raise ConfigError(
+            f"lora.enabled: {type(model).__name__} is not a transformers model PEFT can wrap (no add_adapter)"
+        )
+    targets = set(cfg.target_modules)
+    linears = _linear_names(model)
+    missing = sorted(targets - set(linears))
+    if missing:
+        raise ConfigError(
+            f"lora.target_modules: {missing} name no linear layer of {type(model).__name__}; its linear "
+            f"layers are {linears}"
+        )
+    hit = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets
+    ]
+    narrow = min(hit, key=lambda nm: min(nm[1].in_features, nm[1].out_features))
+    width = min(narrow[1].in_features, narrow[1].out_features)
+    if cfg.r > width:
+        raise ConfigError(
+            f"lora.r = {cfg.r} exceeds the smallest dimension ({width}) of a targeted layer ({narrow[0]}): "
+            "a rank above it adds parameters and no capacity; lower lora.r"
+        )
+    try:
+        model.add_adapter(
+            PeftLoraConfig(
+                r=cfg.r,
+                lora_alpha=cfg.alpha,
+                lora_dropout=cfg.dropout,
+                target_modules=sorted(targets),
+            )
+        )
+    except Exception as exc:  # PEFT raises its own types for models it cannot wrap
+        raise ConfigError(
+            f"lora.enabled: PEFT cannot attach an adapter to {type(model).__name__}: {exc}"
+        ) from exc
+    train_adapter_only(model, precision)
+
+
+def train_adapter_only(model: Any, precision: str) -> None:
+    """The adapter's weights trainable in float32, the base frozen (cast to bf16 under ``bf16-mixed``)."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+        else:
+            p.requires_grad_(False)
+            if precision == "bf16-mixed" and p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+
+
+def check_matches(model: Any, cfg: LoRAConfig, where: Path) -> None:
+    """ConfigError when the adapter a checkpoint carries is not the one ``[lora]`` asks for."""
+    have = model.peft_config["default"]
+    mine = {"r": cfg.r, "alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules)}
+    theirs = {"r": have.r, "alpha": have.lora_alpha, "target_modules": sorted(have.target_modules)}
+    if mine != theirs:
+        raise ConfigError(
+            f"[lora] asks for {mine}, but the adapter of {where} is {theirs}: set [lora] to match"
+        )
+
+
+@contextlib.contextmanager
+def adapter_off(model: Any) -> Iterator[None]:
+    """``model`` as its base alone (the KL reference) for the duration of the ``with``."""
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
+
+
+def adapter_state(model: Any) -> dict[str, Any]:
+    """The adapter's weights by PEFT's names (``...q_proj.lora_A.weight``): what a LoRA checkpoint holds."""
+    return dict(model.get_adapter_state_dict())
+
+
+def save_adapter(model: Any, path: Path, base: dict[str, str]) -> None:
+    """The adapter (PEFT's files; ``model.save_pretrained`` writes only those for a model carrying
+    one) and ``base.json`` (the base checkpoint's path and digest) into ``path``."""
+    model.save_pretrained(path)
+    (path / BASE_FILE).write_text(json.dumps(base) + "\n")
+
+
+def load_lora_checkpoint(path: Path, load_base: Any) -> tuple[Any, dict[str, str]]:
+    """The policy of a LoRA checkpoint: its base loaded with ``load_base(base_path)`` (checked against
+    the recorded digest), the adapter of ``adapter_config.json`` attached with the saved weights.
+    Returns ``(policy, base)``; CheckpointError when the base is missing or has other weights."""
+    from safetensors.torch import load_file
+
+    try:
+        base = json.loads((path / BASE_FILE).read_text())
+        base_path, digest = Path(base["path"]), str(base["sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is a LoRA checkpoint without a readable {BASE_FILE}: {exc}") from exc
+    policy = load_base(base_path)
+    got = base_digest(policy.model)
+    if got != digest:
+        raise CheckpointError(
+            f"{path}: the adapter was trained on a base whose weights digest to {digest[:16]}..., but "
+            f"{base_path} now digests to {got[:16]}...: another base; an adapter only fits its own"
+        )
+    try:
+        policy.model.load_adapter(str(path), adapter_name="default")
+        saved = load_file(str(path / "adapter_model.safetensors"))
+    except Exception as exc:  # PEFT and transformers raise many types; the user needs the cause
+        raise CheckpointError(f"{path}: cannot attach its adapter to the base at {base_path}: {exc}") from exc
+    live = adapter_state(policy.model)
+    for name, t in saved.items():  # every saved tensor loaded, bit for bit
+        mine = live.get(name.removeprefix("base_model.model."))
+        if mine is None or not mine.detach().cpu().equal(t.to(mine.dtype)):
+            raise CheckpointError(
+                f"{path}: its adapter tensor {name} fits no layer of the base at {base_path}"
+            )
+    return policy, {"path": str(base_path), "sha256": digest}
+
+
+def merged_weights(model: Any) -> dict[str, Any]:
+    """The weights of ``model`` with its adapter folded into the base (``W + alpha / r * B @ A``, in
+    the base's dtype, PEFT's ``merge``), by the base model's own names: a plain HF state dict (load it
+    into the base, ``echo2 export``). ``model`` keeps the merged weights and is not trained after."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.merge()
+    return {
+        name.replace(".base_layer.", "."): t for name, t in model.state_dict().items() if ".lora_" not in name
+    }

@@ -75,9 +75,8 @@ def test_bf16_mixed_keeps_the_frozen_base_in_bf16_and_the_adapter_in_fp32(tiny_p
     assert kinds == {(True, torch.float32), (False, torch.bfloat16)}
     from echo2.config import LearnerConfig
 
-    trainer = GRPOTrainer(
-        model, GRPOConfig(lr=1e-2), SAMPLING, tiny_policy.pad_id, learner=LearnerConfig(precision="bf16-mixed")
-    )
+    mixed = LearnerConfig(precision="bf16-mixed")
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-2), SAMPLING, tiny_policy.pad_id, learner=mixed)
     stats = trainer.update(_batch(tiny_policy, [1, 0, 0, 1]))
     assert stats.version == 1 and stats.grad_norm > 0
 
@@ -132,7 +131,7 @@ def test_an_adapter_over_another_base_is_refused(tiny_policy, tmp_path):
     with pytest.raises(CheckpointError, match="another base; an adapter only fits its own"):
         load_checkpoint(ckpt)
     (ckpt / lora.BASE_FILE).write_text("{}")
-    with pytest.raises(CheckpointError, match="without a readable base.json"):
+    with pytest.raises(CheckpointError, match=r"without a readable base\.json"):
         load_checkpoint(ckpt)
 
 
@@ -146,7 +145,7 @@ def test_the_learner_refuses_mixing_lora_and_full_checkpoints(tiny_policy, tmp_p
     (ckpt / "trainer_state.json").write_text('{"version": 3}')
     one = Ranks()
     cpu = torch.device("cpu")
-    with pytest.raises(ConfigError, match="is a LoRA checkpoint .*lora.enabled = true"):
+    with pytest.raises(ConfigError, match=r"is a LoRA checkpoint .*lora\.enabled = true"):
         Plane.load(Config(), one, cpu, ckpt, True, False)
     wrong = Config.model_validate({"lora": {"enabled": True, "r": 8, "alpha": 8.0}})
     with pytest.raises(ConfigError, match=r"\[lora\] asks for .*'r': 8"):
@@ -156,7 +155,7 @@ def test_the_learner_refuses_mixing_lora_and_full_checkpoints(tiny_policy, tmp_p
     assert plane.trainer.version == 3 and lora.has_adapter(plane.policy.model)
     with pytest.raises(ConfigError, match="full fine-tuning: it cannot resume as LoRA"):
         Plane.load(right, one, cpu, tmp_path / "base", True, False)
-    with pytest.raises(ConfigError, match="lora.enabled on a sharded learner is not built"):
+    with pytest.raises(ConfigError, match=r"lora\.enabled on a sharded learner is not built"):
         Plane.load(right, Ranks(world=2), cpu, tmp_path / "base", False, False)
 
 

@@ -17,6 +17,8 @@ Endpoints (JSON; every one but ``register`` needs ``Authorization: Bearer <crede
                                             links that take installed version V to the newest (V = -1:
                                             anchor first)
     GET  /v1/model                       -> ModelReply (config + tokenizer files: the skeleton)
+    GET  /v1/base                        -> a LoRA run's frozen base (``weights.delta.encode_full``
+                                            bytes, once per worker; its digest is in the settings)
     any refusal                          -> ErrorReply with a 4xx status
 
 The trajectory codec (:func:`group_to_wire`, :func:`group_from_wire`, :func:`encode_group`,
@@ -120,6 +122,16 @@ class SubmitRequest(BaseModel):
 
 
 # ---- replies (learner -> worker) --------------------------------------------------------------------
+class LoraSettings(BaseModel):
+    """A LoRA run's publications are the adapter alone: the worker holds the frozen base (``GET
+    /v1/base``, checked against ``base_digest``) and loads base + ``scale`` x B @ A (``models/lora.py``)."""
+
+    model_config = LENIENT
+
+    scale: float = Field(gt=0.0, allow_inf_nan=False)  # alpha / r
+    base_digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # weights digest of the base; in every manifest
+
+
 class WorkerSettings(BaseModel):
     """The part of the run's config a worker needs (it never gets the whole tree)."""
 
@@ -137,6 +149,7 @@ class WorkerSettings(BaseModel):
     eos_ids: list[int] = Field(default_factory=list, max_length=64)  # tokens that end a completion
     heartbeat_s: float  # seconds between heartbeats
     max_context: int = 0  # longest prompt + completion the model attends to (bounds an episode); 0 = unknown
+    lora: LoraSettings | None = None  # a LoRA run: publications are adapters over this base
 
 
 class RegisterReply(BaseModel):

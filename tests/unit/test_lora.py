@@ -159,8 +159,160 @@ def test_the_learner_refuses_mixing_lora_and_full_checkpoints(tiny_policy, tmp_p
         Plane.load(right, Ranks(world=2), cpu, tmp_path / "base", False, False)
 
 
-def test_the_distributed_node_says_adapter_publication_is_not_built():
-    from echo2.runtime.learner import AsyncLearner
+def _trained_adapter(policy):
+    """``policy`` with an adapter whose B is non-zero (as after training), and the run's scale."""
+    lora.attach(policy.model, LORA)
+    with torch.no_grad():
+        for n, p in policy.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    return lora.lora_scale(LORA)
 
-    with pytest.raises(ConfigError, match="publishing adapters to workers is not built yet"):
-        AsyncLearner(Config.model_validate({"lora": {"enabled": True}}))
+
+def test_a_published_adapter_expands_to_the_same_bytes_on_every_machine(tiny_policy):
+    """merge_published is exact in float64: the same bytes at 1 and 2 threads and for a tensor laid out
+    otherwise; it is base + scale x B @ A rounded once; an adapter that does not fit is refused."""
+    scale = _trained_adapter(tiny_policy)
+    base = lora.PublishedBase.of(tiny_policy.model, "bfloat16", scale)
+    adapter = lora.adapter_copy(tiny_policy.model)
+    assert set(base.tensors) == set(sampler_copy_names(tiny_policy.model))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = base.expand(adapter)
+        torch.set_num_threads(2)
+        two = base.expand({n: t.t().contiguous().t() for n, t in adapter.items()})
+    finally:
+        torch.set_num_threads(threads)
+    assert set(one) == set(base.tensors) and all(torch.equal(one[n], two[n]) for n in one)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    stem = name[: -len(".weight")]
+    a, b = adapter[stem + lora.LORA_A].double(), adapter[stem + lora.LORA_B].double()
+    want = (base.tensors[name].double() + scale * b @ a).to(torch.bfloat16)
+    assert torch.equal(one[name], want) and not torch.equal(one[name], base.tensors[name])
+    k = "model.layers.0.mlp.down_proj.lora_B.default.weight"
+    with pytest.raises(CheckpointError, match="do not fit the base"):
+        base.expand({**adapter, k: adapter[k][:, :2]})
+    with pytest.raises(CheckpointError, match="no LoRA pair"):
+        base.expand({**adapter, "model.norm.weight": torch.ones(3)})
+
+
+def sampler_copy_names(model):
+    from echo2.weights.delta import sampler_copy
+
+    return [n.replace(".base_layer.", ".") for n in sampler_copy(model) if ".lora_" not in n]
+
+
+def test_the_check_reruns_base_plus_adapter_as_the_workers_engine_does(tiny_policy, tiny_policy_factory):
+    """A worker's HF engine installs published adapters through AdapterEngine; the learner's check keeps
+    the adapters and expands them the same way: honest completions pass with no error beyond batching,
+    completions of another adapter are forgeries."""
+    import copy
+    import random
+
+    from echo2.config import SecurityConfig
+    from echo2.data.store import Lease
+    from echo2.data.submission import Rejected, Submission
+    from echo2.models.snapshot import aliasing_model
+    from echo2.rollout.engines import AdapterEngine
+    from echo2.rollout.engines.hf import HFEngine
+    from echo2.tasks.verify import GenerationCheck
+    from echo2.types import Prompt
+
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=8)
+    scale = _trained_adapter(tiny_policy)
+    base = lora.PublishedBase.of(tiny_policy.model, "bfloat16", scale)
+    v1 = lora.adapter_copy(tiny_policy.model)
+    v2 = {n: t + 0.2 * torch.randn_like(t.float()).to(t.dtype) for n, t in v1.items()}
+    plain = tiny_policy_factory()  # a worker's engine model: the architecture alone
+    engine = AdapterEngine(HFEngine(plain.model, plain.eos_id, plain.pad_id, sampling), base)
+    check = GenerationCheck(
+        aliasing_model(tiny_policy.model), sampling, SecurityConfig(), random.Random(0), expand=base.expand
+    )
+    check.keep(1, v1)
+    check.keep(2, v2)
+    prompts = [Prompt(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(3)]
+    encoded = [tiny_policy.encode_prompt(p.text) for p in prompts]
+
+    def submission(adapter, version):
+        engine.install(adapter)
+        samples = engine.generate([ids for ids in encoded for _ in range(4)], seed=99)
+        groups = tuple(
+            tuple(
+                Trajectory(
+                    prompts[i].prompt_id,
+                    f"L:{i}",
+                    tuple(encoded[i]),
+                    s.completion_ids,
+                    s.logprobs,
+                    0.0,
+                    version,
+                )
+                for s in samples[i * 4 : i * 4 + 4]
+            )
+            for i in range(3)
+        )
+        return Lease("L", "w", "open", 0.0, prompts, 99, version), Submission("L", version, groups)
+
+    every = [(i, j) for i in range(3) for j in range(4)]
+    lease, honest = submission(v1, 1)
+    verdicts = check.check(lease, honest, every)
+    assert all(v.misses == 0 for v in verdicts) and max(v.max_logprob_error for v in verdicts) < 1e-3
+    lease, other = submission(v2, 1)  # sampled with v2's adapter, claimed as v1
+    with pytest.raises(Rejected, match=r"not version 1's seeded draw|log-probs are off"):
+        check.check(lease, copy.deepcopy(other), every)
+    assert check.held_bytes() <= sum(t.nbytes for t in v1.values())  # an undo of an adapter, not a model
+
+
+def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_the_stated_one(tiny_policy):
+    """The follower installs only links whose signed lineage pins the base it holds (counted as an
+    install failure otherwise); a base whose digest is not the settings' ends the worker's setup."""
+    import asyncio
+
+    from echo2.broadcast.factory import open_publisher
+    from echo2.broadcast.registry import get_strategy
+    from echo2.errors import Echo2Error
+    from echo2.protocol import LoraSettings
+    from echo2.rollout.follower import WeightFollower
+    from echo2.rollout.worker import RolloutWorker, WorkerCounters
+    from echo2.runtime.snapshots import Snapshots
+    from echo2.weights.delta import encode_full
+    from echo2.weights.manifest import Manifest, new_signing_key
+
+    scale = _trained_adapter(tiny_policy)
+    base = lora.PublishedBase.of(tiny_policy.model, "bfloat16", scale)
+
+    class Engine:
+        loaded = None
+
+        def install(self, weights):
+            self.loaded = weights
+
+    async def go() -> None:
+        key = new_signing_key()
+        snaps = Snapshots(
+            open_publisher("memory", key, get_strategy("star-limited"), 4096), 1.1, model_base="cd" * 32
+        )
+        await snaps.publish_copy(0, lambda dtype: lora.adapter_copy(tiny_policy.model, dtype))
+        links = [(Manifest.from_dict(link.manifest), link.blob) for link in snaps.chain]
+        counters = WorkerCounters()
+        for held, ok in (("ab" * 32, False), ("cd" * 32, True)):
+            follower = WeightFollower(
+                None, Engine(), key.verifier(), None, "w0", counters, finished=lambda: True, model_base=held
+            )  # type: ignore[arg-type]
+            assert follower._install(links) is ok
+        assert counters.install_failures == 1
+        await snaps.close()
+
+        class Client:
+            async def lora_base(self):
+                return encode_full(base.tensors)
+
+        worker = RolloutWorker.__new__(RolloutWorker)
+        worker.client = Client()
+        got = await worker._lora_base(LoraSettings(scale=scale, base_digest=base.digest))
+        assert got.digest == base.digest and got.scale == scale
+        with pytest.raises(Echo2Error, match="refusing it"):
+            await worker._lora_base(LoraSettings(scale=scale, base_digest="ef" * 32))
+
+    asyncio.run(go())

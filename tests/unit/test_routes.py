@@ -16,6 +16,7 @@ from echo2.broadcast.factory import open_publisher
 from echo2.broadcast.registry import get_strategy
 from echo2.config import load_config
 from echo2.data.store import StoreStats, TrajectoryStore
+from echo2.protocol import LoraSettings
 from echo2.runtime.node import assemble, worker_settings
 from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
@@ -26,7 +27,9 @@ TOKEN = "join-token-for-tests-0123456789"
 VOCAB = 100
 
 
-def make_node(tmp_path, *overrides: str, verifier: Any = None) -> SimpleNamespace:
+def make_node(
+    tmp_path, *overrides: str, verifier: Any = None, lora_base: bytes | None = None
+) -> SimpleNamespace:
     """The parts of a learner node wired as ``runtime/learner.py`` wires them (in-memory broadcast,
     no model); ``node.v`` is the learner version the parts read."""
     cfg = load_config(
@@ -46,8 +49,13 @@ def make_node(tmp_path, *overrides: str, verifier: Any = None) -> SimpleNamespac
     key = new_signing_key()
     registry = WorkerRegistry(tmp_path, TOKEN, time.time, cfg.security.max_workers, cfg.security.slot_idle_s)
     publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
+    lora = LoraSettings(scale=2.0, base_digest="ab" * 32) if lora_base is not None else None
     identity = Identity(
-        worker_settings(cfg), key.verifier().to_text(), ("127.0.0.1", 1), {"config.json": "{}"}
+        worker_settings(cfg, lora=lora),
+        key.verifier().to_text(),
+        ("127.0.0.1", 1),
+        {"config.json": "{}"},
+        lora_base,
     )
     n.task = build_task(cfg.task, 0)
     parts = assemble(
@@ -696,3 +704,39 @@ def test_over_long_numbers_get_a_counted_4xx_on_every_endpoint(tmp_path):
     got, stats = run(body, make_node(tmp_path))
     assert got == [400, 400, 400, 400, 422]
     assert stats.rejected_by_reason == {"malformed": 4, "future_version": 1}
+
+
+def test_a_lora_runs_base_is_served_a_bounded_number_of_times_and_pinned_in_every_manifest(tmp_path):
+    """GET /v1/base: 404 not_lora in a run of whole weights; in a LoRA run the base bytes, at most
+    SERVE_BUDGET (3) times an identity, then 429 over_budget; the settings name its digest and every
+    publication's signed lineage pins it."""
+    import torch
+
+    from echo2.weights.manifest import Manifest
+
+    plain = make_node(tmp_path / "plain")
+
+    async def refused(client: TestClient) -> None:
+        auth = await register(client)
+        resp = await client.get("/v1/base", headers=auth)
+        assert resp.status == 404 and (await resp.json())["error"] == "not_lora"
+
+    run(refused, plain)
+    node = make_node(tmp_path / "lora", lora_base=b"the base bytes")
+
+    async def served(client: TestClient) -> None:
+        resp = await client.post("/v1/register", json={"token": TOKEN, "name": "w", "usd_per_hour": 0.35})
+        reply = await resp.json()
+        assert reply["settings"]["lora"] == {"scale": 2.0, "base_digest": "ab" * 32}
+        auth = {"Authorization": f"Bearer {reply['credential']}"}
+        assert (await client.get("/v1/base")).status == 401
+        for _ in range(3):
+            resp = await client.get("/v1/base", headers=auth)
+            assert resp.status == 200 and await resp.read() == b"the base bytes"
+        resp = await client.get("/v1/base", headers=auth)
+        assert resp.status == 429 and (await resp.json())["error"] == "over_budget"
+        await node.snapshots.publish_copy(1, lambda dtype: {"a.lora_A.default.weight": torch.ones(2, 2)})
+        resp = await client.get("/v1/version", headers=auth)
+        assert Manifest.from_dict((await resp.json())["manifest"]).lineage.model_base == "ab" * 32
+
+    run(served, node)

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,97 @@ def merged_weights(model: Any) -> dict[str, Any]:
     return {
         name.replace(".base_layer.", "."): t for name, t in model.state_dict().items() if ".lora_" not in name
     }
+
+
+# ---- publications of the adapter -------------------------------------------------------------------
+# A LoRA learner publishes the adapter alone (``adapter_copy``: the live names, ``...q_proj.lora_A.
+# default.weight``) through the usual codec, chain and broadcast; the base goes to each worker once
+# (``base_copy``). Workers and the learner's generation check turn a published adapter into the full
+# weights an engine loads with one function (``merge_published``), exactly, so both hold the same bytes.
+
+LORA_A, LORA_B = ".lora_A.default.weight", ".lora_B.default.weight"
+
+
+def adapter_copy(model: Any, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The adapter's weights as a publication ships them (``weights.delta.sampler_copy`` of the adapter
+    tensors alone, by their live names)."""
+    from echo2.weights.delta import sampler_copy
+
+    return {n: t for n, t in sampler_copy(model, dtype).items() if ".lora_" in n}
+
+
+def base_copy(model: Any, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The frozen base as a full snapshot ships it, under the base model's own names
+    (``...q_proj.weight``): what a worker installs once. Each storage once (tied weights under their
+    first name, as ``sampler_copy``); a tensor already in ``dtype`` on the CPU is the frozen parameter
+    itself (never stepped: no copy), any other a cast copy."""
+    import torch
+
+    from echo2.weights import delta
+
+    target = delta.PUBLISH_DTYPES[dtype]
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if ".lora_" in name or key in seen:
+                continue
+            seen.add(key)
+            cast = target if t.is_floating_point() else t.dtype
+            same = t.dtype == cast and t.device.type == "cpu" and t.is_contiguous()
+            out[name.replace(".base_layer.", ".")] = (
+                t.detach() if same else t.detach().to("cpu", cast).contiguous()
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class PublishedBase:
+    """A LoRA run's base as workers hold it: the tensors (publication dtype, base names), their weights
+    digest (signed into every manifest's lineage as ``model_base``) and the adapter's scale."""
+
+    tensors: dict[str, Any]
+    digest: str
+    scale: float
+
+    @classmethod
+    def of(cls, model: Any, dtype: str, scale: float) -> PublishedBase:
+        from echo2.weights.delta import weights_digest
+
+        tensors = base_copy(model, dtype)
+        return cls(tensors, weights_digest(tensors), scale)
+
+    def expand(self, adapter: Any) -> dict[str, Any]:
+        """A published adapter as the full weights an engine or the check loads (:func:`merge_published`)."""
+        return merge_published(self.tensors, adapter, self.scale)
+
+
+def lora_scale(cfg: LoRAConfig) -> float:
+    return cfg.alpha / cfg.r
+
+
+def merge_published(base: Any, adapter: Any, scale: float) -> dict[str, Any]:
+    """The full weights of base + adapter in the base's dtype: every targeted ``W`` becomes
+    ``round(W + scale * B @ A)``, computed in float64 (the products of two bf16 numbers and their sum
+    over the rank are exact there, whatever order a machine's matmul adds them in), so every worker and
+    the learner's check get the same bytes; untargeted tensors are the base's own (not copied).
+    CheckpointError when the adapter does not fit the base."""
+    import torch
+
+    out = dict(base)
+    for name_a, a in adapter.items():
+        if not name_a.endswith(LORA_A):
+            continue
+        stem = name_a[: -len(LORA_A)]
+        b, w = adapter.get(stem + LORA_B), base.get(stem + ".weight")
+        if b is None or w is None or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
+            have = tuple(w.shape) if w is not None else "absent"
+            raise CheckpointError(f"adapter tensors of {stem} do not fit the base's weight ({have})")
+        with torch.no_grad():
+            delta = (b.to(torch.float64) @ a.to(torch.float64)).mul_(scale)
+            out[stem + ".weight"] = delta.add_(w.to(torch.float64)).to(w.dtype)
+    unpaired = [n for n in adapter if not (n.endswith(LORA_A) or n.endswith(LORA_B))]
+    if unpaired:
+        raise CheckpointError(f"adapter tensors that are no LoRA pair: {unpaired[:3]}")
+    return out

@@ -114,6 +114,12 @@ class LearnerClient:
     async def model(self) -> ModelReply:
         return await self._call("GET", "/model", ModelReply)
 
+    async def lora_base(self) -> bytes:
+        """A LoRA run's frozen base (``encode_full`` bytes; the caller checks its digest)."""
+        status, body, _ = await self._request("GET", "/base", timeout=SNAPSHOT_TIMEOUT)
+        self._raise_for(status, body)
+        return body
+
     # ---- plumbing -----------------------------------------------------------------------------------
     async def _call(self, method: str, path: str, reply: type[R], req: BaseModel | None = None) -> R:
         status, body, _ = await self._request(method, path, req)

@@ -91,6 +91,7 @@ class WeightFollower:
         reconnect_s: float = 120.0,
         catchup_s: float = 3.0,
         on_install: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+        model_base: str = "",
     ) -> None:
         self.client = client  # the HTTP catch-up, and the credential and pin the broadcast join presents
         self.engine = engine
@@ -104,6 +105,7 @@ class WeightFollower:
         self.reconnect_s = reconnect_s  # give up a join after this long (and try again)
         self.catchup_s = catchup_s  # wait this long for the broadcast before fetching over HTTP
         self.on_install = on_install  # told each installed version's weights (a self-play pool)
+        self.model_base = model_base  # a LoRA run's: digest of the base held; every manifest must state it
         self.chain = WeightChain()  # the published weights being served, and staged installs
         self.node: SnapshotReceiver | None = None  # the broadcast receiver while joined
         self._received: dict[int, InstalledSnapshot] = {}  # delivered, not yet installed
@@ -203,6 +205,13 @@ class WeightFollower:
         with self._stage_lock:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
+                for manifest, _ in links:  # a LoRA run's adapters fit one base: the one held
+                    if manifest.lineage.model_base != self.model_base:
+                        raise CheckpointError(
+                            f"v{manifest.version} applies to the base model "
+                            f"{manifest.lineage.model_base[:16] or '(none: whole weights)'}, this worker "
+                            f"holds {self.model_base[:16] or 'none'}"
+                        )
                 staged = self.chain.stage(links)
                 if staged is None:
                     return False

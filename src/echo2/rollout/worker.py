@@ -42,6 +42,7 @@ from echo2.protocol import (
     LeaseGrant,
     LeaseRefusal,
     LeaseRequest,
+    LoraSettings,
     RegisterRequest,
     SubmitRequest,
     group_to_wire,
@@ -179,13 +180,18 @@ class RolloutWorker:
             pad = tokenizer.pad_token_id
             pad = int(pad) if pad is not None else eos[0]
             eopts = dataclasses.replace(self.opts.engine_options, max_context=st.max_context)
-            self.engine = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts)
+            base = await self._lora_base(st.lora) if st.lora is not None else None
+            self.engine = self._wrap(
+                build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts), base
+            )
             chat = ChatFormat.of(st.chat_template, st.system_prompt, st.chat_template_kwargs)
             self.codec = TextCodec.of(tokenizer, chat)
             if "selfplay" in getattr(st.task, "opponents", ()):  # earlier versions play the other seats
                 from echo2.rollout.opponents import SelfPlayPool
 
-                opp = build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts)
+                opp = self._wrap(
+                    build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts), base
+                )
                 every, size = st.task.selfplay_every, st.task.selfplay_pool  # type: ignore[union-attr]
                 self.selfplay = SelfPlayPool(opp, self.codec, every, size, st.sampling.max_new_tokens)
         self.task = self.build_task(st.task, st.seed)
@@ -204,9 +210,36 @@ class RolloutWorker:
             reconnect_s=self.opts.reconnect_s,
             catchup_s=self.opts.catchup_s,
             on_install=self.selfplay.offer if self.selfplay is not None else None,
+            model_base=base.digest if base is not None else "",
         )
         await self.follower.fetch()
         log.info("worker %s ready at v%d", self.worker_id, self.installed)
+
+    async def _lora_base(self, lora: LoraSettings) -> Any:
+        """A LoRA run's frozen base, fetched from the learner once and checked against the digest the
+        settings state (every manifest states it too): a base that is not it ends the worker."""
+        from echo2.models.lora import PublishedBase
+        from echo2.weights.delta import decode_full, weights_digest
+
+        t0 = time.perf_counter()
+        blob = await self.client.lora_base()
+        tensors = await asyncio.to_thread(decode_full, blob)
+        del blob
+        got = await asyncio.to_thread(weights_digest, tensors)
+        if got != lora.base_digest:
+            raise Echo2Error(
+                f"the LoRA base the learner sent digests to {got[:16]}..., its settings state "
+                f"{lora.base_digest[:16]}...: refusing it"
+            )
+        log.info("LoRA base installed (%d tensors) in %.1f s", len(tensors), time.perf_counter() - t0)
+        return PublishedBase(tensors, got, lora.scale)
+
+    @staticmethod
+    def _wrap(engine: Any, base: Any) -> Any:
+        """The engine itself, or in a LoRA run the engine loading base + each published adapter."""
+        from echo2.rollout.engines import AdapterEngine
+
+        return engine if base is None else AdapterEngine(engine, base)
 
     async def _register(self) -> Any:
         o = self.opts

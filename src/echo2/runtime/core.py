@@ -106,13 +106,16 @@ class Plane:
             return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(cfg))
 
     def weights(self, dtype: str) -> dict[str, Any] | None:
-        """A sampler copy of the weights in ``dtype`` (``weights.delta.sampler_copy``); sharded: gathered
-        tensor by tensor to rank 0 (None on the others)."""
+        """A sampler copy of the weights in ``dtype`` (``weights.delta.sampler_copy``; a LoRA policy's:
+        the adapter alone); sharded: gathered tensor by tensor to rank 0 (None on the others)."""
         from echo2.learner.sharded import full_weights
+        from echo2.models.lora import adapter_copy, has_adapter
         from echo2.weights.delta import sampler_copy
 
         if self.ranks.sharded:
             return full_weights(self.policy.model, dtype)
+        if has_adapter(self.policy.model):  # a LoRA run publishes the adapter alone (models/lora.py)
+            return adapter_copy(self.policy.model, dtype)
         return sampler_copy(self.policy.model, dtype)
 
     def save_states(self, path: Path) -> None:

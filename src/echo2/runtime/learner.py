@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error
 from echo2.observe import catalog as m
-from echo2.observe.rundir import STATE_FILE, latest_checkpoint, next_epoch, write_atomic
+from echo2.observe.rundir import PUBLISHED_DIR, STATE_FILE, latest_checkpoint, next_epoch, write_atomic
 from echo2.runtime.loop import LearnerSummary
 
 if TYPE_CHECKING:
@@ -89,11 +89,6 @@ class AsyncLearner:
         clock: Callable[[], float] = time.time,
     ) -> None:
         check_reachable(cfg)
-        if cfg.lora.enabled:
-            raise ConfigError(
-                "lora.enabled: publishing adapters to workers is not built yet (docs/learner.md#lora): "
-                "train LoRA in one process with echo2 train --lora"
-            )
         self.cfg = cfg
         self.resume = resume
         self.on_ready = on_ready
@@ -101,6 +96,7 @@ class AsyncLearner:
         self.on_tick = on_tick  # called about once a second (the launcher checks its workers; may raise)
         self.clock = clock  # stamps leases, heartbeats and controller decisions
         self.stop = asyncio.Event()
+        self.lora: Any = None  # a LoRA run's frozen base as workers hold it (models/lora.PublishedBase)
 
     async def run(self) -> LearnerSummary:
         """Set up the node, then the learner loop (``loop.py``) over its feed; what setup opened is
@@ -180,7 +176,9 @@ class AsyncLearner:
         )
         broadcast = await publisher.start()
         files = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
-        identity = Identity(worker_settings(cfg, policy.eos_ids), key.verifier().to_text(), broadcast, files)
+        lora, base_blob = await self._lora_base()
+        settings = worker_settings(cfg, policy.eos_ids, lora)
+        identity = Identity(settings, key.verifier().to_text(), broadcast, files, base_blob)
         self.data_ready = asyncio.Event()  # set on every admitted submission: the main loop's wake-up
         parts = assemble(
             cfg,
@@ -206,6 +204,27 @@ class AsyncLearner:
         self._resources.push_async_callback(self.intake.close)
         await self._serve(parts.routes, broadcast)
         await self._serve_dashboard(parts)
+
+    async def _lora_base(self) -> tuple[Any, Any]:
+        """A LoRA run's frozen base as workers hold it (``models/lora.PublishedBase``: kept for the
+        generation check) and what they are told of it (``LoraSettings``), and its bytes, written to
+        the run directory and served from a read-only map (``GET /v1/base``); (None, None) otherwise."""
+        from echo2.models import lora
+        from echo2.protocol import LoraSettings
+        from echo2.weights.delta import encode_full
+        from echo2.weights.publication import spill_file
+
+        model = self.core.policy.model
+        if not lora.has_adapter(model):
+            return None, None
+        base = self.lora = lora.PublishedBase.of(
+            model, self.cfg.snapshot.dtype, lora.lora_scale(self.cfg.lora)
+        )
+        (self.run_path / PUBLISHED_DIR).mkdir(parents=True, exist_ok=True)
+        blob = await asyncio.to_thread(
+            lambda: spill_file(self.run_path / PUBLISHED_DIR / "base.bin", encode_full(base.tensors))
+        )
+        return LoraSettings(scale=base.scale, base_digest=base.digest), blob
 
     def _open_store(self) -> None:
         """The trajectory store, less an earlier process's groups whose checks never ran, with the
@@ -236,7 +255,9 @@ class AsyncLearner:
         from echo2.models.snapshot import aliasing_model
 
         check_model = aliasing_model(policy.model, cfg.security.engine_precision)  # as the engines compute
-        return verifier, GenerationCheck(check_model, cfg.sampling, cfg.security)
+        # a LoRA run keeps the published adapters and re-runs base + adapter, expanded as workers do
+        expand = self.lora.expand if self.lora is not None else None
+        return verifier, GenerationCheck(check_model, cfg.sampling, cfg.security, expand=expand)
 
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
         """Start the API (over TLS with the run's certificate unless ``security.tls`` is off); say where

@@ -21,7 +21,7 @@ from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected
 from echo2.observe.rundir import PUBLISHED_DIR
 from echo2.physics.rules import admission_floor
-from echo2.protocol import WorkerSettings
+from echo2.protocol import LoraSettings, WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
 from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.pool import Pool
@@ -56,9 +56,12 @@ class NodeParts:
         return {**self.broker.standings.metrics(), **self.broker.prompts.metrics()}
 
 
-def worker_settings(cfg: Config, eos_ids: Sequence[int] = ()) -> WorkerSettings:
+def worker_settings(
+    cfg: Config, eos_ids: Sequence[int] = (), lora: LoraSettings | None = None
+) -> WorkerSettings:
     """The part of the run's config a worker is sent at registration (never the whole tree), with the
-    tokens that end a completion (the learner's policy's: engine, check and learner agree)."""
+    tokens that end a completion (the learner's policy's: engine, check and learner agree) and, in a
+    LoRA run, the base its adapters apply to."""
     rt = cfg.runtime
     return WorkerSettings(
         seed=cfg.seed,
@@ -73,6 +76,7 @@ def worker_settings(cfg: Config, eos_ids: Sequence[int] = ()) -> WorkerSettings:
         threads=cfg.train.resolved_threads(embedded=cfg.model.path is None),
         heartbeat_s=rt.heartbeat_s,
         max_context=cfg.context_tokens(),
+        lora=lora,
     )
 
 
@@ -105,6 +109,7 @@ def assemble(
         _keeper(cfg, generation),
         spill_dir=registry.path.parent / PUBLISHED_DIR,
         epoch=epoch,
+        model_base=identity.settings.lora.base_digest if identity.settings.lora else "",
     )
     pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch)
     limits = submission_limits(cfg, task, vocab_size)

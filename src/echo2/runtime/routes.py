@@ -27,6 +27,8 @@ JSON shape (or, where no answer can reach the peer, a dropped connection), count
   the broadcast port's byte budget (``broadcast.access.ByteBudget``: ``SERVE_BUDGET`` x the version's
   size + ``BUDGET_SLACK_CHUNKS`` chunks); a chain that does not fit is 429 ``over_budget`` before a byte
   is streamed (a new version brings a new budget; retrying the same one does not);
+- a LoRA run's base (``GET /v1/base``): at most ``SERVE_BUDGET`` times per identity (429 ``over_budget``),
+  404 ``not_lora`` in a run that publishes whole weights;
 - aiohttp's own refusals: a body over the limit 413 ``oversized``, an unknown route 404 ``not_found``,
   a method 405 ``method``, and what its HTTP parser refuses before any handler runs (a NUL byte or an
   over-long line in a header, Content-Length with Transfer-Encoding, a bad request line or chunk size)
@@ -78,11 +80,12 @@ from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.pool import Pool
 from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 from echo2.runtime.snapshots import Snapshots
-from echo2.weights.chain import chain_parts
+from echo2.weights.chain import Blob, chain_parts
 from echo2.weights.publication import Link
 
 log = logging.getLogger(__name__)
 
+BASE_PIECE = 4 << 20  # bytes of a LoRA base written to the response at a time
 BURST_S = 2.0  # a token bucket holds this many seconds of security.max_requests_per_s (bursts of twice it)
 MAX_DETAIL_CHARS = 300  # the longest detail of aiohttp's own refusals echoed back (they quote the peer)
 
@@ -95,6 +98,7 @@ class Identity:
     public_key: str  # manifest verification key, ``key_from_text`` form
     broadcast: tuple[str, int]  # where the broadcast plane listens
     skeleton: dict[str, str]  # model config + tokenizer files (no weights)
+    base: Blob | None = None  # a LoRA run's frozen base (encode_full bytes; settings.lora has its digest)
 
 
 class Routes:
@@ -117,6 +121,7 @@ class Routes:
         self.security = sec = security or SecurityConfig()
         self.rate = RequestRate(sec.max_requests_per_s, BURST_S * sec.max_requests_per_s, clock)
         self.budget = ByteBudget()  # snapshot-chain bytes sent per (identity, link version)
+        self.base_sent: dict[str, int] = {}  # identity -> times it was sent a LoRA run's base
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._count_errors])
@@ -129,6 +134,7 @@ class Routes:
                 web.get(f"{API}/version", self.version),
                 web.get(f"{API}/snapshot", self.snapshot),
                 web.get(f"{API}/model", self.model),
+                web.get(f"{API}/base", self.base),
             ]
         )
         return app
@@ -301,6 +307,34 @@ class Routes:
     async def model(self, request: web.Request) -> web.Response:
         self._auth(request)
         return _reply(ModelReply(files=self.identity.skeleton))
+
+    async def base(self, request: web.Request) -> web.StreamResponse:
+        """A LoRA run's frozen base (404 ``not_lora`` in any other run), at most ``SERVE_BUDGET`` times
+        per identity (then 429 ``over_budget``): a worker fetches it once and checks its digest."""
+        rec = self._auth(request)
+        blob = self.identity.base
+        if blob is None:
+            raise _error(web.HTTPNotFound, "not_lora", "this run publishes whole weights: it has no base")
+        sent = self.base_sent.get(rec.worker_id, 0)
+        if sent >= SERVE_BUDGET:
+            raise _error(
+                web.HTTPTooManyRequests,
+                "over_budget",
+                f"the base was sent to this identity {sent} times already (at most {SERVE_BUDGET:g})",
+            )
+        self.base_sent[rec.worker_id] = sent + 1
+        resp = web.StreamResponse()
+        resp.content_type = "application/octet-stream"
+        resp.content_length = len(blob)
+        try:
+            await resp.prepare(request)
+            view = memoryview(blob)
+            for lo in range(0, len(view), BASE_PIECE):
+                await resp.write(view[lo : lo + BASE_PIECE])
+            await resp.write_eof()
+        except ConnectionError as exc:
+            log.info("base to %s cut: %s", rec.worker_id, exc)
+        return resp
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> WorkerRecord:

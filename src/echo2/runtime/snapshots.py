@@ -57,13 +57,14 @@ class Snapshots:
         on_published: Callable[[int, dict[str, torch.Tensor]], None] = lambda version, weights: None,
         spill_dir: Path | None = None,
         epoch: int = 0,
+        model_base: str = "",
     ) -> None:
         self.publisher = publisher
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
         # what was published (its bytes in files under spill_dir when given); the next patch's base;
-        # every manifest's lineage carries this learner process's run epoch
-        self.published_chain = PublishedChain(self.cfg, spill_dir, epoch)
+        # every manifest's lineage carries this learner process's run epoch (and a LoRA run's base)
+        self.published_chain = PublishedChain(self.cfg, spill_dir, epoch, model_base)
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced

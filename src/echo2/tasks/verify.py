@@ -38,7 +38,7 @@ import json
 import math
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -266,10 +266,14 @@ class GenerationCheck:
         sampling: SamplingConfig,
         security: SecurityConfig,
         rng: random.Random | None = None,
+        expand: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         # a model of the trained architecture, the check's own: the learner's reads the kept copies in
         # place (models/snapshot.py:aliasing_model), so it holds no weights of its own
         self.model = model.eval()
+        # what a kept version's published weights become in the model: themselves, or in a LoRA run
+        # (models/lora.PublishedBase.expand) base + adapter, exactly as the workers' engines load them
+        self.expand = expand or (lambda weights: weights)
         self.sampling = sampling
         self.cfg = security
         self.rng = rng or random.SystemRandom()  # which submissions: workers must not predict it
@@ -379,7 +383,7 @@ class GenerationCheck:
                         "unchecked_version",
                         f"policy_version: {sub.policy_version}: its weights are not held here",
                     )
-                load_for_check(self.model, weights)
+                load_for_check(self.model, self.expand(weights))
                 self._loaded = sub.policy_version
                 del weights
             try:
@@ -395,7 +399,7 @@ class GenerationCheck:
         with self._wlock:
             newest = self._newest
         if newest is not None and self._loaded != newest[0]:
-            load_for_check(self.model, newest[1])
+            load_for_check(self.model, self.expand(newest[1]))
             self._loaded = newest[0]
 
     def _run(self, lease: Lease, sub: Submission, picks: Sequence[tuple[int, int]]) -> list[Verdict]:

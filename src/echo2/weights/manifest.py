@@ -61,20 +61,23 @@ class Lineage:
     Empty digests mean "not stated" (a blob that is not model weights, as in the transport tests).
     ``epoch`` is the run epoch of the learner process that published it (one more at every start of a
     learner on the run directory): a version number names weights only within its epoch, so a restart
-    makes every earlier version unusable by construction (a patch's base is of its own epoch)."""
+    makes every earlier version unusable by construction (a patch's base is of its own epoch).
+    ``model_base`` pins a LoRA run's publications (the adapter alone) to the base model they apply to:
+    a worker holding another base refuses them (``models/lora.py``)."""
 
     kind: str = "full"  # "full" (an anchor) or "patch"
     base_version: int = -1  # the version a patch applies to; -1 for an anchor
     base_digest: str = ""  # weights digest of the base (patches only)
     weights_digest: str = ""  # weights digest of the result of installing this snapshot
     epoch: int = 0  # the publishing learner process's run epoch (0: none stated)
+    model_base: str = ""  # a LoRA run's: weights digest of the frozen base the adapter applies to
 
     def check(self, version: int) -> None:
         if not 0 <= self.epoch <= MAX_EPOCH:
             raise ManifestError(f"manifest.lineage.epoch must be in [0, {MAX_EPOCH}], got {self.epoch}")
         if self.kind not in KINDS:
             raise ManifestError(f"manifest.kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("base_digest", "weights_digest"):
+        for name in ("base_digest", "weights_digest", "model_base"):
             value = getattr(self, name)
             if value and (len(value) != 64 or not set(value) <= _HEX64):
                 raise ManifestError(
@@ -186,7 +189,7 @@ def _digests(value: object) -> tuple[str, ...]:
 def _lineage(d: object) -> Lineage:
     if not isinstance(d, Mapping):
         raise ManifestError(f"manifest.lineage must be an object, got {d!r}")
-    unknown = set(d) - {"kind", "base_version", "base_digest", "weights_digest", "epoch"}
+    unknown = set(d) - {"kind", "base_version", "base_digest", "weights_digest", "epoch", "model_base"}
     if unknown:
         raise ManifestError(f"manifest.lineage has unknown fields {sorted(unknown)}")
     return Lineage(
@@ -195,6 +198,7 @@ def _lineage(d: object) -> Lineage:
         base_digest=str(d.get("base_digest", "")),
         weights_digest=str(d.get("weights_digest", "")),
         epoch=_int(d, "epoch") if "epoch" in d else 0,
+        model_base=str(d.get("model_base", "")),
     )
 
 

@@ -56,7 +56,11 @@ class PublishedChain:
     patch (the weights of the newest publication, when this process encoded it)."""
 
     def __init__(
-        self, cfg: SnapshotConfig | None = None, spill_dir: Path | None = None, epoch: int = 0
+        self,
+        cfg: SnapshotConfig | None = None,
+        spill_dir: Path | None = None,
+        epoch: int = 0,
+        model_base: str = "",
     ) -> None:
         self.cfg = cfg or SnapshotConfig()
         self.epoch = epoch  # this learner process's run epoch: signed into every lineage
@@ -68,6 +72,7 @@ class PublishedChain:
         self.links: list[Link] = []  # the latest anchor, then the patches published after it
         self.published: set[int] = set()  # every version this process published (a claim must be one)
         self.base: dict[str, torch.Tensor] | None = None  # the newest published weights (links[-1])
+        self.model_base = model_base  # a LoRA run's: digest of the base model every publication applies to
 
     @property
     def latest(self) -> Link | None:
@@ -101,11 +106,11 @@ class PublishedChain:
             patch = encode_patch(self.base, weights, cfg.zstd_level)
             if len(patch) <= cfg.max_patch_ratio * full_bytes:
                 base_digest = self.links[-1].manifest["lineage"]["weights_digest"]
-                lineage = Lineage("patch", self.version, base_digest, digest, self.epoch)
+                lineage = Lineage("patch", self.version, base_digest, digest, self.epoch, self.model_base)
                 return Encoded(
                     patch, lineage, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0
                 )
-        anchor = Lineage("full", weights_digest=digest, epoch=self.epoch)
+        anchor = Lineage("full", weights_digest=digest, epoch=self.epoch, model_base=self.model_base)
         blob = encode_full(weights)
         return Encoded(blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0)
 
@@ -115,11 +120,7 @@ class PublishedChain:
         pages are the kernel's page cache, not the learner's memory), else unchanged (any thread)."""
         if self.spill_dir is None or len(blob) == 0:
             return blob
-        path = self._spilled(version)
-        with open(path, "wb") as f:
-            f.write(blob)
-        with open(path, "rb") as f:  # the map outlives the descriptor
-            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        return spill_file(self._spilled(version), blob)
 
     def _spilled(self, version: int) -> Path:
         """The file ``version``'s published bytes are spilled to (a spill directory is set)."""
@@ -137,3 +138,12 @@ class PublishedChain:
         if self.spill_dir is not None:
             for old in ended:
                 self._spilled(old.version).unlink(missing_ok=True)
+
+
+def spill_file(path: Path, blob: Blob) -> Blob:
+    """``blob`` written to ``path`` and returned as a read-only memory map of the file (its pages the
+    kernel's page cache, not the process's memory)."""
+    with open(path, "wb") as f:
+        f.write(blob)
+    with open(path, "rb") as f:  # the map outlives the descriptor
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))

@@ -9,6 +9,7 @@ package (docs/engines.md), which :func:`require_engine` checks before a worker r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from echo2.config import EngineName, SamplingConfig
 from echo2.rollout.engines.base import Engine, EngineFactory, EngineOptions
@@ -43,3 +44,20 @@ def build_engine(
 ) -> Engine:
     """The registered engine ``name``, built on the model skeleton in ``skeleton_dir``."""
     return ENGINES[name](skeleton_dir, eos_id, pad_id, sampling, options or EngineOptions())
+
+
+class AdapterEngine:
+    """An engine of a LoRA run: what it installs are published adapters; it loads base + adapter into
+    the engine it wraps (``PublishedBase.expand``: exact, so the learner's check, which expands the same
+    way, computes on the same weights). Every engine takes it unchanged: the HF engine and the vLLM
+    engine's in-place reload both load the merged weights (vLLM's own LoRA support is not used)."""
+
+    def __init__(self, engine: Engine, base: Any) -> None:
+        self.engine = engine
+        self.base = base  # models.lora.PublishedBase
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine.generate(*args, **kwargs)
+
+    def install(self, weights: Any) -> None:
+        self.engine.install(self.base.expand(weights))

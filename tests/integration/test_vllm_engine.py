@@ -69,14 +69,17 @@ def test_vllm_installs_into_the_running_engine_and_refuses_what_does_not_fit(pro
 @needs_vllm
 @pytest.mark.integration
 @pytest.mark.vllm
-def test_echo2_run_with_vllm_workers(tiny_overrides, tmp_path):
+def test_echo2_run_with_vllm_workers_and_lora(tiny_overrides, tmp_path):
+    """A LoRA run (the learner publishes the adapter alone) with vLLM workers, which load base + adapter
+    through vLLM's in-place reload: every submission re-checked against base + adapter, all admitted;
+    each publication is a fraction of the base the workers fetched once."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "echo2.cli", "run", *[a for o in tiny_overrides for a in ("--set", o)]]
     # head_dim 32 (the tiny shape's 16 has no vLLM CPU attention kernel); every submission re-checked
     vllm_run = ["model.embedded.hidden_size=64", "runtime.engine=vllm", "security.check_fraction=1"]
-    for o in [*vllm_run, "runtime.lease_prompts=4"]:
+    for o in [*vllm_run, "runtime.lease_prompts=4", "lora.r=4"]:
         cmd += ["--set", o]
-    cmd += ["--steps", "20", "--workers", "2", "--no-progress"]
+    cmd += ["--steps", "20", "--workers", "2", "--no-progress", "--lora"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
@@ -89,6 +92,10 @@ def test_echo2_run_with_vllm_workers(tiny_overrides, tmp_path):
     assert len(reports) == 2 and all(r["install_failures"] == 0 for r in reports)
     # all 20 steps' rollouts came from vLLM workers (a slow starter may miss a short run altogether)
     assert sum(r["rollouts_submitted"] for r in reports) >= 20 * 4 * 4
+    base_bytes = (run_dir / "published" / "base.bin").stat().st_size
+    published = [r["broadcast/full_bytes"] for r in rows if "broadcast/full_bytes" in r]
+    assert published and max(published) < 0.5 * base_bytes  # the adapter, not the model
+    assert rows[-1]["security/checked_submissions"] > 0
 
 
 def test_a_missing_vllm_is_one_line_naming_the_install(monkeypatch):

@@ -27,9 +27,10 @@ from typing import Any
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.worker import TcpWorkerNode
-from echo2.config import EmbeddedModelConfig, SnapshotConfig
+from echo2.config import EmbeddedModelConfig, LoRAConfig, SnapshotConfig
 from echo2.runtime.snapshots import Snapshots
 from echo2.weights.chain import WeightChain, decode_chain, encode_chain, verified_links
+from echo2.weights.delta import sampler_copy
 from echo2.weights.manifest import new_signing_key
 from echo2_bench.faults import Faults, FaultTap
 
@@ -73,17 +74,38 @@ class _Worker:
 
 
 async def chain_over_tcp(
-    publications: int = 24, anchor_every: int = 8, chunk: int = 1024, lr: float = 1e-4, seed: int = 0
+    publications: int = 24,
+    anchor_every: int = 8,
+    chunk: int = 1024,
+    lr: float = 1e-4,
+    seed: int = 0,
+    lora: bool = False,
 ) -> dict[str, Any]:
+    """``lora``: a LoRA run's publications (the adapter alone, its base pinned in every lineage; only
+    the adapter moves between versions)."""
     import torch
 
+    from echo2.models import lora as lora_mod
     from echo2.models.embedded import build_model, build_tokenizer
 
     key = new_signing_key()
     pub = TcpPublisher(key, get_strategy("tree-pipelined"), chunk_size=chunk)
     await pub.start()
-    snaps = Snapshots(pub, 1.1, SnapshotConfig(anchor_every=anchor_every))
     model = build_model(SHAPE, build_tokenizer(), seed)
+    model_base = ""
+    if lora:
+        model_base = lora_mod.PublishedBase.of(model, "bfloat16", 2.0).digest
+        lora_mod.attach(model, LoRAConfig(enabled=True, r=4, alpha=8.0))
+        with torch.no_grad():  # an adapter that has trained a while (B is zero at init)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed))
+    snaps = Snapshots(pub, 1.1, SnapshotConfig(anchor_every=anchor_every), model_base=model_base)
+    copy = (
+        (lambda dtype: lora_mod.adapter_copy(model, dtype))
+        if lora
+        else (lambda dtype: sampler_copy(model, dtype))
+    )
     published: dict[int, str] = {}  # version -> the learner's weights digest
     kinds: dict[int, str] = {}
 
@@ -140,8 +162,9 @@ async def chain_over_tcp(
                 step = 1.0 if v == publications // 2 else lr  # one update big enough to force an anchor
                 with torch.no_grad():
                     for p in model.parameters():
-                        p.add_(torch.randn(p.shape, generator=g) * step)
-            await snaps.publish_model(v, model)
+                        if p.requires_grad:  # every weight, or a LoRA run's adapter alone
+                            p.add_(torch.randn(p.shape, generator=g) * step)
+            await snaps.publish_copy(v, copy)
             link = snaps.chain[-1]
             published[v] = link.manifest["lineage"]["weights_digest"]
             kinds[v] = link.manifest["lineage"]["kind"]
@@ -174,6 +197,10 @@ async def chain_over_tcp(
         await pub.close()
     installs = sum(w.installs for w in workers)
     return {
+        "lora": lora,
+        "model_base_pinned": all(
+            link.manifest["lineage"]["model_base"] == model_base for link in snaps.chain
+        ),
         "publications": publications,
         "anchors": sum(k == "full" for k in kinds.values()),
         "patches": sum(k == "patch" for k in kinds.values()),

@@ -13,8 +13,12 @@ from echo2_bench.deltas_chain import chain_over_tcp
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def test_every_install_reproduces_the_published_weights_bit_for_bit() -> None:
-    r = asyncio.run(chain_over_tcp(publications=18, anchor_every=6))
+@pytest.mark.parametrize("lora", [False, True], ids=["whole-weights", "lora-adapter"])
+def test_every_install_reproduces_the_published_weights_bit_for_bit(lora: bool) -> None:
+    """Whole-weight publications, and a LoRA run's (the adapter alone, its base pinned in every signed
+    lineage): the same chains, faults and catch-ups, every install bit-identical."""
+    r = asyncio.run(chain_over_tcp(publications=18, anchor_every=6, lora=lora))
+    assert r["model_base_pinned"]
     w = r["workers"]
     assert r["anchors"] >= 3 and r["patches"] >= 12
     assert r["installs"] > 0 and r["bit_identical"] == r["installs"]

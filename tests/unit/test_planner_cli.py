@@ -214,3 +214,32 @@ def test_t_train_follows_a_stated_scaling_to_the_learners_gpus(capsys: pytest.Ca
     assert four["mu_min"] > same["mu_min"]  # a faster learner needs more rollouts per second
     with pytest.raises(ConfigError, match=r"state learner\.scaling_efficiency"):
         _run([*base, "--gpus", "4", "--t-train-gpus", "1"], capsys)
+
+
+def test_a_lora_plan_ships_the_adapter_and_shows_the_whole_weights_pool_beside_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Qwen3-8B, rank 16 on the attention and MLP projections: 43,646,976 adapter parameters (PEFT's
+    count for this model), 87.3 MB in bf16; over 100 Mbit/s links whole weights cannot be hidden at
+    kappa = 2, the adapter can. A measured T_bcast (of whole weights) is not taken for the adapter's."""
+    from echo2.planner.memory import QWEN3_SHAPES
+
+    assert QWEN3_SHAPES["8B"].lora_params(16) == 43_646_976
+    flags = ["--t-train", "60", "--worker-rate", "0.5", "--worker-price", "0.3", "--snapshot-gb", "16"]
+    flags += ["--b0-mbps", "1000", "--bw-mbps", "100", "--model-size", "8B", "--lora-rank", "16"]
+    plan = json.loads(_run([*flags, "--lora-patch-ratio", "0.5", "--json"], capsys))
+    assert plan["adapter_gb"] == pytest.approx(2 * 43_646_976 / 1e9)
+    k = 20  # anchor_every: one whole adapter, then 19 patches of half of it
+    assert plan["publication_gb"] == pytest.approx(plan["adapter_gb"] * (1 + (k - 1) * 0.5) / k)
+    assert plan["feasible"] and plan["learner_memory"] is None  # LoRA's memory is not modelled
+    assert (
+        plan["whole_weights"]["feasible"] is False and "cannot be hidden" in plan["whole_weights"]["reason"]
+    )
+    paper = json.loads(_run(["paper_qwen3_8b", "--model-size", "8B", "--lora-rank", "16", "--json"], capsys))
+    assert paper["t_bcast_source"].startswith("model (tree-pipelined), the adapter's bytes")
+    assert paper["whole_weights"]["t_bcast_s"] == 1437.0  # the measured one, for whole weights
+    assert paper["active_workers"] < paper["whole_weights"]["active_workers"]
+    text = _run(["paper_qwen3_8b", "--model-size", "8B", "--lora-rank", "16"], capsys)
+    assert "LoRA rank 16: publications of 0.08729 GB" in text and "whole weights instead" in text
+    with pytest.raises(ConfigError, match=r"model\.lora needs model\.shape"):
+        _run(["--t-train", "60", "--worker-rate", "0.5", "--snapshot-gb", "16", "--lora-rank", "16"], capsys)

@@ -92,3 +92,13 @@ def test_bad_configs(tmp_path: Path) -> None:
         _run([str(bad)])
     with pytest.raises(ConfigError, match="--steps"):
         _run(["paper_qwen3_8b", "--steps", "0", "--out", str(tmp_path)])
+
+
+def test_the_simulator_ships_a_lora_runs_adapter() -> None:
+    """[model.lora]: the simulator's publications are the adapter's bytes (the planner's one ModelSpec)."""
+    sc, _ = load_sim_scenario("paper_qwen3_8b")
+    whole = experiments.setup(sc).params
+    lora = experiments.with_overrides(sc, **{"plan.model.shape": "8B", "plan.model.lora": {"rank": 16}})
+    params = experiments.setup(lora).params
+    assert whole.snapshot_bytes == pytest.approx(16.38e9)
+    assert params.snapshot_bytes == pytest.approx(2 * 43_646_976) and params.patch_ratio is None

@@ -57,6 +57,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="stated scaling from --t-train-gpus to --gpus: r times the GPUs change the update rate by r x e",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        help="plan a LoRA run (publications: the adapter of this rank, from --model-size) and show the "
+        "whole-weights pool beside it",
+    )
+    p.add_argument(
+        "--lora-patch-ratio",
+        type=float,
+        help="bytes of an adapter patch / the adapter (benchmarks/lora.py); default: whole adapters",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -75,6 +86,8 @@ _FIELDS = (
     ("group_size", "batch.group_size"),
     ("activation", "activation"),
     ("model_size", "model.shape"),
+    ("lora_rank", "model.lora.rank"),
+    ("lora_patch_ratio", "model.lora.patch_ratio"),
     ("gpu_gib", "learner.gpu_gib"),
     ("gpus", "learner.gpus"),
     ("t_train_gpus", "learner.t_train_gpus"),
@@ -181,6 +194,21 @@ def _report(plan: dict[str, Any]) -> str:
     )
     for name, b in plan["baselines"].items():
         lines.append(f"vs {name}: ${b['usd_per_step']:.3f}/step -> saving {b['saving']:.1%}")
+    whole = plan.get("whole_weights")
+    if whole is not None:
+        lines.append(
+            f"LoRA rank {plan['lora_rank']}: publications of {plan['publication_gb']:.4g} GB (adapter "
+            f"{plan['adapter_gb']:.4g} GB) instead of {_fmt(plan['snapshot_gb'], '.4g')} GB"
+        )
+        if whole.get("feasible"):
+            wactive = ", ".join(f"{n} x {k}" for k, n in whole["active_set"].items())
+            lines.append(
+                f"  whole weights instead: T_bcast {whole['t_bcast_s']:.1f} s, {wactive} = "
+                f"{whole['active_workers']} workers, step {whole['step_s']:.1f} s, "
+                f"cost/step ${_fmt(whole['usd_per_step'], '.3f')}"
+            )
+        else:
+            lines.append(f"  whole weights instead: no feasible plan ({whole['reason']})")
     mem = plan.get("learner_memory")
     if mem:
         lines.append(_memory_line(f"learner memory (Qwen3-{mem['shape']}, one GPU)", mem["one_gpu"]))

@@ -44,6 +44,14 @@ class WorkerType(_Model):
         return mbps_to_bytes_per_s(self.bandwidth_mbps)
 
 
+class LoraSpec(_Model):
+    """A LoRA run ([lora]): publications are the adapter alone (docs/learner.md)."""
+
+    rank: int = Field(ge=1)  # lora.r, on every attention and MLP projection
+    # bytes of an adapter patch / the adapter's (measured: benchmarks/lora.py); None = the whole adapter
+    patch_ratio: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+
+
 class ModelSpec(_Model):
     """The policy being trained (only what a publication ships matters here)."""
 
@@ -54,27 +62,51 @@ class ModelSpec(_Model):
     anchor_every: int = Field(default=20, ge=1)  # with deltas, a full anchor every this many publications
     # a Qwen3 shape (planner/memory.py:QWEN3_SHAPES) for the learner's memory need; None: not reported
     shape: Literal["0.6B", "1.7B", "4B", "8B"] | None = None
+    lora: LoraSpec | None = None  # a LoRA run: the adapter's bytes (from ``shape``) instead of G
+
+    @model_validator(mode="after")
+    def _lora_needs_a_shape(self) -> ModelSpec:
+        if self.lora is not None and self.shape is None:
+            raise ValueError("model.lora needs model.shape (the adapter's size comes from the architecture)")
+        return self
 
     @property
     def snapshot_bytes(self) -> float:
-        """G in bytes."""
+        """G in bytes: the whole model in bf16."""
         return self.snapshot_gb * 1e9
 
-    def bytes_of_publication(self, index: int) -> float:
-        """Bytes publication number ``index`` (0 = the first) ships: G for an anchor, ``patch_ratio * G``
-        for a patch (``[snapshot]`` of a run: an anchor every ``anchor_every``)."""
-        if self.patch_ratio is None or index % self.anchor_every == 0:
+    @property
+    def anchor_bytes(self) -> float:
+        """What an anchor ships: G, or a LoRA run's whole adapter (bf16, 2 bytes a parameter)."""
+        if self.lora is None:
             return self.snapshot_bytes
-        return self.patch_ratio * self.snapshot_bytes
+        from echo2.planner.memory import QWEN3_SHAPES
+
+        assert self.shape is not None
+        return 2.0 * QWEN3_SHAPES[self.shape].lora_params(self.lora.rank)
+
+    @property
+    def delta_ratio(self) -> float | None:
+        """Bytes of a patch / an anchor's (the adapter's patches in a LoRA run); None: anchors only."""
+        return self.lora.patch_ratio if self.lora is not None else self.patch_ratio
+
+    def bytes_of_publication(self, index: int) -> float:
+        """Bytes publication number ``index`` (0 = the first) ships: an anchor (:attr:`anchor_bytes`), or
+        ``delta_ratio`` of it for a patch (``[snapshot]`` of a run: an anchor every ``anchor_every``)."""
+        ratio = self.delta_ratio
+        if ratio is None or index % self.anchor_every == 0:
+            return self.anchor_bytes
+        return ratio * self.anchor_bytes
 
     @property
     def publication_bytes(self) -> float:
-        """Mean bytes per publication over an anchor period (G without deltas): what T_bcast in the
-        capacity model is computed from."""
-        if self.patch_ratio is None:
-            return self.snapshot_bytes
+        """Mean bytes per publication over an anchor period (G without deltas or LoRA): what T_bcast in
+        the capacity model is computed from."""
+        ratio = self.delta_ratio
+        if ratio is None:
+            return self.anchor_bytes
         k = self.anchor_every
-        return self.snapshot_bytes * (1 + (k - 1) * self.patch_ratio) / k
+        return self.anchor_bytes * (1 + (k - 1) * ratio) / k
 
 
 class LearnerSpec(_Model):

@@ -95,6 +95,18 @@ class ModelShape:
         params = vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
         return cls(params, hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
 
+    def lora_params(self, rank: int) -> int:
+        """Parameters of a rank-``rank`` LoRA adapter on every attention and MLP projection (q, k, v, o,
+        gate, up, down: ``rank x (in + out)`` each, the default ``lora.target_modules``)."""
+        h, q, kv, i = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
+        per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+        return rank * per_layer * self.layers
+
     def activation_elements_per_token(self, checkpointing: bool = False) -> int:
         """Elements autograd keeps per token of a micro-batch (module docstring)."""
         if checkpointing:

@@ -77,11 +77,16 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
     kappa = sc.staleness.effective_kappa
     t_train = sc.learner.t_train  # on the learner's gpus (a stated scaling from where it was measured)
     r = sc.batch.rollouts
-    if sc.network.t_bcast_s is not None:
+    lora = sc.model is not None and sc.model.lora is not None
+    if sc.network.t_bcast_s is not None and not lora:  # a measured one is of whole weights
         t_bcast, source = sc.network.t_bcast_s, "config (network.t_bcast_s)"
         mu_min, act = _choose(sc, kappa, t_bcast)
     else:
-        source = f"model ({sc.network.strategy})"
+        source = f"model ({sc.network.strategy})" + (
+            ", the adapter's bytes (network.t_bcast_s measures whole weights)"
+            if lora and sc.network.t_bcast_s is not None
+            else ""
+        )
         n, seen = 1, set()
         while True:
             est = t_bcast_estimates(sc, n)
@@ -184,7 +189,21 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
     plan["learner_memory"] = learner_memory_plan(sc)
     if not math.isfinite(step_s):  # pragma: no cover - defensive
         raise InfeasibleError("step time is not finite")
+    if sc.model is not None and sc.model.lora is not None:  # the pool a run of whole weights would need
+        plan["lora_rank"] = sc.model.lora.rank
+        plan["adapter_gb"] = sc.model.anchor_bytes / 1e9
+        whole = sc.model_copy(update={"model": sc.model.model_copy(update={"lora": None})})
+        try:
+            w = make_plan(whole)
+            plan["whole_weights"] = {k: w[k] for k in WHOLE_KEYS}
+        except InfeasibleError as exc:
+            plan["whole_weights"] = {"feasible": False, "reason": str(exc)}
     return plan
+
+
+# what a LoRA plan reports of the same scenario publishing whole weights (``echo2 plan --lora-rank``)
+WHOLE_KEYS = ("publication_gb", "t_bcast_s", "mu_min", "active_set", "active_workers", "mu_pool",
+              "workers_usd_per_hour", "step_s", "usd_per_step", "feasible")  # fmt: skip
 
 
 def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
@@ -194,7 +213,7 @@ def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
     ``gpus`` > 1 on the largest rank of a learner sharded over them (``learner/sharded.py``)."""
     from echo2.planner.memory import QWEN3_SHAPES, fits
 
-    if sc.model is None or sc.model.shape is None:
+    if sc.model is None or sc.model.shape is None or sc.model.lora is not None:  # LoRA: not modelled
         return None
     shape, lr = QWEN3_SHAPES[sc.model.shape], sc.learner
     kw = {"staleness": sc.staleness.S, "kappa": sc.staleness.effective_kappa}

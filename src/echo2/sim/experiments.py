@@ -80,7 +80,7 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         staleness=p.staleness.S,
         kappa=plan["kappa"],
         learner_usd_per_hour=p.learner.usd_per_hour or 0.0,
-        snapshot_bytes=p.model.snapshot_bytes,
+        snapshot_bytes=p.model.anchor_bytes,  # G, or a LoRA run's adapter
         b0_bytes_per_s=p.network.b0_bytes_per_s,
         strategy=sc.sim.strategy or p.network.strategy,
         steps=sc.sim.steps,
@@ -88,7 +88,7 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         reload_s=p.network.reload_s,
         chunk_bytes=p.network.chunk_bytes,
         hop_latency_s=p.network.hop_latency_s,
-        patch_ratio=p.model.patch_ratio,
+        patch_ratio=p.model.delta_ratio,
         anchor_every=p.model.anchor_every,
         gamma=p.staleness.gamma,
         noise_sigma=sc.sim.noise_sigma,

@@ -159,7 +159,6 @@ class RolloutWorker:
 
         from echo2.models.policy import ChatFormat, TextCodec
         from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
-        from echo2.rollout.engines import build_engine
         from echo2.weights.manifest import key_from_text
 
         reg = await self._register()
@@ -181,17 +180,13 @@ class RolloutWorker:
             pad = int(pad) if pad is not None else eos[0]
             eopts = dataclasses.replace(self.opts.engine_options, max_context=st.max_context)
             base = await self._lora_base(st.lora) if st.lora is not None else None
-            self.engine = self._wrap(
-                build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts), base
-            )
+            self.engine = self._engine(Path(tmp), eos, pad, eopts, base)
             chat = ChatFormat.of(st.chat_template, st.system_prompt, st.chat_template_kwargs)
             self.codec = TextCodec.of(tokenizer, chat)
             if "selfplay" in getattr(st.task, "opponents", ()):  # earlier versions play the other seats
                 from echo2.rollout.opponents import SelfPlayPool
 
-                opp = self._wrap(
-                    build_engine(self.opts.engine, Path(tmp), eos, pad, st.sampling, eopts), base
-                )
+                opp = self._engine(Path(tmp), eos, pad, eopts, base)
                 every, size = st.task.selfplay_every, st.task.selfplay_pool  # type: ignore[union-attr]
                 self.selfplay = SelfPlayPool(opp, self.codec, every, size, st.sampling.max_new_tokens)
         self.task = self.build_task(st.task, st.seed)
@@ -234,11 +229,13 @@ class RolloutWorker:
         log.info("LoRA base installed (%d tensors) in %.1f s", len(tensors), time.perf_counter() - t0)
         return PublishedBase(tensors, got, lora.scale)
 
-    @staticmethod
-    def _wrap(engine: Any, base: Any) -> Any:
-        """The engine itself, or in a LoRA run the engine loading base + each published adapter."""
-        from echo2.rollout.engines import AdapterEngine
+    def _engine(self, skeleton: Path, eos: Any, pad: int, options: Any, base: Any) -> Any:
+        """The worker's engine on the skeleton; in a LoRA run (``base``) one that loads base + each
+        published adapter (``AdapterEngine``)."""
+        from echo2.rollout.engines import AdapterEngine, build_engine
 
+        assert self.settings is not None
+        engine = build_engine(self.opts.engine, skeleton, eos, pad, self.settings.sampling, options)
         return engine if base is None else AdapterEngine(engine, base)
 
     async def _register(self) -> Any:

@@ -147,10 +147,8 @@ class AsyncLearner:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
         from echo2.broadcast.factory import open_publisher
         from echo2.broadcast.registry import get_strategy
-        from echo2.models.snapshot import skeleton_files
-        from echo2.runtime.node import assemble, worker_settings
+        from echo2.runtime.node import assemble
         from echo2.runtime.registry import WorkerRegistry
-        from echo2.runtime.routes import Identity
         from echo2.transport import run_identity
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
@@ -175,10 +173,7 @@ class AsyncLearner:
             tls=self._tls,  # the API's certificate: workers pin one fingerprint for both planes
         )
         broadcast = await publisher.start()
-        files = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
-        lora, base_blob = await self._lora_base()
-        settings = worker_settings(cfg, policy.eos_ids, lora)
-        identity = Identity(settings, key.verifier().to_text(), broadcast, files, base_blob)
+        identity = await self._identity(key, broadcast)
         self.data_ready = asyncio.Event()  # set on every admitted submission: the main loop's wake-up
         parts = assemble(
             cfg,
@@ -204,6 +199,19 @@ class AsyncLearner:
         self._resources.push_async_callback(self.intake.close)
         await self._serve(parts.routes, broadcast)
         await self._serve_dashboard(parts)
+
+    async def _identity(self, key: Any, broadcast: tuple[str, int]) -> Any:
+        """What a worker is told at registration and served: the run's settings, the manifest key, the
+        broadcast address, the model skeleton, and a LoRA run's base."""
+        from echo2.models.snapshot import skeleton_files
+        from echo2.runtime.node import worker_settings
+        from echo2.runtime.routes import Identity
+
+        policy = self.core.policy
+        files = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
+        lora, base = await self._lora_base()
+        settings = worker_settings(self.cfg, policy.eos_ids, lora)
+        return Identity(settings, key.verifier().to_text(), broadcast, files, base)
 
     async def _lora_base(self) -> tuple[Any, Any]:
         """A LoRA run's frozen base as workers hold it (``models/lora.PublishedBase``: kept for the

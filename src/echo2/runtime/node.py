@@ -102,15 +102,12 @@ def assemble(
     is this learner process's run epoch (``observe.rundir.next_epoch``): its manifests and leases carry
     it, and leases of another refuse. Each part gets its collaborators when it is made; none is patched
     afterwards."""
+    lora = identity.settings.lora  # a LoRA run: every publication pins the base its adapter applies to
     snapshots = Snapshots(
-        publisher,
-        cfg.staleness.gamma,
-        cfg.snapshot,
-        _keeper(cfg, generation),
-        spill_dir=registry.path.parent / PUBLISHED_DIR,
-        epoch=epoch,
-        model_base=identity.settings.lora.base_digest if identity.settings.lora else "",
-    )
+        publisher, cfg.staleness.gamma, cfg.snapshot, _keeper(cfg, generation),
+        spill_dir=registry.path.parent / PUBLISHED_DIR, epoch=epoch,
+        model_base=lora.base_digest if lora else "",
+    )  # fmt: skip
     pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch)
     limits = submission_limits(cfg, task, vocab_size)
     intake = Intake(

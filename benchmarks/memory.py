@@ -38,11 +38,8 @@ Writes results/memory.json and results/memory.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from echo2_bench.resident import peak_rss, rss  # noqa: E402
 from echo2_bench.synthetic import SHAPE_55M, SHAPE_235M, batch, build  # noqa: E402
 
 BIG = SHAPE_235M
@@ -71,20 +69,6 @@ MAX_SLOWDOWN = 1.10
 
 
 # ---- helpers (run in the child processes) ------------------------------------------------------------
-def _trim() -> None:
-    with contextlib.suppress(OSError):  # not glibc: resident memory is read untrimmed
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def rss() -> int:
-    """Resident bytes of this process, after returning freed heap pages to the system."""
-    _trim()
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _shape_of(shape: dict[str, int]) -> Any:

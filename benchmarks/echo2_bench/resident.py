@@ -1,0 +1,26 @@
+"""A process's resident memory as the memory benchmarks read it (``memory.py``, ``lora.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import resource
+
+
+def trim() -> None:
+    """Return freed heap pages to the system (glibc's ``malloc_trim``; elsewhere nothing)."""
+    with contextlib.suppress(OSError):  # not glibc: resident memory is read untrimmed
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def rss() -> int:
+    """Resident bytes of this process, after returning freed heap pages to the system."""
+    trim()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """The largest resident bytes this process has had (``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

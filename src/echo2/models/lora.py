@@ -19,7 +19,6 @@ linear layers through transformers' PEFT integration (``add_adapter``), the base
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -46,18 +45,13 @@ def has_adapter(model: Any) -> bool:
 
 
 def base_digest(model: Any) -> str:
-    """sha256 over the base weights of ``model`` (name, dtype, shape and bytes of every tensor of its
-    state, by name), taken as loaded, before an adapter is attached or the base is cast."""
-    import torch
+    """The weights digest (``weights.delta.weights_digest``) of ``model``'s whole state as loaded,
+    before an adapter is attached or the base is cast: what a LoRA checkpoint's ``base.json`` pins."""
+    from echo2.weights.delta import weights_digest
 
     if has_adapter(model):
         raise ValueError("base_digest: the model already carries an adapter")
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    return weights_digest({n: t.detach().cpu().contiguous() for n, t in model.state_dict().items()})
 
 
 def _linear_names(model: Any) -> list[str]:

@@ -35,6 +35,11 @@ BASE_FILE = "base.json"  # the base checkpoint a LoRA checkpoint was trained on:
 log = logging.getLogger(__name__)
 
 
+def _is_adapter(name: str) -> bool:
+    """Is ``name`` a tensor of the adapter (PEFT's ``lora_A`` / ``lora_B``), not of the base."""
+    return ".lora_" in name
+
+
 def is_lora_checkpoint(path: Path) -> bool:
     return (path / ADAPTER_CONFIG).is_file()
 
@@ -54,12 +59,6 @@ def base_digest(model: Any) -> str:
     return weights_digest({n: t.detach().cpu().contiguous() for n, t in model.state_dict().items()})
 
 
-def _linear_names(model: Any) -> list[str]:
-    import torch
-
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-
-
 def attach(model: Any, cfg: LoRAConfig, precision: str = "fp32") -> None:
     """Attach a LoRA adapter of ``cfg`` to ``model`` (only its weights train, in float32); under
     ``bf16-mixed`` the frozen base is cast to bf16. ConfigError when the model cannot take it."""
@@ -71,18 +70,15 @@ def attach(model: Any, cfg: LoRAConfig, precision: str = "fp32") -> None:
             f"lora.enabled: {type(model).__name__} is not a transformers model PEFT can wrap (no add_adapter)"
         )
     targets = set(cfg.target_modules)
-    linears = _linear_names(model)
-    missing = sorted(targets - set(linears))
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
+    missing = sorted(targets - set(names))
     if missing:
         raise ConfigError(
             f"lora.target_modules: {missing} name no linear layer of {type(model).__name__}; its linear "
-            f"layers are {linears}"
+            f"layers are {names}"
         )
-    hit = [
-        (n, m)
-        for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets
-    ]
+    hit = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in targets]
     narrow = min(hit, key=lambda nm: min(nm[1].in_features, nm[1].out_features))
     width = min(narrow[1].in_features, narrow[1].out_features)
     if cfg.r > width:
@@ -111,7 +107,7 @@ def train_adapter_only(model: Any, precision: str) -> None:
     import torch
 
     for name, p in model.named_parameters():
-        if ".lora_" in name:
+        if _is_adapter(name):
             p.data = p.data.float()
             p.requires_grad_(True)
         else:
@@ -196,7 +192,9 @@ def merged_weights(model: Any) -> dict[str, Any]:
         if isinstance(module, LoraLayer):
             module.merge()
     return {
-        name.replace(".base_layer.", "."): t for name, t in model.state_dict().items() if ".lora_" not in name
+        name.replace(".base_layer.", "."): t
+        for name, t in model.state_dict().items()
+        if not _is_adapter(name)
     }
 
 
@@ -211,36 +209,20 @@ LORA_A, LORA_B = ".lora_A.default.weight", ".lora_B.default.weight"
 
 def adapter_copy(model: Any, dtype: str = "bfloat16") -> dict[str, Any]:
     """The adapter's weights as a publication ships them (``weights.delta.sampler_copy`` of the adapter
-    tensors alone, by their live names)."""
+    tensors alone, by their live names; the base is not copied)."""
     from echo2.weights.delta import sampler_copy
 
-    return {n: t for n, t in sampler_copy(model, dtype).items() if ".lora_" in n}
+    return sampler_copy(model, dtype, keep=_is_adapter)
 
 
 def base_copy(model: Any, dtype: str = "bfloat16") -> dict[str, Any]:
-    """The frozen base as a full snapshot ships it, under the base model's own names
-    (``...q_proj.weight``): what a worker installs once. Each storage once (tied weights under their
-    first name, as ``sampler_copy``); a tensor already in ``dtype`` on the CPU is the frozen parameter
-    itself (never stepped: no copy), any other a cast copy."""
-    import torch
+    """The frozen base as a full snapshot ships it (``weights.delta.sampler_copy`` without the adapter),
+    under the base model's own names (``...q_proj.weight``): what a worker installs once. A tensor
+    already in ``dtype`` on the CPU is the frozen parameter itself (never stepped: no copy)."""
+    from echo2.weights.delta import sampler_copy
 
-    from echo2.weights import delta
-
-    target = delta.PUBLISH_DTYPES[dtype]
-    seen: set[tuple[int, int]] = set()
-    out: dict[str, Any] = {}
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
-            if ".lora_" in name or key in seen:
-                continue
-            seen.add(key)
-            cast = target if t.is_floating_point() else t.dtype
-            same = t.dtype == cast and t.device.type == "cpu" and t.is_contiguous()
-            out[name.replace(".base_layer.", ".")] = (
-                t.detach() if same else t.detach().to("cpu", cast).contiguous()
-            )
-    return out
+    weights = sampler_copy(model, dtype, keep=lambda name: not _is_adapter(name), frozen=True)
+    return {name.replace(".base_layer.", "."): t for name, t in weights.items()}
 
 
 @dataclass(frozen=True)

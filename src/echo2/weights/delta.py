@@ -68,7 +68,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,11 +109,19 @@ if TYPE_CHECKING:
 # full weights
 
 
-def sampler_copy(model: Any, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+def sampler_copy(
+    model: Any,
+    dtype: str = "bfloat16",
+    keep: Callable[[str], bool] | None = None,
+    frozen: bool = False,
+) -> dict[str, torch.Tensor]:
     """The weights workers sample with: every tensor of ``model.state_dict()`` once (tied parameters
     under their first name only: the one place weights are deduplicated for shipping), detached,
     contiguous, on CPU, floating tensors cast to ``PUBLISH_DTYPES[dtype]`` (integer buffers keep their
-    dtype). The tensors are fresh copies, never views of the live parameters."""
+    dtype). ``keep``: only the tensors whose name it accepts (a LoRA run's adapter, or its base), the
+    others never copied. The tensors are fresh copies, never views of the live parameters, unless
+    ``frozen`` (parameters that are never stepped: a LoRA run's base), where a tensor already in its
+    shipped dtype, on the CPU and contiguous is the live one, detached."""
     import torch
 
     dtypes = _publish_dtypes()
@@ -125,11 +133,14 @@ def sampler_copy(model: Any, dtype: str = "bfloat16") -> dict[str, torch.Tensor]
     with torch.no_grad():
         for name, t in model.state_dict().items():
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
-            if key in seen:
+            if key in seen or (keep is not None and not keep(name)):
                 continue
             seen.add(key)
             cast = target if t.is_floating_point() else t.dtype
-            out[name] = t.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
+            if frozen and t.dtype == cast and t.device.type == "cpu" and t.is_contiguous():
+                out[name] = t.detach()
+            else:
+                out[name] = t.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
     return out
 
 

@@ -144,12 +144,12 @@ def _lora(cfg: Config, policy: Policy, source: Path, resumed: bool, sharded: boo
         raise ConfigError("lora.enabled on a sharded learner is not built: run LoRA on one process")
     if carries:
         lora.check_matches(policy.model, cfg.lora, source)
+        lora.train_adapter_only(policy.model, cfg.learner.precision)
     else:
         if resumed:
             raise ConfigError(f"{source} is a checkpoint of full fine-tuning: it cannot resume as LoRA")
         policy.lora_base = {"path": str(source.resolve()), "sha256": lora.base_digest(policy.model)}
-        lora.attach(policy.model, cfg.lora)
-    lora.train_adapter_only(policy.model, cfg.learner.precision)
+        lora.attach(policy.model, cfg.lora, cfg.learner.precision)
 
 
 def _agreed_all(done_B: Any) -> bool:

@@ -45,7 +45,7 @@ import logging
 import math
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,17 +272,8 @@ class Routes:
         links = self.snapshots.chain_from(have)
         self._book(rec.worker_id, links)
         parts = chain_parts([(link.manifest, link.blob) for link in links])
-        resp = web.StreamResponse(headers={VERSION_HEADER: str(self.snapshots.version)})
-        resp.content_type = "application/octet-stream"
-        resp.content_length = sum(len(p) for p in parts)
-        try:
-            await resp.prepare(request)
-            for part in parts:
-                await resp.write(part)
-            await resp.write_eof()
-        except ConnectionError as exc:  # the worker went away mid-chain (killed, restarted): routine
-            log.info("snapshot chain to %s cut: %s", rec.worker_id, exc)
-        return resp
+        headers = {VERSION_HEADER: str(self.snapshots.version)}
+        return await _stream(request, parts, f"snapshot chain to {rec.worker_id}", headers)
 
     def _book(self, member: str, links: list[Link]) -> None:
         """Book every link of a chain to ``member``'s byte budget of its version, or none of them
@@ -323,18 +314,9 @@ class Routes:
                 f"the base was sent to this identity {sent} times already (at most {SERVE_BUDGET:g})",
             )
         self.base_sent[rec.worker_id] = sent + 1
-        resp = web.StreamResponse()
-        resp.content_type = "application/octet-stream"
-        resp.content_length = len(blob)
-        try:
-            await resp.prepare(request)
-            view = memoryview(blob)
-            for lo in range(0, len(view), BASE_PIECE):
-                await resp.write(view[lo : lo + BASE_PIECE])
-            await resp.write_eof()
-        except ConnectionError as exc:
-            log.info("base to %s cut: %s", rec.worker_id, exc)
-        return resp
+        view = memoryview(blob)
+        parts = [view[lo : lo + BASE_PIECE] for lo in range(0, len(view), BASE_PIECE)]
+        return await _stream(request, parts, f"base to {rec.worker_id}")
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> WorkerRecord:
@@ -556,6 +538,24 @@ _HTTP: dict[int, type[web.HTTPException]] = {  # the status of a Rejected -> aio
     413: web.HTTPRequestEntityTooLarge,
     422: web.HTTPUnprocessableEntity,
 }
+
+
+async def _stream(
+    request: web.Request, parts: Sequence[Any], what: str, headers: dict[str, str] | None = None
+) -> web.StreamResponse:
+    """``parts`` (bytes or views) written one after the other as one octet-stream body: the learner
+    never joins them into one copy. A peer that goes away mid-body (killed, restarted) is routine."""
+    resp = web.StreamResponse(headers=headers)
+    resp.content_type = "application/octet-stream"
+    resp.content_length = sum(len(p) for p in parts)
+    try:
+        await resp.prepare(request)
+        for part in parts:
+            await resp.write(part)
+        await resp.write_eof()
+    except ConnectionError as exc:
+        log.info("%s cut: %s", what, exc)
+    return resp
 
 
 def _reply(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -89,6 +89,9 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     run_dir = tmp_path / "run"
     sets = [*tiny_overrides, "runtime.workers=1", "runtime.lease_prompts=2", "train.eval_every=1000"]
     sets += ["security.check_fraction=1.0", "security.check_samples=1000", "security.max_workers=17"]
+    # every submission re-checked: a check queue that declines none (at the default 32, each check
+    # waiting lowers the draw by 1/32, so a busy machine declined the model forger's first submission)
+    sets += ["security.check_queue=1000000"]
     # R = 16 here: the default 1/8 of the in-flight budget would be one probation lease, which the two
     # hoarders would keep from every attacker that comes after them (tests/unit/test_leases.py)
     sets += ["security.probation_share=1.0"]

@@ -341,6 +341,15 @@ class LearnerConfig(_Section):
         False,
         description="recompute each decoder layer's activations during its backward (less memory, more time)",
     )
+    malloc_mmap_threshold: int = Field(
+        1 << 20,
+        ge=0,
+        le=32 << 20,
+        description="bytes, on glibc: host allocations of at least this size are mapped on their own and go "
+        "back to the system when freed, so a CPU learner's resident memory follows its live tensors "
+        "(glibc's adaptive threshold keeps the freed activations of earlier micro-batches); 0 keeps "
+        "glibc's default; MALLOC_MMAP_THRESHOLD_ in the environment wins",
+    )
     collective_timeout_s: float = Field(
         600.0,
         ge=10.0,

@@ -4,7 +4,11 @@ in chunks, on the model's device, in fp32 or bf16-mixed; and the HF engine's tok
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -261,6 +265,35 @@ def test_device_settings_are_checked():
         Config.model_validate({"learner": {"device": "gpu"}})
     with pytest.raises(ValueError, match="precision"):
         Config.model_validate({"learner": {"precision": "fp16"}})
+    with pytest.raises(ValueError, match="malloc_mmap_threshold"):
+        Config.model_validate({"learner": {"malloc_mmap_threshold": 64 << 20}})  # glibc's bound: 32 MiB
+
+
+_FREED_PAGES = """
+import sys
+from echo2.models.policy import return_freed_memory
+set_ = return_freed_memory(int(sys.argv[1]))
+import torch
+def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096
+t = torch.ones(1 << 21); del t  # 8 MiB, mapped: glibc's adaptive threshold rises past it
+a = torch.ones(1 << 21); b = torch.ones(16)  # 8 MiB, then a small tensor above it
+r1 = rss(); del a; r2 = rss()
+print(set_, (r1 - r2) >> 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
+@pytest.mark.parametrize(("threshold", "env", "expect"), [
+    (1 << 20, {}, "True 8"),  # the learner's setting: the freed 8 MiB leave at once
+    (0, {}, "False 0"),  # glibc's default: the heap keeps them
+    (1 << 20, {"MALLOC_MMAP_THRESHOLD_": str(64 << 20)}, "False 0"),  # the environment wins
+])  # fmt: skip
+def test_the_learners_mmap_threshold_returns_freed_tensors_to_the_system(threshold, env, expect):
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_PAGES, str(threshold)],
+        capture_output=True, text=True, check=True, env={**os.environ, **env},
+    )  # fmt: skip
+    assert out.stdout.split() == expect.split()
 
 
 # ---- the engine's token budget ---------------------------------------------------------------------------

@@ -129,6 +129,26 @@ def configure_torch(cfg: Config) -> None:
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
+    return_freed_memory(cfg.learner.malloc_mmap_threshold)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def return_freed_memory(threshold: int) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes for this process (``learner.malloc_mmap_threshold``):
+    allocations of that size or more get pages of their own, returned when freed. glibc's default
+    threshold adapts upwards after such frees, so later tensors come from the heap and a heap that
+    held one micro-batch's activations stays resident under the next ones (a CPU learner's peak then
+    grew 1.35x from R = 64 to 1024 at one token budget; docs/learner.md). True when set; False with
+    another libc, ``threshold`` 0, or ``MALLOC_MMAP_THRESHOLD_`` in the environment (the user's wins)."""
+    import ctypes
+    import os
+    import platform
+
+    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+        return False
+    return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def resolve_device(spec: str, field: str = "learner.device") -> Any:

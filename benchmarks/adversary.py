@@ -79,6 +79,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from echo2.observe.rundir import read_metrics  # noqa: E402
 from echo2_bench.adversary_runs import CORES, ledger, start_run, stop, wait_ready  # noqa: E402
+from echo2_bench.record import on_record  # noqa: E402
 
 TARGET_QUARANTINE = 5  # submissions, median over trials
 TARGET_COST = 1.05
@@ -544,17 +545,6 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _on_record(earlier: dict[str, Any] | None, new: dict[str, Any], reading: str) -> dict[str, Any]:
-    """``new``, with every earlier reading of the same study kept (the newest first) and what changed
-    since the last one (``--reading``)."""
-    if earlier:
-        older = earlier.pop("earlier_readings", [])
-        new["earlier_readings"] = [earlier, *older]
-        if reading:
-            new["reading"] = reading
-    return new
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     studies = [
@@ -588,7 +578,7 @@ def main() -> int:
         "garbage": lambda: study_garbage(a.out),
     }
     for s in studies if a.study == "all" else [a.study]:
-        res[s] = _on_record(res.get(s), run[s](), a.reading)  # every earlier reading kept
+        res[s] = on_record(res.get(s), run[s](), a.reading)  # every earlier reading kept
         a.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))
     plot(res, a.out / "adversary.png")

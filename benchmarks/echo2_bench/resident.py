@@ -1,4 +1,5 @@
-"""A process's resident memory as the memory benchmarks read it (``memory.py``, ``lora.py``)."""
+"""A process's resident memory as the memory benchmarks read it (``memory.py``, ``lora.py``,
+``check_scale.py``), and the allocator setting a learner process starts with."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def rss() -> int:
 def peak_rss() -> int:
     """The largest resident bytes this process has had (``ru_maxrss``)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def as_the_learner(glibc_default: bool = False) -> None:
+    """What every learner command does before it builds a model (``configure_torch``): glibc's mmap
+    threshold fixed at ``learner.malloc_mmap_threshold`` (``glibc_default``: left as glibc has it)."""
+    from echo2.config import LearnerConfig
+    from echo2.models.policy import return_freed_memory
+
+    if not glibc_default:
+        return_freed_memory(LearnerConfig().malloc_mmap_threshold)

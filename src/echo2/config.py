@@ -475,6 +475,14 @@ class SecurityConfig(_Section):
         description="submissions that may wait for their generation check (their groups held untrained); "
         "the share checked falls as the queue fills: check_fraction x (1 - waiting / check_queue)",
     )
+    check_nice: int = Field(
+        19,
+        ge=0,
+        le=19,
+        description="niceness of the checker's thread and of the compute threads it starts (Linux): at 19 "
+        "the update, publications and the request path come first and checks use the cores they leave "
+        "(about 1/70 of a core they keep busy, all of an idle one); 0 = an equal share",
+    )
     check_chunk_tokens: int = Field(
         64,
         ge=1,

@@ -5,6 +5,7 @@ Drawn submissions are checked off the request path: held untrained until the che
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -51,6 +52,7 @@ class FakeCheck:
 
     def check(self, lease: Any, sub: Any, picks: Any) -> list[Any]:
         assert threading.current_thread().name.startswith("echo2-check")  # the checker's own thread
+        self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         self.gate.wait(10)
         self.runs += 1
         if self.verdict is not None:
@@ -205,6 +207,8 @@ def test_a_drawn_submission_is_answered_at_once_and_trained_only_after_its_check
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     assert check.runs == 1 and store.stats().held == 0 and store.take_batch(1, 4, step=1) is not None
     assert intake.metrics()["security/check_backlog"] == 0 and intake.check_latency_s > 0
+    assert check.nice == 19  # security.check_nice: the checker yields to the update
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # and only the checker does
     RUNNER[0].run(intake.close())
 
 

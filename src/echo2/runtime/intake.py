@@ -8,7 +8,8 @@ it has passed ``check_first`` checks, then ``check_fraction``; lowered as the ch
 stored *held*, not trainable, and
 the worker is answered at once (``pending_check``); the checker, a task with a thread of its own,
 re-runs their completions with the claimed version's weights and the lease's seed and releases the
-groups (passed) or quarantines the worker (forged); the store checks the
+groups (passed) or quarantines the worker (forged); it runs at ``security.check_nice`` (19: the update
+comes first, checks use what it leaves; the queue bound lowers the draw while they wait); the store checks the
 lease (exists, this worker's, not answered before, same prompts) and applies the admission rule at the
 learner's current version. Every refusal is counted by reason in the store
 (``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
@@ -34,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +53,17 @@ from echo2.tasks.verify import EVIDENCE, GenerationCheck, Verifier
 from echo2.types import Bounds
 
 log = logging.getLogger(__name__)
+
+
+def yield_to_the_update(nice: int) -> None:
+    """Lower the calling thread's priority to ``nice`` (``security.check_nice``; never raised). Linux
+    schedules every thread by its own niceness and a thread made later inherits its maker's, so torch's
+    compute threads that this thread's first check starts run at it too: the checker then takes the
+    cores the update leaves (a check would otherwise take half of them from the update)."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):  # not Linux or not allowed: an equal share
+        if nice > os.getpriority(os.PRIO_PROCESS, tid):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 def submission_limits(cfg: Config, task: Task, vocab_size: int) -> SubmissionLimits:
@@ -225,7 +239,11 @@ class Intake:
     ) -> None:
         """Queue a drawn submission (its groups stored held) for the checker, started on first use."""
         if self._checker is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="echo2-check")
+            assert self.generation is not None
+            nice = self.generation.cfg.check_nice
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="echo2-check", initializer=lambda: yield_to_the_update(nice)
+            )
             self._checker = asyncio.ensure_future(self._run_checks())
         self._pending[lease.lease_id] = time.monotonic()
         self._queue.put_nowait((rec, lease, sub, picks))

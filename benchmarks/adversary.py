@@ -21,6 +21,9 @@ fixed here, before any run:
   same with the workers' HF engines computing in bfloat16 and the run declaring it
   (``runtime.engine_dtype = security.engine_precision = "bfloat16"``). Target: >= 10,000 re-run, 0
   quarantines.
+- **honest_bf16_vllm** (added after honest_bf16, target fixed before its first run): the same with
+  the workers' vLLM engines in bfloat16 (``runtime.engine = "vllm"``; needs scripts/install-vllm.sh).
+  Target: >= 10,000 re-run, 0 quarantines.
 - **bf16_errors** (a reading, no target): honest bf16 HF-engine completions of the warm-started
   embedded default re-run by a check computing in float32 and by one computing in bfloat16 (the
   engines' dtype: what the learner's check does since), every error kept: median, p99, max.
@@ -187,17 +190,22 @@ def _honest_quarantined(run_dir: Path) -> int:
     return sum(1 for w in workers if w["quarantined"] and not w["name"].startswith("attacker-"))
 
 
-def study_honest(out: Path, steps: int, precision: str = "float32") -> dict[str, Any]:
-    """Every completion of every submission re-run, the workers' HF engines computing in ``precision``
-    and the run declaring it (``security.engine_precision``: the check's tolerances follow it); the
-    check queue is sized so that no drawn submission is declined."""
-    name = "honest" if precision == "float32" else f"honest_{precision}"
+def study_honest(out: Path, steps: int, precision: str = "float32", engine: str = "hf") -> dict[str, Any]:
+    """Every completion of every submission re-run, the workers' engines (``engine``) computing in
+    ``precision`` and the run declaring it (``security.engine_precision``: the check's tolerances follow
+    it); the check queue is sized so that no drawn submission is declined."""
+    name = (
+        "honest"
+        + ("" if precision == "float32" else f"_{precision}")
+        + ("" if engine == "hf" else f"_{engine}")
+    )
     run_dir = out / "adversary_runs" / name
     proc = start_run(
         run_dir,
         "security.check_fraction=1.0",
         "security.check_samples=1000000",
         "security.check_queue=100000",
+        f"runtime.engine={engine}",
         f"runtime.engine_dtype={precision}",
         f"security.engine_precision={precision}",
         steps=steps,
@@ -214,6 +222,7 @@ def study_honest(out: Path, steps: int, precision: str = "float32") -> dict[str,
         "steps_done": int(last.get("step", 0)),
         "run_exit": code,
         "engine_precision": precision,
+        "engine": engine,
         "security": sec,
         "checked_trajectories": checked,
         "quarantined": int(sec["security/quarantined"]),
@@ -548,7 +557,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     studies = [
-        "attacks", "honest", "honest_bf16", "bf16_errors", "restart", "cost", "poison", "liveness", "garbage",
+        "attacks", "honest", "honest_bf16", "honest_bf16_vllm", "bf16_errors", "restart", "cost", "poison",
+        "liveness", "garbage",
     ]  # fmt: skip
     p.add_argument("--study", choices=[*studies, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
@@ -570,6 +580,7 @@ def main() -> int:
         "attacks": lambda: study_attacks(a.out, a.trials),
         "honest": lambda: study_honest(a.out, a.honest_steps),
         "honest_bf16": lambda: study_honest(a.out, a.honest_steps, "bfloat16"),
+        "honest_bf16_vllm": lambda: study_honest(a.out, a.honest_steps, "bfloat16", "vllm"),
         "bf16_errors": lambda: study_bf16_errors(a.bf16_rounds),
         "restart": lambda: study_restart(a.out, a.holders),
         "cost": lambda: study_cost(a.out, a.pairs, a.steps),

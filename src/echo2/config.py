@@ -342,7 +342,7 @@ class LearnerConfig(_Section):
         description="recompute each decoder layer's activations during its backward (less memory, more time)",
     )
     malloc_mmap_threshold: int = Field(
-        1 << 20,
+        1 << 18,
         ge=0,
         le=32 << 20,
         description="bytes, on glibc: host allocations of at least this size are mapped on their own and go "

@@ -284,7 +284,7 @@ print(set_, (r1 - r2) >> 20)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
 @pytest.mark.parametrize(("threshold", "env", "expect"), [
-    (1 << 20, {}, "True 8"),  # the learner's setting: the freed 8 MiB leave at once
+    (LearnerConfig().malloc_mmap_threshold, {}, "True 8"),  # the default: the freed 8 MiB leave at once
     (0, {}, "False 0"),  # glibc's default: the heap keeps them
     (1 << 20, {"MALLOC_MMAP_THRESHOLD_": str(64 << 20)}, "False 0"),  # the environment wins
 ])  # fmt: skip

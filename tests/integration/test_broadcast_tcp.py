@@ -9,9 +9,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from echo2.broadcast.api import OpenLedger
+from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
-from echo2.broadcast.strategy import Strategy
+from echo2.broadcast.strategy import Strategy, repair_sources
 from echo2.broadcast.wire import encode, read_header, write_frame
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.errors import Echo2Error
@@ -157,6 +158,32 @@ def test_corrupting_relay_is_fully_detected() -> None:
         detected = sum(nd.counters.corrupt_detected for nd in nodes)
         assert injected > 0 and detected == injected
         assert got == {f"w{i}": BLOB for i in range(4)}  # 0 bad installs
+
+    asyncio.run(go())
+
+
+def test_a_failing_relay_is_repaired_from_its_stripe_ancestor_not_the_learner() -> None:
+    """Bounded-degree trees (4 connections a peer: 2 stripes of depth 3 over 6 workers): a relay one
+    level below a stripe's root corrupts every chunk it relays; its children take those chunks from
+    its own parent (the announcement's repair source), so the learner still sends G exactly once."""
+
+    async def go() -> None:
+        members = [f"w{i}" for i in range(6)]
+        ups = repair_sources(TreePipelined(max_peers=4).plan(members, 25))
+        bad = sorted({peer for w in members for peer in ups[w]})[0]  # a relay with a peer above it
+        children = [w for w in members if bad in ups[w]]
+        tap = FaultTap(Faults(corrupt_every=1), bad)
+        kw = {int(bad[1:]): {"tap": tap}}
+        pub, nodes, got, _ = await _cluster(TreePipelined(max_peers=4), 6, node_kw=kw)
+        stats = await _broadcast(pub, nodes, got)
+        await _shutdown(pub, nodes)
+        assert got == {w: BLOB for w in members}  # every install exact
+        by_id = {nd.worker_id: nd for nd in nodes}
+        assert tap.corrupted_sent > 0 and children
+        for w in children:
+            assert by_id[w].counters.corrupt_detected > 0 and by_id[w].counters.ancestor_repairs > 0
+        assert stats.learner_bytes == len(BLOB)  # nothing repaired from the learner
+        assert stats.n_refused == 0 and len(stats.install_s) == 6  # receipts naming the ancestor count
 
     asyncio.run(go())
 

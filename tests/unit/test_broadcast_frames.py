@@ -20,7 +20,14 @@ from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import ProtocolError as WireProtocolError
-from echo2.broadcast.wire import encode, parse_header, read_header, read_payload, write_frame
+from echo2.broadcast.wire import (
+    encode,
+    parse_announcement,
+    parse_header,
+    read_header,
+    read_payload,
+    write_frame,
+)
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.protocol import MAX_INT
 from echo2.transport import make_identity
@@ -74,17 +81,27 @@ BY_HAND: dict[str, tuple[dict[str, Any], frames.Frame]] = {
             "op": "announce",
             "manifest": MANIFEST.to_dict(),
             "sources": [[LEARNER, [0, 2]], ["w2", [1]]],
-            "peers": {"w2": ["10.0.0.2", 4243, FP], LEARNER: ["10.0.0.9", 7000, FP]},
+            "peers": {
+                "w2": ["10.0.0.2", 4243, FP],
+                "w7": ["10.0.0.7", 4243, FP],
+                LEARNER: ["10.0.0.9", 7000, FP],
+            },
             "stall_hint": 0.25,
             "serve": ["w3"],
+            "repair": {"w2": "w7"},
             "credential": CRED.to_dict(),
         },
         AnnounceFrame(
             manifest=MANIFEST.to_dict(),
             sources=[(LEARNER, [0, 2]), ("w2", [1])],
-            peers={"w2": ("10.0.0.2", 4243, FP), LEARNER: ("10.0.0.9", 7000, FP)},
+            peers={
+                "w2": ("10.0.0.2", 4243, FP),
+                "w7": ("10.0.0.7", 4243, FP),
+                LEARNER: ("10.0.0.9", 7000, FP),
+            },
             stall_hint=0.25,
             serve=["w3"],
+            repair={"w2": "w7"},
             credential=CRED.to_dict(),
         ),
     ),
@@ -151,6 +168,14 @@ def test_a_get_over_tls_round_trips_and_matches_what_access_builds() -> None:
     }  # fmt: skip
     assert encode(sent) == encode(by_hand)
     assert pull_request(CRED, [0, 2], False, "", None) == BY_HAND["get"][0]  # without TLS: no cert, proof
+
+
+def test_an_announcement_naming_a_repair_source_without_an_address_is_refused() -> None:
+    frame = parse_frame({**BY_HAND["announce"][0], "repair": {"w2": "w9"}}, AnnounceFrame)
+    with pytest.raises(WireProtocolError, match="a source without an address"):
+        parse_announcement(frame, 3, True)
+    ok = parse_announcement(parse_frame(BY_HAND["announce"][0], AnnounceFrame), 3, True)
+    assert ok.repair == {"w2": "w7"}
 
 
 def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
@@ -368,7 +393,7 @@ def test_node_refuses_a_malformed_announcement_and_repairs_a_malformed_chunk(
         assert parse_frame(hello, JoinFrame) == JoinFrame(worker="w1", host="127.0.0.1", port=node.port)
         good = {
             **GOOD["announce"], "sources": [[LEARNER, [0, 1, 2]]],
-            "peers": {LEARNER: [*addr, ""]}, "serve": [], "stall_hint": 0.0,
+            "peers": {LEARNER: [*addr, ""]}, "serve": [], "stall_hint": 0.0, "repair": {},
         }  # fmt: skip
         for bad, field in (
             ({**good, "extra": 1}, "unknown field 'extra'"),

@@ -15,7 +15,7 @@ from plans import sources as _sources
 
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.pipelined import RelayTree, TreePipelined
-from echo2.broadcast.strategy import LEARNER, Plan
+from echo2.broadcast.strategy import LEARNER, Plan, repair_sources
 from echo2.physics import broadcast as pb
 from echo2.weights.manifest import blob_ok, chunk_ok, new_signing_key, verify_manifest
 
@@ -63,6 +63,37 @@ def test_the_runtime_plans_the_physics_layout() -> None:
     # and the model times that same layout: T_bcast within 1.25 x T* at the speed case's links
     t = pb.relay_times(1.2e9, np.full(50, 25e6), 125e6, layout=pb.relay_layout(np.full(50, 25e6), 125e6))
     assert t.max() <= 1.25 * pb.lower_bound(1.2e9, 125e6, 25e6, 50)
+
+
+@pytest.mark.parametrize("n", [8, 16, 100, 1000])
+def test_a_failed_peers_chunks_are_asked_of_its_stripe_ancestors_in_order(n: int) -> None:
+    """The announcement's repair sources: for each peer a member pulls from, that peer's own source for
+    those chunks, then that one's, up to the learner (never named: the last resort); where the chunks
+    came to a peer from several sources (a member pulling two stripes from one peer) the chain stops."""
+    workers = [f"w{i}" for i in range(n)]
+    plan = TreePipelined().plan(workers, 64)
+    src, ups = _sources(plan), repair_sources(plan)
+    asked = stopped = 0
+    for w, pulls in plan.items():
+        for a in pulls:
+            expect, x = [], a.source
+            while x != LEARNER:
+                above = {src[(x, i)] for i in a.chunks}
+                if len(above) > 1:
+                    stopped += 1
+                    break
+                x = above.pop()
+                if x != LEARNER:
+                    expect.append(x)
+            chain, peer = [], a.source
+            while peer in ups[w]:
+                peer = ups[w][peer]
+                chain.append(peer)
+            assert chain == expect  # every ancestor, nearest first; the learner left out
+            asked += len(chain)
+    k = pb.relay_stripes(np.ones(n), 1.0)
+    assert asked > 0 if n > k else asked == 0  # depth 2 (n <= k): every peer's source is the learner
+    assert stopped <= 0.05 * sum(len(p) for p in plan.values())  # the rare two-stripe pull
 
 
 def test_a_departed_relay_is_repaired_from_its_ancestors() -> None:

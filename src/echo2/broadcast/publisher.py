@@ -16,7 +16,9 @@ state: the live connections (``_members``), and per version the plan, the acks i
 With a TLS identity (``tls``: the run's certificate, ``echo2.transport``) the port speaks TLS only;
 workers pin its fingerprint. A worker's join names the fingerprint of its own relay certificate, and
 every announcement hands each member the addresses *and* fingerprints of the peers it pulls from, the
-members it serves (``serve``) and its credential for the version (``access.py``), which a ``get``
+members it serves (``serve``), where each of its peers gets its chunks (``repair``: the stripe
+ancestors it asks first when that peer fails, ``strategy.repair_sources``; an ancestor serves the
+members below it) and its credential for the version (``access.py``), which a ``get``
 must carry: the learner is the only party that vouches for who is who.
 
 Members are untrusted, so the publisher also keeps their conduct (docs/broadcast.md, "A stalling
@@ -49,7 +51,7 @@ from typing import Any
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
 from echo2.broadcast.api import BroadcastStats, MemberLedger, OpenLedger, PublisherCounters
 from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
-from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves
+from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repair_sources
 from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
 from echo2.errors import Echo2Error
 from echo2.physics.broadcast import relay_chunk_bytes
@@ -99,10 +101,12 @@ class _Round:
     served: dict[str, int] = field(default_factory=dict)  # member -> chunk frames the learner sent it
     stalled: dict[str, set[str]] = field(default_factory=dict)  # source -> members that reported it
     refused: set[str] = field(default_factory=set)  # members whose ack of this version does not count
+    repair: dict[str, dict[str, str]] = field(default_factory=dict)  # strategy.repair_sources(plan)
 
     def sources(self, member: str) -> set[str]:
-        """The sources ``member``'s plan names this version (the learner included when it does)."""
-        return {a.source for a in self.plan.get(member, ())}
+        """The sources ``member``'s plan names this version (the learner included when it does) and the
+        ancestors it was told to repair a failed one from."""
+        return {a.source for a in self.plan.get(member, ())} | set(self.repair.get(member, {}).values())
 
 
 def receipt_fault(got: Mapping[str, int], sources: set[str], n_chunks: int, served: int) -> str | None:
@@ -232,11 +236,12 @@ class TcpPublisher:
         plan = plan_with_leaves(self.strategy, list(members), leaves, manifest.n_chunks)
         peers = {w: (*m.addr, m.cert) for w, m in members.items()}
         peers[LEARNER] = (*self.address, self.fingerprint)
-        serves: dict[str, list[str]] = {w: [] for w in members}  # who pulls from whom, per the plan
+        repair = repair_sources(plan)  # whom each member asks first when a peer of its plan fails
+        serves: dict[str, set[str]] = {w: set() for w in members}  # who may pull from whom
         for w, pulls in plan.items():
-            for src in {a.source for a in pulls} - {LEARNER}:
-                serves[src].append(w)
-        rnd = _Round(manifest, time.monotonic(), tuple(members), plan=plan, leaves=leaves)
+            for src in ({a.source for a in pulls} | set(repair[w].values())) - {LEARNER}:
+                serves[src].add(w)
+        rnd = _Round(manifest, time.monotonic(), tuple(members), plan=plan, leaves=leaves, repair=repair)
         if self.link_rates is not None and len(members) > len(leaves):
             rnd.stream_rate = self.strategy.learner_stream_rate(len(members) - len(leaves), *self.link_rates)
         self._rounds[version] = rnd
@@ -255,7 +260,7 @@ class TcpPublisher:
         for w, member in members.items():
             frame = announce(
                 manifest=man, sources=[(a.source, list(a.chunks)) for a in plan[w]], peers=peers,
-                stall_hint=hint, serve=sorted(serves[w]),
+                stall_hint=hint, serve=sorted(serves[w]), repair=repair[w],
                 credential=issue(self.key, version, w, member.cert).to_dict(),
             )  # fmt: skip
             self._spawn(self._send(member, frame))

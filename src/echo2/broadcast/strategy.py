@@ -61,3 +61,25 @@ def plan_with_leaves(
     plan = strategy.plan(relays, n_chunks) if relays else {}
     every = (Assignment(LEARNER, tuple(range(n_chunks))),)
     return {w: plan.get(w, every) for w in members}
+
+
+def repair_sources(plan: Plan) -> dict[str, dict[str, str]]:
+    """For every member, each peer it pulls from -> where that peer pulls those chunks from, and so on
+    up its stripe to the learner (not named): a member repairs a failed peer's chunks from the peer's
+    own source, an ancestor that holds them before the failed peer did, and asks the learner only
+    when the chain is exhausted. A peer whose chunks for the member come from several sources ends the
+    chain there (the learner repairs them)."""
+    source_of = {w: {i: a.source for a in pulls for i in a.chunks} for w, pulls in plan.items()}
+    out: dict[str, dict[str, str]] = {}
+    for w, pulls in plan.items():
+        ups: dict[str, str] = {}
+        for a in pulls:
+            peer, chunks = a.source, a.chunks
+            while peer != LEARNER and peer not in ups and chunks:
+                above = {source_of.get(peer, {}).get(i) for i in chunks}
+                up = above.pop() if len(above) == 1 else None
+                if up is None or up in (LEARNER, w):
+                    break
+                ups[peer] = peer = up
+        out[w] = ups
+    return out

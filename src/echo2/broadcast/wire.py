@@ -208,23 +208,26 @@ class Announcement:
 
     sources: list[tuple[str, list[int]]]  # this node's pull streams: (source id, chunk indices)
     peers: dict[str, tuple[str, int, str]]  # id -> host, port, certificate fingerprint ("" = plain TCP)
-    serves: frozenset[str]  # members the plan has pulling from this node
+    serves: frozenset[str]  # members the plan has pulling from this node (and repairing from it)
     stall_hint: float  # seconds without data the learner still calls normal (0 = no hint)
+    repair: dict[str, str]  # a source -> its own source for those chunks (strategy.repair_sources)
 
 
 def parse_announcement(frame: AnnounceFrame, n_chunks: int, tls: bool) -> Announcement:
     """An announcement's plan (the types and bounds of its fields are its model's); ProtocolError
-    naming the fault unless every chunk index is in ``[0, n_chunks)``, ``peers`` names every source and
-    the learner, and (over TLS) each source with a 64-digit fingerprint."""
+    naming the fault unless every chunk index is in ``[0, n_chunks)``, ``peers`` names every source (a
+    repair source too) and the learner, and (over TLS) each with a 64-digit fingerprint."""
     for source, chunks in frame.sources:
         if any(i >= n_chunks for i in chunks):
             raise ProtocolError(f"announcement source {source!r} names chunks outside [0, {n_chunks})")
     peers = {k: (a[0], a[1], a[2] if len(a) == 3 else "") for k, a in frame.peers.items()}
-    if any(s not in peers for s, _ in frame.sources) or LEARNER not in peers:
+    named = [s for s, _ in frame.sources] + list(frame.repair.values())
+    if any(s not in peers for s in named) or LEARNER not in peers:
         raise ProtocolError("announcement names a source without an address")
-    if tls and any(len(peers[s][2]) != 64 for s, _ in frame.sources):
+    if tls and any(len(peers[s][2]) != 64 for s in named):
         raise ProtocolError("announcement names a source without its certificate fingerprint")
-    return Announcement(list(frame.sources), peers, frozenset(frame.serve), frame.stall_hint)
+    repair = {k: v for k, v in frame.repair.items() if k != v and v != LEARNER}
+    return Announcement(list(frame.sources), peers, frozenset(frame.serve), frame.stall_hint, repair)
 
 
 async def parse_pull(

@@ -2,7 +2,9 @@
 
 For each announced version the node opens one pull stream per source in its plan. A stream that
 stalls, breaks, sends an error, or sends a chunk that fails its digest hands its missing chunks to a
-repair stream from the learner, which always holds the snapshot. A stream stalls when its first chunk
+repair stream from the failed peer's own source for them (its stripe ancestor, named in the
+announcement's ``repair``), and from the learner, which always holds the snapshot, when there is none
+or it failed too. A stream stalls when its first chunk
 misses :func:`first_chunk_deadline` (pulls from peers; from the learner: ``stall_timeout``) or a later
 chunk comes more than ``stall_timeout`` after the one before. Meanwhile the node's own chunk server
 relays every verified chunk to the members the learner told it to serve, each with its credential for
@@ -116,6 +118,7 @@ class NodeCounters:
     pin_failures: int = 0  # sources whose TLS certificate was not the one the learner announced
     stalls_reported: int = 0  # peers reported to the learner for stalling (no data within the deadline)
     avoided_chunks: int = 0  # chunks pulled from the learner at once: their source failed here lately
+    ancestor_repairs: int = 0  # repairs asked of a failed peer's stripe ancestor rather than the learner
     bad_frames: int = 0  # connections to this node's chunk server dropped on a malformed frame
     peer_errors: int = 0  # connections or streams dropped on an unexpected exception from peer bytes
 
@@ -134,6 +137,7 @@ class _Transfer:
     peer_first: float | None = None  # seconds to the first chunk from any peer
     received: int = 0  # payload bytes read in this version
     got: dict[str, int] = field(default_factory=dict)  # source -> chunks stored from it (receipts)
+    repair: dict[str, str] = field(default_factory=dict)  # source -> its stripe ancestor (the announcement's)
 
     def first_deadline(self) -> float:
         """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""
@@ -353,7 +357,7 @@ class TcpWorkerNode:
         self._buffers[v] = buffer
         self._serves[v] = plan.serves
         stall = max(self.stall_timeout, plan.stall_hint)
-        transfer = _Transfer(manifest, buffer, peers, stall, credential, len(peers) - 1)
+        transfer = _Transfer(manifest, buffer, peers, stall, credential, len(peers) - 1, repair=plan.repair)
         if all(s != LEARNER for s, _ in sources):
             transfer.learner_first = 0.0  # no learner stream: that term of the deadline is absent
         self._transfer = transfer
@@ -554,10 +558,16 @@ class TcpWorkerNode:
             self._abandon(transfer, f"{repairs} failed repairs")
             return
         self.counters.repaired_chunks += len(chunks)
-        # The learner holds every chunk from the start, so it is the fallback of last resort; a second
-        # failure of the learner itself is retried after a short backoff.
+        # A failed peer's chunks come from the peer's own source for them (its stripe ancestor, which
+        # got them first) unless that one failed here lately too; the learner holds every chunk from
+        # the start, so it is the fallback of last resort; a second failure of the learner itself is
+        # retried after a short backoff.
+        up = transfer.repair.get(failed, LEARNER)
+        source = up if up not in self._avoid else LEARNER
+        if source != LEARNER:
+            self.counters.ancestor_repairs += 1
         delay = 0.0 if failed != LEARNER else min(2.0, 0.2 * 2**repairs)
-        self._spawn(transfer, self._delayed_pull(transfer, LEARNER, chunks, repairs + 1, delay))
+        self._spawn(transfer, self._delayed_pull(transfer, source, chunks, repairs + 1, delay))
 
     async def _delayed_pull(
         self, transfer: _Transfer, source: str, chunks: list[int], repairs: int, delay: float

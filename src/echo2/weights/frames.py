@@ -143,6 +143,9 @@ class AnnounceFrame(BaseModel):
     peers: Annotated[dict[Member, Address | PinnedAddress], Field(max_length=MAX_MEMBERS)]  # id -> address
     stall_hint: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # seconds still normal (0 = none)
     serve: Annotated[list[Member], Field(max_length=MAX_MEMBERS)] = []  # members it serves this version
+    # a source -> where that source gets the chunks this member pulls from it (its stripe ancestor,
+    # asked first when the source fails; the learner when none is named)
+    repair: Annotated[dict[Member, Member], Field(max_length=MAX_MEMBERS)] = {}
     credential: Record  # its credential for the version (``access.Credential.to_dict``)
 
 

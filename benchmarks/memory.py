@@ -386,22 +386,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
             "s--",
             label="between updates",
         )
-        before = (result["growth"].get("earlier_readings") or [{}])[0].get("runs") or []
-        if before:
-            ax.plot(
-                [r["rows"] for r in before],
-                [r["peak_bytes"] / 2**30 for r in before],
-                "x:",
-                label="peak, the reading before",
-            )
+        first = (result["growth"].get("earlier_readings") or [{}])[-1].get("runs") or []
         fixed = result["growth"].get("runs_fixed_mmap_threshold") or []
-        if fixed:
-            ax.plot(
-                [r["rows"] for r in fixed],
-                [r["peak_bytes"] / 2**30 for r in fixed],
-                "^-",
-                label="peak, mmap threshold fixed (2nd reading)",
-            )
+        for more, style, label in (
+            (first, "x:", "peak, glibc's adaptive threshold (first reading)"),
+            (fixed, "^-", "peak, MALLOC_MMAP_THRESHOLD_=64 KiB (2nd reading)"),
+        ):
+            if more:
+                rows, peaks = [r["rows"] for r in more], [r["peak_bytes"] / 2**30 for r in more]
+                ax.plot(rows, peaks, style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"R (rows of 32 tokens), budget {GROWTH_BUDGET} tokens")
         ax.set_ylabel("GiB")

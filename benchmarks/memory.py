@@ -31,10 +31,11 @@ Targets (fixed here, before the runs):
    one micro-batch, same batch and weights, on the ~55M shape; (b) the learner's log-probs (LM head at
    completion positions, in chunks) against the path before them (the whole ``[B, T, V]`` logits), a
    forward and backward on the embedded model and a default-sized batch. 5 interleaved pairs each,
-   the median of the per-pair ratios. Targets: (a) <= 1.10x, (b) <= 1.10x. (c), added with
-   ``learner.malloc_mmap_threshold``, target fixed before its first run: the growth study's update at
-   R = 128 (two micro-batches) in fresh processes, the learner's threshold vs glibc's default, 5
-   interleaved pairs: median ratio <= 1.10x (what returning freed pages costs in page faults).
+   the median of the per-pair ratios. Targets: (a) <= 1.10x, (b) <= 1.10x.
+4. ``--study allocator``, added with ``learner.malloc_mmap_threshold``, target fixed before its first
+   run: the growth study's update at R = 128 (two micro-batches) in fresh processes, the learner's
+   threshold vs glibc's default, 5 interleaved pairs: median ratio <= 1.10x (what returning freed
+   pages costs in page faults).
 
 Writes results/memory.json and results/memory.png.
 
@@ -323,7 +324,24 @@ def study_speed() -> dict[str, Any]:
     for _ in range(SPEED_PAIRS):
         a, b = timed(legacy), timed(chunked)
         pairs_b.append({"legacy_s": a, "chunked_s": b, "ratio": b / a})
-    # (c) the learner's mmap threshold vs glibc's default: the growth update at R = 128, fresh processes
+    ra = statistics.median(p["ratio"] for p in pairs_a)
+    rb = statistics.median(p["ratio"] for p in pairs_b)
+    return {
+        "micro_batched": {
+            "pairs": pairs_a,
+            "median_ratio": ra,
+            "budget_tokens": 1024,
+            "batch_tokens": 64 * 64,
+        },
+        "logprobs": {"pairs": pairs_b, "median_ratio": rb, "rows": len(eb)},
+        "met": {"micro_batched": ra <= MAX_SLOWDOWN, "logprobs": rb <= MAX_SLOWDOWN},
+    }
+
+
+def study_allocator() -> dict[str, Any]:
+    """The learner's mmap threshold vs glibc's default: the growth update at R = 128, fresh processes."""
+    from echo2.config import LearnerConfig
+
     pairs_c = []
     for k in range(SPEED_PAIRS):
         got = {}
@@ -336,23 +354,13 @@ def study_speed() -> dict[str, Any]:
             "learner_peak_bytes": got["learner"]["peak_bytes"],
             "ratio": got["learner"]["update_s"] / got["default"]["update_s"],
         })  # fmt: skip
-    ra = statistics.median(p["ratio"] for p in pairs_a)
-    rb = statistics.median(p["ratio"] for p in pairs_b)
     rc = statistics.median(p["ratio"] for p in pairs_c)
     return {
-        "micro_batched": {
-            "pairs": pairs_a,
-            "median_ratio": ra,
-            "budget_tokens": 1024,
-            "batch_tokens": 64 * 64,
-        },
-        "logprobs": {"pairs": pairs_b, "median_ratio": rb, "rows": len(eb)},
-        "allocator": {"pairs": pairs_c, "median_ratio": rc, "rows": ALLOCATOR_ROWS},
-        "met": {
-            "micro_batched": ra <= MAX_SLOWDOWN,
-            "logprobs": rb <= MAX_SLOWDOWN,
-            "allocator": rc <= MAX_SLOWDOWN,
-        },
+        "pairs": pairs_c,
+        "median_ratio": rc,
+        "rows": ALLOCATOR_ROWS,
+        "threshold_bytes": LearnerConfig().malloc_mmap_threshold,
+        "met": {"allocator": rc <= MAX_SLOWDOWN},
     }
 
 
@@ -404,7 +412,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if "speed" in result:
         ax = axes[2]
         sp = result["speed"]
-        boxes = [sp["micro_batched"], sp["logprobs"], *([sp["allocator"]] if "allocator" in sp else [])]
+        boxes = [
+            sp["micro_batched"],
+            sp["logprobs"],
+            *([result["allocator"]] if "allocator" in result else []),
+        ]
         ax.boxplot([[p["ratio"] for p in b["pairs"]] for b in boxes])
         names = ["micro-batched\nvs one", "chunked log-probs\nvs [B,T,V]", "mmap threshold\nvs glibc's"]
         ax.set_xticks(list(range(1, len(boxes) + 1)), names[: len(boxes)])
@@ -418,7 +430,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["bytes", "growth", "speed", "all"], default="all")
+    p.add_argument("--study", choices=["bytes", "growth", "speed", "allocator", "all"], default="all")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--child-bytes", help=argparse.SUPPRESS)
     p.add_argument("--child-growth", type=int, help=argparse.SUPPRESS)
@@ -433,10 +445,15 @@ def main() -> int:
         return 0
     path = a.out / "memory.json"
     result: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    studies = ["bytes", "growth", "speed"] if a.study == "all" else [a.study]
+    studies = ["bytes", "growth", "speed", "allocator"] if a.study == "all" else [a.study]
     for s in studies:
         t0 = time.perf_counter()
-        new = {"bytes": study_bytes, "growth": study_growth, "speed": study_speed}[s]()
+        new = {
+            "bytes": study_bytes,
+            "growth": study_growth,
+            "speed": study_speed,
+            "allocator": study_allocator,
+        }[s]()
         new["wall_s"] = time.perf_counter() - t0
         result[s] = on_record(result.get(s), new, a.reading)  # every earlier reading kept
         print(s, json.dumps(result[s]["met"]), flush=True)

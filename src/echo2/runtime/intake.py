@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,8 +61,10 @@ def yield_to_the_update(nice: int) -> None:
     schedules every thread by its own niceness and a thread made later inherits its maker's, so torch's
     compute threads that this thread's first check starts run at it too: the checker then takes the
     cores the update leaves (a check would otherwise take half of them from the update)."""
+    if not sys.platform.startswith("linux"):  # elsewhere a thread id is no process id: an equal share
+        return
     tid = threading.get_native_id()
-    with contextlib.suppress(OSError, AttributeError):  # not Linux or not allowed: an equal share
+    with contextlib.suppress(OSError):  # not allowed: an equal share
         if nice > os.getpriority(os.PRIO_PROCESS, tid):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
 

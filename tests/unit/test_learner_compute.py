@@ -293,7 +293,12 @@ def test_the_learners_mmap_threshold_returns_freed_tensors_to_the_system(thresho
         [sys.executable, "-c", _FREED_PAGES, str(threshold)],
         capture_output=True, text=True, check=True, env={**os.environ, **env},
     )  # fmt: skip
-    assert out.stdout.split() == expect.split()
+    set_, freed = out.stdout.split()
+    want_set, want_freed = expect.split()
+    assert set_ == want_set
+    # MiB returned when the 8 MiB tensor was freed: all of it, or none (give or take the interpreter's
+    # own allocations between the two readings)
+    assert abs(int(freed) - int(want_freed)) <= 1, out.stdout
 
 
 # ---- the engine's token budget ---------------------------------------------------------------------------

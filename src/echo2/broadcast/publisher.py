@@ -237,11 +237,11 @@ class TcpPublisher:
         peers = {w: (*m.addr, m.cert) for w, m in members.items()}
         peers[LEARNER] = (*self.address, self.fingerprint)
         repair = repair_sources(plan)  # whom each member asks first when a peer of its plan fails
-        serves: dict[str, set[str]] = {w: set() for w in members}  # who may pull from whom
-        for w, pulls in plan.items():
-            for src in ({a.source for a in pulls} | set(repair[w].values())) - {LEARNER}:
-                serves[src].add(w)
         rnd = _Round(manifest, time.monotonic(), tuple(members), plan=plan, leaves=leaves, repair=repair)
+        serves: dict[str, set[str]] = {w: set() for w in members}  # who may pull from whom
+        for w in plan:
+            for src in rnd.sources(w) - {LEARNER}:
+                serves[src].add(w)
         if self.link_rates is not None and len(members) > len(leaves):
             rnd.stream_rate = self.strategy.learner_stream_rate(len(members) - len(leaves), *self.link_rates)
         self._rounds[version] = rnd

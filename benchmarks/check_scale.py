@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from echo2_bench.record import on_record  # noqa: E402
-from echo2_bench.resident import as_the_learner  # noqa: E402
+from echo2_bench.resident import as_the_learner, rss  # noqa: E402
 from echo2_bench.synthetic import SHAPE_55M, SHAPE_SMOKE, batch, build  # noqa: E402
 
 MID = SHAPE_55M  # benchmarks/memory.py's growth and speed shape
@@ -107,14 +107,11 @@ def _vm_hwm() -> int:
 
 
 def child_memory(shape_name: str, completion: int) -> dict[str, Any]:
-    import ctypes
-
     shape = SHAPE_SMOKE if shape_name == "smoke" else MID
     as_the_learner()  # the check runs in the learner's process
     _, check, lease, sub = _setup(shape, completion)
     _check_once(check, lease, sub)  # warm: the check's model loaded, allocator settled
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    rss0 = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss0 = rss()  # after returning freed heap pages
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident size
     seconds = _check_once(check, lease, sub)
     return {"completion": completion, "peak_bytes": _vm_hwm() - rss0, "check_s": seconds}

@@ -15,6 +15,12 @@ re-run per checked submission, ``check_chunk_tokens = 64``. Targets (fixed here,
    without, 3 interleaved pairs. Target: median step-time ratio <= 1.05. Since the first readings
    (1.81x: the checker took half the cores), the intake's checker thread runs at
    ``security.check_nice`` (19) and this study's checker starts the same way; the rule is unchanged.
+   Since the reading of 1.13x with the checker niced, the update and the check take turns
+   (``learner/turns.py``: while an update runs the check computes at most ``security.check_duty`` of
+   its time, between its chunks); this study's update and check take them as ``LearnerCore.update``
+   and the intake's check do, and an "off" update now starts only once the checker has finished the
+   check it was running (before, a check started on the "on" side could run into the next "off"
+   update). The rule is unchanged; the earlier readings stay in the results file.
 3. ``--study memory``: in a fresh process each, the peak resident memory one check adds (``VmHWM``
    reset through ``/proc/self/clear_refs`` before it) at completions of 64 tokens (one chunk) and of
    512 tokens. Target: peak(512) <= 1.2 x peak(64), i.e. the check's memory does not grow with the
@@ -208,6 +214,7 @@ def study_latency(shape: dict[str, int], completion: int, n: int) -> dict[str, A
 def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, Any]:
     from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig, SecurityConfig
     from echo2.learner.trainer import GRPOTrainer
+    from echo2.learner.turns import Turns
     from echo2.runtime.intake import yield_to_the_update
 
     model, check, lease, sub = _setup(shape, completion)
@@ -215,15 +222,21 @@ def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, 
                           learner=LearnerConfig(micro_batch_tokens=4096))  # fmt: skip
     trajs = batch(shape["vocab"], 64, 16, 48, seed=2)
     trainer.update(trajs)  # warm-up, AdamW states
+    security = SecurityConfig()
+    check.turns = turns = Turns(security.check_duty)  # as LearnerCore.update and the check take turns
     busy = threading.Event()
+    idle = threading.Event()  # the checker is between checks
+    idle.set()
     stop = threading.Event()
     checks: list[float] = []
 
     def checker() -> None:
-        yield_to_the_update(SecurityConfig().check_nice)  # what the intake's checker thread starts with
+        yield_to_the_update(security.check_nice)  # what the intake's checker thread starts with
         while not stop.is_set():
             if busy.is_set():
+                idle.clear()
                 checks.append(_check_once(check, lease, sub))
+                idle.set()
             else:
                 time.sleep(0.01)
 
@@ -231,17 +244,31 @@ def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, 
     th.start()
     rows = []
     for k in range(pairs):
-        got = {}
+        got: dict[str, Any] = {}
         for side in ("off", "on") if k % 2 == 0 else ("on", "off"):
             (busy.set if side == "on" else busy.clear)()
+            if side == "off":
+                idle.wait()  # no check of the "on" side still running into this one
             time.sleep(0.05)
-            got[side] = trainer.update(trajs).t_train_s
+            n, held = len(checks), turns.held_s
+            with turns.updating():
+                got[side] = trainer.update(trajs).t_train_s
+            if side == "on":
+                got["checks_during"] = len(checks) - n
+                got["check_held_s"] = turns.held_s - held
         busy.clear()
         rows.append({**got, "ratio": got["on"] / got["off"]})
     stop.set()
     th.join()
     med = statistics.median(r["ratio"] for r in rows)
-    return {"pairs": rows, "median_ratio": med, "checks_run": len(checks), "met": med <= MAX_STEP_RATIO}
+    return {
+        "pairs": rows,
+        "median_ratio": med,
+        "checks_run": len(checks),
+        "check_s_median": statistics.median(checks) if checks else None,
+        "check_duty": security.check_duty,
+        "met": med <= MAX_STEP_RATIO,
+    }
 
 
 def main() -> int:

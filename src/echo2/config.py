@@ -466,14 +466,16 @@ class SecurityConfig(_Section):
         3,
         ge=0,
         description="generation checks a new identity must pass before its submissions are drawn at "
-        "check_fraction: until then every one of them is drawn (at the check queue's bound), so a "
+        "check_fraction: until then every one of them is drawn (at a full check queue refused, check_busy, "
+        "never admitted unchecked), so a "
         "forger is caught in its first submissions, before it has been trusted with much; 0 = none",
     )
     check_queue: int = Field(
         32,
         ge=1,
         description="submissions that may wait for their generation check (their groups held untrained); "
-        "the share checked falls as the queue fills: check_fraction x (1 - waiting / check_queue)",
+        "a proven identity's share checked falls as the queue fills: check_fraction x (1 - waiting / "
+        "check_queue); a new identity's is 1 until the queue is full",
     )
     check_nice: int = Field(
         19,
@@ -482,6 +484,15 @@ class SecurityConfig(_Section):
         description="niceness of the checker's thread and of the compute threads it starts (Linux): at 19 "
         "the update, publications and the request path come first and checks use the cores they leave "
         "(about 1/70 of a core they keep busy, all of an idle one); 0 = an equal share",
+    )
+    check_duty: float = Field(
+        0.02,
+        ge=0.0,
+        le=1.0,
+        description="while the learner updates, the share of the update's time the generation check may "
+        "compute: after each chunk of its work it waits that chunk's time x (1 / check_duty - 1), or until "
+        "the update ends; between updates it runs freely (learner/turns.py). 1 = never waits (check_nice "
+        "alone); 0 = waits for the update to end",
     )
     check_chunk_tokens: int = Field(
         64,

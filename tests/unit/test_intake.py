@@ -230,19 +230,42 @@ def test_a_forgery_found_off_the_request_path_quarantines_and_is_never_trained(t
 
 
 def test_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
-    """check_queue = 2: while two checks wait, the share drawn is 0, further submissions are admitted
-    unchecked (counted as declined), and the backlog never passes 2."""
+    """check_queue = 2: while two checks wait, the share drawn is 0: a proven identity's further
+    submissions are admitted unchecked (counted as declined), a new identity's are refused
+    (check_busy, no fault of the worker's), never admitted unchecked; the backlog never passes 2."""
     now = [100.0]
     check = FakeCheck(held={4}, queue=2)
     check.gate.clear()
     intake, store = _intake(tmp_path, {4}, check, now)
-    got = [_submit(intake, store, 4, issued=150.0, settle=False) for _ in range(5)]
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3)
+    got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(5)]
     assert got == ["pending", "pending", "admitted", "admitted", "admitted"]
     assert intake.metrics()["security/check_backlog"] == 2 and intake.check_share() == 0
     assert intake.metrics()["security/check_declined"] == 3
+    new = [_submit(intake, store, 4, issued=150.0, settle=False) for _ in range(2)]  # checks_passed 0
+    assert new == ["check_busy", "check_busy"] and store.stats().rejected == 2
+    assert [r[2] for r in REFUSED] == ["check_busy", "check_busy"]  # their leases go back at once
+    assert intake.metrics()["security/check_backlog"] == 2
     check.gate.set()
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     assert check.runs == 2 and store.stats().held == 0 and intake.check_share() == 1.0
+    RUNNER[0].run(intake.close())
+
+
+def test_a_new_identity_is_drawn_whole_however_full_the_queue(tmp_path):
+    """check_fraction = 1, check_queue = 4, two checks waiting (the share of a proven identity is 0.5):
+    a new identity's draw is still 1, never scaled by the backlog, until the queue is full."""
+    now = [100.0]
+    check = FakeCheck(held={4}, queue=4)
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    shares: list[float] = []
+    real = check.pick
+    check.pick = lambda sub, share, full: shares.append(share) or real(sub, share, full)  # type: ignore[method-assign]
+    got = [_submit(intake, store, 4, issued=150.0, settle=False) for _ in range(5)]
+    assert got == ["pending"] * 4 + ["check_busy"] and shares == [1.0] * 4
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     RUNNER[0].run(intake.close())
 
 

@@ -138,6 +138,37 @@ def test_honest_completions_pass(setup):
     assert max(v.max_logprob_error for v in verdicts) < 1e-3  # batched vs unbatched kernels only
 
 
+def test_a_check_gives_a_running_update_its_turn_and_its_verdict_is_unchanged(setup):
+    """With security.check_duty = 0 a check started during an update waits, between its chunks, until the
+    update ends; then it finishes with the same verdicts (honest passes, a forgery fails). Next to the
+    honest test: later tests change what the module's check holds."""
+    import threading
+    import time
+
+    from echo2.learner.turns import Turns
+
+    check, lease, sub, _, _ = setup
+    alone = check.check(lease, sub, ALL[:2])
+    turns = Turns(0.0)
+    check.turns = turns
+    got: list = []
+    try:
+        with turns.updating():
+            th = threading.Thread(target=lambda: got.append(check.check(lease, sub, ALL[:2])))
+            th.start()
+            time.sleep(0.5)
+            assert th.is_alive() and not got and turns.pauses >= 1  # held at its first chunk's end
+        th.join(60)
+        assert [v.misses for v in got[0]] == [v.misses for v in alone]
+        assert [v.max_logprob_error for v in got[0]] == [v.max_logprob_error for v in alone]
+        t = sub.groups[0][0]
+        bad = _forged(sub, 0, 0, sampler_logprobs=tuple(lp - 0.5 for lp in t.sampler_logprobs))
+        with pytest.raises(Rejected, match="forged_generation"):
+            check.check(lease, bad, [(0, 0)])
+    finally:
+        check.turns = Turns()
+
+
 def _forged(sub: Submission, i: int, j: int, **change) -> Submission:
     groups = [list(g) for g in sub.groups]
     groups[i][j] = dataclasses.replace(groups[i][j], **change)

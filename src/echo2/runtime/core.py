@@ -16,12 +16,13 @@ import contextlib
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.config import Config
 from echo2.errors import Echo2Error, TrainingDivergedError
+from echo2.learner.turns import Turns
 from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, RunDir
 from echo2.tasks.base import Task
 from echo2.types import Bounds, Trajectory
@@ -192,6 +193,8 @@ class LearnerCore:
     first_acc: float = math.nan  # held-out score when this process started
     best_acc: float = math.nan  # best held-out score seen
     last_acc: float = math.nan  # newest held-out score
+    # the update and the generation check take turns (learner/turns.py: security.check_duty)
+    turns: Turns = field(default_factory=Turns)
 
     @classmethod
     def load(
@@ -219,7 +222,8 @@ class LearnerCore:
         source = ckpt or starting_checkpoint(cfg)
         ranks.share((str(source), ckpt is not None))  # the other ranks load the same checkpoint
         plane = Plane.load(cfg, ranks, device, source, ckpt is not None, isolate)
-        return cls(cfg, run_dir, plane, plane.trainer.version if ckpt else None)
+        turns = Turns(cfg.security.check_duty)
+        return cls(cfg, run_dir, plane, plane.trainer.version if ckpt else None, turns=turns)
 
     @property
     def policy(self) -> Policy:
@@ -251,9 +255,11 @@ class LearnerCore:
         return self.trainer.version
 
     def update(self, batch: list[Trajectory]) -> UpdateStats:
-        """One GRPO update (``GRPOTrainer.update``; every rank computes its share)."""
+        """One GRPO update (``GRPOTrainer.update``; every rank computes its share); a check running
+        beside it gives it the cores (:attr:`turns`)."""
         self.ranks.announce("update", batch)
-        return self.trainer.update(batch)
+        with self.turns.updating():
+            return self.trainer.update(batch)
 
     def evaluate(self) -> EvalResult:
         """The task's greedy held-out score of the current weights, in the update's precision and in

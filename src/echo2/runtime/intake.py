@@ -4,12 +4,14 @@ Validation (``data/submission.py``, the protocol's codec) checks the body agains
 and the newest published version; the verifier (``verify.py``, off the event loop) checks that each
 sample answers the leased prompt with its own tokens, is well formed, earned the reward it claims and
 claims a version the worker could hold. A drawn fraction of submissions (all of a new identity's until
-it has passed ``check_first`` checks, then ``check_fraction``; lowered as the check queue fills) is
+it has passed ``check_first`` checks, then ``check_fraction`` lowered as the check queue fills; a new
+identity's submission at a full queue is refused [check_busy], never admitted unchecked) is
 stored *held*, not trainable, and
 the worker is answered at once (``pending_check``); the checker, a task with a thread of its own,
 re-runs their completions with the claimed version's weights and the lease's seed and releases the
-groups (passed) or quarantines the worker (forged); it runs at ``security.check_nice`` (19: the update
-comes first, checks use what it leaves; the queue bound lowers the draw while they wait); the store checks the
+groups (passed) or quarantines the worker (forged); it runs at ``security.check_nice`` (19) and gives
+a running update its turn between chunks (``learner/turns.py``, ``security.check_duty``): the update
+comes first, checks use what it leaves; the queue bound lowers the draw while they wait; the store checks the
 lease (exists, this worker's, not answered before, same prompts) and applies the admission rule at the
 learner's current version. Every refusal is counted by reason in the store
 (``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
@@ -205,8 +207,16 @@ class Intake:
         admissible = sub.policy_version >= admission_floor(self.version(), self.store.staleness)
         if self.generation is None or not admissible:
             return []
-        full = self.draw(rec)
-        picks = self.generation.pick(sub, full * self.queue_room(), full)
+        full, room = self.draw(rec), self.queue_room()
+        proving = rec.checks_passed < self.generation.cfg.check_first
+        if proving and room <= 0.0:  # never admitted unchecked: a flood cannot make a stranger trusted
+            raise Rejected(
+                "check_busy",
+                f"the generation check's queue is full ({self.generation.cfg.check_queue} waiting) and this "
+                f"worker has passed {rec.checks_passed} of its first {self.generation.cfg.check_first} "
+                "checks: its submission cannot be checked now (no strike; the lease's prompts go out again)",
+            )
+        picks = self.generation.pick(sub, full if proving else full * room, full)
         if picks and not self.generation.holds(sub.policy_version):
             raise Rejected(
                 "unchecked_version",
@@ -219,14 +229,16 @@ class Intake:
         """The share of ``rec``'s submissions drawn for the generation check while the check queue is
         empty: 1 until it has passed ``security.check_first`` checks (a new identity proves itself
         first: a forger is caught in its first submissions, before the pool has trusted it with much or
-        released it), then ``check_fraction``."""
+        released it), then ``check_fraction``. A new identity's draw stays 1 whatever the backlog: at a
+        full queue its submission is refused (``check_busy``, no strike), never admitted unchecked."""
         assert self.generation is not None
         cfg = self.generation.cfg
         return 1.0 if rec.checks_passed < cfg.check_first else cfg.check_fraction
 
     def queue_room(self) -> float:
-        """``1 - backlog / check_queue``: the factor every draw is scaled by, so the backlog never passes
-        ``check_queue`` (at a full queue nothing more is drawn until a check ends)."""
+        """``1 - backlog / check_queue``: the factor a proven identity's draw is scaled by, so the backlog
+        never passes ``check_queue`` (at a full queue nothing more is drawn until a check ends: a proven
+        identity's submission is admitted unchecked, counted ``declined``; a new one's is refused)."""
         assert self.generation is not None
         return max(0.0, 1.0 - len(self._pending) / self.generation.cfg.check_queue)
 

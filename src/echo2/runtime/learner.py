@@ -265,7 +265,8 @@ class AsyncLearner:
         check_model = aliasing_model(policy.model, cfg.security.engine_precision)  # as the engines compute
         # a LoRA run keeps the published adapters and re-runs base + adapter, expanded as workers do
         expand = self.lora.expand if self.lora is not None else None
-        return verifier, GenerationCheck(check_model, cfg.sampling, cfg.security, expand=expand)
+        check = GenerationCheck(check_model, cfg.sampling, cfg.security, expand=expand, turns=self.core.turns)
+        return verifier, check
 
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
         """Start the API (over TLS with the run's certificate unless ``security.tls`` is off); say where

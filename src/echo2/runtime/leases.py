@@ -53,7 +53,7 @@ from echo2.runtime.standing import Standings
 
 SEED_BITS = 53  # lease seeds stay exact in any JSON reader
 # refusals of an answer that are the learner's doing, not the worker's: no strike (intake.py)
-NO_FAULT = frozenset({"stale_epoch", "unchecked_version"})
+NO_FAULT = frozenset({"stale_epoch", "unchecked_version", "check_busy"})
 
 
 class LeaseBroker:

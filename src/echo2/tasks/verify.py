@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.submission import Rejected, Submission
+from echo2.learner.turns import Turns
 from echo2.rollout.engines.base import EosIds, eos_tuple, first_eos
 from echo2.types import Prompt, Trajectory
 from echo2.weights.undo import Undo, rebuild
@@ -267,6 +268,7 @@ class GenerationCheck:
         security: SecurityConfig,
         rng: random.Random | None = None,
         expand: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
+        turns: Turns | None = None,
     ) -> None:
         # a model of the trained architecture, the check's own: the learner's reads the kept copies in
         # place (models/snapshot.py:aliasing_model), so it holds no weights of its own
@@ -277,6 +279,9 @@ class GenerationCheck:
         self.sampling = sampling
         self.cfg = security
         self.rng = rng or random.SystemRandom()  # which submissions: workers must not predict it
+        # the learner's update comes first: between chunks a check gives the update its turn
+        # (learner/turns.py, security.check_duty); without one it never waits
+        self.turns = turns or Turns()
         self._newest: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._undos: dict[int, Undo] = {}  # older version -> the undo from the next held version to it
         self._loaded: int | None = None  # version whose weights are in self.model
@@ -374,6 +379,7 @@ class GenerationCheck:
         with self._lock:
             if not picks:
                 return []
+            self.turns.begin()
             if self._loaded != sub.policy_version:
                 from echo2.models.snapshot import load_for_check
 
@@ -386,6 +392,7 @@ class GenerationCheck:
                 load_for_check(self.model, self.expand(weights))
                 self._loaded = sub.policy_version
                 del weights
+                self.turns.pause()
             try:
                 return self._run(lease, sub, picks)
             finally:  # a rebuilt copy goes with the check, an older newest with its successor
@@ -463,6 +470,7 @@ class GenerationCheck:
                 ).last_hidden_state[0]
                 if hi > P - 1:
                     parts.append(h_cH[max(0, P - 1 - lo) :])
+                self.turns.pause()
         return torch.cat(parts)
 
     def _chunk_logits(self, state_CX: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -519,6 +527,7 @@ class GenerationCheck:
             ok_c = maybe_in_c & (chosen_c >= best_c - draw_tol)
             ties += int((ok_c & (chosen_c < best_c)).sum())  # passed only within the tolerance
             draw_ok.append(ok_c)
+            self.turns.pause()
         draw_ok_C = torch.cat(draw_ok) if draw_ok else torch.ones(0, dtype=torch.bool)
         err_C = torch.cat(errs) if errs else torch.zeros(0)
         lp_ok_C = err_C <= lp_tol

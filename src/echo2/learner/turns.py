@@ -1,0 +1,72 @@
+"""The update comes first: the learner's update and its background work take turns.
+
+The generation check (``tasks/verify.py``) runs on a thread of its own beside the update. On a machine
+whose cores the update keeps busy, niceness alone does not keep it out of the update's way: a check
+computing on one core holds up the update's compute threads at every parallel region they share
+(measured on two cores: 1.13x the update's time with the checker at niceness 19,
+results/check_scale.json). So a background job gives its turn back between chunks of its work:
+
+- while an update runs (:meth:`Turns.updating`), after a chunk that took ``w`` seconds it waits
+  ``w x (1 / duty - 1)`` seconds, or until the update ends if that comes first: it computes at most
+  ``duty`` of the update's time (``security.check_duty``);
+- between updates (waiting for a batch, publishing, evaluating) it is never held.
+
+``duty = 1``: never held (the thread's niceness alone); ``duty = 0``: held until the update ends (a job
+that may starve while updates run back to back). One background job at a time calls :meth:`begin` and
+:meth:`pause` (the checker's thread); any thread may hold :meth:`updating`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class Turns:
+    """Turns between the learner's update and one background job (see the module's docstring)."""
+
+    def __init__(self, duty: float = 1.0) -> None:
+        if not 0.0 <= duty <= 1.0:
+            raise ValueError(f"duty: {duty!r} is not a share of time in [0, 1]")
+        self.duty = duty
+        self._idle = threading.Event()  # set: no update is running
+        self._idle.set()
+        self._updates = 0  # updates running now (a sharded learner's ranks may overlap theirs)
+        self._lock = threading.Lock()
+        self._since = time.perf_counter()  # when the job's current chunk began
+        self.held_s = 0.0  # seconds the job waited for updates, in all
+        self.pauses = 0  # times it waited (counted as the wait begins)
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """The enclosed seconds are an update's: the background job computes at most ``duty`` of them."""
+        with self._lock:
+            self._updates += 1
+            self._idle.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._updates -= 1
+                if self._updates == 0:
+                    self._idle.set()
+
+    @property
+    def update_running(self) -> bool:
+        return not self._idle.is_set()
+
+    def begin(self) -> None:
+        """The background job starts a piece of work: its first chunk begins now."""
+        self._since = time.perf_counter()
+
+    def pause(self) -> None:
+        """A chunk of the background job ended: wait for the update's turn if one is running."""
+        now = time.perf_counter()
+        if self.duty < 1.0 and not self._idle.is_set():
+            worked = now - self._since
+            self.pauses += 1
+            self._idle.wait(None if self.duty == 0.0 else worked * (1.0 / self.duty - 1.0))
+            self.held_s += time.perf_counter() - now
+        self._since = time.perf_counter()

@@ -250,12 +250,12 @@ def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, 
             if side == "off":
                 idle.wait()  # no check of the "on" side still running into this one
             time.sleep(0.05)
-            n, held = len(checks), turns.held_s
+            n, pauses = len(checks), turns.pauses
             with turns.updating():
                 got[side] = trainer.update(trajs).t_train_s
-            if side == "on":
+            if side == "on":  # checks finished, and times the check gave way, during the update
                 got["checks_during"] = len(checks) - n
-                got["check_held_s"] = turns.held_s - held
+                got["check_pauses"] = turns.pauses - pauses
         busy.clear()
         rows.append({**got, "ratio": got["on"] / got["off"]})
     stop.set()
@@ -267,6 +267,7 @@ def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, 
         "checks_run": len(checks),
         "check_s_median": statistics.median(checks) if checks else None,
         "check_duty": security.check_duty,
+        "check_held_s": turns.held_s,  # in all, the checker's waits for updates
         "met": med <= MAX_STEP_RATIO,
     }
 

@@ -33,6 +33,7 @@ worker (``intake.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -295,6 +296,7 @@ class GenerationCheck:
         self.near_ties = 0  # drawn tokens that passed only within gumbel_tolerance (rounding near a tie)
         self.declined = 0  # submissions the full-rate draw picked that a full check queue let through
         self._parts: Any = None  # the model's decoder and LM head (learner/logprobs.lm_parts), False: none
+        self._stream: Any = None  # on a CUDA device, the check's own stream (:meth:`_own_stream`)
 
     def keep(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """The published weights of ``version``, newer than any kept (any thread but the event loop:
@@ -376,7 +378,7 @@ class GenerationCheck:
             raise Rejected(
                 "unchecked_version", f"policy_version: {sub.policy_version}: its weights are not held here"
             )
-        with self._lock:
+        with self._lock, self._own_stream():
             if not picks:
                 return []
             self.turns.begin()
@@ -397,6 +399,20 @@ class GenerationCheck:
                 return self._run(lease, sub, picks)
             finally:  # a rebuilt copy goes with the check, an older newest with its successor
                 self._settle()
+
+    def _own_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """On a CUDA device, a stream of the check's own, after what the default stream has queued (the
+        kept copies are written there): the check's kernels never queue behind the update's, nor the
+        update's behind them (prepared, not measured on a GPU). Elsewhere nothing."""
+        import torch
+
+        device = next(self.model.parameters()).device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        return torch.cuda.stream(self._stream)
 
     def _settle(self) -> None:
         """Point the check model at the newest kept copy (no copy on the CPU), so that it holds no

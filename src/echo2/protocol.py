@@ -194,6 +194,7 @@ LeaseRefusalReason = Literal[
     "rolled_back",  # its weights are newer than the learner's: drop them, install the learner's
     "buffer_full",  # leased + buffered rollouts are at the in-flight cap
     "probation_full",  # workers on probation hold their whole share of the in-flight cap
+    "check_pending",  # a new identity's submission waits for its generation check: ask again after it
     "too_many_leases",  # it holds as many open leases as its standing allows
 ]
 

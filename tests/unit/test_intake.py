@@ -50,8 +50,9 @@ class FakeCheck:
     def holds(self, version: int) -> bool:
         return version in self.held
 
-    def check(self, lease: Any, sub: Any, picks: Any) -> list[Any]:
+    def check(self, lease: Any, sub: Any, picks: Any, due: Any = None) -> list[Any]:
         assert threading.current_thread().name.startswith("echo2-check")  # the checker's own thread
+        self.due = due()  # whether the claim was at the admission floor when its check ran
         self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         self.gate.wait(10)
         self.runs += 1
@@ -114,7 +115,7 @@ def _submit(
     lease = store.issue_lease(
         "w", [Prompt("p", "1+1=", "2")], now=issued, ttl_s=60.0, seed=1, epoch=epoch or EPOCH
     )
-    rec = rec or SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0)
+    rec = rec or SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
     try:
         result = RUNNER[0].run(intake.accept(rec, _body(lease, version)))  # type: ignore[arg-type]
     except Rejected as exc:
@@ -237,7 +238,7 @@ def test_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
     check = FakeCheck(held={4}, queue=2)
     check.gate.clear()
     intake, store = _intake(tmp_path, {4}, check, now)
-    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
     got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(5)]
     assert got == ["pending", "pending", "admitted", "admitted", "admitted"]
     assert intake.metrics()["security/check_backlog"] == 2 and intake.check_share() == 0
@@ -276,12 +277,33 @@ def test_a_new_identity_is_drawn_every_time_until_it_has_passed_check_first_chec
     now = [100.0]
     check = FakeCheck(held={4}, fraction=0.25, first=2)
     intake, store = _intake(tmp_path, {4}, check, now)
-    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0)
+    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
     assert [_submit(intake, store, 4, issued=150.0, rec=rec) for _ in range(3)] == ["pending"] * 3
     assert check.draws == [1.0, 1.0, 0.25] and rec.checks_passed == 3
-    other = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0)
+    other = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
     check.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
     assert _submit(intake, store, 4, issued=150.0, rec=other) == "pending"
     assert check.draws[-1] == 1.0 and other.checks_passed == 0
     assert intake.metrics()["security/check_share"] == 0.25  # a proven identity's share, queue empty
+    RUNNER[0].run(intake.close())
+
+
+def test_a_waiting_check_is_on_the_workers_record_and_a_claim_at_the_floor_is_due(tmp_path):
+    """While its check waits, a drawn submission counts on its worker's record (a new identity gets no
+    lease meanwhile, leases.py); the verdict takes it off. A claim at the admission floor (v_t = 4, S =
+    3: version 1) is due, its check gives no update its turn; a newer one (4) is not."""
+    now = [100.0]
+    check = FakeCheck(held={1, 4})
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {1, 4}, check, now)
+    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
+    assert _submit(intake, store, 1, issued=150.0, settle=False, rec=rec) == "pending"
+    assert rec.checks_waiting == 1
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert rec.checks_waiting == 0 and check.due is True
+    check.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
+    other = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
+    assert _submit(intake, store, 4, issued=150.0, rec=other) == "pending"
+    assert other.checks_waiting == 0 and check.due is False  # a refused check takes it off too
     RUNNER[0].run(intake.close())

@@ -254,3 +254,36 @@ def test_weights_of_another_run_epoch_get_no_lease_and_leases_carry_the_epoch(tm
     fresh = broker.grant(w, LeaseRequest(max_prompts=8, installed_version=10, installed_epoch=3))
     assert isinstance(fresh, LeaseGrant) and fresh.epoch == 3
     assert store.lease(fresh.lease_id).epoch == 3
+
+
+def test_a_new_identity_with_a_submission_waiting_for_its_check_gets_no_lease(tmp_path):
+    """As the node wires it (runtime/node.py): while a submission of an identity that has passed fewer
+    than check_first checks waits for its generation check, a lease request is refused (check_pending,
+    no strike: it asks again); once the verdict is in, or for a proven identity, leases are granted."""
+    from types import SimpleNamespace
+
+    from echo2.runtime.node import _leasing
+
+    cfg = load_config(overrides=["security.check_first=2"])
+    clock = Clock()
+    store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
+    registry = WorkerRegistry(tmp_path, "t" * 20, clock, 1000)
+    snapshots = SimpleNamespace(published={10})
+    pool, broker = _leasing(cfg, registry, store, build_task(cfg.task, 0), snapshots, lambda: 10, clock, 0)  # type: ignore[arg-type]
+    w = _register(registry, pool, "w")
+    rec = registry[w]
+    first = _ask(broker, w)
+    assert isinstance(first, LeaseGrant)
+    _answer(store, broker, first, w)
+    rec.checks_waiting = 1  # the intake drew it: held for the check
+    refused = _ask(broker, w)
+    assert isinstance(refused, LeaseRefusal) and refused.reason == "check_pending"
+    assert not broker.standings.struck(w)
+    rec.checks_waiting, rec.checks_passed = 0, 1  # passed
+    grant = _ask(broker, w)
+    assert isinstance(grant, LeaseGrant)
+    _answer(store, broker, grant, w)
+    rec.checks_passed, rec.checks_waiting = 2, 1  # proven: a waiting check holds nothing up
+    assert isinstance(_ask(broker, w), LeaseGrant)
+    registry.save()  # a restart drops the held groups: what waited is not carried over
+    assert "checks_waiting" not in (tmp_path / "workers.json").read_text()

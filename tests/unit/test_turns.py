@@ -75,6 +75,23 @@ def test_overlapping_updates_hold_the_job_until_the_last_ends():
     assert not th.is_alive()
 
 
+def test_work_that_is_due_is_never_held():
+    """A check whose held groups the next update would leave behind does not wait; asked at each pause."""
+    turns = Turns(0.0)
+    due = [True]
+    with turns.updating():
+        turns.begin(lambda: due[0])
+        t0 = time.perf_counter()
+        turns.pause()
+        assert time.perf_counter() - t0 < 0.02 and turns.pauses == 0
+        due[0] = False
+        th, _ = _pause_in_thread(turns)
+        time.sleep(0.1)
+        assert th.is_alive()  # no longer due: held
+    th.join(5)
+    assert not th.is_alive()
+
+
 def test_at_duty_one_a_job_is_never_held():
     turns = Turns(1.0)
     with turns.updating():

@@ -11,6 +11,9 @@ results/check_scale.json). So a background job gives its turn back between chunk
   ``duty`` of the update's time (``security.check_duty``);
 - between updates (waiting for a batch, publishing, evaluating) it is never held.
 
+- a piece of work that is due (its ``due()`` says so when it pauses: a check whose held groups the next
+  update would leave behind) is never held.
+
 ``duty = 1``: never held (the thread's niceness alone); ``duty = 0``: held until the update ends (a job
 that may starve while updates run back to back). One background job at a time calls :meth:`begin` and
 :meth:`pause` (the checker's thread); any thread may hold :meth:`updating`.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -36,6 +39,7 @@ class Turns:
         self._updates = 0  # updates running now (a sharded learner's ranks may overlap theirs)
         self._lock = threading.Lock()
         self._since = time.perf_counter()  # when the job's current chunk began
+        self._due: Callable[[], bool] | None = None  # whether the job's current work can no longer wait
         self.held_s = 0.0  # seconds the job waited for updates, in all
         self.pauses = 0  # times it waited (counted as the wait begins)
 
@@ -57,14 +61,16 @@ class Turns:
     def update_running(self) -> bool:
         return not self._idle.is_set()
 
-    def begin(self) -> None:
-        """The background job starts a piece of work: its first chunk begins now."""
+    def begin(self, due: Callable[[], bool] | None = None) -> None:
+        """The background job starts a piece of work (``due``: whether it can no longer wait, asked at
+        each pause): its first chunk begins now."""
         self._since = time.perf_counter()
+        self._due = due
 
     def pause(self) -> None:
         """A chunk of the background job ended: wait for the update's turn if one is running."""
         now = time.perf_counter()
-        if self.duty < 1.0 and not self._idle.is_set():
+        if self.duty < 1.0 and not self._idle.is_set() and not (self._due is not None and self._due()):
             worked = now - self._since
             self.pauses += 1
             self._idle.wait(None if self.duty == 0.0 else worked * (1.0 / self.duty - 1.0))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -261,6 +262,7 @@ class Intake:
             )
             self._checker = asyncio.ensure_future(self._run_checks())
         self._pending[lease.lease_id] = time.monotonic()
+        rec.checks_waiting += 1  # a new identity gets no lease while it has one waiting (leases.py)
         self._queue.put_nowait((rec, lease, sub, picks))
 
     async def _run_checks(self) -> None:
@@ -273,8 +275,13 @@ class Intake:
         loop = asyncio.get_running_loop()
         while True:
             rec, lease, sub, picks = await self._queue.get()
+            # a claim at the admission floor is due: the next update leaves its version behind, and its
+            # held groups with it, so its check no longer gives the update its turn (learner/turns.py)
+            due = functools.partial(self._due, sub.policy_version)
             try:
-                await loop.run_in_executor(self._executor, self.generation.check, lease, sub, picks)
+                await loop.run_in_executor(
+                    self._executor, functools.partial(self.generation.check, lease, sub, picks, due=due)
+                )
             except Rejected as exc:
                 self.store.record_rejection(exc.reason)
                 log.warning("checked submission from %s rejected: %s", rec.worker_id, exc)
@@ -291,7 +298,12 @@ class Intake:
                     self.data_ready()
             finally:
                 self.check_latency_s = time.monotonic() - self._pending.pop(lease.lease_id)
+                rec.checks_waiting -= 1
                 self._queue.task_done()
+
+    def _due(self, version: int) -> bool:
+        """A held claim of ``version`` is at the admission floor: the learner's next update leaves it."""
+        return version <= admission_floor(self.version(), self.store.staleness)
 
     async def settled(self) -> None:
         """Wait until every drawn submission so far has its verdict."""

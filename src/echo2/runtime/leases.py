@@ -11,6 +11,9 @@ A lease is granted only (in this order of refusal reasons):
 - and not newer than ``v_t``: such weights were published by a learner process that crashed after
   its last checkpoint, and this one will publish other weights under the same number  [rolled_back]
 - and one this learner process published (so its generation can be re-run)   [unpublished_version]
+- to a worker that is not a new identity (fewer than ``security.check_first`` checks passed) with a
+  submission waiting for its generation check: a stranger's work goes no further until its first work
+  is checked, so however slow the check, a forger is caught at its first forgeries  [check_pending]
 - to a worker that holds fewer open leases than its standing allows: 1 on probation, then one more
   per lease returned, up to ``max_leases_per_worker``    [too_many_leases]
 - while leased-but-unsubmitted plus buffered rollouts stay within the in-flight budget
@@ -71,8 +74,10 @@ class LeaseBroker:
         standings: Standings | None = None,
         published: Callable[[], set[int]] = set,
         epoch: int = 0,
+        proving: Callable[[str], bool] = lambda worker_id: False,
     ) -> None:
         self.store = store
+        self.proving = proving  # a new identity with a submission waiting for its generation check
         self.epoch = epoch  # this learner process's run epoch: leases carry it, installs of another refuse
         self.prompts = prompts
         self.batch = batch
@@ -151,6 +156,8 @@ class LeaseBroker:
         if published and installed not in published:
             newest = max(published)
             return LeaseRefusal(reason="unpublished_version", retry_after_s=retry, min_version=newest)
+        if self.proving(worker_id):
+            return LeaseRefusal(reason="check_pending", retry_after_s=retry)
         if self.store.open_leases(worker_id) >= self.standings.max_open(
             worker_id, self.rt.max_leases_per_worker
         ):

@@ -166,9 +166,15 @@ def _leasing(
     )  # fmt: skip
     for rec in registry.load():
         pool.enroll(rec)
+    first = cfg.security.check_first
+
+    def proving(worker_id: str) -> bool:  # a new identity whose submission waits for its check
+        rec = registry.get(worker_id)
+        return rec is not None and rec.checks_waiting > 0 and rec.checks_passed < first
+
     broker = LeaseBroker(
         store, PromptSource(task, cfg.seed), cfg.batch, cfg.staleness, rt, version, pool.is_active, clock,
-        cfg.security, standings, lambda: snapshots.published, epoch,
+        cfg.security, standings, lambda: snapshots.published, epoch, proving,
     )  # fmt: skip
     return pool, broker
 

@@ -66,6 +66,7 @@ class WorkerRecord:
     #                         to its counted broadcast ack, whichever came last (a metric; not persisted)
     rollouts: int = 0  # rollouts it has had admitted
     checks_passed: int = 0  # of its submissions, those whose generation check passed
+    checks_waiting: int = 0  # of its submissions, those drawn and waiting for the check (not persisted)
     quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
     quarantined_s: float = 0.0  # clock time it was quarantined (its slot frees slot_idle_s later)
     retired_s: float | None = None  # clock time it was retired for silence (None: not retired)
@@ -104,6 +105,9 @@ class WorkerRegistry:
 
     def __getitem__(self, worker_id: str) -> WorkerRecord:
         return self._records[worker_id]
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._records.get(worker_id)
 
     def token_ok(self, token: str) -> bool:
         """Constant-time check of a join token (False for any string that is not it, lone surrogates
@@ -229,7 +233,7 @@ class WorkerRegistry:
     # ---- persistence ---------------------------------------------------------------------------------
     def save(self) -> None:
         data = [
-            {k: v for k, v in asdict(r).items() if k not in ("last_seen_s", "install_s")}
+            {k: v for k, v in asdict(r).items() if k not in ("last_seen_s", "install_s", "checks_waiting")}
             for r in self._records.values()
         ]
         write_atomic(self.path, json.dumps(data, indent=1))

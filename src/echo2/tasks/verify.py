@@ -370,10 +370,17 @@ class GenerationCheck:
         where = [(i, j) for i, g in enumerate(sub.groups) for j in range(len(g))]
         return self.rng.sample(where, min(self.cfg.check_samples, len(where)))
 
-    def check(self, lease: Lease, sub: Submission, picks: Sequence[tuple[int, int]]) -> list[Verdict]:
+    def check(
+        self,
+        lease: Lease,
+        sub: Submission,
+        picks: Sequence[tuple[int, int]],
+        due: Callable[[], bool] | None = None,
+    ) -> list[Verdict]:
         """Re-run the picked completions (any thread; one check at a time); raise
         :class:`Rejected` ``forged_generation`` at the first forgery, ``unchecked_version`` when the
-        claimed version's weights are not held (the intake asks :meth:`holds` first)."""
+        claimed version's weights are not held (the intake asks :meth:`holds` first). Between its chunks
+        it gives a running update its turn (:attr:`turns`) unless ``due()`` says it cannot wait."""
         if not self.holds(sub.policy_version):
             raise Rejected(
                 "unchecked_version", f"policy_version: {sub.policy_version}: its weights are not held here"
@@ -381,7 +388,7 @@ class GenerationCheck:
         with self._lock, self._own_stream():
             if not picks:
                 return []
-            self.turns.begin()
+            self.turns.begin(due)
             if self._loaded != sub.policy_version:
                 from echo2.models.snapshot import load_for_check
 

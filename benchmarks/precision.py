@@ -20,7 +20,11 @@ A replication, declared here before it ran (the pooled reading above came after 
 seen): 6 seeds never run before, ``--seeds 10 11 12 13 14 15 --out results/precision_replication``,
 the same rule (95% t-interval of the mean paired difference above -5 points) on those 6 alone. Its
 first run was stopped during seed 10 for lack of machine time (sharing two cores with other studies,
-a run took 11-15 minutes instead of about 2): no reading yet; it stays declared as written.
+a run took 11-15 minutes instead of about 2): no reading yet; it stays declared as written. A second
+run was stopped during seed 10's bf16-mixed run: that machine's CPU (no AVX-512) ran a bf16-mixed step
+in about 13 s (0.2-0.4 s on the CPU of the readings above), so each bf16-mixed run would have passed
+``train.max_minutes`` before its 300 updates; the scores of its finished fp32 run and of the partial
+one were not read, and both were deleted. It needs a CPU with native bf16 (or a GPU).
 """
 
 from __future__ import annotations

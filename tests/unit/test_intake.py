@@ -290,20 +290,22 @@ def test_a_new_identity_is_drawn_every_time_until_it_has_passed_check_first_chec
 
 def test_a_waiting_check_is_on_the_workers_record_and_a_claim_at_the_floor_is_due(tmp_path):
     """While its check waits, a drawn submission counts on its worker's record (a new identity gets no
-    lease meanwhile, leases.py); the verdict takes it off. A claim at the admission floor (v_t = 4, S =
-    3: version 1) is due, its check gives no update its turn; a newer one (4) is not."""
+    lease meanwhile, leases.py); the verdict takes it off. A new identity's check is due (it gives no
+    update its turn), and so is a proven one's claim at the admission floor (v_t = 4, S = 3: version
+    1); a proven identity's newer claim (4) is not."""
     now = [100.0]
     check = FakeCheck(held={1, 4})
     check.gate.clear()
     intake, store = _intake(tmp_path, {1, 4}, check, now)
-    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
+    rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
     assert _submit(intake, store, 1, issued=150.0, settle=False, rec=rec) == "pending"
     assert rec.checks_waiting == 1
     check.gate.set()
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
-    assert rec.checks_waiting == 0 and check.due is True
+    assert rec.checks_waiting == 0 and check.due is True  # at the floor
+    assert _submit(intake, store, 4, issued=150.0, rec=rec) == "pending" and check.due is False
     check.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
-    other = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
-    assert _submit(intake, store, 4, issued=150.0, rec=other) == "pending"
-    assert other.checks_waiting == 0 and check.due is False  # a refused check takes it off too
+    new = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
+    assert _submit(intake, store, 4, issued=150.0, rec=new) == "pending"
+    assert new.checks_waiting == 0 and check.due is True  # a new identity's; refused, taken off too
     RUNNER[0].run(intake.close())

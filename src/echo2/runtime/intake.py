@@ -10,8 +10,9 @@ stored *held*, not trainable, and
 the worker is answered at once (``pending_check``); the checker, a task with a thread of its own,
 re-runs their completions with the claimed version's weights and the lease's seed and releases the
 groups (passed) or quarantines the worker (forged); it runs at ``security.check_nice`` (19) and gives
-a running update its turn between chunks (``learner/turns.py``, ``security.check_duty``): the update
-comes first, checks use what it leaves; the queue bound lowers the draw while they wait; the store checks the
+a running update its turn between chunks (``learner/turns.py``, ``security.check_duty``; not a new
+identity's check, nor one whose claim is at the admission floor): the update comes first, checks use
+what it leaves; the queue bound lowers the draw while they wait; the store checks the
 lease (exists, this worker's, not answered before, same prompts) and applies the admission rule at the
 learner's current version. Every refusal is counted by reason in the store
 (``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
@@ -275,9 +276,11 @@ class Intake:
         loop = asyncio.get_running_loop()
         while True:
             rec, lease, sub, picks = await self._queue.get()
-            # a claim at the admission floor is due: the next update leaves its version behind, and its
-            # held groups with it, so its check no longer gives the update its turn (learner/turns.py)
-            due = functools.partial(self._due, sub.policy_version)
+            # due, its check does not give the update its turn (learner/turns.py): a new identity's (it
+            # gets no lease until the verdict), or a claim at the admission floor (the next update leaves
+            # its version behind, and its held groups with it)
+            proving = rec.checks_passed < self.generation.cfg.check_first
+            due = functools.partial(self._due, sub.policy_version, proving)
             try:
                 await loop.run_in_executor(
                     self._executor, functools.partial(self.generation.check, lease, sub, picks, due=due)
@@ -301,9 +304,11 @@ class Intake:
                 rec.checks_waiting -= 1
                 self._queue.task_done()
 
-    def _due(self, version: int) -> bool:
-        """A held claim of ``version`` is at the admission floor: the learner's next update leaves it."""
-        return version <= admission_floor(self.version(), self.store.staleness)
+    def _due(self, version: int, proving: bool) -> bool:
+        """A check that cannot wait for the update: of a new identity (``proving``: it idles, without a
+        lease, until the verdict), or of a claim of ``version`` at the admission floor (the learner's
+        next update leaves it)."""
+        return proving or version <= admission_floor(self.version(), self.store.staleness)
 
     async def settled(self) -> None:
         """Wait until every drawn submission so far has its verdict."""

@@ -20,7 +20,9 @@ re-run per checked submission, ``check_chunk_tokens = 64``. Targets (fixed here,
    its time, between its chunks); this study's update and check take them as ``LearnerCore.update``
    and the intake's check do, and an "off" update now starts only once the checker has finished the
    check it was running (before, a check started on the "on" side could run into the next "off"
-   update). The rule is unchanged; the earlier readings stay in the results file.
+   update). The rule is unchanged; the earlier readings stay in the results file. The check re-run
+   here is a proven identity's sampled one: a new identity's checks (and one whose claim is at the
+   admission floor) do not give way, and cost what the niced reading says while they run.
 3. ``--study memory``: in a fresh process each, the peak resident memory one check adds (``VmHWM``
    reset through ``/proc/self/clear_refs`` before it) at completions of 64 tokens (one chunk) and of
    512 tokens. Target: peak(512) <= 1.2 x peak(64), i.e. the check's memory does not grow with the

@@ -559,11 +559,16 @@ class TcpWorkerNode:
             return
         self.counters.repaired_chunks += len(chunks)
         # A failed peer's chunks come from the peer's own source for them (its stripe ancestor, which
-        # got them first) unless that one failed here lately too; the learner holds every chunk from
-        # the start, so it is the fallback of last resort; a second failure of the learner itself is
-        # retried after a short backoff.
-        up = transfer.repair.get(failed, LEARNER)
-        source = up if up not in self._avoid else LEARNER
+        # got them first), or the next one up the stripe when that one failed here lately too; the
+        # learner holds every chunk from the start, so it is the fallback of last resort; a second
+        # failure of the learner itself is retried after a short backoff.
+        source, seen = transfer.repair.get(failed, LEARNER), {failed}
+        while source != LEARNER and (source in self._avoid or source in seen):
+            if source in seen:  # a chain that loops back: no ancestor holds the chunks for sure
+                source = LEARNER
+                break
+            seen.add(source)
+            source = transfer.repair.get(source, LEARNER)
         if source != LEARNER:
             self.counters.ancestor_repairs += 1
         delay = 0.0 if failed != LEARNER else min(2.0, 0.2 * 2**repairs)

@@ -172,7 +172,11 @@ def study_latency(shape: dict[str, int], completion: int, n: int) -> dict[str, A
             intake = Intake(
                 store, limits, lambda: 0, lambda: 0, time.monotonic, None, check, lambda v: v == 0
             )
-            rec = SimpleNamespace(worker_id="w", quarantined="", rollouts=0)
+            # a proven identity (its first checks passed): its draw falls as the queue fills, as declared
+            first = SecurityConfig().check_first
+            rec = SimpleNamespace(
+                worker_id="w", quarantined="", rollouts=0, checks_passed=first, checks_waiting=0
+            )
             t = sub.groups[0]
             samples = [
                 SampleWire(prompt_ids=list(x.prompt_ids), completion_ids=list(x.completion_ids),

@@ -467,8 +467,8 @@ class SecurityConfig(_Section):
         ge=0,
         description="generation checks a new identity must pass before its submissions are drawn at "
         "check_fraction: until then every one of them is drawn (at a full check queue refused, check_busy, "
-        "never admitted unchecked), so a "
-        "forger is caught in its first submissions, before it has been trusted with much; 0 = none",
+        "never admitted unchecked), so a forger is caught in its first submissions, before it has been "
+        "trusted with much; 0 = none",
     )
     check_queue: int = Field(
         32,

@@ -563,12 +563,11 @@ class TcpWorkerNode:
         # learner holds every chunk from the start, so it is the fallback of last resort; a second
         # failure of the learner itself is retried after a short backoff.
         source, seen = transfer.repair.get(failed, LEARNER), {failed}
-        while source != LEARNER and (source in self._avoid or source in seen):
-            if source in seen:  # a chain that loops back: no ancestor holds the chunks for sure
-                source = LEARNER
-                break
+        while source in self._avoid and source not in seen:
             seen.add(source)
             source = transfer.repair.get(source, LEARNER)
+        if source in seen:  # a chain that loops back: no ancestor holds the chunks for sure
+            source = LEARNER
         if source != LEARNER:
             self.counters.ancestor_repairs += 1
         delay = 0.0 if failed != LEARNER else min(2.0, 0.2 * 2**repairs)

@@ -9,10 +9,9 @@ results/check_scale.json). So a background job gives its turn back between chunk
 - while an update runs (:meth:`Turns.updating`), after a chunk that took ``w`` seconds it waits
   ``w x (1 / duty - 1)`` seconds, or until the update ends if that comes first: it computes at most
   ``duty`` of the update's time (``security.check_duty``);
-- between updates (waiting for a batch, publishing, evaluating) it is never held.
-
-- a piece of work that is due (its ``due()`` says so when it pauses: a check whose held groups the next
-  update would leave behind) is never held.
+- between updates (waiting for a batch, publishing, evaluating) it is never held;
+- a piece of work that is due (its ``due()`` says so when it pauses: a new identity's check, or one
+  whose held groups the next update would leave behind) is never held.
 
 ``duty = 1``: never held (the thread's niceness alone); ``duty = 0``: held until the update ends (a job
 that may starve while updates run back to back). One background job at a time calls :meth:`begin` and

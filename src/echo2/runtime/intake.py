@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from echo2.config import Config
+from echo2.config import Config, SecurityConfig
 from echo2.data.store import Lease, SubmitResult, TrajectoryStore
 from echo2.data.submission import Rejected, Submission, SubmissionLimits, validate_submission
 from echo2.observe import catalog as m
@@ -71,6 +71,13 @@ def yield_to_the_update(nice: int) -> None:
     with contextlib.suppress(OSError):  # not allowed: an equal share
         if nice > os.getpriority(os.PRIO_PROCESS, tid):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def proving(rec: WorkerRecord, security: SecurityConfig) -> bool:
+    """A new identity: fewer than ``security.check_first`` of its generation checks passed. Every
+    submission of it is drawn, its check does not give the update its turn, it gets no lease while one
+    waits (``leases.py``: check_pending) and none is admitted unchecked (check_busy)."""
+    return rec.checks_passed < security.check_first
 
 
 def submission_limits(cfg: Config, task: Task, vocab_size: int) -> SubmissionLimits:
@@ -210,15 +217,15 @@ class Intake:
         if self.generation is None or not admissible:
             return []
         full, room = self.draw(rec), self.queue_room()
-        proving = rec.checks_passed < self.generation.cfg.check_first
-        if proving and room <= 0.0:  # never admitted unchecked: a flood cannot make a stranger trusted
+        new = proving(rec, self.generation.cfg)
+        if new and room <= 0.0:  # never admitted unchecked: a flood cannot make a stranger trusted
             raise Rejected(
                 "check_busy",
                 f"the generation check's queue is full ({self.generation.cfg.check_queue} waiting) and this "
                 f"worker has passed {rec.checks_passed} of its first {self.generation.cfg.check_first} "
                 "checks: its submission cannot be checked now (no strike; the lease's prompts go out again)",
             )
-        picks = self.generation.pick(sub, full if proving else full * room, full)
+        picks = self.generation.pick(sub, full if new else full * room, full)
         if picks and not self.generation.holds(sub.policy_version):
             raise Rejected(
                 "unchecked_version",
@@ -235,7 +242,7 @@ class Intake:
         full queue its submission is refused (``check_busy``, no strike), never admitted unchecked."""
         assert self.generation is not None
         cfg = self.generation.cfg
-        return 1.0 if rec.checks_passed < cfg.check_first else cfg.check_fraction
+        return 1.0 if proving(rec, cfg) else cfg.check_fraction
 
     def queue_room(self) -> float:
         """``1 - backlog / check_queue``: the factor a proven identity's draw is scaled by, so the backlog
@@ -279,8 +286,7 @@ class Intake:
             # due, its check does not give the update its turn (learner/turns.py): a new identity's (it
             # gets no lease until the verdict), or a claim at the admission floor (the next update leaves
             # its version behind, and its held groups with it)
-            proving = rec.checks_passed < self.generation.cfg.check_first
-            due = functools.partial(self._due, sub.policy_version, proving)
+            due = functools.partial(self._due, sub.policy_version, proving(rec, self.generation.cfg))
             try:
                 await loop.run_in_executor(
                     self._executor, functools.partial(self.generation.check, lease, sub, picks, due=due)
@@ -304,11 +310,11 @@ class Intake:
                 rec.checks_waiting -= 1
                 self._queue.task_done()
 
-    def _due(self, version: int, proving: bool) -> bool:
-        """A check that cannot wait for the update: of a new identity (``proving``: it idles, without a
+    def _due(self, version: int, new: bool) -> bool:
+        """A check that cannot wait for the update: of a new identity (``new``: it idles, without a
         lease, until the verdict), or of a claim of ``version`` at the admission floor (the learner's
         next update leaves it)."""
-        return proving or version <= admission_floor(self.version(), self.store.staleness)
+        return new or version <= admission_floor(self.version(), self.store.staleness)
 
     async def settled(self) -> None:
         """Wait until every drawn submission so far has its verdict."""

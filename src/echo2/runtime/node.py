@@ -22,7 +22,7 @@ from echo2.data.submission import Rejected
 from echo2.observe.rundir import PUBLISHED_DIR
 from echo2.physics.rules import admission_floor
 from echo2.protocol import LoraSettings, WorkerSettings
-from echo2.runtime.intake import Intake, submission_limits
+from echo2.runtime.intake import Intake, proving, submission_limits
 from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.pool import Pool
 from echo2.runtime.prompts import PromptSource
@@ -166,15 +166,14 @@ def _leasing(
     )  # fmt: skip
     for rec in registry.load():
         pool.enroll(rec)
-    first = cfg.security.check_first
 
-    def proving(worker_id: str) -> bool:  # a new identity whose submission waits for its check
+    def waiting(worker_id: str) -> bool:  # a new identity whose submission waits for its check
         rec = registry.get(worker_id)
-        return rec is not None and rec.checks_waiting > 0 and rec.checks_passed < first
+        return rec is not None and rec.checks_waiting > 0 and proving(rec, cfg.security)
 
     broker = LeaseBroker(
         store, PromptSource(task, cfg.seed), cfg.batch, cfg.staleness, rt, version, pool.is_active, clock,
-        cfg.security, standings, lambda: snapshots.published, epoch, proving,
+        cfg.security, standings, lambda: snapshots.published, epoch, waiting,
     )  # fmt: skip
     return pool, broker
 

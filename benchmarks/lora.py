@@ -58,7 +58,19 @@ Targets (fixed here, before any run):
    bytes of its live tensors at the step (parameters + gradients + AdamW states) per base parameter,
    to show what the resident reading is made of.
 
-3. ``--smoke``: both studies on ``SHAPE_SMOKE`` (hidden 64, 2 layers, vocab 512) with 3 publications
+3. ``--study load``, added with ``load_checkpoint(keep_bf16=True)`` (targets fixed here before its first
+   run): a LoRA learner under bf16-mixed loading its base from a bf16 checkpoint on disk, as real
+   checkpoints are stored. The parent saves ``SHAPE_235M`` in bf16 (``save_pretrained``, safetensors)
+   to a temporary directory; each mode in a fresh child process (``as_the_learner``, libraries
+   imported before the baseline) runs what ``runtime/core.py`` does before its trainer exists:
+   ``models.policy.load_model(path, keep_bf16)``, ``lora.base_digest``, ``lora.attach(model, r=16,
+   "bf16-mixed")``. Modes: "as-stored" (``keep_bf16=True``, the learner's path now) and "float32"
+   (``keep_bf16=False``, the path before: load in float32, cast the base after). Readings: peak
+   resident memory (``ru_maxrss``) less the baseline, per base parameter, and resident memory after
+   (``/proc/self/statm`` after ``malloc_trim``); both digests must be equal. Target: as-stored peak /
+   float32 peak <= 0.75 (one-sided: at most).
+
+4. ``--smoke``: every study on ``SHAPE_SMOKE`` (hidden 64, 2 layers, vocab 512) with 3 publications
    per learning rate and 3 updates per memory mode (both modes in one child process, so the run pays
    one more import, not two), in seconds; writes ``lora_smoke.json`` and ``lora_smoke.png`` under
    ``--out``; no verdict is asserted (tests/integration/test_lora_bench_smoke.py checks that it ran
@@ -69,6 +81,7 @@ Writes results/lora.json (one key per study, merged into an existing file) and r
     python benchmarks/lora.py                      # both studies (~2-5 + ~16 minutes on 2 cores)
     python benchmarks/lora.py --study bytes
     python benchmarks/lora.py --study memory
+    python benchmarks/lora.py --study load
     python benchmarks/lora.py --smoke --out /tmp/lora
 """
 
@@ -108,6 +121,9 @@ MEMORY_LR = 2e-5
 MICRO_BATCH_TOKENS = 1024
 MEMORY_BATCH = {"rows": 2, "prompt": 8, "completion": 16, "group": 2}
 MAX_LORA_BYTES_PER_PARAM = 2.5  # at the optimizer step, bf16-mixed, at most
+# study 3: load
+LOAD_SHAPE = SHAPE_235M
+MAX_LOAD_PEAK_RATIO = 0.75  # as-stored peak / float32 peak, at most
 # the adapter (LoRAConfig defaults apart from enabled)
 LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0}
 # --smoke
@@ -431,6 +447,69 @@ def study_memory(smoke: bool = False) -> dict[str, Any]:
     }
 
 
+# ---- study 3: loading a bf16 base (run in child processes) -----------------------------------------
+
+
+def child_load(mode: str, path: str) -> dict[str, Any]:
+    """Study 3 in this (fresh) process: what the learner does with a bf16 checkpoint before training."""
+    import peft  # noqa: F401  (imported before the baseline: libraries are not the model's memory)
+    import torch
+    import transformers  # noqa: F401
+
+    from echo2.models import lora
+    from echo2.models.policy import load_model
+    from echo2_bench.resident import as_the_learner
+
+    as_the_learner()
+    base = rss()
+    model = load_model(Path(path), keep_bf16=mode == "as-stored")
+    loaded_dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    params = sum(p.numel() for p in model.parameters())
+    digest = lora.base_digest(model)
+    lora.attach(model, lora_config(), "bf16-mixed")
+    frozen = sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})
+    return {
+        "mode": mode,
+        "base_params": params,
+        "loaded_dtypes": loaded_dtypes,
+        "frozen_dtypes_after_attach": frozen,
+        "digest": digest,
+        "peak_bytes_per_param": (peak_rss() - base) / params,
+        "after_bytes_per_param": (rss() - base) / params,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def study_load(smoke: bool = False) -> dict[str, Any]:
+    import tempfile
+
+    import torch
+
+    shape = SHAPE_SMOKE if smoke else LOAD_SHAPE
+    with tempfile.TemporaryDirectory() as tmp:
+        build(shape).to(torch.bfloat16).save_pretrained(tmp)
+        runs = []
+        for mode in ("as-stored", "float32"):
+            print(f"load: {mode} child", flush=True)
+            cmd = [sys.executable, __file__, "--child-load", mode, tmp]
+            runs.append(_result(subprocess.run(cmd, capture_output=True, text=True, check=False), mode))
+    stored, wide = runs
+    ratio = stored["peak_bytes_per_param"] / wide["peak_bytes_per_param"]
+    print(f"  peak as stored {stored['peak_bytes_per_param']:.2f} B/param, float32 "
+          f"{wide['peak_bytes_per_param']:.2f}: {ratio:.2f}x", flush=True)  # fmt: skip
+    return {
+        "shape": shape,
+        "runs": runs,
+        "peak_ratio": ratio,
+        "digests_equal": stored["digest"] == wide["digest"],
+        "targets": {"as_stored_over_float32_peak_max": MAX_LOAD_PEAK_RATIO},
+        "met": {
+            "peak_ratio": ratio <= MAX_LOAD_PEAK_RATIO,
+            "digests_equal": stored["digest"] == wide["digest"],
+        },
+    }
+
+
 # ---- output ----------------------------------------------------------------------------------------
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
@@ -477,11 +556,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["bytes", "memory", "all"], default="all")
+    p.add_argument("--study", choices=["bytes", "memory", "load", "all"], default="all")
     p.add_argument("--smoke", action="store_true", help="both studies on a tiny shape, in seconds")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--child-memory", choices=["lora", "full", "both"], help=argparse.SUPPRESS)
+    p.add_argument("--child-load", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.child_load:
+        print(json.dumps(child_load(*a.child_load)))
+        return 0
     if a.child_memory == "both":  # --smoke only: one process, so the smoke run pays one import
         print(json.dumps([child_memory(m, a.smoke) for m in ("lora", "full")]))
         return 0
@@ -491,14 +574,14 @@ def main() -> int:
     name = "lora_smoke" if a.smoke else "lora"
     path = a.out / f"{name}.json"
     result: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    studies = ["bytes", "memory"] if a.study == "all" else [a.study]
+    studies = ["bytes", "memory", "load"] if a.study == "all" else [a.study]
     for s in studies:
         t0 = time.perf_counter()
-        result[s] = {"bytes": study_bytes, "memory": study_memory}[s](a.smoke)
+        result[s] = {"bytes": study_bytes, "memory": study_memory, "load": study_load}[s](a.smoke)
         result[s]["wall_s"] = time.perf_counter() - t0
         print(s, json.dumps(result[s]["met"]), f"{result[s]['wall_s']:.0f}s", flush=True)
     result["smoke"] = a.smoke
-    result["command"] = "python benchmarks/lora.py [--study bytes | memory] [--smoke --out DIR]"
+    result["command"] = "python benchmarks/lora.py [--study bytes | memory | load] [--smoke --out DIR]"
     a.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     plot(result, a.out / f"{name}.png")

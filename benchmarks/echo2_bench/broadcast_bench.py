@@ -76,7 +76,7 @@ def _row(res: ScenarioResult, cfg: BenchConfig, b0: float, bw: float) -> dict[st
         "learner_bytes_over_g": res.learner_bytes / g,
         "stream_failures": res.counter("stream_failures"),
         "repaired_chunks": res.counter("repaired_chunks"),
-        "ancestor_repairs": res.counter("ancestor_repairs"),  # repairs asked of a stripe ancestor, not the learner
+        "ancestor_repairs": res.counter("ancestor_repairs"),  # asked of a stripe ancestor, not the learner
         "bad_installs": res.bad_installs(),
     }
 

@@ -1,6 +1,7 @@
-"""The LoRA benchmark (benchmarks/lora.py) runs both of its studies on a tiny shape: adapter publications
+"""The LoRA benchmark (benchmarks/lora.py) runs its studies on a tiny shape: adapter publications
 (anchor and patch bytes against the full bf16 snapshot) and the learner's memory with LoRA beside full
-fine-tuning. Only that it ran and wrote its fields is checked; no verdict on a model this small."""
+fine-tuning, and a bf16 base loaded as stored. Only that it ran and wrote its fields is checked; no
+verdict on a model this small."""
 
 from __future__ import annotations
 
@@ -53,3 +54,11 @@ def test_lora_benchmark_smoke(tmp_path):
     assert full["tensors_at_step_total_bytes_per_param"] == pytest.approx(16.0, rel=1e-3)
     assert 0 < lora["tensors_at_step_total_bytes_per_param"] < 16.0
     assert m["lora_vs_full_at_step"] > 0
+
+    ld = got["load"]  # a bf16 checkpoint loaded as stored vs in float32, the same digest either way
+    stored, wide = ld["runs"]
+    assert (stored["mode"], wide["mode"]) == ("as-stored", "float32")
+    assert stored["loaded_dtypes"] == ["torch.bfloat16"] and wide["loaded_dtypes"] == ["torch.float32"]
+    assert stored["frozen_dtypes_after_attach"] == wide["frozen_dtypes_after_attach"] == ["torch.bfloat16"]
+    assert ld["digests_equal"] is True and isinstance(ld["met"]["peak_ratio"], bool)
+    assert stored["peak_bytes_per_param"] > 0 and wide["peak_bytes_per_param"] > 0

@@ -159,6 +159,37 @@ def test_the_learner_refuses_mixing_lora_and_full_checkpoints(tiny_policy, tmp_p
         Plane.load(right, Ranks(world=2), cpu, tmp_path / "base", False, False)
 
 
+def test_a_bf16_base_loads_as_stored_under_bf16_mixed_with_the_same_pinned_digest(tiny_policy, tmp_path):
+    """A LoRA learner under bf16-mixed loads a bf16 checkpoint without a float32 copy of the base; the
+    digest its checkpoints pin is the one a float32 load gives, so either load resumes them; a float32
+    checkpoint still loads in float32."""
+    from echo2.learner.sharded import Ranks
+    from echo2.models.policy import stored_float_dtypes
+    from echo2.runtime.core import Plane
+
+    fp32_dir, bf16_dir = tmp_path / "fp32", tmp_path / "bf16"
+    tiny_policy.save(fp32_dir)
+    tiny_policy.model.to(torch.bfloat16)
+    tiny_policy.save(bf16_dir)
+    assert stored_float_dtypes(bf16_dir) == {"BF16"} and stored_float_dtypes(fp32_dir) == {"F32"}
+    as_stored = load_checkpoint(bf16_dir, keep_bf16=True)
+    widened = load_checkpoint(bf16_dir)
+    assert {p.dtype for p in as_stored.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in widened.model.parameters()} == {torch.float32}
+    assert lora.base_digest(as_stored.model) == lora.base_digest(widened.model)
+    assert {p.dtype for p in load_checkpoint(fp32_dir, keep_bf16=True).model.parameters()} == {torch.float32}
+
+    mixed = Config.model_validate({"lora": LORA.model_dump(), "learner": {"precision": "bf16-mixed"}})
+    plane = Plane.load(mixed, Ranks(), torch.device("cpu"), bf16_dir, False, False)
+    frozen = {p.dtype for n, p in plane.policy.model.named_parameters() if not p.requires_grad}
+    trained = {p.dtype for n, p in plane.policy.model.named_parameters() if p.requires_grad}
+    assert frozen == {torch.bfloat16} and trained == {torch.float32}
+    assert plane.policy.lora_base["sha256"] == lora.base_digest(widened.model)
+    (bf16_dir / "broken.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match=r"broken\.safetensors is not a readable safetensors file"):
+        load_checkpoint(bf16_dir, keep_bf16=True)
+
+
 def _trained_adapter(policy):
     """``policy`` with an adapter whose B is non-zero (as after training), and the run's scale."""
     lora.attach(policy.model, LORA)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,14 +49,34 @@ def has_adapter(model: Any) -> bool:
     return bool(getattr(model, "_hf_peft_config_loaded", False))
 
 
+class _Widened(Mapping[str, Any]):
+    """``state`` with each floating tensor widened to float32 when read, one at a time (a bf16 base's
+    digest builds no float32 copy of the model)."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = state
+
+    def __getitem__(self, name: str) -> Any:
+        t = self.state[name].detach().cpu()
+        return (t.float() if t.is_floating_point() else t).contiguous()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
 def base_digest(model: Any) -> str:
     """The weights digest (``weights.delta.weights_digest``) of ``model``'s whole state as loaded,
-    before an adapter is attached or the base is cast: what a LoRA checkpoint's ``base.json`` pins."""
+    before an adapter is attached or the base is cast, its floating tensors widened to float32: what a
+    LoRA checkpoint's ``base.json`` pins. Widening makes it the same whether a bf16 checkpoint was
+    loaded as stored (``load_checkpoint(keep_bf16=True)``) or in float32."""
     from echo2.weights.delta import weights_digest
 
     if has_adapter(model):
         raise ValueError("base_digest: the model already carries an adapter")
-    return weights_digest({n: t.detach().cpu().contiguous() for n, t in model.state_dict().items()})
+    return weights_digest(_Widened(model.state_dict()))
 
 
 def attach(model: Any, cfg: LoRAConfig, precision: str = "fp32") -> None:

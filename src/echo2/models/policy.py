@@ -196,14 +196,52 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) -> Policy:
+def stored_float_dtypes(path: Path) -> set[str]:
+    """The safetensors dtypes (``"BF16"``, ``"F32"``, ...) of the floating tensors in the checkpoint at
+    ``path``, read from the files' headers (no tensor is loaded); empty without safetensors files."""
+    from safetensors import safe_open
+
+    dtypes: set[str] = set()
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                dtypes |= {st.get_slice(k).get_dtype() for k in st.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
+        except Exception as exc:  # safetensors raises its own types; the user needs the file and cause
+            raise CheckpointError(f"{f} is not a readable safetensors file: {exc}") from exc
+    return {d for d in dtypes if d.startswith(("F", "BF"))}
+
+
+def load_model(p: Path, keep_bf16: bool = False) -> Any:
+    """The causal LM of the checkpoint at ``p`` (:func:`load_checkpoint` says which dtype); a sharded
+    checkpoint's built from its config. CheckpointError with the cause when transformers cannot."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    as_stored = keep_bf16 and not (p / DCP_DIR).is_dir() and stored_float_dtypes(p) == {"BF16"}
+    dtype = torch.bfloat16 if as_stored else torch.float32
+    try:
+        if (p / DCP_DIR).is_dir():  # a sharded checkpoint: the model from its config, states by the caller
+            config = AutoConfig.from_pretrained(p, local_files_only=True)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load a causal LM from {p}: {exc}") from exc
+
+
+def load_checkpoint(
+    path: str | Path, chat_template: bool | ChatFormat = False, keep_bf16: bool = False
+) -> Policy:
     """Model + tokenizer from a local directory; CheckpointError says what is missing or broken. Every
     end-of-sequence id of the tokenizer and of ``generation_config.json`` ends a completion. A sharded
     checkpoint (a ``dcp/`` folder, ``learner/sharded.py``) gives the model built from its config: its
     states are loaded by the caller (``sharded.load_states``, with the optimizer's). A LoRA checkpoint
-    (``models/lora.py``) gives its base with the adapter attached."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    (``models/lora.py``) gives its base with the adapter attached.
+
+    The model is float32, except with ``keep_bf16`` (a LoRA learner under ``bf16-mixed``, whose frozen
+    base is bf16 anyway) when every floating tensor the checkpoint stores is bf16: then it loads as
+    stored, so no float32 copy of the base is ever built (the values are the same: bf16 widens to
+    float32 exactly)."""
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no per-load / per-save weight bars in our logs
@@ -213,7 +251,7 @@ def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) 
     from echo2.models.lora import is_lora_checkpoint, load_lora_checkpoint
 
     if is_lora_checkpoint(p):  # an adapter: its base loaded from the path it records, then the adapter
-        policy, base = load_lora_checkpoint(p, lambda b: load_checkpoint(b, chat_template))
+        policy, base = load_lora_checkpoint(p, lambda b: load_checkpoint(b, chat_template, keep_bf16))
         policy.lora_base = base
         return policy
     if not (p / "config.json").is_file():
@@ -222,16 +260,7 @@ def load_checkpoint(path: str | Path, chat_template: bool | ChatFormat = False) 
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as exc:  # transformers raises many types; the user needs the path and the cause
         raise CheckpointError(f"cannot load a tokenizer from {p}: {exc}") from exc
-    try:
-        if (p / DCP_DIR).is_dir():  # a sharded checkpoint: the model from its config, states by the caller
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(p, local_files_only=True)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
-    except Exception as exc:
-        raise CheckpointError(f"cannot load a causal LM from {p}: {exc}") from exc
+    model = load_model(p, keep_bf16)
     chat = chat_template if isinstance(chat_template, ChatFormat) else ChatFormat(chat_template)
     extra = generation_eos_ids(p)
     eos = tokenizer.eos_token_id

@@ -66,7 +66,9 @@ class Plane:
         from echo2.rollout.engines.hf import HFEngine
         from echo2.tasks.registry import build_task
 
-        policy = load_checkpoint(source, chat_format(cfg))
+        # a LoRA learner's frozen base is bf16 under bf16-mixed: a bf16 checkpoint loads as stored
+        keep_bf16 = cfg.lora.enabled and cfg.learner.precision == "bf16-mixed"
+        policy = load_checkpoint(source, chat_format(cfg), keep_bf16)
         _lora(cfg, policy, source, resumed, ranks.sharded)
         policy.model.to(device)
         reference = None

@@ -73,3 +73,28 @@ def test_plan_reports_the_learner_memory(capsys):
     assert "learner memory (Qwen3-8B, one GPU): 18 B/param" in text and "does NOT fit" in text
     assert main(["plan", "paper_qwen3_8b", "--model-size", "0.6B", "--gpu-gib", "141", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["learner_memory"]["one_gpu"]["fits"] is True
+
+
+def test_a_lora_learner_holds_the_frozen_base_and_the_adapters_states():
+    """Qwen3-8B, r = 16: the adapter is 43.6M parameters (a = 0.53%), trained in fp32 with AdamW; the
+    base frozen in bf16 under bf16-mixed is the only whole-model part besides the check's expanded
+    matrices. Per base parameter: 2 + 16 a to train, b t for the check model."""
+    shape = QWEN3_SHAPES["8B"]
+    a = 43_646_976 / shape.params
+    t = shape.targeted_params() / shape.params
+    # the 8B model's projections: 36 layers x 4096 x (2 x 4096 + 2 x 1024 + 3 x 12288)
+    assert shape.targeted_params() == 36 * 4096 * (2 * 4096 + 2 * 1024 + 3 * 12288)
+    m = learner_memory(shape, "bf16-mixed", lora_rank=16)
+    assert m.weights == pytest.approx(2 + 4 * a) and m.gradients == pytest.approx(4 * a)
+    assert m.optimizer == pytest.approx(8 * a) and m.reference == 0
+    assert m.training == pytest.approx(2 + 16 * a)
+    assert m.sampler_copies == pytest.approx(2 * a)  # the adapter; the base copy is the frozen bf16 base
+    assert m.check_model == pytest.approx(2 * t) and m.publication == pytest.approx(4 * a)
+    assert learner_memory(shape, "fp32", lora_rank=16).sampler_copies == pytest.approx(2 * a + 2)
+    one = fits(shape, 80, lora_rank=16, micro_batch_tokens=2048)
+    assert one["bytes_per_param"] == pytest.approx(2 + 16 * a + 2 * t) and one["fits"] is True
+    assert fits(shape, 80, micro_batch_tokens=2048)["fits"] is False  # whole weights: 18 B/param
+    assert fits(shape, 24, lora_rank=16)["fits"] is False  # ~4 B/param of 8.2B parameters: 31 GiB
+    # the 235M shape of benchmarks/lora.py --study memory (the trainer alone: 2.48 measured)
+    bench = ModelShape.qwen3(1024, 3072, 16, 16, 8, 64, 32768, tied=True)
+    assert learner_memory(bench, "bf16-mixed", lora_rank=16).training == pytest.approx(2.34, abs=0.01)

@@ -207,11 +207,17 @@ def _report(plan: dict[str, Any]) -> str:
                 f"{whole['active_workers']} workers, step {whole['step_s']:.1f} s, "
                 f"cost/step ${_fmt(whole['usd_per_step'], '.3f')}"
             )
+            wmem = whole.get("learner_memory")
+            if wmem:
+                lines.append(_memory_line("  whole weights' learner memory (one GPU)", wmem["one_gpu"]))
         else:
             lines.append(f"  whole weights instead: no feasible plan ({whole['reason']})")
     mem = plan.get("learner_memory")
     if mem:
-        lines.append(_memory_line(f"learner memory (Qwen3-{mem['shape']}, one GPU)", mem["one_gpu"]))
+        lora = f", LoRA r = {mem['lora_rank']}" if mem.get("lora_rank") else ""
+        lines.append(_memory_line(f"learner memory (Qwen3-{mem['shape']}{lora}, one GPU)", mem["one_gpu"]))
+        if "sharded" in mem:
+            lines.append(f"  {mem['sharded']}")
         if "per_gpu_sharded" in mem:
             lines.append(
                 _memory_line(f"  largest rank, sharded over {mem['ranks']} GPUs", mem["per_gpu_sharded"])

@@ -24,6 +24,17 @@ check transient     b                          while an older version is checked
 publication         b (+ b at an anchor)       while a publication is copied and encoded
 ==================  =========================  ===========================================================
 
+**With LoRA** (``[lora]``, ``lora_rank`` r on the attention and MLP projections; ``a`` = adapter
+parameters / ``P``, ``t`` = the targeted matrices' parameters / ``P``; still per *base* parameter):
+weights ``w + 4a`` (the frozen base in the learner's precision, ``w`` = 2 under ``bf16-mixed`` and 4
+under fp32, plus the fp32 adapter), gradients ``4a``, optimizer ``8a``, no reference (the base with the
+adapter off is the reference), sampler copies ``b a n_copies`` plus the base's copy in the snapshot
+dtype (none when it is the frozen bf16 base itself: ``bf16-mixed`` with bf16 publications), older
+versions ``u a`` each, the check model ``b t`` (the newest version's targeted matrices expanded, base +
+adapter, ``models/lora.PublishedBase.expand``) on the CPU as on a GPU, check transient and
+publication ``b a`` and ``2 b a``. Measured (``benchmarks/lora.py --study memory``, the trainer
+alone, 235M, r = 16, ``a`` = 2.1%): 2.48 bytes / base parameter against ``2 + 16 a`` = 2.34.
+
 So the floor with AdamW is ``4 + 4 + 8 = 16`` (SPEC §9), and with the defaults (bf16 publications,
 S = 3, kappa = 2, checks on, published bytes on disk) the held copy adds 2 and the undo of the one
 older admissible version ``u`` (0.225 at ``f`` = 5%): about 18.2 bytes / param at an update's peak. The
@@ -106,6 +117,11 @@ class ModelShape:
         )
         per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
         return rank * per_layer * self.layers
+
+    def targeted_params(self) -> int:
+        """Parameters of the matrices a default LoRA adapter targets (q, k, v, o, gate, up, down)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.layers * self.hidden * (2 * q + 2 * kv + 3 * self.intermediate)
 
     def activation_elements_per_token(self, checkpointing: bool = False) -> int:
         """Elements autograd keeps per token of a micro-batch (module docstring)."""
@@ -212,13 +228,34 @@ def learner_memory(
     checkpointing: bool = False,
     on_disk: bool = True,
     changed_fraction: float = CHANGED_FRACTION,
+    lora_rank: int | None = None,
 ) -> LearnerMemory:
-    """The learner's memory by part for a model of ``shape`` (module docstring)."""
+    """The learner's memory by part for a model of ``shape`` (module docstring); ``lora_rank``: a LoRA
+    learner's, per base parameter."""
     copies = held_sampler_copies(on_disk)
     n_older = older_versions(staleness, kappa, checks)
     f = changed_fraction
     undo = min(float(publish_bytes), publish_bytes * f + min(4 * f, 1 / 8))  # never above a copy
     act_bytes = 4 if precision == "fp32" else 2
+    act = float(act_bytes * shape.activation_elements_per_token(checkpointing))
+    if lora_rank is not None:
+        a = shape.lora_params(lora_rank) / shape.params
+        b = float(publish_bytes)
+        base = 4.0 if precision == "fp32" else 2.0
+        base_copy = 0.0 if (precision == "bf16-mixed" and publish_bytes == 2) else b
+        return LearnerMemory(
+            weights=base + 4 * a,
+            gradients=4 * a,
+            optimizer=8 * a,
+            reference=0.0,
+            sampler_copies=b * a * copies + base_copy,
+            older_versions=undo * a * n_older,
+            check_model=b * shape.targeted_params() / shape.params if checks else 0.0,
+            check_transient=b * a if n_older else 0.0,
+            publication=2 * b * a,
+            activation_per_token=act,
+            sampler_copy_count=copies,
+        )
     return LearnerMemory(
         weights=4.0,
         gradients=4.0,
@@ -229,7 +266,7 @@ def learner_memory(
         check_model=float(publish_bytes) if (checks and gpu) else 0.0,
         check_transient=float(publish_bytes) if n_older else 0.0,
         publication=float(2 * publish_bytes),
-        activation_per_token=float(act_bytes * shape.activation_elements_per_token(checkpointing)),
+        activation_per_token=act,
         sampler_copy_count=copies,
     )
 

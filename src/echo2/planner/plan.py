@@ -203,7 +203,7 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
 
 # what a LoRA plan reports of the same scenario publishing whole weights (``echo2 plan --lora-rank``)
 WHOLE_KEYS = ("publication_gb", "t_bcast_s", "mu_min", "active_set", "active_workers", "mu_pool",
-              "workers_usd_per_hour", "step_s", "usd_per_step", "feasible")  # fmt: skip
+              "workers_usd_per_hour", "step_s", "usd_per_step", "feasible", "learner_memory")  # fmt: skip
 
 
 def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
@@ -213,13 +213,21 @@ def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
     ``gpus`` > 1 on the largest rank of a learner sharded over them (``learner/sharded.py``)."""
     from echo2.planner.memory import QWEN3_SHAPES, fits
 
-    if sc.model is None or sc.model.shape is None or sc.model.lora is not None:  # LoRA: not modelled
+    if sc.model is None or sc.model.shape is None:
         return None
     shape, lr = QWEN3_SHAPES[sc.model.shape], sc.learner
-    kw = {"staleness": sc.staleness.S, "kappa": sc.staleness.effective_kappa}
+    rank = sc.model.lora.rank if sc.model.lora is not None else None
+    kw: dict[str, Any] = {
+        "staleness": sc.staleness.S,
+        "kappa": sc.staleness.effective_kappa,
+        "lora_rank": rank,
+    }
     one = fits(shape, lr.gpu_gib or 0.0, lr.precision, micro_batch_tokens=lr.micro_batch_tokens, **kw)
-    out: dict[str, Any] = {"shape": sc.model.shape, "params": shape.params, "one_gpu": one}
-    if lr.gpus > 1:
+    out: dict[str, Any] = {"shape": sc.model.shape, "params": shape.params, "lora_rank": rank, "one_gpu": one}
+    if lr.gpus > 1 and rank is not None:
+        out["ranks"] = lr.gpus
+        out["sharded"] = "LoRA on the sharded learner is not built: the LoRA learner runs on one GPU"
+    elif lr.gpus > 1:
         out["ranks"] = lr.gpus
         out["per_gpu_sharded"] = fits(
             shape,

@@ -130,6 +130,9 @@ class LoraSettings(BaseModel):
 
     scale: float = Field(gt=0.0, allow_inf_nan=False)  # alpha / r
     base_digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # weights digest of the base; in every manifest
+    # the dtype the base is published in (``snapshot.dtype``): what a worker holding the base checkpoint
+    # itself (``--lora-base``) casts it to before comparing digests
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
 class WorkerSettings(BaseModel):

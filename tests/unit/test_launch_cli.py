@@ -61,6 +61,7 @@ def test_nothing_but_the_launcher_imports_ray():
         (["--relay-port", "70000"], "--relay-port 70000: not a TCP port"),
         (["--relay-port", "-1"], "--relay-port -1: not a TCP port"),
         (["--advertise-port", "0"], "--advertise-port 0: not a TCP port"),
+        (["--lora-base", "/nonexistent/base"], "--lora-base /nonexistent/base: no such checkpoint directory"),
     ],
 )
 def test_a_worker_with_a_port_that_is_no_port_is_refused(flags, says, capsys):

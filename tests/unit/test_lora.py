@@ -295,9 +295,13 @@ def test_the_check_reruns_base_plus_adapter_as_the_workers_engine_does(tiny_poli
     assert check.held_bytes() <= sum(t.nbytes for t in v1.values())  # an undo of an adapter, not a model
 
 
-def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_the_stated_one(tiny_policy):
+def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_the_stated_one(
+    tiny_policy, tmp_path
+):
     """The follower installs only links whose signed lineage pins the base it holds (counted as an
-    install failure otherwise); a base whose digest is not the settings' ends the worker's setup."""
+    install failure otherwise); a base whose digest is not the settings' ends the worker's setup. A
+    worker holding the base checkpoint (``--lora-base``) builds the same base from it, without the
+    learner; another checkpoint there is refused the same way."""
     import asyncio
 
     from echo2.broadcast.factory import open_publisher
@@ -305,11 +309,12 @@ def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_t
     from echo2.errors import Echo2Error
     from echo2.protocol import LoraSettings
     from echo2.rollout.follower import WeightFollower
-    from echo2.rollout.worker import RolloutWorker, WorkerCounters
+    from echo2.rollout.worker import RolloutWorker, WorkerCounters, WorkerOptions
     from echo2.runtime.snapshots import Snapshots
     from echo2.weights.delta import encode_full
     from echo2.weights.manifest import Manifest, new_signing_key
 
+    tiny_policy.save(tmp_path / "base")  # the base checkpoint, as the worker's machine holds it
     scale = _trained_adapter(tiny_policy)
     base = lora.PublishedBase.of(tiny_policy.model, "bfloat16", scale)
 
@@ -341,9 +346,25 @@ def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_t
 
         worker = RolloutWorker.__new__(RolloutWorker)
         worker.client = Client()
+        worker.opts = WorkerOptions("https://learner.invalid", "t")  # no --lora-base: downloaded
         got = await worker._lora_base(LoraSettings(scale=scale, base_digest=base.digest))
         assert got.digest == base.digest and got.scale == scale
-        with pytest.raises(Echo2Error, match="refusing it"):
+        with pytest.raises(Echo2Error, match="another base; refusing it"):
             await worker._lora_base(LoraSettings(scale=scale, base_digest="ef" * 32))
+
+        class NoBase:
+            async def lora_base(self):
+                raise AssertionError("a worker holding the base must not download it")
+
+        worker.client = NoBase()
+        worker.opts = WorkerOptions("https://learner.invalid", "t", lora_base=tmp_path / "base")
+        local = await worker._lora_base(LoraSettings(scale=scale, base_digest=base.digest))
+        assert local.digest == base.digest and local.tensors.keys() == base.tensors.keys()
+        other = load_checkpoint(tmp_path / "base")
+        with torch.no_grad():
+            other.model.get_input_embeddings().weight.add_(0.01)
+        other.save(tmp_path / "base")  # another base where the worker looks
+        with pytest.raises(Echo2Error, match=r"--lora-base, as bfloat16\) digests to .*another base"):
+            await worker._lora_base(LoraSettings(scale=scale, base_digest=base.digest))
 
     asyncio.run(go())

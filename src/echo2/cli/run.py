@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
@@ -188,6 +189,11 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="port peers dial, when a router forwards it to --relay-port (NAT); default: --relay-port",
     )
+    p.add_argument(
+        "--lora-base",
+        help="a LoRA run's base checkpoint on this machine: read it instead of downloading the base "
+        "(checked against the run's digest)",
+    )
     p.add_argument("--engine", default="hf", help="rollout engine: hf (default) or vllm (docs/engines.md)")
     p.add_argument(  # literals: the parser imports nothing heavy (config.FloatDtype, EngineOptions)
         "--engine-dtype",
@@ -234,6 +240,8 @@ def _worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"--engine-memory {args.engine_memory}: must be in (0, 1]")
     if not re.match(DEVICE_PATTERN, args.engine_device):
         raise ConfigError(f"--engine-device {args.engine_device!r}: choose auto, cpu, cuda or cuda:N")
+    if args.lora_base is not None and not Path(args.lora_base).expanduser().is_dir():
+        raise ConfigError(f"--lora-base {args.lora_base}: no such checkpoint directory")
     if not 0 <= args.relay_port <= 65535:
         raise ConfigError(f"--relay-port {args.relay_port}: not a TCP port (1-65535, or 0: any free one)")
     if args.advertise_port is not None and not 1 <= args.advertise_port <= 65535:
@@ -266,6 +274,7 @@ def _worker(args: argparse.Namespace) -> int:
             device=args.engine_device,
             max_batch_tokens=args.engine_batch_tokens,
         ),
+        lora_base=Path(args.lora_base).expanduser() if args.lora_base else None,
         **({"name": args.name} if args.name else {}),
     )
     worker = RolloutWorker(opts, build_task)

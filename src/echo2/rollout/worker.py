@@ -77,6 +77,7 @@ class WorkerOptions:
     engine_options: EngineOptions = field(default_factory=EngineOptions)  # max_context: the learner's
     reconnect_s: float = 120.0  # give up when the learner is unreachable this long
     catchup_s: float = 3.0  # wait this long for the broadcast before fetching a snapshot over HTTP
+    lora_base: Path | None = None  # a LoRA run's base checkpoint held here (instead of GET /v1/base)
 
 
 @dataclass
@@ -211,20 +212,27 @@ class RolloutWorker:
         log.info("worker %s ready at v%d", self.worker_id, self.installed)
 
     async def _lora_base(self, lora: LoraSettings) -> Any:
-        """A LoRA run's frozen base, fetched from the learner once and checked against the digest the
-        settings state (every manifest states it too): a base that is not it ends the worker."""
-        from echo2.models.lora import PublishedBase
+        """A LoRA run's frozen base, checked against the digest the settings state (every manifest
+        states it too): a base that is not it ends the worker. Fetched from the learner once, or, with
+        ``lora_base``, read from the checkpoint this machine holds (cast to the published dtype, as
+        the learner publishes it), so no base crosses the network."""
+        from echo2.models.lora import PublishedBase, local_base
         from echo2.weights.delta import decode_full, weights_digest
 
         t0 = time.perf_counter()
-        blob = await self.client.lora_base()
-        tensors = await asyncio.to_thread(decode_full, blob)
-        del blob
+        if self.opts.lora_base is not None:
+            where = f"the LoRA base at {self.opts.lora_base} (--lora-base, as {lora.dtype})"
+            tensors = await asyncio.to_thread(local_base, self.opts.lora_base, lora.dtype)
+        else:
+            where = "the LoRA base the learner sent"
+            blob = await self.client.lora_base()
+            tensors = await asyncio.to_thread(decode_full, blob)
+            del blob
         got = await asyncio.to_thread(weights_digest, tensors)
         if got != lora.base_digest:
             raise Echo2Error(
-                f"the LoRA base the learner sent digests to {got[:16]}..., its settings state "
-                f"{lora.base_digest[:16]}...: refusing it"
+                f"{where} digests to {got[:16]}..., the run's settings state {lora.base_digest[:16]}...: "
+                "another base; refusing it"
             )
         log.info("LoRA base installed (%d tensors) in %.1f s", len(tensors), time.perf_counter() - t0)
         return PublishedBase(tensors, got, lora.scale)

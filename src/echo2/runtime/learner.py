@@ -232,7 +232,7 @@ class AsyncLearner:
         blob = await asyncio.to_thread(
             lambda: spill_file(self.run_path / PUBLISHED_DIR / "base.bin", encode_full(base.tensors))
         )
-        return LoraSettings(scale=base.scale, base_digest=base.digest), blob
+        return LoraSettings(scale=base.scale, base_digest=base.digest, dtype=self.cfg.snapshot.dtype), blob
 
     def _open_store(self) -> None:
         """The trajectory store, less an earlier process's groups whose checks never ran, with the

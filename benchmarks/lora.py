@@ -455,6 +455,7 @@ def child_load(mode: str, path: str) -> dict[str, Any]:
     import peft  # noqa: F401  (imported before the baseline: libraries are not the model's memory)
     import torch
     import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM  # noqa: F401  (the model code too)
 
     from echo2.models import lora
     from echo2.models.policy import load_model

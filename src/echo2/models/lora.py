@@ -245,20 +245,6 @@ def base_copy(model: Any, dtype: str = "bfloat16") -> dict[str, Any]:
     return {name.replace(".base_layer.", "."): t for name, t in weights.items()}
 
 
-def local_base(path: Path, dtype: str) -> dict[str, Any]:
-    """The base a LoRA run publishes, built from the base checkpoint at ``path`` on this machine: its
-    weights in ``dtype`` under their own names (:func:`base_copy` of the plain model), the tensors a
-    worker would otherwise download. CheckpointError when ``path`` holds no loadable model."""
-    from echo2.models.policy import load_model
-
-    if not Path(path).is_dir():
-        raise CheckpointError(f"--lora-base {path}: no such checkpoint directory")
-    model = load_model(Path(path), keep_bf16=dtype == "bfloat16")
-    if has_adapter(model):  # pragma: no cover - load_model never attaches one
-        raise CheckpointError(f"--lora-base {path}: a LoRA checkpoint, not a base")
-    return base_copy(model, dtype)
-
-
 @dataclass(frozen=True)
 class PublishedBase:
     """A LoRA run's base as workers hold it: the tensors (publication dtype, base names), their weights

@@ -216,13 +216,17 @@ class RolloutWorker:
         states it too): a base that is not it ends the worker. Fetched from the learner once, or, with
         ``lora_base``, read from the checkpoint this machine holds (cast to the published dtype, as
         the learner publishes it), so no base crosses the network."""
-        from echo2.models.lora import PublishedBase, local_base
+        from echo2.models.lora import PublishedBase, base_copy
+        from echo2.models.policy import load_model
         from echo2.weights.delta import decode_full, weights_digest
+
+        def local_base(path: Path) -> dict[str, Any]:  # the plain model's weights, as the learner ships them
+            return base_copy(load_model(path, keep_bf16=lora.dtype == "bfloat16"), lora.dtype)
 
         t0 = time.perf_counter()
         if self.opts.lora_base is not None:
             where = f"the LoRA base at {self.opts.lora_base} (--lora-base, as {lora.dtype})"
-            tensors = await asyncio.to_thread(local_base, self.opts.lora_base, lora.dtype)
+            tensors = await asyncio.to_thread(local_base, self.opts.lora_base)
         else:
             where = "the LoRA base the learner sent"
             blob = await self.client.lora_base()

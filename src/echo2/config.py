@@ -372,6 +372,12 @@ class LoRAConfig(_Section):
         description="names of the linear layers that get an adapter (default: attention and MLP "
         "projections of Qwen / Llama-style models)",
     )
+    vllm: Literal["native", "merged"] = Field(
+        "native",
+        description="how vLLM workers apply each adapter: native = vLLM's LoRA support (enable_lora, a "
+        "LoRA request per version; the base loaded once), merged = base + adapter merged and reloaded "
+        "as whole weights",
+    )
 
 
 class TrainConfig(_Section):

@@ -133,6 +133,8 @@ class LoraSettings(BaseModel):
     # the dtype the base is published in (``snapshot.dtype``): what a worker holding the base checkpoint
     # itself (``--lora-base``) casts it to before comparing digests
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    rank: int | None = Field(default=None, ge=1, le=4096)  # lora.r: what a native vLLM engine reserves
+    vllm: Literal["native", "merged"] = "merged"  # lora.vllm: how a vLLM worker applies each adapter
 
 
 class WorkerSettings(BaseModel):

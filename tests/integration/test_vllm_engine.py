@@ -69,10 +69,34 @@ def test_vllm_installs_into_the_running_engine_and_refuses_what_does_not_fit(pro
 @needs_vllm
 @pytest.mark.integration
 @pytest.mark.vllm
+def test_vllm_serves_lora_adapters_natively_as_the_check_computes_them():
+    """vLLM's own LoRA (enable_lora, a LoRA request per version, the base loaded once) against the HF
+    engine on the float32 merge the learner's check runs in a native run: the same seeded tokens and
+    log-probs within fp32 kernel noise; the next version swaps in between generations; an adapter that
+    does not fit the base is refused and the one before keeps serving."""
+    script = Path(__file__).with_name("vllm_lora_probe.py")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400,
+                         cwd=script.parent)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("PROBE "))
+    probe = json.loads(line[len("PROBE ") :])
+    assert probe["native"] is True
+    for case in ("v1", "v2", "still_v2"):
+        c = probe[case]
+        assert c["same"] == c["n"] and c["finished_agree"], (case, c)
+        assert c["max_err"] < 1e-4, (case, c)  # the fp32 engines' own agreement (test above)
+    assert probe["base_only_same"] < 24  # the adapter changes what is sampled: it was applied
+    assert "adapter tensors of model.layers.0.self_attn.q_proj do not fit" in probe["refused"]
+
+
+@needs_vllm
+@pytest.mark.integration
+@pytest.mark.vllm
 def test_echo2_run_with_vllm_workers_and_lora(tiny_overrides, tmp_path):
-    """A LoRA run (the learner publishes the adapter alone) with vLLM workers, which load base + adapter
-    through vLLM's in-place reload: every submission re-checked against base + adapter, all admitted;
-    each publication is a fraction of the base the workers fetched once."""
+    """A LoRA run (the learner publishes the adapter alone) with vLLM workers, which serve each adapter
+    through vLLM's own LoRA support (``lora.vllm = "native"``, the default): every submission re-checked
+    against base + adapter, all admitted; each publication is a fraction of the base the workers fetched
+    once."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "echo2.cli", "run", *[a for o in tiny_overrides for a in ("--set", o)]]
     # head_dim 32 (the tiny shape's 16 has no vLLM CPU attention kernel); every submission re-checked
@@ -87,9 +111,10 @@ def test_echo2_run_with_vllm_workers_and_lora(tiny_overrides, tmp_path):
     # every submission re-checked (seeded tokens and log-probs against the learner's weights): all pass
     assert all(r["store/rejected"] == 0 for r in rows)
     assert rows[-1]["security/quarantined"] == 0
-    logs = (run_dir / "workers").glob("*.log")
+    logs = sorted((run_dir / "workers").glob("*.log"))
     reports = [json.loads(p.read_text().strip().splitlines()[-1]) for p in logs]
     assert len(reports) == 2 and all(r["install_failures"] == 0 for r in reports)
+    assert all("LoRA adapters served natively by the engine" in p.read_text() for p in logs)
     # all 20 steps' rollouts came from vLLM workers (a slow starter may miss a short run altogether)
     assert sum(r["rollouts_submitted"] for r in reports) >= 20 * 4 * 4
     base_bytes = (run_dir / "published" / "base.bin").stat().st_size

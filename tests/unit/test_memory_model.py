@@ -78,7 +78,8 @@ def test_plan_reports_the_learner_memory(capsys):
 def test_a_lora_learner_holds_the_frozen_base_and_the_adapters_states():
     """Qwen3-8B, r = 16: the adapter is 43.6M parameters (a = 0.53%), trained in fp32 with AdamW; the
     base frozen in bf16 under bf16-mixed is the only whole-model part besides the check's expanded
-    matrices. Per base parameter: 2 + 16 a to train, b t for the check model."""
+    matrices. Per base parameter: 2 + 16 a to train, 4 t for the check model (merged in float32 for
+    native vLLM LoRA, the default; 2 t with lora.vllm = "merged")."""
     shape = QWEN3_SHAPES["8B"]
     a = 43_646_976 / shape.params
     t = shape.targeted_params() / shape.params
@@ -89,10 +90,13 @@ def test_a_lora_learner_holds_the_frozen_base_and_the_adapters_states():
     assert m.optimizer == pytest.approx(8 * a) and m.reference == 0
     assert m.training == pytest.approx(2 + 16 * a)
     assert m.sampler_copies == pytest.approx(2 * a)  # the adapter; the base copy is the frozen bf16 base
-    assert m.check_model == pytest.approx(2 * t) and m.publication == pytest.approx(4 * a)
+    assert m.check_model == pytest.approx(4 * t) and m.publication == pytest.approx(4 * a)
+    assert learner_memory(
+        shape, "bf16-mixed", lora_rank=16, lora_merged_bytes=2
+    ).check_model == pytest.approx(2 * t)
     assert learner_memory(shape, "fp32", lora_rank=16).sampler_copies == pytest.approx(2 * a + 2)
     one = fits(shape, 80, lora_rank=16, micro_batch_tokens=2048)
-    assert one["bytes_per_param"] == pytest.approx(2 + 16 * a + 2 * t) and one["fits"] is True
+    assert one["bytes_per_param"] == pytest.approx(2 + 16 * a + 4 * t) and one["fits"] is True
     assert fits(shape, 80, micro_batch_tokens=2048)["fits"] is False  # whole weights: 18 B/param
     assert fits(shape, 24, lora_rank=16)["fits"] is False  # ~4 B/param of 8.2B parameters: 31 GiB
     # the 235M shape of benchmarks/lora.py --study memory (the trainer alone: 2.48 measured)

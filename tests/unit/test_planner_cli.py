@@ -232,7 +232,7 @@ def test_a_lora_plan_ships_the_adapter_and_shows_the_whole_weights_pool_beside_i
     k = 20  # anchor_every: one whole adapter, then 19 patches of half of it
     assert plan["publication_gb"] == pytest.approx(plan["adapter_gb"] * (1 + (k - 1) * 0.5) / k)
     assert plan["feasible"] and plan["learner_memory"]["lora_rank"] == 16
-    assert plan["learner_memory"]["one_gpu"]["bytes_per_param"] < 5  # the frozen base, not 16 + of AdamW
+    assert plan["learner_memory"]["one_gpu"]["bytes_per_param"] < 6  # the frozen base, not 16 + of AdamW
     assert (
         plan["whole_weights"]["feasible"] is False and "cannot be hidden" in plan["whole_weights"]["reason"]
     )
@@ -244,7 +244,7 @@ def test_a_lora_plan_ships_the_adapter_and_shows_the_whole_weights_pool_beside_i
         paper["whole_weights"]["learner_memory"]["one_gpu"],
         paper["learner_memory"]["one_gpu"],
     )
-    assert whole_mem["bytes_per_param"] == pytest.approx(18) and lora_mem["bytes_per_param"] < 5
+    assert whole_mem["bytes_per_param"] == pytest.approx(18) and lora_mem["bytes_per_param"] < 6
     text = _run(["paper_qwen3_8b", "--model-size", "8B", "--lora-rank", "16"], capsys)
     assert "LoRA rank 16: publications of 0.08729 GB" in text and "whole weights instead" in text
     assert "learner memory (Qwen3-8B, LoRA r = 16, one GPU)" in text

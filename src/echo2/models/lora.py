@@ -253,32 +253,39 @@ class PublishedBase:
     tensors: dict[str, Any]
     digest: str
     scale: float
+    # the dtype of the merged weights (``expand``): None = the base's; float32 in a run whose vLLM
+    # workers apply adapters natively (``lora.vllm = "native"``), whose unmerged ``W x + s B A x``
+    # the float32 merge matches to float32 rounding (a merge rounded to bf16 would differ by bf16's)
+    merged_dtype: str | None = None
 
     @classmethod
-    def of(cls, model: Any, dtype: str, scale: float) -> PublishedBase:
+    def of(cls, model: Any, dtype: str, scale: float, merged_dtype: str | None = None) -> PublishedBase:
         from echo2.weights.delta import weights_digest
 
         tensors = base_copy(model, dtype)
-        return cls(tensors, weights_digest(tensors), scale)
+        return cls(tensors, weights_digest(tensors), scale, merged_dtype)
 
     def expand(self, adapter: Any) -> dict[str, Any]:
         """A published adapter as the full weights an engine or the check loads (:func:`merge_published`)."""
-        return merge_published(self.tensors, adapter, self.scale)
+        return merge_published(self.tensors, adapter, self.scale, self.merged_dtype)
+
+    def check(self, adapter: Any) -> None:
+        """CheckpointError when ``adapter`` does not fit this base (what ``expand`` would refuse)."""
+        for _ in adapter_pairs(self.tensors, adapter):
+            pass
 
 
 def lora_scale(cfg: LoRAConfig) -> float:
     return cfg.alpha / cfg.r
 
 
-def merge_published(base: Any, adapter: Any, scale: float) -> dict[str, Any]:
-    """The full weights of base + adapter in the base's dtype: every targeted ``W`` becomes
-    ``round(W + scale * B @ A)``, computed in float64 (the products of two bf16 numbers and their sum
-    over the rank are exact there, whatever order a machine's matmul adds them in), so every worker and
-    the learner's check get the same bytes; untargeted tensors are the base's own (not copied).
-    CheckpointError when the adapter does not fit the base."""
-    import torch
-
-    out = dict(base)
+def adapter_pairs(base: Any, adapter: Any) -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(stem, A, B, W)`` for every adapted layer of ``adapter`` over ``base``: CheckpointError when a
+    pair does not fit its base weight (``B @ A`` of ``W``'s shape) or a tensor belongs to no pair."""
+    unpaired = [n for n in adapter if not (n.endswith(LORA_A) or n.endswith(LORA_B))]
+    unpaired += [n for n in adapter if n.endswith(LORA_B) and n[: -len(LORA_B)] + LORA_A not in adapter]
+    if unpaired:
+        raise CheckpointError(f"adapter tensors that are no LoRA pair: {unpaired[:3]}")
     for name_a, a in adapter.items():
         if not name_a.endswith(LORA_A):
             continue
@@ -287,10 +294,21 @@ def merge_published(base: Any, adapter: Any, scale: float) -> dict[str, Any]:
         if b is None or w is None or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
             have = tuple(w.shape) if w is not None else "absent"
             raise CheckpointError(f"adapter tensors of {stem} do not fit the base's weight ({have})")
+        yield stem, a, b, w
+
+
+def merge_published(base: Any, adapter: Any, scale: float, dtype: str | None = None) -> dict[str, Any]:
+    """The full weights of base + adapter, in ``dtype`` (default: the base's): every targeted ``W``
+    becomes ``round(W + scale * B @ A)``, computed in float64 (the products of two bf16 numbers and their
+    sum over the rank are exact there, whatever order a machine's matmul adds them in) and rounded once,
+    so every worker and the learner's check get the same bytes; untargeted tensors are the base's own
+    (not copied). CheckpointError when the adapter does not fit the base."""
+    import torch
+
+    out = dict(base)
+    for stem, a, b, w in list(adapter_pairs(base, adapter)):
         with torch.no_grad():
             delta = (b.to(torch.float64) @ a.to(torch.float64)).mul_(scale)
-            out[stem + ".weight"] = delta.add_(w.to(torch.float64)).to(w.dtype)
-    unpaired = [n for n in adapter if not (n.endswith(LORA_A) or n.endswith(LORA_B))]
-    if unpaired:
-        raise CheckpointError(f"adapter tensors that are no LoRA pair: {unpaired[:3]}")
+            to = getattr(torch, dtype) if dtype is not None else w.dtype
+            out[stem + ".weight"] = delta.add_(w.to(torch.float64)).to(to)
     return out

@@ -30,8 +30,9 @@ weights ``w + 4a`` (the frozen base in the learner's precision, ``w`` = 2 under 
 under fp32, plus the fp32 adapter), gradients ``4a``, optimizer ``8a``, no reference (the base with the
 adapter off is the reference), sampler copies ``b a n_copies`` plus the base's copy in the snapshot
 dtype (none when it is the frozen bf16 base itself: ``bf16-mixed`` with bf16 publications), older
-versions ``u a`` each, the check model ``b t`` (the newest version's targeted matrices expanded, base +
-adapter, ``models/lora.PublishedBase.expand``) on the CPU as on a GPU, check transient and
+versions ``u a`` each, the check model ``m t`` (the newest version's targeted matrices expanded, base +
+adapter, ``models/lora.PublishedBase.expand``, in float32 (``m`` = 4) with ``lora.vllm = "native"``,
+the default, else in the snapshot dtype, ``m = b``) on the CPU as on a GPU, check transient and
 publication ``b a`` and ``2 b a``. Measured (``benchmarks/lora.py --study memory``, the trainer
 alone, 235M, r = 16, ``a`` = 2.1%): 2.48 bytes / base parameter against ``2 + 16 a`` = 2.34.
 
@@ -229,9 +230,10 @@ def learner_memory(
     on_disk: bool = True,
     changed_fraction: float = CHANGED_FRACTION,
     lora_rank: int | None = None,
+    lora_merged_bytes: int = 4,
 ) -> LearnerMemory:
     """The learner's memory by part for a model of ``shape`` (module docstring); ``lora_rank``: a LoRA
-    learner's, per base parameter."""
+    learner's, per base parameter; ``lora_merged_bytes``: of an element of the check's merged matrices."""
     copies = held_sampler_copies(on_disk)
     n_older = older_versions(staleness, kappa, checks)
     f = changed_fraction
@@ -250,7 +252,7 @@ def learner_memory(
             reference=0.0,
             sampler_copies=b * a * copies + base_copy,
             older_versions=undo * a * n_older,
-            check_model=b * shape.targeted_params() / shape.params if checks else 0.0,
+            check_model=lora_merged_bytes * shape.targeted_params() / shape.params if checks else 0.0,
             check_transient=b * a if n_older else 0.0,
             publication=2 * b * a,
             activation_per_token=act,

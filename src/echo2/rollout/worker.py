@@ -179,7 +179,12 @@ class RolloutWorker:
             eos = _eos_ids(st.eos_ids, tokenizer)
             pad = tokenizer.pad_token_id
             pad = int(pad) if pad is not None else eos[0]
-            eopts = dataclasses.replace(self.opts.engine_options, max_context=st.max_context)
+            native = st.lora is not None and st.lora.vllm == "native" and st.lora.rank is not None
+            eopts = dataclasses.replace(
+                self.opts.engine_options,
+                max_context=st.max_context,
+                lora_rank=st.lora.rank if native and st.lora is not None else None,
+            )
             base = await self._lora_base(st.lora) if st.lora is not None else None
             self.engine = self._engine(Path(tmp), eos, pad, eopts, base)
             chat = ChatFormat.of(st.chat_template, st.system_prompt, st.chat_template_kwargs)
@@ -239,7 +244,7 @@ class RolloutWorker:
                 "another base; refusing it"
             )
         log.info("LoRA base installed (%d tensors) in %.1f s", len(tensors), time.perf_counter() - t0)
-        return PublishedBase(tensors, got, lora.scale)
+        return PublishedBase(tensors, got, lora.scale, "float32" if lora.vllm == "native" else None)
 
     def _engine(self, skeleton: Path, eos: Any, pad: int, options: Any, base: Any) -> Any:
         """The worker's engine on the skeleton; in a LoRA run (``base``) one that loads base + each
@@ -248,7 +253,12 @@ class RolloutWorker:
 
         assert self.settings is not None
         engine = build_engine(self.opts.engine, skeleton, eos, pad, self.settings.sampling, options)
-        return engine if base is None else AdapterEngine(engine, base)
+        if base is None:
+            return engine
+        adapted = AdapterEngine(engine, base)
+        how = "served natively by the engine" if adapted.native else "merged into the base"
+        log.info("LoRA adapters %s", how)
+        return adapted
 
     async def _register(self) -> Any:
         o = self.opts

@@ -225,14 +225,19 @@ class AsyncLearner:
         model = self.core.policy.model
         if not lora.has_adapter(model):
             return None, None
+        merged = "float32" if self.cfg.lora.vllm == "native" else None  # as native vLLM computes
         base = self.lora = lora.PublishedBase.of(
-            model, self.cfg.snapshot.dtype, lora.lora_scale(self.cfg.lora)
+            model, self.cfg.snapshot.dtype, lora.lora_scale(self.cfg.lora), merged
         )
         (self.run_path / PUBLISHED_DIR).mkdir(parents=True, exist_ok=True)
         blob = await asyncio.to_thread(
             lambda: spill_file(self.run_path / PUBLISHED_DIR / "base.bin", encode_full(base.tensors))
         )
-        return LoraSettings(scale=base.scale, base_digest=base.digest, dtype=self.cfg.snapshot.dtype), blob
+        lc = self.cfg.lora
+        settings = LoraSettings(
+            scale=base.scale, base_digest=base.digest, dtype=self.cfg.snapshot.dtype, rank=lc.r, vllm=lc.vllm
+        )
+        return settings, blob
 
     def _open_store(self) -> None:
         """The trajectory store, less an earlier process's groups whose checks never ran, with the

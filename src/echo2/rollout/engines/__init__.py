@@ -47,17 +47,31 @@ def build_engine(
 
 
 class AdapterEngine:
-    """An engine of a LoRA run: what it installs are published adapters; it loads base + adapter into
-    the engine it wraps (``PublishedBase.expand``: exact, so the learner's check, which expands the same
-    way, computes on the same weights). Every engine takes it unchanged: the HF engine and the vLLM
-    engine's in-place reload both load the merged weights (vLLM's own LoRA support is not used)."""
+    """An engine of a LoRA run: what it installs are published adapters. An engine that serves adapters
+    natively (vLLM built with ``EngineOptions.lora_rank``: ``install_adapter``) gets the base once and
+    then each adapter alone; any other loads base + adapter merged (``PublishedBase.expand``: exact, so
+    the learner's check, which expands the same way, computes on the same weights). The native path
+    computes ``W x + scale B A x`` unmerged; a run set for it (``lora.vllm = "native"``) merges in
+    float32 everywhere (``PublishedBase.merged_dtype``), which that matches to float32 rounding
+    (measured: tests/integration/vllm_lora_probe.py)."""
 
     def __init__(self, engine: Engine, base: Any) -> None:
         self.engine = engine
         self.base = base  # models.lora.PublishedBase
+        self.native = callable(getattr(engine, "install_adapter", None)) and bool(
+            getattr(engine, "serves_lora", False)
+        )
+        self._base_in = False  # the native path: the base installed (once, with the first adapter)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine.generate(*args, **kwargs)
 
     def install(self, weights: Any) -> None:
-        self.engine.install(self.base.expand(weights))
+        if not self.native:
+            self.engine.install(self.base.expand(weights))
+            return
+        self.base.check(weights)  # an adapter that does not fit its base changes nothing
+        if not self._base_in:
+            self.engine.install(self.base.tensors)
+            self._base_in = True
+        self.engine.install_adapter(weights, self.base.scale)  # type: ignore[attr-defined]

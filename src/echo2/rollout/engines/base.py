@@ -88,6 +88,7 @@ class EngineOptions:
     max_batch_tokens: int | None = (
         None  # HF engine: rows x (prompt + new tokens) per forward batch; None: one
     )
+    lora_rank: int | None = None  # vLLM: serve LoRA adapters of this rank natively (a LoRA run's setting)
 
 
 class EngineFactory(Protocol):

@@ -13,6 +13,11 @@ kernels, echo2's seeded sampler, and new weights loaded into the running engine.
   shape, then the prefix cache is dropped. ``LLM.generate`` is synchronous and the worker holds its
   engine lock across both calls, so no completion mixes two versions and each carries the version it
   was sampled under (``rollout/worker.py``).
+- **LoRA, natively** (``EngineOptions.lora_rank``, a LoRA run with ``lora.vllm = "native"``): vLLM is
+  built with ``enable_lora``; the base goes in once through the reload above, and each published
+  adapter is written as a PEFT adapter directory and loaded as a LoRA request of its own
+  (``add_lora``) that every later ``generate`` uses; the previous one is removed once the new one
+  loaded, and an adapter vLLM refuses leaves the previous one serving.
 - **Process and thread.** The engine core runs in the worker's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the sampler class and the weights are handed over by
   reference, not serialised. Every vLLM call (construction included) runs on one thread the engine
@@ -28,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +87,9 @@ class VLLMEngine:
         self.sampling = sampling
         self.last_install_s = 0.0  # seconds the engine took to load the last version (a metric)
         self._serving: Mapping[str, Any] | None = None  # the version loaded (the worker's own tensors)
+        self.serves_lora = False  # built with enable_lora: adapters go in by install_adapter
+        self._lora: Any = None  # the LoRA request every generate uses (the adapter installed last)
+        self._lora_dir: Any = None  # a TemporaryDirectory holding the adapters' PEFT directories
 
     @classmethod
     def from_skeleton(
@@ -114,6 +123,11 @@ class VLLMEngine:
             "enforce_eager": eager,
             "seed": 0,
         }
+        if opts.lora_rank is not None:  # vLLM reserves its LoRA slots for one of its allowed ranks
+            allowed = [r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= opts.lora_rank]
+            if not allowed:
+                raise ConfigError(f"lora.r = {opts.lora_rank}: vLLM serves LoRA ranks up to 512")
+            kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1)
         if opts.max_context:  # never beyond the model's own limit, which vLLM refuses
             limit = json.loads((skeleton_dir / "config.json").read_text()).get("max_position_embeddings")
             kwargs["max_model_len"] = min(opts.max_context, limit or opts.max_context)
@@ -123,7 +137,9 @@ class VLLMEngine:
         except (ValueError, RuntimeError, TypeError) as exc:
             thread.shutdown()
             raise CheckpointError(f"vLLM cannot serve the model in {skeleton_dir.name}: {exc}") from exc
-        return cls(llm, snapshot_layout(skeleton_dir), eos_id, sampling, thread)
+        engine = cls(llm, snapshot_layout(skeleton_dir), eos_id, sampling, thread)
+        engine.serves_lora = opts.lora_rank is not None
+        return engine
 
     def install(self, weights: Mapping[str, Any]) -> None:
         """Load a whole verified version into the running engine (names and shapes checked first, so a
@@ -143,6 +159,46 @@ class VLLMEngine:
             msg = f"vLLM failed loading the new version ({exc}); the old one is back"
             raise CheckpointError(msg) from exc
         self._serving = weights
+        self.last_install_s = time.perf_counter() - t0
+
+    def install_adapter(self, adapter: Mapping[str, Any], scale: float) -> None:
+        """Serve a published LoRA adapter (its tensors by their live names, ``lora.adapter_copy``) on the
+        installed base, as vLLM's own LoRA request; the one served before stays if vLLM refuses it."""
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.serves_lora:
+            raise CheckpointError("this vLLM engine was built without LoRA (EngineOptions.lora_rank)")
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="echo2-lora-")
+        t0 = time.perf_counter()
+        n = 1 if self._lora is None else self._lora.lora_int_id + 1
+        tensors, modules, rank = {}, set(), 0
+        for name, t in adapter.items():  # PEFT's file names: base_model.model.<module>.lora_A.weight
+            head, _, tail = name.partition(".lora_")
+            kind = tail.split(".", 1)[0]  # A or B
+            if kind not in ("A", "B") or not head:
+                raise CheckpointError(f"{name} is no LoRA adapter tensor")
+            tensors[f"base_model.model.{head}.lora_{kind}.weight"] = t.detach().cpu().contiguous()
+            modules.add(head.rsplit(".", 1)[-1])
+            rank = int(t.shape[0]) if kind == "A" else rank
+        folder = Path(self._lora_dir.name) / f"v{n}"
+        folder.mkdir()
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": scale * rank, "lora_dropout": 0.0,
+                  "target_modules": sorted(modules), "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        request = LoRARequest(f"v{n}", n, str(folder))
+        try:
+            self._thread.submit(self.llm.llm_engine.add_lora, request).result()
+        except Exception as exc:  # vLLM raises many kinds; the adapter served before stays
+            raise CheckpointError(f"vLLM refused the adapter: {exc}") from exc
+        old, self._lora = self._lora, request
+        if old is not None:
+            self._thread.submit(self.llm.llm_engine.remove_lora, old.lora_int_id).result()
+            shutil.rmtree(old.lora_path, ignore_errors=True)
         self.last_install_s = time.perf_counter() - t0
 
     def _reload(self, weights: Mapping[str, Any]) -> None:
@@ -192,7 +248,8 @@ class VLLMEngine:
             for b in range(len(prompts))
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self._thread.submit(self.llm.generate, requests, params, use_tqdm=False).result()
+        lora = {"lora_request": self._lora} if self._lora is not None else {}
+        outputs = self._thread.submit(self.llm.generate, requests, params, use_tqdm=False, **lora).result()
         return [_sample(out.outputs[0], self.eos_ids) for out in outputs]
 
 

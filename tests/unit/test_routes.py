@@ -727,7 +727,13 @@ def test_a_lora_runs_base_is_served_a_bounded_number_of_times_and_pinned_in_ever
     async def served(client: TestClient) -> None:
         resp = await client.post("/v1/register", json={"token": TOKEN, "name": "w", "usd_per_hour": 0.35})
         reply = await resp.json()
-        assert reply["settings"]["lora"] == {"scale": 2.0, "base_digest": "ab" * 32, "dtype": "bfloat16"}
+        assert reply["settings"]["lora"] == {
+            "scale": 2.0,
+            "base_digest": "ab" * 32,
+            "dtype": "bfloat16",
+            "rank": None,
+            "vllm": "merged",
+        }
         auth = {"Authorization": f"Bearer {reply['credential']}"}
         assert (await client.get("/v1/base")).status == 401
         for _ in range(3):

@@ -124,6 +124,7 @@ def test_the_in_memory_hub_has_the_same_counters() -> None:
     assert hub.counters.metrics() == {
         "broadcast/stall_reports": 0.0,
         "broadcast/reports_refused": 0.0,
+        "broadcast/reports_starved": 0.0,
         "broadcast/relays_demoted": 0.0,
         "broadcast/acks_refused": 0.0,
         "broadcast/bad_frames": 0.0,
@@ -193,7 +194,9 @@ def test_publisher_counts_reports_demotes_a_staller_and_checks_acks(caplog: pyte
         await send("a", {"op": "installed", "v": 1, "got": {"learner": N_CHUNKS}})  # learner served it 0
         assert pub.counters.acks_refused == 2
         await _pull_learner(pub.address, ann["b"])
-        await send("b", {"op": "stalled", "v": 1, "source": "a"})  # b reports a, then acks: a's ack is out
+        # b reports a, then acks; a had reported c (its own source) first: the report is of the
+        # starvation a passed on (reports_starved), and a's ack is out for its receipts, not for it
+        await send("b", {"op": "stalled", "v": 1, "source": "a"})
         await send("b", {"op": "installed", "v": 1, "got": _planned(ann["b"])})
         assert set(pub.stats(1).install_s) == {"b"}
         t0 = time.monotonic()
@@ -210,7 +213,8 @@ def test_publisher_counts_reports_demotes_a_staller_and_checks_acks(caplog: pyte
         assert await _pull_learner(pub.address, ann["c"]) == N_CHUNKS  # a leaf: everything, uncapped
         await send("c", {"op": "installed", "v": 2, "got": {LEARNER: N_CHUNKS}})
         assert set(pub.stats(2).install_s) == {"c"}  # an honest install of a demoted member counts
-        assert pub.counters.metrics()["broadcast/stall_reports"] == 3.0
+        assert pub.counters.metrics()["broadcast/stall_reports"] == 2.0
+        assert pub.counters.metrics()["broadcast/reports_starved"] == 1.0
         for w in ctl:
             ctl[w][1].close()
         await pub.close()
@@ -438,3 +442,44 @@ def test_node_gives_up_a_silent_peer_at_the_deadline_reports_and_remembers_it(
     asyncio.run(go())
     _no_traceback(caplog)
     assert "source silent failed for v1 (no first chunk within 1." in caplog.text
+
+
+def test_a_relay_starved_by_its_own_source_is_not_blamed_for_the_stall_it_passes_on() -> None:
+    """A relay whose source froze passes the stall on to the members below it: their reports of it,
+    before or after its own report of its source, count as ``reports_starved`` (no strike, no
+    demotion), and its install ack counts; the frozen source is the one reported."""
+
+    async def go() -> None:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        await pub.start()
+        ctl = {}
+        for w in "abc":
+            ctl[w] = await _join(pub.address, w)
+            await pub.wait_members(len(ctl), 5)
+
+        async def send(w: str, msg: dict[str, Any]) -> None:
+            await write_frame(ctl[w][1], msg)
+            await asyncio.sleep(0.02)
+
+        for v in (1, 2):  # two versions: two counted reports would demote a
+            await pub.publish(v, BLOB)
+            ann = {w: await read_header(ctl[w][0]) for w in ctl}
+            src = {w: {s for s, _ in ann[w]["sources"]} for w in ctl}
+            assert "c" in src["a"] and "a" in src["b"]  # c relays for a, a for b
+            if v == 1:  # b's report of a arrives first, then a's of c: a is exonerated afterwards
+                await send("b", {"op": "stalled", "v": v, "source": "a"})
+                assert pub.counters.stall_reports == 1
+                await send("a", {"op": "stalled", "v": v, "source": "c"})
+            else:  # a reports c first; b's report of a is then not counted at all
+                await send("a", {"op": "stalled", "v": v, "source": "c"})
+                await send("b", {"op": "stalled", "v": v, "source": "a"})
+            await _pull_learner(pub.address, ann["a"])
+            await send("a", {"op": "installed", "v": v, "got": _planned(ann["a"])})
+            assert "a" in pub.stats(v).install_s  # a's install counts
+        assert pub.counters.stall_reports == 2 and pub.counters.reports_starved == 2  # c twice; a none
+        assert pub.demoted() == ["c"] and pub.counters.acks_refused == 0
+        for w in ctl:
+            ctl[w][1].close()
+        await pub.close()
+
+    asyncio.run(go())

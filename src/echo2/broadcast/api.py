@@ -76,6 +76,7 @@ class PublisherCounters:
 
     stall_reports: int = 0  # valid reports of a peer that stalled for its reporter (docs/broadcast.md)
     reports_refused: int = 0  # stall reports refused: unknown version, not the reporter's source, repeated
+    reports_starved: int = 0  # reports against a member its own source starved in that version: not counted
     relays_demoted: int = 0  # members no longer planned as relays after repeated stall reports
     acks_refused: int = 0  # install acks not counted: receipts inconsistent, or reported stalling
     bad_frames: int = 0  # connections dropped on a malformed frame (ProtocolError) from a peer

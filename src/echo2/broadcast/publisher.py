@@ -25,7 +25,9 @@ Members are untrusted, so the publisher also keeps their conduct (docs/broadcast
 relay"): a member reports on its control connection each peer that stalled for it
 (``{"op": "stalled", "v": v, "source": peer}``); a report counts only for a tracked version, from a
 member that version was announced to, about a peer source of that member's own plan, once per
-(reporter, version, source). A member with ``DEMOTE_AFTER_REPORTS`` counted reports against it is
+(reporter, version, source). A report against a member that itself reported a source of its own
+stalling in that version (before or after) is of the starvation it passed on down the tree: counted
+as ``reports_starved``, not against it. A member with ``DEMOTE_AFTER_REPORTS`` counted reports against it is
 demoted: later plans are made over the other members (``strategy.plan_with_leaves``) and it pulls
 every chunk from the learner, so nobody waits on it again. An install ack
 (``{"op": "installed", "v": v, "got": {source: chunks}}``) counts toward ``T_bcast`` only if its
@@ -100,7 +102,9 @@ class _Round:
     leaves: frozenset[str] = frozenset()  # demoted targets: everything from the learner, no cap
     served: dict[str, int] = field(default_factory=dict)  # member -> chunk frames the learner sent it
     stalled: dict[str, set[str]] = field(default_factory=dict)  # source -> members that reported it
+    starved: set[str] = field(default_factory=set)  # members that reported a source of theirs stalling
     refused: set[str] = field(default_factory=set)  # members whose ack of this version does not count
+    refused_as_stalled: set[str] = field(default_factory=set)  # of which for a stall report against it
     repair: dict[str, dict[str, str]] = field(default_factory=dict)  # strategy.repair_sources(plan)
 
     def sources(self, member: str) -> set[str]:
@@ -430,9 +434,9 @@ class TcpPublisher:
         if rnd is None or worker not in rnd.targets or worker in rnd.install_s or worker in rnd.refused:
             return
         if worker in rnd.stalled:
-            why: str | None = "it was reported stalling for this version"
-        else:
-            why = receipt_fault(got, rnd.sources(worker), rnd.manifest.n_chunks, rnd.served.get(worker, 0))
+            self._refuse_ack(rnd, worker, "it was reported stalling for this version", stalled=True)
+            return
+        why = receipt_fault(got, rnd.sources(worker), rnd.manifest.n_chunks, rnd.served.get(worker, 0))
         if why is not None:
             self._refuse_ack(rnd, worker, why)
             return
@@ -440,8 +444,10 @@ class TcpPublisher:
         self.ledger.installed(worker, v, delay)
         rnd.changed.set()
 
-    def _refuse_ack(self, rnd: _Round, worker: str, why: str) -> None:
+    def _refuse_ack(self, rnd: _Round, worker: str, why: str, stalled: bool = False) -> None:
         rnd.refused.add(worker)
+        if stalled:
+            rnd.refused_as_stalled.add(worker)
         rnd.install_s.pop(worker, None)  # withdrawn if it was counted before a report arrived
         self.counters.acks_refused += 1
         rnd.changed.set()
@@ -459,17 +465,45 @@ class TcpPublisher:
             self.counters.reports_refused += 1
             log.debug("ignoring %s's report of a stall of %s in v%d: %s", reporter, show(source), v, why)
             return
+        if reporter not in rnd.starved:
+            rnd.starved.add(reporter)
+            self._exonerate(rnd, reporter)
+        if source in rnd.starved:  # its own source stalled for it first: the stall is not its doing
+            self.counters.reports_starved += 1
+            log.info("%s reports %s in v%d, which its own source starved: not counted", reporter, source, v)
+            return
         rnd.stalled.setdefault(source, set()).add(reporter)
         self.counters.stall_reports += 1
         count = self._reports[source] = self._reports.get(source, 0) + 1
         log.warning("%s reports that %s stalled for it in v%d (%d reports)", reporter, source, v, count)
         if source in rnd.install_s:  # it acked before the report arrived: withdrawn
-            self._refuse_ack(rnd, source, f"{reporter} reported it stalling")
+            self._refuse_ack(rnd, source, f"{reporter} reported it stalling", stalled=True)
         if count >= DEMOTE_AFTER_REPORTS and source not in self._demoted:
             self._demoted.add(source)
             self.counters.relays_demoted += 1
             log.warning("%s no longer relays: %d stall reports; it pulls from the learner", source, count)
         self._forget()
+
+    def _exonerate(self, rnd: _Round, member: str) -> None:
+        """``member`` reported a source of its own stalling in this version: reports of it stalling in
+        the same version are of the starvation it passed on, not counted against it (its count, a
+        demotion they caused, a refusal of its ack for them are undone)."""
+        against = rnd.stalled.pop(member, set())
+        if not against:
+            return
+        self.counters.stall_reports -= len(against)
+        self.counters.reports_starved += len(against)
+        self._reports[member] = max(0, self._reports.get(member, 0) - len(against))
+        if member in self._demoted and self._reports[member] < DEMOTE_AFTER_REPORTS:
+            self._demoted.discard(member)
+            self.counters.relays_demoted -= 1
+        if member in rnd.refused_as_stalled:
+            rnd.refused_as_stalled.discard(member)
+            rnd.refused.discard(member)
+            self.counters.acks_refused -= 1
+        log.info("%s was starved by its own source in v%d: %d reports against it not counted",
+                 member, rnd.manifest.version, len(against))  # fmt: skip
+        rnd.changed.set()
 
     def _forget(self) -> None:
         """Keep what the publisher remembers of members bounded (MAX_TRACKED): past the bound, only the

@@ -514,6 +514,12 @@ BROADCAST_REPORTS_REFUSED = _m(
     "stall reports refused: unknown version, not the source, repeated",
     RUN,
 )
+BROADCAST_REPORTS_STARVED = _m(
+    "broadcast/reports_starved",
+    "count",
+    "stall reports against a member its own source starved in that version: not counted against it",
+    RUN,
+)
 BROADCAST_RELAYS_DEMOTED = _m(
     "broadcast/relays_demoted",
     "count",

@@ -160,23 +160,33 @@ def _planned(ann: dict[str, Any]) -> dict[str, int]:
     return got
 
 
+async def _three_members() -> tuple[TcpPublisher, dict[str, Any]]:
+    """A started publisher with members a, b and c joined (their control connections by name)."""
+    pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+    await pub.start()
+    ctl = {}
+    for w in "abc":
+        ctl[w] = await _join(pub.address, w)
+        await pub.wait_members(len(ctl), 5)
+    return pub, ctl
+
+
+async def _send(ctl: dict[str, Any], w: str, msg: dict[str, Any]) -> None:
+    await write_frame(ctl[w][1], msg)
+    await asyncio.sleep(0.02)
+
+
 def test_publisher_counts_reports_demotes_a_staller_and_checks_acks(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
 
     async def go() -> None:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
-        await pub.start()
-        ctl = {}
-        for w in "abc":
-            ctl[w] = await _join(pub.address, w)
-            await pub.wait_members(len(ctl), 5)
+        pub, ctl = await _three_members()
         await pub.publish(1, BLOB)
         ann = {w: await read_header(ctl[w][0]) for w in ctl}
         assert all("c" in {s for s, _ in ann[w]["sources"]} for w in "ab")  # c relays for a and b
 
         async def send(w: str, msg: dict[str, Any]) -> None:
-            await write_frame(ctl[w][1], msg)
-            await asyncio.sleep(0.02)
+            await _send(ctl, w, msg)
 
         # c really pulls its stripe and acks first, with receipts that add up: counted, for now
         assert await _pull_learner(pub.address, ann["c"]) > 0
@@ -450,16 +460,10 @@ def test_a_relay_starved_by_its_own_source_is_not_blamed_for_the_stall_it_passes
     demotion), and its install ack counts; the frozen source is the one reported."""
 
     async def go() -> None:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
-        await pub.start()
-        ctl = {}
-        for w in "abc":
-            ctl[w] = await _join(pub.address, w)
-            await pub.wait_members(len(ctl), 5)
+        pub, ctl = await _three_members()
 
         async def send(w: str, msg: dict[str, Any]) -> None:
-            await write_frame(ctl[w][1], msg)
-            await asyncio.sleep(0.02)
+            await _send(ctl, w, msg)
 
         for v in (1, 2):  # two versions: two counted reports would demote a
             await pub.publish(v, BLOB)

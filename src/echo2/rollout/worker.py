@@ -179,12 +179,7 @@ class RolloutWorker:
             eos = _eos_ids(st.eos_ids, tokenizer)
             pad = tokenizer.pad_token_id
             pad = int(pad) if pad is not None else eos[0]
-            native = st.lora is not None and st.lora.vllm == "native" and st.lora.rank is not None
-            eopts = dataclasses.replace(
-                self.opts.engine_options,
-                max_context=st.max_context,
-                lora_rank=st.lora.rank if native and st.lora is not None else None,
-            )
+            eopts = self._engine_options(st)
             base = await self._lora_base(st.lora) if st.lora is not None else None
             self.engine = self._engine(Path(tmp), eos, pad, eopts, base)
             chat = ChatFormat.of(st.chat_template, st.system_prompt, st.chat_template_kwargs)
@@ -245,6 +240,14 @@ class RolloutWorker:
             )
         log.info("LoRA base installed (%d tensors) in %.1f s", len(tensors), time.perf_counter() - t0)
         return PublishedBase(tensors, got, lora.scale, "float32" if lora.vllm == "native" else None)
+
+    def _engine_options(self, st: Any) -> Any:
+        """This worker's engine options with the run's context, and in a LoRA run whose vLLM workers
+        serve adapters natively (``lora.vllm``) the rank the engine reserves."""
+        lora = st.lora
+        native = lora is not None and lora.vllm == "native" and lora.rank is not None
+        rank = lora.rank if native else None
+        return dataclasses.replace(self.opts.engine_options, max_context=st.max_context, lora_rank=rank)
 
     def _engine(self, skeleton: Path, eos: Any, pad: int, options: Any, base: Any) -> Any:
         """The worker's engine on the skeleton; in a LoRA run (``base``) one that loads base + each

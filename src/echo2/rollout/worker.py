@@ -238,7 +238,9 @@ class RolloutWorker:
                 f"{where} digests to {got[:16]}..., the run's settings state {lora.base_digest[:16]}...: "
                 "another base; refusing it"
             )
-        log.info("LoRA base installed (%d tensors) in %.1f s", len(tensors), time.perf_counter() - t0)
+        log.info(
+            "LoRA base installed (%d tensors) in %.1f s: %s", len(tensors), time.perf_counter() - t0, where
+        )
         return PublishedBase(tensors, got, lora.scale, "float32" if lora.vllm == "native" else None)
 
     def _engine_options(self, st: Any) -> Any:

@@ -1,0 +1,72 @@
+"""A LoRA run whose workers hold the base checkpoint themselves (`echo2 worker --lora-base PATH`): a
+real `echo2 learner --lora` on a user's checkpoint, one worker reading the same checkpoint from its
+disk (it never asks the learner for the base) and training the run, one pointed at another checkpoint,
+refused at setup with one line before it registers a lease."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from waiting import last_step, wait_for
+
+from echo2.observe.rundir import read_metrics
+
+pytestmark = pytest.mark.integration
+
+
+def _echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "echo2.cli", *args], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env
+    )
+
+
+def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_policy_factory, tmp_path):
+    base, other = tmp_path / "base", tmp_path / "other"
+    tiny_policy_factory().save(base)
+    changed = tiny_policy_factory()
+    with torch.no_grad():
+        changed.model.get_input_embeddings().weight.add_(0.01)
+    changed.save(other)
+    run_dir = tmp_path / "run"
+    sets = [*tiny_overrides, "runtime.lease_prompts=2", "lora.r=4", "security.check_fraction=1"]
+    args = [a for s in sets for a in ("--set", s)]
+    learner = _echo2(
+        "learner", *args, "--model", str(base), "--lora", "--steps", "100000", "--no-progress",
+        log=tmp_path / "learner.log",
+    )  # fmt: skip
+    started = [learner]
+    try:
+        wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
+        info = json.loads((run_dir / "learner.json").read_text())
+        env = {**os.environ, "ECHO2_JOIN_TOKEN": (run_dir / "join_token").read_text().strip()}
+        join = ["worker", "--join", info["join"], "--lora-base"]
+        wrong = _echo2(*join, str(other), "--name", "wrong", env=env, log=tmp_path / "wrong.log")
+        started.append(wrong)
+        local = _echo2(*join, str(base), "--name", "local", env=env, log=tmp_path / "local.log")
+        started.append(local)
+        assert wrong.wait(120) != 0
+        wait_for(lambda: last_step(run_dir) >= 4, 240, "four steps with the worker holding its base")
+        assert local.poll() is None, (tmp_path / "local.log").read_text()[-3000:]
+        learner.send_signal(signal.SIGINT)
+        rc = learner.wait(120)
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    text = (tmp_path / "learner.log").read_text()
+    assert rc == 0, text[-3000:]
+    assert "LoRA base installed (" in (local_log := (tmp_path / "local.log").read_text())
+    assert f"the LoRA base at {base} (--lora-base, as bfloat16)" in local_log  # read, not downloaded
+    wrong_log = (tmp_path / "wrong.log").read_text()
+    assert "(--lora-base, as bfloat16) digests to" in wrong_log and "another base; refusing it" in wrong_log
+    rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
+    assert len(rows) >= 4 and all(r["store/rejected"] == 0 for r in rows)
+    assert rows[-1]["security/quarantined"] == 0 and rows[-1]["security/checked_submissions"] > 0

@@ -9,12 +9,9 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from waiting import last_step, wait_for
+from waiting import echo2, kill_left, last_step, wait_for
 
 from echo2.observe.rundir import read_metrics
 from echo2_bench.garbage import problems, refusals, register, run_garbage, target_of_run
@@ -22,24 +19,18 @@ from echo2_bench.garbage import problems, refusals, register, run_garbage, targe
 pytestmark = pytest.mark.integration
 
 
-def _echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "echo2.cli", *args], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env
-    )
-
-
 def test_the_garbage_suite_gets_counted_4xx_and_training_goes_on(tiny_overrides, tmp_path):
     run_dir = tmp_path / "run"
     sets = [*tiny_overrides, "runtime.lease_prompts=2", "train.eval_every=1000", "security.body_timeout_s=2"]
     args = [a for s in sets for a in ("--set", s)]
-    learner = _echo2("learner", *args, "--steps", "100000", "--no-progress", log=tmp_path / "learner.log")
+    learner = echo2("learner", *args, "--steps", "100000", "--no-progress", log=tmp_path / "learner.log")
     started = [learner]
     try:
         wait_for(lambda: (run_dir / "learner.json").is_file(), 120, "the learner")
         info = json.loads((run_dir / "learner.json").read_text())
         token = (run_dir / "join_token").read_text().strip()
         env = {**os.environ, "ECHO2_JOIN_TOKEN": token}
-        honest = _echo2(
+        honest = echo2(
             "worker", "--join", info["join"], "--name", "honest", env=env, log=tmp_path / "worker.log"
         )
         started.append(honest)
@@ -53,10 +44,7 @@ def test_the_garbage_suite_gets_counted_4xx_and_training_goes_on(tiny_overrides,
         learner.send_signal(signal.SIGINT)
         rc = learner.wait(120)
     finally:
-        for p in started:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
+        kill_left(started)
     text = (tmp_path / "learner.log").read_text()
     assert rc == 0, text[-3000:]
     statuses = {name: sorted(set(o.statuses)) for name, o in outcomes.items()}

@@ -8,23 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from waiting import last_step, wait_for
+from waiting import echo2, kill_left, last_step, wait_for
 
 from echo2.observe.rundir import read_metrics
 
 pytestmark = pytest.mark.integration
-
-
-def _echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "echo2.cli", *args], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env
-    )
 
 
 def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_policy_factory, tmp_path):
@@ -37,7 +28,7 @@ def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_pol
     run_dir = tmp_path / "run"
     sets = [*tiny_overrides, "runtime.lease_prompts=2", "lora.r=4", "security.check_fraction=1"]
     args = [a for s in sets for a in ("--set", s)]
-    learner = _echo2(
+    learner = echo2(
         "learner", *args, "--model", str(base), "--lora", "--steps", "100000", "--no-progress",
         log=tmp_path / "learner.log",
     )  # fmt: skip
@@ -47,9 +38,9 @@ def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_pol
         info = json.loads((run_dir / "learner.json").read_text())
         env = {**os.environ, "ECHO2_JOIN_TOKEN": (run_dir / "join_token").read_text().strip()}
         join = ["worker", "--join", info["join"], "--lora-base"]
-        wrong = _echo2(*join, str(other), "--name", "wrong", env=env, log=tmp_path / "wrong.log")
+        wrong = echo2(*join, str(other), "--name", "wrong", env=env, log=tmp_path / "wrong.log")
         started.append(wrong)
-        local = _echo2(*join, str(base), "--name", "local", env=env, log=tmp_path / "local.log")
+        local = echo2(*join, str(base), "--name", "local", env=env, log=tmp_path / "local.log")
         started.append(local)
         assert wrong.wait(120) != 0
         wait_for(lambda: last_step(run_dir) >= 4, 240, "four steps with the worker holding its base")
@@ -57,10 +48,7 @@ def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_pol
         learner.send_signal(signal.SIGINT)
         rc = learner.wait(120)
     finally:
-        for p in started:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
+        kill_left(started)
     text = (tmp_path / "learner.log").read_text()
     assert rc == 0, text[-3000:]
     assert "LoRA base installed (" in (local_log := (tmp_path / "local.log").read_text())

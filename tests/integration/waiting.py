@@ -4,8 +4,11 @@ on the path)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from echo2.observe.rundir import read_metrics
@@ -27,3 +30,18 @@ def last_step(run_dir: Path) -> int:
     except (FileNotFoundError, json.JSONDecodeError):
         return -1
     return max((r["step"] for r in rows), default=-1)
+
+
+def echo2(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``python -m echo2.cli ARGS`` with its output appended to ``log``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "echo2.cli", *args], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env
+    )
+
+
+def kill_left(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL (and reap) each of ``procs`` still running: a test's cleanup, whatever it asserted."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()

@@ -279,6 +279,13 @@ def lora_scale(cfg: LoRAConfig) -> float:
     return cfg.alpha / cfg.r
 
 
+def merged_dtype(vllm: str) -> str | None:
+    """The dtype base + adapter are merged in (``PublishedBase.merged_dtype``) for a run whose vLLM
+    workers apply adapters as ``lora.vllm`` says: float32 for ``native`` (vLLM's unmerged sum), else
+    None (the base's own dtype)."""
+    return "float32" if vllm == "native" else None
+
+
 def adapter_pairs(base: Any, adapter: Any) -> Iterator[tuple[str, Any, Any, Any]]:
     """``(stem, A, B, W)`` for every adapted layer of ``adapter`` over ``base``: CheckpointError when a
     pair does not fit its base weight (``B @ A`` of ``W``'s shape) or a tensor belongs to no pair."""

@@ -217,12 +217,14 @@ def load_model(p: Path, keep_bf16: bool = False) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    as_stored = keep_bf16 and not (p / DCP_DIR).is_dir() and stored_float_dtypes(p) == {"BF16"}
+    sharded = (p / DCP_DIR).is_dir()  # the model from its config, its states loaded by the caller
+    as_stored = keep_bf16 and not sharded and stored_float_dtypes(p) == {"BF16"}
     dtype = torch.bfloat16 if as_stored else torch.float32
     try:
-        if (p / DCP_DIR).is_dir():  # a sharded checkpoint: the model from its config, states by the caller
-            config = AutoConfig.from_pretrained(p, local_files_only=True)
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if sharded:
+            return AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(p, local_files_only=True), dtype=dtype
+            )
         return AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype)
     except Exception as exc:
         raise CheckpointError(f"cannot load a causal LM from {p}: {exc}") from exc

@@ -216,7 +216,7 @@ class RolloutWorker:
         states it too): a base that is not it ends the worker. Fetched from the learner once, or, with
         ``lora_base``, read from the checkpoint this machine holds (cast to the published dtype, as
         the learner publishes it), so no base crosses the network."""
-        from echo2.models.lora import PublishedBase, base_copy
+        from echo2.models.lora import PublishedBase, base_copy, merged_dtype
         from echo2.models.policy import load_model
         from echo2.weights.delta import decode_full, weights_digest
 
@@ -241,7 +241,7 @@ class RolloutWorker:
         log.info(
             "LoRA base installed (%d tensors) in %.1f s: %s", len(tensors), time.perf_counter() - t0, where
         )
-        return PublishedBase(tensors, got, lora.scale, "float32" if lora.vllm == "native" else None)
+        return PublishedBase(tensors, got, lora.scale, merged_dtype(lora.vllm))
 
     def _engine_options(self, st: Any) -> Any:
         """This worker's engine options with the run's context, and in a LoRA run whose vLLM workers

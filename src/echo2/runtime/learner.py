@@ -225,9 +225,11 @@ class AsyncLearner:
         model = self.core.policy.model
         if not lora.has_adapter(model):
             return None, None
-        merged = "float32" if self.cfg.lora.vllm == "native" else None  # as native vLLM computes
         base = self.lora = lora.PublishedBase.of(
-            model, self.cfg.snapshot.dtype, lora.lora_scale(self.cfg.lora), merged
+            model,
+            self.cfg.snapshot.dtype,
+            lora.lora_scale(self.cfg.lora),
+            lora.merged_dtype(self.cfg.lora.vllm),
         )
         (self.run_path / PUBLISHED_DIR).mkdir(parents=True, exist_ok=True)
         blob = await asyncio.to_thread(

@@ -58,9 +58,7 @@ class AdapterEngine:
     def __init__(self, engine: Engine, base: Any) -> None:
         self.engine = engine
         self.base = base  # models.lora.PublishedBase
-        self.native = callable(getattr(engine, "install_adapter", None)) and bool(
-            getattr(engine, "serves_lora", False)
-        )
+        self.native = bool(getattr(engine, "serves_lora", False))  # it has install_adapter
         self._base_in = False  # the native path: the base installed (once, with the first adapter)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

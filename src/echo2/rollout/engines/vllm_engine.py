@@ -169,6 +169,8 @@ class VLLMEngine:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
+        from echo2.models.lora import LORA_A, LORA_B
+
         if not self.serves_lora:
             raise CheckpointError("this vLLM engine was built without LoRA (EngineOptions.lora_rank)")
         if self._lora_dir is None:
@@ -176,11 +178,11 @@ class VLLMEngine:
         t0 = time.perf_counter()
         n = 1 if self._lora is None else self._lora.lora_int_id + 1
         tensors, modules, rank = {}, set(), 0
-        for name, t in adapter.items():  # PEFT's file names: base_model.model.<module>.lora_A.weight
-            head, _, tail = name.partition(".lora_")
-            kind = tail.split(".", 1)[0]  # A or B
-            if kind not in ("A", "B") or not head:
+        for name, t in adapter.items():  # live names (lora.LORA_A / LORA_B) to PEFT's file names
+            kind = "A" if name.endswith(LORA_A) else "B" if name.endswith(LORA_B) else None
+            if kind is None:
                 raise CheckpointError(f"{name} is no LoRA adapter tensor")
+            head = name[: -len(LORA_A if kind == "A" else LORA_B)]
             tensors[f"base_model.model.{head}.lora_{kind}.weight"] = t.detach().cpu().contiguous()
             modules.add(head.rsplit(".", 1)[-1])
             rank = int(t.shape[0]) if kind == "A" else rank

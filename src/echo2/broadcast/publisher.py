@@ -486,8 +486,10 @@ class TcpPublisher:
 
     def _exonerate(self, rnd: _Round, member: str) -> None:
         """``member`` reported a source of its own stalling in this version: reports of it stalling in
-        the same version are of the starvation it passed on, not counted against it (its count, a
-        demotion they caused, a refusal of its ack for them are undone)."""
+        the same version are of the starvation it passed on, not counted against it (its count and a
+        demotion they caused are undone, and it may ack again). An ack it sent before and that was
+        refused for those reports is not counted back: the publisher keeps no refused ack's receipts,
+        so a member exonerated only after its ack stays out of this version's ``T_bcast``."""
         against = rnd.stalled.pop(member, set())
         if not against:
             return

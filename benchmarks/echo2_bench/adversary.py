@@ -331,10 +331,8 @@ class Liar:
     async def run(self, stop: asyncio.Event, rate: float = 10_000.0, usd_per_hour: float = 0.01) -> Tally:
         from echo2.protocol import RegisterRequest
 
-        req = RegisterRequest(
-            token=self.token, name=self.name, usd_per_hour=usd_per_hour, rollouts_per_s=rate
-        )
-        reg = await self.client.register(req)
+        req = RegisterRequest(name=self.name, usd_per_hour=usd_per_hour, rollouts_per_s=rate)
+        reg = await self.client.register(req, self.token)
         self.worker_id = reg.worker_id
         while not stop.is_set():
             try:
@@ -356,8 +354,8 @@ class Hoarder(Liar):
     async def run(self, stop: asyncio.Event, rate: float = 1.0, usd_per_hour: float = 0.01) -> Tally:
         from echo2.protocol import RegisterRequest
 
-        req = RegisterRequest(token=self.token, name=self.name, usd_per_hour=usd_per_hour)
-        reg = await self.client.register(req)
+        req = RegisterRequest(name=self.name, usd_per_hour=usd_per_hour)
+        reg = await self.client.register(req, self.token)
         self.worker_id = reg.worker_id
         loop = asyncio.get_running_loop()
         next_beat = 0.0

@@ -369,7 +369,7 @@ async def staller_attack(
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         client = LearnerClient(info["join"], session, reconnect_s=30.0)
-        reg = await client.register(RegisterRequest(token=token, name="staller", usd_per_hour=0.01))
+        reg = await client.register(RegisterRequest(name="staller", usd_per_hour=0.01), token)
         node = StallingNode(
             reg.worker_id, tuple(reg.broadcast), key_from_text(reg.public_key),  # type: ignore[arg-type]
             credential=reg.credential, pin=client.pin,

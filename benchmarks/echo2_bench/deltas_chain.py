@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from echo2.broadcast.api import OpenLedger
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.worker import TcpWorkerNode
@@ -89,7 +90,7 @@ async def chain_over_tcp(
     from echo2.models.embedded import build_model, build_tokenizer
 
     key = new_signing_key()
-    pub = TcpPublisher(key, get_strategy("tree-pipelined"), chunk_size=chunk)
+    pub = TcpPublisher(key, get_strategy("tree-pipelined"), chunk_size=chunk, ledger=OpenLedger())
     await pub.start()
     model = build_model(SHAPE, build_tokenizer(), seed)
     model_base = ""

@@ -33,7 +33,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-DEEP = 50_000  # nesting of the deep JSON bodies and tokens
+DEEP = 50_000  # nesting of the deep JSON bodies
+DEEP_REGISTER = 2_000  # ... of a registration's (its body is read up to 4 KiB only)
 DEEP_FRAME = 5_000  # nesting of the deep broadcast frame header
 FLOOD = 400  # requests of the flood (the default cap is 50/s, bursts of 100)
 MAX_PULLS = 64  # snapshot pulls before the over-budget item gives up waiting for a 429
@@ -145,6 +146,11 @@ def _bearer(target: Target) -> bytes:
     return b"Authorization: Bearer " + target.credential.encode()
 
 
+def _join(target: Target) -> bytes:
+    """What a registration carries: the join token as its bearer."""
+    return b"Authorization: Bearer " + target.token.encode()
+
+
 def raw_item(build: Callable[[Target], bytes]) -> Callable[[Target, float], Awaitable[list[tuple[int, str]]]]:
     async def send(target: Target, wait_s: float) -> list[tuple[int, str]]:
         return [await _raw(target, build(target), wait_s)]
@@ -248,6 +254,12 @@ _SURROGATE_JOIN = _frame(
 )
 
 
+_JOIN_STRANGER = _frame(
+    b'{"op": "join", "worker": "made-up", "host": "127.0.0.1", "port": 1, "cert": "' + b"0" * 64 + b'"}'
+)
+_GET_NO_CREDENTIAL = _frame(b'{"op": "get", "v": 0, "from": "made-up", "n": 4, "cred": {}}') + b"\0" * 4
+
+
 def _http(name: str, build: Callable[[Target], bytes], status: int, error: str, wait_s: float = 15.0) -> Item:
     """An item of raw bytes to the API whose one answer is ``status`` with ``error``, counted so."""
     return Item(name, raw_item(build), frozenset({status}), error, counted=error, wait_s=wait_s)
@@ -259,7 +271,7 @@ def _heartbeat(t: Target, body: bytes, *headers: bytes, length: int | None = Non
 
 _CHUNKED = b"Transfer-Encoding: chunked"
 _NUL = b"X-Evil: a\x00b"
-_DEEP_TOKEN = b'{"token": ' + _deep_object(DEEP) + b', "usd_per_hour": 1.0}'
+_DEEP_NAME = b'{"name": ' + _deep_object(500) + b', "usd_per_hour": 1.0}'
 _DEEP_SUBMIT = (
     b'{"lease_id": "x", "policy_version": 0, "groups": [], "next_lease": ' + _deep_object(DEEP) + b"}"
 )
@@ -278,8 +290,15 @@ ITEMS: tuple[Item, ...] = (
     ),
     _http("bad_chunk_size", lambda t: _heartbeat(t, b"zz\r\n\r\n", _CHUNKED), 400, "bad_http"),
     # bodies: nested 50,000 deep, lone surrogates, numbers out of range
-    _http("deep_json_register", lambda t: _request("POST", "register", _deep(DEEP)), 400, "malformed"),
-    _http("deep_json_token", lambda t: _request("POST", "register", _DEEP_TOKEN), 400, "malformed"),
+    _http(
+        "deep_json_register",
+        lambda t: _request("POST", "register", _deep(DEEP_REGISTER), (_join(t),)),
+        400,
+        "malformed",
+    ),
+    _http(
+        "deep_json_name", lambda t: _request("POST", "register", _DEEP_NAME, (_join(t),)), 400, "malformed"
+    ),
     _http("deep_json_heartbeat", lambda t: _heartbeat(t, _deep(DEEP)), 400, "malformed"),
     _http(
         "deep_json_submit",
@@ -288,10 +307,25 @@ ITEMS: tuple[Item, ...] = (
         "malformed",
     ),
     _http(
-        "surrogate_token",
-        lambda t: _request("POST", "register", b'{"token": "\\ud800", "usd_per_hour": 1.0}'),
+        "surrogate_name",
+        lambda t: _request("POST", "register", b'{"name": "\\ud800", "usd_per_hour": 1.0}', (_join(t),)),
         400,
         "malformed",
+    ),
+    _http(
+        "surrogate_join_token",
+        lambda t: _request("POST", "register", b"{}", (b"Authorization: Bearer \xed\xa0\x80\xff",)),
+        403,
+        "auth",
+    ),
+    # before anyone is known: nothing of a body is read (an 8 MiB one is announced, a few bytes sent)
+    _http("register_no_token", lambda t: _request("POST", "register", b"{}"), 401, "auth"),
+    _http(
+        "register_big_body_wrong_token",
+        lambda t: _request("POST", "register", b'{"x": 1}', (b"Authorization: Bearer nope",), length=8 << 20),
+        403,
+        "auth",
+        wait_s=5.0,
     ),
     _http(
         "surrogate_bearer",
@@ -301,9 +335,7 @@ ITEMS: tuple[Item, ...] = (
     ),
     _http(
         "tiny_price",
-        lambda t: _request(
-            "POST", "register", json.dumps({"token": t.token, "usd_per_hour": 1e-300}).encode()
-        ),
+        lambda t: _request("POST", "register", json.dumps({"usd_per_hour": 1e-300}).encode(), (_join(t),)),
         422,
         "invalid_price",
     ),
@@ -315,6 +347,12 @@ ITEMS: tuple[Item, ...] = (
     Item("broadcast_junk", broadcast_item(_JUNK), frozenset({DROPPED})),
     Item("broadcast_deep_header", broadcast_item(_DEEP_FRAME), frozenset({DROPPED})),
     Item("broadcast_surrogate_join", broadcast_item(_SURROGATE_JOIN), frozenset({DROPPED})),
+    # ... and before anyone is known there: a made-up member, no credential, a 4 MiB header announced
+    Item("broadcast_join_unregistered", broadcast_item(_JOIN_STRANGER), frozenset({DROPPED})),
+    Item("broadcast_get_no_credential", broadcast_item(_GET_NO_CREDENTIAL), frozenset({DROPPED})),
+    Item(
+        "broadcast_big_header", broadcast_item(struct.pack("!I", 4 << 20) + b"{" * 1024), frozenset({DROPPED})
+    ),
     # floods of one identity: its snapshot byte budget, then its request rate (last: it spends the rate)
     Item(
         "snapshot_over_budget",
@@ -376,8 +414,11 @@ async def register(api: str, cert_pem: str | None, token: str, name: str = "garb
     """Register an identity for the suite; its credential."""
     target = Target(api, cert_pem, token, "", ("", 0))
     async with aiohttp.ClientSession() as session:
-        body = {"token": token, "name": name, "usd_per_hour": 1.0}
-        async with session.post(f"{api}/v1/register", json=body, ssl=target.tls or False) as resp:
+        body = {"name": name, "usd_per_hour": 1.0}
+        auth = {"Authorization": f"Bearer {token}"}
+        async with session.post(
+            f"{api}/v1/register", json=body, headers=auth, ssl=target.tls or False
+        ) as resp:
             reply = await resp.json()
             if resp.status != 200:
                 raise RuntimeError(f"registration refused: {resp.status} {reply}")

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from echo2.broadcast.api import OpenLedger
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.wire import Pacer
@@ -44,7 +45,7 @@ async def run_learner(a: argparse.Namespace) -> dict:  # type: ignore[type-arg]
         key, strategy, a.chunk or None, host=a.host, port=a.port, uplink=_pacer(a.uplink_bps),
         serve_wait_timeout=a.timeout,
         link_rates=(a.b0_bps / 8, a.bw_bps / 8) if a.b0_bps and a.bw_bps else None,
-        tls=run_identity(Path(a.tls_dir), [a.host]) if a.tls_dir else None,
+        tls=run_identity(Path(a.tls_dir), [a.host]) if a.tls_dir else None, ledger=OpenLedger(),
     )  # fmt: skip
     await pub.start()
     blob = synthetic_snapshot(a.size, seed=a.seed)

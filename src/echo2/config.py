@@ -452,6 +452,60 @@ ENGINE_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 
+class PerimeterConfig(_Section):
+    """What a stranger may hold on a listening port before anyone is known (``[security.perimeter]``;
+    ``echo2/perimeter.py``, docs/security.md "The perimeter"). The same rules on the API port, the
+    broadcast port and every worker's chunk relay; the connection caps are cut to fit the descriptor
+    limit (raised to the hard limit at start)."""
+
+    max_connections: int = Field(
+        16384,
+        ge=16,
+        description="connections one port holds at once (members and strangers); at most 40% of the "
+        "descriptors left after 256 kept for files, whatever is set",
+    )
+    max_per_address: int = Field(
+        64,
+        ge=1,
+        description="connections one peer address may hold on one port (workers behind one NAT share it)",
+    )
+    pre_auth_share: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="share of max_connections that connections no request has authenticated yet may hold; "
+        "past it the oldest of the address holding the most is closed for a new one",
+    )
+    accepts_per_s: float = Field(
+        20.0, gt=0.0, allow_inf_nan=False, description="new connections one address may open per second"
+    )
+    accept_burst: float = Field(64.0, ge=1.0, allow_inf_nan=False, description="... in bursts of this many")
+    handshake_s: float = Field(
+        10.0, gt=0.0, allow_inf_nan=False, description="seconds a TLS handshake may take"
+    )
+    header_s: float = Field(
+        10.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="seconds after the handshake by which a connection's first request (line and headers, "
+        "or first frame) must have authenticated; else it is closed",
+    )
+    idle_s: float = Field(
+        30.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="an API connection with no request in progress for this long is closed (HTTP keep-alive)",
+    )
+    requests_per_s: float = Field(
+        10.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="requests one address may make that no identity vouches for (registration, a bad "
+        "credential); more get 429",
+    )
+    request_burst: float = Field(20.0, ge=1.0, allow_inf_nan=False, description="... in bursts of this many")
+
+
 class SecurityConfig(_Section):
     """What the learner checks of strangers' machines (``[security]``; docs/security.md)."""
 
@@ -588,6 +642,15 @@ class SecurityConfig(_Section):
     body_timeout_s: float = Field(
         30.0, gt=0.0, allow_inf_nan=False, description="seconds a request body may take to arrive"
     )
+    token_copies_per_hour: float = Field(
+        16.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="copies of each object the API serves (the model files, the version's manifest, a "
+        "snapshot chain, a LoRA run's base) that all identities of the join token together may pull per "
+        "hour, beyond a burst of max_workers copies (docs/security.md: what a token holder can pull)",
+    )
+    perimeter: PerimeterConfig = Field(default_factory=PerimeterConfig)
 
     def tolerances(self) -> tuple[float, float]:
         """(log-prob, draw) tolerances of the generation check: the ones set, else the engine

@@ -56,11 +56,12 @@ Ident = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 
 # ---- requests (worker -> learner) -------------------------------------------------------------------
 class RegisterRequest(BaseModel):
-    """``POST /v1/register``: join the run with its token (checked before the rest of the body)."""
+    """``POST /v1/register``: join the run. The run's join token travels in the ``Authorization: Bearer``
+    header, checked before a byte of this body is read (at most ``routes.REGISTER_MAX_BYTES``); it is
+    exchanged once for a per-worker credential."""
 
     model_config = STRICT
 
-    token: str  # the run's join token, exchanged once for a per-worker credential
     name: Annotated[str, Field(min_length=1, max_length=64)] = "worker"  # shown in the registry
     hardware: Annotated[str, Field(max_length=128)] = ""  # free-text description (GPU model, ...)
     usd_per_hour: Annotated[float, Field(gt=0, allow_inf_nan=False)]  # this machine's price c_i (> 0)

@@ -59,7 +59,7 @@ async def _attack(join: str, token: str) -> dict[str, object]:
         out["hoarders"] = [await t for t in hoarding]
         # a lying heartbeat: 1e9 rollouts in a nanosecond, from a worker that submitted nothing
         liar = LearnerClient(join, session, reconnect_s=10)
-        reg = await liar.register(RegisterRequest(token=token, name="liar", usd_per_hour=0.1))
+        reg = await liar.register(RegisterRequest(name="liar", usd_per_hour=0.1), token)
         await liar.heartbeat(HeartbeatRequest(rollouts=10**9, busy_s=1e-9, installed_version=0))
         out["liar"] = reg.worker_id
         # no credential, a forged one: no weights
@@ -76,7 +76,7 @@ async def _attack(join: str, token: str) -> dict[str, object]:
         for i in range(12):
             try:
                 await LearnerClient(join, session, reconnect_s=10).register(
-                    RegisterRequest(token=token, name=f"flood{i}", usd_per_hour=0.1)
+                    RegisterRequest(name=f"flood{i}", usd_per_hour=0.1), token
                 )
                 statuses.append(200)
             except Refused as exc:

@@ -17,6 +17,7 @@ from echo2.broadcast.wire import encode, read_header, write_frame
 from echo2.broadcast.worker import TcpWorkerNode
 from echo2.errors import Echo2Error
 from echo2.physics.rules import DEFAULT_GAMMA
+from echo2.weights.frames import decode_chunk_list
 from echo2.weights.manifest import blob_ok, new_signing_key, synthetic_snapshot
 from echo2_bench.faults import Faults, FaultTap
 
@@ -41,7 +42,7 @@ async def _cluster(
     extra: Callable[[tuple[str, int]], Awaitable[object]] | None = None,
     node_kw: dict[int, dict] | None = None,
 ) -> tuple[TcpPublisher, list[TcpWorkerNode], dict[str, bytes], object]:
-    pub = TcpPublisher(KEY, strategy, chunk_size=CHUNK)
+    pub = TcpPublisher(KEY, strategy, chunk_size=CHUNK, ledger=OpenLedger())
     await pub.start()
     nodes = [
         TcpWorkerNode(f"w{i}", pub.address, PUBLIC, stall_timeout=1.0, **(node_kw or {}).get(i, {}))
@@ -93,7 +94,7 @@ def _fake_member(behavior: str) -> Callable[[tuple[str, int]], Awaitable[object]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         h = await read_header(reader)
-        v, i = h["v"], h["chunks"][0]
+        v, i = h["v"], decode_chunk_list(await reader.readexactly(h["n"]))[0]
         if behavior == "silent":
             await asyncio.sleep(3600)
         elif behavior == "wrong_index":
@@ -225,7 +226,7 @@ def test_workers_join_for_the_next_version_and_leave_any_time() -> None:
 
 def test_publisher_survives_junk_and_unknown_versions() -> None:
     async def go() -> None:
-        pub = TcpPublisher(KEY, get_strategy("star-limited"), chunk_size=CHUNK)
+        pub = TcpPublisher(KEY, get_strategy("star-limited"), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
         r, w = await asyncio.open_connection(*pub.address)
         w.write(b"\xff\xff\xff\xffjunk")
@@ -265,7 +266,8 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
             h = await read_header(reader)
             if h["op"] == "get":
                 pull = parse_frame(h, GetFrame)
-                await serve_get(pull, writer, lambda v: buffer if v == 5 else None, None, 5.0)
+                chunks = decode_chunk_list(await reader.readexactly(pull.n))
+                await serve_get(pull, chunks, writer, lambda v: buffer if v == 5 else None, None, 5.0)
                 writer.close()
                 return
             await joined.put((reader, writer))
@@ -359,7 +361,9 @@ def test_a_stalling_relay_costs_the_honest_workers_one_deadline_once() -> None:
     honest = [f"w{i}" for i in range(3)]
 
     async def go() -> None:
-        pub = TcpPublisher(KEY, get_strategy("tree-pipelined"), chunk_size=CHUNK, tls=ident)
+        pub = TcpPublisher(
+            KEY, get_strategy("tree-pipelined"), chunk_size=CHUNK, tls=ident, ledger=OpenLedger()
+        )
         await pub.start()
         nodes = [
             TcpWorkerNode(w, pub.address, PUBLIC, stall_timeout=5.0, pin=ident.fingerprint) for w in honest

@@ -197,7 +197,7 @@ def _hostile(
             key = f"{what}:{status}"
             got[key] = got.get(key, 0) + 1
 
-    status, reg = _post(f"{api}/register", {"token": token, "name": "hostile", "usd_per_hour": 0.01})
+    status, reg = _post(f"{api}/register", {"name": "hostile", "usd_per_hour": 0.01}, token)
     assert status == 200, reg
     cred = reg["credential"]
     while not done.is_set():

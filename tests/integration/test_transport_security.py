@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from echo2.broadcast.access import SERVE_BUDGET, issue, pull_request
+from echo2.broadcast.api import OpenLedger
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.registry import get_strategy
 from echo2.broadcast.wire import read_header, read_payload, write_frame
@@ -33,7 +34,7 @@ N_CHUNKS = -(-len(BLOB) // CHUNK)
 
 
 async def _cluster(n: int, strategy: str = "tree-pipelined") -> tuple[TcpPublisher, list[TcpWorkerNode]]:
-    pub = TcpPublisher(KEY, get_strategy(strategy), chunk_size=CHUNK, tls=LEARNER)
+    pub = TcpPublisher(KEY, get_strategy(strategy), chunk_size=CHUNK, tls=LEARNER, ledger=OpenLedger())
     await pub.start()
     nodes = [
         TcpWorkerNode(f"w{i}", pub.address, PUBLIC, stall_timeout=1.0, pin=LEARNER.fingerprint)
@@ -68,11 +69,13 @@ async def _shutdown(pub: TcpPublisher, nodes: list[TcpWorkerNode]) -> None:
     await pub.close()
 
 
-async def _ask(port: int, pin: str, frame: dict[str, Any]) -> list[dict[str, Any]]:
-    """Send one pull request over TLS pinned to ``pin``; every frame header that came back until the
-    server closed the connection (chunk payloads read and dropped)."""
+async def _ask(port: int, pin: str, frame: Any) -> list[dict[str, Any]]:
+    """Send one pull request (a header, or ``access.pull_request``'s header and chunk list) over TLS
+    pinned to ``pin``; every frame header that came back until the server closed the connection (chunk
+    payloads read and dropped)."""
     reader, writer = await open_pinned("127.0.0.1", port, pin)
-    await write_frame(writer, frame)
+    header, payload = frame if isinstance(frame, tuple) else (frame, None)
+    await write_frame(writer, header, payload)
     frames: list[dict[str, Any]] = []
     try:
         while True:
@@ -90,7 +93,7 @@ def _refused(frames: list[dict[str, Any]], needle: str) -> bool:
     return len(frames) == 1 and frames[0]["op"] == "error" and needle in frames[0]["reason"]
 
 
-def _attacks(me: TlsIdentity, victim: TcpWorkerNode, server_fp: str) -> list[tuple[str, dict[str, Any]]]:
+def _attacks(me: TlsIdentity, victim: TcpWorkerNode, server_fp: str) -> list[tuple[str, Any]]:
     """Pull requests for v1 that must all be refused, each with the reason a server gives."""
     thief = make_identity(["127.0.0.1"])  # a party that is not the victim
     genuine = issue(KEY, 1, victim.worker_id, me.fingerprint)
@@ -100,7 +103,7 @@ def _attacks(me: TlsIdentity, victim: TcpWorkerNode, server_fp: str) -> list[tup
         ("no credential", {"op": "get", "v": 1, "chunks": [0], "from": victim.worker_id}),
         ("another run", pull_request(forged, [0], False, server_fp, thief)),  # signed by another key
         ("not the one its credential names", pull_request(genuine, [0], False, server_fp, thief)),  # stolen
-        ("for v2", {**pull_request(genuine, [0], False, server_fp, me), "v": 2}),  # another version
+        ("for v2", {**pull_request(genuine, [0], False, server_fp, me)[0], "v": 2}),  # another version
         ("not a member this node serves", pull_request(stranger, [0], False, server_fp, thief)),
     ]
 
@@ -195,7 +198,11 @@ def test_bounded_requests_and_the_byte_budget(server: str) -> None:
 def test_a_worker_pinned_to_another_certificate_refuses_the_learner() -> None:
     async def go() -> None:
         pub = TcpPublisher(
-            KEY, get_strategy("tree-pipelined"), chunk_size=CHUNK, tls=make_identity(["127.0.0.1"])
+            KEY,
+            get_strategy("tree-pipelined"),
+            chunk_size=CHUNK,
+            tls=make_identity(["127.0.0.1"]),
+            ledger=OpenLedger(),
         )
         await pub.start()  # an impostor's publisher: its own certificate
         node = TcpWorkerNode("w0", pub.address, PUBLIC, pin=LEARNER.fingerprint)
@@ -273,7 +280,7 @@ def test_the_worker_client_talks_only_to_the_pinned_learner() -> None:
             )
             t0 = time.monotonic()
             with pytest.raises(PinError, match="refusing to talk to it"):
-                await client.register(RegisterRequest(token="the-join-token", usd_per_hour=0.35))
+                await client.register(RegisterRequest(usd_per_hour=0.35), "the-join-token")
             assert time.monotonic() - t0 < 5  # refused at once, not retried like an unreachable learner
             client = LearnerClient(
                 join_string(f"https://127.0.0.1:{real_port}", LEARNER.fingerprint), session, 5.0

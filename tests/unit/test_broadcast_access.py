@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 
@@ -22,13 +23,18 @@ from echo2.broadcast.access import (
 from echo2.broadcast.store import check_chunk_list
 from echo2.broadcast.wire import ProtocolError
 from echo2.transport import make_identity
-from echo2.weights.frames import GetFrame, parse_frame
+from echo2.weights.frames import GetFrame, decode_chunk_list, encode_chunk_list, parse_frame
 from echo2.weights.manifest import HmacKey, new_signing_key
 
 KEY = new_signing_key()
 PUBLIC = KEY.verifier()  # what a relaying worker holds
 SERVER = make_identity(["127.0.0.1"])  # the node asked for chunks
 MEMBER = make_identity(["127.0.0.1"])  # the member asking
+
+
+def _header(*args: Any) -> dict[str, Any]:
+    """The header of ``access.pull_request``'s get (what the gate reads)."""
+    return pull_request(*args)[0]
 
 
 def test_a_credential_checks_with_the_public_key_alone():
@@ -85,7 +91,7 @@ def _gate(me=SERVER) -> tuple[Gate, ServeCounters]:
 
 def test_the_gate_admits_a_member_with_its_credential_and_proof():
     gate, counters = _gate()
-    req = pull_request(issue(KEY, 3, "w1", MEMBER.fingerprint), [0, 1], False, SERVER.fingerprint, MEMBER)
+    req = _header(issue(KEY, 3, "w1", MEMBER.fingerprint), [0, 1], False, SERVER.fingerprint, MEMBER)
     assert gate.authenticate(req) == ("w1", 3)
     gate.require(True, "w1", 3)
     assert counters == ServeCounters()
@@ -101,16 +107,16 @@ def test_the_gate_refuses_what_is_not_the_member_itself():
     cases = [
         ("no credential", {"op": "get", "v": 3, "chunks": [0], "from": "w1"}),
         # w1's credential, shown by someone with another certificate
-        ("not the one its credential names", pull_request(cred, [0], False, SERVER.fingerprint, thief)),
+        ("not the one its credential names", _header(cred, [0], False, SERVER.fingerprint, thief)),
         # w1's certificate (public) with a proof the thief signed
         (
             "not signed by its certificate's key",
-            {**pull_request(cred, [0], False, SERVER.fingerprint, thief), "cert": MEMBER.cert_der.hex()},
+            {**_header(cred, [0], False, SERVER.fingerprint, thief), "cert": MEMBER.cert_der.hex()},
         ),
         # a genuine request of w1's, made for another server, replayed here
-        ("not signed by its certificate's key", pull_request(cred, [0], False, "ab" * 32, MEMBER)),
+        ("not signed by its certificate's key", _header(cred, [0], False, "ab" * 32, MEMBER)),
         # over TLS a request without certificate and proof is refused
-        ("carries the member's certificate", pull_request(cred, [0], False, SERVER.fingerprint, None)),
+        ("carries the member's certificate", _header(cred, [0], False, SERVER.fingerprint, None)),
     ]
     for needle, req in cases:
         with pytest.raises(AccessError, match=needle):
@@ -120,7 +126,7 @@ def test_the_gate_refuses_what_is_not_the_member_itself():
 
 def test_without_tls_the_gate_checks_the_credential_only():
     gate, _ = _gate(me=None)
-    assert gate.authenticate(pull_request(issue(KEY, 3, "w1", ""), [0], False, "", None)) == ("w1", 3)
+    assert gate.authenticate(_header(issue(KEY, 3, "w1", ""), [0], False, "", None)) == ("w1", 3)
 
 
 def test_the_budget_caps_bytes_per_member_and_version():
@@ -145,26 +151,39 @@ def test_the_budget_caps_bytes_per_member_and_version():
         ([0, 1, 1], "same chunk more than once"),
         (list(range(9)), "1 to 8"),  # more than the snapshot has
         ([8], r"in \[0, 8\)"),
-        # what no get may carry at all: its model (weights.frames.GetFrame) refuses it, naming the field
-        ([-1], r"'get' frame: field 'chunks\.0': Input should be greater than or equal to 0, got -1"),
-        ([True], r"'get' frame: field 'chunks\.0': Input should be a valid integer, got True"),
-        ([], r"'get' frame: field 'chunks': List should have at least 1 item"),
-        ("0-7", r"'get' frame: field 'chunks': Input should be a valid list, got '0-7'"),
     ],
 )
 def test_chunk_lists_are_bounded(chunks, needle):
-    """A get's chunk list, as a server reads it: its model first, then the snapshot's chunk count."""
+    """A get's chunk list, as a server reads it from the payload: against the snapshot's chunk count."""
     with pytest.raises(ProtocolError, match=needle):
-        check_chunk_list(parse_frame({**_get(), "chunks": chunks}, GetFrame).chunks, 8)
+        check_chunk_list(decode_chunk_list(encode_chunk_list(chunks)), 8)
+
+
+@pytest.mark.parametrize(
+    ("n", "needle"),
+    [
+        (-4, "greater than or equal to 4"),
+        (0, "greater than or equal to 4"),
+        (6, "multiple of 4"),
+        (True, "a valid integer"),
+        ("8", "a valid integer"),
+    ],
+)
+def test_what_no_get_may_announce_as_its_chunk_list(n, needle):
+    """Its model (weights.frames.GetFrame) refuses a payload length that is no whole, non-empty list."""
+    with pytest.raises(ProtocolError, match=rf"'get' frame: field 'n': .*{needle}"):
+        parse_frame({**_get(), "n": n}, GetFrame)
 
 
 def test_a_bounded_chunk_list_passes():
-    assert check_chunk_list(parse_frame({**_get(), "chunks": [7, 0, 3]}, GetFrame).chunks, 8) == [7, 0, 3]
+    header, payload = pull_request(issue(KEY, 3, "w1", ""), [7, 0, 3], False, "", None)
+    assert parse_frame({**header, "n": len(payload)}, GetFrame).n == 12
+    assert check_chunk_list(decode_chunk_list(payload), 8) == [7, 0, 3]
     assert check_chunk_list(list(range(8)), 8) == list(range(8))
 
 
 def _get() -> dict:
-    return pull_request(issue(KEY, 3, "w1", ""), [0], False, "", None)
+    return _header(issue(KEY, 3, "w1", ""), [0], False, "", None)
 
 
 @pytest.mark.parametrize(

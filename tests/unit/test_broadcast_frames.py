@@ -15,9 +15,10 @@ import pytest
 
 from echo2.broadcast import access
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, issue, pull_request
+from echo2.broadcast.api import OpenLedger
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
-from echo2.broadcast.store import MAX_REQUEST, SnapshotBuffer, serve_get, serve_pull
+from echo2.broadcast.store import SnapshotBuffer, serve_get, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import ProtocolError as WireProtocolError
 from echo2.broadcast.wire import (
@@ -47,8 +48,11 @@ from echo2.weights.frames import (
     LeaveFrame,
     ProtocolError,
     RejectedFrame,
+    RevokeFrame,
     ShutdownFrame,
     StalledFrame,
+    decode_chunk_list,
+    encode_chunk_list,
     parse_frame,
     to_wire,
     version_or_none,
@@ -106,10 +110,11 @@ BY_HAND: dict[str, tuple[dict[str, Any], frames.Frame]] = {
         ),
     ),
     "shutdown": ({"op": "shutdown"}, ShutdownFrame()),
+    "revoke": ({"op": "revoke", "member": "w3"}, RevokeFrame(member="w3")),
     "error": ({"op": "error", "reason": "unknown version 9"}, ErrorFrame(reason="unknown version 9")),
-    "get": (  # as access.pull_request built it by hand (it now sends to_wire of this model)
-        {"op": "get", "v": 5, "chunks": [0, 2], "from": "w1", "repair": False, "cred": CRED.to_dict()},
-        GetFrame(v=5, chunks=[0, 2], member="w1", repair=False, cred=CRED.to_dict()),
+    "get": (  # its chunk list is its payload (8 bytes: two indices), its length n the framing's
+        {"op": "get", "v": 5, "from": "w1", "repair": False, "cred": CRED.to_dict()},
+        GetFrame(v=5, member="w1", repair=False, cred=CRED.to_dict(), n=8),
     ),
     "chunk": ({"op": "chunk", "v": 5, "i": 2}, ChunkFrame(v=5, i=2)),
 }
@@ -127,10 +132,11 @@ def on_wire(header: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("op", sorted(BY_HAND))
 def test_every_kind_round_trips_byte_for_byte(op: str) -> None:
     by_hand, model = BY_HAND[op]
+    n = getattr(model, "n", 0)  # a payload's length: the framing's (wire.encode), never to_wire's
     wire = to_wire(model)
     assert list(wire) == list(by_hand)  # the same keys in the same order ...
-    assert encode(wire) == encode(by_hand)  # ... so the same bytes on the wire
-    received = parse_header(encode(wire)[4:])  # what the peer's read_header returns
+    assert encode(wire, n) == encode(by_hand, n)  # ... so the same bytes on the wire
+    received = parse_header(encode(wire, n)[4:])  # what the peer's read_header returns
     assert parse_frame(received) == model
     assert on_wire(to_wire(parse_frame(received))) == by_hand
 
@@ -158,16 +164,28 @@ def test_what_to_wire_leaves_out() -> None:
 def test_a_get_over_tls_round_trips_and_matches_what_access_builds() -> None:
     me, server = make_identity(["127.0.0.1"]), make_identity(["127.0.0.1"])
     cred = issue(KEY, 5, "w1", me.fingerprint)
-    sent = pull_request(cred, [1], True, server.fingerprint, me)
-    model = parse_frame(sent, GetFrame)
-    assert model.member == "w1" and model.repair and model.cert == me.cert_der.hex()
-    assert encode(to_wire(model)) == encode(sent)
-    by_hand = {  # the keys, in their order, of the get the nodes built by hand before the models
-        "op": "get", "v": 5, "chunks": [1], "from": "w1", "repair": True, "cred": cred.to_dict(),
+    sent, payload = pull_request(cred, [1], True, server.fingerprint, me)
+    model = parse_frame(parse_header(encode(sent, len(payload))[4:]), GetFrame)
+    assert model.member == "w1" and model.repair and model.cert == me.cert_der.hex() and model.n == 4
+    assert encode(to_wire(model)) == encode(sent) and decode_chunk_list(payload) == [1]
+    by_hand = {  # the keys, in their order, of the get's header
+        "op": "get", "v": 5, "from": "w1", "repair": True, "cred": cred.to_dict(),
         "cert": me.cert_der.hex(), "proof": sent["proof"],
     }  # fmt: skip
     assert encode(sent) == encode(by_hand)
-    assert pull_request(CRED, [0, 2], False, "", None) == BY_HAND["get"][0]  # without TLS: no cert, proof
+    header, payload = pull_request(CRED, [0, 2], False, "", None)
+    assert header == BY_HAND["get"][0] and payload == encode_chunk_list([0, 2])  # without TLS: no cert
+
+
+def test_a_gets_header_stays_small_whatever_its_chunk_list() -> None:
+    """What a stranger can make a server parse is the header alone: a get of a million chunks has the
+    header of a get of one (its list is the payload, read after the credential checked)."""
+    me, server = make_identity(["127.0.0.1"]), make_identity(["127.0.0.1"])
+    cred = issue(KEY, 5, "w1", me.fingerprint)
+    one, _ = pull_request(cred, [0], False, server.fingerprint, me)
+    many, payload = pull_request(cred, list(range(MAX_CHUNKS)), False, server.fingerprint, me)
+    assert len(encode(many, len(payload))) < frames.PRE_AUTH_HEADER and len(payload) == 4 * MAX_CHUNKS
+    assert abs(len(encode(one)) - len(encode(many))) <= 8  # an ECDSA proof varies by a few bytes
 
 
 def test_an_announcement_naming_a_repair_source_without_an_address_is_refused() -> None:
@@ -180,7 +198,7 @@ def test_an_announcement_naming_a_repair_source_without_an_address_is_refused() 
 
 def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
     async def go() -> dict[str, Any]:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
         r, w = await asyncio.open_connection(*pub.address)
         await write_frame(w, to_wire(JoinFrame(worker="w1", host="127.0.0.1", port=9)))
@@ -200,6 +218,7 @@ def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
 # -- refusals -----------------------------------------------------------------------------------------
 # Per kind with fields: a field to leave out, a wrong type, a value out of range (field, value).
 GOOD = {op: by_hand for op, (by_hand, _) in BY_HAND.items()}
+GOOD["get"] = {**GOOD["get"], "n": 8}  # as read off the wire: with its payload's length
 REFUSALS: list[tuple[str, str, str, object, str]] = [  # (op, case, field path, value, what the message says)
     ("join", "missing", "port", None, "is missing"),
     ("join", "type", "port", "4242", "should be a valid integer"),
@@ -226,14 +245,16 @@ REFUSALS: list[tuple[str, str, str, object, str]] = [  # (op, case, field path, 
     ("announce", "range", "stall_hint", -1.0, "greater than or equal to 0"),
     ("announce", "range", "sources.0.1.0", [[LEARNER, [MAX_CHUNKS]]], f"less than {MAX_CHUNKS}"),
     ("announce", "range", "peers.learner.1", {LEARNER: ["h", 0]}, "greater than or equal to 1"),
+    ("revoke", "missing", "member", None, "is missing"),
+    ("revoke", "type", "member", 5, "should be a valid string"),
+    ("revoke", "range", "member", "", "at least 1 character"),
     ("error", "missing", "reason", None, "is missing"),
     ("error", "type", "reason", {"why": 1}, "should be a valid string"),
     ("error", "range", "reason", "r" * (MAX_REASON + 1), f"at most {MAX_REASON} characters"),
     ("get", "missing", "from", None, "is missing"),
     ("get", "type", "repair", "yes", "should be a valid boolean"),
-    ("get", "type", "chunks", "all", "should be a valid list"),
-    ("get", "range", "chunks", [], "at least 1 item"),
-    ("get", "range", "chunks.0", [-1], "greater than or equal to 0"),
+    ("get", "type", "n", "8", "should be a valid integer"),
+    ("get", "range", "n", 6, "multiple of 4"),
     ("chunk", "missing", "i", None, "is missing"),
     ("chunk", "type", "i", False, "should be a valid integer"),  # False == 0: the old check let it pass
     ("chunk", "range", "n", 1 << 30, "less than or equal to 67108864"),
@@ -269,7 +290,8 @@ def test_each_kind_with_fields_has_a_missing_a_wrong_type_and_an_out_of_range_ca
 
 @pytest.mark.parametrize("op", sorted(BY_HAND))
 def test_each_kind_refuses_an_extra_key(op: str) -> None:
-    _refused({**GOOD[op], "member": "w1"}, f"{op!r} frame: unknown field 'member'")  # get's field, by name
+    extra = "member" if op != "revoke" else "worker"  # a field of another kind, by name
+    _refused({**GOOD[op], extra: "w1"}, f"{op!r} frame: unknown field {extra!r}")
 
 
 @pytest.mark.parametrize("op", ["dance", "JOIN", "", 5, None, ["get"]])
@@ -321,7 +343,7 @@ def test_publisher_drops_a_malformed_control_frame_and_refuses_a_malformed_pull(
     bad request (``bad_requests``) and a bad frame, like a chunk list out of bounds; the port serves on."""
 
     async def go() -> TcpPublisher:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
         bad_r, bad_w = await asyncio.open_connection(*pub.address)
         await write_frame(bad_w, to_wire(JoinFrame(worker="bad", host="127.0.0.1", port=9)))
@@ -337,11 +359,12 @@ def test_publisher_drops_a_malformed_control_frame_and_refuses_a_malformed_pull(
         ann = parse_frame(await asyncio.wait_for(read_header(good_r), 5), AnnounceFrame)
         cred = Credential.from_dict(ann.credential)
         r, w = await asyncio.open_connection(*pub.address)
-        await write_frame(w, {**pull_request(cred, [0], False, "", None), "repair": "yes"})
+        header, payload = pull_request(cred, [0], False, "", None)
+        await write_frame(w, {**header, "repair": "yes", "n": len(payload)})  # the header alone
         refusal = parse_frame(await asyncio.wait_for(read_header(r), 5), ErrorFrame)
         assert "'get' frame: field 'repair'" in refusal.reason and await r.read() == b""
         r, w = await asyncio.open_connection(*pub.address)  # a well-formed pull is served as ever
-        await write_frame(w, pull_request(cred, [0, 1, 2], False, "", None))
+        await write_frame(w, *pull_request(cred, [0, 1, 2], False, "", None))
         for i in range(3):
             header = await asyncio.wait_for(read_header(r), 5)
             assert parse_frame(header, ChunkFrame).i == i
@@ -379,10 +402,11 @@ def test_node_refuses_a_malformed_announcement_and_repairs_a_malformed_chunk(
                 await joined.put((reader, writer, header))
                 return
             gets.append(parse_frame(header, GetFrame))
+            chunks = decode_chunk_list(await reader.readexactly(gets[-1].n))
             if len(gets) == 1:  # the first pull: a malformed chunk frame
                 await write_frame(writer, {"op": "chunk", "v": 5, "i": False}, BLOB[:CHUNK])
             else:
-                await serve_get(gets[-1], writer, lambda v: buffer if v == 5 else None, None, 5.0)
+                await serve_get(gets[-1], chunks, writer, lambda v: buffer if v == 5 else None, None, 5.0)
             writer.close()
 
         server = await asyncio.start_server(learner, "127.0.0.1", 0)
@@ -420,40 +444,49 @@ def test_node_refuses_a_malformed_announcement_and_repairs_a_malformed_chunk(
 
 
 # -- a malformed pull costs its connection, nothing else -------------------------------------------------
-GET = pull_request(CRED, [0, 1, 2], False, "", None)  # w1's pull of all of v5, well formed
-# (a get with w1's valid credential, what the server says) : refused by its model or by the snapshot
-MALFORMED_GETS: list[tuple[dict[str, Any], str]] = [
-    ({k: v for k, v in GET.items() if k != "chunks"}, "'get' frame: field 'chunks' is missing"),
-    ({**GET, "member": "w1"}, "'get' frame: unknown field 'member'"),
-    ({**GET, "repair": "yes"}, "'get' frame: field 'repair': Input should be a valid boolean, got 'yes'"),
-    ({**GET, "chunks": "all"}, "'get' frame: field 'chunks': Input should be a valid list, got 'all'"),
-    ({**GET, "chunks": [0, 1.0]}, "'get' frame: field 'chunks.1': Input should be a valid integer"),
-    ({**GET, "chunks": [-1]}, "'get' frame: field 'chunks.0': Input should be greater than or equal to 0"),
-    ({**GET, "chunks": [0, 3]}, "'chunks' must hold chunk indices in [0, 3)"),  # past the manifest's 3
-    ({**GET, "chunks": [1, 1]}, "'chunks' asks for the same chunk more than once"),
+GET, GET_CHUNKS = pull_request(CRED, [0, 1, 2], False, "", None)  # w1's pull of all of v5, well formed
+GET = {**GET, "n": len(GET_CHUNKS)}  # the header as sent: with its payload's length
+# (a get with w1's valid credential, what the server says): refused by its model (the header alone is
+# sent: the server reads no payload of it) or by the snapshot (the payload, the chunk list, follows)
+MALFORMED_GETS: list[tuple[dict[str, Any], bytes, str]] = [
+    ({k: v for k, v in GET.items() if k != "n"}, b"", "'get' frame: field 'n' is missing"),
+    ({**GET, "member": "w1"}, b"", "'get' frame: unknown field 'member'"),
+    (
+        {**GET, "repair": "yes"},
+        b"",
+        "'get' frame: field 'repair': Input should be a valid boolean, got 'yes'",
+    ),
+    ({**GET, "n": 6}, b"", "'get' frame: field 'n': Input should be a multiple of 4"),
+    ({**GET, "n": 0}, b"", "'get' frame: field 'n': Input should be greater than or equal to 4"),
+    ({**GET, "n": 16}, b"", "'chunks' must be a list of 1 to 3 chunk indices, got 4"),  # longer than v5
+    ({**GET, "n": 8}, encode_chunk_list([0, 3]), "'chunks' must hold chunk indices in [0, 3)"),
+    ({**GET, "n": 8}, encode_chunk_list([1, 1]), "'chunks' asks for the same chunk more than once"),
 ]
+MODEL_REFUSALS = 5  # the first five: refused before the snapshot is looked at
 # ... and with a malformed credential field: the gate's refusal, whatever else is wrong
-REFUSED_GETS: list[tuple[dict[str, Any], str]] = [
-    ({**GET, "from": 5, "chunks": "all"}, "refused: 'get' frame: field 'from': Input should be a valid str"),
-    ({**GET, "v": "5", "extra": 1}, "refused: 'get' frame: field 'v': Input should be a valid integer"),
-    ({k: v for k, v in GET.items() if k != "from"}, "refused: 'get' frame: field 'from' is missing"),
-    ({k: v for k, v in GET.items() if k != "cred"}, "refused: no credential"),
+REFUSED_GETS: list[tuple[dict[str, Any], bytes, str]] = [
+    ({**GET, "from": 5, "n": 6}, b"", "refused: 'get' frame: field 'from': Input should be a valid str"),
+    ({**GET, "v": "5", "extra": 1}, b"", "refused: 'get' frame: field 'v': Input should be a valid integer"),
+    ({k: v for k, v in GET.items() if k != "from"}, b"", "refused: 'get' frame: field 'from' is missing"),
+    ({k: v for k, v in GET.items() if k != "cred"}, b"", "refused: no credential"),
 ]
 
 
-async def _refusal(address: tuple[str, int], header: dict[str, Any]) -> str:
+async def _refusal(address: tuple[str, int], header: dict[str, Any], payload: bytes = b"") -> str:
     """Send one get; the reason of the one error frame that comes back, after which the server closed."""
     r, w = await asyncio.open_connection(*address)
-    await write_frame(w, header)
+    w.write(encode(header) + payload)  # the header as given (its own n), then the payload
+    await w.drain()
     reason = parse_frame(await asyncio.wait_for(read_header(r), 5), ErrorFrame).reason
     assert await asyncio.wait_for(r.read(), 5) == b""  # closed, nothing after the error
     w.close()
     return reason
 
 
-async def _pull_all(address: tuple[str, int], header: dict[str, Any]) -> bytes:
+async def _pull_all(address: tuple[str, int], header: dict[str, Any], payload: bytes) -> bytes:
     r, w = await asyncio.open_connection(*address)
-    await write_frame(w, header)
+    w.write(encode(header) + payload)
+    await w.drain()
     got = b""
     for i in range(3):
         header = await asyncio.wait_for(read_header(r), 5)
@@ -483,8 +516,10 @@ def test_a_malformed_pull_is_refused_by_name_and_costs_the_server_nothing_else()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            header = await read_header(reader, MAX_REQUEST)
-            await serve_pull(gate, header, writer, admit, None, 5.0, lambda m, v, n: sent.append((m, n)))
+            header = await read_header(reader, frames.PRE_AUTH_HEADER)
+            await serve_pull(
+                gate, header, reader, writer, admit, None, 5.0, lambda m, v, n: sent.append((m, n))
+            )
         except ProtocolError as exc:  # AccessError too: what a node logs and counts, then closes
             dropped.append(type(exc).__name__)
         finally:
@@ -493,14 +528,14 @@ def test_a_malformed_pull_is_refused_by_name_and_costs_the_server_nothing_else()
     async def go() -> None:
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         address = server.sockets[0].getsockname()[:2]
-        for header, needle in [*MALFORMED_GETS, *REFUSED_GETS]:
-            reason = await _refusal(address, header)
+        for header, payload, needle in [*MALFORMED_GETS, *REFUSED_GETS]:
+            reason = await _refusal(address, header, payload)
             assert needle in reason, (needle, reason)
         assert sent == [] and gate.budget.sent("w1", 5) == 0  # no chunk byte left, none booked
-        assert admitted == [("w1", 5), ("w1", 5)]  # only the two the snapshot's bounds refused
-        w2 = pull_request(issue(KEY, 5, "w2", ""), [0, 1, 2], False, "", None)
-        assert await _pull_all(address, w2) == BLOB  # the store serves on, others ...
-        assert await _pull_all(address, GET) == BLOB  # ... and the member that sent the garbage
+        assert admitted == [("w1", 5)] * 3  # only the three the snapshot's bounds refused
+        w2, w2_chunks = pull_request(issue(KEY, 5, "w2", ""), [0, 1, 2], False, "", None)
+        assert await _pull_all(address, {**w2, "n": 12}, w2_chunks) == BLOB  # the store serves on ...
+        assert await _pull_all(address, GET, GET_CHUNKS) == BLOB  # ... the member that sent garbage too
         server.close()
 
     asyncio.run(go())
@@ -516,15 +551,15 @@ def test_a_node_refuses_a_malformed_pull_at_once_and_serves_on(server: str) -> N
     counted in ``bad_requests`` and ``bad_frames``, its connection closed; the port serves on."""
 
     async def go() -> tuple[Any, float]:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
         node = TcpWorkerNode("w2", pub.address, PUBLIC, stall_timeout=5.0)
         await node.start()
         target = pub if server == "publisher" else node
         address = pub.address if server == "publisher" else ("127.0.0.1", node.port)
         started = time.monotonic()
-        for header, needle in MALFORMED_GETS[:6]:  # the model's refusals: no snapshot needed
-            reason = await _refusal(address, header)
+        for header, payload, needle in MALFORMED_GETS[:MODEL_REFUSALS]:  # no snapshot needed
+            reason = await _refusal(address, header, payload)
             assert needle in reason, (needle, reason)
         took = time.monotonic() - started
         await pub.wait_members(1, 5)
@@ -534,6 +569,6 @@ def test_a_node_refuses_a_malformed_pull_at_once_and_serves_on(server: str) -> N
         return target, took
 
     target, took = asyncio.run(go())
-    assert took < 2.5  # six refusals, none of which waited out the relay's 5 s for an announcement
-    assert target.refusals == type(target.refusals)(bad_requests=6)
-    assert target.counters.bad_frames == 6 and target.counters.peer_errors == 0
+    assert took < 2.5  # five refusals, none of which waited out the relay's 5 s for an announcement
+    assert target.refusals == type(target.refusals)(bad_requests=5)
+    assert target.counters.bad_frames == 5 and target.counters.peer_errors == 0

@@ -31,7 +31,7 @@ from echo2.broadcast.wire import (
     write_frame,
 )
 from echo2.broadcast.worker import AVOID_VERSIONS, TcpWorkerNode
-from echo2.weights.frames import GetFrame, parse_frame
+from echo2.weights.frames import GetFrame, decode_chunk_list, parse_frame
 from echo2.weights.manifest import build_manifest, new_signing_key
 
 KEY = new_signing_key()
@@ -127,6 +127,7 @@ def test_the_in_memory_hub_has_the_same_counters() -> None:
         "broadcast/reports_starved": 0.0,
         "broadcast/relays_demoted": 0.0,
         "broadcast/acks_refused": 0.0,
+        "broadcast/members_expelled": 0.0,
         "broadcast/bad_frames": 0.0,
         "broadcast/peer_errors": 0.0,
     }
@@ -145,7 +146,7 @@ async def _pull_learner(addr: tuple[str, int], ann: dict[str, Any]) -> int:
     if not chunks:
         return 0
     reader, writer = await asyncio.open_connection(*addr)
-    await write_frame(writer, pull_request(Credential.from_dict(ann["credential"]), chunks, False, "", None))
+    await write_frame(writer, *pull_request(Credential.from_dict(ann["credential"]), chunks, False, "", None))
     for _ in chunks:
         h = await read_header(reader)
         await read_payload(reader, h, CHUNK)
@@ -162,7 +163,7 @@ def _planned(ann: dict[str, Any]) -> dict[str, int]:
 
 async def _three_members() -> tuple[TcpPublisher, dict[str, Any]]:
     """A started publisher with members a, b and c joined (their control connections by name)."""
-    pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+    pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
     await pub.start()
     ctl = {}
     for w in "abc":
@@ -263,7 +264,7 @@ CONTROL_FRAMES = [  # after a good join, on the control connection: the member i
 
 def test_publisher_port_refuses_garbage_with_one_line_each(caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> TcpPublisher:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
         for body in FIRST_FRAMES:
             r, w = await asyncio.open_connection(*pub.address)
@@ -315,7 +316,7 @@ def test_an_unexpected_exception_from_a_peer_is_counted_not_raised(caplog: pytes
 # -- a worker node: its port, its announcements, its memory -------------------------------------------
 def test_node_port_refuses_garbage_with_one_line_each(caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> TcpWorkerNode:
-        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK)
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
         node = TcpWorkerNode("w", pub.address, PUBLIC)
         await node.start()
@@ -328,7 +329,7 @@ def test_node_port_refuses_garbage_with_one_line_each(caplog: pytest.LogCaptureF
         await write_frame(w, {"op": "get", "from": "x", "v": 1, "chunks": [0], "cred": {"run": 5}})
         assert (await read_header(r))["op"] == "error" and await r.read() == b""
 
-        async def boom(header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        async def boom(header: dict[str, Any], reader: Any, writer: asyncio.StreamWriter) -> None:
             raise KeyError("nobody expected this")
 
         node._serve = boom  # type: ignore[method-assign]  # the last catch: whatever a peer's bytes reach
@@ -361,13 +362,16 @@ class _Cluster:
             if h["op"] != "get":
                 await self.joined.put((reader, writer))
                 return
-            self.learner_gets.append(h)
-            await serve_get(parse_frame(h, GetFrame), writer, self.buffers.get, None, 5.0)
+            pull = parse_frame(h, GetFrame)
+            chunks = decode_chunk_list(await reader.readexactly(pull.n))
+            self.learner_gets.append({**h, "chunks": chunks})
+            await serve_get(pull, chunks, writer, self.buffers.get, None, 5.0)
             writer.close()
 
         async def honest(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             pull = parse_frame(await read_header(reader), GetFrame)
-            await serve_get(pull, writer, self.buffers.get, None, 5.0)
+            chunks = decode_chunk_list(await reader.readexactly(pull.n))
+            await serve_get(pull, chunks, writer, self.buffers.get, None, 5.0)
             writer.close()
 
         async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

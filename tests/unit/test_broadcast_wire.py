@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from echo2.broadcast.api import BroadcastStats
+from echo2.broadcast.api import BroadcastStats, OpenLedger
 from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.wire import Pacer, ProtocolError, encode, read_header, read_payload
 from echo2.weights.manifest import HmacKey, ManifestError, blob_ok
@@ -104,7 +104,9 @@ def test_a_measurement_outlives_its_round() -> None:
     from echo2.weights.manifest import new_signing_key
 
     async def go() -> None:
-        pub = open_publisher("tcp", new_signing_key(), get_strategy("tree-pipelined"), 1 << 10)
+        pub = open_publisher(
+            "tcp", new_signing_key(), get_strategy("tree-pipelined"), 1 << 10, ledger=OpenLedger()
+        )
         await pub.start()
         try:
             await pub.publish(1, b"v1" * 100)
@@ -134,8 +136,16 @@ def test_publishers_size_chunks_per_snapshot_unless_told() -> None:
         hub = InMemoryHub(b"s" * 32, chunk_size=None)
         assert (await hub.publish(1, small)).chunk_size == relay_chunk_bytes(len(small)) == 4 << 10
         assert (await hub.publish(2, large)).chunk_size == relay_chunk_bytes(len(large)) > 4 << 10
-        fixed = open_publisher("tcp", new_signing_key(), get_strategy("tree-pipelined"), 64 << 10)
-        rated = TcpPublisher(new_signing_key(), get_strategy("tree-pipelined"), None, link_rates=(3e6, 1e6))
+        fixed = open_publisher(
+            "tcp", new_signing_key(), get_strategy("tree-pipelined"), 64 << 10, ledger=OpenLedger()
+        )
+        rated = TcpPublisher(
+            new_signing_key(),
+            get_strategy("tree-pipelined"),
+            None,
+            link_rates=(3e6, 1e6),
+            ledger=OpenLedger(),
+        )
         for pub in (fixed, rated):
             await pub.start()
         try:

@@ -73,8 +73,8 @@ def _serve(tmp_path, body, view_token: str | None = None) -> Any:  # type: ignor
         async with TestClient(TestServer(parts.routes.app())) as api:
             creds = []
             for name, hw, usd in (("alpha", "RTX 5090", 0.35), (HOSTILE, HOSTILE, 0.29)):
-                reg = {"token": TOKEN, "name": name, "hardware": hw, "usd_per_hour": usd}
-                resp = await api.post("/v1/register", json=reg)
+                reg = {"name": name, "hardware": hw, "usd_per_hour": usd}
+                resp = await api.post("/v1/register", json=reg, headers={"Authorization": f"Bearer {TOKEN}"})
                 assert resp.status == 200, await resp.text()
                 creds.append((await resp.json())["credential"])
             hb = {"rollouts": 5, "busy_s": 1.0, "installed_version": 0}

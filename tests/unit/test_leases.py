@@ -70,9 +70,7 @@ def _node(tmp_path: Any, *overrides: str) -> tuple[Any, TrajectoryStore, LeaseBr
 def _register(
     registry: WorkerRegistry, pool: Pool, name: str, rate: float | None = None, usd: float = 0.35
 ) -> str:
-    rec, _ = registry.register(
-        RegisterRequest(token="t" * 20, name=name, usd_per_hour=usd, rollouts_per_s=rate)
-    )
+    rec, _ = registry.register(RegisterRequest(name=name, usd_per_hour=usd, rollouts_per_s=rate))
     pool.enroll(rec)
     return rec.worker_id
 

@@ -24,6 +24,7 @@ from echo2.tasks.registry import build_task
 from echo2.weights.manifest import new_signing_key
 
 TOKEN = "join-token-for-tests-0123456789"
+JOIN = {"Authorization": f"Bearer {TOKEN}"}  # what registration sends: the join token as its bearer
 VOCAB = 100
 
 
@@ -81,7 +82,7 @@ def run(coro_fn, node: SimpleNamespace) -> tuple[Any, StoreStats]:
 
 
 async def register(client: TestClient, name: str = "w") -> dict[str, str]:
-    resp = await client.post("/v1/register", json={"token": TOKEN, "name": name, "usd_per_hour": 0.35})
+    resp = await client.post("/v1/register", headers=JOIN, json={"name": name, "usd_per_hour": 0.35})
     assert resp.status == 200, await resp.text()
     data = await resp.json()
     return {"Authorization": f"Bearer {data['credential']}"}
@@ -120,9 +121,11 @@ async def lease(client: TestClient, auth: dict[str, str], installed: int = 0) ->
 def test_register_needs_the_join_token(tmp_path):
     async def body(client):
         missing = await client.post("/v1/register", json={"name": "x"})
-        wrong = await client.post("/v1/register", json={"token": "nope", "name": "x"})
-        bad_price = await client.post("/v1/register", json={"token": TOKEN, "name": "x", "usd_per_hour": -1})
-        ok = await client.post("/v1/register", json={"token": TOKEN, "name": "x", "usd_per_hour": 0.35})
+        wrong = await client.post(
+            "/v1/register", json={"name": "x"}, headers={"Authorization": "Bearer nope"}
+        )
+        bad_price = await client.post("/v1/register", headers=JOIN, json={"name": "x", "usd_per_hour": -1})
+        ok = await client.post("/v1/register", headers=JOIN, json={"name": "x", "usd_per_hour": 0.35})
         return missing.status, wrong.status, bad_price.status, ok.status, await ok.json()
 
     node = make_node(tmp_path)
@@ -288,22 +291,22 @@ def test_heartbeat_validates_and_reports_activity(tmp_path):
 
 
 BAD_BODIES = [  # endpoint, body, (field named first in the detail, what it says of it)
-    ("register", {"token": TOKEN, "usd_per_hour": 1.0, "name": ""}, ("name", "at least 1 character")),
-    ("register", {"token": TOKEN, "usd_per_hour": 0}, ("usd_per_hour", "greater than 0")),
-    ("register", {"token": TOKEN, "usd_per_hour": True}, ("usd_per_hour", "a valid number")),
+    ("register", {"usd_per_hour": 1.0, "name": ""}, ("name", "at least 1 character")),
+    ("register", {"usd_per_hour": 0}, ("usd_per_hour", "greater than 0")),
+    ("register", {"usd_per_hour": True}, ("usd_per_hour", "a valid number")),
     (
         "register",
-        {"token": TOKEN, "usd_per_hour": 1.0, "rollouts_per_s": 0},
+        {"usd_per_hour": 1.0, "rollouts_per_s": 0},
         ("rollouts_per_s", "greater than 0"),
     ),
     (
         "register",
-        {"token": TOKEN, "usd_per_hour": 1.0, "hardware": "x" * 129},
+        {"usd_per_hour": 1.0, "hardware": "x" * 129},
         ("hardware", "at most 128 characters"),
     ),
     (
         "register",
-        {"token": TOKEN, "usd_per_hour": 1.0, "gpu": "H100"},
+        {"usd_per_hour": 1.0, "gpu": "H100"},
         ("gpu", "Extra inputs are not permitted"),
     ),
     ("heartbeat", {"rollouts": -1, "busy_s": 0.5, "installed_version": 0}, ("rollouts", "greater than")),
@@ -325,7 +328,9 @@ BAD_BODIES = [  # endpoint, body, (field named first in the detail, what it says
 def test_bad_bodies_get_422_naming_the_field(tmp_path, endpoint, bad, detail):
     async def body(client):
         auth = await register(client)
-        resp = await client.post(f"/v1/{endpoint}", json=bad, headers=auth)
+        resp = await client.post(
+            f"/v1/{endpoint}", json=bad, headers=JOIN if endpoint == "register" else auth
+        )
         ok = await client.post("/v1/lease", json={"max_prompts": 1, "installed_version": 0}, headers=auth)
         return resp.status, await resp.json(), ok.status
 
@@ -403,7 +408,7 @@ def test_every_channel_writes_the_installed_version_through_the_registry(tmp_pat
 
 def test_broadcast_membership_needs_the_workers_own_credential(tmp_path):
     async def body(client):
-        resp = await client.post("/v1/register", json={"token": TOKEN, "name": "a", "usd_per_hour": 1.0})
+        resp = await client.post("/v1/register", headers=JOIN, json={"name": "a", "usd_per_hour": 1.0})
         return await resp.json()
 
     node = make_node(tmp_path)
@@ -426,7 +431,7 @@ def test_the_protocol_models_parse_every_reply_the_routes_send(tmp_path):
     )
 
     async def body(client):
-        reg = await client.post("/v1/register", json={"token": TOKEN, "name": "w", "usd_per_hour": 1.0})
+        reg = await client.post("/v1/register", headers=JOIN, json={"name": "w", "usd_per_hour": 1.0})
         parsed = RegisterReply.model_validate_json(await reg.read())
         auth = {"Authorization": f"Bearer {parsed.credential}"}
         hb = await client.post(
@@ -552,7 +557,7 @@ def test_registrations_prices_and_rates_are_bounded(tmp_path):
 
     async def body(client):
         async def reg(**fields: Any) -> tuple[int, str]:
-            resp = await client.post("/v1/register", json={"token": TOKEN, "usd_per_hour": 0.5, **fields})
+            resp = await client.post("/v1/register", headers=JOIN, json={"usd_per_hour": 0.5, **fields})
             return resp.status, (await resp.json()).get("error", "ok")
 
         return [
@@ -685,13 +690,18 @@ def test_weights_newer_than_the_learner_are_refused_as_rolled_back(tmp_path):
 
 def test_over_long_numbers_get_a_counted_4xx_on_every_endpoint(tmp_path):
     """A 5,000-digit integer (beyond what JSON parsers convert) or a 30-digit version: a 4xx naming the
-    problem, never a 500, on the unauthenticated register too."""
+    problem, never a 500, on the unauthenticated register too (whose body past 4 KiB is not even read:
+    413, and whose over-long join token is just a wrong one: 403)."""
     big = "9" * 5000
 
     async def body(client):
         out = []
-        for raw in (f'{{"token": "{TOKEN}", "usd_per_hour": {big}}}', f'{{"token": {big}}}'):
-            out.append((await client.post("/v1/register", data=raw)).status)
+        out.append(
+            (await client.post("/v1/register", data=f'{{"usd_per_hour": {big}}}', headers=JOIN)).status
+        )
+        out.append(
+            (await client.post("/v1/register", data="{}", headers={"Authorization": "Bearer " + big})).status
+        )
         auth = await register(client)
         hb = f'{{"rollouts": {big}, "busy_s": 1, "installed_version": 0}}'
         out.append((await client.post("/v1/heartbeat", data=hb, headers=auth)).status)
@@ -702,8 +712,8 @@ def test_over_long_numbers_get_a_counted_4xx_on_every_endpoint(tmp_path):
         return out
 
     got, stats = run(body, make_node(tmp_path))
-    assert got == [400, 400, 400, 400, 422]
-    assert stats.rejected_by_reason == {"malformed": 4, "future_version": 1}
+    assert got == [413, 403, 400, 400, 422]
+    assert stats.rejected_by_reason == {"oversized": 1, "auth": 1, "malformed": 2, "future_version": 1}
 
 
 def test_a_lora_runs_base_is_served_a_bounded_number_of_times_and_pinned_in_every_manifest(tmp_path):
@@ -725,7 +735,7 @@ def test_a_lora_runs_base_is_served_a_bounded_number_of_times_and_pinned_in_ever
     node = make_node(tmp_path / "lora", lora_base=b"the base bytes")
 
     async def served(client: TestClient) -> None:
-        resp = await client.post("/v1/register", json={"token": TOKEN, "name": "w", "usd_per_hour": 0.35})
+        resp = await client.post("/v1/register", headers=JOIN, json={"name": "w", "usd_per_hour": 0.35})
         reply = await resp.json()
         assert reply["settings"]["lora"] == {
             "scale": 2.0,

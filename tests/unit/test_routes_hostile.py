@@ -13,15 +13,16 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from test_routes import TOKEN, make_node, register, run
+from test_routes import JOIN, TOKEN, make_node, register, run
 
 from echo2.broadcast.access import BUDGET_SLACK_CHUNKS, SERVE_BUDGET, ByteBudget, Gate, ServeCounters
+from echo2.perimeter import RequestRate
 from echo2.protocol import HeartbeatRequest, RegisterRequest
 from echo2.runtime.registry import WorkerRegistry
-from echo2.runtime.routes import RequestRate
 from echo2.weights.manifest import new_signing_key
 
 DEEP = 50_000  # nesting of the deep bodies (Python's json recursed out of its stack at ~1,000)
+DEEP_REGISTER = 2_000  # ... of a registration's (its body is read up to 4 KiB only)
 
 
 def serve(node: Any, fn: Any) -> tuple[Any, Any]:
@@ -72,15 +73,17 @@ def post(path: str, body: bytes, *extra: str) -> bytes:
 
 # ---- 1. deep JSON ------------------------------------------------------------------------------------
 def test_deep_json_is_400_malformed_on_every_endpoint(tmp_path):
-    """A body, or a token, nested 50,000 deep: 400 malformed (Python's json raised RecursionError out
-    of register, a 500); the request models' parser bounds nesting too."""
+    """A body nested 50,000 deep (2,000 on register, whose body is read up to 4 KiB only): 400
+    malformed (Python's json raised RecursionError out of register, a 500); the request models' parser
+    bounds nesting too."""
     deep_list = "[" * DEEP + "]" * DEEP
-    deep_token = '{"token": ' + '{"a": ' * DEEP + "1" + "}" * DEEP + ', "usd_per_hour": 1.0}'
+    deep_register = "[" * DEEP_REGISTER + "]" * DEEP_REGISTER
+    deep_name = '{"name": ' + '{"a": ' * 500 + "1" + "}" * 500 + ', "usd_per_hour": 1.0}'
 
     async def body(client: TestClient) -> list[tuple[int, str]]:
         out = []
-        for raw_body in (deep_list, deep_token):
-            resp = await client.post("/v1/register", data=raw_body)
+        for raw_body in (deep_register, deep_name):
+            resp = await client.post("/v1/register", data=raw_body, headers=JOIN)
             out.append((resp.status, (await resp.json())["error"]))
         auth = await register(client)
         for endpoint in ("heartbeat", "lease", "submit"):
@@ -101,31 +104,33 @@ def test_deep_json_is_400_malformed_on_every_endpoint(tmp_path):
 def test_lone_surrogates_in_tokens_and_credentials_are_refused(tmp_path):
     """A join token "\\ud800" (a JSON escape) made token_ok raise UnicodeEncodeError (a 500); a bearer
     credential of undecodable bytes (aiohttp decodes them to lone surrogates) did the same in the
-    credential hash. Now: 400 malformed (the parser refuses lone surrogates), 403 auth."""
+    credential hash. Now: 400 malformed (the parser refuses lone surrogates in a body), 403 auth (a
+    token or credential of such bytes is a wrong one)."""
 
     async def go(port: int) -> list[tuple[int, str]]:
         out = []
-        for token in ('"\\ud800"', '"\\udcff"', '"a\\udfff"'):
-            body = f'{{"token": {token}, "usd_per_hour": 1.0}}'.encode()
-            status, _, reply = await raw(port, post("/v1/register", body))
+        for name in ('"\\ud800"', '"\\udcff"', '"a\\udfff"'):
+            body = f'{{"name": {name}, "usd_per_hour": 1.0}}'.encode()
+            status, _, reply = await raw(port, post("/v1/register", body, f"Authorization: Bearer {TOKEN}"))
             out.append((status, reply["error"]))
         for cred in (b"\xed\xa0\x80", b"\xff\xfe", b"ok\x80"):
-            req = b"GET /v1/version HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer " + cred
-            status, _, reply = await raw(port, req + b"\r\n\r\n")
-            out.append((status, reply["error"]))
+            for path in (b"GET /v1/version", b"POST /v1/register"):
+                req = path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer " + cred
+                status, _, reply = await raw(port, req + b"\r\nContent-Length: 0\r\n\r\n")
+                out.append((status, reply["error"]))
         return out
 
     node = make_node(tmp_path)
     got, stats = serve(node, go)
-    assert got == [(400, "malformed")] * 3 + [(403, "auth")] * 3
-    assert stats.rejected_by_reason == {"malformed": 3, "auth": 3}
+    assert got == [(400, "malformed")] * 3 + [(403, "auth")] * 6
+    assert stats.rejected_by_reason == {"malformed": 3, "auth": 6}
 
 
 def test_the_registry_compares_and_hashes_any_string(tmp_path):
     """token_ok, authenticate and may_join (the broadcast port hands it a JSON string, which
     may hold a lone surrogate) answer False/None for garbage, never raise."""
     reg = WorkerRegistry(tmp_path, TOKEN, time.time)
-    rec, credential = reg.register(RegisterRequest(token=TOKEN, usd_per_hour=1.0))
+    rec, credential = reg.register(RegisterRequest(usd_per_hour=1.0))
     for garbage in ("\ud800", "\udcff\udcfe", TOKEN + "\udfff", ""):
         assert not reg.token_ok(garbage)
         assert reg.authenticate(garbage) is None
@@ -169,7 +174,7 @@ def test_aiohttps_own_refusals_are_errorreply_json_and_counted(tmp_path):
     for (what, _), (status, ctype, reply) in zip(HTTP_GARBAGE, got, strict=True):
         assert status == 400 and ctype.startswith("application/json"), (what, status, ctype, reply)
         assert isinstance(reply, dict) and reply["error"] == "bad_http" and reply["detail"], (what, reply)
-    assert after == 403  # still serving
+    assert after == 401  # still serving
     assert stats.rejected_by_reason == {"bad_http": len(HTTP_GARBAGE), "auth": 1}
 
 
@@ -200,7 +205,8 @@ def test_a_body_shorter_than_its_length_is_408_and_the_connection_closes(tmp_pat
     mid-body is counted dropped."""
 
     async def go(port: int) -> tuple[Any, ...]:
-        head = b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+        head = f"POST /v1/register HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+        head += b"Content-Length: 100\r\n\r\n"
         t0 = time.monotonic()
         slow = await raw(port, head + b'{"tok', timeout=5.0)
         took = time.monotonic() - t0
@@ -217,7 +223,7 @@ def test_a_body_shorter_than_its_length_is_408_and_the_connection_closes(tmp_pat
     ((status, headers, reply), took, after), stats = serve(node, go)
     assert status == 408 and reply["error"] == "slow_body" and "body_timeout_s" in reply["detail"]
     assert headers.get("Connection") == "close" and 0.3 <= took < 2.0  # closed without lingering
-    assert after == 403
+    assert after == 401
     assert stats.rejected_by_reason == {"slow_body": 1, "dropped": 1, "auth": 1}
 
 
@@ -226,7 +232,7 @@ def test_a_body_still_arriving_when_the_learner_stops_serving_is_answered(tmp_pa
     aiohttp dropped the rest of the body once shutdown began, so the handler waited out the body
     timeout and the peer got nothing for 30 s (a worker's 2 MiB submission, seen in CI). Now the body
     still arrives, the peer gets its answer and the server stops at once."""
-    register = json.dumps({"token": "nope", "usd_per_hour": 1.0}).encode() + b" " * (256 << 10)
+    register = json.dumps({"usd_per_hour": -1.0}).encode() + b" " * 3000  # under its 4 KiB, then 422
 
     async def in_flight(port: int, runner: Any, request: bytes) -> tuple[int, str, float]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -251,7 +257,8 @@ def test_a_body_still_arriving_when_the_learner_stops_serving_is_answered(tmp_pa
     async def main(node: Any) -> list[tuple[int, str, float]]:
         await node.snapshots.publish(0, b"blob")
         got = []
-        for request in (post("/v1/register", register), post("/v1/register", b"x" * (2 << 20))):
+        join = f"Authorization: Bearer {TOKEN}"
+        for request in (post("/v1/register", register, join), post("/v1/heartbeat", b"x" * (2 << 20))):
             runner, port = await node.routes.serve("127.0.0.1", 0)
             got.append(await in_flight(port, runner, request))
         return got
@@ -261,10 +268,11 @@ def test_a_body_still_arriving_when_the_learner_stops_serving_is_answered(tmp_pa
         (reg, big) = asyncio.run(main(node))
     finally:
         node.store.close()
-    assert reg[:2] == (403, "auth")  # answered, not timed out
-    # refused 413 before its end arrived: the stopping server does not linger to read the rest, so
-    # the peer sees the answer or, if it was still writing, a reset connection (never a silent one)
-    assert big[:2] in {(413, "oversized"), (0, "reset")}
+    assert reg[:2] == (422, "schema")  # answered, not timed out
+    # refused (no credential: 401) before its end arrived: the stopping server does not linger to read
+    # the rest, so the peer sees the answer or, if it was still writing, a reset connection (never a
+    # silent one)
+    assert big[:2] in {(401, "auth"), (0, "reset")}
     assert reg[2] < 3.0 and big[2] < 3.0  # and the server stopped without waiting out the body timeout
 
 
@@ -273,7 +281,7 @@ def test_prices_below_the_floor_are_invalid_price(tmp_path):
     async def body(client: TestClient) -> list[tuple[int, str]]:
         out = []
         for price in (1e-300, 5e-324, 0.0099, 0.01):
-            resp = await client.post("/v1/register", json={"token": TOKEN, "usd_per_hour": price})
+            resp = await client.post("/v1/register", json={"usd_per_hour": price}, headers=JOIN)
             out.append((resp.status, (await resp.json()).get("error", "ok")))
         auth = await register(client)
         hb = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0, "install_s": 1e308}
@@ -302,7 +310,7 @@ def _registry(tmp_path: Any, clock: Clock, slots: int = 2, idle: float = 100.0) 
 
 def _join(reg: WorkerRegistry, name: str) -> tuple[Any, str]:
     assert not reg.full, f"no slot for {name}"
-    return reg.register(RegisterRequest(token=TOKEN, name=name, usd_per_hour=1.0))
+    return reg.register(RegisterRequest(name=name, usd_per_hour=1.0))
 
 
 def test_a_quarantined_identity_frees_its_slot_slot_idle_s_after_the_catch(tmp_path):
@@ -378,7 +386,7 @@ def test_the_api_refuses_a_retired_credential_and_lets_a_replacement_in(tmp_path
         hb = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
         out = []
         for _ in range(2):
-            resp = await client.post("/v1/register", json={"token": TOKEN, "usd_per_hour": 1.0})
+            resp = await client.post("/v1/register", json={"usd_per_hour": 1.0}, headers=JOIN)
             out.append((resp.status, (await resp.json()).get("error", "ok")))
             clock.t += 101.0
         resp = await client.post("/v1/heartbeat", json=hb, headers=first)
@@ -427,12 +435,17 @@ def test_a_request_flood_gets_429_rate_limited_with_retry_after(tmp_path):
 
     async def body(client: TestClient) -> tuple[list[int], dict[str, Any], str | None, int, int]:
         flooder, other = await register(client, "flooder"), await register(client, "other")
-        statuses = [(await client.get("/v1/version", headers=flooder)).status for _ in range(25)]
+        hb = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+
+        async def beat(auth: dict[str, str]) -> int:
+            return (await client.post("/v1/heartbeat", json=hb, headers=auth)).status
+
+        statuses = [await beat(flooder) for _ in range(25)]
         refused = await client.get("/v1/model", headers=flooder)
         reply, retry = await refused.json(), refused.headers.get("Retry-After")
-        other_ok = (await client.get("/v1/version", headers=other)).status
+        other_ok = await beat(other)
         t[0] += 0.2
-        later = (await client.get("/v1/version", headers=flooder)).status
+        later = await beat(flooder)
         return statuses, reply, retry, other_ok, later
 
     (statuses, reply, retry, other_ok, later), stats = run(body, node)

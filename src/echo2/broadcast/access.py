@@ -25,9 +25,10 @@ nobody re-downloads a version endlessly. Every refusal is counted (:class:`Serve
 the connection before any chunk byte is sent.
 
 The frames are those of ``echo2.weights.frames``: :func:`pull_request` builds a ``GetFrame`` and sends
-``to_wire`` of it; :meth:`Gate.authenticate` reads a received ``get``'s credential fields through
-``frames.parse_get_credentials`` (strict; a malformed one is refused, and counted, as having no valid
-credential), before the rest of the frame is parsed (``wire.parse_pull``, from ``store.serve_pull``).
+``to_wire`` of it, with the chunk list as its payload; :meth:`Gate.authenticate` reads a received
+``get``'s credential fields through ``frames.parse_get_credentials`` (strict; a malformed one is
+refused, and counted, as having no valid credential), before the rest of the header is parsed
+(``wire.parse_pull``, from ``store.serve_pull``) and before the payload is read at all.
 
 With the HMAC scheme (a secret every worker holds) any worker could mint credentials: that scheme
 suits only a fleet whose workers trust each other, as for manifests.
@@ -44,7 +45,7 @@ from typing import Any
 
 from echo2.broadcast.wire import ProtocolError
 from echo2.transport import TlsIdentity, fingerprint, signed_by
-from echo2.weights.frames import GetCredentials, GetFrame, parse_get_credentials, to_wire
+from echo2.weights.frames import GetCredentials, GetFrame, encode_chunk_list, parse_get_credentials, to_wire
 from echo2.weights.manifest import ManifestKey
 
 CREDENTIAL_TTL_S = 3600.0  # a credential is good for this long after issue (covers clock skew between hosts)
@@ -120,16 +121,17 @@ def proof_payload(server_cert: str, member: str, version: int) -> bytes:
 
 def pull_request(
     credential: Credential, chunks: list[int], repair: bool, server_cert: str, me: TlsIdentity | None
-) -> dict[str, Any]:
-    """The header of the ``get`` frame a member sends a server (``to_wire`` of its ``GetFrame``;
-    ``server_cert`` "" and ``me`` None without TLS)."""
+) -> tuple[dict[str, Any], bytes]:
+    """The ``get`` frame a member sends a server: its header (``to_wire`` of its ``GetFrame``) and its
+    payload, the chunk list (``server_cert`` "" and ``me`` None without TLS)."""
     proof = None if me is None else me.sign(proof_payload(server_cert, credential.member, credential.version))
+    payload = encode_chunk_list(chunks)
     frame = GetFrame(
-        v=credential.version, chunks=chunks, member=credential.member, repair=repair,
+        v=credential.version, member=credential.member, repair=repair,
         cred=credential.to_dict(), cert=None if me is None else me.cert_der.hex(),
-        proof=None if proof is None else proof.hex(),
+        proof=None if proof is None else proof.hex(), n=len(payload),
     )  # fmt: skip
-    return to_wire(frame)
+    return to_wire(frame), payload
 
 
 def check_credential(key: ManifestKey, cred: Credential, version: int, member: str) -> None:

@@ -6,14 +6,17 @@ in-memory (`InMemoryHub`, for tests and single-process runs). Both verify every 
 A publisher is handed its :class:`MemberLedger` at construction: the one ledger of members and
 installed versions (the runtime's ``WorkerRegistry``). The publisher keeps only transport state (live
 connections, per-round plans and acks); who may join, who is a target of a publication, and which
-version each worker holds are the ledger's. :class:`OpenLedger` (anyone joins, everyone is a target,
-installs are not recorded) stands in where no ledger is given: tests, benchmarks, the in-memory hub.
+version each worker holds are the ledger's, and the ledger tells the publisher when it stops trusting a
+member (``watch``), which closes that member's connections at once. The TCP publisher has no default
+ledger (a forgotten one must not open the door): :class:`OpenLedger` (anyone joins, everyone is a
+target, installs are not recorded) is passed by name where that is meant: tests, benchmarks, and the
+in-memory hub, whose receivers live in the learner's own process.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,6 +82,9 @@ class PublisherCounters:
     reports_starved: int = 0  # reports against a member its own source starved in that version: not counted
     relays_demoted: int = 0  # members no longer planned as relays after repeated stall reports
     acks_refused: int = 0  # install acks not counted: receipts inconsistent, or reported stalling
+    members_expelled: int = (
+        0  # connected members whose connections closed when the ledger stopped trusting them
+    )
     bad_frames: int = 0  # connections dropped on a malformed frame (ProtocolError) from a peer
     peer_errors: int = 0  # connections dropped on an unexpected exception from a peer's bytes
 
@@ -105,6 +111,11 @@ class MemberLedger(Protocol):
         publication (a refused ack is never recorded; an unknown id is ignored)."""
         ...
 
+    def watch(self, on_untrusted: Callable[[str], None]) -> None:
+        """Call ``on_untrusted(worker_id)`` whenever the ledger stops trusting a member (quarantine,
+        retirement), at once, on the thread that decided it."""
+        ...
+
 
 class OpenLedger:
     """The ledger where none is given (tests, benchmarks, the in-memory hub): anyone may join, every
@@ -118,6 +129,9 @@ class OpenLedger:
 
     def installed(self, worker_id: str, version: int, install_s: float) -> None:
         return None
+
+    def watch(self, on_untrusted: Callable[[str], None]) -> None:
+        return None  # nobody is ever untrusted here
 
 
 class SnapshotPublisher(Protocol):
@@ -145,6 +159,10 @@ class SnapshotPublisher(Protocol):
 
     def members(self) -> list[str]:
         """Workers joined now that the ledger makes targets (the next publication's targets)."""
+        ...
+
+    def port_metrics(self) -> dict[str, float]:
+        """Its listening port's perimeter counts (``perimeter/broadcast/...``; none in process)."""
         ...
 
     async def close(self) -> None: ...

@@ -7,7 +7,8 @@ sees a snapshot, and both implement ``broadcast.api``'s ``SnapshotPublisher`` / 
 Over TCP, ``tls`` (the run's certificate, ``echo2.transport``) puts the plane under TLS, and each
 receiver pins its fingerprint (``pin``); the in-memory hub never leaves the process. Either publisher
 gets the run's ``ledger`` of members and installed versions (``broadcast.api.MemberLedger``: the
-worker registry; None is ``OpenLedger``, anyone joins).
+worker registry): the TCP one must be given it (``OpenLedger``, anyone joins, only by name); the
+in-memory hub's receivers are the learner process's own, so it defaults to ``OpenLedger``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from echo2.broadcast.memory import InMemoryHub
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.strategy import Strategy
 from echo2.broadcast.worker import TcpWorkerNode
+from echo2.errors import ConfigError
+from echo2.perimeter import Limits
 from echo2.transport import TlsIdentity
 from echo2.weights.manifest import ManifestKey
 
@@ -37,14 +40,23 @@ def open_publisher(
     advertise_host: str | None = None,
     ledger: MemberLedger | None = None,
     tls: TlsIdentity | None = None,
+    perimeter: Limits | None = None,
 ) -> SnapshotPublisher:
     """The learner's end of the broadcast plane (call ``await start()`` before publishing); ``tls``
-    None means plain TCP; ``chunk_size`` None lets the publisher choose it per snapshot."""
+    None means plain TCP; ``chunk_size`` None lets the publisher choose it per snapshot; ``perimeter``
+    the port's limits before anyone is known (None: the defaults cut to the descriptor limit). A TCP
+    publisher needs its ``ledger`` (ConfigError without one)."""
     if kind == "memory":
         return InMemoryHub(key, chunk_size, ledger=ledger)
+    if ledger is None:
+        raise ConfigError(
+            "a TCP snapshot publisher needs the run's ledger of members (the worker registry), or "
+            "broadcast.api.OpenLedger() by name to let anyone join"
+        )
     return TcpPublisher(
-        key, strategy, chunk_size, host=host, port=port, advertise_host=advertise_host, ledger=ledger, tls=tls
-    )
+        key, strategy, chunk_size, host=host, port=port, advertise_host=advertise_host, tls=tls,
+        ledger=ledger, perimeter=perimeter,
+    )  # fmt: skip
 
 
 def open_receiver(

@@ -40,7 +40,7 @@ class InMemoryHub:
     ) -> None:
         self.key = as_key(key)  # signing key; receivers verify with its public half
         self.chunk_size = chunk_size
-        self.ledger = ledger or OpenLedger()  # who is a target, who installed what
+        self.ledger = ledger if ledger is not None else OpenLedger()  # who is a target, who installed what
         self.counters = PublisherCounters()  # the TCP publisher's counters; no relays here, so all 0
         self._latest: tuple[Manifest, bytes] | None = None
         self._published = asyncio.Event()
@@ -49,6 +49,9 @@ class InMemoryHub:
         self._targets: dict[int, int] = {}
         self._receivers: dict[str, InMemoryReceiver] = {}
         self._acked = asyncio.Event()
+
+    def port_metrics(self) -> dict[str, float]:
+        return {}  # no port: receivers are in this process
 
     # lifecycle (the same calls as the TCP publisher's)
     async def start(self) -> tuple[str, int]:

@@ -5,12 +5,16 @@ One TCP port serves two kinds of connection, told apart by the first frame:
 ``get`` (a pull stream of chunks). A worker is a member while its control connection is open, so
 workers join the topology of the next version and leave at any time.
 
-Who is who is not the publisher's: it is handed a :class:`~echo2.broadcast.api.MemberLedger` (the
-runtime's worker registry; :class:`~echo2.broadcast.api.OpenLedger` when none is given). A join is
-admitted only if ``ledger.may_join(worker, credential)``; a publication is planned and announced only
-to the connected members the ledger makes targets (``ledger.is_target``: a revoked or retired worker
-whose connection is still open gets nothing more); and every install ack the publisher counts is
-written to the ledger (``ledger.installed``), a refused one never. The publisher keeps only transport
+Who is who is not the publisher's: it must be handed a :class:`~echo2.broadcast.api.MemberLedger`
+(the runtime's worker registry; there is no default, so a forgotten one cannot open the door). A join
+is admitted only if ``ledger.may_join(worker, credential)``; a publication is planned and announced
+only to the connected members the ledger makes targets (``ledger.is_target``), and a pull is served
+only to such a member; when the ledger stops trusting a member (``ledger.watch``: quarantine,
+retirement) its control connection and pull streams are closed at once and the members told to serve
+it get a ``revoke`` frame; and every install ack the publisher counts is written to the ledger
+(``ledger.installed``), a refused one never. Before anyone is known, the port's perimeter
+(``echo2/perimeter.py``) bounds connections, deadlines and rates, and the first frame is read from at
+most ``frames.PRE_AUTH_HEADER`` bytes. The publisher keeps only transport
 state: the live connections (``_members``), and per version the plan, the acks it counted and refused.
 
 With a TLS identity (``tls``: the run's certificate, ``echo2.transport``) the port speaks TLS only;
@@ -48,23 +52,25 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
-from echo2.broadcast.api import BroadcastStats, MemberLedger, OpenLedger, PublisherCounters
-from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
+from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
+from echo2.broadcast.store import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repair_sources
 from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
 from echo2.errors import Echo2Error
+from echo2.perimeter import Limits, Perimeter, default_limits, streams
 from echo2.physics.broadcast import relay_chunk_bytes
-from echo2.transport import HANDSHAKE_TIMEOUT_S, TlsIdentity, normalize_pin
+from echo2.transport import TlsIdentity, normalize_pin
 from echo2.weights.frames import (
+    PRE_AUTH_HEADER,
     ErrorFrame,
     Frame,
     InstalledFrame,
     JoinFrame,
     LeaveFrame,
     RejectedFrame,
+    RevokeFrame,
     ShutdownFrame,
     StalledFrame,
     announce,
@@ -87,6 +93,7 @@ class _Member:
     cert: str  # SHA-256 fingerprint of its chunk server's certificate ("" without TLS)
     writer: asyncio.StreamWriter  # control connection
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises control frames
+    pulls: set[asyncio.StreamWriter] = field(default_factory=set)  # its pull streams from the learner
 
 
 @dataclass
@@ -106,6 +113,7 @@ class _Round:
     refused: set[str] = field(default_factory=set)  # members whose ack of this version does not count
     refused_as_stalled: set[str] = field(default_factory=set)  # of which for a stall report against it
     repair: dict[str, dict[str, str]] = field(default_factory=dict)  # strategy.repair_sources(plan)
+    serves: dict[str, set[str]] = field(default_factory=dict)  # member -> the members it serves
 
     def sources(self, member: str) -> set[str]:
         """The sources ``member``'s plan names this version (the learner included when it does) and the
@@ -149,8 +157,10 @@ class TcpPublisher:
         serve_wait_timeout: float = 30.0,
         keep_versions: int = 2,
         link_rates: tuple[float, float] | None = None,
-        ledger: MemberLedger | None = None,
         tls: TlsIdentity | None = None,
+        *,
+        ledger: MemberLedger,
+        perimeter: Limits | None = None,
     ) -> None:
         self.key = as_key(key)  # the learner's signing key (or a shared HMAC secret)
         self.strategy = strategy
@@ -161,8 +171,10 @@ class TcpPublisher:
         self.serve_wait_timeout = serve_wait_timeout
         self.keep_versions = keep_versions  # how many recent versions stay servable
         self.link_rates = link_rates  # (B0, B_w) in bytes/s when known: enables rate-matched stripes
-        self.ledger = ledger or OpenLedger()  # who may join, who is a target, who installed what
+        self.ledger = ledger  # who may join, who is a target, who installed what (no default: the door)
         self.tls = tls  # the run's certificate and key: TLS on this port (None = plain TCP)
+        # connections, deadlines and rates before anyone is known (echo2/perimeter.py)
+        self.perimeter = Perimeter("broadcast", perimeter or default_limits())
         self.refusals = ServeCounters()  # pulls refused (no credential, out of bounds, over budget)
         self.counters = PublisherCounters()  # stall reports, demotions, refused acks, refused frames
         self._reports: dict[str, int] = {}  # member -> counted stall reports against it
@@ -176,11 +188,12 @@ class TcpPublisher:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> tuple[str, int]:
-        tls: dict[str, Any] = {} if self.tls is None else {
-            "ssl": self.tls.server_context(), "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S,
-        }  # fmt: skip
-        self._server = await asyncio.start_server(
-            self._on_connect, self.host, self.port, limit=1 << 22, **tls
+        self.ledger.watch(self._expel)  # a quarantine or a retirement closes the member's connections
+        self._server = await self.perimeter.serve(
+            lambda: streams(self._on_connect),
+            self.host,
+            self.port,
+            self.tls.server_context() if self.tls is not None else None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
         log.info(
@@ -204,6 +217,10 @@ class TcpPublisher:
     def members(self) -> list[str]:
         """Connected members the ledger makes targets (the next publication's)."""
         return [w for w in self._members if self.ledger.is_target(w)]
+
+    def port_metrics(self) -> dict[str, float]:
+        """The broadcast port's perimeter counts (``perimeter/broadcast/...``)."""
+        return self.perimeter.metrics()
 
     def demoted(self) -> list[str]:
         """Members no longer planned as relays (they pull everything from the learner), sorted."""
@@ -242,7 +259,7 @@ class TcpPublisher:
         peers[LEARNER] = (*self.address, self.fingerprint)
         repair = repair_sources(plan)  # whom each member asks first when a peer of its plan fails
         rnd = _Round(manifest, time.monotonic(), tuple(members), plan=plan, leaves=leaves, repair=repair)
-        serves: dict[str, set[str]] = {w: set() for w in members}  # who may pull from whom
+        serves = rnd.serves = {w: set() for w in members}  # who may pull from whom
         for w in plan:
             for src in rnd.sources(w) - {LEARNER}:
                 serves[src].add(w)
@@ -340,10 +357,12 @@ class TcpPublisher:
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        try:
-            header = await asyncio.wait_for(read_header(reader, MAX_REQUEST), 30.0)
+        try:  # nobody is known yet: a small first frame, soon (the perimeter closes the connection then)
+            header = await asyncio.wait_for(
+                read_header(reader, PRE_AUTH_HEADER), self.perimeter.limits.header_s
+            )
             if header["op"] == "get":  # the gate reads its credential first, then parse_pull the rest
-                await self._serve(header, writer)
+                await self._serve(header, reader, writer)
             else:
                 await self._control(parse_frame(header, JoinFrame), reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
@@ -361,8 +380,15 @@ class TcpPublisher:
         finally:
             writer.close()
 
-    async def _serve(self, header: dict, writer: asyncio.StreamWriter) -> None:  # type: ignore[type-arg]
-        """A pull: only by a member this version was announced to, with its credential; bounded."""
+    async def _serve(
+        self,
+        header: dict,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,  # type: ignore[type-arg]
+    ) -> None:
+        """A pull: only by a connected member this version was announced to and the ledger still
+        trusts, with its credential; bounded. Its stream is closed if the member is expelled."""
+        owner: list[_Member] = []
 
         async def admit(member: str, v: int) -> Admission:
             pull = await parse_pull(header, writer, self.refusals)
@@ -371,11 +397,21 @@ class TcpPublisher:
                 return None, False, None
             rate = rnd.stream_rate if not pull.repair and member not in rnd.leaves else None
             stream = Pacer(rate) if rate else None
-            return buffer, member in rnd.targets and member in self._members, stream
+            live = self._members.get(member)
+            scheduled = member in rnd.targets and live is not None and self.ledger.is_target(member)
+            if scheduled and live is not None:
+                owner.append(live)
+                live.pulls.add(writer)
+            return buffer, scheduled, stream
 
-        await serve_pull(
-            self._gate, header, writer, admit, self.uplink, self.serve_wait_timeout, self._count_sent
-        )
+        try:
+            await serve_pull(
+                self._gate, header, reader, writer, admit, self.uplink, self.serve_wait_timeout,
+                self._count_sent, vouch=lambda: self.perimeter.vouch(writer.transport),
+            )  # fmt: skip
+        finally:
+            for live in owner:
+                live.pulls.discard(writer)
 
     def _count_sent(self, member: str, version: int, n: int) -> None:
         rnd = self._rounds.get(version)
@@ -397,6 +433,7 @@ class TcpPublisher:
         if not self.ledger.may_join(worker, hello.credential):
             await write_frame(writer, to_wire(ErrorFrame(reason=f"worker {worker!r}: credential refused")))
             raise ProtocolError(f"join from {worker!r} refused: bad or missing credential")
+        self.perimeter.vouch(writer.transport)  # a registered, trusted member's control connection
         if worker in self._members:
             await write_frame(writer, to_wire(ErrorFrame(reason=f"worker id {worker!r} already joined")))
             raise ProtocolError(f"duplicate worker id {worker!r}")
@@ -506,6 +543,26 @@ class TcpPublisher:
         log.info("%s was starved by its own source in v%d: %d reports against it not counted",
                  member, rnd.manifest.version, len(against))  # fmt: skip
         rnd.changed.set()
+
+    def _expel(self, worker: str) -> None:
+        """The ledger no longer trusts ``worker`` (quarantined, retired): its control connection and its
+        pull streams from the learner are closed now, and every member told to serve it in a version
+        still tracked is told to stop (a ``revoke`` frame: it closes the streams it serves it)."""
+        member = self._members.pop(worker, None)
+        if member is not None:
+            member.writer.transport.abort()
+            for pull in list(member.pulls):
+                pull.transport.abort()
+            member.pulls.clear()
+            self.counters.members_expelled += 1
+            log.warning("closed the broadcast connections of %s: the run no longer trusts it", worker)
+        relays = {w for rnd in self._rounds.values() for w, served in rnd.serves.items() if worker in served}
+        for w in relays:
+            relay = self._members.get(w)
+            if relay is not None:
+                self._spawn(self._send(relay, RevokeFrame(member=worker)))
+        for rnd in self._rounds.values():
+            rnd.changed.set()
 
     def _forget(self) -> None:
         """Keep what the publisher remembers of members bounded (MAX_TRACKED): past the bound, only the

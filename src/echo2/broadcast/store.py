@@ -1,9 +1,10 @@
 """One node's copy of a snapshot being received or served, and the chunk-serving side of the protocol.
 
 A pull, as a server (the publisher or a relaying worker) answers it in :func:`serve_pull`: the gate
-reads the ``get``'s credential (``access.Gate.authenticate``), ``wire.parse_pull`` the whole frame
+reads the ``get``'s credential (``access.Gate.authenticate``), ``wire.parse_pull`` the whole header
 (``echo2.weights.frames.GetFrame``, strict), the caller's ``admit`` says what this node holds and
-whether it serves that member, and :func:`serve_get` streams the chunks. Every frame sent back is a
+whether it serves that member, the payload (the chunk list, at most 4 bytes per chunk of that version)
+is read only then, and :func:`serve_get` streams the chunks. Every frame sent back is a
 model of ``echo2.weights.frames`` as ``to_wire`` makes it: ``chunk`` frames (``ChunkFrame``, then
 the payload) or one ``error`` (``frames.refusal``), after which the connection ends. Nothing here
 reads a peer's header but through those parsers.
@@ -18,12 +19,12 @@ from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate
 from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, write_frame
-from echo2.weights.frames import ChunkFrame, GetFrame, refusal, to_wire
+from echo2.weights.frames import CHUNK_INDEX_BYTES, ChunkFrame, GetFrame, decode_chunk_list, refusal, to_wire
 from echo2.weights.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST = 4 << 20  # bytes of JSON a "get" header may take
+PAYLOAD_TIMEOUT_S = 30.0  # seconds an authenticated get's chunk list may take to arrive
 
 
 class SnapshotBuffer:
@@ -105,6 +106,7 @@ def check_chunk_list(chunks: list[int], n_chunks: int) -> list[int]:
 
 async def serve_get(
     pull: GetFrame,
+    chunks: list[int],
     writer: asyncio.StreamWriter,
     lookup: Callable[[int], SnapshotBuffer | None],
     uplink: Pacer | None,
@@ -114,8 +116,8 @@ async def serve_get(
     stream: Pacer | None = None,
     budget: Callable[[int], bool] | None = None,
 ) -> None:
-    """Answer one pull (``pull``, a parsed ``get``): stream the asked chunks in order, each as soon as
-    this node has it, each a ``chunk`` frame and its payload.
+    """Answer one pull (``pull``, a parsed ``get``, and ``chunks``, its payload's list): stream the
+    asked chunks in order, each as soon as this node has it, each a ``chunk`` frame and its payload.
 
     ``on_sent(version, n)`` counts payload bytes; ``mangle`` is the fault-injection hook of the harness;
     ``stream`` caps this one stream (the learner's rate-matched stripes), ``uplink`` the whole node;
@@ -130,7 +132,7 @@ async def serve_get(
         await write_frame(writer, to_wire(refusal(reason)))
         return
     try:
-        chunks = check_chunk_list(pull.chunks, buffer.manifest.n_chunks)
+        chunks = check_chunk_list(chunks, buffer.manifest.n_chunks)
     except ProtocolError as exc:
         await write_frame(writer, to_wire(refusal(str(exc))))
         raise
@@ -168,26 +170,31 @@ Admission = tuple[SnapshotBuffer | None, bool, Pacer | None]
 async def serve_pull(
     gate: Gate,
     header: Mapping[str, Any],
+    reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     admit: Callable[[str, int], Awaitable[Admission]],
     uplink: Pacer | None,
     wait_timeout: float,
     on_sent: Callable[[str, int, int], None] | None = None,
     mangle: Callable[[int, bytes | memoryview], bytes | memoryview] | None = None,
+    vouch: Callable[[], None] | None = None,
 ) -> None:
     """One pull from a peer, publisher or relay alike (``header``: the ``get`` as ``wire.read_header``
-    returned it): its credential (``gate.authenticate``), the whole frame (``wire.parse_pull``), what
-    ``admit(member, version)`` says of it, the schedule (``gate.require``), then :func:`serve_get`
-    within the member's byte budget. A refused credential, a malformed frame or a refused schedule gets
-    an error frame before any chunk; every refusal is counted by the gate's counters and raised
-    (AccessError / ProtocolError). ``on_sent(member, version, n)`` is called once per chunk sent, with
-    its payload bytes."""
+    returned it): its credential (``gate.authenticate``; then ``vouch()``, the port's perimeter told the
+    connection is a member's), the whole header (``wire.parse_pull``), what ``admit(member, version)``
+    says of it, the schedule (``gate.require``), then its payload (the chunk list: no longer than 4
+    bytes per chunk of the version asked) and :func:`serve_get` within the member's byte budget. A
+    refused credential, a malformed frame or a refused schedule gets an error frame before any chunk;
+    every refusal is counted by the gate's counters and raised (AccessError / ProtocolError).
+    ``on_sent(member, version, n)`` is called once per chunk sent, with its payload bytes."""
     budget, stream, buffer = None, None, None
     try:
         member, version = gate.authenticate(header)
     except AccessError as exc:
         await write_frame(writer, to_wire(refusal(f"refused: {exc}")))
         raise
+    if vouch is not None:
+        vouch()
     pull = await parse_pull(header, writer, gate.counters)  # malformed: refused (bad_requests), raised
     try:
         buffer, scheduled, stream = await admit(member, version)
@@ -197,10 +204,20 @@ async def serve_pull(
     except AccessError as exc:
         await write_frame(writer, to_wire(refusal(f"refused: {exc}")))
         raise
+    chunks: list[int] = []
+    if buffer is not None:
+        if pull.n > CHUNK_INDEX_BYTES * buffer.manifest.n_chunks:
+            gate.counters.bad_requests += 1
+            reason = f"'chunks' must be a list of 1 to {buffer.manifest.n_chunks} chunk indices"
+            await write_frame(writer, to_wire(refusal(f"{reason}, got {pull.n // CHUNK_INDEX_BYTES}")))
+            raise ProtocolError(reason)
+        payload = await asyncio.wait_for(reader.readexactly(pull.n), PAYLOAD_TIMEOUT_S)
+        chunks = decode_chunk_list(payload)
     sent = None if on_sent is None else lambda v, n: on_sent(member, v, n)
     try:
         await serve_get(
             pull,
+            chunks,
             writer,
             lambda _: buffer,
             uplink,

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, pull_request
 from echo2.broadcast.api import InstalledSnapshot
-from echo2.broadcast.store import MAX_REQUEST, Admission, SnapshotBuffer, serve_pull
+from echo2.broadcast.store import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import (
     Pacer,
@@ -56,8 +56,10 @@ from echo2.broadcast.wire import (
     write_frame,
 )
 from echo2.errors import Echo2Error
-from echo2.transport import HANDSHAKE_TIMEOUT_S, PinError, client_context, make_identity, open_pinned
+from echo2.perimeter import Limits, Perimeter, default_limits, streams
+from echo2.transport import PinError, client_context, make_identity, open_pinned
 from echo2.weights.frames import (
+    PRE_AUTH_HEADER,
     AnnounceFrame,
     ChunkFrame,
     ErrorFrame,
@@ -66,6 +68,7 @@ from echo2.weights.frames import (
     JoinFrame,
     LeaveFrame,
     RejectedFrame,
+    RevokeFrame,
     ShutdownFrame,
     StalledFrame,
     parse_frame,
@@ -173,6 +176,7 @@ class TcpWorkerNode:
         tap: ChunkTap | None = None,
         credential: str | None = None,
         pin: str | None = None,
+        perimeter: Limits | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.credential = credential  # sent in the join frame when the publisher checks membership
@@ -194,6 +198,10 @@ class TcpWorkerNode:
         self._client_ctx = client_context() if pin is not None else None
         self._gate = Gate(self.key, self.tls, self.refusals)
         self._serves: dict[int, frozenset[str]] = {}  # version -> members the plan has pulling from here
+        self._revoked: set[str] = set()  # members the learner revoked: never served again
+        self._streams: dict[str, set[asyncio.StreamWriter]] = {}  # member -> the streams it pulls here
+        # connections, deadlines and rates before anyone is known (echo2/perimeter.py)
+        self.perimeter = Perimeter("relay", perimeter or default_limits())
         self.installed_version = -1
         self._avoid: dict[str, int] = {}  # peer -> last version whose chunks come from the learner instead
         self._receipts: dict[int, dict[str, int]] = {}  # version -> source -> chunks stored (acks carry it)
@@ -211,12 +219,10 @@ class TcpWorkerNode:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, join_timeout: float = 30.0) -> None:
-        tls: dict[str, Any] = {} if self.tls is None else {
-            "ssl": self.tls.server_context(), "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S,
-        }  # fmt: skip
+        ctx = self.tls.server_context() if self.tls is not None else None
         try:
-            self._server = await asyncio.start_server(
-                self._on_connect, self.host, self.port, limit=1 << 22, **tls
+            self._server = await self.perimeter.serve(
+                lambda: streams(self._on_connect), self.host, self.port, ctx
             )
         except OSError as exc:
             why = exc.strerror or exc
@@ -308,6 +314,8 @@ class TcpWorkerNode:
                 header = await read_header(reader)
                 if header["op"] == "announce":  # malformed: refused like a forged one, not fatal
                     await self._on_announce(header)
+                elif header["op"] == "revoke":
+                    self._revoke(parse_frame(header, RevokeFrame, sender=LEARNER).member)
                 elif header["op"] in ("shutdown", "error"):  # any other op is ignored, as ever
                     match parse_frame(header, ShutdownFrame, ErrorFrame, sender=LEARNER):
                         case ErrorFrame(reason=reason):
@@ -452,8 +460,10 @@ class TcpWorkerNode:
                 pin = cert if self.pin is not None else None
                 limit = max(1 << 22, 2 * m.chunk_size)
                 reader, writer = await open_pinned(host, port, pin, self._client_ctx, limit)
-                request = pull_request(transfer.credential, todo, repairs > 0 or repair, cert, self.tls)
-                await write_frame(writer, request)
+                request, chunk_list = pull_request(
+                    transfer.credential, todo, repairs > 0 or repair, cert, self.tls
+                )
+                await write_frame(writer, request, chunk_list)
                 bad = 0
                 while pos < len(todo):
                     i = todo[pos]
@@ -582,11 +592,13 @@ class TcpWorkerNode:
 
     # -- serving --------------------------------------------------------------------------------------
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            header = await asyncio.wait_for(read_header(reader, MAX_REQUEST), 30.0)
+        try:  # nobody is known yet: a small first frame, soon (the perimeter closes the connection then)
+            header = await asyncio.wait_for(
+                read_header(reader, PRE_AUTH_HEADER), self.perimeter.limits.header_s
+            )
             if header["op"] != "get":  # a get: the gate reads its credential, then parse_pull the rest
                 raise ProtocolError(f"a worker only serves 'get', not {header['op']!r}")
-            await self._serve(header, writer)
+            await self._serve(header, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # the puller went away; nothing to repair on this side
         except AccessError as exc:  # counted by the gate
@@ -605,24 +617,44 @@ class TcpWorkerNode:
         finally:
             writer.close()
 
-    async def _serve(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        """A pull: only by a member the learner told this node to serve the version to, with its
-        credential and (over TLS) proof; bounded in chunks and in bytes."""
+    async def _serve(
+        self, header: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """A pull: only by a member the learner told this node to serve the version to (and has not
+        revoked since), with its credential and (over TLS) proof; bounded in chunks and in bytes."""
+        asker: list[str] = []
 
         async def admit(member: str, v: int) -> Admission:  # serve_pull has parsed the whole get by now
             await self._await_announce(v)  # else: "unknown version" (e.g. abandoned here), the puller repairs
-            return self._buffers.get(v), member in self._serves.get(v, ()), None
+            scheduled = member in self._serves.get(v, ()) and member not in self._revoked
+            if scheduled:
+                asker.append(member)
+                self._streams.setdefault(member, set()).add(writer)
+            return self._buffers.get(v), scheduled, None
 
-        await serve_pull(
-            self._gate,
-            header,
-            writer,
-            admit,
-            self.uplink,
-            self.serve_wait_timeout,
-            self._count_relayed,
-            self.tap.on_serve if self.tap is not None else None,
-        )
+        try:
+            await serve_pull(
+                self._gate,
+                header,
+                reader,
+                writer,
+                admit,
+                self.uplink,
+                self.serve_wait_timeout,
+                self._count_relayed,
+                self.tap.on_serve if self.tap is not None else None,
+                vouch=lambda: self.perimeter.vouch(writer.transport),
+            )
+        finally:
+            for member in asker:
+                self._streams.get(member, set()).discard(writer)
+
+    def _revoke(self, member: str) -> None:
+        """The learner no longer trusts ``member``: it is served nothing more here, its streams close."""
+        self._revoked.add(member)
+        for writer in self._streams.pop(member, set()):
+            writer.transport.abort()
+        log.info("worker %s: stopped serving %s (revoked by the learner)", self.worker_id, member)
 
     async def _await_announce(self, version: int) -> None:
         """A peer may ask for a version whose announcement has not reached this node yet: wait a bit."""

@@ -278,6 +278,9 @@ def _worker(args: argparse.Namespace) -> int:
         **({"name": args.name} if args.name else {}),
     )
     worker = RolloutWorker(opts, build_task)
+    from echo2.resources import raise_descriptor_limit
+
+    raise_descriptor_limit()  # its chunk relay serves peers: as many descriptors as the system allows
 
     async def main() -> Any:
         task = asyncio.ensure_future(worker.run())

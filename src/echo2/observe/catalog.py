@@ -541,6 +541,27 @@ BROADCAST_PEER_ERRORS = _m(
     "broadcast connections dropped on an unexpected error from a peer's bytes",
     RUN,
 )
+BROADCAST_MEMBERS_EXPELLED = _m(
+    "broadcast/members_expelled",
+    "count",
+    "connected members whose broadcast connections closed when the run stopped trusting them",
+    RUN,
+)
+
+# ---- perimeter/: what strangers held of each port before anyone was known (echo2/perimeter.py) ----------
+PERIMETER_API = _m(
+    "perimeter/api/<counter>",
+    "count",
+    "the API port: connections accepted, refused (full, address, rate), evicted, handshakes failed, "
+    "header timeouts, requests limited, vouched (so far); open and pre_auth (now)",
+    RUN,
+)
+PERIMETER_BROADCAST = _m(
+    "perimeter/broadcast/<counter>",
+    "count",
+    "the broadcast port: the same counts as perimeter/api/",
+    RUN,
+)
 
 # ---- leases/, security/: what untrusted workers were held to --------------------------------------
 LEASES_UNRETURNED = _m(

@@ -4,7 +4,8 @@ Every call sends a request model and parses the reply model; a 4xx/5xx reply rai
 with the learner's :class:`~echo2.protocol.ErrorReply`. Connection failures are retried for
 ``reconnect_s`` (the learner may be restarting), then :class:`LearnerGone` is raised; a 503 (a learner
 that is up but not ready, e.g. restarted and not yet republished) is retried as long, then returned,
-and so is a 429 ``rate_limited`` (this identity's request rate is over ``security.max_requests_per_s``),
+and so is a 429 ``rate_limited`` (this identity's request rate is over ``security.max_requests_per_s``)
+or ``token_budget`` (the join token's identities together had their copies of an object for now),
 each retry after the ``Retry-After`` the learner sent (at most what is left of ``reconnect_s``). Any
 other 429, ``over_budget`` above all (this identity was sent its byte budget of a snapshot version:
 asking again cannot help), is returned at once.
@@ -63,6 +64,9 @@ class Refused(Echo2Error):
         self.reply = reply  # reason code and detail
 
 
+# 429s that say "later" (this identity's request rate; the join token's copies of an object for now);
+# over_budget (this identity had its copies) stands
+RETRIED_429 = frozenset({"rate_limited", "token_budget"})
 SNAPSHOT_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10, sock_read=60)
 
 
@@ -83,9 +87,14 @@ class LearnerClient:
         self.give_up = give_up  # stop retrying early (the worker is shutting down)
         self.credential: str | None = None
 
-    async def register(self, req: RegisterRequest) -> RegisterReply:
-        self.credential = None
-        reply = await self._call("POST", "/register", RegisterReply, req)
+    async def register(self, req: RegisterRequest, token: str) -> RegisterReply:
+        """Join the run with its join ``token`` (sent as the bearer of this one request); the credential
+        the reply carries is the bearer of every later one."""
+        self.credential = token
+        try:
+            reply = await self._call("POST", "/register", RegisterReply, req)
+        finally:
+            self.credential = None
         self.credential = reply.credential
         return reply
 
@@ -182,14 +191,14 @@ class LearnerClient:
 
 def _retry_pause(status: int, body: bytes, retry_after: str | None) -> float | None:
     """Seconds to wait before asking again, or None when the reply stands: 503 ``RETRY_S``; 429
-    ``rate_limited`` the learner's ``Retry-After`` (seconds; ``RETRY_S`` when absent or unreadable);
-    anything else (``over_budget`` included) stands."""
+    ``rate_limited`` or ``token_budget`` the learner's ``Retry-After`` (seconds; ``RETRY_S`` when absent
+    or unreadable); anything else (``over_budget`` included) stands."""
     if status == 503:
         return RETRY_S
     if status != 429:
         return None
     try:
-        if ErrorReply.model_validate_json(body).error != "rate_limited":
+        if ErrorReply.model_validate_json(body).error not in RETRIED_429:
             return None
     except ValidationError:
         return None

@@ -268,14 +268,13 @@ class RolloutWorker:
     async def _register(self) -> Any:
         o = self.opts
         req = RegisterRequest(
-            token=o.token,
             name=o.name[:64],
             usd_per_hour=o.usd_per_hour,
             hardware=o.hardware,
             rollouts_per_s=o.rollouts_per_s,
         )
         try:
-            reply = await self.client.register(req)
+            reply = await self.client.register(req, o.token)
         except Refused as exc:
             raise Echo2Error(f"registration refused ({exc})") from None
         self.worker_id = reply.worker_id

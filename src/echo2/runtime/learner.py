@@ -152,6 +152,7 @@ class AsyncLearner:
         from echo2.transport import run_identity
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
+        limits = _perimeter_limits(cfg)
         self.epoch = next_epoch(self.run_path)  # this process's: its versions and leases are its own
         log.info("learner process of run epoch %d", self.epoch)
         self._open_store()
@@ -171,6 +172,7 @@ class AsyncLearner:
             advertise_host=rt.advertise_host,
             ledger=registry,
             tls=self._tls,  # the API's certificate: workers pin one fingerprint for both planes
+            perimeter=limits,
         )
         broadcast = await publisher.start()
         identity = await self._identity(key, broadcast)
@@ -188,6 +190,7 @@ class AsyncLearner:
             *self._checks(),
             data_ready=self.data_ready.set,
             epoch=self.epoch,
+            perimeter=limits,
         )
         if self.ckpt is not None:
             parts.broker.prompts.restore(json.loads((self.ckpt / STATE_FILE).read_text()).get("leases"))
@@ -427,6 +430,27 @@ class NodeFeed:
 
     def summary(self) -> dict[str, Any]:
         return {"usd_total": self.usd_total, "activation_decisions": self.parts.pool.decisions}
+
+
+def _perimeter_limits(cfg: Config) -> Any:
+    """The limits of each of the learner's two ports (``echo2/perimeter.py``), after raising the soft
+    descriptor limit to the hard one: ``security.perimeter`` cut so both ports together stay under it
+    with ``resources.RESERVED_FDS`` kept for the learner's files."""
+    from echo2.perimeter import port_limits
+    from echo2.resources import RESERVED_FDS, raise_descriptor_limit
+
+    per = cfg.security.perimeter
+    soft = raise_descriptor_limit(2 * per.max_connections + RESERVED_FDS)
+    limits = port_limits(per, soft)
+    log.info(
+        "descriptor limit %d: each port holds at most %d connections (%d per address, %d before "
+        "authentication)",
+        soft,
+        limits.max_connections,
+        limits.max_per_address,
+        limits.max_pre_auth,
+    )
+    return limits
 
 
 def _persistent_key(run_path: Path) -> Any:

@@ -20,6 +20,7 @@ from echo2.config import Config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected
 from echo2.observe.rundir import PUBLISHED_DIR
+from echo2.perimeter import Limits
 from echo2.physics.rules import admission_floor
 from echo2.protocol import LoraSettings, WorkerSettings
 from echo2.runtime.intake import Intake, proving, submission_limits
@@ -51,9 +52,13 @@ class NodeParts:
         self.pool.tick()
 
     def metrics(self) -> dict[str, float]:
-        """``leases/`` metrics (what the lease standing ledger counted) and ``data/`` (the epoch, the
-        prompts leased again or given up)."""
-        return {**self.broker.standings.metrics(), **self.broker.prompts.metrics()}
+        """``leases/`` metrics (what the lease standing ledger counted), ``data/`` (the epoch, the
+        prompts leased again or given up) and ``perimeter/api/`` (what strangers held of the API port)."""
+        return {
+            **self.broker.standings.metrics(),
+            **self.broker.prompts.metrics(),
+            **self.routes.perimeter.metrics(),
+        }
 
 
 def worker_settings(
@@ -94,14 +99,16 @@ def assemble(
     generation: GenerationCheck | None = None,
     data_ready: Callable[[], None] = lambda: None,
     epoch: int = 0,
+    perimeter: Limits | None = None,
 ) -> NodeParts:
     """The serving parts of a learner node over ``store`` and ``registry`` (which the broadcast
     ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
     earlier learner process registered in the registry's run directory are restored and offered to the
     pool. ``data_ready`` is called on every admitted submission (the learner loop's wake-up). ``epoch``
     is this learner process's run epoch (``observe.rundir.next_epoch``): its manifests and leases carry
-    it, and leases of another refuse. Each part gets its collaborators when it is made; none is patched
-    afterwards."""
+    it, and leases of another refuse. ``perimeter``: the API port's limits before anyone is known (None:
+    the defaults cut to the descriptor limit). Each part gets its collaborators when it is made; none is
+    patched afterwards."""
     lora = identity.settings.lora  # a LoRA run: every publication pins the base its adapter applies to
     snapshots = Snapshots(
         publisher, cfg.staleness.gamma, cfg.snapshot, _keeper(cfg, generation),
@@ -127,16 +134,9 @@ def assemble(
         epoch=epoch,
     )
     routes = Routes(
-        registry,
-        pool,
-        broker,
-        intake,
-        snapshots,
-        store,
-        identity,
-        cfg.request_cap_bytes(),
-        cfg.security,
-    )
+        registry, pool, broker, intake, snapshots, store, identity, cfg.request_cap_bytes(), cfg.security,
+        perimeter=perimeter,
+    )  # fmt: skip
     return NodeParts(registry, pool, broker, intake, snapshots, routes)
 
 

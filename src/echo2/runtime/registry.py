@@ -96,6 +96,7 @@ class WorkerRegistry:
         self.slot_idle_s = slot_idle_s  # silence that retires an identity (security.slot_idle_s)
         self._records: dict[str, WorkerRecord] = {}
         self._by_cred: dict[str, str] = {}  # credential sha -> worker id
+        self._watchers: list[Callable[[str], None]] = []  # told when an identity stops being trusted
 
     def __iter__(self) -> Iterator[WorkerRecord]:
         return iter(list(self._records.values()))
@@ -198,16 +199,28 @@ class WorkerRegistry:
             self.save()
         return rec.trusted
 
+    def watch(self, on_untrusted: Callable[[str], None]) -> None:
+        """Call ``on_untrusted(worker_id)`` when an identity stops being trusted (quarantined, retired),
+        right when it happens (the broadcast publisher closes its connections: ``MemberLedger.watch``)."""
+        self._watchers.append(on_untrusted)
+
+    def _untrusted(self, worker_id: str) -> None:
+        for watcher in self._watchers:
+            watcher(worker_id)
+
     def revoke(self, worker_id: str, reason: str) -> None:
         """Quarantine a worker: its credential opens nothing any more (persisted, with the time, so a
-        restart keeps it out and frees its slot ``slot_idle_s`` after the catch); the record stays,
-        with the reason, for the registry's history."""
+        restart keeps it out and frees its slot ``slot_idle_s`` after the catch), and the watchers are
+        told at once; the record stays, with the reason, for the registry's history."""
         rec = self._records[worker_id]
         if not rec.quarantined:
+            was_trusted = rec.trusted
             rec.quarantined = reason
             rec.quarantined_s = self.clock()
             self.save()
             log.warning("quarantined %s (%r): %s", worker_id, rec.name, reason)
+            if was_trusted:
+                self._untrusted(worker_id)
 
     def seen_within(self, seconds: float) -> list[str]:
         """Workers heard from in the last ``seconds``."""
@@ -223,6 +236,7 @@ class WorkerRegistry:
         rec.retired_s = now
         silent = now - rec.last_seen_s
         log.info("retired %s (%r): silent for %.0f s (security.slot_idle_s)", rec.worker_id, rec.name, silent)
+        self._untrusted(rec.worker_id)
         return True
 
     def _retire_silent(self) -> None:

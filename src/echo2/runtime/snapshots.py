@@ -171,7 +171,12 @@ class Snapshots:
         """broadcast/ metrics of the newest measured dissemination and the newest publication, and the
         publisher's counts of its members' conduct (stall reports, demoted relays, refused acks, bad
         frames: ``broadcast.api.PublisherCounters``)."""
-        return {**self.bcast, **self.publication, **self.publisher.counters.metrics()}
+        return {
+            **self.bcast,
+            **self.publication,
+            **self.publisher.counters.metrics(),
+            **self.publisher.port_metrics(),
+        }
 
     @property
     def t_bcast_s(self) -> float:

@@ -6,7 +6,7 @@ names its kind. Each kind is a frozen pydantic model here, discriminated by its 
 unknown key is refused), every string, number, list and object bounded by a named limit below::
 
     control, worker -> learner   join · installed · stalled · rejected · leave
-    control, learner -> worker   announce · shutdown · error
+    control, learner -> worker   announce · revoke · shutdown · error
     a pull, puller -> server     get
     a pull, server -> puller     chunk (then its payload) · error
 
@@ -29,6 +29,7 @@ one this node serves (``access.Gate``).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, get_args, overload
 
@@ -49,6 +50,10 @@ MAX_MEMBERS = 1 << 16  # members one frame names (peers, sources, serve, receipt
 MAX_FIELDS = 64  # keys of a nested record (a manifest, a credential: about ten each)
 MAX_CERT_HEX = 8192  # hex characters of a member's DER certificate in a get (2 x access.MAX_CERT_BYTES)
 MAX_PROOF_HEX = 1024  # hex characters of its proof of possession (an ECDSA P-256 signature: <= 144)
+CHUNK_INDEX_BYTES = 4  # a get's payload: each chunk index as a little-endian uint32
+# bytes of the first frame a node reads from a peer nobody has vouched for yet (a join, a get's header:
+# with a certificate and a proof about 5 KiB): what a stranger can make a node parse
+PRE_AUTH_HEADER = 16 << 10
 
 FRAME = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, validate_by_alias=True)
 
@@ -149,6 +154,16 @@ class AnnounceFrame(BaseModel):
     credential: Record  # its credential for the version (``access.Credential.to_dict``)
 
 
+class RevokeFrame(BaseModel):
+    """A member this node serves lost the learner's trust (quarantined, retired): serve it nothing more,
+    and close the streams it has open here."""
+
+    model_config = FRAME
+
+    op: Literal["revoke"] = "revoke"
+    member: Member  # whom to stop serving
+
+
 class ShutdownFrame(BaseModel):
     """The learner is closing: the worker leaves."""
 
@@ -168,18 +183,22 @@ class ErrorFrame(BaseModel):
 
 # ---- a pull -----------------------------------------------------------------------------------------
 class GetFrame(BaseModel):
-    """A pull request (``access.pull_request``): the chunks a member wants of a version, in order."""
+    """A pull request (``access.pull_request``): who asks for which version, with what credential; the
+    chunks it wants, in order, are its payload (:func:`encode_chunk_list`: ``n`` bytes, 4 per index),
+    which a server reads only once the header's credential checked (``store.serve_pull``), so what a
+    stranger makes a server parse is this small header alone (``PRE_AUTH_HEADER``)."""
 
     model_config = FRAME
 
     op: Literal["get"] = "get"
     v: Version  # the version asked for
-    chunks: Annotated[list[ChunkIndex], Field(min_length=1, max_length=MAX_CHUNKS)]  # in the order wanted
     member: Annotated[Member, Field(alias="from")]  # who asks (its credential names the same member)
     repair: bool = False  # in place of another source (never rate-capped)
     cred: Record  # the learner's credential for that member and version
     cert: CertHex | None = None  # over TLS: its certificate (hex DER)
     proof: ProofHex | None = None  # over TLS: its signature over (server, member, version) (hex)
+    # payload bytes: the chunk list, 4 per index, at least one (wire.encode writes it from the payload)
+    n: Annotated[int, Field(ge=CHUNK_INDEX_BYTES, le=CHUNK_INDEX_BYTES * MAX_CHUNKS, multiple_of=4)]
 
 
 class ChunkFrame(BaseModel):
@@ -214,7 +233,7 @@ class GetCredentials(BaseModel):
 
 Frame = (
     JoinFrame | InstalledFrame | StalledFrame | RejectedFrame | LeaveFrame
-    | AnnounceFrame | ShutdownFrame | ErrorFrame | GetFrame | ChunkFrame
+    | AnnounceFrame | RevokeFrame | ShutdownFrame | ErrorFrame | GetFrame | ChunkFrame
 )  # fmt: skip
 F = TypeVar("F", bound=Frame)
 G = TypeVar("G", bound=Frame)
@@ -226,12 +245,12 @@ _UNSENT_NONE = {  # per kind: optional fields not sent while None
     for cls in KINDS.values()
 }
 # per kind, what to_wire sends: (field, wire key, left out while None), in the order of the fields;
-# a chunk's ``n`` is the framing's (wire.encode writes it from the payload)
+# a chunk's and a get's ``n`` is the framing's (wire.encode writes it from the payload)
 _WIRE: dict[type[BaseModel], tuple[tuple[str, str, bool], ...]] = {
     cls: tuple(
         (name, info.alias or name, name in _UNSENT_NONE[cls])
         for name, info in cls.model_fields.items()
-        if not (cls is ChunkFrame and name == "n")
+        if not (cls in (ChunkFrame, GetFrame) and name == "n")
     )
     for cls in KINDS.values()
 }
@@ -297,6 +316,17 @@ def refusal(reason: str) -> ErrorFrame:
     """The ``error`` frame refusing something for ``reason``, cut to ``MAX_REASON`` characters (a
     reason may quote a peer's values, so its length is not this node's to promise)."""
     return ErrorFrame(reason=reason[:MAX_REASON])
+
+
+def encode_chunk_list(chunks: list[int]) -> bytes:
+    """A get's payload: ``chunks`` as little-endian uint32 (each in ``[0, MAX_CHUNKS)``: the caller's)."""
+    return struct.pack(f"<{len(chunks)}I", *chunks)
+
+
+def decode_chunk_list(payload: bytes) -> list[int]:
+    """The chunk indices of a get's payload (its length, a multiple of 4 within bounds, is the frame
+    model's rule); whether they fit the version is the server's (``store.check_chunk_list``)."""
+    return list(struct.unpack(f"<{len(payload) // CHUNK_INDEX_BYTES}I", payload))
 
 
 def version_or_none(value: object) -> int | None:

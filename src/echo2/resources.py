@@ -1,0 +1,89 @@
+"""The process's operating-system resources: the descriptor limit, and writes that survive exhaustion.
+
+A learner serves two ports to strangers, so its descriptors are a resource they compete for. At start
+it raises its soft ``RLIMIT_NOFILE`` to the hard limit (:func:`raise_descriptor_limit`) and hands each
+port a connection cap well under it (``echo2.perimeter``), keeping :data:`RESERVED_FDS` descriptors for
+its own files (the store, checkpoints, published spills, logs, the grading process's pipes). Should the
+table fill anyway (another process's leak, a cap set too high), or the disk, a write that matters is
+retried rather than ending the run (:func:`retry_exhausted`): the caller then decides what it gives up
+(a publication served from memory instead of a file, a checkpoint left to the next step), never the run.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+RESERVED_FDS = 256  # descriptors kept for the process's own files, whatever the connection caps
+# errors that say a resource is exhausted (descriptors, the disk), not that the write is wrong
+EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT})
+RETRY_DELAYS_S = (0.05, 0.2, 0.5, 1.0, 2.0)  # waits between the tries of :func:`retry_exhausted`
+
+T = TypeVar("T")
+
+
+def descriptor_limits() -> tuple[int, int]:
+    """(soft, hard) ``RLIMIT_NOFILE`` of this process; (1024, 1024) where the platform has none."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 1024, 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return int(soft), int(hard)
+
+
+def raise_descriptor_limit(need: int | None = None) -> int:
+    """Raise the soft descriptor limit to the hard one (an unlimited hard limit: to ``need``, at least
+    the soft one); returns the soft limit now in force. ``need`` (descriptors the caller's caps may use)
+    is compared with it and a shortfall logged as one line naming the fix."""
+    soft, hard = descriptor_limits()
+    try:
+        import resource
+
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, need or soft)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    except (ImportError, ValueError, OSError) as exc:  # a container may refuse; keep what there is
+        log.info("descriptor limit stays at %d (%s)", soft, exc)
+    if need is not None and need > soft:
+        log.warning(
+            "the connection caps may use %d descriptors but this process may open %d: they are cut to "
+            "fit (raise the hard limit, e.g. `ulimit -Hn 65536` or LimitNOFILE= in a systemd unit)",
+            need,
+            soft,
+        )
+    return soft
+
+
+def is_exhausted(exc: BaseException) -> bool:
+    """Whether ``exc`` says a resource ran out (descriptors, disk space, quota)."""
+    return isinstance(exc, OSError) and exc.errno in EXHAUSTED
+
+
+def retry_exhausted(
+    fn: Callable[[], T],
+    what: str,
+    delays: tuple[float, ...] = RETRY_DELAYS_S,
+    on_exhausted: Callable[[], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``fn()``, tried again after each of ``delays`` while it fails because a resource is exhausted
+    (:func:`is_exhausted`); ``on_exhausted`` is called before each wait (e.g. to shed connections). The
+    last failure propagates, as does any other error at once. Blocking: call it from a worker thread."""
+    for delay in (*delays, None):
+        try:
+            return fn()
+        except OSError as exc:
+            if delay is None or not is_exhausted(exc):
+                raise
+            log.warning("%s: %s; trying again in %.2f s", what, exc.strerror or exc, delay)
+            if on_exhausted is not None:
+                on_exhausted()
+            sleep(delay)
+    raise AssertionError("unreachable")  # the loop returns or raises

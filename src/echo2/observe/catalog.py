@@ -541,6 +541,12 @@ BROADCAST_PEER_ERRORS = _m(
     "broadcast connections dropped on an unexpected error from a peer's bytes",
     RUN,
 )
+BROADCAST_SPILL_FAILED = _m(
+    "broadcast/spill_failed",
+    "count",
+    "publications served from memory: the descriptor table or the disk stayed full while spilling (so far)",
+    RUN,
+)
 BROADCAST_MEMBERS_EXPELLED = _m(
     "broadcast/members_expelled",
     "count",
@@ -564,6 +570,12 @@ PERIMETER_BROADCAST = _m(
 )
 
 # ---- leases/, security/: what untrusted workers were held to --------------------------------------
+CHECKPOINT_FAILED = _m(
+    "checkpoint/failed",
+    "count",
+    "checkpoints not written: the descriptor table or the disk stayed full; the previous one stands (so far)",
+    BOTH,
+)
 LEASES_UNRETURNED = _m(
     "leases/unreturned", "count", "leases that expired unanswered, all workers (so far)", RUN
 )

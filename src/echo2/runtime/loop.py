@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from echo2.errors import Echo2Error, TrainingDivergedError
 from echo2.observe import catalog as m
+from echo2.resources import RETRY_DELAYS_S, is_exhausted, retry_exhausted
 from echo2.types import Trajectory
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from echo2.runtime.core import LearnerCore
 
 log = logging.getLogger(__name__)
+
+FINAL_RETRY_DELAYS_S = (*RETRY_DELAYS_S, 5.0, 10.0, 20.0)  # the run's last checkpoint waits longer
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class LearnerLoop:
         self.steps = self.staleness_max = 0  # what this process did, for the summary
         self.t_trains: list[float] = []
         self.last_ckpt = last_checkpoint
+        self.checkpoints_failed = 0  # checkpoints a full descriptor table or disk kept from being written
         stats = store.stats()
         self._admitted_seen = (stats.admitted, stats.admitted_tokens)  # for the generated length
 
@@ -222,8 +226,10 @@ class LearnerLoop:
             record.update({m.REWARD_ACCURACY.key: ev.accuracy, m.REWARD_EVAL_UNPARSED.key: ev.unparsed})
         if v % cfg.train.checkpoint_every == 0:
             with self.meter.idle("checkpoint"):
-                self.last_ckpt = await asyncio.to_thread(self.save, f"step_{v:06d}")
-            self.store.prune_consumed(v)  # trained into a durable checkpoint: never requeued
+                saved = await asyncio.to_thread(self._checkpoint, f"step_{v:06d}")
+            if saved:
+                self.store.prune_consumed(v)  # trained into a durable checkpoint: never requeued
+        record[m.CHECKPOINT_FAILED.key] = self.checkpoints_failed
         step = self.meter.close_step()
         stats = self.store.stats()
         record.update(
@@ -254,10 +260,24 @@ class LearnerLoop:
         """A checkpoint of this version with the optimizer's state and the feed's."""
         return self.core.save(name, optimizer=True, state=self.feed.state())
 
+    def _checkpoint(self, name: str, delays: tuple[float, ...] = RETRY_DELAYS_S) -> bool:
+        """:meth:`save`, waiting out a full descriptor table or disk (``resources.retry_exhausted``);
+        if it stays full the checkpoint is not written (counted in ``checkpoint/failed``), the previous
+        one stands and the trajectories since are kept for the next: the run goes on (any thread)."""
+        try:
+            self.last_ckpt = retry_exhausted(lambda: self.save(name), f"checkpoint {name}", delays)
+        except OSError as exc:
+            if not is_exhausted(exc):
+                raise
+            self.checkpoints_failed += 1
+            log.error("checkpoint %s not written (%s); the run goes on from %s", name, exc, self.last_ckpt)
+            return False
+        return True
+
     async def finish(self) -> None:
         """Checkpoint what the loop did not, then the feed's end."""
-        if self.steps and self.version % self.cfg.train.checkpoint_every:
-            self.last_ckpt = await asyncio.to_thread(self.save, f"step_{self.version:06d}")
+        if self.steps and self.version % self.cfg.train.checkpoint_every:  # the last: try a while longer
+            await asyncio.to_thread(self._checkpoint, f"step_{self.version:06d}", FINAL_RETRY_DELAYS_S)
         await self.feed.finish()
         self.final_store = self.store.stats().metrics()
 

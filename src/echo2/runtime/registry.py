@@ -43,6 +43,7 @@ from pathlib import Path
 
 from echo2.observe.rundir import write_atomic
 from echo2.protocol import RegisterRequest
+from echo2.resources import is_exhausted
 
 log = logging.getLogger(__name__)
 
@@ -246,11 +247,18 @@ class WorkerRegistry:
 
     # ---- persistence ---------------------------------------------------------------------------------
     def save(self) -> None:
+        """Write ``workers.json``. A descriptor table or disk that is full is no request's failure: the
+        registry stays right in memory and the next save writes it all (logged; never an error reply)."""
         data = [
             {k: v for k, v in asdict(r).items() if k not in ("last_seen_s", "install_s", "checks_waiting")}
             for r in self._records.values()
         ]
-        write_atomic(self.path, json.dumps(data, indent=1))
+        try:
+            write_atomic(self.path, json.dumps(data, indent=1))
+        except OSError as exc:
+            if not is_exhausted(exc):
+                raise
+            log.error("%s not written (%s): the next change writes it", self.path, exc.strerror)
 
     def load(self) -> list[WorkerRecord]:
         """Restore the workers of an earlier learner process; returns the trusted ones (those that may

@@ -174,6 +174,7 @@ class Snapshots:
         return {
             **self.bcast,
             **self.publication,
+            catalog.BROADCAST_SPILL_FAILED.key: float(self.published_chain.spill_failures),
             **self.publisher.counters.metrics(),
             **self.publisher.port_metrics(),
         }

@@ -14,6 +14,7 @@ off the loop, signs and announces the result, and records it (:meth:`PublishedCh
 
 from __future__ import annotations
 
+import logging
 import mmap
 import time
 from dataclasses import dataclass
@@ -21,11 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.config import SnapshotConfig
+from echo2.resources import is_exhausted, retry_exhausted
 from echo2.weights.chain import Blob
 from echo2.weights.manifest import Lineage
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class PublishedChain:
         self.cfg = cfg or SnapshotConfig()
         self.epoch = epoch  # this learner process's run epoch: signed into every lineage
         self.spill_dir = spill_dir if self.cfg.on_disk else None  # where published bytes live
+        self.spill_failures = 0  # publications served from memory: their spill directory stayed full
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             for stale in self.spill_dir.glob(SPILL_GLOB):  # an earlier process's: never served again
@@ -117,10 +122,22 @@ class PublishedChain:
     def spill(self, version: int, blob: Blob) -> Blob:
         """``blob`` as it will be served: with a spill directory, written to a file there and returned
         as a read-only memory map of it (the publisher, the routes and this chain share the view; its
-        pages are the kernel's page cache, not the learner's memory), else unchanged (any thread)."""
+        pages are the kernel's page cache, not the learner's memory), else unchanged (any thread).
+        A descriptor table or a disk that is full is waited out (``resources.retry_exhausted``); if it
+        stays full the publication is served from memory instead (counted ``spill_failures``), never
+        lost and never the end of the run."""
         if self.spill_dir is None or len(blob) == 0:
             return blob
-        return spill_file(self._spilled(version), blob)
+        path = self._spilled(version)
+        try:
+            return retry_exhausted(lambda: spill_file(path, blob), f"spilling v{version} to {path}")
+        except OSError as exc:
+            if not is_exhausted(exc):
+                raise
+            self.spill_failures += 1
+            path.unlink(missing_ok=True)
+            log.error("v%d is served from memory: %s stays full (%s)", version, path.parent, exc.strerror)
+            return blob
 
     def _spilled(self, version: int) -> Path:
         """The file ``version``'s published bytes are spilled to (a spill directory is set)."""

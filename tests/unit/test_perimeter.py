@@ -1,0 +1,183 @@
+"""The perimeter of a listening port (echo2/perimeter.py) over real loopback sockets: connection caps
+per address and in all, eviction of the oldest unauthenticated connection of the address that holds the
+most, the accept rate per address, the TLS handshake and first-request deadlines, vouching; and the
+limits cut to a descriptor limit. Clients dial from several loopback addresses (127.0.0.0/8 is all
+loopback on Linux), as strangers on many machines would."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from typing import Any
+
+import pytest
+
+from echo2.config import PerimeterConfig
+from echo2.perimeter import Limits, Perimeter, port_limits, streams
+from echo2.resources import RESERVED_FDS
+from echo2.transport import client_context, make_identity
+
+
+def limits(**kw: Any) -> Limits:
+    base = dict(
+        max_connections=8, max_per_address=3, pre_auth_share=0.5, accepts_per_s=1000.0, accept_burst=1000.0,
+        handshake_s=5.0, header_s=5.0, requests_per_s=10.0, request_burst=20.0,
+    )  # fmt: skip
+    return Limits(**{**base, **kw})
+
+
+async def serve(perimeter: Perimeter, tls: ssl.SSLContext | None = None) -> tuple[asyncio.Server, int]:
+    """A port that vouches for a connection whose first line is ``auth``, answers ``ok`` to each line
+    and holds the connection until the peer closes it."""
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                if line.startswith(b"auth"):
+                    perimeter.vouch(writer.transport)
+                writer.write(b"ok\n")
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await perimeter.serve(lambda: streams(on_connect), "127.0.0.1", 0, tls)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def dial(port: int, source: str, line: bytes | None = None, tls: bool = False) -> Any:
+    """A connection from ``source``; with ``line``, sent and its answer awaited."""
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, local_addr=(source, 0), ssl=client_context() if tls else None,
+        server_hostname="" if tls else None,
+    )  # fmt: skip
+    if line is not None:
+        writer.write(line)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readline(), 5) == b"ok\n"
+    return reader, writer
+
+
+async def closed(conn: Any, within: float = 2.0) -> bool:
+    """Whether the server closed (or reset) ``conn`` within ``within`` seconds."""
+    reader, _ = conn
+    try:
+        return await asyncio.wait_for(reader.read(), within) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.05)
+
+
+def test_caps_per_address_and_in_all_evict_the_oldest_stranger_of_the_address_holding_most() -> None:
+    async def go() -> Perimeter:
+        p = Perimeter("test", limits())
+        server, port = await serve(p)
+        members = [await dial(port, "127.0.0.2", b"auth\n") for _ in range(3)]  # its address is full ...
+        refused = await dial(port, "127.0.0.2")
+        assert await closed(refused)  # ... of members: refused at accept, nobody evicted
+        assert not any([await closed(m, 0.1) for m in members])
+        strangers = [await dial(port, "127.0.0.3") for _ in range(3)]
+        await settle()
+        fourth = await dial(port, "127.0.0.3")  # its address is full of strangers: its oldest goes
+        assert await closed(strangers[0]) and not await closed(fourth, 0.1)
+        lone = await dial(port, "127.0.0.4")  # 3 + 1 strangers: the unauthenticated share (4) is full
+        await settle()
+        newcomer = await dial(port, "127.0.0.5")  # evicts the oldest stranger of .3, which holds most
+        assert await closed(strangers[1])
+        assert not await closed(lone, 0.1) and not await closed(newcomer, 0.1)
+        assert p.open <= p.limits.max_connections and p.pre_auth <= p.limits.max_pre_auth
+        server.close()
+        return p
+
+    p = asyncio.run(go())
+    c = p.counters
+    assert (c.refused_address, c.evicted, c.vouched) == (1, 2, 3)
+
+
+def test_new_connections_from_one_address_pass_a_token_bucket() -> None:
+    async def go() -> Perimeter:
+        p = Perimeter("test", limits(accepts_per_s=0.5, accept_burst=2.0, max_per_address=8))
+        server, port = await serve(p)
+        ok = [await dial(port, "127.0.0.6") for _ in range(2)]
+        third = await dial(port, "127.0.0.6")
+        other = await dial(port, "127.0.0.7")  # another address has its own bucket
+        assert await closed(third) and not await closed(other, 0.1)
+        assert not any([await closed(c, 0.1) for c in ok])
+        server.close()
+        return p
+
+    assert asyncio.run(go()).counters.refused_rate == 1
+
+
+def test_a_stranger_is_closed_at_header_s_and_a_member_is_not() -> None:
+    async def go() -> Perimeter:
+        p = Perimeter("test", limits(header_s=0.3))
+        server, port = await serve(p)
+        t0 = time.monotonic()
+        idle = await dial(port, "127.0.0.8")
+        talker = await dial(port, "127.0.0.8", b"hello\n")  # a request, but nobody vouched for it
+        member = await dial(port, "127.0.0.8", b"auth\n")
+        assert await closed(idle) and await closed(talker)
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        assert not await closed(member, 0.5)  # well past header_s
+        assert p.open == 1 and p.pre_auth == 0
+        server.close()
+        return p
+
+    assert asyncio.run(go()).counters.header_timeouts == 2
+
+
+def test_tls_a_silent_handshake_is_cut_and_data_right_after_the_handshake_arrives() -> None:
+    """A TCP connection that never sends its ClientHello is closed at handshake_s (counted); a client
+    whose first line follows the handshake at once is served (the TLS layer reads it while finishing
+    the handshake, before the application's protocol exists: it is kept, not dropped)."""
+    ident = make_identity(["127.0.0.1"])
+
+    async def go() -> Perimeter:
+        p = Perimeter("test", limits(handshake_s=0.3))
+        server, port = await serve(p, ident.server_context())
+        silent = await dial(port, "127.0.0.9")  # plain TCP: no ClientHello ever
+        for _ in range(5):
+            await dial(port, "127.0.0.9", b"auth\n", tls=True)  # each answered: nothing lost
+        assert await closed(silent)
+        server.close()
+        return p
+
+    p = asyncio.run(go())
+    assert p.counters.handshake_failed == 1 and p.counters.vouched == 5
+
+
+def test_connection_counts_are_given_back_however_a_connection_ends() -> None:
+    async def go() -> Perimeter:
+        p = Perimeter("test", limits(max_connections=64, max_per_address=64))
+        server, port = await serve(p)
+        conns = [await dial(port, f"127.0.1.{i % 4 + 1}", b"auth\n" if i % 2 else None) for i in range(20)]
+        await settle()
+        assert p.open == 20
+        for _, writer in conns:
+            writer.close()
+        for _ in range(50):
+            await settle()
+            if p.open == 0:
+                break
+        server.close()
+        return p
+
+    p = asyncio.run(go())
+    assert p.open == 0 and p.pre_auth == 0 and not p._per_addr and not p._pre and p._most == 0
+
+
+@pytest.mark.parametrize(("descriptors", "cap"), [(1024, 307), (20_000, 7897), (1 << 20, 16384), (200, 16)])
+def test_the_caps_fit_the_descriptor_limit(descriptors: int, cap: int) -> None:
+    got = port_limits(PerimeterConfig(), descriptors)
+    assert got.max_connections == cap
+    if descriptors > 1024:
+        assert 2 * got.max_connections + RESERVED_FDS <= descriptors  # both ports and the files fit
+    assert got.max_per_address <= got.max_connections and got.max_pre_auth == cap // 2

@@ -195,3 +195,149 @@ def test_the_in_memory_hub_targets_and_records_through_the_ledger(tmp_path: Path
         await hub.close()
 
     asyncio.run(go())
+
+
+# -- the door: the registry, from an empty one and a restored one ------------------------------------------
+async def _refused_join(addr: tuple[str, int], worker: str, credential: str | None) -> bool:
+    """A join is refused: one error frame, then the connection closes."""
+    reader, writer = await asyncio.open_connection(*addr)
+    frame: dict[str, Any] = {"op": "join", "worker": worker, "host": "127.0.0.1", "port": 9}
+    if credential is not None:
+        frame["credential"] = credential
+    await write_frame(writer, frame)
+    header = await asyncio.wait_for(read_header(reader), 5)
+    closed = await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    return header["op"] == "error" and closed
+
+
+def test_a_publisher_over_an_empty_registry_admits_nobody_unregistered(tmp_path: Path) -> None:
+    """The publisher built while the registry is still empty (as the learner builds it): an empty
+    registry is falsy (``len`` 0), which once made the publisher fall back to an open ledger. A made-up
+    id, with no credential or any, is refused; nothing is announced to it; a registered identity joins."""
+    reg = _registry(tmp_path)
+    assert len(reg) == 0
+
+    async def go() -> tuple[list[str], dict[str, Any]]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=reg)
+        await pub.start()
+        assert await _refused_join(pub.address, "made-up", None)
+        assert await _refused_join(pub.address, "made-up", "any-credential")
+        wid, cred = _join(reg, "late")  # registered after the publisher was built
+        assert await _refused_join(pub.address, wid, "not-its-credential")
+        ctl = await _member(pub.address, wid, cred)
+        await pub.wait_members(1, 5)
+        members = pub.members()
+        await pub.publish(1, BLOB)
+        ann = await asyncio.wait_for(read_header(ctl[0]), 5)
+        ctl[1].close()
+        await pub.close()
+        return members, ann
+
+    members, ann = asyncio.run(go())
+    assert members == [next(iter(r.worker_id for r in reg))] and set(ann["peers"]) == {members[0], LEARNER}
+
+
+def test_a_restored_registry_keeps_its_members_and_its_quarantines(tmp_path: Path) -> None:
+    first = _registry(tmp_path)
+    (good, good_cred), (bad, bad_cred) = _join(first, "good"), _join(first, "bad")
+    first.revoke(bad, "caught")
+    reg = _registry(tmp_path)
+    reg.load()  # a restarted learner
+
+    async def go() -> list[str]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=reg)
+        await pub.start()
+        assert await _refused_join(pub.address, bad, bad_cred)
+        ctl = await _member(pub.address, good, good_cred)
+        await pub.wait_members(1, 5)
+        members = pub.members()
+        ctl[1].close()
+        await pub.close()
+        return members
+
+    assert asyncio.run(go()) == [good]
+
+
+def test_a_quarantine_cuts_a_pull_in_progress_and_tells_the_relays(tmp_path: Path) -> None:
+    """A member pulling from the learner (its uplink slowed so the stream lasts) is quarantined: the
+    stream ends within 1 s having sent a fraction of the version, its control connection closes, and
+    the members told to serve it in that version are sent ``revoke``."""
+    from echo2.broadcast.wire import Pacer
+    from echo2.weights.frames import RevokeFrame, parse_frame
+
+    reg = _registry(tmp_path)
+    members = [_join(reg, f"m{i}") for i in range(3)]
+    big = bytes(range(256)) * 4096  # 1 MiB: 256 chunks, at 64 KiB/s a 16 s stream
+
+    async def go() -> tuple[float, int, int]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=reg, uplink=Pacer(64 << 10))
+        await pub.start()
+        ctl = {w: await _member(pub.address, w, c) for w, c in members}
+        await pub.wait_members(3, 5)
+        await pub.publish(1, big)
+        ann = {w: await asyncio.wait_for(read_header(ctl[w][0]), 5) for w in ctl}
+        victim = next(w for w in ann if any(s == LEARNER for s, _ in ann[w]["sources"]))
+        relays = [w for w in ann if victim in ann[w].get("serve", [])]
+        chunks = [i for s, ch in ann[victim]["sources"] if s == LEARNER for i in ch]
+        r, w = await asyncio.open_connection(*pub.address)
+        await write_frame(
+            w, *pull_request(Credential.from_dict(ann[victim]["credential"]), chunks, False, "", None)
+        )
+        await read_payload(r, await asyncio.wait_for(read_header(r), 5), CHUNK)  # the stream runs
+        t0 = time.monotonic()
+        reg.revoke(victim, "caught")
+        got = CHUNK
+        try:
+            while True:
+                got += len(await asyncio.wait_for(read_payload(r, await read_header(r), CHUNK), 2))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        cut_s = time.monotonic() - t0
+        told = [parse_frame(await asyncio.wait_for(read_header(ctl[x][0]), 5), RevokeFrame) for x in relays]
+        assert all(f.member == victim for f in told)
+        for _, writer in ctl.values():
+            writer.close()
+        await pub.close()
+        return cut_s, got, len(told)
+
+    cut_s, got, told = asyncio.run(go())
+    assert cut_s < 1.0 and got < len(big) // 2 and told >= 1
+
+
+def test_a_relay_told_revoke_serves_the_member_nothing_more() -> None:
+    """A worker's control connection gets ``revoke``: the member is never served again there and the
+    streams it has open are closed (against a fake learner: the frame alone)."""
+    from echo2.broadcast.worker import TcpWorkerNode
+    from echo2.weights.frames import RevokeFrame
+
+    async def go() -> tuple[set[str], bool]:
+        joined: asyncio.Queue[asyncio.StreamWriter] = asyncio.Queue()
+
+        async def learner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_header(reader)
+            await joined.put(writer)
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(learner, "127.0.0.1", 0)
+        node = TcpWorkerNode("relay", server.sockets[0].getsockname()[:2], KEY.verifier())
+        await node.start()
+        ctl = await asyncio.wait_for(joined.get(), 5)
+        cut = asyncio.Event()
+
+        class Stream:  # a stream the member has open here
+            class transport:
+                @staticmethod
+                def abort() -> None:
+                    cut.set()
+
+        node._streams["w9"] = {Stream()}  # type: ignore[arg-type]
+        await write_frame(ctl, to_wire(RevokeFrame(member="w9")))
+        await asyncio.wait_for(cut.wait(), 5)
+        revoked = set(node._revoked)
+        await node.close()
+        server.close()
+        return revoked, "w9" not in node._streams
+
+    revoked, dropped = asyncio.run(go())
+    assert revoked == {"w9"} and dropped

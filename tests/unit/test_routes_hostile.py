@@ -495,3 +495,85 @@ def test_snapshot_pulls_past_the_budget_are_429_over_budget(tmp_path):
     assert other_status == 200 and after == [200, 200, 200, 429]
     assert stats.rejected_by_reason == {"over_budget": 3}
     assert len(node.routes.budget) == 1  # (hog, v2): v1 is no longer served, its entries are forgotten
+
+
+# ---- 9. the perimeter: before anyone is known --------------------------------------------------------
+def test_requests_no_identity_vouches_for_pass_a_bucket_per_address(tmp_path):
+    """Registrations and requests with a missing or bad credential take from their address's bucket
+    (security.perimeter.requests_per_s, request_burst): past it 429 rate_limited with Retry-After and
+    the connection closed; a trusted identity's requests are not charged to it."""
+    node = make_node(
+        tmp_path, "security.perimeter.requests_per_s=0.001", "security.perimeter.request_burst=4"
+    )
+
+    async def body(client: TestClient) -> tuple[list[int], int, str | None]:
+        auth = await register(client)  # the registration itself takes one
+        hb = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        wrong = {"Authorization": "Bearer nope"}
+        statuses = [(await client.post("/v1/heartbeat", json=hb, headers=wrong)).status for _ in range(5)]
+        member = await client.post("/v1/heartbeat", json=hb, headers=auth)
+        refused = await client.post("/v1/register", json={"usd_per_hour": 1.0}, headers=JOIN)
+        return statuses, member.status, refused.headers.get("Retry-After")
+
+    (statuses, member, retry), stats = run(body, node)
+    assert statuses == [403, 403, 403, 429, 429] and member == 200 and int(retry) >= 1
+    assert stats.rejected_by_reason == {"auth": 3, "rate_limited": 3}
+
+
+def test_a_registration_is_refused_before_its_body_is_read(tmp_path):
+    """A wrong join token with an 8 MiB body announced (a few bytes sent): 403 at once, the connection
+    closed, nothing waited for (before: the body was read and parsed to find the token in it)."""
+
+    async def go(port: int) -> list[tuple[int, float]]:
+        out = []
+        for token in ("nope", TOKEN):  # the right token: the body is read only up to 4 KiB (413)
+            head = (
+                f"POST /v1/register HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                f"Content-Length: {8 << 20}\r\n\r\n"
+            )
+            t0 = time.monotonic()
+            status, _, _ = await raw(port, head.encode() + b'{"usd_per_hour": 1')
+            out.append((status, time.monotonic() - t0))
+        return out
+
+    got, stats = serve(make_node(tmp_path, "security.body_timeout_s=10"), go)
+    assert [s for s, _ in got] == [403, 413] and all(took < 2.0 for _, took in got)
+    assert stats.rejected_by_reason == {"auth": 1, "oversized": 1}
+
+
+def test_the_join_tokens_copies_by_hand():
+    from echo2.runtime.http import CopyBudget
+
+    t = [0.0]
+    budget = CopyBudget(burst=2, per_hour=4, clock=lambda: t[0])
+    assert budget.take("base", 100, 100) == 0.0 and budget.take("base", 100, 100) == 0.0  # the burst
+    assert budget.take("base", 100, 100) == pytest.approx(900.0)  # a copy every 3600 / 4 s
+    assert budget.take("base", 10, 100) == pytest.approx(90.0)  # a tenth of a copy: a tenth of the wait
+    assert budget.take("model", 100, 100) == 0.0  # each kind of object has its own
+    t[0] += 900.0
+    assert budget.take("base", 100, 100) == 0.0 and budget.level("base") == pytest.approx(0.0)
+    t[0] += 1e6
+    assert budget.level("base") == 2.0  # refilled to the burst, no further
+
+
+def test_every_byte_serving_route_is_bounded_per_token_across_identities(tmp_path):
+    """Sybils of one join token share its copies: with a burst of 3 copies (max_workers = 3) and 1 an
+    hour, three identities get the model files once each, then a fourth fetch is 429 token_budget with
+    the seconds until a copy is back (the client waits that out); one identity is also held to
+    SERVE_BUDGET copies of its own (429 over_budget, which stands)."""
+    node = make_node(tmp_path, "security.max_workers=3", "security.token_copies_per_hour=1")
+
+    async def body(client: TestClient) -> list[tuple[int, str, int]]:
+        auths = [await register(client, n) for n in "abc"]
+        out = []
+        for auth, path in [(a, "/v1/model") for a in [*auths, auths[0]]] + [(auths[1], "/v1/version")] * 4:
+            resp = await client.get(path, headers=auth)
+            error = (await resp.json()).get("error", "ok")
+            out.append((resp.status, error, int(resp.headers.get("Retry-After", 0))))
+        return out
+
+    got, stats = run(body, node)
+    assert [g[:2] for g in got[:4]] == [(200, "ok")] * 3 + [(429, "token_budget")]
+    assert 3500 < got[3][2] <= 3600  # a whole copy at 1 an hour
+    assert [g[:2] for g in got[4:]] == [(200, "ok")] * 3 + [(429, "over_budget")]
+    assert stats.rejected_by_reason == {"token_budget": 1, "over_budget": 1}

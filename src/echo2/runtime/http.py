@@ -153,7 +153,8 @@ def reply(model: BaseModel, status: int = 200, headers: dict[str, str] | None = 
 async def answer_and_close(request: web.Request, exc: web.HTTPException) -> web.StreamResponse:
     """Send ``exc``'s reply and close the connection at once (aiohttp would otherwise linger, reading
     what is left of the body, for up to ``lingering_time``: a slow sender's grip on the connection)."""
-    resp = web.Response(body=exc.body, status=exc.status, content_type="application/json")
+    keep = {k: v for k, v in exc.headers.items() if k.lower() not in BODY_HEADERS}  # Retry-After
+    resp = web.Response(body=exc.body, status=exc.status, content_type="application/json", headers=keep)
     resp.force_close()
     await resp.prepare(request)
     await resp.write_eof()

@@ -55,7 +55,7 @@ from echo2.broadcast.access import BUDGET_SLACK_CHUNKS, SERVE_BUDGET, ByteBudget
 from echo2.config import SecurityConfig
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import M, Rejected, parse_model
-from echo2.perimeter import Limits, Perimeter, RequestRate, default_limits
+from echo2.perimeter import Limits, Perimeter, RequestRate, port_limits
 from echo2.protocol import (
     API,
     VERSION_HEADER,
@@ -73,6 +73,7 @@ from echo2.protocol import (
     VersionReply,
     WorkerSettings,
 )
+from echo2.resources import descriptor_limits
 from echo2.runtime import http
 from echo2.runtime.intake import Intake
 from echo2.runtime.leases import LeaseBroker
@@ -124,7 +125,8 @@ class Routes:
         self.security = sec = security or SecurityConfig()
         self.rate = RequestRate(sec.max_requests_per_s, BURST_S * sec.max_requests_per_s, clock)
         # the API port's connections, deadlines and per-address rates before anyone is known
-        self.perimeter = Perimeter("api", perimeter or default_limits(), clock)
+        limits = perimeter or port_limits(sec.perimeter, descriptor_limits()[0])
+        self.perimeter = Perimeter("api", limits, clock)
         self.budget = ByteBudget()  # snapshot-chain bytes sent per (identity, link version)
         # copies of each served object per (object, identity[, version]); the join token's, together
         self.copies: dict[tuple[str, ...], int] = {}

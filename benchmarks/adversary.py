@@ -61,6 +61,8 @@ Writes results/adversary.json and results/adversary.png.
     python benchmarks/adversary.py                       # every study
     python benchmarks/adversary.py --study attacks --trials 20
     python benchmarks/adversary.py --study liveness --repeats 3
+    python benchmarks/adversary.py --study perimeter      # strangers at both ports
+    python benchmarks/adversary.py --study preauth_cost   # what an unauthenticated request costs the loop
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from echo2.observe.rundir import read_metrics  # noqa: E402
+from echo2_bench import perimeter_study, preauth_cost  # noqa: E402
 from echo2_bench.adversary_runs import CORES, ledger, start_run, stop, wait_ready  # noqa: E402
 from echo2_bench.record import on_record  # noqa: E402
 
@@ -558,7 +561,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     studies = [
         "attacks", "honest", "honest_bf16", "honest_bf16_vllm", "bf16_errors", "restart", "cost", "poison",
-        "liveness", "garbage",
+        "liveness", "garbage", "perimeter", "preauth_cost",
     ]  # fmt: skip
     p.add_argument("--study", choices=[*studies, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
@@ -587,6 +590,8 @@ def main() -> int:
         "poison": lambda: study_poison(a.out, a.poison_minutes, a.poison_minutes / 2),
         "liveness": lambda: study_liveness(a.out, a.repeats, a.window),
         "garbage": lambda: study_garbage(a.out),
+        "perimeter": lambda: perimeter_study.run_study(a.out),  # echo2_bench/perimeter_study.py
+        "preauth_cost": lambda: preauth_cost.run_cost(),  # echo2_bench/preauth_cost.py
     }
     for s in studies if a.study == "all" else [a.study]:
         res[s] = on_record(res.get(s), run[s](), a.reading)  # every earlier reading kept

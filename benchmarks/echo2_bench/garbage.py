@@ -192,9 +192,10 @@ async def _flood(target: Target, wait_s: float) -> list[tuple[int, str]]:
     auth = {"Authorization": f"Bearer {target.credential}"}
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": -1}  # no bytes to serve: the rate alone
 
         async def one() -> tuple[int, str]:
-            async with session.get(f"{target.api}/v1/version", headers=auth) as resp:
+            async with session.post(f"{target.api}/v1/heartbeat", json=beat, headers=auth) as resp:
                 body = await resp.read()
                 if resp.status == 429 and not resp.headers.get("Retry-After"):
                     return resp.status, "no_retry_after"

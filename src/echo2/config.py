@@ -480,6 +480,13 @@ class PerimeterConfig(_Section):
         20.0, gt=0.0, allow_inf_nan=False, description="new connections one address may open per second"
     )
     accept_burst: float = Field(64.0, ge=1.0, allow_inf_nan=False, description="... in bursts of this many")
+    accepts_per_s_total: float = Field(
+        100.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="new connections one port accepts per second from all addresses together (each a TLS "
+        "handshake: about 0.5 ms of the serving thread); a flood from many addresses is held to it",
+    )
     handshake_s: float = Field(
         10.0, gt=0.0, allow_inf_nan=False, description="seconds a TLS handshake may take"
     )

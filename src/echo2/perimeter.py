@@ -13,9 +13,11 @@ TLS started only after) with these rules, each refusal counted (:class:`Perimete
 - **eviction, not starvation**: when the unauthenticated share is full, the oldest unvouched connection
   of the address holding the most of them is closed to admit the new one, so a flood from a few
   addresses cannot lock out a worker connecting from its own;
-- **a rate per address**: new connections from one address pass a token bucket (``accepts_per_s``,
-  bursts of ``accept_burst``): a handshake flood costs the learner at most that many handshakes per
-  second per address;
+- **a rate per address and in all**: new connections from one address pass a token bucket
+  (``accepts_per_s``, bursts of ``accept_burst``), and all new connections of the port from addresses
+  with no member connected one of their own (``accepts_per_s_total``, bursts of 2 s of it): a handshake
+  flood from any number of addresses costs the serving thread at most that many handshakes a second,
+  while a member's pulls and reconnections from its address are not held to it;
 - **deadlines**: the TLS handshake must end within ``handshake_s`` and the first request (its line and
   headers, or the first frame) be in within ``header_s`` of it; an unvouched connection is closed then,
   whatever it is doing;
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 import time
 from collections import OrderedDict
@@ -61,6 +64,7 @@ class Limits:
     pre_auth_share: float  # share of max_connections that connections nobody vouched for may hold
     accepts_per_s: float  # new connections one address may open per second (token bucket) ...
     accept_burst: float  # ... in bursts of this many
+    accepts_total: float  # new connections from all addresses together per second (bursts of 2 s of it)
     handshake_s: float  # a TLS handshake taking longer is abandoned
     header_s: float  # the first request must be in (and vouched for) this long after the handshake
     requests_per_s: float  # requests one address may make before any identity is known ...
@@ -85,6 +89,7 @@ def port_limits(cfg: PerimeterConfig, descriptors: int, ports: int = 2) -> Limit
         pre_auth_share=cfg.pre_auth_share,
         accepts_per_s=cfg.accepts_per_s,
         accept_burst=cfg.accept_burst,
+        accepts_total=cfg.accepts_per_s_total,
         handshake_s=cfg.handshake_s,
         header_s=cfg.header_s,
         requests_per_s=cfg.requests_per_s,
@@ -161,6 +166,36 @@ class RequestRate:
         return len(self._buckets)
 
 
+class SampledLog:
+    """Warnings a stranger can cause at will (a refused connection, a malformed first frame), logged
+    without a flood: a line per key at most every ``every_s`` seconds, and at most ``per_window`` lines
+    in all in that time; a line says how many like it were left out since (the counts are metrics)."""
+
+    def __init__(
+        self, logger: logging.Logger, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+        per_window: int = 20,
+    ) -> None:  # fmt: skip
+        self.logger, self.every_s, self.clock, self.per_window = logger, every_s, clock, per_window
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (when logged, left out since)
+        self._window: tuple[float, int] = (-math.inf, 0)  # (start, lines logged in it)
+
+    def log(self, key: str, fmt: str, *args: Any) -> None:
+        now = self.clock()
+        at, skipped = self._last.get(key, (-math.inf, 0))
+        start, lines = self._window
+        if now - start >= self.every_s:
+            start, lines = now, 0
+        if now - at < self.every_s or lines >= self.per_window:
+            self._last[key] = (at, skipped + 1)
+            return
+        if len(self._last) > 4 * self.per_window:  # keys seen long ago: forgotten
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.every_s}
+        self._last[key] = (now, 0)
+        self._window = (start, lines + 1)
+        more = f" (and {skipped} more like it in {now - at:.0f} s)" if skipped and math.isfinite(at) else ""
+        self.logger.warning(fmt + "%s", *args, more)
+
+
 class _Conn:
     """One admitted connection, as the perimeter tracks it."""
 
@@ -183,9 +218,11 @@ class Perimeter:
         self.limits = limits
         self.counters = PerimeterCounters()
         self._accepts = RequestRate(limits.accepts_per_s, limits.accept_burst, clock)
+        self._accepts_total = RequestRate(limits.accepts_total, 2 * limits.accepts_total, clock)
         self._requests = RequestRate(limits.requests_per_s, limits.request_burst, clock)
         self._open = 0  # connections held
         self._per_addr: dict[str, int] = {}  # address -> connections held
+        self._vouched: dict[str, int] = {}  # address -> vouched connections held
         self._pre: dict[str, OrderedDict[_Conn, None]] = {}  # address -> its unvouched, oldest first
         self._pre_count = 0  # unvouched connections held
         self._by_count: dict[int, dict[str, None]] = {}  # unvouched per address -> those addresses
@@ -216,6 +253,7 @@ class Perimeter:
             return
         conn.vouched = True
         self.counters.vouched += 1
+        self._vouched[conn.addr] = self._vouched.get(conn.addr, 0) + 1
         self._drop_pre(conn)
         if conn.timer is not None:
             conn.timer.cancel()
@@ -254,7 +292,8 @@ class Perimeter:
         addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         lim = self.limits
         why = None
-        if self._accepts.take(addr) > 0:
+        member_address = self._vouched.get(addr, 0) > 0  # a member is connected from it: not a stranger
+        if self._accepts.take(addr) > 0 or (not member_address and self._accepts_total.take("") > 0):
             why, self.counters.refused_rate = "rate", self.counters.refused_rate + 1
         elif self._per_addr.get(addr, 0) >= lim.max_per_address and not self._evict(addr):
             why, self.counters.refused_address = "address", self.counters.refused_address + 1
@@ -299,6 +338,12 @@ class Perimeter:
         if conn.transport is not None:
             self._by_transport.pop(conn.transport, None)
         self._open -= 1
+        if conn.vouched:
+            members = self._vouched[conn.addr] - 1
+            if members:
+                self._vouched[conn.addr] = members
+            else:
+                del self._vouched[conn.addr]
         left = self._per_addr[conn.addr] - 1
         if left:
             self._per_addr[conn.addr] = left

@@ -291,7 +291,10 @@ def test_publisher_port_refuses_garbage_with_one_line_each(caplog: pytest.LogCap
     assert pub.counters.bad_frames == len(FIRST_FRAMES) + len(CONTROL_FRAMES)
     assert pub.refusals.refused_requests == 1 and pub.counters.peer_errors == 0
     _no_traceback(caplog)
-    assert caplog.text.count("dropping connection") == len(FIRST_FRAMES) + len(CONTROL_FRAMES)
+    # each counted; logged one line at a time, the repeats of a kind sampled (a stranger can send them at
+    # will: echo2.perimeter.SampledLog), so at least one line and never more than one per frame
+    lines = caplog.text.count("dropping connection")
+    assert 1 <= lines <= len(FIRST_FRAMES) + len(CONTROL_FRAMES)
 
 
 def test_an_unexpected_exception_from_a_peer_is_counted_not_raised(caplog: pytest.LogCaptureFixture) -> None:

@@ -22,7 +22,7 @@ from echo2.transport import client_context, make_identity
 def limits(**kw: Any) -> Limits:
     base = dict(
         max_connections=8, max_per_address=3, pre_auth_share=0.5, accepts_per_s=1000.0, accept_burst=1000.0,
-        handshake_s=5.0, header_s=5.0, requests_per_s=10.0, request_burst=20.0,
+        accepts_total=1000.0, handshake_s=5.0, header_s=5.0, requests_per_s=10.0, request_burst=20.0,
     )  # fmt: skip
     return Limits(**{**base, **kw})
 
@@ -172,6 +172,7 @@ def test_connection_counts_are_given_back_however_a_connection_ends() -> None:
 
     p = asyncio.run(go())
     assert p.open == 0 and p.pre_auth == 0 and not p._per_addr and not p._pre and p._most == 0
+    assert not p._vouched
 
 
 @pytest.mark.parametrize(("descriptors", "cap"), [(1024, 307), (20_000, 7897), (1 << 20, 16384), (200, 16)])
@@ -181,3 +182,21 @@ def test_the_caps_fit_the_descriptor_limit(descriptors: int, cap: int) -> None:
     if descriptors > 1024:
         assert 2 * got.max_connections + RESERVED_FDS <= descriptors  # both ports and the files fit
     assert got.max_per_address <= got.max_connections and got.max_pre_auth == cap // 2
+
+
+def test_new_connections_from_all_addresses_pass_a_bucket_of_their_own() -> None:
+    """A flood from many addresses, each under its own rate, is held to the port's total; an address a
+    member is connected from is not (its pulls and reconnections pass)."""
+
+    async def go() -> Perimeter:
+        p = Perimeter("test", limits(accepts_total=1.0, max_connections=64, max_per_address=8))  # bursts of 2
+        server, port = await serve(p)
+        member = await dial(port, "127.0.3.1", b"auth\n")  # takes one of the burst
+        conns = [await dial(port, f"127.0.2.{i + 1}") for i in range(3)]
+        shut = [await closed(c, 0.3) for c in conns]
+        again = [await dial(port, "127.0.3.1") for _ in range(3)]  # the member's address: not held
+        assert shut == [False, True, True] and not any([await closed(c, 0.1) for c in [member, *again]])
+        server.close()
+        return p
+
+    assert asyncio.run(go()).counters.refused_rate == 2

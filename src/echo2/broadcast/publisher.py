@@ -59,11 +59,12 @@ from echo2.broadcast.store import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repair_sources
 from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
 from echo2.errors import Echo2Error
-from echo2.perimeter import Limits, Perimeter, default_limits, streams
+from echo2.perimeter import Limits, Perimeter, SampledLog, default_limits, streams
 from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.transport import TlsIdentity, normalize_pin
 from echo2.weights.frames import (
     PRE_AUTH_HEADER,
+    PRE_AUTH_ITEMS,
     ErrorFrame,
     Frame,
     InstalledFrame,
@@ -175,6 +176,7 @@ class TcpPublisher:
         self.tls = tls  # the run's certificate and key: TLS on this port (None = plain TCP)
         # connections, deadlines and rates before anyone is known (echo2/perimeter.py)
         self.perimeter = Perimeter("broadcast", perimeter or default_limits())
+        self._sampled = SampledLog(log)  # refusals a stranger can repeat at will: counted, logged sparingly
         self.refusals = ServeCounters()  # pulls refused (no credential, out of bounds, over budget)
         self.counters = PublisherCounters()  # stall reports, demotions, refused acks, refused frames
         self._reports: dict[str, int] = {}  # member -> counted stall reports against it
@@ -359,7 +361,7 @@ class TcpPublisher:
         peer = writer.get_extra_info("peername")
         try:  # nobody is known yet: a small first frame, soon (the perimeter closes the connection then)
             header = await asyncio.wait_for(
-                read_header(reader, PRE_AUTH_HEADER), self.perimeter.limits.header_s
+                read_header(reader, PRE_AUTH_HEADER, PRE_AUTH_ITEMS), self.perimeter.limits.header_s
             )
             if header["op"] == "get":  # the gate reads its credential first, then parse_pull the rest
                 await self._serve(header, reader, writer)
@@ -368,10 +370,10 @@ class TcpPublisher:
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # a peer that goes away mid-stream is routine; its downstream repairs
         except AccessError as exc:  # counted by the gate
-            log.warning("refused a pull from %s: %s", peer, exc)
+            self._sampled.log(f"refused:{str(exc)[:24]}", "refused a pull from %s: %s", peer, exc)
         except ProtocolError as exc:
             self.counters.bad_frames += 1
-            log.warning("dropping connection from %s: %s", peer, exc)
+            self._sampled.log(f"dropped:{str(exc)[:24]}", "dropping connection from %s: %s", peer, exc)
         except Exception as exc:  # a peer's bytes found a case no check names: one line, keep serving
             self.counters.peer_errors += 1
             log.warning(

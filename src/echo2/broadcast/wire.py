@@ -67,12 +67,19 @@ async def write_frame(
     await writer.drain()
 
 
-async def read_header(reader: asyncio.StreamReader, max_header: int = MAX_HEADER) -> dict[str, Any]:
-    """Read one frame header; raises asyncio.IncompleteReadError on EOF, ProtocolError on garbage."""
+async def read_header(
+    reader: asyncio.StreamReader, max_header: int = MAX_HEADER, max_items: int | None = None
+) -> dict[str, Any]:
+    """Read one frame header; raises asyncio.IncompleteReadError on EOF, ProtocolError on garbage.
+    ``max_items``: a first frame from a stranger (``frames.PRE_AUTH_ITEMS``), refused by a count of its
+    separators before the JSON parser sees it."""
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if size > max_header:
         raise ProtocolError(f"frame header of {size} bytes exceeds the {max_header}-byte limit")
-    return parse_header(await reader.readexactly(size))
+    raw = await reader.readexactly(size)
+    if max_items is not None and raw.count(b",") + raw.count(b"[") + raw.count(b"{") > max_items:
+        raise ProtocolError(f"a first frame holds at most {max_items} fields and items")
+    return parse_header(raw)
 
 
 def parse_header(raw: bytes) -> dict[str, Any]:

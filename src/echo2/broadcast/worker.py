@@ -56,10 +56,11 @@ from echo2.broadcast.wire import (
     write_frame,
 )
 from echo2.errors import Echo2Error
-from echo2.perimeter import Limits, Perimeter, default_limits, streams
+from echo2.perimeter import Limits, Perimeter, SampledLog, default_limits, streams
 from echo2.transport import PinError, client_context, make_identity, open_pinned
 from echo2.weights.frames import (
     PRE_AUTH_HEADER,
+    PRE_AUTH_ITEMS,
     AnnounceFrame,
     ChunkFrame,
     ErrorFrame,
@@ -202,6 +203,7 @@ class TcpWorkerNode:
         self._streams: dict[str, set[asyncio.StreamWriter]] = {}  # member -> the streams it pulls here
         # connections, deadlines and rates before anyone is known (echo2/perimeter.py)
         self.perimeter = Perimeter("relay", perimeter or default_limits())
+        self._sampled = SampledLog(log)  # refusals a stranger can repeat at will: counted, logged sparingly
         self.installed_version = -1
         self._avoid: dict[str, int] = {}  # peer -> last version whose chunks come from the learner instead
         self._receipts: dict[int, dict[str, int]] = {}  # version -> source -> chunks stored (acks carry it)
@@ -594,7 +596,7 @@ class TcpWorkerNode:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:  # nobody is known yet: a small first frame, soon (the perimeter closes the connection then)
             header = await asyncio.wait_for(
-                read_header(reader, PRE_AUTH_HEADER), self.perimeter.limits.header_s
+                read_header(reader, PRE_AUTH_HEADER, PRE_AUTH_ITEMS), self.perimeter.limits.header_s
             )
             if header["op"] != "get":  # a get: the gate reads its credential, then parse_pull the rest
                 raise ProtocolError(f"a worker only serves 'get', not {header['op']!r}")
@@ -602,10 +604,13 @@ class TcpWorkerNode:
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass  # the puller went away; nothing to repair on this side
         except AccessError as exc:  # counted by the gate
-            log.warning("worker %s: refused a pull: %s", self.worker_id, exc)
+            self._sampled.log(
+                f"refused:{str(exc)[:24]}", "worker %s: refused a pull: %s", self.worker_id, exc
+            )
         except ProtocolError as exc:
             self.counters.bad_frames += 1
-            log.warning("worker %s: dropping a peer connection: %s", self.worker_id, exc)
+            key = f"dropped:{str(exc)[:24]}"
+            self._sampled.log(key, "worker %s: dropping a peer connection: %s", self.worker_id, exc)
         except Exception as exc:  # a peer's bytes found a case no check names: one line, keep serving
             self.counters.peer_errors += 1
             log.warning(

@@ -55,7 +55,7 @@ from echo2.broadcast.access import BUDGET_SLACK_CHUNKS, SERVE_BUDGET, ByteBudget
 from echo2.config import SecurityConfig
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import M, Rejected, parse_model
-from echo2.perimeter import Limits, Perimeter, RequestRate, port_limits
+from echo2.perimeter import Limits, Perimeter, RequestRate, SampledLog, port_limits
 from echo2.protocol import (
     API,
     VERSION_HEADER,
@@ -132,9 +132,7 @@ class Routes:
         self.copies: dict[tuple[str, ...], int] = {}
         self.token_budget = http.CopyBudget(sec.max_workers, sec.token_copies_per_hour, clock)
         self._model_reply = ModelReply(files=identity.skeleton).model_dump_json().encode()
-        self._sampled = http.SampledLog(
-            log, http.LOG_EVERY_S, clock
-        )  # refusals a stranger can repeat at will
+        self._sampled = SampledLog(log, http.LOG_EVERY_S, clock)  # refusals a stranger can repeat at will
 
     def app(self) -> web.Application:
         app = web.Application(

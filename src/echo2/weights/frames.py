@@ -51,9 +51,11 @@ MAX_FIELDS = 64  # keys of a nested record (a manifest, a credential: about ten 
 MAX_CERT_HEX = 8192  # hex characters of a member's DER certificate in a get (2 x access.MAX_CERT_BYTES)
 MAX_PROOF_HEX = 1024  # hex characters of its proof of possession (an ECDSA P-256 signature: <= 144)
 CHUNK_INDEX_BYTES = 4  # a get's payload: each chunk index as a little-endian uint32
-# bytes of the first frame a node reads from a peer nobody has vouched for yet (a join, a get's header:
-# with a certificate and a proof about 5 KiB): what a stranger can make a node parse
-PRE_AUTH_HEADER = 16 << 10
+# what a stranger can make a node parse: the first frame a node reads from a peer nobody has vouched for
+# yet (a join: ~0.3 KiB; a get's header with its certificate and proof: ~1.8 KiB) is at most this many
+# bytes, holding at most PRE_AUTH_ITEMS separators (',' '[' '{': a get's header has about 20)
+PRE_AUTH_HEADER = 4 << 10
+PRE_AUTH_ITEMS = 64
 
 FRAME = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, validate_by_alias=True)
 

@@ -32,9 +32,9 @@ from echo2_bench.adversary_runs import last_step, records, sets, stop, wait_read
 FD_LIMIT = 1024  # the learner's descriptor limit, soft and hard (the issue: "at a 1,024 soft limit")
 HONEST_RATE = 300.0  # rollouts/s of the honest worker (as the liveness study)
 ATTACKER_CORES = 0.1  # each attacker's CPU share (measured and reported)
-WINDOW_S = 40.0  # a quiet or attack window
-LONG_WINDOW_S = 90.0  # the windows of the 10,000-connection attacks (they need the time to make them)
-WARM_S = 30.0  # after the first step, before the first window
+WINDOW_S = 60.0  # a quiet or attack window
+LONG_WINDOW_S = 120.0  # the windows of the 10,000-connection attacks (they need the time to make them)
+WARM_S = 90.0  # after the first step, before the first window (the step rate climbs in the first minute)
 TARGET_RATIO = 0.8
 QUARANTINE_CUT_S = 1.0
 # (name, attacker kind, its arguments, window seconds)

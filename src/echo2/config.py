@@ -481,7 +481,7 @@ class PerimeterConfig(_Section):
     )
     accept_burst: float = Field(64.0, ge=1.0, allow_inf_nan=False, description="... in bursts of this many")
     accepts_per_s_total: float = Field(
-        100.0,
+        30.0,
         gt=0.0,
         allow_inf_nan=False,
         description="new connections one port accepts per second from all addresses together (each a TLS "

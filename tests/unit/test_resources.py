@@ -1,0 +1,91 @@
+"""A full descriptor table or disk never ends the run (echo2/resources.py): writes that matter wait it out,
+then give up only what can be given up (a publication is served from memory, a checkpoint is left to
+the next step), and the descriptor limit is raised to what the system allows."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from echo2.config import SnapshotConfig
+from echo2.resources import descriptor_limits, is_exhausted, raise_descriptor_limit, retry_exhausted
+from echo2.weights import publication
+from echo2.weights.publication import PublishedChain
+
+
+def _failing(errs: list[int]) -> Any:
+    """A callable that raises OSError(errno) for each of ``errs``, then returns "done"."""
+    left = list(errs)
+
+    def fn() -> str:
+        if left:
+            code = left.pop(0)
+            raise OSError(code, errno.errorcode[code])
+        return "done"
+
+    return fn
+
+
+def test_retry_exhausted_waits_out_exhaustion_and_nothing_else() -> None:
+    waits: list[float] = []
+    shed: list[int] = []
+    got = retry_exhausted(
+        _failing([errno.EMFILE, errno.ENOSPC]),
+        "a write",
+        (0.1, 0.2, 0.3),
+        lambda: shed.append(1),
+        waits.append,
+    )
+    assert got == "done" and waits == [0.1, 0.2] and len(shed) == 2
+    with pytest.raises(OSError) as caught:  # exhausted every wait: the last failure propagates
+        retry_exhausted(_failing([errno.ENFILE] * 5), "a write", (0.1, 0.2), sleep=waits.append)
+    assert caught.value.errno == errno.ENFILE
+    with pytest.raises(PermissionError):  # not exhaustion: at once, no wait
+        retry_exhausted(_failing([errno.EACCES]), "a write", (0.1,), sleep=lambda s: pytest.fail("waited"))
+    assert is_exhausted(OSError(errno.EDQUOT, "quota")) and not is_exhausted(ValueError("x"))
+
+
+def test_the_soft_descriptor_limit_is_raised_to_the_hard_one() -> None:
+    soft = raise_descriptor_limit(64)
+    now_soft, hard = descriptor_limits()
+    assert soft == now_soft and (now_soft == hard or hard == -1)
+
+
+def test_a_publication_that_cannot_be_spilled_is_served_from_memory(tmp_path: Path, monkeypatch: Any) -> None:
+    chain = PublishedChain(SnapshotConfig(), tmp_path, 1, "")
+
+    def full(path: Path, blob: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(publication, "spill_file", full)
+    monkeypatch.setattr(publication, "retry_exhausted", lambda fn, what: fn())
+    blob = b"x" * 100
+    assert chain.spill(3, blob) is blob and chain.spill_failures == 1
+    assert not list(tmp_path.glob("v*.bin"))  # nothing half-written left behind
+    monkeypatch.setattr(
+        publication, "spill_file", lambda path, b: (_ for _ in ()).throw(PermissionError("no"))
+    )
+    with pytest.raises(PermissionError):  # another error is no exhaustion: raised
+        chain.spill(4, blob)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_skipped_and_the_run_goes_on(monkeypatch: Any) -> None:
+    from echo2.runtime.loop import LearnerLoop
+
+    calls: list[str] = []
+
+    def save(name: str) -> str:
+        calls.append(name)
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    loop = SimpleNamespace(save=save, last_ckpt="step_000010", checkpoints_failed=0)
+    ok = LearnerLoop._checkpoint(loop, "step_000020", (0.0, 0.0))  # type: ignore[arg-type]
+    assert ok is False and loop.checkpoints_failed == 1 and loop.last_ckpt == "step_000010"
+    assert calls == ["step_000020"] * 3  # tried, then after each of the two waits
+    loop.save = lambda name: f"/ckpt/{name}"
+    assert LearnerLoop._checkpoint(loop, "step_000030", ()) is True  # type: ignore[arg-type]
+    assert loop.last_ckpt == "/ckpt/step_000030"

@@ -598,6 +598,8 @@ def main() -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))
     plot(res, a.out / "adversary.png")
+    if "perimeter" in res:
+        perimeter_study.plot(res["perimeter"], a.out / "adversary_perimeter.png")
     print(
         json.dumps(
             {k: {kk: vv for kk, vv in v.items() if kk not in ("pairs",)} for k, v in res.items()},

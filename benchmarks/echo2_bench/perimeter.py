@@ -182,6 +182,7 @@ async def idle(target: Target, port: str, a: argparse.Namespace, gov: Governor, 
         await gov.pace()
     t.extra["attempts_wanted"] = a.attempts
     await _finish(tasks, deadline)
+    await asyncio.sleep(max(0.0, deadline - time.monotonic()))  # the window lasts its length either way
 
 
 async def slowloris(target: Target, a: argparse.Namespace, gov: Governor, t: Tally) -> None:

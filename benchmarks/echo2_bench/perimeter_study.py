@@ -33,7 +33,7 @@ FD_LIMIT = 1024  # the learner's descriptor limit, soft and hard (the issue: "at
 HONEST_RATE = 300.0  # rollouts/s of the honest worker (as the liveness study)
 ATTACKER_CORES = 0.1  # each attacker's CPU share (measured and reported)
 WINDOW_S = 60.0  # a quiet or attack window
-LONG_WINDOW_S = 120.0  # the windows of the 10,000-connection attacks (they need the time to make them)
+LONG_WINDOW_S = 240.0  # the windows of the 10,000-connection attacks (they need the time to make them)
 WARM_S = 90.0  # after the first step, before the first window (the step rate climbs in the first minute)
 TARGET_RATIO = 0.8
 QUARANTINE_CUT_S = 1.0
@@ -46,7 +46,7 @@ ATTACKS: list[tuple[str, str, list[str], float]] = [
     ("oversized_preauth", "oversized", [], WINDOW_S),
     ("handshake_flood", "handshake_flood", [], WINDOW_S),
     ("joins_and_pulls", "joins_pulls", [], WINDOW_S),
-    ("quarantined_member", "quarantined", [], WINDOW_S),
+    ("quarantined_member", "quarantined", [], 2 * WINDOW_S),  # several identities caught
     ("sybil_budgets", "sybil", ["--open", "63"], WINDOW_S),
 ]
 TARGETS = (
@@ -221,3 +221,29 @@ def _verdict(windows: list[dict[str, Any]], rc: int | None, log_text: str, run_d
 
 if __name__ == "__main__":
     json.dump(run_study(Path(sys.argv[1])), sys.stdout, indent=1)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Each attack's step rate ratio (bars, the 0.8 target dashed) and the learner's most descriptors in
+    each window (the 1,024 limit dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [w["name"] for w in result["windows"][1::2]]
+    ratios = [result[n]["ratio"] for n in names]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax.barh(names, ratios, color=["tab:green" if result[n]["met"] else "tab:red" for n in names])
+    ax.axvline(TARGET_RATIO, ls="--", c="k", lw=1)
+    ax.set_xlabel("step rate under attack / quiet windows beside it")
+    ax.invert_yaxis()
+    wins = result["windows"]
+    bx.plot(range(len(wins)), [w["max_fds"] for w in wins], "o-")
+    bx.set_xticks(range(len(wins)), [w["name"] for w in wins], rotation=70, fontsize=7)
+    bx.axhline(result["fd_limit"], ls="--", c="k", lw=1)
+    bx.set_ylabel("learner descriptors (most seen)")
+    fig.suptitle(f"perimeter: each attacker <= {ATTACKER_CORES} cores; learner exit {result['learner_exit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

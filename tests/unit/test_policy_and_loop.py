@@ -137,3 +137,41 @@ def test_warmstart_is_deterministic_in_the_seed(tiny_overrides, tmp_path):
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)
     assert any(not a[k].equal(c[k]) for k in a)
+
+
+def test_the_cache_keyword_is_the_one_the_installed_transformers_reads(tiny_policy):
+    """The check and the HF engine pass the key-value cache by ``cache_kwarg``: with the installed
+    transformers it is a parameter of the decoder's forward, it draws no deprecation warning, and the
+    cache is really read (two chunks through it give the hidden states of one pass)."""
+    import inspect
+    import warnings
+
+    import torch
+    from transformers import DynamicCache
+
+    from echo2.models.policy import cache_kwarg
+
+    decoder = tiny_policy.model.get_decoder()
+    key = cache_kwarg(decoder)
+    assert key == cache_kwarg(tiny_policy.model)
+    assert key in inspect.signature(decoder.forward).parameters
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated keyword fails the test
+        whole = decoder(input_ids=ids).last_hidden_state
+        cache = DynamicCache()
+        first = decoder(input_ids=ids[:, :4], use_cache=True, **{key: cache}).last_hidden_state
+        second = decoder(input_ids=ids[:, 4:], use_cache=True, **{key: cache}).last_hidden_state
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole)
+
+
+def test_the_cache_keyword_of_a_model_before_the_rename():
+    from echo2.models.policy import cache_kwarg
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs): ...
+
+    class New:
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs): ...
+
+    assert (cache_kwarg(Old()), cache_kwarg(New())) == ("past_key_values", "cache")

@@ -300,7 +300,7 @@ class TcpWorkerNode:
 
     # -- control --------------------------------------------------------------------------------------
     async def _ctl_send(self, frame: Frame) -> None:
-        if self._ctl is None:
+        if self._ctl is None or self._ctl[1].is_closing():  # closed (an install acked while leaving)
             return
         try:
             async with self._ctl_lock:

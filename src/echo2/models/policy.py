@@ -151,6 +151,15 @@ def return_freed_memory(threshold: int) -> bool:
     return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, threshold))
 
 
+def cache_kwarg(module: Any) -> str:
+    """The keyword a transformers model's (or decoder's) ``forward`` takes its key-value cache by:
+    ``cache`` from transformers 5.24 on (where ``past_key_values`` is deprecated, to be removed in
+    5.40), ``past_key_values`` before. Read from the signature, so one call site serves both."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def resolve_device(spec: str, field: str = "learner.device") -> Any:
     """The ``torch.device`` a device setting names (``auto``: the first CUDA device when this torch
     sees one, else the CPU); ConfigError when it names a device this machine lacks."""

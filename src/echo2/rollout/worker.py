@@ -123,6 +123,7 @@ class RolloutWorker:
         self._results: asyncio.Queue[_Generated | BaseException] = asyncio.Queue()
         self.selfplay: Any = None  # rollout/opponents.SelfPlayPool, for a task with self-play opponents
         self._heartbeat_task: asyncio.Future[None] | None = None  # started as soon as registered
+        self._inflight = 0  # leases handed to the generator and not yet back (read again when stopped)
 
     async def run(self) -> WorkerCounters:
         timeout = aiohttp.ClientTimeout(total=120, connect=10)
@@ -140,16 +141,16 @@ class RolloutWorker:
                 raise
             assert self._heartbeat_task is not None and self.follower is not None
             bg = [asyncio.ensure_future(self.follower.follow()), self._heartbeat_task]
-            threading.Thread(target=self._generate_forever, name="echo2-generate", daemon=True).start()
-            inflight = 0  # leases handed to the generator and not yet back
+            generator = threading.Thread(target=self._generate_forever, name="echo2-generate", daemon=True)
+            generator.start()
             try:
-                inflight = await self._produce()
+                await self._produce()
             except LearnerGone:
                 if not self.finished:  # gone while the run was on: an error
                     raise
                 log.info("the learner finished and closed")  # a request raced its shutdown: a clean end
             finally:
-                await self._stop(inflight, bg)
+                await self._stop(generator, bg)
         return self.counters
 
     # ---- setup ---------------------------------------------------------------------------------------
@@ -355,37 +356,36 @@ class RolloutWorker:
         self.counters.rollouts_dropped += reply.dropped_stale
         return reply.next_lease
 
-    async def _produce(self) -> int:
+    async def _produce(self) -> None:
         """Keep the generator fed with up to two leases (one generating, one waiting); submit each
-        finished batch with the next lease request in one round trip; returns leases in flight."""
-        inflight, retry_after = 0, 0.0
+        finished batch with the next lease request in one round trip (``_inflight``: leases out)."""
+        retry_after = 0.0
         while not self.finished:
             t_wait = time.perf_counter()
-            if retry_after and inflight == 0:  # refused and nothing generating: wait as told
+            if retry_after and self._inflight == 0:  # refused and nothing generating: wait as told
                 await asyncio.sleep(retry_after)
                 self.counters.idle_s += time.perf_counter() - t_wait
                 retry_after = 0.0
                 continue
-            if inflight < MAX_LEASES_IN_FLIGHT and self._results.empty() and not retry_after:
+            if self._inflight < MAX_LEASES_IN_FLIGHT and self._results.empty() and not retry_after:
                 lease = await self._lease()
             else:
                 lease = await self._take_result()
-                inflight -= 1
             if isinstance(lease, LeaseGrant):
                 if lease.min_version > self.installed:
                     await self._follower().catch_up(lease.min_version)
                 self._leases.put(lease)
-                inflight += 1
+                self._inflight += 1
                 retry_after = 0.0
                 continue
             retry_after = await self._refused(lease)
-            if inflight == 0:
+            if self._inflight == 0:
                 self.counters.idle_s += time.perf_counter() - t_wait
-        return inflight
 
     async def _take_result(self) -> LeaseGrant | LeaseRefusal | None:
         """The next finished generation, submitted with a request for the next lease; that lease."""
         got = await self._results.get()
+        self._inflight -= 1
         if isinstance(got, BaseException):
             raise got
         if not got.groups:  # dropped (an environment failed to start): the lease expires on the learner
@@ -461,15 +461,25 @@ class RolloutWorker:
         groups = [ts[i : i + G] for i in range(0, len(ts), G)]
         return _Generated(lease.lease_id, version, groups, time.perf_counter() - t0)
 
-    async def _stop(self, inflight: int, background: list[asyncio.Future[None]]) -> None:
-        """What is generated still lands; then leave the broadcast and stop the background tasks."""
+    async def _stop(self, generator: threading.Thread, background: list[asyncio.Future[None]]) -> None:
+        """What is being generated still lands (a lease not yet started is left to expire); the
+        generator thread is joined, so the process never exits with it inside torch (which aborts:
+        ``terminate called without an active exception``); then leave the broadcast and stop the
+        background tasks. Also the path of SIGTERM, which cancels ``_produce`` wherever it is."""
         self.finished = True
+        with contextlib.suppress(queue.Empty):
+            while self._leases.get_nowait() is not None:  # not started: the learner re-issues it
+                self._inflight -= 1
+        self._leases.put(None)
         with contextlib.suppress(Exception):
-            for _ in range(inflight):
+            for _ in range(self._inflight):
                 got = await asyncio.wait_for(self._results.get(), 30.0)
                 if not isinstance(got, BaseException):
                     await asyncio.wait_for(self._submit(got, want_lease=False), 10.0)
-        self._leases.put(None)
+        await asyncio.to_thread(generator.join, 1.0)
+        if generator.is_alive():  # still generating (the learner expires that lease)
+            log.info("waiting for the generation in progress to end")
+            await asyncio.to_thread(generator.join)
         if self.follower is not None:
             await self.follower.close()
         for t in background:

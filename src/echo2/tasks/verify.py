@@ -482,14 +482,17 @@ class GenerationCheck:
         import torch
         from transformers import DynamicCache
 
+        from echo2.models.policy import cache_kwarg
+
         P, C = len(t.prompt_ids), len(t.completion_ids)
         ids = torch.tensor([[*t.prompt_ids, *t.completion_ids]], dtype=torch.long, device=device)
         step, cache, parts = max(1, self.cfg.check_chunk_tokens), DynamicCache(), []
+        key = cache_kwarg(self._parts.decoder)  # the cache's keyword in this transformers
         with torch.no_grad():
             for lo in range(0, P + C - 1, step):  # the last token predicts nothing that is checked
                 hi = min(P + C - 1, lo + step)
                 h_cH = self._parts.decoder(
-                    input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True
+                    input_ids=ids[:, lo:hi], use_cache=True, **{key: cache}
                 ).last_hidden_state[0]
                 if hi > P - 1:
                     parts.append(h_cH[max(0, P - 1 - lo) :])

@@ -15,7 +15,6 @@ be drawn.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from echo2.config import SamplingConfig
+from echo2.models.policy import cache_kwarg
 from echo2.rollout.engines.base import EngineOptions, EosIds, Sample, eos_tuple
 from echo2.rollout.sampling import gumbel_draw
 
@@ -47,9 +47,7 @@ class HFEngine:
         # rows x (longest prompt + new tokens) per forward batch (the KV cache grows with it); None: one
         # batch. Rows keep their seeded noise whatever batch they are drawn in (``generate``'s ``rows``).
         self.max_batch_tokens = max_batch_tokens
-        # transformers 5.x renamed `past_key_values` to `cache`; accept both generations
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(model)  # `cache` or `past_key_values`, by transformers version
         # whether every row has ended: on a sharded model (learner/sharded.py) every rank must stop at the
         # same step (each step's forward is a collective), so the learner agrees on it over its ranks
         self.all_done: Callable[[torch.Tensor], bool] = lambda done_B: bool(done_B.all())

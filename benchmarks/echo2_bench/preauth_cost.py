@@ -209,12 +209,12 @@ def run_cost(n: int = 500) -> dict[str, Any]:
         server = Server(Path(tmp))
         kinds: dict[str, Any] = {}
         for name, raw in _api_requests().items():
-            kinds[f"api/{name}"] = _cost(server, server.api_port, raw, n)
+            kinds[f"api:{name}"] = _cost(server, server.api_port, raw, n)
         for name, raw in _broadcast_requests().items():
-            kinds[f"broadcast/{name}"] = _cost(server, server.bcast_port, raw, n)
+            kinds[f"broadcast:{name}"] = _cost(server, server.bcast_port, raw, n)
         server.loop.call_soon_threadsafe(server.loop.stop)
     for port in ("api", "broadcast"):  # what the request costs beyond its connection: its parsing
-        bare = kinds[f"{port}/bare_connection"]["median_ms"]
+        bare = kinds[f"{port}:bare_connection"]["median_ms"]
         for name, v in kinds.items():
             if name.startswith(port):
                 v["beyond_connection_ms"] = v["median_ms"] - bare

@@ -95,6 +95,10 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     # R = 16 here: the default 1/8 of the in-flight budget would be one probation lease, which the two
     # hoarders would keep from every attacker that comes after them (tests/unit/test_leases.py)
     sets += ["security.probation_share=1.0"]
+    # one join token's copies of the model: each caught forger comes back as a new identity, so the
+    # attackers here fetch more than max_workers copies within a minute (the budget itself:
+    # tests/unit/test_routes_hostile.py)
+    sets += ["security.token_copies_per_hour=1000000"]
     args = [a for s in sets for a in ("--set", s)]
     log = (tmp_path / "run.log").open("wb")
     proc = subprocess.Popen(

@@ -571,7 +571,7 @@ PERIMETER_BROADCAST = _m(
 
 # ---- leases/, security/: what untrusted workers were held to --------------------------------------
 CHECKPOINT_FAILED = _m(
-    "checkpoint/failed",
+    "learner/checkpoint_failed",
     "count",
     "checkpoints not written: the descriptor table or the disk stayed full; the previous one stands (so far)",
     BOTH,

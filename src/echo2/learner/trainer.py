@@ -163,19 +163,24 @@ class GRPOTrainer:
             self.reference = reference if reference is not None else frozen_reference(model, self.mixed)
             self.reference_parts = lm_parts(self.reference, through_root=self.world > 1)
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """The update's compute precision (bf16 autocast under ``bf16-mixed``; a no-op in fp32)."""
+    def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager[None]:
+        """The update's compute precision (bf16 autocast under ``bf16-mixed``; a no-op in fp32).
+        ``cache``: autocast keeps the bf16 cast of each weight until the context ends (an evaluation's
+        generation casts once, not at every step); the update's passes go without it (:meth:`logprobs`)."""
         if not self.mixed:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
     def logprobs(self, batch: PackedBatch, reference: bool = False) -> torch.Tensor:
         """Completion log-probs ``[B, T]`` of ``batch`` under the policy (or the frozen reference), in the
-        update's precision; float32 out."""
+        update's precision; float32 out. Without autocast's weight cache: each weight is cast to bf16 at
+        its use and autograd keeps the cast a backward needs, so with activation checkpointing one
+        layer's casts exist at a time; the cache would hold every layer's until the forward ends, 2
+        bytes a parameter on top of the update's peak (planner/memory.py: ``autocast_copies``)."""
         model, parts = (self.reference, self.reference_parts) if reference else (self.model, self.parts)
         assert model is not None
         base_alone = adapter_off(model) if reference and self.adapter_reference else contextlib.nullcontext()
-        with self.autocast(), base_alone:
+        with self.autocast(cache=False), base_alone:
             return completion_logprobs(
                 model, batch, self.temperature, chunk=self.learner.logprob_chunk, parts=parts
             )

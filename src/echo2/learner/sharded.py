@@ -33,9 +33,10 @@ Loading (:func:`materialize`, :func:`load_from_rank0`, :func:`sharded_reference`
 the model from its config with its parameters on the meta device (``models/snapshot.empty_model``: no
 memory, no random init), wraps it with ``fully_shard`` and allocates only its own shard on its device;
 rank 0 alone reads the checkpoint, tensor by tensor, and sends each rank the rows of its shard
-(``torch.distributed`` point-to-point), so no rank ever holds more than its shard plus one received
-slice, and rank 0 one read slice of host memory besides (a safetensors file is opened per tensor and
-read by slice; another format is read whole by rank 0). The KL reference (``grpo.kl_beta > 0``) is built
+(``torch.distributed`` point-to-point) in pieces of at most ``LOAD_CHUNK_BYTES`` (16 MiB,
+``planner/memory.py``), so no rank ever holds more than its shard plus a piece or two in flight (a
+safetensors file is opened per piece and read by rows, its mapping closed after each; another format
+is memory-mapped whole by rank 0). The KL reference (``grpo.kl_beta > 0``) is built
 the same way, sharded from the start, and takes the policy's local shards (in bf16 under
 ``bf16-mixed``, as ``trainer.frozen_reference`` casts a one-process learner's copy); resumed from a
 sharded checkpoint it takes that checkpoint's weights (:func:`load_states`), as a one-process
@@ -45,6 +46,7 @@ way (:func:`load_full_optimizer`: rank 0 reads it, memory-mapped, and broadcasts
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -54,6 +56,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from echo2.planner.memory import LOAD_CHUNK_BYTES
 
 
 @dataclass
@@ -347,9 +351,8 @@ def load_from_rank0(model: torch.nn.Module, source: Path | None) -> None:
     box = [dtypes]
     dist.broadcast_object_list(box, src=0)
     for i, (names, t) in enumerate(targets):
-        local = t.to_local() if isinstance(t, DTensor) else t
         spans = [everyone[r][i] for r in range(world)] if rows[i] is not None else None
-        _move(reader, names, local, spans, box[0][i])
+        _move(reader, names, t, spans, box[0][i])
 
 
 def _targets(model: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
@@ -361,38 +364,59 @@ def _targets(model: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return list(named.values())
 
 
+@torch.no_grad()
 def _move(
     reader: _CheckpointReader | None,
     names: list[str],
-    local: torch.Tensor,
+    t: torch.Tensor,
     spans: list[int] | None,
     dtype: torch.dtype,
 ) -> None:
-    """One tensor from rank 0 (``reader``) into each rank's ``local`` part of it: rows ``spans[r]`` for
-    rank ``r`` of a tensor sharded on its first dimension (in rank order), or the whole (``spans``
-    None) to every rank."""
+    """One tensor ``t`` from rank 0 (``reader``) into each rank's local part of it: rows ``spans[r]`` for
+    rank ``r`` of a tensor sharded on its first dimension (in rank order), in pieces of rows of at most
+    ``LOAD_CHUNK_BYTES`` in the stored ``dtype``; or the whole (``spans`` None: a buffer) to every rank."""
+    from torch.distributed.tensor import DTensor
+
     rank = dist.get_rank()
-    parts = spans if spans is not None else [None] * dist.get_world_size()
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if spans is None:
+        for r in range(dist.get_world_size()):
+            if rank in (0, r):
+                _piece(reader, names, local, r, dtype, None, None)
+        return
+    step = max(1, LOAD_CHUNK_BYTES // (max(1, math.prod(t.shape[1:])) * dtype.itemsize))
     start = 0
-    with torch.no_grad():
-        for r, n in enumerate(parts):
-            lo, hi = (start, start + n) if n is not None else (None, None)
-            start += n or 0
-            if n == 0:
-                continue
-            if rank == 0:
-                assert reader is not None
-                piece = reader.rows(names, lo, hi)
-                if r == 0:
-                    local.copy_(piece)
-                else:
-                    dist.send(piece.to(local.device), dst=r)
-                del piece
-            elif rank == r:
-                buf = torch.empty(local.shape, dtype=dtype, device=local.device)
-                dist.recv(buf, src=0)
-                local.copy_(buf)
-                del buf
+    for r, n in enumerate(spans):
+        if rank in (0, r):
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                into = local[lo:hi] if rank == r else local[:0]  # rank 0 sending: the device alone
+                _piece(reader, names, into, r, dtype, start + lo, start + hi)
+        start += n
+
+
+def _piece(
+    reader: _CheckpointReader | None,
+    names: list[str],
+    into: torch.Tensor,
+    r: int,
+    dtype: torch.dtype,
+    lo: int | None,
+    hi: int | None,
+) -> None:
+    """Rows ``lo:hi`` of a tensor (all of it when ``lo`` is None) from rank 0 to rank ``r``: rank 0 reads
+    them and copies them into ``into`` (``r`` = 0) or sends them; rank ``r`` receives them into ``into``."""
+    if dist.get_rank() == 0:
+        assert reader is not None
+        piece = reader.rows(names, lo, hi)
+        if r == 0:
+            into.copy_(piece)
+        else:
+            dist.send(piece.to(into.device), dst=r)
+    else:
+        buf = torch.empty(into.shape, dtype=dtype, device=into.device)
+        dist.recv(buf, src=0)
+        into.copy_(buf)
 
 
 class _CheckpointReader:

@@ -48,8 +48,8 @@ the step) but on the device at the peak of each micro-batch (``device``); a LoRA
 bf16 already (nothing cast: 0).
 
 **Loading a sharded learner** (``learner/sharded.py``: the model built on the meta device, rank 0
-reading the checkpoint and sending each rank its rows): a rank holds its shard of the weights (and of
-the KL reference) and one received slice of the largest tensor (:func:`load_peak_bytes`); a
+reading the checkpoint and sending each rank its rows, ``LOAD_CHUNK_BYTES`` at a time): a rank holds
+its shard of the weights (and of the KL reference) and a piece or two in flight (:func:`load_peak_bytes`); a
 sharded update adds, besides the shard, FSDP2's gathered fp32 weights of the root (embeddings, LM head,
 final norm: kept from the forward to the backward) and of two decoder layers (the one computing and
 the one prefetched), :func:`fits`.
@@ -234,6 +234,7 @@ class LearnerMemory:
         }
 
 
+LOAD_CHUNK_BYTES = 16 << 20  # the most bytes of a tensor a sharded learner's rank 0 reads and sends at once
 CHANGED_FRACTION = 0.05  # share of bf16 elements one publication changes (LLM-RL learning rates: 1-5%)
 
 
@@ -324,11 +325,11 @@ def load_peak_bytes(
     shape: ModelShape, world_size: int = 1, *, kl_reference: bool = False, precision: Precision = "bf16-mixed"
 ) -> float:
     """Device bytes one rank of a sharded learner holds while it loads (``learner/sharded.py``): its shard
-    of the fp32 weights (and of the KL reference, bf16 under ``bf16-mixed``) and one received slice of
-    the largest tensor (its rows for this rank, at most fp32). At ``world_size`` 1: the whole model."""
+    of the fp32 weights (and of the KL reference, bf16 under ``bf16-mixed``) and at most two pieces of
+    ``LOAD_CHUNK_BYTES`` in flight (rank 0's read piece and its copy on the device, or a receiver's
+    buffer). At ``world_size`` 1: the whole model (one process loads it whole)."""
     ref = (4.0 if precision == "fp32" else 2.0) if kl_reference else 0.0
-    shard = (4.0 + ref) * shape.params / world_size
-    return shard + 4.0 * math.ceil(shape.largest_tensor() / world_size)
+    return (4.0 + ref) * shape.params / world_size + 2.0 * LOAD_CHUNK_BYTES
 
 
 def logits_chunk_bytes(vocab: int, chunk: int) -> float:

@@ -56,7 +56,7 @@ def main(mode: str, out: Path, batches_file: Path) -> None:
     rank0 = dist.get_rank() == 0
     reference = None
     if mode == "resume":  # as the learner loads it: meta device, shards, rank 0 reads and sends
-        sharded.LOAD_CHUNK_BYTES = 4096  # many pieces per tensor (the tiny model's are under 16 MiB)
+        sharded.LOAD_CHUNK_BYTES = 4096  # many pieces per tensor (the tiny model's are under 4 MiB)
         policy = load_checkpoint(out / "one", weights=False)
         model = materialize(policy.model, mesh, torch.device("cpu"))
         load_from_rank0(model, out / "one" if rank0 else None)

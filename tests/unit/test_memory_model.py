@@ -86,15 +86,15 @@ def test_four_b_with_checkpointing_fits_80_gib_only_without_autocasts_cache():
 
 def test_loading_a_sharded_learner_holds_a_shard_and_two_pieces():
     """Each rank holds its shard of the fp32 weights (4 P / K; with a bf16 KL reference 6 P / K) and at
-    most two 16 MiB pieces in flight: Qwen3-8B at K = 8, 8,190,735,360 x 4 / 8 + 2 x 16 MiB = 3.81 GiB +
-    32 MiB. The loading before it (every rank the whole fp32 model, then a deep copy for the reference)
+    most two 4 MiB pieces in flight: Qwen3-8B at K = 8, 8,190,735,360 x 4 / 8 + 2 x 4 MiB = 3.81 GiB +
+    8 MiB. The loading before it (every rank the whole fp32 model, then a deep copy for the reference)
     held 8 P on every GPU: 61 GiB, more than the 48 GiB card that fits() approves at K = 8 with
     activation checkpointing."""
     s = QWEN3_SHAPES["8B"]
-    want = 8_190_735_360 * 4 / 8 + 2 * 16 * 2**20
+    want = 8_190_735_360 * 4 / 8 + 2 * 4 * 2**20
     assert load_peak_bytes(s, 8) == pytest.approx(want)
     assert load_peak_bytes(s, 8, kl_reference=True) == pytest.approx(want + 2 * s.params / 8)
-    assert load_peak_bytes(s, 1) == pytest.approx(4 * s.params + 2 * 16 * 2**20)
+    assert load_peak_bytes(s, 1) == pytest.approx(4 * s.params + 2 * 4 * 2**20)
     k8 = fits(s, 48, world_size=8, checkpointing=True)
     assert k8["fits"] is True and k8["load_gib"] == pytest.approx(want / GIB)
     assert k8["load_gib"] < k8["need_gib"] < 8 * s.params / GIB  # the old load would not have fit

@@ -234,7 +234,7 @@ class LearnerMemory:
         }
 
 
-LOAD_CHUNK_BYTES = 16 << 20  # the most bytes of a tensor a sharded learner's rank 0 reads and sends at once
+LOAD_CHUNK_BYTES = 4 << 20  # the most bytes of a tensor a sharded learner's rank 0 reads and sends at once
 CHANGED_FRACTION = 0.05  # share of bf16 elements one publication changes (LLM-RL learning rates: 1-5%)
 
 

@@ -65,12 +65,12 @@ class Plane:
 
         # a LoRA learner's frozen base is bf16 under bf16-mixed: a bf16 checkpoint loads as stored
         keep_bf16 = cfg.lora.enabled and cfg.learner.precision == "bf16-mixed"
-        # sharded: every rank builds the model on the meta device and holds only its shard (_shard_in)
+        # sharded: every rank builds the model on the meta device and holds only its shard (shard_policy)
         policy = load_checkpoint(source, chat_format(cfg), keep_bf16, weights=not ranks.sharded)
         _lora(cfg, policy, source, resumed, ranks.sharded)
         reference = None
         if ranks.sharded:
-            reference = _shard_in(cfg, ranks, device, policy, source, resumed)
+            reference = shard_policy(cfg, ranks, device, policy, source, resumed)
         else:
             policy.model.to(device)
         version0 = json.loads((source / STATE_FILE).read_text())["version"] if resumed else 0
@@ -119,7 +119,7 @@ class Plane:
         save_states(path / DCP_DIR, self.policy.model, self.trainer.optimizer)
 
 
-def _shard_in(cfg: Config, ranks: Ranks, device: Any, policy: Policy, source: Path, resumed: bool) -> Any:
+def shard_policy(cfg: Config, ranks: Ranks, device: Any, policy: Policy, source: Path, resumed: bool) -> Any:
     """A sharded learner's policy (built on the meta device) sharded over ``ranks``, each rank's shard
     allocated on ``device`` and filled by rank 0 from the checkpoint (``learner/sharded.py``; a sharded
     checkpoint's states come later, with the optimizer's); the KL reference, when ``grpo.kl_beta > 0``,

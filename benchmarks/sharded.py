@@ -168,9 +168,13 @@ def load_rank_main(ckpt: Path, path: str, out: Path) -> None:
     import accelerate  # noqa: F401 (the library code imported before the baseline: not the model's)
     import torch
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM  # noqa: F401
     from torch.distributed import checkpoint, fsdp, tensor  # noqa: F401
-    from transformers import PreTrainedTokenizerFast  # noqa: F401
+    from transformers import (  # noqa: F401
+        AutoConfig,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+        Qwen3ForCausalLM,
+    )
 
     from echo2.config import load_config
     from echo2.learner.sharded import Ranks, shard

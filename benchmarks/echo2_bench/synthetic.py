@@ -13,7 +13,9 @@ SHAPE_SMOKE = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 2, "kv_h
                "vocab": 512}  # fmt: skip
 
 
-def build(shape: dict[str, int], seed: int = 0) -> Any:
+def build(shape: dict[str, int], seed: int = 0, device: str = "cpu") -> Any:
+    """A random-init fp32 Qwen3 of ``shape``, initialised on ``device`` (a GPU inits billions of
+    parameters in a moment)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -25,7 +27,8 @@ def build(shape: dict[str, int], seed: int = 0) -> Any:
     )  # fmt: skip
     config.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config).float()
+    with torch.device(device):
+        return Qwen3ForCausalLM(config).float()
 
 
 def batch(vocab: int, rows: int, prompt: int, completion: int, seed: int, group: int = 8) -> list[Any]:

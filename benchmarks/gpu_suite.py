@@ -155,6 +155,10 @@ def run_group(group: str, smoke: bool, log: Path) -> None:
             _line(f, {"name": name, "status": status, "seconds": time.perf_counter() - t0, "budget_s": budget,
                       "error": error, "result": result})  # fmt: skip
             _release(ctx)
+    trace = os.environ.get("ECHO2_GPU_SUITE_MODULES")
+    if trace:  # the modules this process imported (scripts/prepare-gpu-carry's test reads them)
+        with open(trace, "a") as t:
+            t.write("\n".join(sorted({m.split(".")[0] for m in sys.modules})) + "\n")
 
 
 def _line(f: Any, record: dict[str, Any]) -> None:
@@ -289,12 +293,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
         [f"{r['micro_batch_tokens']:,}-token\nmicro-batches" for r in runs],
     )
     ax.set_ylabel("%")
-    ax.set_title("learner, Qwen3-1.7B shape, bf16-mixed, R = 256 x 576 tokens", fontsize=9)
+    lr = s.get("learner", {})
+    ax.set_title(f"learner, Qwen3-1.7B shape, bf16-mixed, {lr.get('tokens_per_update', 0):,} tokens an update",
+                 fontsize=9)  # fmt: skip
     ax.legend(fontsize=7)
     ax = axes[1]
     bars = [(f"1.7B\n{r['micro_batch_tokens']:,}", r) for r in runs]
     if s.get("four_b"):
-        bars.append(("4B ckpt\n8,192", s["four_b"]))
+        bars.append(("4B, activation\ncheckpointing", s["four_b"]))
     for i, (_, r) in enumerate(bars):
         for j, key in enumerate(("model_gib", "peak_allocated_gib", "peak_reserved_gib")):
             if r.get(key) is not None:
@@ -340,16 +346,16 @@ def main() -> int:
             return 2
     try:
         result = run_suite(a.smoke, a.out)
+        result["carried"] = carried
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1, default=_plain))
+        try:
+            plot(result, a.out.with_suffix(".png"))
+        except Exception as exc:  # the readings are in the JSON already; say why there is no figure
+            print(f"gpu_suite.py: no figure: {type(exc).__name__}: {exc}", file=sys.stderr)
     finally:
         if carried:
             shutil.rmtree(carried["unpacked_to"], ignore_errors=True)
-    result["carried"] = carried
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1, default=_plain))
-    try:
-        plot(result, a.out.with_suffix(".png"))
-    except Exception as exc:  # the readings are in the JSON already; say why there is no figure
-        print(f"gpu_suite.py: no figure: {type(exc).__name__}: {exc}", file=sys.stderr)
     for name, sec in result["sections"].items():
         print(
             f"{name:12s} {sec['status']:8s} {sec.get('seconds', 0):6.1f} s  {(sec.get('error') or '')[:120]}"

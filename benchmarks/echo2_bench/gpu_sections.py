@@ -148,7 +148,7 @@ def preflight(ctx: Ctx) -> dict[str, Any]:
 def _device_name(ctx: Ctx) -> str:
     import torch
 
-    return torch.cuda.get_device_name(0) if ctx.cuda else f"cpu ({platform.processor() or 'smoke'})"
+    return torch.cuda.get_device_name(0) if ctx.cuda else "cpu (smoke: tiny shapes, no figure to read)"
 
 
 # ---- the learner at the 1.7B shape ---------------------------------------------------------------------

@@ -293,9 +293,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         [f"{r['micro_batch_tokens']:,}-token\nmicro-batches" for r in runs],
     )
     ax.set_ylabel("%")
-    lr = s.get("learner", {})
-    ax.set_title(f"learner, Qwen3-1.7B shape, bf16-mixed, {lr.get('tokens_per_update', 0):,} tokens an update",
-                 fontsize=9)  # fmt: skip
+    tokens = s.get("learner", {}).get("tokens_per_update", 0)
+    ax.set_title(f"learner, Qwen3-1.7B shape, bf16-mixed, {tokens:,} tokens an update", fontsize=9)
     ax.legend(fontsize=7)
     ax = axes[1]
     bars = [(f"1.7B\n{r['micro_batch_tokens']:,}", r) for r in runs]

@@ -528,7 +528,7 @@ def sharded(ctx: Ctx) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = Path(tmp) / "ckpt"
-            _bf16_checkpoint(p.sharded, ckpt)
+            _bf16_checkpoint(p.sharded, ckpt, p.device)
             cfg = load_config(overrides=[f"model.path={str(ckpt)!r}", "grpo.kl_beta=0.04", "grpo.lr=1e-5",
                                          "learner.precision='bf16-mixed'", f"learner.device={p.device!r}",
                                          f"sampling.max_new_tokens={p.completion}"])  # fmt: skip
@@ -564,12 +564,14 @@ def sharded(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def _bf16_checkpoint(shape: dict[str, int], where: Path) -> None:
+def _bf16_checkpoint(shape: dict[str, int], where: Path, device: str) -> None:
+    """A bf16 HF checkpoint of a random-init model of ``shape`` (initialised on ``device``), with the
+    embedded tokenizer."""
     import torch
 
     from echo2.models.embedded import build_tokenizer
 
-    build(shape).to(torch.bfloat16).save_pretrained(where)
+    build(shape, device=device).to(torch.bfloat16).save_pretrained(where)
     build_tokenizer().save_pretrained(where)
 
 

@@ -17,9 +17,24 @@ Targets (fixed here, before the runs):
 
 Writes results/sharded.json and results/sharded.png.
 
+``--study load`` (added with the loading on the meta device; target fixed here before its first run):
+the learner loading a bf16 HF checkpoint of the ~235M shape (safetensors, as released checkpoints are)
+at K = 2 and 4 gloo ranks, bf16-mixed with a KL reference (``grpo.kl_beta`` > 0), exactly as
+``runtime/core.Plane.load`` does it (``load_checkpoint(weights=False)``, then ``shard_policy``: every
+rank its shard, rank 0 reading and sending). Each rank's **peak resident memory** (``VmHWM``, reset
+through ``/proc/self/clear_refs`` after its baseline) above its resident memory right before loading
+(the baseline: the library code imported, the process group up, glibc's mmap threshold as the learner
+sets it). Target:
+every rank's peak - baseline <= its shard, (4 + 2) x P / K bytes (fp32 weights, bf16 reference), plus
+one decoder layer in fp32 (4 x its parameters). Reported beside it, no target: the memory model's
+``load_peak_bytes``, the bytes counted tensor by tensor after the load, the first forward's peak (the
+trainer's probe, which gathers the root), and at K = 2 the loading before (every rank the whole fp32
+model, then a deep copy as the reference, then sharded). Writes results/sharded_load.json and .png.
+
     python benchmarks/sharded.py                  # K = 1, 2 on the CPU (gloo), ~235M (about 6 minutes here)
     python benchmarks/sharded.py --device cuda --ks 1,2,4,8   # on GPUs (NCCL): one rank per GPU
     python benchmarks/sharded.py --smoke          # a tiny shape, 2 updates: that the script runs
+    python benchmarks/sharded.py --study load     # the load's peak per rank, K = 2, 4 (gloo)
 """
 
 from __future__ import annotations
@@ -138,6 +153,152 @@ def rank_main(shape_name: str, steps: int, device: str, out: Path) -> None:
         out.write_text(json.dumps({"world": world, "ranks": everyone}))
 
 
+# ---- the load study: one rank (torchrun) -----------------------------------------------------------------
+LOAD_KS = (2, 4)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def load_rank_main(ckpt: Path, path: str, out: Path) -> None:
+    """One rank of the load study: the learner's loading (``path`` "now") or the loading before it
+    ("before"), its peak above the baseline; rank 0 writes every rank's reading to ``out``."""
+    import accelerate  # noqa: F401 (the library code imported before the baseline: not the model's)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import checkpoint, fsdp, tensor  # noqa: F401
+    from transformers import (  # noqa: F401
+        AutoConfig,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+        Qwen3ForCausalLM,
+    )
+
+    from echo2.config import load_config
+    from echo2.learner.sharded import Ranks, shard
+    from echo2.learner.trainer import GRPOTrainer, frozen_reference
+    from echo2.models.policy import chat_format, load_checkpoint
+    from echo2.runtime.core import shard_policy
+    from echo2_bench.resident import as_the_learner, rss
+
+    as_the_learner()
+    torch.set_num_threads(1)
+    cfg = load_config(overrides=[f"model.path={str(ckpt)!r}", "grpo.kl_beta=0.04",
+                                 "learner.precision='bf16-mixed'"])  # fmt: skip
+    ranks = Ranks.from_env("cpu", 600.0)
+    device = torch.device("cpu")
+    dist.barrier()  # the process group's buffers exist before the baseline
+    base = rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here
+    t0 = time.perf_counter()
+    if path == "now":
+        policy = load_checkpoint(ckpt, chat_format(cfg), weights=False)
+        reference = shard_policy(cfg, ranks, device, policy, ckpt, resumed=False)
+    else:  # runtime/core.Plane.load before: the whole fp32 model, a deep copy, both then sharded
+        policy = load_checkpoint(ckpt, chat_format(cfg))
+        mesh = ranks.mesh("cpu")
+        reference = shard(frozen_reference(policy.model, True), mesh)
+        shard(policy.model, mesh)
+    dist.barrier()
+    load_s = time.perf_counter() - t0
+    peak = _status("VmHWM") - base
+    held = _local_bytes(list(policy.model.parameters())) + _local_bytes(list(reference.parameters()))
+    after = rss() - base
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before_probe = _status("VmRSS")
+    GRPOTrainer(policy.model, cfg.grpo, cfg.sampling, policy.pad_id, learner=cfg.learner, reference=reference)
+    mine = {"rank": ranks.rank, "peak_bytes": peak, "after_bytes": after, "held_bytes": held,
+            "load_s": load_s, "probe_peak_bytes": _status("VmHWM") - before_probe}  # fmt: skip
+    everyone: list[Any] = [None] * ranks.world
+    dist.all_gather_object(everyone, mine)
+    if ranks.leader:
+        out.write_text(json.dumps(everyone))
+    ranks.close()
+
+
+def _write_checkpoint(shape: dict[str, int], where: Path) -> int:
+    """A bf16 HF checkpoint (safetensors) of a random-init model of ``shape``, with the embedded
+    tokenizer; its parameter count."""
+    import torch
+
+    from echo2.models.embedded import build_tokenizer
+
+    model = build(shape).to(torch.bfloat16)
+    model.save_pretrained(where)
+    build_tokenizer().save_pretrained(where)
+    return sum(p.numel() for p in model.parameters())
+
+
+def study_load(smoke: bool) -> dict[str, Any]:
+    from echo2.planner.memory import load_peak_bytes
+
+    shape = SMOKE if smoke else BIG
+    mshape = _model_shape(shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        params = _write_checkpoint(shape, ckpt)
+        runs = []
+        for k, path in [*((k, "now") for k in ((2,) if smoke else LOAD_KS)), (2, "before")]:
+            out = Path(tmp) / f"load_{k}_{path}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(k),
+                   str(Path(__file__).resolve()), "--load-rank", path, "--ckpt", str(ckpt),
+                   "--rank-out", str(out)]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+            if res.returncode != 0:
+                raise SystemExit(f"load K = {k} ({path}) failed:\n{res.stderr[-4000:]}")
+            ranks = json.loads(out.read_text())
+            budget = 6 * params / k + 4 * mshape.layer_params()  # the target, fixed before the runs
+            runs.append({
+                "k": k, "path": path, "ranks": ranks, "budget_bytes": budget,
+                "shard_bytes": 6 * params / k, "layer_bytes": 4 * mshape.layer_params(),
+                "model_bytes": load_peak_bytes(mshape, k, kl_reference=True),
+                "max_peak_bytes": max(r["peak_bytes"] for r in ranks),
+                "met": all(r["peak_bytes"] <= budget for r in ranks),
+            })  # fmt: skip
+    now = [r for r in runs if r["path"] == "now"]
+    return {"params": params, "shape": shape, "smoke": smoke, "runs": runs,
+            "met": all(r["met"] for r in now)}  # fmt: skip
+
+
+def _model_shape(shape: dict[str, int]) -> Any:
+    from echo2.planner.memory import ModelShape
+
+    keys = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab")
+    return ModelShape.qwen3(*(shape[k] for k in keys), tied=True)
+
+
+def plot_load(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    xs, labels, mib = [], [], 2**20
+    for gap, run in enumerate(result["runs"]):
+        for r in run["ranks"]:
+            x = len(xs) + 0.5 * gap  # a gap between runs
+            ax.bar(x, r["peak_bytes"] / mib, 0.6, color="C0" if run["path"] == "now" else "C3")
+            ax.plot([x - 0.35, x + 0.35], [run["budget_bytes"] / mib] * 2, "k-", lw=2)
+            ax.plot([x - 0.35, x + 0.35], [run["model_bytes"] / mib] * 2, "k:", lw=1)
+            xs.append(x)
+            labels.append(f"K={run['k']}\n{run['path']}\nrank {r['rank']}")
+    ax.set_xticks(xs, labels, fontsize=7)
+    ax.set_ylabel("peak resident MiB above the baseline")
+    ax.set_title(
+        f"loading a sharded learner ({result['params'] / 1e6:.0f}M, bf16 checkpoint, KL reference): peak "
+        "per rank;\nsolid: shard + one fp32 layer (the target), dotted: the memory model",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 # ---- the parent ---------------------------------------------------------------------------------------
 def run_k(k: int, shape: str, steps: int, device: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,13 +374,31 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and 2 updates: that the script runs")
     p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--study", choices=("bytes", "load"), default="bytes")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--load-rank", choices=("now", "before"), help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--shape", default="big", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--rank-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank:
         rank_main(args.shape, args.steps, args.device, args.rank_out)
+        return 0
+    if args.load_rank:
+        load_rank_main(args.ckpt, args.load_rank, args.rank_out)
+        return 0
+    if args.study == "load":
+        name = "sharded_load_smoke" if args.smoke else "sharded_load"
+        result = study_load(args.smoke)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+        plot_load(result, args.out / f"{name}.png")
+        for run in result["runs"]:
+            peaks = ", ".join(f"{r['peak_bytes'] / 2**20:.0f}" for r in run["ranks"])
+            verdict = "met" if run["met"] else "NOT met"
+            print(f"K = {run['k']} ({run['path']}): peak per rank {peaks} MiB; target <= "
+                  f"{run['budget_bytes'] / 2**20:.0f} MiB -> {verdict}")  # fmt: skip
         return 0
     shape, steps = ("smoke", 3) if args.smoke else ("big", STEPS)
     ks = [int(k) for k in args.ks.split(",")]

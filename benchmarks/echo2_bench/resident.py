@@ -27,6 +27,18 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak() -> None:
+    """Start a new peak: ``VmHWM`` set to the resident memory now (Linux ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_since_reset() -> int:
+    """The largest resident bytes since :func:`reset_peak` (``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
 def as_the_learner(glibc_default: bool = False) -> None:
     """What every learner command does before it builds a model (``configure_torch``): glibc's mmap
     threshold fixed at ``learner.malloc_mmap_threshold`` (``glibc_default``: left as glibc has it)."""

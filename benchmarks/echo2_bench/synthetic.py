@@ -13,9 +13,9 @@ SHAPE_SMOKE = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 2, "kv_h
                "vocab": 512}  # fmt: skip
 
 
-def build(shape: dict[str, int], seed: int = 0) -> Any:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def config_of(shape: dict[str, int]) -> Any:
+    """The Qwen3 config of ``shape`` (tied embeddings)."""
+    from transformers import Qwen3Config
 
     config = Qwen3Config(
         vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
@@ -24,8 +24,18 @@ def build(shape: dict[str, int], seed: int = 0) -> Any:
         tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
     config.architectures = ["Qwen3ForCausalLM"]
+    return config
+
+
+def build(shape: dict[str, int], seed: int = 0, device: str = "cpu") -> Any:
+    """A random-init fp32 Qwen3 of ``shape``, initialised on ``device`` (a GPU inits billions of
+    parameters in a moment)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config).float()
+    with torch.device(device):
+        return Qwen3ForCausalLM(config_of(shape)).float()
 
 
 def batch(vocab: int, rows: int, prompt: int, completion: int, seed: int, group: int = 8) -> list[Any]:

@@ -4,9 +4,11 @@ CPU mesh (gloo):
 - ``train OUT BATCHES``: three updates on the batches every rank is given, the full weights gathered
   for publication (rank 0 saves them and their digest), then a sharded checkpoint in ``OUT/sharded``;
 - ``resume OUT BATCHES``: the one-process checkpoint ``OUT/one`` (HF weights + ``optimizer.pt``)
-  loaded and sharded, one update on the last batch, the full weights gathered (rank 0 saves them);
-- ``kl OUT BATCHES``: as ``train`` with ``grpo.kl_beta = 0.1`` and the KL reference sharded the same
-  way, two updates (no checkpoint)."""
+  loaded as the learner loads it (the model on the meta device, each rank its shard, rank 0 reading
+  the weights and the optimizer's state and sending them), one update on the last batch, the full
+  weights gathered (rank 0 saves them);
+- ``kl OUT BATCHES``: as ``train`` with ``grpo.kl_beta = 0.1`` and the KL reference sharded from the
+  start (``sharded_reference``), two updates (no checkpoint)."""
 
 from __future__ import annotations
 
@@ -23,15 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fixt
 from conftest import _tiny_policy
 from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
 from echo2.errors import ConfigError
+from echo2.learner import sharded
 from echo2.learner.sharded import (
     full_weights,
+    load_from_rank0,
     load_full_optimizer,
+    materialize,
     save_states,
     shard,
+    sharded_reference,
     write_shell,
 )
-from echo2.learner.trainer import GRPOTrainer, frozen_reference
+from echo2.learner.trainer import GRPOTrainer
 from echo2.models.policy import DCP_DIR, load_checkpoint
+from echo2.models.snapshot import empty_model
 from echo2.observe.rundir import OPTIM_FILE
 from echo2.types import Trajectory
 from echo2.weights.delta import weights_digest
@@ -46,13 +53,20 @@ def main(mode: str, out: Path, batches_file: Path) -> None:
     grpo = GRPOConfig(**json.loads((batches_file.parent / "grpo.json").read_text()))
     batches = [[_trajectory(t) for t in b] for b in json.loads(batches_file.read_text())]
     torch.manual_seed(0)
-    policy = load_checkpoint(out / "one") if mode == "resume" else _tiny_policy()
+    rank0 = dist.get_rank() == 0
     reference = None
+    if mode == "resume":  # as the learner loads it: meta device, shards, rank 0 reads and sends
+        sharded.LOAD_CHUNK_BYTES = 4096  # many pieces per tensor (the tiny model's are under 4 MiB)
+        policy = load_checkpoint(out / "one", weights=False)
+        model = materialize(policy.model, mesh, torch.device("cpu"))
+        load_from_rank0(model, out / "one" if rank0 else None)
+    else:
+        policy = _tiny_policy()
+        model = shard(policy.model, mesh)
     if mode == "kl":
         grpo = grpo.model_copy(update={"kl_beta": 0.1})
-        reference = shard(frozen_reference(policy.model, mixed=False), mesh)
+        reference = sharded_reference(model, empty_model(model.config), False, mesh)
         batches = batches[:2]
-    model = shard(policy.model, mesh)
     try:  # without a reference sharded the same way: refused in one line, not half-built
         GRPOTrainer(model, grpo.model_copy(update={"kl_beta": 0.1}), SAMPLING, policy.pad_id, learner=LEARNER)
         raise AssertionError("kl_beta > 0 was accepted by a sharded trainer without a sharded reference")
@@ -62,7 +76,8 @@ def main(mode: str, out: Path, batches_file: Path) -> None:
     assert trainer.parts is not None  # the LM head at completion positions only, sharded too
     assert reference is None or trainer.reference_parts is not None
     if mode == "resume":
-        load_full_optimizer(model, trainer.optimizer, torch.load(out / "one" / OPTIM_FILE, weights_only=True))
+        full = torch.load(out / "one" / OPTIM_FILE, weights_only=True, mmap=True) if rank0 else None
+        load_full_optimizer(model, trainer.optimizer, full)
         batches = batches[-1:]
     stats = []
     for batch in batches:

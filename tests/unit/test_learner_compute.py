@@ -303,6 +303,59 @@ def test_the_learners_mmap_threshold_returns_freed_tensors_to_the_system(thresho
     assert abs(int(freed) - int(want_freed)) <= 1, out.stdout
 
 
+_AUTOCAST_PEAK = """
+import torch
+from echo2.models.policy import return_freed_memory
+return_freed_memory(256 << 10)  # the learner's: freed tensors leave the process at once
+torch.set_num_threads(1)
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
+from echo2.learner.trainer import GRPOTrainer
+from echo2.types import Trajectory
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=256, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+    num_attention_heads=6, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+model = Qwen3ForCausalLM(config).float()
+trainer = GRPOTrainer(model, GRPOConfig(lr=1e-5), SamplingConfig(max_new_tokens=8), 0,
+    learner=LearnerConfig(precision="bf16-mixed", micro_batch_tokens=64, activation_checkpointing=True))
+batch = [Trajectory(f"p{g}", f"g{g}", (5, 6, 7, 8), tuple(range(10, 18)), (-1.0,) * 8, float(i % 2), 0)
+         for g in range(2) for i in range(4)]
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+def peak():
+    before = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")  # the peak from here
+    trainer.update(batch)
+    return (status("VmHWM") - before) / sum(p.numel() for p in model.parameters())
+trainer.update(batch)  # AdamW's states exist from here
+own = peak()
+trainer.autocast = lambda cache=True: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True)
+print(own, peak())  # the trainer's update, then the same with autocast's weight cache on
+"""
+
+
+def _clear_refs_writable() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _clear_refs_writable(), reason="needs /proc/self/clear_refs to reset the peak")
+def test_bf16_mixed_updates_cast_without_autocasts_weight_cache():
+    """Under activation checkpointing the update's peak holds one layer's bf16 casts at a time, not every
+    layer's (autocast's cache would keep each cast until the forward ends: 2 bytes a parameter of the
+    decoder, planner/memory.py ``autocast_copies``): the peak of an update above the resident memory
+    before it, per parameter, with the trainer's autocast and then with the cache on (a fresh process;
+    read 4.4 and 5.7 here)."""
+    out = subprocess.run([sys.executable, "-c", _AUTOCAST_PEAK], capture_output=True, text=True,
+                         check=True, timeout=300)  # fmt: skip
+    own, cached = (float(x) for x in out.stdout.split()[-2:])
+    assert cached - own >= 0.8, (own, cached)  # 12.6M of the 12.8M parameters are in decoder layers
+
+
 # ---- the engine's token budget ---------------------------------------------------------------------------
 @pytest.mark.parametrize("greedy", [True, False])
 def test_the_engine_in_token_budget_batches_draws_what_one_batch_draws(tiny_policy_module, greedy):

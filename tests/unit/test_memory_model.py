@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from echo2.planner.memory import QWEN3_SHAPES, ModelShape, fits, learner_memory, older_versions
+from echo2.planner.memory import (
+    GIB,
+    QWEN3_SHAPES,
+    ModelShape,
+    autocast_copies,
+    fits,
+    learner_memory,
+    load_peak_bytes,
+    older_versions,
+)
 
 
 def test_qwen3_shapes_count_the_released_parameters():
@@ -35,11 +44,64 @@ def test_bytes_per_parameter_by_part():
     assert learner_memory(shape, "fp32", kl_reference=True).reference == 4
     assert learner_memory(shape, "bf16-mixed", kl_reference=True).reference == 2
     gpu = learner_memory(shape, "bf16-mixed", gpu=True)
-    assert gpu.device == 16 + 2  # a check model of bf16 weights on the device
+    assert gpu.device == pytest.approx(16 + 2 + gpu.autocast_copies)  # a check model of bf16 weights
+    assert learner_memory(shape, "fp32", gpu=True).device == 16 + 2  # nothing cast in fp32
     assert gpu.host == pytest.approx(2 + 0.225 + 2 + 4)  # copy, undo, a rebuilt version, a publication
     assert older_versions(0, 1, True) == 0  # S = 0: only the newest version is admissible
     assert older_versions(6, 1, True) == 6  # kappa = 1: every one of the 7 admissible versions
     assert older_versions(3, 2, False) == 0
+
+
+def test_autocasts_bf16_weight_copies_hand_worked():
+    """bf16-mixed casts each fp32 weight at its use; autograd keeps the cast for the backward. Qwen3-1.7B:
+    a decoder layer is 2 x 2048 x 16 x 128 (q, o) + 2 x 2048 x 8 x 128 (k, v) + 2 x 128 (q / k norms) +
+    3 x 2048 x 6144 (MLP) + 2 x 2048 (norms) = 50,336,000 parameters; the LM head (tied) 151,936 x 2048
+    = 311,164,928. Without checkpointing every layer's casts and the head's: 2 x (28 x 50,336,000 +
+    311,164,928) / 1,720,574,976 = 2.00 bytes / param; with it, the larger of one layer's and the
+    head's: 2 x 311,164,928 / P = 0.36."""
+    s = QWEN3_SHAPES["1.7B"]
+    assert s.layer_params() == 50_336_000 and s.root_params() == 151_936 * 2048 + 2048
+    assert s.largest_tensor() == 151_936 * 2048
+    off = 2 * (28 * 50_336_000 + 311_164_928) / 1_720_574_976
+    assert autocast_copies(s, "bf16-mixed") == pytest.approx(off) and off == pytest.approx(2.0, abs=0.01)
+    assert autocast_copies(s, "bf16-mixed", checkpointing=True) == pytest.approx(2 * 311_164_928 / s.params)
+    assert autocast_copies(s, "fp32") == 0
+    m = learner_memory(s, "bf16-mixed")
+    assert m.update_peak == pytest.approx(18.225)  # read at the optimizer step: the casts are freed by then
+    assert m.table()["autocast_copies"] == pytest.approx(off)
+
+
+def test_four_b_with_checkpointing_fits_80_gib_only_without_autocasts_cache():
+    """The README's "4B with activation checkpointing fits 80 GiB": 16 B/param + the check's bf16 model
+    (18 x 4.02B = 67.4 GiB), one 8,192-token micro-batch's kept layer inputs, the LM head's chunk and
+    the head's bf16 cast: 76.5 GiB. With autocast's cache (every decoder layer's cast held until the
+    forward ends; the update turns it off) it would need 2 x 36 x 100.9M more, less the one layer
+    counted: 83.3 GiB, over 80."""
+    s = QWEN3_SHAPES["4B"]
+    f = fits(s, 80, checkpointing=True)
+    assert f["fits"] is True and 75 < f["need_gib"] < 80
+    cached = 2 * (s.layers * s.layer_params() + s.vocab * s.hidden) - f["autocast_gib"] * GIB
+    assert f["need_gib"] + cached / GIB > 83
+
+
+def test_loading_a_sharded_learner_holds_a_shard_and_two_pieces():
+    """Each rank holds its shard of the fp32 weights (4 P / K; with a bf16 KL reference 6 P / K) and at
+    most two 4 MiB pieces in flight: Qwen3-8B at K = 8, 8,190,735,360 x 4 / 8 + 2 x 4 MiB = 3.81 GiB +
+    8 MiB. The loading before it (every rank the whole fp32 model, then a deep copy for the reference)
+    held 8 P on every GPU: 61 GiB, more than the 48 GiB card that fits() approves at K = 8 with
+    activation checkpointing."""
+    s = QWEN3_SHAPES["8B"]
+    want = 8_190_735_360 * 4 / 8 + 2 * 4 * 2**20
+    assert load_peak_bytes(s, 8) == pytest.approx(want)
+    assert load_peak_bytes(s, 8, kl_reference=True) == pytest.approx(want + 2 * s.params / 8)
+    assert load_peak_bytes(s, 1) == pytest.approx(4 * s.params + 2 * 4 * 2**20)
+    k8 = fits(s, 48, world_size=8, checkpointing=True)
+    assert k8["fits"] is True and k8["load_gib"] == pytest.approx(want / GIB)
+    assert k8["load_gib"] < k8["need_gib"] < 8 * s.params / GIB  # the old load would not have fit
+    # a sharded update holds the gathered fp32 root (embedding + untied head + norm) and two layers too
+    gathered = 4 * (s.root_params() + 2 * s.layer_params())
+    one_rank_more = fits(s, 48, world_size=8, checkpointing=True)["activations_gib"] * GIB
+    assert one_rank_more >= gathered
 
 
 def test_activation_bytes_per_token_hand_worked():

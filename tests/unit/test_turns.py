@@ -60,6 +60,42 @@ def test_a_job_computes_at_most_its_duty_of_an_update():
     assert 0.28 <= waited < 0.6
 
 
+def test_a_gpu_jobs_chunk_counts_its_device_work_not_its_launch():
+    """A chunk on a GPU returns once its kernels are queued; its work runs after. The pause synchronises
+    (the job's ``sync``) before it reads the clock, so a chunk whose launch took nothing and whose device
+    work took 0.1 s waits 0.3 s at duty 0.25, as a CPU chunk of 0.1 s does; without the sync it would
+    not wait at all."""
+    turns = Turns(0.25)
+    syncs = []
+
+    def sync() -> None:  # the queued device work of the chunk, done when this returns
+        syncs.append(time.perf_counter())
+        time.sleep(0.1)
+
+    with turns.updating():
+        turns.begin(sync=sync)  # the chunk's launches take no time
+        t0 = time.perf_counter()
+        turns.pause()
+        took = time.perf_counter() - t0
+    assert len(syncs) == 1 and 0.1 + 0.28 <= took < 0.8  # its 0.1 s of device work, then 0.3 s held
+    assert 0.28 <= turns.held_s < 0.6
+
+
+def test_the_sync_costs_nothing_when_the_job_is_not_held():
+    """Between updates, at duty 1, and for due work, a pause never synchronises (no cost on the CPU,
+    where there is no sync at all, nor on a GPU when nothing is held)."""
+    calls = []
+    for duty, running, due in ((0.25, False, False), (1.0, True, False), (0.25, True, True)):
+        turns = Turns(duty)
+        turns.begin(lambda due=due: due, sync=lambda: calls.append(1))
+        if running:
+            with turns.updating():
+                turns.pause()
+        else:
+            turns.pause()
+    assert calls == []
+
+
 def test_overlapping_updates_hold_the_job_until_the_last_ends():
     turns = Turns(0.0)
     first, second = turns.updating(), turns.updating()

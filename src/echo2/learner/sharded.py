@@ -29,13 +29,24 @@ the other ranks wait for the announcement and do the same (``runtime/core.py``: 
 collective runs under a stated timeout (``learner.collective_timeout_s``); while rank 0 waits for
 workers it announces nothing, so it sends an empty announcement every quarter of that timeout.
 
-The KL reference (``grpo.kl_beta > 0``) is a frozen copy (``trainer.frozen_reference``) sharded the
-same way; resumed from a sharded checkpoint it takes that checkpoint's weights
-(:func:`load_states`), as a one-process learner's reference is the weights it loaded.
+Loading (:func:`materialize`, :func:`load_from_rank0`, :func:`sharded_reference`): every rank builds
+the model from its config with its parameters on the meta device (``models/snapshot.empty_model``: no
+memory, no random init), wraps it with ``fully_shard`` and allocates only its own shard on its device;
+rank 0 alone reads the checkpoint, tensor by tensor, and sends each rank the rows of its shard
+(``torch.distributed`` point-to-point) in pieces of at most ``LOAD_CHUNK_BYTES`` (4 MiB,
+``planner/memory.py``), so no rank ever holds more than its shard plus a piece or two in flight (a
+safetensors file is opened per piece and read by rows, its mapping closed after each; another format
+is memory-mapped whole by rank 0). The KL reference (``grpo.kl_beta > 0``) is built
+the same way, sharded from the start, and takes the policy's local shards (in bf16 under
+``bf16-mixed``, as ``trainer.frozen_reference`` casts a one-process learner's copy); resumed from a
+sharded checkpoint it takes that checkpoint's weights (:func:`load_states`), as a one-process
+learner's reference is the weights it loaded. A one-process checkpoint's optimizer state goes the same
+way (:func:`load_full_optimizer`: rank 0 reads it, memory-mapped, and broadcasts it tensor by tensor).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -45,6 +56,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from echo2.planner.memory import LOAD_CHUNK_BYTES
 
 
 @dataclass
@@ -249,28 +262,281 @@ def write_shell(path: Path, policy: Any) -> None:
 
 
 def load_full_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: dict[str, Any]
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: dict[str, Any] | None
 ) -> None:
     """A one-process optimizer's ``state_dict()`` (``optimizer.pt``: states keyed by the position of
     each trainable parameter in ``model.parameters()``) into ``optimizer`` over ``model`` as this
     process holds it, sharded or whole: re-keyed by parameter name, then loaded as a full state dict
-    (each rank keeps its shard)."""
+    (each rank keeps its shard). ``full`` None: a rank other than 0 of a process group, which receives
+    rank 0's tensor by tensor (``broadcast_from_rank0``). Every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     from echo2.errors import CheckpointError
 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    groups = full.get("param_groups", [])
-    if sum(len(g["params"]) for g in groups) != len(names):
-        raise CheckpointError(
-            f"optimizer state for {sum(len(g['params']) for g in groups)} parameters, "
-            f"the model trains {len(names)}: not this model's optimizer"
-        )
-    state = {names[i]: v for i, v in full.get("state", {}).items()}
-    by_name = [{**g, "params": [names[i] for i in g["params"]]} for g in groups]
+    group = not _unsharded()
+    problem = None
+    if full is not None:
+        groups = full.get("param_groups", [])
+        if sum(len(g["params"]) for g in groups) != len(names):
+            problem = (
+                f"optimizer state for {sum(len(g['params']) for g in groups)} parameters, "
+                f"the model trains {len(names)}: not this model's optimizer"
+            )
+    problem = _agreed(problem) if group else problem
+    if problem is not None:
+        raise CheckpointError(problem)
+    by_name: dict[str, Any] = {}
+    if full is not None:
+        state = {names[i]: v for i, v in full.get("state", {}).items()}
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in full.get("param_groups", [])]
+        by_name = {"state": state, "param_groups": groups}
     set_optimizer_state_dict(
         model,
         optimizer,
-        {"state": state, "param_groups": by_name},
-        options=StateDictOptions(full_state_dict=True),
+        by_name,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=group),
     )
+
+
+def _agreed(problem: str | None) -> str | None:
+    """Rank 0's verdict on what it read, on every rank (so that all raise, or none)."""
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---- loading: the model built on the meta device, each rank its shard, rank 0 reading ---------------
+def materialize(model: torch.nn.Module, mesh: Any, device: torch.device) -> torch.nn.Module:
+    """``model`` (its parameters on the meta device, its buffers real: ``models/snapshot.empty_model``)
+    sharded over ``mesh`` (:func:`shard`) with only this rank's shard allocated, uninitialised, on
+    ``device``; the buffers as they were built. The weights come next (:func:`load_from_rank0`, or a
+    sharded checkpoint's :func:`load_states`)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    shard(model, mesh)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return model
+
+
+def load_from_rank0(model: torch.nn.Module, source: Path | None) -> None:
+    """The weights of the HF checkpoint at ``source`` into ``model`` as this rank holds it (sharded by
+    :func:`materialize`): rank 0 reads each tensor's rows rank by rank and sends them (its own it copies),
+    the others receive their rows into their shards; ``source`` is read on rank 0 only (None elsewhere).
+    Every rank calls it. CheckpointError on every rank, before any weight moves, when the checkpoint
+    lacks a weight of the model or has it in another shape."""
+    from torch.distributed.tensor import DTensor
+
+    from echo2.errors import CheckpointError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    targets = _targets(model)
+    rows = [t.to_local().shape[0] if isinstance(t, DTensor) else None for _, t in targets]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, rows)  # how many rows of each tensor each rank holds
+    reader = _CheckpointReader(source) if rank == 0 and source is not None else None
+    problem, dtypes = None, None
+    if rank == 0:
+        try:
+            if reader is None:
+                raise CheckpointError("rank 0 was given no checkpoint to read")
+            dtypes = reader.plan(targets)
+        except CheckpointError as exc:
+            problem = str(exc)
+    problem = _agreed(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+    box = [dtypes]
+    dist.broadcast_object_list(box, src=0)
+    for i, (names, t) in enumerate(targets):
+        spans = [everyone[r][i] for r in range(world)] if rows[i] is not None else None
+        _move(reader, names, t, spans, box[0][i])
+
+
+def _targets(model: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """The tensors a checkpoint fills (the model's state dict, each tensor once with every name it has:
+    tied ones share one), in state-dict order, which every rank shares."""
+    named: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        named.setdefault(id(t), ([], t))[0].append(name)
+    return list(named.values())
+
+
+@torch.no_grad()
+def _move(
+    reader: _CheckpointReader | None,
+    names: list[str],
+    t: torch.Tensor,
+    spans: list[int] | None,
+    dtype: torch.dtype,
+) -> None:
+    """One tensor ``t`` from rank 0 (``reader``) into each rank's local part of it: rows ``spans[r]`` for
+    rank ``r`` of a tensor sharded on its first dimension (in rank order), in pieces of rows of at most
+    ``LOAD_CHUNK_BYTES`` in the stored ``dtype``; or the whole (``spans`` None: a buffer) to every rank."""
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if spans is None:
+        for r in range(dist.get_world_size()):
+            if rank in (0, r):
+                _piece(reader, names, local, r, dtype, None, None)
+        return
+    step = max(1, LOAD_CHUNK_BYTES // (max(1, math.prod(t.shape[1:])) * dtype.itemsize))
+    start = 0
+    for r, n in enumerate(spans):
+        if rank in (0, r):
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                into = local[lo:hi] if rank == r else local[:0]  # rank 0 sending: the device alone
+                _piece(reader, names, into, r, dtype, start + lo, start + hi)
+        start += n
+
+
+def _piece(
+    reader: _CheckpointReader | None,
+    names: list[str],
+    into: torch.Tensor,
+    r: int,
+    dtype: torch.dtype,
+    lo: int | None,
+    hi: int | None,
+) -> None:
+    """Rows ``lo:hi`` of a tensor (all of it when ``lo`` is None) from rank 0 to rank ``r``: rank 0 reads
+    them and copies them into ``into`` (``r`` = 0) or sends them; rank ``r`` receives them into ``into``."""
+    if dist.get_rank() == 0:
+        assert reader is not None
+        piece = reader.rows(names, lo, hi)
+        if r == 0:
+            into.copy_(piece)
+        else:
+            dist.send(piece.to(into.device), dst=r)
+    else:
+        buf = torch.empty(into.shape, dtype=dtype, device=into.device)
+        dist.recv(buf, src=0)
+        into.copy_(buf)
+
+
+class _CheckpointReader:
+    """Rank 0's reading of an HF checkpoint's weights by name and rows: safetensors files (one, or an
+    index of several) opened per tensor and read by slice, so that at most one slice is in memory;
+    any other format (``pytorch_model.bin``) memory-mapped whole by ``torch.load``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        single = path / "model.safetensors"
+        self.files: dict[str, Path] = {}
+        self.whole: dict[str, torch.Tensor] | None = None
+        if index.is_file():
+            import json
+
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            self.files = {name: path / file for name, file in weight_map.items()}
+        elif single.is_file():
+            self.files = {name: single for name in self._keys(single)}
+        else:
+            self.whole = self._torch_files(path)
+
+    @staticmethod
+    def _keys(file: Path) -> list[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+
+    @staticmethod
+    def _torch_files(path: Path) -> dict[str, torch.Tensor]:
+        from echo2.errors import CheckpointError
+
+        files = sorted(path.glob("pytorch_model*.bin"))
+        if not files:
+            raise CheckpointError(f"{path}: no model.safetensors, safetensors index or pytorch_model.bin")
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        return out
+
+    def _name(self, names: list[str]) -> str:
+        have = self.whole if self.whole is not None else self.files
+        return next((n for n in names if n in have), names[0])
+
+    def plan(self, targets: list[tuple[list[str], torch.Tensor]]) -> list[torch.dtype]:
+        """The stored dtype of each target (what rank 0 sends), after checking that every one is in the
+        checkpoint with the target's whole shape (CheckpointError naming the first that is not)."""
+        from safetensors import safe_open
+
+        from echo2.errors import CheckpointError
+
+        dtypes = []
+        for names, t in targets:
+            name = self._name(names)
+            if self.whole is not None:
+                if name not in self.whole:
+                    raise CheckpointError(f"{self.path}: the checkpoint lacks the weight {name}")
+                stored, shape = self.whole[name].dtype, tuple(self.whole[name].shape)
+            else:
+                if name not in self.files:
+                    raise CheckpointError(f"{self.path}: the checkpoint lacks the weight {name}")
+                with safe_open(str(self.files[name]), framework="pt") as f:
+                    sl = f.get_slice(name)
+                    shape = tuple(sl.get_shape())
+                    stored = _SAFETENSORS_DTYPES.get(sl.get_dtype(), t.dtype)
+            if shape != tuple(t.shape):
+                raise CheckpointError(
+                    f"{self.path}: weight {name} has shape {shape}, the model's {tuple(t.shape)}"
+                )
+            dtypes.append(stored)
+        return dtypes
+
+    def rows(self, names: list[str], lo: int | None, hi: int | None) -> torch.Tensor:
+        """Rows ``lo:hi`` of the weight (the whole of it when ``lo`` is None), a fresh CPU tensor."""
+        from safetensors import safe_open
+
+        name = self._name(names)
+        if self.whole is not None:
+            t = self.whole[name]
+            return (t if lo is None else t[lo:hi]).clone()
+        with safe_open(str(self.files[name]), framework="pt") as f:  # unmapped when closed
+            sl = f.get_slice(name)
+            return sl[:] if lo is None else sl[lo:hi]
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def sharded_reference(
+    model: torch.nn.Module, empty: torch.nn.Module, mixed: bool, mesh: Any
+) -> torch.nn.Module:
+    """The KL reference of a sharded ``model``, sharded from the start: ``empty`` (the same architecture
+    on the meta device, ``models/snapshot.empty_model``) frozen, cast to bf16 when ``mixed`` (as
+    ``trainer.frozen_reference`` casts a one-process copy), sharded over ``mesh`` and given ``model``'s
+    local shards; no rank holds more of it than its shard."""
+    from torch.distributed.tensor import DTensor
+
+    device = next(model.parameters()).device
+    reference = empty.eval()
+    if mixed:
+        reference.to(torch.bfloat16)
+    reference.requires_grad_(False)
+    materialize(reference, mesh, device)
+    with torch.no_grad():
+        mine = dict(model.state_dict(keep_vars=True))
+        for name, t in reference.state_dict(keep_vars=True).items():
+            src = mine[name]
+            dst_local = t.to_local() if isinstance(t, DTensor) else t
+            dst_local.copy_(src.to_local() if isinstance(src, DTensor) else src)
+    return reference

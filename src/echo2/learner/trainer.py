@@ -136,12 +136,13 @@ class GRPOTrainer:
         self.mixed = self.learner.precision == "bf16-mixed"
         # sharded with FSDP2 (learner/sharded.py): each rank computes its share of the micro-batches
         self.rank, self.world = _ranks(model)
+        self.sharded = _sharded(model)  # wrapped with FSDP2, at any world size (one rank included)
         if self.learner.activation_checkpointing:
             _enable_activation_checkpointing(model)
         # the LM head at completion positions only (learner/logprobs.py); a sharded model's hidden states
         # come from its own forward with the head set aside (its root gathers the head's parameters)
-        self.parts = lm_parts(model, through_root=self.world > 1)
-        if self.world > 1:  # the optimizer over the sharded parameters, whatever a forward gathered
+        self.parts = lm_parts(model, through_root=self.sharded)
+        if self.sharded:  # the optimizer over the sharded parameters, whatever a forward gathered
             from echo2.learner.sharded import settle
 
             settle(model)
@@ -161,21 +162,26 @@ class GRPOTrainer:
             self.reference, self.reference_parts = model, self.parts
         elif cfg.kl_beta > 0:  # the caller's (a sharded learner's, sharded), else a copy made here
             self.reference = reference if reference is not None else frozen_reference(model, self.mixed)
-            self.reference_parts = lm_parts(self.reference, through_root=self.world > 1)
+            self.reference_parts = lm_parts(self.reference, through_root=self.sharded)
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """The update's compute precision (bf16 autocast under ``bf16-mixed``; a no-op in fp32)."""
+    def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager[None]:
+        """The update's compute precision (bf16 autocast under ``bf16-mixed``; a no-op in fp32).
+        ``cache``: autocast keeps the bf16 cast of each weight until the context ends (an evaluation's
+        generation casts once, not at every step); the update's passes go without it (:meth:`logprobs`)."""
         if not self.mixed:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
     def logprobs(self, batch: PackedBatch, reference: bool = False) -> torch.Tensor:
         """Completion log-probs ``[B, T]`` of ``batch`` under the policy (or the frozen reference), in the
-        update's precision; float32 out."""
+        update's precision; float32 out. Without autocast's weight cache: each weight is cast to bf16 at
+        its use and autograd keeps the cast a backward needs, so with activation checkpointing one
+        layer's casts exist at a time; the cache would hold every layer's until the forward ends, 2
+        bytes a parameter on top of the update's peak (planner/memory.py: ``autocast_copies``)."""
         model, parts = (self.reference, self.reference_parts) if reference else (self.model, self.parts)
         assert model is not None
         base_alone = adapter_off(model) if reference and self.adapter_reference else contextlib.nullcontext()
-        with self.autocast(), base_alone:
+        with self.autocast(cache=False), base_alone:
             return completion_logprobs(
                 model, batch, self.temperature, chunk=self.learner.logprob_chunk, parts=parts
             )
@@ -367,6 +373,12 @@ def frozen_reference(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
         reference.to(torch.bfloat16)
     reference.requires_grad_(False)
     return reference
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    from echo2.learner.sharded import is_sharded
+
+    return is_sharded(model)
 
 
 def _ranks(model: torch.nn.Module) -> tuple[int, int]:

@@ -16,6 +16,11 @@ results/check_scale.json). So a background job gives its turn back between chunk
 ``duty = 1``: never held (the thread's niceness alone); ``duty = 0``: held until the update ends (a job
 that may starve while updates run back to back). One background job at a time calls :meth:`begin` and
 :meth:`pause` (the checker's thread); any thread may hold :meth:`updating`.
+
+A chunk's time is its work's, not its launch's: a job on a GPU queues kernels and returns long before
+they have run, so it hands :meth:`begin` a ``sync`` (its CUDA stream's ``synchronize``) that a pause
+calls before it reads the clock, when it is about to hold the job (an update running, the work not
+due); on the CPU there is none and a pause reads the clock alone.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Turns:
         self._lock = threading.Lock()
         self._since = time.perf_counter()  # when the job's current chunk began
         self._due: Callable[[], bool] | None = None  # whether the job's current work can no longer wait
+        self._sync: Callable[[], None] | None = None  # waits until the job's queued device work has run
         self.held_s = 0.0  # seconds the job waited for updates, in all
         self.pauses = 0  # times it waited (counted as the wait begins)
 
@@ -60,16 +66,21 @@ class Turns:
     def update_running(self) -> bool:
         return not self._idle.is_set()
 
-    def begin(self, due: Callable[[], bool] | None = None) -> None:
+    def begin(self, due: Callable[[], bool] | None = None, sync: Callable[[], None] | None = None) -> None:
         """The background job starts a piece of work (``due``: whether it can no longer wait, asked at
-        each pause): its first chunk begins now."""
+        each pause; ``sync``: waits until the job's queued device work has run, or None on the CPU): its
+        first chunk begins now."""
         self._since = time.perf_counter()
         self._due = due
+        self._sync = sync
 
     def pause(self) -> None:
-        """A chunk of the background job ended: wait for the update's turn if one is running."""
-        now = time.perf_counter()
+        """A chunk of the background job ended: wait for the update's turn if one is running (the chunk's
+        time read after its device work has run, when the job has a ``sync``)."""
         if self.duty < 1.0 and not self._idle.is_set() and not (self._due is not None and self._due()):
+            if self._sync is not None:
+                self._sync()
+            now = time.perf_counter()
             worked = now - self._since
             self.pauses += 1
             self._idle.wait(None if self.duty == 0.0 else worked * (1.0 / self.duty - 1.0))

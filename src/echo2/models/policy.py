@@ -220,9 +220,11 @@ def stored_float_dtypes(path: Path) -> set[str]:
     return {d for d in dtypes if d.startswith(("F", "BF"))}
 
 
-def load_model(p: Path, keep_bf16: bool = False) -> Any:
+def load_model(p: Path, keep_bf16: bool = False, weights: bool = True) -> Any:
     """The causal LM of the checkpoint at ``p`` (:func:`load_checkpoint` says which dtype); a sharded
-    checkpoint's built from its config. CheckpointError with the cause when transformers cannot."""
+    checkpoint's built from its config; without ``weights`` built from the config with its parameters
+    on the meta device (``snapshot.empty_model``: a sharded learner's ranks fill their shards).
+    CheckpointError with the cause when transformers cannot."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -230,6 +232,10 @@ def load_model(p: Path, keep_bf16: bool = False) -> Any:
     as_stored = keep_bf16 and not sharded and stored_float_dtypes(p) == {"BF16"}
     dtype = torch.bfloat16 if as_stored else torch.float32
     try:
+        if not weights:
+            from echo2.models.snapshot import empty_model
+
+            return empty_model(AutoConfig.from_pretrained(p, local_files_only=True), dtype)
         if sharded:
             return AutoModelForCausalLM.from_config(
                 AutoConfig.from_pretrained(p, local_files_only=True), dtype=dtype
@@ -240,7 +246,7 @@ def load_model(p: Path, keep_bf16: bool = False) -> Any:
 
 
 def load_checkpoint(
-    path: str | Path, chat_template: bool | ChatFormat = False, keep_bf16: bool = False
+    path: str | Path, chat_template: bool | ChatFormat = False, keep_bf16: bool = False, weights: bool = True
 ) -> Policy:
     """Model + tokenizer from a local directory; CheckpointError says what is missing or broken. Every
     end-of-sequence id of the tokenizer and of ``generation_config.json`` ends a completion. A sharded
@@ -251,7 +257,8 @@ def load_checkpoint(
     The model is float32, except with ``keep_bf16`` (a LoRA learner under ``bf16-mixed``, whose frozen
     base is bf16 anyway) when every floating tensor the checkpoint stores is bf16: then it loads as
     stored, so no float32 copy of the base is ever built (the values are the same: bf16 widens to
-    float32 exactly)."""
+    float32 exactly). Without ``weights`` the model's parameters are on the meta device (no memory,
+    nothing read): a sharded learner's ranks load their shards (``learner/sharded.py``)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -271,7 +278,7 @@ def load_checkpoint(
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as exc:  # transformers raises many types; the user needs the path and the cause
         raise CheckpointError(f"cannot load a tokenizer from {p}: {exc}") from exc
-    model = load_model(p, keep_bf16)
+    model = load_model(p, keep_bf16, weights)
     chat = chat_template if isinstance(chat_template, ChatFormat) else ChatFormat(chat_template)
     extra = generation_eos_ids(p)
     eos = tokenizer.eos_token_id

@@ -84,6 +84,21 @@ class _Aliases:
     buffers: dict[str, Any]  # shipped buffer name -> the buffer (copied into, as install_weights does)
 
 
+def empty_model(config: Any, dtype: Any = None) -> Any:
+    """The causal LM of ``config`` with its parameters on the meta device (no memory, no random init) and
+    its buffers real, on the CPU (a rotary embedding's frequencies, which no checkpoint carries), tied
+    parameters tied: what a loader fills (``learner/sharded.py``) or an aliasing model points at
+    (:func:`aliasing_model`). ``dtype``: the parameters' (default float32)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    model.tie_weights()  # the meta parameters were registered anew, each on its own
+    return model
+
+
 def aliasing_model(model: Any, dtype: str = "float32") -> Any:
     """A model of ``model``'s architecture (built as a worker builds its engine's: from the config, then
     cast whole to ``dtype``, the engines' compute dtype) whose floating parameters own no memory: each
@@ -91,17 +106,22 @@ def aliasing_model(model: Any, dtype: str = "float32") -> Any:
     ``dtype``. So a version's weights in the publication dtype (the sampler copies the learner keeps
     anyway) are loaded without a copy on the same device, and the model computes what an engine in
     ``dtype`` holding the same (rounded) values computes: the worker's (a bf16 engine checked in
-    float32 differed 18.6x more at the median: adversary.py --study bf16_errors). Built on
-    ``model``'s device (its init is freed at once); tied parameters stay tied (one tensor read by two
-    modules)."""
+    float32 differed 18.6x more at the median: adversary.py --study bf16_errors). Built from the config
+    with its parameters on the meta device (:func:`empty_model`): no full-precision twin is ever
+    allocated (at 8B a float32 random init would be 33 GB of host memory); its buffers go to
+    ``model``'s device in ``dtype``, as a worker's whole-model cast puts them; tied parameters stay
+    tied (one tensor read by two modules)."""
     import torch
     from torch.nn.utils import parametrize
-    from transformers import AutoModelForCausalLM
 
     device = next(model.parameters()).device
     compute = getattr(torch, dtype)
-    twin = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).to(device, compute).eval()
+    twin = empty_model(model.config).eval()
     twin.requires_grad_(False)
+    for module in twin.modules():  # the buffers as `.to(device, compute)` of a whole model leaves them
+        for key, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[key] = buf.to(device, compute if buf.is_floating_point() else buf.dtype)
     first: dict[int, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     slots: dict[str, list[Any]] = {}
@@ -112,7 +132,7 @@ def aliasing_model(model: Any, dtype: str = "float32") -> Any:
         module_name, _, attr = name.rpartition(".")
         module = twin.get_submodule(module_name)
         empty = placeholders.setdefault(
-            id(param), torch.nn.Parameter(param.new_empty(0), requires_grad=False)
+            id(param), torch.nn.Parameter(torch.empty(0, device=device, dtype=compute), requires_grad=False)
         )
         delattr(module, attr)
         module.register_parameter(attr, empty)  # tied parameters share one placeholder

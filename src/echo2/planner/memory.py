@@ -22,6 +22,13 @@ check model         0 on the CPU, b on a GPU   when checks are on: its weights a
                                                (on the CPU) or one copy of it on the device
 check transient     b                          while an older version is checked (rebuilt, then dropped)
 publication         b (+ b at an anchor)       while a publication is copied and encoded
+autocast copies     2 D / P (bf16-mixed)       during a micro-batch's forward and backward: the bf16 casts
+                                               of the decoder's ``D`` weights autograd keeps for the
+                                               backward, and the LM head's one chunk at a time; with
+                                               activation checkpointing one layer's (or the head's) at a
+                                               time. The update casts without autocast's weight cache
+                                               (``learner/trainer.py``), which would keep every cast until
+                                               the forward ends (2 bytes / param more under checkpointing)
 ==================  =========================  ===========================================================
 
 **With LoRA** (``[lora]``, ``lora_rank`` r on the attention and MLP projections; ``a`` = adapter
@@ -35,6 +42,17 @@ adapter, ``models/lora.PublishedBase.expand``, in float32 (``m`` = 4) with ``lor
 the default, else in the snapshot dtype, ``m = b``) on the CPU as on a GPU, check transient and
 publication ``b a`` and ``2 b a``. Measured (``benchmarks/lora.py --study memory``, the trainer
 alone, 235M, r = 16, ``a`` = 2.1%): 2.48 bytes / base parameter against ``2 + 16 a`` = 2.34.
+
+The autocast copies are transient (freed before the optimizer steps: not in ``update_peak``, read at
+the step) but on the device at the peak of each micro-batch (``device``); a LoRA learner's frozen base is
+bf16 already (nothing cast: 0).
+
+**Loading a sharded learner** (``learner/sharded.py``: the model built on the meta device, rank 0
+reading the checkpoint and sending each rank its rows, ``LOAD_CHUNK_BYTES`` at a time): a rank holds
+its shard of the weights (and of the KL reference) and a piece or two in flight (:func:`load_peak_bytes`); a
+sharded update adds, besides the shard, FSDP2's gathered fp32 weights of the root (embeddings, LM head,
+final norm: kept from the forward to the backward) and of two decoder layers (the one computing and
+the one prefetched), :func:`fits`.
 
 So the floor with AdamW is ``4 + 4 + 8 = 16`` (SPEC §9), and with the defaults (bf16 publications,
 S = 3, kappa = 2, checks on, published bytes on disk) the held copy adds 2 and the undo of the one
@@ -96,16 +114,22 @@ class ModelShape:
     ) -> ModelShape:
         """A Qwen3 decoder's shape with its parameter count: embeddings (and an untied LM head), per
         layer q / k / v / o, q- and k-norms, the gated MLP and two RMSNorms, and the final norm."""
-        d = head_dim
-        per_layer = (
-            hidden * heads * d * 2
-            + hidden * kv_heads * d * 2
-            + 2 * d
-            + 3 * hidden * intermediate
-            + 2 * hidden
-        )
+        per_layer = _layer_params(hidden, intermediate, heads, kv_heads, head_dim)
         params = vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
         return cls(params, hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer."""
+        return _layer_params(self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim)
+
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: the embeddings (and an untied LM head), the final norm."""
+        return self.params - self.layers * self.layer_params()
+
+    def largest_tensor(self) -> int:
+        """Elements of the largest single weight: the embedding matrix (``V x H``) at any Qwen3 shape."""
+        h = self.hidden
+        return max(self.vocab * h, self.intermediate * h, self.heads * self.head_dim * h)
 
     def lora_params(self, rank: int) -> int:
         """Parameters of a rank-``rank`` LoRA adapter on every attention and MLP projection (q, k, v, o,
@@ -133,6 +157,12 @@ class ModelShape:
         return self.layers * per_layer
 
 
+def _layer_params(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """One Qwen3 decoder layer: q / k / v / o, q- and k-norms, the gated MLP, two RMSNorms."""
+    d = head_dim
+    return hidden * heads * d * 2 + hidden * kv_heads * d * 2 + 2 * d + 3 * hidden * intermediate + 2 * hidden
+
+
 # Qwen3 shapes (the released configs), for `echo2 plan --model-size` and the docs' tables
 QWEN3_SHAPES: dict[str, ModelShape] = {
     "0.6B": ModelShape.qwen3(1024, 3072, 28, 16, 8, 128, 151_936, tied=True),
@@ -157,6 +187,7 @@ class LearnerMemory:
     publication: float  # transient, host memory
     activation_per_token: float  # bytes per micro-batch token
     sampler_copy_count: int  # how many whole copies ``sampler_copies`` is
+    autocast_copies: float = 0.0  # bf16 casts of the weights during a micro-batch (device; transient)
 
     @property
     def training(self) -> float:
@@ -170,8 +201,9 @@ class LearnerMemory:
 
     @property
     def device(self) -> float:
-        """What a GPU learner's device holds per parameter (activations excluded)."""
-        return self.training + self.reference + self.check_model
+        """What a GPU learner's device holds per parameter at a micro-batch's peak (activations excluded,
+        the autocast copies included)."""
+        return self.training + self.reference + self.check_model + self.autocast_copies
 
     @property
     def host(self) -> float:
@@ -195,12 +227,14 @@ class LearnerMemory:
             "check_model": self.check_model,
             "check_transient": self.check_transient,
             "publication_transient": self.publication,
+            "autocast_copies": self.autocast_copies,
             "update_peak": self.update_peak,
             "device": self.device,
             "host": self.host,
         }
 
 
+LOAD_CHUNK_BYTES = 4 << 20  # the most bytes of a tensor a sharded learner's rank 0 reads and sends at once
 CHANGED_FRACTION = 0.05  # share of bf16 elements one publication changes (LLM-RL learning rates: 1-5%)
 
 
@@ -240,6 +274,7 @@ def learner_memory(
     undo = min(float(publish_bytes), publish_bytes * f + min(4 * f, 1 / 8))  # never above a copy
     act_bytes = 4 if precision == "fp32" else 2
     act = float(act_bytes * shape.activation_elements_per_token(checkpointing))
+    casts = autocast_copies(shape, precision, checkpointing)
     if lora_rank is not None:
         a = shape.lora_params(lora_rank) / shape.params
         b = float(publish_bytes)
@@ -270,7 +305,31 @@ def learner_memory(
         publication=float(2 * publish_bytes),
         activation_per_token=act,
         sampler_copy_count=copies,
+        autocast_copies=casts,
     )
+
+
+def autocast_copies(shape: ModelShape, precision: Precision, checkpointing: bool = False) -> float:
+    """Bytes per parameter of the bf16 casts a ``bf16-mixed`` update holds at a micro-batch's peak (module
+    docstring): every decoder weight's (autograd keeps each for the backward) plus the LM head's, or
+    with activation checkpointing the larger of one layer's and the head's; 0 in fp32."""
+    if precision == "fp32":
+        return 0.0
+    head = shape.vocab * shape.hidden
+    if checkpointing:
+        return 2.0 * max(shape.layer_params(), head) / shape.params
+    return 2.0 * (shape.layers * shape.layer_params() + head) / shape.params
+
+
+def load_peak_bytes(
+    shape: ModelShape, world_size: int = 1, *, kl_reference: bool = False, precision: Precision = "bf16-mixed"
+) -> float:
+    """Device bytes one rank of a sharded learner holds while it loads (``learner/sharded.py``): its shard
+    of the fp32 weights (and of the KL reference, bf16 under ``bf16-mixed``) and at most two pieces of
+    ``LOAD_CHUNK_BYTES`` in flight (rank 0's read piece and its copy on the device, or a receiver's
+    buffer). At ``world_size`` 1: the whole model (one process loads it whole)."""
+    ref = (4.0 if precision == "fp32" else 2.0) if kl_reference else 0.0
+    return (4.0 + ref) * shape.params / world_size + 2.0 * LOAD_CHUNK_BYTES
 
 
 def logits_chunk_bytes(vocab: int, chunk: int) -> float:
@@ -290,20 +349,33 @@ def fits(
 ) -> dict[str, float | bool]:
     """Whether one device of ``device_gib`` GiB holds the learner: with ``world_size`` ranks, its largest
     one (``learner/sharded.py``): weights, gradients, AdamW states and the KL reference divided over the
-    ranks as FSDP2 divides them, the check model whole (rank 0 keeps it), one micro-batch's activations
-    per rank."""
+    ranks as FSDP2 divides them, the check model whole (rank 0 keeps it); on top, what one micro-batch
+    holds at its peak on every rank (its activations, the LM head's chunk, the autocast copies, and with
+    several ranks the gathered fp32 root and two decoder layers); and no more than that while loading
+    (:func:`load_peak_bytes`): the larger of the two is what the device must hold."""
     mem = learner_memory(shape, precision, gpu=True, **kw)  # type: ignore[arg-type]
     divided = mem.training + mem.reference
-    per_param = (divided / world_size + mem.device - divided) * shape.params
-    act = mem.activation_per_token * micro_batch_tokens + logits_chunk_bytes(shape.vocab, logprob_chunk)
-    need = per_param + act
+    held = (divided / world_size + mem.check_model) * shape.params
+    gathered = 4.0 * (shape.root_params() + 2 * shape.layer_params()) if world_size > 1 else 0.0
+    act = (
+        mem.activation_per_token * micro_batch_tokens
+        + logits_chunk_bytes(shape.vocab, logprob_chunk)
+        + mem.autocast_copies * shape.params
+        + gathered
+    )
+    need = held + act
+    load = load_peak_bytes(
+        shape, world_size, kl_reference=mem.reference > 0 and not kw.get("lora_rank"), precision=precision
+    )
     return {
-        "bytes_per_param": per_param / shape.params,
-        "params_gib": per_param / GIB,
+        "bytes_per_param": held / shape.params,
+        "params_gib": held / GIB,
         "activations_gib": act / GIB,
-        "need_gib": need / GIB,
+        "autocast_gib": mem.autocast_copies * shape.params / GIB,
+        "load_gib": load / GIB,
+        "need_gib": max(need, load) / GIB,
         "device_gib": device_gib,
-        "fits": need <= device_gib * GIB,
+        "fits": max(need, load) <= device_gib * GIB,
     }
 
 
@@ -312,7 +384,8 @@ def markdown_table(gpus_gib: tuple[float, ...] = (24, 48, 80, 141), micro_batch_
     AdamW, the check's bf16 model, one micro-batch without and with activation checkpointing), and which
     GPU sizes hold it. ``python -m echo2.planner.memory`` prints it."""
     rows = [
-        "| Qwen3 | params | weights + grads + AdamW + check model | + activations (ckpt off / on) | "
+        "| Qwen3 | params | weights + grads + AdamW + check model "
+        "| + bf16 casts and activations (ckpt off / on) | "
         + " | ".join(f"{g:g} GiB" for g in gpus_gib)
         + " |",
         "|---|---|---|---|" + "---|" * len(gpus_gib),

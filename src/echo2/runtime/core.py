@@ -58,25 +58,21 @@ class Plane:
         a one-process checkpoint or a sharded one, at any world size), sharded over ``ranks``; the task,
         the trainer (``isolate``: a non-finite group is left out of an update instead of ending it) and
         the engine."""
-        import torch
-
-        from echo2.learner.sharded import load_full_optimizer, load_states, shard
-        from echo2.learner.trainer import GRPOTrainer, frozen_reference
-        from echo2.models.policy import DCP_DIR, chat_format, load_checkpoint
+        from echo2.learner.trainer import GRPOTrainer
+        from echo2.models.policy import chat_format, load_checkpoint
         from echo2.rollout.engines.hf import HFEngine
         from echo2.tasks.registry import build_task
 
         # a LoRA learner's frozen base is bf16 under bf16-mixed: a bf16 checkpoint loads as stored
         keep_bf16 = cfg.lora.enabled and cfg.learner.precision == "bf16-mixed"
-        policy = load_checkpoint(source, chat_format(cfg), keep_bf16)
+        # sharded: every rank builds the model on the meta device and holds only its shard (shard_policy)
+        policy = load_checkpoint(source, chat_format(cfg), keep_bf16, weights=not ranks.sharded)
         _lora(cfg, policy, source, resumed, ranks.sharded)
-        policy.model.to(device)
         reference = None
         if ranks.sharded:
-            mesh = ranks.mesh(device.type)
-            if cfg.grpo.kl_beta > 0:  # the KL reference, sharded the same way
-                reference = shard(frozen_reference(policy.model, cfg.learner.precision == "bf16-mixed"), mesh)
-            shard(policy.model, mesh)
+            reference = shard_policy(cfg, ranks, device, policy, source, resumed)
+        else:
+            policy.model.to(device)
         version0 = json.loads((source / STATE_FILE).read_text())["version"] if resumed else 0
         task = build_task(cfg.task, cfg.seed)
         trainer = GRPOTrainer(
@@ -90,14 +86,8 @@ class Plane:
             learner=cfg.learner,
             reference=reference,
         )
-        if resumed and (source / DCP_DIR).is_dir():  # a sharded learner's: any world size loads it
-            load_states(source / DCP_DIR, policy.model, trainer.optimizer, trainer.reference)
-        elif resumed and (source / OPTIM_FILE).is_file():
-            state = torch.load(source / OPTIM_FILE, weights_only=True, map_location=device)
-            if ranks.sharded:
-                load_full_optimizer(policy.model, trainer.optimizer, state)
-            else:
-                trainer.optimizer.load_state_dict(state)
+        if resumed:
+            _resume_states(source, ranks, device, policy.model, trainer)
         engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens)
         if ranks.sharded:  # every rank stops generating at the same step (each forward is a collective)
             engine.all_done = _agreed_all
@@ -127,6 +117,48 @@ class Plane:
         from echo2.models.policy import DCP_DIR
 
         save_states(path / DCP_DIR, self.policy.model, self.trainer.optimizer)
+
+
+def shard_policy(cfg: Config, ranks: Ranks, device: Any, policy: Policy, source: Path, resumed: bool) -> Any:
+    """A sharded learner's policy (built on the meta device) sharded over ``ranks``, each rank's shard
+    allocated on ``device`` and filled by rank 0 from the checkpoint (``learner/sharded.py``; a sharded
+    checkpoint's states come later, with the optimizer's); the KL reference, when ``grpo.kl_beta > 0``,
+    sharded from the start with the policy's shards. Returns the reference (None without one)."""
+    from echo2.learner.sharded import load_from_rank0, materialize, sharded_reference
+    from echo2.models.policy import DCP_DIR
+    from echo2.models.snapshot import empty_model
+
+    mesh = ranks.mesh(device.type)
+    materialize(policy.model, mesh, device)
+    if not (resumed and (source / DCP_DIR).is_dir()):
+        load_from_rank0(policy.model, source if ranks.leader else None)
+    if cfg.grpo.kl_beta <= 0:
+        return None
+    mixed = cfg.learner.precision == "bf16-mixed"
+    return sharded_reference(policy.model, empty_model(policy.model.config), mixed, mesh)
+
+
+def _resume_states(source: Path, ranks: Ranks, device: Any, model: Any, trainer: GRPOTrainer) -> None:
+    """A resumed checkpoint's optimizer state (and a sharded checkpoint's weights, any world size, with
+    the KL reference's); a one-process checkpoint's ``optimizer.pt`` read by rank 0 alone when sharded
+    (memory-mapped, then broadcast tensor by tensor)."""
+    import torch
+
+    from echo2.learner.sharded import load_full_optimizer, load_states
+    from echo2.models.policy import DCP_DIR
+
+    if (source / DCP_DIR).is_dir():  # a sharded learner's: any world size loads it
+        load_states(source / DCP_DIR, model, trainer.optimizer, trainer.reference)
+    elif (source / OPTIM_FILE).is_file() and ranks.sharded:
+        state = (
+            torch.load(source / OPTIM_FILE, weights_only=True, map_location="cpu", mmap=True)
+            if ranks.leader
+            else None
+        )
+        load_full_optimizer(model, trainer.optimizer, state)
+    elif (source / OPTIM_FILE).is_file():
+        state = torch.load(source / OPTIM_FILE, weights_only=True, map_location=device)
+        trainer.optimizer.load_state_dict(state)
 
 
 def _lora(cfg: Config, policy: Policy, source: Path, resumed: bool, sharded: bool) -> None:

@@ -388,7 +388,7 @@ class GenerationCheck:
         with self._lock, self._own_stream():
             if not picks:
                 return []
-            self.turns.begin(due)
+            self.turns.begin(due, self._stream.synchronize if self._stream is not None else None)
             if self._loaded != sub.policy_version:
                 from echo2.models.snapshot import load_for_check
 

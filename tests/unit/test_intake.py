@@ -17,6 +17,7 @@ from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected, SubmissionLimits
 from echo2.protocol import SubmitRequest
 from echo2.runtime.intake import Intake
+from echo2.tasks.positions import LogHistogram
 from echo2.types import Prompt
 
 G = 2
@@ -29,12 +30,17 @@ class FakeCheck:
     """The generation check's seam: draws every submission while the share is above 0, holds the
     versions it is given; ``verdict`` decides each check (None: passes), ``gate`` holds it until set."""
 
-    def __init__(self, held: set[int], queue: int = 32, fraction: float = 1.0, first: int = 3) -> None:
+    def __init__(
+        self, held: set[int], queue: int = 32, fraction: float = 1.0, first: int = 3, floor: float = 0.0
+    ) -> None:
         self.held = held
         self.runs = 0
-        self.checked = self.tokens = self.passing_misses = self.declined = self.near_ties = 0
+        self.checked = self.tokens = self.declined = self.near_ties = self.room = 0
         self.worst_passing_error = 0.0
-        self.cfg = SecurityConfig(check_fraction=fraction, check_queue=queue, check_first=first)
+        self.errors = LogHistogram()
+        self.cfg = SecurityConfig(
+            check_fraction=fraction, check_floor=min(floor, fraction), check_queue=queue, check_first=first
+        )
         self.verdict: Rejected | None = None
         self.gate = threading.Event()
         self.gate.set()
@@ -50,7 +56,10 @@ class FakeCheck:
     def holds(self, version: int) -> bool:
         return version in self.held
 
-    def check(self, lease: Any, sub: Any, picks: Any, due: Any = None) -> list[Any]:
+    def capacity(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def check(self, lease: Any, sub: Any, picks: Any, due: Any = None, graded_from: Any = None) -> list[Any]:
         assert threading.current_thread().name.startswith("echo2-check")  # the checker's own thread
         self.due = due()  # whether the claim was at the admission floor when its check ran
         self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

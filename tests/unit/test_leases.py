@@ -41,7 +41,7 @@ def test_standing_probation_slow_start_strikes_and_the_bench():
     st.asked("v", now=10.0)
     assert st.asked_within("v", 15.0, 10.0) and not st.asked_within("v", 25.0, 10.0)
     assert not st.asked_within("nobody", 0.0, 10.0)
-    assert st.metrics() == {"leases/unreturned": 4, "leases/benched": 2}
+    assert st.metrics() == {"leases/unreturned": 4, "leases/stale_answers": 0, "leases/benched": 2}
 
 
 class Clock:

@@ -121,7 +121,7 @@ BAD = [
     (_set("groups.0.samples.1.completion_ids.0", 3.0), "schema", "groups[0].samples[1].completion_ids[0]"),
     (_set("groups.0.samples.1.prompt_ids.0", True), "schema", "groups[0].samples[1].prompt_ids[0]"),
     (_set("groups.0.samples.1.reward", "1.0"), "schema", "groups[0].samples[1].reward"),
-    (_set("groups.0.samples.1.reward", "del"), "schema", "groups[0].samples[1].reward"),
+    (_set("groups.0.samples.1.completion_ids", "del"), "schema", "groups[0].samples[1].completion_ids"),
     (_set("groups.0.samples.1.bogus", 1), "schema", "groups[0].samples[1].bogus"),
     (_set("extra", 1), "schema", "extra"),
     (_set("groups.1.samples.0.meta", {"nested": {"a": 1}}), "schema", "groups[1].samples[0].meta"),

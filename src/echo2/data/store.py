@@ -439,6 +439,14 @@ class TrajectoryStore:
             self._bump("leases_expired", 1)
         return _decode_prompts(row[0])
 
+    def held_by_worker(self) -> dict[str, int]:
+        """Trajectories waiting for their generation check (held, buffered), per worker holding any."""
+        rows = self._db.execute(
+            "SELECT l.worker_id, SUM(g.n_traj) FROM rollout_groups g JOIN leases l USING (lease_id) "
+            "WHERE g.held = 1 AND g.consumed_step IS NULL GROUP BY l.worker_id"
+        ).fetchall()
+        return {str(w): int(n) for w, n in rows}
+
     def open_prompts_by_worker(self) -> dict[str, int]:
         """Prompts of the open leases, per worker holding any."""
         rows = self._db.execute(

@@ -47,7 +47,10 @@ def make_node(
     n = SimpleNamespace(cfg=cfg, v=0)
     n.store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
     key = new_signing_key()
-    registry = WorkerRegistry(tmp_path, TOKEN, time.time, cfg.security.max_workers, cfg.security.slot_idle_s)
+    sec = cfg.security
+    registry = WorkerRegistry(
+        tmp_path, TOKEN, time.time, sec.max_workers, sec.slot_idle_s, sec.max_identities
+    )
     publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
     lora = LoraSettings(scale=2.0, base_digest="ab" * 32) if lora_base is not None else None
     identity = Identity(

@@ -492,6 +492,28 @@ def test_held_groups_are_never_trained_until_released(store):
     assert store.take_batch(1, 0, step=2) is None and store.stats().held == 0
 
 
+def test_the_learner_waits_for_a_check_its_update_would_leave_behind(store):
+    """S = 2, the learner at version 4 (the floor 2): a held group claiming 2 would be left behind unchecked
+    by the next update, so take_batch waits (None, counted) though trainable groups are there; a held
+    group claiming 3 does not hold it up. Its check done (released or dropped), the learner goes on."""
+    at_floor = store.issue_lease("w1", prompts("a"), now=0.0, ttl_s=10.0)
+    newer = store.issue_lease("w1", prompts("b"), now=0.0, ttl_s=10.0)
+    ready = store.issue_lease("w2", prompts("c", "d"), now=0.0, ttl_s=10.0)
+    store.submit(
+        validate_submission(body(at_floor, ["a"], version=2), LIMITS, 3), "w1", 4, now=1.0, hold=True
+    )
+    store.submit(validate_submission(body(newer, ["b"], version=3), LIMITS, 3), "w1", 4, now=1.0, hold=True)
+    store.submit(validate_submission(body(ready, ["c", "d"], version=3), LIMITS, 3), "w2", 4, now=1.0)
+    assert store.take_batch(1, 4, step=5) is None and store.waits_for_checks == 1
+    store.release(at_floor)
+    batch = store.take_batch(2, 4, step=5)  # the held group at 3 is next update's concern, not this one's
+    assert batch is not None and [g[0].prompt_id for g in batch] == ["a", "c"]
+    assert store.take_batch(1, 5, step=6) is None and store.waits_for_checks == 2  # at 5 the floor is 3: "b"
+    assert store.drop_held(newer) == G  # its check could not run: dropped, and the learner goes on
+    got = store.take_batch(1, 5, step=6)
+    assert got is not None and [g[0].prompt_id for g in got] == ["d"]
+
+
 def test_a_restarted_store_drops_what_an_earlier_process_held(tmp_path):
     first = TrajectoryStore(tmp_path / "s.db", staleness=2, group_size=G)
     lease = first.issue_lease("w1", prompts("a"), now=0.0, ttl_s=10.0)

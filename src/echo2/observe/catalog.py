@@ -624,6 +624,13 @@ SECURITY_CHECK_EXPIRED = _m(
     "untrained, a strike for their worker",
     RUN,
 )
+SECURITY_WAITS_FOR_CHECKS = _m(
+    "security/waits_for_checks",
+    "count",
+    "times the learner waited for the check of a drawn submission at the admission floor before an update "
+    "(the update would have left it behind unchecked)",
+    RUN,
+)
 SECURITY_CHECK_CAPACITY = _m(
     "security/check_capacity",
     "completions/s",

@@ -228,6 +228,7 @@ class Intake:
             m.SECURITY_CHECK_SHARE.key: self.check_share(),
             m.SECURITY_CHECK_DECLINED.key: gen.declined if gen else 0,
             m.SECURITY_CHECK_EXPIRED.key: self.check_expired,
+            m.SECURITY_WAITS_FOR_CHECKS.key: self.store.waits_for_checks,
             m.SECURITY_CHECK_CAPACITY.key: gen.capacity()[0] if gen else 0.0,
             m.SECURITY_CHECK_CAPACITY_TOKENS.key: gen.capacity()[1] if gen else 0.0,
             m.SECURITY_NEAR_TIES.key: gen.near_ties if gen else 0,

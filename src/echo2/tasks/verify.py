@@ -46,7 +46,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from echo2.models.policy import TextCodec
 
 REWARD_TOLERANCE = 1e-6  # a claimed reward this close to the recomputed one is the same reward
+SHORT_ROWS = 64  # completions that fit in one chunk re-run together through the decoder
 # these quarantine: an honest worker cannot produce them
 EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch", "turn_mask"})
 
@@ -514,10 +515,9 @@ class GenerationCheck:
         graded_from: Callable[[int, int], int],
     ) -> list[Verdict]:
         verdicts, ties = [], []
-        for i, j in picks:  # one completion at a time: the first forgery ends the check
+        for i, j, state_CX in self._states_of(sub, picks):  # in order: the first forgery ends the check
             t = sub.groups[i][j]
             row = i * len(sub.groups[i]) + j  # the row it was sampled in (rollout/collect.py)
-            (state_CX,) = self._hidden([t])
             verdict = self.rerun(t, lease.seed, row, state_CX)
             verdicts.append(verdict)
             if verdict.misses:  # no share of a completion may miss
@@ -539,6 +539,25 @@ class GenerationCheck:
             )
         return verdicts
 
+    def _states_of(self, sub: Submission, picks: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, Any]]:
+        """``(group, sample, state)`` of every pick, in order: completions that fit in one chunk with their
+        prompt go through the decoder together (runs of up to ``SHORT_ROWS``: one padded pass instead of
+        a pass each), longer ones one at a time in chunks (:meth:`_hidden`)."""
+        step = max(1, self.cfg.check_chunk_tokens)
+
+        def short(k: int) -> bool:
+            t = sub.groups[picks[k][0]][picks[k][1]]
+            return len(t.prompt_ids) + len(t.completion_ids) <= step
+
+        k = 0
+        while k < len(picks):
+            run = [k]
+            while short(k) and len(run) < SHORT_ROWS and run[-1] + 1 < len(picks) and short(run[-1] + 1):
+                run.append(run[-1] + 1)
+            states = self._hidden([sub.groups[picks[r][0]][picks[r][1]] for r in run])
+            yield from ((*picks[r], st) for r, st in zip(run, states, strict=True))
+            k = run[-1] + 1
+
     def _hidden(self, trajectories: Sequence[Trajectory]) -> list[Any]:
         """What the loaded weights give at every completion position of each trajectory: the decoder's
         hidden states there (``[C, H]``; the LM head runs later, one chunk of positions at a time), from
@@ -553,12 +572,38 @@ class GenerationCheck:
         if self._parts is None:
             self._parts = lm_parts(self.model) or False
         device = next(self.model.parameters()).device
+        step = max(1, self.cfg.check_chunk_tokens)
+        if self._parts and len(trajectories) > 1:
+            assert all(len(t.prompt_ids) + len(t.completion_ids) <= step for t in trajectories)
+            return self._short_states(trajectories, device)
         if self._parts:
             return [self._states(t, device) for t in trajectories]
         batch = pack(trajectories, [[1.0] * len(t.completion_ids) for t in trajectories], 0, device)
         with torch.no_grad():
             logits_BTV = completion_logits(self.model, batch).float()
         return [logits_BTV[b, : len(t.completion_ids)] for b, t in enumerate(trajectories)]
+
+    def _short_states(self, trajectories: Sequence[Trajectory], device: Any) -> list[Any]:
+        """:meth:`_states` of completions that fit in one chunk with their prompt, in one right-padded
+        pass of the decoder (a pad after a row's tokens is never attended to by them)."""
+        import torch
+
+        L = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories) - 1
+        ids_BL = torch.zeros((len(trajectories), L), dtype=torch.long)
+        mask_BL = torch.zeros((len(trajectories), L), dtype=torch.long)
+        for b, t in enumerate(trajectories):
+            seq = [*t.prompt_ids, *t.completion_ids][:-1]  # the last token predicts nothing checked
+            ids_BL[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask_BL[b, : len(seq)] = 1
+        with torch.no_grad():
+            h_BLH = self._parts.decoder(
+                input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device), use_cache=False
+            ).last_hidden_state
+        self.turns.pause()
+        return [
+            h_BLH[b, len(t.prompt_ids) - 1 : len(t.prompt_ids) - 1 + len(t.completion_ids)]
+            for b, t in enumerate(trajectories)
+        ]
 
     def _states(self, t: Trajectory, device: Any) -> Any:
         """The decoder's hidden states at the positions that predict ``t``'s completion tokens

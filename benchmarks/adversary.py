@@ -53,7 +53,8 @@ fixed here, before any run:
   repeat, 3 interleaved repeats. Targets: median ratio >= 0.8 for the liar and the hoarders, >= 0.9
   for the stalling relay.
 - **length_honest**, **length_honest_bf16**, **length_attacks**, **stale_flood**: at real answer lengths,
-  with attackers that adapt (``echo2_bench/length_studies.py`` states their targets).
+  with attackers that adapt (``echo2_bench/length_studies.py`` states their targets); they write
+  results/adversary_length.json.
 - **garbage**: the garbage suite (`echo2_bench/garbage.py`: deep JSON bodies and tokens, lone
   surrogates, NUL in a header, Content-Length with Transfer-Encoding, a short body, a price of
   1e-300, an install_s of 1e308, a 5,000-deep broadcast frame header, over-budget snapshot pulls, a
@@ -585,6 +586,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300, help="steps of each cost-study run")
     p.add_argument("--length", type=int, default=256, help="completion tokens of the length_* studies")
     p.add_argument("--length-n", type=int, default=10_000, help="completions re-run by length_honest(_bf16)")
+    p.add_argument("--length-minutes", type=float, default=0.0, help="stop length_honest(_bf16) after this")
     p.add_argument(
         "--flood-width", type=int, default=6, help="flooding identities at a time (length_attacks)"
     )
@@ -604,12 +606,19 @@ def main() -> int:
         "poison": lambda: study_poison(a.out, a.poison_minutes, a.poison_minutes / 2),
         "liveness": lambda: study_liveness(a.out, a.repeats, a.window),
         "garbage": lambda: study_garbage(a.out),
-        "length_honest": lambda: ls.study_length_honest(a.out, "float32", a.length_n, a.length),
-        "length_honest_bf16": lambda: ls.study_length_honest(a.out, "bfloat16", a.length_n, a.length),
+        "length_honest": lambda: ls.study_length_honest(
+            a.out, "float32", a.length_n, a.length, a.length_minutes
+        ),
+        "length_honest_bf16": lambda: ls.study_length_honest(
+            a.out, "bfloat16", a.length_n, a.length, a.length_minutes
+        ),
         "length_attacks": lambda: ls.study_length_attacks(a.out, a.length, a.flood_width),
         "stale_flood": lambda: ls.study_stale_flood(a.out, a.repeats, a.window, LIVENESS_WARM_S, HONEST_RATE),
     }
     for s in studies if a.study == "all" else [a.study]:
+        if s in LENGTH_STUDIES:  # a results file of their own: results/adversary_length.json
+            ls.record(a.out, s, run[s](), a.reading)
+            continue
         res[s] = on_record(res.get(s), run[s](), a.reading)  # every earlier reading kept
         a.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))

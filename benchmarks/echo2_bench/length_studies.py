@@ -27,6 +27,7 @@ here before any of them ran:
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,12 @@ STALE_POINTS = 0.02
 CONDITIONS = ("baseline", "stale_hoard", "flood")
 
 
-def study_length_honest(out: Path, dtype: str, completions: int, length: int) -> dict[str, Any]:
+def study_length_honest(
+    out: Path, dtype: str, completions: int, length: int, minutes: float
+) -> dict[str, Any]:
     from echo2_bench.adversary_length_runs import honest_length
 
-    got = honest_length(out, dtype, completions, length)
+    got = honest_length(out, dtype, completions, length, minutes=minutes)
     got["target"] = f">= {HONEST_COMPLETIONS} completions of >= {MIN_LENGTH} tokens re-run, 0 false forgeries"
     got["sample_reached"] = got["completions"] >= HONEST_COMPLETIONS and length >= MIN_LENGTH
     got["met"] = got["sample_reached"] and got["false_forgeries"] == 0
@@ -128,3 +131,14 @@ def study_stale_flood(out: Path, repeats: int, window_s: float, warm_s: float, r
         "forged groups admitted trainable"
     )
     return result
+
+
+def record(out: Path, study: str, got: dict[str, Any], reading: str) -> None:
+    """Keep ``got`` as ``study``'s newest reading in ``out/adversary_length.json`` (earlier ones kept)."""
+    from echo2_bench.record import on_record
+
+    path = out / "adversary_length.json"
+    res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    res[study] = on_record(res.get(study), got, reading)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1, default=str))

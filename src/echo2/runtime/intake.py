@@ -162,7 +162,8 @@ class Intake:
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
         """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if
         refused. Evidence of lying (``verify.EVIDENCE``) also quarantines the worker."""
-        lease, picks = None, []
+        lease: Lease | None = None
+        picks: list[tuple[int, int]] = []
         try:
             lease = self._lease_named(body)  # the store's own thread
             ours = lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted"

@@ -41,6 +41,7 @@ class Positions:
     near_c: torch.Tensor  # not the draw, but a declared near tie (within the margin, in the nucleus)
     deficit_c: torch.Tensor  # best perturbed score (surely in the nucleus) - the token's (<= 0: the best)
     room_c: torch.Tensor  # a token other than the draw lies within the margin of the best: room to choose
+    gap_c: torch.Tensor  # best - second best perturbed score of the tokens surely in the nucleus (inf: one)
 
 
 def judge(
@@ -80,8 +81,9 @@ def judge(
     exact_c = tok_c == draw_c
     near_c = ~exact_c & maybe_in_c & (deficit_c <= margin)
     second_c = top2_c2[:, -1] if top2_c2.shape[-1] > 1 else torch.full_like(best_c, -math.inf)
-    room_c = (best_c - second_c <= margin) | near_c
-    return Positions((logp_c - claimed_c).abs(), exact_c, near_c, deficit_c, room_c)
+    gap_c = best_c - second_c
+    room_c = (gap_c <= margin) | near_c
+    return Positions((logp_c - claimed_c).abs(), exact_c, near_c, deficit_c, room_c, gap_c)
 
 
 class LogHistogram:
@@ -113,6 +115,11 @@ class LogHistogram:
             if seen >= need and n:
                 return min(self.max, _EDGES[k]) if k < len(_EDGES) else self.max
         return self.max
+
+    def at_most(self, x: float) -> int:
+        """How many were at most ``x``'s bin's upper edge (an upper bound of how many were at most ``x``)."""
+        k = int(torch.bucketize(torch.tensor([x], dtype=torch.float64), self.edges)[0])
+        return sum(self.counts[: k + 1])
 
     def above(self, x: float) -> int:
         """How many exceeded ``x``'s bin (an upper bound of how many exceeded ``x``)."""

@@ -352,6 +352,7 @@ class GenerationCheck:
         self.errors = LogHistogram()  # per position: |claimed - recomputed| sampler log-prob
         self._busy_s = self._busy_done = self._busy_tokens = 0.0  # checking: seconds, completions, tokens
         self.deficits = LogHistogram()  # per position not the check's draw: best perturbed score - its
+        self.gaps = LogHistogram()  # per position: best - second best perturbed score (room at any margin)
         self.declined = 0  # submissions the full-rate draw picked that a full check queue let through
         self._parts: Any = None  # the model's decoder and LM head (learner/logprobs.lm_parts), False: none
         self._stream: Any = None  # on a CUDA device, the check's own stream (:meth:`_own_stream`)
@@ -692,6 +693,7 @@ class GenerationCheck:
         )
         self.errors.add(got.error_c)
         self.deficits.add(got.deficit_c[~got.exact_c])
+        self.gaps.add(got.gap_c[torch.isfinite(got.gap_c)])
         self.checked += 1
         self.tokens += verdict.tokens
         self.near_ties += verdict.near_ties

@@ -4,10 +4,11 @@
 - ``stale_hoard(k)``: ``k`` identities lease claiming the oldest admissible published version, wait until
   their answer is too stale to admit, and answer with typed groups (well formed, made up): before, a stale
   answer counted as a returned lease, so they left probation and held most of the in-flight budget;
-- ``flood(width)``: ``width`` fresh identities doing honest one-prompt work at once (each of their first
-  submissions drawn for the check), a new identity for each that is caught or benched, beside a **proven
-  forger**: an identity that passed its first checks honestly and then rewrites every wrong answer of its
-  completions into the right one (the answer worked out from the prompt), claiming the weights' log-probs.
+- ``flood(width)``: a **proven forger** (an identity that passes its first checks honestly and then
+  rewrites every wrong answer of its completions into the right one, the answer worked out from the
+  prompt, claiming the weights' log-probs) and, from the moment it is proven, ``width`` fresh identities
+  doing honest one-prompt work at once (each of their first submissions drawn for the check), a new
+  identity for each that is caught or idle.
 
 :func:`honest_stale_share` reads the store: of the honest worker's answered leases in a window, the share of
 their groups dropped as stale (at submission, or later in the buffer).
@@ -170,9 +171,7 @@ def flood(width: int) -> Any:
             await worker.start()
             await forger.start()
             lock = asyncio.Lock()
-            tasks = [
-                asyncio.ensure_future(_flood_one(worker, token, lock, stop, tally)) for _ in range(width)
-            ]
+            tasks: list[asyncio.Future[Any]] = []
             while not stop.is_set() and (
                 not outcomes or outcomes[-1] not in ("quarantined", "forged_generation")
             ):
@@ -182,6 +181,11 @@ def flood(width: int) -> Any:
                 if outcomes and outcomes[-1] == "no_lease":
                     outcomes.pop()
                     await asyncio.sleep(0.3)
+                if forger.lying and not tasks:  # proven: now the flood comes, and it lies
+                    tasks = [
+                        asyncio.ensure_future(_flood_one(worker, token, lock, stop, tally))
+                        for _ in range(width)
+                    ]
             await stop.wait()
             await _cancel(tasks)
             quarantined = await _caught(forger)

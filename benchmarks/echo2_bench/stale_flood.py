@@ -176,8 +176,10 @@ def flood(width: int) -> Any:
                 not outcomes or outcomes[-1] not in ("quarantined", "forged_generation")
             ):
                 async with lock:
-                    with contextlib.suppress(Refused):
+                    try:
                         outcomes.append(await forger.submit_one())
+                    except Refused as exc:  # any call of a quarantined identity
+                        outcomes.append(exc.reply.error)
                 if outcomes and outcomes[-1] == "no_lease":
                     outcomes.pop()
                     await asyncio.sleep(0.3)

@@ -13,7 +13,9 @@ fixed here, before any run:
   released (a surplus worker, no lease for a minute) before it was caught counts as not caught (budget
   + 1 in the median). Targets: sampled attacks quarantined within a median of <= 5 submissions;
   deterministic attacks 100% refused and 0 of their groups trained on (for replay: 0 replayed copies,
-  its first submissions being its own honest work).
+  its first submissions being its own honest work). Since the learner grades every completion itself
+  (no grading secret on the wire), forged rewards are no longer refused: their target is 0 groups stored
+  with a reward that is not the task's grade.
 - **honest**: every completion of every submission re-run (``security.check_fraction = 1``, a check
   queue that declines none) on honest workers until >= 10,000 trajectories were checked. Target: 0
   quarantines.
@@ -50,6 +52,9 @@ fixed here, before any run:
   the window / its seconds; each condition's rate over the baseline's (no attackers) of the same
   repeat, 3 interleaved repeats. Targets: median ratio >= 0.8 for the liar and the hoarders, >= 0.9
   for the stalling relay.
+- **length_honest**, **length_honest_bf16**, **length_attacks**, **stale_flood**: at real answer lengths,
+  with attackers that adapt (``echo2_bench/length_studies.py`` states their targets); they write
+  results/adversary_length.json.
 - **garbage**: the garbage suite (`echo2_bench/garbage.py`: deep JSON bodies and tokens, lone
   surrogates, NUL in a header, Content-Length with Transfer-Encoding, a short body, a price of
   1e-300, an install_s of 1e308, a 5,000-deep broadcast frame header, over-budget snapshot pulls, a
@@ -83,9 +88,12 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from echo2.observe.rundir import read_metrics  # noqa: E402
+from echo2_bench import length_studies as ls  # noqa: E402
 from echo2_bench import perimeter_study, preauth_cost  # noqa: E402
 from echo2_bench.adversary_runs import CORES, ledger, start_run, stop, wait_ready  # noqa: E402
 from echo2_bench.record import on_record  # noqa: E402
+
+LENGTH_STUDIES = ("length_honest", "length_honest_bf16", "length_attacks", "stale_flood")  # length_studies
 
 TARGET_QUARANTINE = 5  # submissions, median over trials
 TARGET_COST = 1.05
@@ -106,15 +114,16 @@ CONDITIONS = ("baseline", "rate_lie", "hoard_2", "hoard_4", "hoard_8", "staller"
 async def attack(info: dict[str, Any], token: str, kinds: list[str], trials: int) -> list[dict[str, Any]]:
     import aiohttp
 
-    from echo2_bench.adversary import DETERMINISTIC, Attacker, attack_until_caught
+    from echo2_bench.adversary import DETERMINISTIC, REGRADED, Attacker, attack_until_caught
 
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for kind in kinds:
             att = Attacker(info["join"], token, kind, session, max_prompts=ATTACKER_PROMPTS)
             await att.start()
-            n = max(3, (trials + 2) // 3) if kind in DETERMINISTIC else trials  # 7 x 3 >= 20 submissions
-            budget = 3 if kind in DETERMINISTIC else BUDGET
+            few = kind in DETERMINISTIC + REGRADED
+            n = max(3, (trials + 2) // 3) if few else trials  # 7 x 3 >= 20 submissions
+            budget = 3 if few else BUDGET
             t0 = time.perf_counter()
             got = await attack_until_caught(att, n, budget)
             await att.close()
@@ -125,7 +134,8 @@ async def attack(info: dict[str, Any], token: str, kinds: list[str], trials: int
 
 
 def study_attacks(out: Path, trials: int) -> dict[str, Any]:
-    from echo2_bench.adversary import ATTACKS, DETERMINISTIC, SAMPLED
+    from echo2_bench.adversary import ATTACKS, DETERMINISTIC, REGRADED, SAMPLED
+    from echo2_bench.adversary_length import regrade
 
     run_dir = out / "adversary_runs" / "attacks"
     proc = start_run(run_dir, "runtime.workers=1", "security.max_workers=1000")
@@ -148,7 +158,10 @@ def study_attacks(out: Path, trials: int) -> dict[str, Any]:
             "ledger": ledger(run_dir, [t["worker_id"] for t in ts]),
             "seconds_per_trial": statistics.fmean(t["seconds"] for t in ts),
         }
-        if kind in SAMPLED:
+        if kind in REGRADED:  # nothing refused: what is stored must be the learner's grades, not its claims
+            entry["stored_rewards_not_the_grade"] = regrade(run_dir, [t["worker_id"] for t in ts])
+            entry["met"] = entry["stored_rewards_not_the_grade"] == 0
+        elif kind in SAMPLED:
             # every identity is scored: one not caught (within the budget, or before the pool released
             # it) counts as BUDGET + 1; the median of the identities the pool kept is the old reading
             released = [t for t in ts if t["released"] and t["quarantined_after"] is None]
@@ -561,7 +574,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     studies = [
         "attacks", "honest", "honest_bf16", "honest_bf16_vllm", "bf16_errors", "restart", "cost", "poison",
-        "liveness", "garbage", "perimeter", "preauth_cost",
+        "liveness", "garbage", "perimeter", "preauth_cost", *LENGTH_STUDIES,
     ]  # fmt: skip
     p.add_argument("--study", choices=[*studies, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
@@ -574,6 +587,12 @@ def main() -> int:
     p.add_argument("--holders", type=int, default=4, help="identities holding leases across the restart")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=300, help="steps of each cost-study run")
+    p.add_argument("--length", type=int, default=256, help="completion tokens of the length_* studies")
+    p.add_argument("--length-n", type=int, default=10_000, help="completions re-run by length_honest(_bf16)")
+    p.add_argument("--length-minutes", type=float, default=0.0, help="stop length_honest(_bf16) after this")
+    p.add_argument(
+        "--flood-width", type=int, default=6, help="flooding identities at a time (length_attacks)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "results")
     a = p.parse_args()
     subprocess.run([sys.executable, "-m", "echo2.cli", "warmstart"], check=True, capture_output=True)
@@ -592,8 +611,19 @@ def main() -> int:
         "garbage": lambda: study_garbage(a.out),
         "perimeter": lambda: perimeter_study.run_study(a.out),  # echo2_bench/perimeter_study.py
         "preauth_cost": lambda: preauth_cost.run_cost(),  # echo2_bench/preauth_cost.py
+        "length_honest": lambda: ls.study_length_honest(
+            a.out, "float32", a.length_n, a.length, a.length_minutes
+        ),
+        "length_honest_bf16": lambda: ls.study_length_honest(
+            a.out, "bfloat16", a.length_n, a.length, a.length_minutes
+        ),
+        "length_attacks": lambda: ls.study_length_attacks(a.out, a.length, a.flood_width),
+        "stale_flood": lambda: ls.study_stale_flood(a.out, a.repeats, a.window, LIVENESS_WARM_S, HONEST_RATE),
     }
     for s in studies if a.study == "all" else [a.study]:
+        if s in LENGTH_STUDIES:  # a results file of their own: results/adversary_length.json
+            ls.record(a.out, s, run[s](), a.reading)
+            continue
         res[s] = on_record(res.get(s), run[s](), a.reading)  # every earlier reading kept
         a.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))

@@ -8,10 +8,12 @@ Each attack kind (ATTACKS) turns an honest generation into what that attacker su
   ``logprobs`` (tampered sampler log-probs, which would move the importance weights), ``cherry``
   (best-of-n: n draws per prompt under other seeds, the best-rewarded submitted as the lease's),
   ``inflated`` (never installs a newer version, claims the newest published one);
-- every submission is refused: ``reward`` (forged rewards; quarantines), ``prompt`` (foreign prompt
-  tokens), ``deflated`` (claims an older published version than it held at lease time), ``replay`` (the same
-  submission twice), ``poison_100`` / ``poison_1e4`` / ``poison_1e30`` (every sampler log-prob -100,
-  -1e4 or -1e30: below what a sampler can draw; admitted, they overflowed ``exp`` in the loss),
+- never believed: ``reward`` (forged rewards: the learner grades every completion itself, so what it
+  stores is its own grade);
+- every submission is refused: ``prompt`` (foreign prompt tokens), ``deflated`` (claims an older
+  published version than it held at lease time), ``replay`` (the same submission twice),
+  ``poison_100`` / ``poison_1e4`` / ``poison_1e30`` (every sampler log-prob -100, -1e4 or -1e30:
+  below what a sampler can draw; admitted, they overflowed ``exp`` in the loss),
   ``unpublished`` (claims a version between the one it held at lease time and the newest published
   that was never published: with kappa = 2 an odd one, whose weights the learner never held).
 
@@ -30,6 +32,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,16 +43,18 @@ from echo2.protocol import HeartbeatRequest, LeaseGrant, LeaseRequest, SubmitReq
 from echo2.rollout.client import LearnerClient, Refused
 from echo2.rollout.worker import RolloutWorker, WorkerOptions
 from echo2.tasks.registry import build_task
-from echo2.types import Trajectory
+from echo2.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
 SAMPLED = ("model", "logprobs", "cherry", "inflated")  # caught by the sampled generation check
 POISONS = {"poison_100": -100.0, "poison_1e4": -1e4, "poison_1e30": -1e30}  # every sampler log-prob
 # refused on every submission
-DETERMINISTIC = ("reward", "prompt", "deflated", "replay", *POISONS, "unpublished")
-ATTACKS = SAMPLED + DETERMINISTIC
-EVIDENCE = ("forged_generation", "reward_mismatch")  # refusals that quarantine (tasks/verify.py)
+DETERMINISTIC = ("prompt", "deflated", "replay", *POISONS, "unpublished")
+REGRADED = ("reward",)  # admitted, with the learner's grades in place of the claimed rewards
+ATTACKS = SAMPLED + REGRADED + DETERMINISTIC
+# refusals that quarantine (tasks/verify.py: EVIDENCE)
+EVIDENCE = ("forged_generation", "reward_mismatch", "episode_mismatch", "turn_mask")
 CHERRY_N = 4  # draws per prompt a best-of-n attacker picks from
 NO_LEASE_LIMIT = 60  # lease refusals in a row (about a minute) that end a trial as "released"
 
@@ -71,13 +76,17 @@ class Attacker:
     def __init__(
         self, join: str, token: str, kind: str, session: aiohttp.ClientSession, max_prompts: int | None = None
     ) -> None:
-        if kind not in FORGE:
-            raise ValueError(f"unknown attack {kind!r}; one of {ATTACKS} (or honest)")
+        if kind not in self.forges():
+            raise ValueError(f"unknown attack {kind!r}; one of {sorted(self.forges())}")
         self.kind = kind
         self.max_prompts = max_prompts  # prompts per lease (None: what the run's settings say)
         self.w = RolloutWorker(WorkerOptions(join_url=join, token=token, name=f"attacker-{kind}"), build_task)
         self.w.client = LearnerClient(join, session, reconnect_s=30.0, give_up=lambda: self.w.finished)
         self._hb: asyncio.Task[None] | None = None
+
+    def forges(self) -> dict[str, Callable[..., list[list[Trajectory]]]]:
+        """The lies this attacker knows (a kind -> what it does to an honest generation)."""
+        return FORGE
 
     async def start(self) -> None:
         self.w._loop = asyncio.get_running_loop()
@@ -183,13 +192,14 @@ class Attacker:
         from echo2.rollout.collect import collect_groups
 
         w, G = self.w, lease.group_size
+        prompts = [solved(p.prompt()) for p in lease.prompts]  # it grades its own draws (cherry-picking)
 
         def draw(seed: int) -> list[list[Trajectory]]:
             batch = collect_groups(
                 w.codec,
                 w.engine,
                 w.task,
-                lease.prompts,
+                prompts,
                 G,
                 seed=seed,
                 policy_version=w.installed,
@@ -198,7 +208,19 @@ class Attacker:
             ts = batch.trajectories
             return [ts[i : i + G] for i in range(0, len(ts), G)]
 
-        return FORGE[self.kind](self, draw(lease.seed), lease, draw)
+        return self.forges()[self.kind](self, draw(lease.seed), lease, draw)
+
+
+def solved(prompt: Prompt) -> Prompt:
+    """``prompt`` with the answer an attacker works out itself (a lease carries none): the value of the last
+    arithmetic problem its text writes (``37+45=``, ``What is 37 + 45?``), or none."""
+    from echo2.data.tasks.arithmetic import _evaluate, parse_problem
+
+    found = re.findall(r"\d+(?:\s*[-+*]\s*\d+)+", prompt.text)
+    if not found:
+        return prompt
+    operands, ops = parse_problem(found[-1].replace(" ", ""))
+    return dataclasses.replace(prompt, answer=str(_evaluate(operands, ops)))
 
 
 def _same(att: Attacker, groups: list[list[Trajectory]], lease: LeaseGrant, draw: Callable[..., Any]) -> Any:

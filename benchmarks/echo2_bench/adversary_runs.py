@@ -158,14 +158,15 @@ def liveness_run(
         token = (run_dir / "join_token").read_text().strip()
         wait_step(run_dir, proc, 1)
         time.sleep(warm_s)
+        wall = [0.0, 0.0]  # the window's start and end, clock seconds (the learner stamps leases so)
 
         async def window() -> tuple[int, int, float, dict[str, Any]]:
             stop_ev = asyncio.Event()
             task = asyncio.ensure_future(attack(info, token, run_dir, stop_ev)) if attack else None
             await asyncio.sleep(0)  # attackers start at the window's start
-            t0, s0 = time.monotonic(), last_step(run_dir)
+            t0, s0, wall[0] = time.monotonic(), last_step(run_dir), time.time()
             await asyncio.sleep(window_s)
-            s1, dt = last_step(run_dir), time.monotonic() - t0
+            s1, dt, wall[1] = last_step(run_dir), time.monotonic() - t0, time.time()
             stop_ev.set()
             got = await asyncio.wait_for(task, 120) if task else {}
             return s0, s1, dt, got
@@ -175,7 +176,8 @@ def liveness_run(
             raise RuntimeError(f"the learner exited {proc.returncode} in the window; see its log")
     finally:
         rc = stop(proc)
-    return {"steps": s1 - s0, "seconds": dt, "step_rate": (s1 - s0) / dt, "attack": got, "exit": rc}
+    out = {"steps": s1 - s0, "seconds": dt, "step_rate": (s1 - s0) / dt, "attack": got, "exit": rc}
+    return {**out, "window_wall": wall}
 
 
 async def liar_attack(

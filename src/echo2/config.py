@@ -528,7 +528,21 @@ class SecurityConfig(_Section):
         description="share of submissions whose generation is re-checked (log-probs and seeded "
         "Gumbel-max tokens recomputed with the claimed version's weights); 0 = never",
     )
-    check_samples: int = Field(4, ge=1, description="completions re-checked per checked submission")
+    check_floor: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="the least share of every proven identity's submissions drawn for the generation check, "
+        "whatever the check queue does: a full queue lowers the draw from check_fraction to this and no "
+        "further, and a drawn submission waits for its check (held, within the in-flight budget), never "
+        "admitted unchecked; taken as check_fraction when above it",
+    )
+    check_samples: int = Field(
+        0,
+        ge=0,
+        description="completions re-run per drawn submission; 0 = every one, so a submission with one "
+        "forged completion fails whenever it is drawn",
+    )
     check_first: int = Field(
         3,
         ge=0,
@@ -540,9 +554,10 @@ class SecurityConfig(_Section):
     check_queue: int = Field(
         32,
         ge=1,
-        description="submissions that may wait for their generation check (their groups held untrained); "
-        "a proven identity's share checked falls as the queue fills: check_fraction x (1 - waiting / "
-        "check_queue); a new identity's is 1 until the queue is full",
+        description="submissions waiting for their generation check beyond which a new identity's is "
+        "refused (check_busy, no strike); a proven identity's share drawn falls as the queue fills, "
+        "max(check_floor, check_fraction x (1 - waiting / check_queue)), and its drawn submissions wait "
+        "beyond it (held, within the in-flight budget)",
     )
     check_nice: int = Field(
         19,
@@ -587,12 +602,6 @@ class SecurityConfig(_Section):
         "is taken as the seeded draw (numerical noise near ties); unset = engine_precision's (float32 0.05, "
         "bfloat16 0.5)",
     )
-    max_token_misses: float = Field(
-        0.02,
-        ge=0.0,
-        lt=1.0,
-        description="share of a completion's tokens allowed to fail the checks before it is a forgery",
-    )
     min_logprob: float | None = Field(
         None,
         allow_inf_nan=False,
@@ -604,6 +613,14 @@ class SecurityConfig(_Section):
         ge=1,
         description="registration slots of the join token: an identity holds one while trusted and heard "
         "from within slot_idle_s, or for slot_idle_s after it was quarantined",
+    )
+    max_identities: int = Field(
+        256,
+        ge=1,
+        description="identities the join token may register over the whole run (restarts included: "
+        "workers.json keeps them): every registration, re-registration and quarantined identity counts, so "
+        "an attacker's identities, and what each can get trained before it is caught, are finite "
+        "(identity_budget once spent)",
     )
     slot_idle_s: float = Field(
         600.0,
@@ -658,6 +675,11 @@ class SecurityConfig(_Section):
         "hour, beyond a burst of max_workers copies (docs/security.md: what a token holder can pull)",
     )
     perimeter: PerimeterConfig = Field(default_factory=PerimeterConfig)
+
+    def floor(self) -> float:
+        """The least share of a proven identity's submissions drawn: ``check_floor``, at most
+        ``check_fraction`` (0 there turns the check off)."""
+        return min(self.check_floor, self.check_fraction)
 
     def tolerances(self) -> tuple[float, float]:
         """(log-prob, draw) tolerances of the generation check: the ones set, else the engine

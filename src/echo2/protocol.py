@@ -97,9 +97,13 @@ class SampleWire(BaseModel):
     prompt_ids: list[StrictInt]  # token ids of the prompt as the policy saw it
     completion_ids: list[StrictInt]  # sampled token ids
     sampler_logprobs: list[StrictFloat]  # per-token log-probs under the sampler
-    reward: StrictFloat  # r = R(x, y) from the task adapter
+    # r = R(x, y): in the store, the learner's own grade; from a worker a hint at most, never believed (the
+    # learner grades every completion itself, tasks/verify.py), so a worker that cannot grade sends 0
+    reward: StrictFloat = 0.0
     meta: dict[StrictStr, Any] = {}  # Ω: parse status, truncation, ... (scalars only, checked)
-    turn_mask: list[StrictInt] = []  # multi-turn: 1 = the policy's token, 0 = the environment's; [] = all 1
+    # multi-turn episodes only: 1 = the policy's token, 0 = the environment's; [] = all 1. A single-turn
+    # task's submission carries none (or all ones); an episode's mask in the store is the replay's
+    turn_mask: list[StrictInt] = []
 
 
 class GroupWire(BaseModel):
@@ -177,12 +181,35 @@ class HeartbeatReply(BaseModel):
     finished: bool  # the run is over: stop
 
 
+class LeasedPrompt(BaseModel):
+    """A prompt as a lease carries it: what the policy is shown and what a worker needs to roll it out,
+    never what grades it. ``Prompt.answer`` (the gold answer, tests, a rubric's input) stays with the
+    learner, which grades every completion itself (``tasks/verify.py``); ``meta`` is the task's public
+    extras (an episode's seed and opponents, a system message), which a task never uses for a secret
+    (``data/tasks/base.py``)."""
+
+    model_config = LENIENT
+
+    prompt_id: str  # the id a group answering it names
+    text: str  # the prompt shown to the policy
+    meta: dict[str, Any] = {}  # public extras: an episode's seed, a system message, ...
+
+    @classmethod
+    def of(cls, prompt: Prompt) -> LeasedPrompt:
+        """The leased form of a learner-side prompt: its answer left out."""
+        return cls(prompt_id=prompt.prompt_id, text=prompt.text, meta=dict(prompt.meta))
+
+    def prompt(self) -> Prompt:
+        """The prompt a worker rolls out: no answer (a worker does not grade; the learner does)."""
+        return Prompt(prompt_id=self.prompt_id, text=self.text, answer="", meta=dict(self.meta))
+
+
 class LeaseGrant(BaseModel):
     model_config = LENIENT
 
     kind: Literal["grant"] = "grant"
     lease_id: str  # answer it with a submission of the same id
-    prompts: list[Prompt]  # the prompts to sample, in order
+    prompts: list[LeasedPrompt]  # the prompts to sample, in order (no grading secret: LeasedPrompt)
     group_size: int  # completions per prompt
     min_version: int  # generate with at least this version (else the groups are dropped as stale)
     expires_in_s: float  # after this the prompts are leased to someone else (a late answer still counts)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 # A learner process's run epoch (observe/rundir.next_epoch): one more at every start on a run directory;
 # versions, leases and manifests are of one epoch. Below 2^53 so that any JSON reader keeps it exact.
 MAX_EPOCH = 2**53
+SECRET = "grading_secret"  # field metadata: what grades a completion, never sent to a worker (SPEC §10)
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,12 @@ class Prompt:
 
     prompt_id: str  # stable id within the task split (also the GRPO group key)
     text: str  # the prompt shown to the policy
-    answer: str  # reference answer the reward function checks against
-    meta: dict[str, Any] = field(default_factory=dict)  # task-specific extras (difficulty, source line, ...)
+    # the reference answer the reward function checks against: a grading secret, kept by the learner
+    # (a lease carries protocol.LeasedPrompt, without it); "" on a worker, which does not grade
+    answer: str = field(metadata={SECRET: True})
+    # task-specific public extras (an episode's seed, a system message, ...): leased to workers, so never
+    # a grading secret
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ import pytest
 from waiting import last_step, wait_for
 
 from echo2.observe.rundir import read_metrics
+from echo2_bench.adversary_length import regrade
 
 pytestmark = pytest.mark.integration
 KINDS = (
     "model",
     "logprobs",
+    "launder",
     "reward",
     "prompt",
     "deflated",
@@ -33,8 +35,8 @@ KINDS = (
     "unpublished",
 )
 # the generation check runs after the answer (the worker is told pending_check; the verdict quarantines
-# it before its next call), the reward check in the request
-FORGERIES = {"model": "pending_check", "logprobs": "pending_check", "reward": "reward_mismatch"}
+# it before its next call), the turn mask check in the request
+FORGERIES = {"model": "pending_check", "logprobs": "pending_check", "launder": "turn_mask"}
 
 
 async def _attack(join: str, token: str) -> dict[str, object]:
@@ -43,6 +45,7 @@ async def _attack(join: str, token: str) -> dict[str, object]:
     from echo2.protocol import HeartbeatRequest, RegisterRequest
     from echo2.rollout.client import LearnerClient, Refused
     from echo2_bench.adversary import Attacker, Hoarder, attack_until_caught
+    from echo2_bench.adversary_length import LengthAttacker
 
     out: dict[str, object] = {}
     async with aiohttp.ClientSession() as session:
@@ -50,7 +53,12 @@ async def _attack(join: str, token: str) -> dict[str, object]:
         hoarders = [Hoarder(join, token, session, f"hoarder{i}") for i in range(2)]
         hoarding = [asyncio.ensure_future(h.run(stop)) for h in hoarders]
         for kind in KINDS:
-            att = Attacker(join, token, kind, session, max_prompts=1)
+            cls = LengthAttacker if kind == "launder" else Attacker
+            att = (
+                cls(join, token, kind, session)
+                if kind == "launder"
+                else cls(join, token, kind, session, max_prompts=1)
+            )
             await att.start()
             (trial,) = await attack_until_caught(att, 1, budget=4 if kind in FORGERIES else 2)
             out[kind] = (trial.worker_id, trial.outcomes, trial.quarantined_after)
@@ -145,15 +153,18 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
         allowed = {"too_many_leases", "probation_full", "benched", "inactive", "buffer_full", "stale_weights"}
         assert set(tally.refusals) <= allowed and tally.refusals.get("too_many_leases", 0) >= 1, tally
     assert got["download:None"] == 401 and got["download:forged-credential"] == 403
-    # the cap: 1 honest + 9 attackers + 2 hoarders + the liar = 13 registrations before the flood,
-    # 4 more allowed
-    assert got["flood"] == [200] * 4 + [403] * 8
+    # the cap: 1 honest + 10 attackers + 2 hoarders + the liar = 14 registrations before the flood (17
+    # slots, none freed yet), 3 more allowed
+    assert got["flood"] == [200] * 3 + [403] * 9
 
     workers = {w["worker_id"]: w for w in json.loads((run_dir / "workers.json").read_text())}
     quarantined = {w["name"] for w in workers.values() if w["quarantined"]}
-    assert quarantined == {"attacker-model", "attacker-logprobs", "attacker-reward"}
+    assert quarantined == {"attacker-model", "attacker-logprobs", "attacker-launder"}
+    # the forged rewards were never stored: what its groups carry is the learner's grade
+    assert regrade(run_dir, [got["reward"][0]]) == 0  # type: ignore[index]
     db = sqlite3.connect(run_dir / "store.sqlite")
-    liars = [got[k][0] for k in KINDS if k != "replay"]  # type: ignore[index]
+    # the reward forger's groups are honest completions with the learner's rewards: trained, harmlessly
+    liars = [got[k][0] for k in KINDS if k not in ("replay", "reward")]  # type: ignore[index]
     marks = ",".join("?" * len(liars))
     trained = db.execute(
         "SELECT COUNT(*) FROM rollout_groups g JOIN leases l USING (lease_id) "
@@ -166,8 +177,8 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     rows = [r for r in read_metrics(run_dir) if "security/quarantined" in r]
     last = rows[-1]
     assert last["security/quarantined"] == 3
-    assert last["security/checked_trajectories"] > 20 and last["security/passing_token_misses"] == 0
-    assert last["store/rejected/registration_cap"] == 8
+    assert last["security/checked_trajectories"] > 20 and last["security/position_error_max"] < 0.05
+    assert last["store/rejected/registration_cap"] == 9 and last["store/rejected/turn_mask"] == 1
     assert last["store/rejected/logprob"] == 4 and last["store/rejected/unpublished_version"] == 2
     assert last["store/rejected/forged_generation"] >= 2  # model and logprobs, found by the checker
     (honest,) = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from echo2.protocol import LeaseGrant
-from echo2.types import Prompt, Trajectory
+from echo2.protocol import LeasedPrompt, LeaseGrant
+from echo2.types import Trajectory
 from echo2_bench.adversary import FORGE
 
 
@@ -16,7 +16,7 @@ def _codec() -> SimpleNamespace:
 
 def test_prompt_forgery_never_uses_a_leased_prompt() -> None:
     codec = _codec()
-    leased = [Prompt(prompt_id=t[:-1], text=t, answer="") for t in ("1+1=", "2+2=", "7+4=")]
+    leased = [LeasedPrompt(prompt_id=t[:-1], text=t) for t in ("1+1=", "2+2=", "7+4=")]
     lease = LeaseGrant(lease_id="l", prompts=leased, group_size=1, min_version=0, expires_in_s=1.0, seed=0)
     groups = [
         [Trajectory(p.prompt_id, f"l:{i}", tuple(codec.encode_prompt(p.text)), (1,), (0.0,), 0.0, 0)]

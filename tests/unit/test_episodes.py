@@ -269,7 +269,11 @@ def _forge(sub: Submission, i: int, j: int, **change) -> Submission:
 def test_replay_admits_honest_episodes_and_refuses_forged_ones(played):
     policy, _, _, lease, sub, _ = played
     replay = _replay(played)
-    replay.check(lease, sub)
+    taken = replay.check(lease, sub)  # what the learner stores: the replay's masks and returns
+    assert [(t.turn_mask, t.reward) for g in taken.groups for t in g] == [
+        (t.turn_mask, t.reward) for g in sub.groups for t in g
+    ]
+    assert all(replay.graded_from(lease.prompts[0], t) == 0 for t in sub.groups[0])  # every action read
     t = sub.groups[1][2]
     with pytest.raises(Rejected, match="reward_mismatch"):
         replay.check(lease, _forge(sub, 1, 2, reward=t.reward + 1.0))

@@ -17,6 +17,7 @@ from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected, SubmissionLimits
 from echo2.protocol import SubmitRequest
 from echo2.runtime.intake import Intake
+from echo2.tasks.positions import LogHistogram
 from echo2.types import Prompt
 
 G = 2
@@ -29,12 +30,17 @@ class FakeCheck:
     """The generation check's seam: draws every submission while the share is above 0, holds the
     versions it is given; ``verdict`` decides each check (None: passes), ``gate`` holds it until set."""
 
-    def __init__(self, held: set[int], queue: int = 32, fraction: float = 1.0, first: int = 3) -> None:
+    def __init__(
+        self, held: set[int], queue: int = 32, fraction: float = 1.0, first: int = 3, floor: float = 0.0
+    ) -> None:
         self.held = held
         self.runs = 0
-        self.checked = self.tokens = self.passing_misses = self.declined = self.near_ties = 0
+        self.checked = self.tokens = self.declined = self.near_ties = self.room = 0
         self.worst_passing_error = 0.0
-        self.cfg = SecurityConfig(check_fraction=fraction, check_queue=queue, check_first=first)
+        self.errors = LogHistogram()
+        self.cfg = SecurityConfig(
+            check_fraction=fraction, check_floor=min(floor, fraction), check_queue=queue, check_first=first
+        )
         self.verdict: Rejected | None = None
         self.gate = threading.Event()
         self.gate.set()
@@ -50,7 +56,10 @@ class FakeCheck:
     def holds(self, version: int) -> bool:
         return version in self.held
 
-    def check(self, lease: Any, sub: Any, picks: Any, due: Any = None) -> list[Any]:
+    def capacity(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def check(self, lease: Any, sub: Any, picks: Any, due: Any = None, graded_from: Any = None) -> list[Any]:
         assert threading.current_thread().name.startswith("echo2-check")  # the checker's own thread
         self.due = due()  # whether the claim was at the admission floor when its check ran
         self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -74,6 +83,8 @@ def _body(lease_id: str, version: int) -> SubmitRequest:
 
 REFUSED: list[tuple[str, str, str]] = []
 QUARANTINED: list[tuple[str, str]] = []
+RETURNED: list[str] = []  # the lease broker's returns: leases that came back with admitted work
+STRUCK: list[tuple[str, str]] = []  # and its strikes: (worker, reason)
 RUNNER: list[asyncio.Runner] = []  # one event loop per test: the checker is a task on it
 
 
@@ -90,11 +101,12 @@ EPOCH = 7  # the run epoch of the learner process under test
 
 def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[float]) -> tuple[Intake, Any]:
     store = TrajectoryStore(tmp_path / "s.sqlite", staleness=3, group_size=G)
-    REFUSED.clear()
-    QUARANTINED.clear()
+    for seen in (REFUSED, QUARANTINED, RETURNED, STRUCK):
+        seen.clear()
     intake = Intake(
         store, LIMITS, lambda: 4, lambda: max(published), lambda: now[0], None, check,  # type: ignore[arg-type]
-        lambda v: v in published, lambda w: None, lambda *a: REFUSED.append(a),
+        lambda v: v in published, RETURNED.append, lambda *a: REFUSED.append(a),
+        struck=lambda w, why: STRUCK.append((w, why)),
         quarantine=lambda rec, exc: QUARANTINED.append((rec.worker_id, exc.reason)), epoch=EPOCH,
     )  # fmt: skip
     return intake, store
@@ -108,13 +120,17 @@ def _submit(
     settle: bool = True,
     epoch: int = 0,
     rec: Any = None,
+    late: bool = False,
 ) -> str:
-    """What the worker is told: ``pending`` (drawn: held for the check), ``admitted``, or the refusal;
-    ``settle``: then wait for the check's verdict. The lease is of this learner's run epoch unless
-    ``epoch`` names another; the worker ``w`` is a new identity unless ``rec`` is given."""
+    """What the worker is told: ``pending`` (drawn: held for the check), ``admitted``, ``stale``, or the
+    refusal; ``settle``: then wait for the check's verdict. The lease is of this learner's run epoch
+    unless ``epoch`` names another, and it expired before the answer when ``late``; the worker ``w`` is
+    a new identity unless ``rec`` is given."""
     lease = store.issue_lease(
         "w", [Prompt("p", "1+1=", "2")], now=issued, ttl_s=60.0, seed=1, epoch=epoch or EPOCH
     )
+    if late:
+        store.expire_leases(issued + 61.0)
     rec = rec or SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
     try:
         result = RUNNER[0].run(intake.accept(rec, _body(lease, version)))  # type: ignore[arg-type]
@@ -122,7 +138,7 @@ def _submit(
         return exc.reason
     if settle:
         RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
-    return "pending" if result.held else "admitted"
+    return "pending" if result.held else "stale" if result.dropped_stale else "admitted"
 
 
 def test_claims_of_unpublished_versions_are_refused_every_time(tmp_path):
@@ -230,10 +246,11 @@ def test_a_forgery_found_off_the_request_path_quarantines_and_is_never_trained(t
     RUNNER[0].run(intake.close())
 
 
-def test_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
-    """check_queue = 2: while two checks wait, the share drawn is 0: a proven identity's further
-    submissions are admitted unchecked (counted as declined), a new identity's are refused
-    (check_busy, no fault of the worker's), never admitted unchecked; the backlog never passes 2."""
+def test_without_a_floor_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
+    """check_floor = 0, check_queue = 2: while two checks wait, the share drawn is 0: a proven
+    identity's further submissions are admitted unchecked (counted as declined), a new identity's are
+    refused (check_busy, no fault of the worker's), never admitted unchecked; the backlog never passes
+    2. (The default floor forbids the first: the next test.)"""
     now = [100.0]
     check = FakeCheck(held={4}, queue=2)
     check.gate.clear()
@@ -308,4 +325,102 @@ def test_a_waiting_check_is_on_the_workers_record_and_a_claim_at_the_floor_is_du
     new = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
     assert _submit(intake, store, 4, issued=150.0, rec=new) == "pending"
     assert new.checks_waiting == 0 and check.due is True  # a new identity's; refused, taken off too
+    RUNNER[0].run(intake.close())
+
+
+def test_the_floor_holds_whatever_the_queue_does(tmp_path):
+    """check_floor = 0.25, check_queue = 2: at a full queue a proven identity's draw falls to the floor
+    and no further, and what is drawn waits beyond the queue (held, pending), never admitted unchecked;
+    a new identity's is refused (check_busy). The backlog may pass the queue only by drawn submissions
+    of proven identities (bounded by the in-flight budget, leases.py)."""
+    now = [100.0]
+    check = FakeCheck(held={4}, queue=2, floor=0.25)
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
+    shares: list[float] = []
+    real = check.pick
+    check.pick = lambda sub, share, full: shares.append(share) or real(sub, share, full)  # type: ignore[method-assign]
+    got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(5)]
+    assert got == ["pending"] * 5 and shares == [1.0, 0.5, 0.25, 0.25, 0.25]
+    assert intake.check_share() == 0.25 and intake.metrics()["security/check_backlog"] == 5
+    assert store.stats().held == 5 * G and store.take_batch(1, 4, step=1) is None  # nothing unchecked
+    assert _submit(intake, store, 4, issued=150.0, settle=False) == "check_busy"
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert check.runs == 5 and store.stats().held == 0 and RETURNED == ["w"] * 5 and proven.rollouts == 5 * G
+    RUNNER[0].run(intake.close())
+
+
+def test_a_lease_is_returned_only_by_admitted_work(tmp_path):
+    """Not drawn (check_fraction 0): an answer in time is a return; one too stale to admit is a strike,
+    never a return; a late one (its lease expired first: that was its strike) is admitted, no return.
+    Drawn: the return comes when its check passes, never for a forgery."""
+    now = [100.0]
+    check = FakeCheck(held={0, 4}, fraction=0.0)
+    intake, store = _intake(tmp_path, {0, 4}, check, now)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
+    assert _submit(intake, store, 4, issued=150.0, rec=proven) == "admitted" and RETURNED == ["w"]
+    assert _submit(intake, store, 0, issued=150.0, rec=proven) == "stale"  # v_t 4, S 3: 0 is too old
+    assert RETURNED == ["w"] and STRUCK == [("w", "stale")] and proven.rollouts == G
+    assert _submit(intake, store, 4, issued=150.0, rec=proven, late=True) == "admitted"
+    assert RETURNED == ["w"] and proven.rollouts == 2 * G
+    drawn = FakeCheck(held={4})
+    intake, store = _intake(tmp_path / "drawn", {4}, drawn, now)
+    drawn.gate.clear()
+    new = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=0, checks_waiting=0)
+    assert _submit(intake, store, 4, issued=150.0, settle=False, rec=new) == "pending"
+    assert RETURNED == [] and new.rollouts == 0  # held: not yet admitted work
+    drawn.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert RETURNED == ["w"] and new.rollouts == G
+    drawn.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
+    assert _submit(intake, store, 4, issued=150.0, rec=new) == "pending" and RETURNED == ["w"]
+    RUNNER[0].run(intake.close())
+
+
+@pytest.mark.parametrize(
+    ("reason", "strike", "metric"),
+    [
+        ("unchecked_version", "check_expired", "security/check_expired"),
+        ("graded_tie", None, "security/graded_ties"),
+    ],
+)
+def test_an_expired_check_is_a_strike_and_a_graded_tie_is_not(tmp_path, reason, strike, metric):
+    """A drawn submission whose version left the window before its check ran is dropped untrained and
+    costs its worker a strike (counted); one dropped for a near tie on a graded token costs nothing
+    (honest rounding makes them). Neither quarantines."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    check.verdict = Rejected(reason, "what the check found")
+    intake, store = _intake(tmp_path, {4}, check, now)
+    assert _submit(intake, store, 4, issued=150.0) == "pending"
+    assert ([("w", strike)] if strike else []) == STRUCK and QUARANTINED == [] and RETURNED == []
+    assert intake.metrics()[metric] == 1 and store.stats().unchecked_dropped == G
+    assert store.take_batch(1, 4, step=1) is None
+    RUNNER[0].run(intake.close())
+
+
+def test_a_proven_identitys_check_goes_before_a_new_ones(tmp_path):
+    """While a check runs, a new identity's submission and then a proven one's arrive: the proven one's
+    is checked first (its held groups hold up training and can expire; the new identity only waits)."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    order: list[str] = []
+    real = check.check
+    check.check = lambda lease, *a: order.append(lease.lease_id) or real(lease, *a)  # type: ignore[method-assign]
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
+
+    def submit(rec: Any = None) -> str:
+        _submit(intake, store, 4, issued=150.0, settle=False, rec=rec)
+        return store._db.execute("SELECT lease_id FROM leases ORDER BY rowid DESC LIMIT 1").fetchone()[0]
+
+    first = submit()
+    RUNNER[0].run(asyncio.sleep(0.2))  # the checker has taken it (it waits on the gate)
+    new, old = submit(), submit(proven)
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert order == [first, old, new]
     RUNNER[0].run(intake.close())

@@ -41,7 +41,7 @@ def test_standing_probation_slow_start_strikes_and_the_bench():
     st.asked("v", now=10.0)
     assert st.asked_within("v", 15.0, 10.0) and not st.asked_within("v", 25.0, 10.0)
     assert not st.asked_within("nobody", 0.0, 10.0)
-    assert st.metrics() == {"leases/unreturned": 4, "leases/benched": 2}
+    assert st.metrics() == {"leases/unreturned": 4, "leases/stale_answers": 0, "leases/benched": 2}
 
 
 class Clock:
@@ -285,3 +285,59 @@ def test_a_new_identity_with_a_submission_waiting_for_its_check_gets_no_lease(tm
     assert isinstance(_ask(broker, w), LeaseGrant)
     registry.save()  # a restart drops the held groups: what waited is not carried over
     assert "checks_waiting" not in (tmp_path / "workers.json").read_text()
+
+
+def test_submissions_waiting_for_their_check_count_in_the_probation_share(tmp_path):
+    """A flood of new identities that answer (their groups held for their checks, their leases
+    submitted) holds the probation share with those groups, not the others' budget: once 8 held
+    1-prompt submissions fill it (64 of 512), the next newcomer waits (probation_full) and a delivering
+    worker keeps the rest; a stale answer returns nothing, so it never ends probation."""
+    _, store, broker, pool, _ = _node(tmp_path)
+    registry = pool.registry
+    honest = _register(registry, pool, "honest")
+    _answer(store, broker, _ask(broker, honest), honest)  # type: ignore[arg-type]
+    flood = [_register(registry, pool, f"new{i}") for i in range(9)]
+    for w in flood[:8]:
+        grant = _ask(broker, w)
+        assert isinstance(grant, LeaseGrant) and len(grant.prompts) == 1
+        groups = tuple(
+            tuple(
+                Trajectory(p.prompt_id, f"{grant.lease_id}:{i}", (1,), (2,), (-0.5,), 0.0, 10)
+                for _ in range(8)
+            )
+            for i, p in enumerate(grant.prompts)
+        )
+        store.submit(Submission(grant.lease_id, 10, groups), w, learner_version=10, now=0.0, hold=True)
+    assert store.open_prompts_by_worker().keys() == {honest} or not store.open_prompts_by_worker().get(
+        flood[0]
+    )
+    late = _ask(broker, flood[8])
+    assert isinstance(late, LeaseRefusal) and late.reason == "probation_full"
+    assert isinstance(_ask(broker, honest), LeaseGrant)  # the others' budget is untouched
+    store.drop_held()  # their checks are done (here: dropped): the share is free again
+    assert isinstance(_ask(broker, flood[8]), LeaseGrant)
+    broker.struck(flood[0], "stale")
+    assert broker.standings.on_probation(flood[0]) and broker.standings.metrics()["leases/stale_answers"] == 1
+
+
+def test_the_pool_is_sized_against_what_the_check_can_re_run(tmp_path):
+    """SPEC §10: a checker that re-runs 2 completions/s keeps a floor of 0.25 for at most 8 rollouts/s of
+    pool (capacity.mu_policed); a target above it is capped there (pool/mu_check_max), one below is
+    kept; before the first check (capacity 0) nothing is capped."""
+    cfg = load_config()
+    clock = Clock()
+    registry = WorkerRegistry(tmp_path, "t" * 20, clock, 1000)
+    measured = [(0.0, 0.25)]
+    pool = Pool(
+        registry, cfg.controller, cfg.staleness, cfg.batch.rollouts, 0.0, tmp_path, clock,
+        check=lambda: measured[0],
+    )  # fmt: skip
+    pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
+    uncapped = pool.controller.mu_target
+    assert uncapped > 8.0 and pool.mu_check_max is None
+    measured[0] = (2.0, 0.25)
+    pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
+    assert pool.controller.mu_target == pytest.approx(8.0) and pool.metrics()["pool/mu_check_max"] == 8.0
+    measured[0] = (1000.0, 0.25)
+    pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
+    assert pool.controller.mu_target == pytest.approx(uncapped)

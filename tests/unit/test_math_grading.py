@@ -225,3 +225,34 @@ def test_the_answer_rule_is_a_task_option():
         whole.grader.close()
     with pytest.raises(ValueError, match="answer_rule"):
         MathTaskConfig(answer_rule="last-number")  # type: ignore[arg-type]
+
+
+# ---- where the grade is read (the generation check's graded tokens) ------------------------------------
+def test_the_answer_starts_at_the_box_the_grade_comes_from(task):
+    """The graded part of a completion: from its last box when grading from there gives the whole text's
+    grade; the whole text when it has no box, or when the box is not what the grade read."""
+    text = "First 5, then 7, so 12. Hence $\\boxed{12}$"
+    at = task.answer_start(_prompt("12"), text)
+    assert at == text.rindex("\\boxed{") and at > 0
+    assert task.answer_start(_prompt("12"), "First 5, then 7, so 12") == 0  # no box: every token is read
+    # a box math-verify cannot read: the grade (1) comes from the text before it, which is all read
+    assert task.grade(_prompt("12"), "the answer is 12. \\boxed{\\}").reward == 1.0
+    assert task.answer_start(_prompt("12"), "the answer is 12. \\boxed{\\}") == 0
+    assert task.answer_start(_prompt("12"), "so 12 \\boxed{}") == 0
+
+
+def test_the_verifier_maps_the_answer_to_its_first_token(task):
+    """Verifier.graded_from: the first completion token of the graded part, less one of margin; 0 for a
+    task that cannot say (arithmetic reads every token)."""
+    from echo2.models.embedded import build_tokenizer
+    from echo2.models.policy import TextCodec
+    from echo2.tasks.verify import Verifier
+    from echo2.types import Trajectory
+
+    codec = TextCodec(build_tokenizer(), False)
+    text = "so 5 + 7 is $\\boxed{12}$"
+    ids = (*codec.tokenizer(text, add_special_tokens=False)["input_ids"], 1)
+    t = Trajectory("p", "L:0", (3,), ids, (-0.5,) * len(ids), 0.0, 0)
+    start = Verifier(codec, task, eos_id=1, max_new_tokens=64).graded_from(_prompt("12"), t)
+    box = text.rindex("\\boxed{")  # one character per token in the embedded tokenizer
+    assert start == box - 1 and codec.decode_completion(ids[: start + 1]) == text[:box]

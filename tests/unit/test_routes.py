@@ -48,7 +48,10 @@ def make_node(
     n = SimpleNamespace(cfg=cfg, v=0)
     n.store = TrajectoryStore(tmp_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
     key = new_signing_key()
-    registry = WorkerRegistry(tmp_path, TOKEN, time.time, cfg.security.max_workers, cfg.security.slot_idle_s)
+    sec = cfg.security
+    registry = WorkerRegistry(
+        tmp_path, TOKEN, time.time, sec.max_workers, sec.slot_idle_s, sec.max_identities
+    )
     publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
     lora = LoraSettings(scale=2.0, base_digest="ab" * 32) if lora_base is not None else None
     identity = Identity(
@@ -485,10 +488,16 @@ def test_snapshot_route_serves_the_chain_from_the_callers_version(tmp_path):
 
 
 def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
-    """A worker's prompt tokens must be the leased prompt's and its rewards what the task gives: a
-    foreign prompt or a forged reward refuses the submission (counted), an honest one is admitted."""
+    """A lease carries no grading secret, so the learner grades every completion itself: a worker's
+    claimed reward is never stored (a forged one is replaced by the task's grade), its prompt tokens must
+    be the leased prompt's (a foreign prompt refuses the submission, counted), and a single-turn
+    completion may carry no turn mask with 0s (it would train fewer tokens than the grade reads:
+    evidence, the worker is quarantined)."""
+    import json
+
     from echo2.models.embedded import build_tokenizer
     from echo2.models.policy import TextCodec
+    from echo2.protocol import decode_group
     from echo2.tasks.verify import Verifier
     from echo2.types import Prompt
 
@@ -496,36 +505,34 @@ def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
     task = build_task(load_config().task, 0)
     node = make_node(tmp_path, verifier=Verifier(codec, task, eos_id=1, max_new_tokens=4))
 
-    def honest(lease: dict[str, Any]) -> dict[str, Any]:
+    def honest(lease: dict[str, Any], reward: float = 0.0) -> dict[str, Any]:
         body = payload(lease)
         for g, p in zip(body["groups"], lease["prompts"], strict=True):
-            prompt = Prompt(p["prompt_id"], p["text"], p["answer"], p.get("meta", {}))
+            assert set(p) == {"prompt_id", "text", "meta"}  # no answer, nothing that grades
             ids = codec.encode_prompt(p["text"])
             for j, sample in enumerate(g["samples"]):
                 completion = codec.tokenizer(str(j), add_special_tokens=False)["input_ids"] + [1]
                 sample.update(
-                    prompt_ids=ids,
-                    completion_ids=completion,
-                    sampler_logprobs=[-0.5] * len(completion),
-                    reward=task.grade(prompt, codec.decode_completion(completion)).reward,
+                    prompt_ids=ids, completion_ids=completion, sampler_logprobs=[-0.5] * len(completion)
                 )
+                sample["reward"] = reward  # what the worker claims: the learner does not read it
         return body
 
     async def go(client: TestClient) -> list[tuple[int, str]]:
         auth, other = await register(client), await register(client, "other")
         out = []
         first = await lease(client, auth)  # refused with a foreign prompt, then answered honestly
-        for forge in ("prompt", None, "reward", "after"):
+        for forge in ("prompt", None, "reward", "mask", "after"):
             le = (
                 first
                 if forge in ("prompt", None)
                 else await lease(client, other if forge == "after" else auth)
             )
-            body = honest(le)
+            body = honest(le, reward=1e6 if forge == "reward" else 0.0)
             if forge == "prompt":
                 body["groups"][0]["samples"][1]["prompt_ids"] = [5, 6, 7]
-            elif forge == "reward":
-                body["groups"][1]["samples"][0]["reward"] = 1e6
+            elif forge == "mask":  # the grade reads 2 tokens, the loss would train 1
+                body["groups"][1]["samples"][0]["turn_mask"] = [1, 0]
             resp = await client.post("/v1/submit", json=body, headers=other if forge == "after" else auth)
             out.append((resp.status, (await resp.json()).get("error", "ok")))
         refused = await client.post(
@@ -535,20 +542,34 @@ def test_prompt_tokens_and_rewards_are_checked_not_believed(tmp_path):
         return out
 
     got, stats = run(go, node)
-    # a foreign prompt is refused; a forged reward is evidence of lying: the worker is quarantined
     assert got == [
         (422, "prompt_mismatch"),
         (200, "ok"),
-        (422, "reward_mismatch"),
+        (200, "ok"),  # a forged reward is not refused: it is not what is stored
+        (422, "turn_mask"),
         (200, "ok"),
         (403, "quarantined"),
     ]
-    assert stats.rejected_by_reason == {"prompt_mismatch": 1, "reward_mismatch": 1, "quarantined": 1}
-    assert stats.admitted == 8 and stats.purged == 4  # the liar's honest-looking groups are purged untrained
+    assert stats.rejected_by_reason == {"prompt_mismatch": 1, "turn_mask": 1, "quarantined": 1}
+    assert stats.admitted == 12 and stats.purged == 8  # the liar's groups are purged untrained
     liar = next(r for r in node.registry if r.name == "w")
-    assert liar.quarantined.startswith("reward_mismatch") and node.pool.state(liar.worker_id) == "quarantined"
-    assert not node.registry.may_join(liar.worker_id, "anything")
-    assert stats.size == 4  # what is left to train on is the other worker's alone
+    assert liar.quarantined.startswith("turn_mask") and node.pool.state(liar.worker_id) == "quarantined"
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "store.sqlite")
+    rows = db.execute(
+        "SELECT g.group_id, g.data, l.prompts FROM rollout_groups g JOIN leases l USING (lease_id)"
+    )
+    graded = 0
+    for gid, data, prompts in rows:
+        if not data:
+            continue  # purged
+        by_id = {i: Prompt(i, t, a, m) for i, t, a, m in json.loads(prompts)}
+        for t in decode_group(data, gid, 0):
+            want = task.grade(by_id[t.prompt_id], codec.decode_completion(t.completion_ids))
+            assert t.reward == want.reward and t.meta["parsed"] == want.parsed and t.turn_mask == ()
+            graded += 1
+    assert graded == 4 and stats.size == 4  # what is left to train on is the other worker's, as graded here
 
 
 def test_registrations_prices_and_rates_are_bounded(tmp_path):

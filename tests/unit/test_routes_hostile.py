@@ -399,6 +399,32 @@ def test_the_api_refuses_a_retired_credential_and_lets_a_replacement_in(tmp_path
     assert stats.rejected_by_reason == {"registration_cap": 1, "retired": 1}
 
 
+def test_the_join_tokens_identity_budget_is_finite_and_survives_a_restart(tmp_path):
+    """One slot, an identity budget of 3: identities that are retired (or quarantined) free their slot but
+    not their place in the budget, so re-registering does not reset what a token holder may do: the
+    fourth registration is refused (identity_budget) with the slot free, and after a restart too."""
+    clock = Clock()
+    node = make_node(
+        tmp_path, "security.max_workers=1", "security.slot_idle_s=100", "security.max_identities=3"
+    )
+    node.registry.clock = clock
+
+    async def body(client: TestClient) -> list[tuple[int, str]]:
+        out = []
+        for _ in range(4):
+            resp = await client.post("/v1/register", json={"token": TOKEN, "usd_per_hour": 1.0})
+            out.append((resp.status, (await resp.json()).get("error", "ok")))
+            clock.t += 101.0  # silent past slot_idle_s: retired, its slot free
+        return out
+
+    got, stats = run(body, node)
+    assert got == [(200, "ok"), (200, "ok"), (200, "ok"), (403, "identity_budget")]
+    assert stats.rejected_by_reason == {"identity_budget": 1}
+    restarted = WorkerRegistry(tmp_path, TOKEN, clock, max_workers=1, slot_idle_s=100.0, max_identities=3)
+    restarted.load()
+    assert restarted.spent and not restarted.full
+
+
 # ---- 7. the request rate -------------------------------------------------------------------------------
 def test_the_token_bucket_by_hand():
     t = [0.0]

@@ -121,7 +121,7 @@ BAD = [
     (_set("groups.0.samples.1.completion_ids.0", 3.0), "schema", "groups[0].samples[1].completion_ids[0]"),
     (_set("groups.0.samples.1.prompt_ids.0", True), "schema", "groups[0].samples[1].prompt_ids[0]"),
     (_set("groups.0.samples.1.reward", "1.0"), "schema", "groups[0].samples[1].reward"),
-    (_set("groups.0.samples.1.reward", "del"), "schema", "groups[0].samples[1].reward"),
+    (_set("groups.0.samples.1.completion_ids", "del"), "schema", "groups[0].samples[1].completion_ids"),
     (_set("groups.0.samples.1.bogus", 1), "schema", "groups[0].samples[1].bogus"),
     (_set("extra", 1), "schema", "extra"),
     (_set("groups.1.samples.0.meta", {"nested": {"a": 1}}), "schema", "groups[1].samples[0].meta"),
@@ -490,6 +490,28 @@ def test_held_groups_are_never_trained_until_released(store):
     assert store.drop_held(l2) == G and store.stats().unchecked_dropped == G
     assert [(p.prompt_id, why) for p, why in store.take_redo()] == [("c", "unchecked")]
     assert store.take_batch(1, 0, step=2) is None and store.stats().held == 0
+
+
+def test_the_learner_waits_for_a_check_its_update_would_leave_behind(store):
+    """S = 2, the learner at version 4 (the floor 2): a held group claiming 2 would be left behind unchecked
+    by the next update, so take_batch waits (None, counted) though trainable groups are there; a held
+    group claiming 3 does not hold it up. Its check done (released or dropped), the learner goes on."""
+    at_floor = store.issue_lease("w1", prompts("a"), now=0.0, ttl_s=10.0)
+    newer = store.issue_lease("w1", prompts("b"), now=0.0, ttl_s=10.0)
+    ready = store.issue_lease("w2", prompts("c", "d"), now=0.0, ttl_s=10.0)
+    store.submit(
+        validate_submission(body(at_floor, ["a"], version=2), LIMITS, 3), "w1", 4, now=1.0, hold=True
+    )
+    store.submit(validate_submission(body(newer, ["b"], version=3), LIMITS, 3), "w1", 4, now=1.0, hold=True)
+    store.submit(validate_submission(body(ready, ["c", "d"], version=3), LIMITS, 3), "w2", 4, now=1.0)
+    assert store.take_batch(1, 4, step=5) is None and store.waits_for_checks == 1
+    store.release(at_floor)
+    batch = store.take_batch(2, 4, step=5)  # the held group at 3 is next update's concern, not this one's
+    assert batch is not None and [g[0].prompt_id for g in batch] == ["a", "c"]
+    assert store.take_batch(1, 5, step=6) is None and store.waits_for_checks == 2  # at 5 the floor is 3: "b"
+    assert store.drop_held(newer) == G  # its check could not run: dropped, and the learner goes on
+    got = store.take_batch(1, 5, step=6)
+    assert got is not None and [g[0].prompt_id for g in got] == ["d"]
 
 
 def test_a_restarted_store_drops_what_an_earlier_process_held(tmp_path):

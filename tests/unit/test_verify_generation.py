@@ -243,7 +243,10 @@ def test_pick_draws_the_configured_fraction(setup):
     check.rng = random.Random(1)
     picks = [check.pick(sub) for _ in range(2000)]
     drawn = sum(1 for p in picks if p)
-    assert 0.2 < drawn / 2000 < 0.3 and all(len(p) == SecurityConfig().check_samples for p in picks if p)
+    # by default every completion of a drawn submission is re-run (check_samples = 0)
+    assert 0.2 < drawn / 2000 < 0.3 and all(p == ALL for p in picks if p)
+    some = GenerationCheck(setup[0].model, setup[0].sampling, SecurityConfig(check_samples=4))
+    assert all(len(p) == 4 and set(p) <= set(ALL) for p in (some.pick(sub, 1.0, 1.0) for _ in range(20)))
     never = GenerationCheck(setup[0].model, setup[0].sampling, SecurityConfig(check_fraction=0.0))
     assert all(never.pick(sub) == [] for _ in range(100))
     # a new identity's draw (full = 1): every submission, unless the queue's share declines it

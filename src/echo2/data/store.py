@@ -196,6 +196,7 @@ class TrajectoryStore:
         # in memory: the lease broker takes them (take_redo) each time it looks, so none is lost but by a
         # crash, after which --resume requeues from the checkpoint's lease state
         self._redo: list[tuple[Prompt, str]] = []
+        self.waits_for_checks = 0  # take_batch calls that waited for a check of a group at the floor
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
@@ -439,6 +440,14 @@ class TrajectoryStore:
             self._bump("leases_expired", 1)
         return _decode_prompts(row[0])
 
+    def held_by_worker(self) -> dict[str, int]:
+        """Trajectories waiting for their generation check (held, buffered), per worker holding any."""
+        rows = self._db.execute(
+            "SELECT l.worker_id, SUM(g.n_traj) FROM rollout_groups g JOIN leases l USING (lease_id) "
+            "WHERE g.held = 1 AND g.consumed_step IS NULL GROUP BY l.worker_id"
+        ).fetchall()
+        return {str(w): int(n) for w, n in rows}
+
     def open_prompts_by_worker(self) -> dict[str, int]:
         """Prompts of the open leases, per worker holding any."""
         rows = self._db.execute(
@@ -624,7 +633,9 @@ class TrajectoryStore:
         """The ``n_groups`` oldest admissible groups, marked consumed by ``step``; None if too few.
 
         First every buffered group with ``policy_version < learner_version - S`` is discarded (counted
-        ``dropped_stale``, in trajectories; committed even when None is returned). Then, if at least
+        ``dropped_stale``, in trajectories; committed even when None is returned). While a group held for
+        its generation check claims ``learner_version - S`` (this update would leave it behind unchecked),
+        None: the learner waits for that check (counted ``waits_for_checks``). Then, if at least
         ``n_groups`` buffered groups remain, the ``n_groups`` earliest to arrive are returned whole (each
         a tuple of ``group_size`` trajectories, sample order preserved) and never returned again (unless
         :meth:`requeue_after`); otherwise nothing is consumed.
@@ -633,6 +644,9 @@ class TrajectoryStore:
             raise ValueError(f"n_groups: {n_groups} must be >= 1")
         with self._tx():
             self._drop_stale(learner_version)
+            if self._checks_at_floor(learner_version):
+                self.waits_for_checks += 1
+                return None
             rows = self._db.execute(
                 "SELECT seq, group_id, prompt_id, policy_version, data FROM rollout_groups "
                 "WHERE consumed_step IS NULL AND held = 0 ORDER BY seq LIMIT ?",
@@ -644,6 +658,21 @@ class TrajectoryStore:
                 "UPDATE rollout_groups SET consumed_step = ? WHERE seq = ?", [(step, r[0]) for r in rows]
             )
         return [decode_group(data, gid, v) for _, gid, _pid, v, data in rows]
+
+    def _checks_at_floor(self, learner_version: int) -> bool:
+        """Whether a group held for its generation check claims the oldest admissible version: the update
+        this batch is for would leave it behind, unchecked. The learner then waits (the check runs
+        meanwhile, not yielding to any update), so a drawn submission's check never expires for the
+        learner's pace: the share drawn is re-run, whatever the load."""
+        floor = admission_floor(learner_version, self.staleness)
+        return (
+            self._db.execute(
+                "SELECT 1 FROM rollout_groups WHERE held = 1 AND consumed_step IS NULL "
+                "AND policy_version <= ? LIMIT 1",
+                (floor,),
+            ).fetchone()
+            is not None
+        )
 
     def requeue_after(self, step: int) -> int:
         """Groups consumed by a step ``> step`` become buffered again; returns how many.

@@ -404,6 +404,13 @@ POOL_MU_POOL = _m(
     dashboard="mu",
     label="μ pool /s",
 )
+POOL_MU_CHECK_MAX = _m(
+    "pool/mu_check_max",
+    "rollouts/s",
+    "the largest pool rate whose check_floor share the generation check can re-run: its measured "
+    "capacity / check_floor; the target is capped at it (null before the first check)",
+    RUN,
+)
 POOL_MU_TARGET = _m(
     "pool/mu_target",
     "rollouts/s",
@@ -582,6 +589,12 @@ LEASES_UNRETURNED = _m(
 LEASES_BENCHED = _m(
     "leases/benched", "count", "times a worker was benched for unreturned leases in a row", RUN
 )
+LEASES_STALE_ANSWERS = _m(
+    "leases/stale_answers",
+    "count",
+    "answers too stale to admit (each a strike, never a returned lease), all workers (so far)",
+    RUN,
+)
 SECURITY_CHECKED_SUBMISSIONS = _m(
     "security/checked_submissions", "count", "submissions whose generation the learner re-ran", RUN
 )
@@ -597,10 +610,17 @@ SECURITY_WORST_PASSING_LOGPROB_ERROR = _m(
     "largest log-prob difference of a completion that passed (how close honest noise comes to the tolerance)",
     RUN,
 )
-SECURITY_PASSING_TOKEN_MISSES = _m(
-    "security/passing_token_misses",
-    "count",
-    "tokens of passing completions the re-run would not have drawn",
+SECURITY_POSITION_ERROR_P99 = _m(
+    "security/position_error_p99",
+    "nats",
+    "99th percentile over every checked position of |claimed - recomputed| sampler log-prob (the upper "
+    "edge of its bin, four a decade)",
+    RUN,
+)
+SECURITY_POSITION_ERROR_MAX = _m(
+    "security/position_error_max",
+    "nats",
+    "largest |claimed - recomputed| sampler log-prob of any checked position (passed or not)",
     RUN,
 )
 SECURITY_CHECK_BACKLOG = _m(
@@ -619,20 +639,62 @@ SECURITY_CHECK_LATENCY_S = _m(
 SECURITY_CHECK_SHARE = _m(
     "security/check_share",
     "ratio",
-    "the share of a proven identity's submissions drawn for the check now: check_fraction x "
-    "(1 - backlog / check_queue) (a new one's: 1 x the same, until it passed check_first checks)",
+    "the share of a proven identity's submissions drawn for the check now: max(check_floor, "
+    "check_fraction x (1 - backlog / check_queue)) (a new one's: 1 until it passed check_first checks)",
     RUN,
 )
 SECURITY_CHECK_DECLINED = _m(
     "security/check_declined",
     "count",
-    "submissions the full-rate draw would have checked that the backlog rule let through unchecked",
+    "submissions the full-rate draw would have checked that the backlog rule left undrawn (never below "
+    "the floor)",
+    RUN,
+)
+SECURITY_CHECK_EXPIRED = _m(
+    "security/check_expired",
+    "count",
+    "drawn submissions whose version left the admissible window before their check ran: dropped "
+    "untrained, a strike for their worker",
+    RUN,
+)
+SECURITY_WAITS_FOR_CHECKS = _m(
+    "security/waits_for_checks",
+    "count",
+    "times the learner waited for the check of a drawn submission at the admission floor before an update "
+    "(the update would have left it behind unchecked)",
+    RUN,
+)
+SECURITY_CHECK_CAPACITY = _m(
+    "security/check_capacity",
+    "completions/s",
+    "completions the generation check re-ran per second of checking (its waits for updates included): "
+    "the pool the check can keep at its floor is this / check_floor",
+    RUN,
+)
+SECURITY_CHECK_CAPACITY_TOKENS = _m(
+    "security/check_capacity_tokens",
+    "tokens/s",
+    "completion tokens the generation check re-scored per second of checking",
     RUN,
 )
 SECURITY_NEAR_TIES = _m(
     "security/near_ties",
     "count",
-    "checked tokens that were not the top perturbed score but within gumbel_tolerance of it (passed)",
+    "checked tokens that were not the check's draw but declared near ties (within gumbel_tolerance of "
+    "the best perturbed score; never accepted on a token the grader reads)",
+    RUN,
+)
+SECURITY_NEAR_TIE_ROOM = _m(
+    "security/near_tie_room",
+    "count",
+    "checked positions where a token other than the draw lay within gumbel_tolerance of the best: "
+    "where a forger could choose (docs/security.md)",
+    RUN,
+)
+SECURITY_GRADED_TIES = _m(
+    "security/graded_ties",
+    "count",
+    "drawn submissions dropped untrained for a near tie on a token the grader reads (no strike)",
     RUN,
 )
 SECURITY_QUARANTINED = _m(

@@ -88,6 +88,16 @@ def mu_target(mu_min_value: float, gamma: float = DEFAULT_GAMMA) -> float:
     return g * require_positive("mu_min", mu_min_value)
 
 
+def mu_policed(check_completions_per_s: float, floor: float) -> float:
+    """The largest pool rate (rollouts/s) whose drawn share the generation check keeps up with (SPEC §10):
+    every rollout is drawn with probability at least ``floor`` and a drawn one waits for its check, so a
+    checker re-running ``c`` completions/s polices at most ``c / floor`` rollouts/s. Beyond it drawn
+    submissions pile up held, and the learner starves for them."""
+    return require_positive("check_completions_per_s", check_completions_per_s) / require_positive(
+        "floor", floor
+    )
+
+
 def n_min(mu_min_value: float, worker_rate: float) -> int:
     """Homogeneous pool: ``N_min = ceil(mu_min / mu_w)`` workers of rate ``mu_w`` rollouts/s.
 

@@ -37,9 +37,12 @@ def collect_groups(
     seed: int,
     policy_version: int,
     group_prefix: str,
+    grade: bool = True,
 ) -> RolloutBatch:
     """Sample ``group_size`` completions of every prompt with the engine's weights (which are
-    version ``policy_version``), grade each with the task, and build the trajectories."""
+    version ``policy_version``), grade each with the task (``grade``; a worker does not: its prompts
+    carry no answer, the learner grades every completion itself, so its rewards are 0 and its
+    completions carry no parse status), and build the trajectories."""
     encoded = [codec.encode(p) for p in prompts]
     t0 = time.perf_counter()
     samples = engine.generate([ids for ids in encoded for _ in range(group_size)], seed=seed)
@@ -48,9 +51,13 @@ def collect_groups(
     unparsed = 0
     for i, s in enumerate(samples):
         g = i // group_size
-        grade = task.grade(prompts[g], codec.decode_completion(s.completion_ids))
-        unparsed += not grade.parsed
-        meta: dict[str, Any] = {"parsed": grade.parsed, "finished": s.finished}
+        meta: dict[str, Any] = {}
+        reward = 0.0
+        if grade:
+            graded = task.grade(prompts[g], codec.decode_completion(s.completion_ids))
+            unparsed += not graded.parsed
+            meta["parsed"], reward = graded.parsed, graded.reward
+        meta["finished"] = s.finished
         trajectories.append(
             Trajectory(
                 prompt_id=prompts[g].prompt_id,
@@ -58,7 +65,7 @@ def collect_groups(
                 prompt_ids=tuple(encoded[g]),
                 completion_ids=s.completion_ids,
                 sampler_logprobs=s.logprobs,
-                reward=grade.reward,
+                reward=reward,
                 policy_version=policy_version,
                 meta=meta,
             )

@@ -1,4 +1,5 @@
-"""A rollout worker (SPEC §1 rollout plane): install -> generate -> reward -> push, plus heartbeats.
+"""A rollout worker (SPEC §1 rollout plane): install -> generate -> push, plus heartbeats. It does not grade:
+its leases carry no grading secret, and the learner grades every completion itself (SPEC §10).
 
 The worker needs only the learner's join string (its URL and, over TLS, the fingerprint of its
 certificate, which the worker pins on both the API and the broadcast plane) and the run's join token.
@@ -441,13 +442,14 @@ class RolloutWorker:
                 batch = self.task.collect(
                     self.codec,
                     self.engine,
-                    lease.prompts,
+                    [p.prompt() for p in lease.prompts],  # no answers: the learner grades
                     lease.group_size,
                     seed=seed,
                     policy_version=version,
                     group_prefix=lease.lease_id,
                     bounds=Bounds(st.max_context or USER_CONTEXT_TOKENS, st.sampling.max_new_tokens),
                     opponent_policy=self.selfplay.policy_for if self.selfplay is not None else None,
+                    grade=False,
                 )
             except EnvError as exc:  # an environment that cannot even start costs this lease only
                 self.counters.env_failures += 1

@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from echo2.config import Config, SecurityConfig
 from echo2.data.store import Lease, SubmitResult, TrajectoryStore
@@ -100,6 +101,17 @@ def submission_limits(cfg: Config, task: Task, vocab_size: int) -> SubmissionLim
     )
 
 
+@dataclass(frozen=True)
+class _Drawn:
+    """A drawn submission waiting for its generation check."""
+
+    rec: WorkerRecord  # its worker
+    lease: Lease  # the lease it answers (its seed, its prompts)
+    sub: Submission  # as the learner graded it
+    picks: list[tuple[int, int]]  # the (group, sample) completions to re-run
+    late: bool  # it answered a lease that had expired: no return when it passes
+
+
 class Intake:
     def __init__(
         self,
@@ -114,6 +126,7 @@ class Intake:
         returned: Callable[[str], None] = lambda worker_id: None,
         refused: Callable[[str, str, str], None] = lambda worker_id, lease_id, reason: None,
         *,
+        struck: Callable[[str, str], None] = lambda worker_id, reason: None,
         quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None,
         quarantined: Callable[[], int] = lambda: 0,
         data_ready: Callable[[], None] = lambda: None,
@@ -121,8 +134,9 @@ class Intake:
     ) -> None:
         self.store = store
         self.epoch = epoch  # this learner process's run epoch: an answer to a lease of another is refused
-        self.returned = returned  # a worker answered one of its leases (the lease broker's standing)
+        self.returned = returned  # a lease of a worker's came back with admitted work (its standing)
         self.refused = refused  # the answer to an open lease (worker, lease, reason) was refused
+        self.struck = struck  # a worker's answer was stale, or its drawn check expired: a strike (reason)
         self.is_published = is_published  # did this learner process publish that version
         self.verifier = verifier  # None: prompts and rewards are taken as claimed (tests without a model)
         self.generation = generation  # None: generations are never re-run
@@ -134,11 +148,13 @@ class Intake:
         self.quarantine = quarantine  # the node's: credential revoked, buffered groups purged, leases back
         self.checked_submissions = 0  # submissions whose generation was re-run (only real re-runs)
         self.quarantined = quarantined  # workers quarantined in this run (the registry's)
-        # drawn submissions waiting for the checker (lease id -> arrival, monotonic), and its queue
+        # drawn submissions waiting for the checker (lease id -> arrival, monotonic), and its queue: a
+        # proven identity's first (its held groups hold up training and expire), the oldest version first
         self._pending: dict[str, float] = {}
-        self._queue: asyncio.Queue[tuple[WorkerRecord, Lease, Submission, list[tuple[int, int]]]] = (
-            asyncio.Queue()
-        )
+        self._queue: asyncio.PriorityQueue[tuple[tuple[int, int, int], _Drawn]] = asyncio.PriorityQueue()
+        self._seq = 0  # arrival order, the queue's last key
+        self.check_expired = 0  # drawn submissions whose check could not run before their version left
+        self.graded_ties = 0  # drawn submissions dropped for a near tie on a token the grader reads
         self._checker: asyncio.Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.check_latency_s = 0.0  # arrival to verdict of the newest checked submission
@@ -146,7 +162,8 @@ class Intake:
     async def accept(self, rec: WorkerRecord, body: SubmitRequest) -> SubmitResult:
         """Validate, verify and store one submission of ``rec``; :class:`Rejected` (already counted) if
         refused. Evidence of lying (``verify.EVIDENCE``) also quarantines the worker."""
-        lease, picks = None, []
+        lease: Lease | None = None
+        picks: list[tuple[int, int]] = []
         try:
             lease = self._lease_named(body)  # the store's own thread
             ours = lease is not None and lease.worker_id == rec.worker_id and lease.state != "submitted"
@@ -165,8 +182,8 @@ class Intake:
                     "unpublished_version",
                     f"policy_version: {sub.policy_version} was never published by this learner",
                 )
-            if mine is not None:
-                picks = await self._verify(rec, mine, sub)  # else the store refuses it, without the expense
+            if mine is not None:  # else the store refuses it, without the expense
+                sub, picks = await self._verify(rec, mine, sub)  # the learner's grades from here on
             result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
         except Rejected as exc:
             self.store.record_rejection(exc.reason)
@@ -176,11 +193,16 @@ class Intake:
             elif lease is not None and lease.worker_id == rec.worker_id and lease.state == "open":
                 self.refused(rec.worker_id, lease.lease_id, exc.reason)  # the lease its body names
             raise
-        self.returned(rec.worker_id)
-        rec.rollouts += result.admitted
-        if result.held and lease is not None:
-            self._enqueue(rec, lease, sub, picks)
+        assert lease is not None  # the store refuses a submission of no lease
+        late = lease.state == "expired"  # its expiry was a strike already; a late answer is no return
+        if result.dropped_stale:
+            self.struck(rec.worker_id, "stale")  # a stale answer returns nothing: a strike, never a return
+        elif result.held:
+            self._enqueue(rec, lease, sub, picks, late)  # returned once its check passes
         elif result.admitted:
+            rec.rollouts += result.admitted  # what its measured rate counts (a held one's: once passed)
+            if not late:
+                self.returned(rec.worker_id)
             self.data_ready()
         return result
 
@@ -193,46 +215,59 @@ class Intake:
     def metrics(self) -> dict[str, float]:
         """``security/`` metrics: what the generation check re-ran and what it found (docs/security.md)."""
         gen = self.generation
+        errors = gen.errors if gen else None
         return {
             m.SECURITY_CHECKED_SUBMISSIONS.key: self.checked_submissions,
             m.SECURITY_CHECKED_TRAJECTORIES.key: gen.checked if gen else 0,
             m.SECURITY_CHECKED_TOKENS.key: gen.tokens if gen else 0,
             m.SECURITY_WORST_PASSING_LOGPROB_ERROR.key: gen.worst_passing_error if gen else 0.0,
-            m.SECURITY_PASSING_TOKEN_MISSES.key: gen.passing_misses if gen else 0,
+            m.SECURITY_POSITION_ERROR_P99.key: errors.quantile(0.99) if errors else 0.0,
+            m.SECURITY_POSITION_ERROR_MAX.key: errors.max if errors else 0.0,
             m.SECURITY_QUARANTINED.key: self.quarantined(),
             m.SECURITY_CHECK_BACKLOG.key: len(self._pending),
             m.SECURITY_CHECK_LATENCY_S.key: self.check_latency_s,
             m.SECURITY_CHECK_SHARE.key: self.check_share(),
             m.SECURITY_CHECK_DECLINED.key: gen.declined if gen else 0,
+            m.SECURITY_CHECK_EXPIRED.key: self.check_expired,
+            m.SECURITY_WAITS_FOR_CHECKS.key: self.store.waits_for_checks,
+            m.SECURITY_CHECK_CAPACITY.key: gen.capacity()[0] if gen else 0.0,
+            m.SECURITY_CHECK_CAPACITY_TOKENS.key: gen.capacity()[1] if gen else 0.0,
             m.SECURITY_NEAR_TIES.key: gen.near_ties if gen else 0,
+            m.SECURITY_NEAR_TIE_ROOM.key: gen.room if gen else 0,
+            m.SECURITY_GRADED_TIES.key: self.graded_ties,
         }
 
-    async def _verify(self, rec: WorkerRecord, lease: Lease, sub: Submission) -> list[tuple[int, int]]:
-        """The deterministic checks (in the request); then whether the submission is drawn for the
-        generation check (:meth:`draw`): the completions to re-run (none: not drawn). A drawn claim of
-        a version whose weights are not held is refused here, never passed."""
+    async def _verify(
+        self, rec: WorkerRecord, lease: Lease, sub: Submission
+    ) -> tuple[Submission, list[tuple[int, int]]]:
+        """The deterministic checks (in the request), which give the submission as the learner grades
+        it; then whether it is drawn for the generation check: the completions to re-run (none: not
+        drawn). A new identity's is drawn whole, and refused at a full queue; a proven identity's with
+        :meth:`check_share`. A drawn claim of a version whose weights are not held is refused here, never
+        passed."""
         if self.verifier is not None:
-            await asyncio.to_thread(self.verifier.check, lease, sub)
+            sub = await asyncio.to_thread(self.verifier.check, lease, sub)
         admissible = sub.policy_version >= admission_floor(self.version(), self.store.staleness)
         if self.generation is None or not admissible:
-            return []
-        full, room = self.draw(rec), self.queue_room()
-        new = proving(rec, self.generation.cfg)
-        if new and room <= 0.0:  # never admitted unchecked: a flood cannot make a stranger trusted
+            return sub, []
+        cfg = self.generation.cfg
+        full = self.draw(rec)
+        new = proving(rec, cfg)
+        if new and self.queue_room() <= 0.0:  # never admitted unchecked: a flood makes no stranger trusted
             raise Rejected(
                 "check_busy",
-                f"the generation check's queue is full ({self.generation.cfg.check_queue} waiting) and this "
-                f"worker has passed {rec.checks_passed} of its first {self.generation.cfg.check_first} "
-                "checks: its submission cannot be checked now (no strike; the lease's prompts go out again)",
+                f"the generation check's queue is full ({cfg.check_queue} waiting) and this worker has "
+                f"passed {rec.checks_passed} of its first {cfg.check_first} checks: its submission cannot "
+                "be checked now (no strike; the lease's prompts go out again)",
             )
-        picks = self.generation.pick(sub, full if new else full * room, full)
+        picks = self.generation.pick(sub, full if new else self.check_share(), full)
         if picks and not self.generation.holds(sub.policy_version):
             raise Rejected(
                 "unchecked_version",
                 f"policy_version: {sub.policy_version}: the learner does not hold its weights to "
                 "re-run the generation",
             )
-        return picks
+        return sub, picks
 
     def draw(self, rec: WorkerRecord) -> float:
         """The share of ``rec``'s submissions drawn for the generation check while the check queue is
@@ -245,25 +280,28 @@ class Intake:
         return 1.0 if proving(rec, cfg) else cfg.check_fraction
 
     def queue_room(self) -> float:
-        """``1 - backlog / check_queue``: the factor a proven identity's draw is scaled by, so the backlog
-        never passes ``check_queue`` (at a full queue nothing more is drawn until a check ends: a proven
-        identity's submission is admitted unchecked, counted ``declined``; a new one's is refused)."""
+        """``1 - backlog / check_queue`` (at least 0): the factor a proven identity's draw is scaled by,
+        down to ``check_floor`` and no further (a drawn submission waits beyond the queue, held: never
+        admitted unchecked); at 0 a new identity's submission is refused."""
         assert self.generation is not None
         return max(0.0, 1.0 - len(self._pending) / self.generation.cfg.check_queue)
 
     def check_share(self) -> float:
         """The share of a proven identity's submissions drawn for the generation check now:
-        ``check_fraction x (1 - backlog / check_queue)`` (0 without a check)."""
+        ``max(check_floor, check_fraction x (1 - backlog / check_queue))`` (0 without a check): the
+        floor holds whatever the queue does."""
         if self.generation is None:
             return 0.0
-        return self.generation.cfg.check_fraction * self.queue_room()
+        cfg = self.generation.cfg
+        return max(cfg.floor(), cfg.check_fraction * self.queue_room())
 
     def _enqueue(
-        self, rec: WorkerRecord, lease: Lease, sub: Submission, picks: list[tuple[int, int]]
+        self, rec: WorkerRecord, lease: Lease, sub: Submission, picks: list[tuple[int, int]], late: bool
     ) -> None:
-        """Queue a drawn submission (its groups stored held) for the checker, started on first use."""
+        """Queue a drawn submission (its groups stored held) for the checker, started on first use: a
+        proven identity's before a new one's, the oldest claimed version first."""
+        assert self.generation is not None
         if self._checker is None:
-            assert self.generation is not None
             nice = self.generation.cfg.check_nice
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix="echo2-check", initializer=lambda: yield_to_the_update(nice)
@@ -271,44 +309,71 @@ class Intake:
             self._checker = asyncio.ensure_future(self._run_checks())
         self._pending[lease.lease_id] = time.monotonic()
         rec.checks_waiting += 1  # a new identity gets no lease while it has one waiting (leases.py)
-        self._queue.put_nowait((rec, lease, sub, picks))
+        self._seq += 1
+        key = (int(proving(rec, self.generation.cfg)), sub.policy_version, self._seq)
+        self._queue.put_nowait((key, _Drawn(rec, lease, sub, picks, late)))
 
     async def _run_checks(self) -> None:
         """The checker: one drawn submission at a time, on a thread of its own (never the executor the
-        update, the publisher or the deterministic checks use). Passed: its groups become trainable.
-        Evidence of a forgery: the worker is quarantined (its groups purged). A check that cannot run
-        (its version left the admissible window, an error): its groups are dropped untrained, counted,
-        their prompts leased again. Never trained unchecked."""
-        assert self.generation is not None
-        loop = asyncio.get_running_loop()
+        update, the publisher or the deterministic checks use); :meth:`_check_one` says what follows a
+        verdict."""
         while True:
-            rec, lease, sub, picks = await self._queue.get()
-            # due, its check does not give the update its turn (learner/turns.py): a new identity's (it
-            # gets no lease until the verdict), or a claim at the admission floor (the next update leaves
-            # its version behind, and its held groups with it)
-            due = functools.partial(self._due, sub.policy_version, proving(rec, self.generation.cfg))
+            _, drawn = await self._queue.get()
             try:
-                await loop.run_in_executor(
-                    self._executor, functools.partial(self.generation.check, lease, sub, picks, due=due)
-                )
-            except Rejected as exc:
-                self.store.record_rejection(exc.reason)
-                log.warning("checked submission from %s rejected: %s", rec.worker_id, exc)
-                if exc.reason in EVIDENCE and not rec.quarantined:
-                    self.quarantine(rec, exc)  # its groups (these held ones too) and leases
-                self.store.drop_held(lease.lease_id)
-            except Exception:  # a bug or resource failure of the check itself: the groups go, untrained
-                log.exception("the generation check of %s's lease %s failed", rec.worker_id, lease.lease_id)
-                self.store.drop_held(lease.lease_id)
-            else:
-                self.checked_submissions += 1
-                rec.checks_passed += 1
-                if self.store.release(lease.lease_id):
-                    self.data_ready()
+                await self._check_one(drawn)
             finally:
-                self.check_latency_s = time.monotonic() - self._pending.pop(lease.lease_id)
-                rec.checks_waiting -= 1
+                self.check_latency_s = time.monotonic() - self._pending.pop(drawn.lease.lease_id)
+                drawn.rec.checks_waiting -= 1
                 self._queue.task_done()
+
+    async def _check_one(self, drawn: _Drawn) -> None:
+        """Passed: its groups become trainable, its lease counts as returned (an answer after the lease
+        expired: not), its rollouts as admitted. Evidence of a forgery: the worker is quarantined (its
+        groups purged). A check that cannot run because its version left the admissible window (or is
+        no longer held) expired: a strike for the worker, counted. A near tie on a token the grader
+        reads: dropped, no strike, counted. An error of the check itself: dropped. Dropped groups are
+        never trained, counted, their prompts leased again."""
+        assert self.generation is not None
+        rec, lease, sub = drawn.rec, drawn.lease, drawn.sub
+        # due, its check does not give the update its turn (learner/turns.py): a new identity's (it gets
+        # no lease until the verdict), or a claim at the admission floor (the next update leaves its
+        # version behind, and its held groups with it)
+        due = functools.partial(self._due, sub.policy_version, proving(rec, self.generation.cfg))
+        check = functools.partial(
+            self.generation.check, lease, sub, drawn.picks, due, self._graded(lease, sub)
+        )
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, check)
+        except Rejected as exc:
+            self.store.record_rejection(exc.reason)
+            log.warning("checked submission from %s rejected: %s", rec.worker_id, exc)
+            if exc.reason in EVIDENCE and not rec.quarantined:
+                self.quarantine(rec, exc)  # its groups (these held ones too) and leases
+            elif exc.reason == "unchecked_version":  # its version left the window before its check ran
+                self.check_expired += 1
+                self.struck(rec.worker_id, "check_expired")
+            elif exc.reason == "graded_tie":
+                self.graded_ties += 1
+            self.store.drop_held(lease.lease_id)
+        except Exception:  # a bug or resource failure of the check itself: the groups go, untrained
+            log.exception("the generation check of %s's lease %s failed", rec.worker_id, lease.lease_id)
+            self.store.drop_held(lease.lease_id)
+        else:
+            self.checked_submissions += 1
+            rec.checks_passed += 1
+            released = self.store.release(lease.lease_id)
+            rec.rollouts += released
+            if released:
+                if not drawn.late:
+                    self.returned(rec.worker_id)
+                self.data_ready()
+
+    def _graded(self, lease: Lease, sub: Submission) -> Callable[[int, int], int] | None:
+        """Where the grader starts reading each completion (``Verifier.graded_from``; None: everywhere)."""
+        verifier = self.verifier
+        if verifier is None:
+            return None
+        return lambda i, j: verifier.graded_from(lease.prompts[i], sub.groups[i][j])
 
     def _due(self, version: int, new: bool) -> bool:
         """A check that cannot wait for the update: of a new identity (``new``: it idles, without a

@@ -160,7 +160,9 @@ class AsyncLearner:
         self.token = rt.join_token or _persistent_token(self.run_path)
         # the API and the broadcast consult it
         sec = cfg.security
-        registry = WorkerRegistry(self.run_path, self.token, self.clock, sec.max_workers, sec.slot_idle_s)
+        registry = WorkerRegistry(
+            self.run_path, self.token, self.clock, sec.max_workers, sec.slot_idle_s, sec.max_identities
+        )
         self._tls = run_identity(self.run_path, [rt.advertise_host or rt.host]) if cfg.security.tls else None
         publisher = open_publisher(
             "tcp",

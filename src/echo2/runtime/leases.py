@@ -20,8 +20,9 @@ A lease is granted only (in this order of refusal reasons):
   ``min(max_inflight_batches, S + 1) * R`` (what is leased on probation does not count here: the
   workers on probation have an allowance of their own, so neither can crowd out the other); a lease
   that would pass it is cut to the prompts that fit     [buffer_full when not one does]
-- for a worker on probation (``standing.py``: nothing returned yet, or an unreturned lease since),
-  while all workers on probation hold at most ``security.probation_share`` of that budget, and those
+- for a worker on probation (``standing.py``: nothing returned yet, or a strike since), while all
+  workers on probation hold at most ``security.probation_share`` of that budget (open leases and
+  groups waiting for their check), and those
   with an unreturned lease on their record at most half of it; room that frees up goes first to the
   workers refused for want of it earlier (first refused, first served, while they keep asking), so
   hoarders cannot keep a newcomer from its first lease for longer than it takes one probation lease
@@ -30,7 +31,9 @@ A lease is granted only (in this order of refusal reasons):
 A lease on probation has ``security.probation_prompts`` prompts; its time to live halves with every
 unreturned lease in a row (``standing.py``). A lease whose answer is refused expires at once: its
 prompts go out again, and the worker takes a strike as for an unreturned lease (unless the learner
-caused the refusal: a restart, a version it does not hold). Every lease carries the run epoch of the
+caused the refusal: a restart, a version it does not hold, a full check queue). A lease counts as
+returned only with admitted work (``intake.py``): an answer too stale to admit is a strike, a late one
+(after its lease expired, which was its strike) returns nothing. Every lease carries the run epoch of the
 learner process that issued it; an answer to a lease of another epoch is refused (``intake.py``).
 
 Each lease assigns a fresh random sampling seed (the worker samples with seeded Gumbel-max under it,
@@ -50,7 +53,7 @@ from collections.abc import Callable
 from echo2.config import BatchConfig, RuntimeConfig, SecurityConfig, StalenessConfig
 from echo2.data.store import TrajectoryStore
 from echo2.physics.rules import admission_floor
-from echo2.protocol import LeaseGrant, LeaseRefusal, LeaseRequest
+from echo2.protocol import LeasedPrompt, LeaseGrant, LeaseRefusal, LeaseRequest
 from echo2.runtime.prompts import PromptSource
 from echo2.runtime.standing import Standings
 
@@ -123,7 +126,7 @@ class LeaseBroker:
         return LeaseGrant(
             lease_id=lease_id,
             epoch=self.epoch,
-            prompts=prompts,
+            prompts=[LeasedPrompt.of(p) for p in prompts],  # their answers stay here: the learner grades
             group_size=self.batch.group_size,
             min_version=self.min_version,
             expires_in_s=ttl,
@@ -164,6 +167,11 @@ class LeaseBroker:
             return LeaseRefusal(reason="too_many_leases", retry_after_s=retry)
         by_worker = self.store.open_prompts_by_worker()
         on_probation = sum(k for w, k in by_worker.items() if self.standings.on_probation(w)) * G
+        # and what workers on probation have waiting for its check (a flood of new identities' submissions
+        # holds this share of the budget, not the others')
+        on_probation += sum(
+            n for w, n in self.store.held_by_worker().items() if self.standings.on_probation(w)
+        )
         if probation:  # the probation share is its own: a fast delivering worker cannot crowd it out
             if not self._probation_turn(worker_id, n, now, by_worker, on_probation):
                 return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
@@ -201,8 +209,17 @@ class LeaseBroker:
         return True
 
     def returned(self, worker_id: str) -> None:
-        """A lease of ``worker_id`` was answered (the intake accepted its submission)."""
+        """A lease of ``worker_id`` came back with admitted work (the intake's say: trainable groups, in
+        time)."""
         self.standings.returned_lease(worker_id)
+
+    def struck(self, worker_id: str, reason: str) -> None:
+        """An answer of ``worker_id`` returned nothing (``stale``), or a drawn check of it expired
+        (``check_expired``): a strike."""
+        if reason == "stale":
+            self.standings.stale(worker_id, self.clock())
+        else:
+            self.standings.strike(worker_id, self.clock())
 
     def refused(self, worker_id: str, lease_id: str, reason: str) -> None:
         """The answer to an open lease of ``worker_id`` was refused: the lease expires now (its prompts

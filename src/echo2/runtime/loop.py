@@ -262,8 +262,8 @@ class LearnerLoop:
 
     def _checkpoint(self, name: str, delays: tuple[float, ...] = RETRY_DELAYS_S) -> bool:
         """:meth:`save`, waiting out a full descriptor table or disk (``resources.retry_exhausted``);
-        if it stays full the checkpoint is not written (counted in ``learner/checkpoint_failed``), the previous
-        one stands and the trajectories since are kept for the next: the run goes on (any thread)."""
+        if it stays full the checkpoint is not written (counted in ``learner/checkpoint_failed``), the
+        previous one stands and the trajectories since are kept for the next: the run goes on (any thread)."""
         try:
             self.last_ckpt = retry_exhausted(lambda: self.save(name), f"checkpoint {name}", delays)
         except OSError as exc:

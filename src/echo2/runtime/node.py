@@ -115,7 +115,7 @@ def assemble(
         spill_dir=registry.path.parent / PUBLISHED_DIR, epoch=epoch,
         model_base=lora.base_digest if lora else "",
     )  # fmt: skip
-    pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch)
+    pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch, generation)
     limits = submission_limits(cfg, task, vocab_size)
     intake = Intake(
         store,
@@ -128,6 +128,7 @@ def assemble(
         lambda v: v in snapshots.published,
         broker.returned,
         broker.refused,
+        struck=broker.struck,
         quarantine=_quarantine(registry, pool, broker),
         quarantined=lambda: sum(1 for r in registry if r.quarantined),  # persisted: restarts keep it
         data_ready=data_ready,
@@ -149,10 +150,12 @@ def _leasing(
     version: Callable[[], int],
     clock: Callable[[], float],
     epoch: int,
+    generation: GenerationCheck | None = None,
 ) -> tuple[Pool, LeaseBroker]:
     """The pool (with the workers an earlier learner process registered, restored) and the lease
     broker, sharing one ledger of lease standings: a heartbeat keeps a worker alive in the pool only
-    while it holds an open lease or asked for one within the heartbeat timeout."""
+    while it holds an open lease or asked for one within the heartbeat timeout. The pool is sized
+    against what the generation check can re-run at its floor."""
     standings = Standings(cfg.security.max_unreturned, cfg.lease_ttl())
     timeout = cfg.controller.heartbeat_timeout_s
 
@@ -163,6 +166,7 @@ def _leasing(
     pool = Pool(
         registry, cfg.controller, cfg.staleness, cfg.batch.rollouts, rt.learner_usd_per_hour,
         registry.path.parent, clock, working,
+        check=(lambda: (generation.capacity()[0], generation.cfg.floor())) if generation else None,
     )  # fmt: skip
     for rec in registry.load():
         pool.enroll(rec)

@@ -61,8 +61,12 @@ class Pool:
         run_path: Path,
         clock: Callable[[], float],
         working: Callable[[str], bool] = lambda worker_id: True,
+        check: Callable[[], tuple[float, float]] | None = None,
     ) -> None:
         self.registry = registry
+        # the generation check's measured capacity (completions/s) and floor: the pool it can police
+        self.check = check
+        self.mu_check_max: float | None = None  # capacity / floor, once the check has run
         self.working = working  # holds an open lease or asked for one lately (the lease broker's say)
         self.staleness = staleness
         self.rollouts = rollouts_per_step
@@ -159,7 +163,7 @@ class Pool:
         except InfeasibleError as exc:
             log.warning("capacity model: %s; keeping every worker active", exc)
             return
-        target = capacity.mu_target(mu, self.staleness.gamma)
+        target = self._policed(capacity.mu_target(mu, self.staleness.gamma))
         self.mu_min = mu
         if not self.target_known:
             log.info(
@@ -170,6 +174,26 @@ class Pool:
             )
         self.controller.set_target(target)
         self.target_known = True
+
+    def _policed(self, target: float) -> float:
+        """``target``, at most what the generation check can keep at its floor (``capacity.mu_policed``:
+        its measured completions/s over ``check_floor``); a pool beyond it would have its drawn
+        submissions wait for their checks, so the learner would starve anyway."""
+        if self.check is None:
+            return target
+        done_per_s, floor = self.check()
+        if done_per_s <= 0.0 or floor <= 0.0:
+            return target
+        self.mu_check_max = capacity.mu_policed(done_per_s, floor)
+        if target > self.mu_check_max:
+            log.warning(
+                "the pool's target %.1f rollouts/s is more than the generation check can keep at its floor "
+                "(%.2f completions/s / check_floor %.2f = %.1f rollouts/s): capped there; a faster check "
+                "(its own device) or a lower security.check_floor raises it",
+                target, done_per_s, floor, self.mu_check_max,
+            )  # fmt: skip
+            return self.mu_check_max
+        return target
 
     def tick(self) -> None:
         """One controller round: carry out and log its decisions (the worker learns at its next call)."""
@@ -217,5 +241,6 @@ class Pool:
         return {
             catalog.POOL_MU_POOL.key: self.controller.mu_pool(self.clock()),
             catalog.POOL_MU_TARGET.key: self.controller.mu_target if self.target_known else None,
+            catalog.POOL_MU_CHECK_MAX.key: self.mu_check_max,
             catalog.POOL_ACTIVE_WORKERS.key: len(self.active_ids()),
         }

@@ -17,7 +17,9 @@ The run's join token is exchanged once for a per-worker bearer credential; only 
 SHA-256 is kept, in ``workers.json`` of the run directory, so credentials survive a learner restart
 and a leaked registry file grants nothing.
 
-**Registration slots.** The join token opens ``max_workers`` slots. An identity holds one while it is
+**Registration slots.** The join token opens ``max_workers`` slots at a time, and ``max_identities``
+identities over the whole run (every record the file keeps counts: a quarantined identity that registers
+again spends one more). An identity holds one while it is
 trusted and was heard from (an authenticated API call) within ``slot_idle_s``, or for ``slot_idle_s``
 after it was quarantined (the time is persisted, so a restart keeps it). A trusted identity silent
 longer is **retired**: it frees its slot, and its credential opens nothing any more (the API answers
@@ -89,12 +91,15 @@ class WorkerRegistry:
         clock: Callable[[], float],
         max_workers: int = 64,
         slot_idle_s: float = DEFAULT_SLOT_IDLE_S,
+        max_identities: int | None = None,
     ) -> None:
         self.path = run_path / REGISTRY_FILE
         self.join_token = join_token
         self.clock = clock  # wall-clock seconds (quarantine times are persisted)
         self.max_workers = max_workers  # registration slots of the join token (security.max_workers)
         self.slot_idle_s = slot_idle_s  # silence that retires an identity (security.slot_idle_s)
+        # identities the join token may register over the run (security.max_identities; None: no bound)
+        self.max_identities = max_identities
         self._records: dict[str, WorkerRecord] = {}
         self._by_cred: dict[str, str] = {}  # credential sha -> worker id
         self._watchers: list[Callable[[str], None]] = []  # told when an identity stops being trusted
@@ -126,6 +131,13 @@ class WorkerRegistry:
             for r in self._records.values()
             if r.trusted or (r.quarantined and now - r.quarantined_s < self.slot_idle_s)
         )
+
+    @property
+    def spent(self) -> bool:
+        """The join token's identity budget is spent: every registration the run kept (``workers.json``:
+        quarantined and retired identities too) counts against ``max_identities``, so re-registering
+        after a quarantine does not reset what an attacker may do."""
+        return self.max_identities is not None and len(self._records) >= self.max_identities
 
     @property
     def full(self) -> bool:

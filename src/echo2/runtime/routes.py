@@ -20,7 +20,8 @@ JSON shape (or, where no answer can reach the peer, a dropped connection), count
   endpoint: a nesting deeper than its recursion limit, a lone surrogate, an integer too long to convert
   are 400 ``malformed``); a model's broken field 422 naming it; a body whose framing breaks mid-way
   400 ``bad_http``; a connection lost before its body arrived is counted ``dropped``;
-- registration: a join token (401/403 ``auth``) and a free slot (403 ``registration_cap``) first, then a
+- registration: a join token (401/403 ``auth``), a free slot (403 ``registration_cap``) and an identity
+  left of the token's budget (403 ``identity_budget``) first, then a
   price within ``[security.min_usd_per_hour, security.max_usd_per_hour]`` (422 ``invalid_price``) and a
   claimed rate at most ``security.max_rollouts_per_s`` (422 ``invalid_rate``);
 - snapshot chains (``GET /v1/snapshot``): each link's bytes are booked to (identity, link version) under
@@ -192,6 +193,13 @@ class Routes:
                 "registration_cap",
                 f"all {self.registry.max_workers} registration slots of the join token are held "
                 "(security.max_workers; a silent identity frees its slot after security.slot_idle_s)",
+            )
+        if self.registry.spent:
+            raise http.error(
+                web.HTTPForbidden,
+                "identity_budget",
+                f"the join token has registered all {self.registry.max_identities} identities it may over "
+                "this run (security.max_identities: re-registrations and quarantined identities count)",
             )
         self.perimeter.vouch(request.transport)
         req = _parse(RegisterRequest, await self._body(request, REGISTER_MAX_BYTES))

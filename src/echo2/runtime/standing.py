@@ -5,24 +5,29 @@ of R rollouts, leased plus buffered) until it is answered or expires. So the bud
 worker has *returned*, never what it claims (the lease broker, ``leases.py``, asks this ledger):
 
 - **probation**: a worker that has returned no lease yet (a new identity), or none since its last
-  unreturned one, gets leases of ``security.probation_prompts`` prompts, one open at a time, and all
-  workers on probation together hold at most ``security.probation_share`` of the in-flight budget,
-  an allowance beside it (the lease broker does not count probation leases against the others'
-  budget). So K identities that lease and never submit hold at most that share, whatever K is, and
-  an honest worker that has delivered keeps the whole budget; nor can a fast delivering worker keep a
-  newcomer from its first lease by filling the budget. Workers with a strike on
-  their record hold at most half of the probation share, so once a flood of new identities has
-  left its first leases unreturned, the other half is there for new workers.
+  strike, gets leases of ``security.probation_prompts`` prompts, one open at a time, and all
+  workers on probation together hold at most ``security.probation_share`` of the in-flight budget
+  (their open leases and their groups waiting for a check), an allowance beside it (the lease broker
+  does not count probation leases against the others' budget). So K identities that lease and never
+  submit hold at most that share, whatever K is, and an honest worker that has delivered keeps the
+  whole budget; nor can a fast delivering worker keep a newcomer from its first lease by filling the
+  budget. Workers with a strike on their record hold at most half of the probation share, so once a
+  flood of new identities has left its first leases unreturned, the other half is there for new
+  workers.
 - **slow start**: past probation a worker may hold ``1 + returned`` open leases (leases it returned
-  since its last unreturned one), up to ``runtime.max_leases_per_worker``: holding many leases takes a
+  since its last strike), up to ``runtime.max_leases_per_worker``: holding many leases takes a
   record of returning them.
-- **strikes**: every lease that expires unreturned is a strike. It sends the worker back to probation,
-  and each strike in a row halves its next leases' time to live (``lease_ttl_s / 2**strikes``), so a
-  hoarder's leases come back sooner; ``security.max_unreturned`` strikes in a row bench it (no leases)
-  for ``BENCH_TTLS`` lease times to live. A returned lease clears the strikes.
+- **strikes**: every lease that expires unreturned is a strike, and so is an answer too stale to admit
+  and a drawn submission whose check expired (its version left the admissible window first). A strike
+  sends the worker back to probation, and each strike in a row halves its next leases' time to live
+  (``lease_ttl_s / 2**strikes``), so a hoarder's leases come back sooner; ``security.max_unreturned``
+  strikes in a row bench it (no leases) for ``BENCH_TTLS`` lease times to live. Only a lease returned
+  with admitted work clears the strikes: an answer's groups admitted (a drawn one's once its check
+  passed), in time (a late answer to an expired lease returns nothing).
 
-Every number here is counted (``leases/unreturned``, ``leases/benched``) and kept in memory only: a
-restarted learner starts every worker on probation again, which costs an honest worker one small lease.
+Every number here is counted (``leases/unreturned``, ``leases/stale_answers``, ``leases/benched``) and
+kept in memory only: a restarted learner starts every worker on probation again, which costs an honest
+worker one small lease.
 """
 
 from __future__ import annotations
@@ -30,14 +35,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from echo2.observe.catalog import LEASES_BENCHED, LEASES_UNRETURNED
+from echo2.observe.catalog import LEASES_BENCHED, LEASES_STALE_ANSWERS, LEASES_UNRETURNED
 
 BENCH_TTLS = 4.0  # a benched worker gets no lease for this many runtime.lease_ttl_s
 
 
 @dataclass
 class _Record:
-    returned: int = 0  # leases returned (answered, admitted or stale) since the last unreturned one
+    returned: int = 0  # leases returned with admitted work since its last strike
     strikes: int = 0  # unreturned leases in a row
     benched_until: float = -math.inf  # clock time its bench ends
     last_asked: float = -math.inf  # clock time of its last lease request (granted or not)
@@ -51,6 +56,7 @@ class Standings:
         self.lease_ttl_s = lease_ttl_s
         self._workers: dict[str, _Record] = {}
         self.unreturned = 0  # leases that expired unanswered, all workers
+        self.stale_answers = 0  # answers too stale to admit, all workers
         self.benched = 0  # times a worker was benched
 
     def _rec(self, worker_id: str) -> _Record:
@@ -65,16 +71,25 @@ class Standings:
         return rec is not None and now - rec.last_asked <= seconds
 
     def returned_lease(self, worker_id: str) -> None:
-        """A lease of this worker was answered (its groups admitted, or found stale)."""
+        """A lease of this worker came back with admitted work (trainable: a drawn one once its check
+        passed); a stale or late answer is no return."""
         rec = self._rec(worker_id)
         rec.returned += 1
         rec.strikes = 0
 
     def expired(self, worker_id: str, now: float) -> None:
-        """A lease of this worker expired unanswered: a strike; back to probation; benched at the
-        ``max_unreturned``-th strike in a row."""
-        rec = self._rec(worker_id)
+        """A lease of this worker expired unanswered: a strike (:meth:`strike`)."""
         self.unreturned += 1
+        self.strike(worker_id, now)
+
+    def stale(self, worker_id: str, now: float) -> None:
+        """An answer of this worker was too stale to admit: it returned nothing, a strike."""
+        self.stale_answers += 1
+        self.strike(worker_id, now)
+
+    def strike(self, worker_id: str, now: float) -> None:
+        """A strike: back to probation; benched at the ``max_unreturned``-th strike in a row."""
+        rec = self._rec(worker_id)
         rec.returned = 0
         rec.strikes += 1
         if rec.strikes >= self.max_unreturned:
@@ -107,4 +122,8 @@ class Standings:
         return self.lease_ttl_s / 2 ** (rec.strikes if rec is not None else 0)
 
     def metrics(self) -> dict[str, float]:
-        return {LEASES_UNRETURNED.key: self.unreturned, LEASES_BENCHED.key: self.benched}
+        return {
+            LEASES_UNRETURNED.key: self.unreturned,
+            LEASES_STALE_ANSWERS.key: self.stale_answers,
+            LEASES_BENCHED.key: self.benched,
+        }

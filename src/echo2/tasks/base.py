@@ -71,10 +71,13 @@ class Task(Protocol):
         group_prefix: str,
         bounds: Bounds,
         opponent_policy: Callable[[Prompt], TextPolicy | None] | None = None,
+        grade: bool = True,
     ) -> RolloutBatch:
         """One rollout round: ``group_size`` samples of every prompt with the engine's weights (version
         ``policy_version``), rewarded and tagged, group by group. ``opponent_policy`` gives a self-play
-        prompt its model opponent (ignored by tasks without opponents)."""
+        prompt its model opponent (ignored by tasks without opponents). ``grade = False`` on a worker:
+        its prompts carry no grading secret, so what only a grader can say is left out (a single-turn
+        task's rewards are 0; an episode's return is the environment's, which the learner replays)."""
         ...
 
     def evaluate(

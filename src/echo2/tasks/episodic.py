@@ -58,6 +58,7 @@ class Episodic:
         group_prefix: str,
         bounds: Bounds,
         opponent_policy: Callable[[Prompt], TextPolicy | None] | None = None,
+        grade: bool = True,
     ) -> RolloutBatch:
         return collect_episodes(
             codec,

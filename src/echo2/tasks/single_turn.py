@@ -82,6 +82,7 @@ class SingleTurn:
         group_prefix: str,
         bounds: Bounds,
         opponent_policy: Callable[[Prompt], TextPolicy | None] | None = None,
+        grade: bool = True,
     ) -> RolloutBatch:
         return collect_groups(
             codec,
@@ -92,6 +93,7 @@ class SingleTurn:
             seed=seed,
             policy_version=policy_version,
             group_prefix=group_prefix,
+            grade=grade,
         )
 
     def evaluate(

@@ -1,45 +1,52 @@
-"""What a worker says that the learner checks itself: the prompt it answered, the reward it earned, the
-version it sampled with, and (on a sample of submissions) that its tokens are the claimed weights' draw.
+"""What a worker says that the learner checks itself: the prompt it answered, the version it sampled
+with, and (on a drawn share of submissions) that its tokens are the claimed weights' draw. What a
+completion earned the learner grades itself: a lease carries no grading secret (``protocol.LeasedPrompt``),
+so a worker's reward is not believed, nor needed.
 
 A worker is a stranger's machine (docs/security.md). Nothing it claims is believed:
 
 - **Every submission** (:class:`Verifier`, cheap): every sample's ``prompt_ids`` are the leased
   prompt's own tokens (the learner encodes the prompt text exactly as workers do) [prompt_mismatch];
-  every reward of a verifiable task is the task's grade of the completion [reward_mismatch]; a
-  completion ends at its first EOS, and one without EOS is exactly ``max_new_tokens`` long (no
-  cherry-picked truncation) [completion_shape]; the claimed version is not older than the one the
-  worker said it held when it took the lease (installs only move forward) [version_mismatch].
-- **A sampled fraction** (:class:`GenerationCheck`, one forward pass per checked completion): the
+  a single-turn completion carries no turn mask but all ones (the loss trains what the grade reads)
+  [turn_mask]; a completion ends at its first EOS, and one without EOS is exactly ``max_new_tokens``
+  long (no cherry-picked truncation) [completion_shape]; the claimed version is not older than the one
+  the worker said it held when it took the lease (installs only move forward) [version_mismatch]. Every
+  reward (and parse status) is then the task's own grade of the completion, whatever the worker sent.
+- **A drawn share** (:class:`GenerationCheck`, one forward pass per checked completion): the
   learner re-runs the claimed version's published weights over the prompt and completion and, with
   the lease's seed, recomputes at every step the sampler's log-prob and the seeded Gumbel-max draw
-  (``rollout/sampling.py``). A token that is not the draw (beyond ``gumbel_tolerance`` in logit units,
-  with the nucleus boundary given the same slack) or whose log-prob differs by more than
-  ``logprob_tolerance`` is a miss; more than ``max_token_misses`` of a completion's tokens is a forgery
-  [forged_generation]. A different model, tampered log-probs, an inflated version (the tokens are
-  not the claimed version's draw), best-of-n cherry-picking and a made-up completion all fail it;
-  honest numerical noise (batched vs unbatched kernels, another GPU) stays inside the tolerances. The
-  tolerances follow the run's declared ``security.engine_precision`` (config.ENGINE_TOLERANCES: a
+  (``rollout/sampling.py``). Every position must pass (``positions.py``): the log-prob within
+  ``logprob_tolerance``, the token the draw or a declared numerical near tie (within
+  ``gumbel_tolerance`` of the best perturbed score); one miss is a forgery [forged_generation], and a near
+  tie on a token the grader reads (:meth:`Verifier.graded_from`) is no forgery but is not trained
+  [graded_tie]. A different model, tampered log-probs, an inflated version (the tokens are not the
+  claimed version's draw), best-of-n cherry-picking, an answer rewritten or a phrase inserted all fail
+  it; honest numerical noise (batched vs unbatched kernels, another GPU) stays inside the tolerances.
+  The tolerances follow the run's declared ``security.engine_precision`` (config.ENGINE_TOLERANCES: a
   bf16 engine's rounding is larger than a float32 one's), never a worker's claim.
   In a multi-turn episode only the policy's tokens are checked: its token at completion index ``c``
   was drawn at noise step ``c`` (``rollout/episodes.py``), whatever turn it belongs to.
 - **Episodes** (:class:`EpisodeReplay`, every submission of an environment task): the learner replays
   each episode from its seed and the policy's actions: every observation turn must be the
-  environment's own tokens, the turn mask exact, and the claimed return the replay's [reward_mismatch].
+  environment's own tokens, the turn mask exact, and the claimed return the replay's [reward_mismatch];
+  the mask and the return stored are the replay's.
 
 The checks run off the event loop, one at a time, on models and a tokenizer of their own. A failure
-of ``reward_mismatch`` or ``forged_generation`` is evidence of lying: the intake quarantines the
-worker (``intake.py``).
+of ``reward_mismatch``, ``episode_mismatch``, ``turn_mask`` or ``forged_generation`` is evidence of
+lying: the intake quarantines the worker (``intake.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import random
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +54,7 @@ from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.submission import Rejected, Submission
 from echo2.learner.turns import Turns
 from echo2.rollout.engines.base import EosIds, eos_tuple, first_eos
+from echo2.tasks.positions import LogHistogram, Positions, judge
 from echo2.types import Prompt, Trajectory
 from echo2.weights.undo import Undo, rebuild
 
@@ -59,8 +67,9 @@ if TYPE_CHECKING:
     from echo2.models.policy import TextCodec
 
 REWARD_TOLERANCE = 1e-6  # a claimed reward this close to the recomputed one is the same reward
-NUCLEUS_SLACK = 1e-3  # probability mass of slack given to the top-p boundary (numerical noise)
-EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch"})  # these quarantine
+SHORT_ROWS = 64  # completions that fit in one chunk re-run together through the decoder
+# these quarantine: an honest worker cannot produce them
+EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch", "turn_mask"})
 
 
 class Verifier:
@@ -79,11 +88,14 @@ class Verifier:
         self._lock = threading.Lock()  # one check at a time: the tokenizer is not shared across calls
         self._tokens: dict[tuple[str, str | None], tuple[int, ...]] = {}  # (prompt text, system) -> tokens
 
-    def check(self, lease: Lease, sub: Submission) -> None:
-        """Raise :class:`Rejected` unless the submission is what ``lease`` asked for: the claimed version
-        not older than the worker held, every group answering its leased prompt with that prompt's own
-        tokens, every completion well formed and every reward the task's (any thread). Groups whose
-        prompt id is not in the lease are left to the store, which refuses them (``prompt_mismatch``)."""
+    def check(self, lease: Lease, sub: Submission) -> Submission:
+        """The submission as the learner takes it, or :class:`Rejected` unless it is what ``lease`` asked
+        for: the claimed version not older than the worker held, every group answering its leased
+        prompt with that prompt's own tokens, every completion well formed (a single-turn completion
+        carries no turn mask but all ones [turn_mask]). Every reward is the task's own grade (what a
+        worker claims is never believed: its leases carry no answer to grade with), every parse status
+        too (any thread). Groups whose prompt id is not in the lease are left to the store, which
+        refuses them (``prompt_mismatch``)."""
         if sub.policy_version < lease.installed_version:
             raise Rejected(
                 "version_mismatch",
@@ -91,18 +103,31 @@ class Verifier:
                 f"{lease.installed_version} when it took the lease",
             )
         by_id = {p.prompt_id: p for p in lease.prompts}
+        groups = []
         with self._lock:
             for i, group in enumerate(sub.groups):
                 prompt = by_id.get(group[0].prompt_id) if group else None
                 if prompt is None:
+                    groups.append(group)
                     continue
                 want = self._prompt_tokens(prompt)
-                for j, t in enumerate(group):
-                    self._check_sample(prompt, want, t, f"groups[{i}].samples[{j}]")
+                groups.append(
+                    tuple(
+                        self._check_sample(prompt, want, t, f"groups[{i}].samples[{j}]")
+                        for j, t in enumerate(group)
+                    )
+                )
+        return dataclasses.replace(sub, groups=tuple(groups))
 
-    def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> None:
+    def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> Trajectory:
         if tuple(t.prompt_ids) != want:
             raise Rejected("prompt_mismatch", f"{where}.prompt_ids: not the leased prompt's tokens")
+        if any(m != 1 for m in t.turn_mask):  # the loss would train fewer tokens than the grade read
+            raise Rejected(
+                "turn_mask",
+                f"{where}.turn_mask: a single-turn completion is the policy's whole (no mask, or all 1); "
+                "a mask with 0s would train fewer tokens than the reward grades",
+            )
         ids = t.completion_ids
         eos = first_eos(ids, self.eos_ids)
         if eos >= 0 and eos != len(ids) - 1:
@@ -113,11 +138,33 @@ class Verifier:
                 f"{where}.completion_ids: {len(ids)} tokens without EOS (a completion ends at EOS or "
                 f"after max_new_tokens={self.max_new_tokens})",
             )
-        reward = self.task.grade(prompt, self.codec.decode_completion(ids)).reward
-        if not math.isclose(t.reward, reward, rel_tol=0.0, abs_tol=REWARD_TOLERANCE):
-            raise Rejected(
-                "reward_mismatch", f"{where}.reward: {t.reward!r} claimed, the task gives {reward!r}"
-            )
+        grade = self.task.grade(prompt, self.codec.decode_completion(ids))
+        meta = {**t.meta, "parsed": grade.parsed}
+        return dataclasses.replace(t, reward=grade.reward, meta=meta, turn_mask=())
+
+    def graded_from(self, prompt: Prompt, t: Trajectory) -> int:
+        """The first completion position whose token the grader reads (any thread): a task that can say
+        where its answer starts (``data.tasks.base.ReadsAnAnswer``: math's last ``\\boxed{``, when the
+        grade of the text from there is the whole text's) gives that position, less one token of margin;
+        else 0, the whole completion. A near tie of the generation check is never accepted from here on
+        (``GenerationCheck``)."""
+        from echo2.data.tasks.base import ReadsAnAnswer
+
+        if not isinstance(self.task, ReadsAnAnswer):
+            return 0
+        with self._lock:
+            ids = list(t.completion_ids)
+            at = self.task.answer_start(prompt, self.codec.decode_completion(ids))
+            if at <= 0:
+                return 0
+            lo, hi = 0, len(ids)  # the most tokens whose text ends before the answer starts
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if len(self.codec.decode_completion(ids[:mid])) <= at:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return max(0, lo - 1)
 
     def _prompt_tokens(self, prompt: Prompt) -> tuple[int, ...]:
         key = (prompt.text, prompt.meta.get("system"))
@@ -202,7 +249,11 @@ class EpisodeReplay(Verifier):
     def _prompt_tokens(self, prompt: Prompt) -> tuple[int, ...]:
         return ()  # the replay rebuilds the prompt from the seed
 
-    def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> None:
+    def graded_from(self, prompt: Prompt, t: Trajectory) -> int:
+        """0: the environment reads every action of the policy."""
+        return 0
+
+    def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> Trajectory:
         from echo2.envs.base import EnvError
         from echo2.rollout import episodes
 
@@ -240,6 +291,7 @@ class EpisodeReplay(Verifier):
             raise Rejected(
                 "reward_mismatch", f"{where}.reward: {t.reward!r} claimed, the replay gives {ret!r}"
             )
+        return dataclasses.replace(t, reward=ret, turn_mask=tuple(e.mask))  # the replay's, never the worker's
 
 
 @dataclass(frozen=True)
@@ -251,7 +303,9 @@ class Verdict:
     draw_misses: int  # tokens that are not the seeded draw of the claimed weights
     logprob_misses: int  # tokens whose claimed log-prob is off by more than the tolerance
     max_logprob_error: float  # largest |claimed - recomputed| log-prob
-    near_ties: int = 0  # drawn tokens that were not the top perturbed score but within gumbel_tolerance
+    near_ties: int = 0  # tokens that were not the check's draw but declared near ties (positions.py)
+    tie_positions: tuple[int, ...] = ()  # the completion positions of those near ties
+    room: int = 0  # positions where a token other than the draw lay within the margin (an attacker's choice)
 
 
 class GenerationCheck:
@@ -291,9 +345,14 @@ class GenerationCheck:
         self.checked = 0  # completions re-run
         self.tokens = 0  # tokens re-checked
         self.worst_passing_error = 0.0  # largest |claimed - recomputed| log-prob of a passing completion
-        self.passing_misses = 0  # tokens that missed in completions that passed (numerical noise)
         self.rebuilds = 0  # older versions rebuilt from the newest for a check
-        self.near_ties = 0  # drawn tokens that passed only within gumbel_tolerance (rounding near a tie)
+        self.near_ties = 0  # tokens that were not the check's draw but declared near ties (positions.py)
+        self.room = 0  # positions where another token lay within the draw margin (what it leaves a forger)
+        self.graded_ties = 0  # submissions dropped for a near tie on a token the grader reads
+        self.errors = LogHistogram()  # per position: |claimed - recomputed| sampler log-prob
+        self._busy_s = self._busy_done = self._busy_tokens = 0.0  # checking: seconds, completions, tokens
+        self.deficits = LogHistogram()  # per position not the check's draw: best perturbed score - its
+        self.gaps = LogHistogram()  # per position: best - second best perturbed score (room at any margin)
         self.declined = 0  # submissions the full-rate draw picked that a full check queue let through
         self._parts: Any = None  # the model's decoder and LM head (learner/logprobs.lm_parts), False: none
         self._stream: Any = None  # on a CUDA device, the check's own stream (:meth:`_own_stream`)
@@ -358,9 +417,10 @@ class GenerationCheck:
     ) -> list[tuple[int, int]]:
         """The (group, sample) positions to re-check in ``sub``: none unless the submission is drawn
         (probability ``share``, at most ``full``: the submitter's draw, ``check_fraction`` unless the
-        intake says otherwise; the intake lowers ``share`` as its check queue fills, and a draw under
-        ``full`` but not under ``share`` is counted ``declined``), else ``check_samples`` of them at
-        random."""
+        intake says otherwise; the intake lowers ``share`` as its check queue fills, never below
+        ``check_floor``, and a draw under ``full`` but not under ``share`` is counted ``declined``), else
+        ``check_samples`` of them at random (0: every one, so a submission with any forged completion
+        fails its check)."""
         full = self.cfg.check_fraction if full is None else full
         share = full if share is None else min(share, full)
         u = self.rng.random()
@@ -368,7 +428,8 @@ class GenerationCheck:
             self.declined += int(u < full)
             return []
         where = [(i, j) for i, g in enumerate(sub.groups) for j in range(len(g))]
-        return self.rng.sample(where, min(self.cfg.check_samples, len(where)))
+        rows = self.cfg.check_samples or len(where)
+        return where if rows >= len(where) else self.rng.sample(where, rows)
 
     def check(
         self,
@@ -376,11 +437,15 @@ class GenerationCheck:
         sub: Submission,
         picks: Sequence[tuple[int, int]],
         due: Callable[[], bool] | None = None,
+        graded_from: Callable[[int, int], int] | None = None,
     ) -> list[Verdict]:
         """Re-run the picked completions (any thread; one check at a time); raise
-        :class:`Rejected` ``forged_generation`` at the first forgery, ``unchecked_version`` when the
-        claimed version's weights are not held (the intake asks :meth:`holds` first). Between its chunks
-        it gives a running update its turn (:attr:`turns`) unless ``due()`` says it cannot wait."""
+        :class:`Rejected` ``forged_generation`` at the first forgery (a position that misses,
+        ``positions.py``), ``graded_tie`` when none was forged but a near tie fell on a token the grader
+        reads (``graded_from(group, sample)``: the first such position; None: every position), and
+        ``unchecked_version`` when the claimed version's weights are not held (the intake asks
+        :meth:`holds` first). Between its chunks it gives a running update its turn (:attr:`turns`)
+        unless ``due()`` says it cannot wait."""
         if not self.holds(sub.policy_version):
             raise Rejected(
                 "unchecked_version", f"policy_version: {sub.policy_version}: its weights are not held here"
@@ -402,10 +467,21 @@ class GenerationCheck:
                 self._loaded = sub.policy_version
                 del weights
                 self.turns.pause()
+            t0, done, tokens = time.perf_counter(), self.checked, self.tokens
             try:
-                return self._run(lease, sub, picks)
+                return self._run(lease, sub, picks, graded_from or (lambda i, j: 0))
             finally:  # a rebuilt copy goes with the check, an older newest with its successor
                 self._settle()
+                self._busy_s += time.perf_counter() - t0
+                self._busy_done += self.checked - done
+                self._busy_tokens += self.tokens - tokens
+
+    def capacity(self) -> tuple[float, float]:
+        """What the check re-runs per second of checking: (completions/s, tokens/s), its waits for the
+        learner's updates included (0, 0 before the first check)."""
+        if self._busy_s <= 0.0:
+            return 0.0, 0.0
+        return self._busy_done / self._busy_s, self._busy_tokens / self._busy_s
 
     def _own_stream(self) -> contextlib.AbstractContextManager[Any]:
         """On a CUDA device, a stream of the check's own, after what the default stream has queued (the
@@ -432,26 +508,56 @@ class GenerationCheck:
             load_for_check(self.model, self.expand(newest[1]))
             self._loaded = newest[0]
 
-    def _run(self, lease: Lease, sub: Submission, picks: Sequence[tuple[int, int]]) -> list[Verdict]:
-        verdicts = []
-        for i, j in picks:  # one completion at a time: the first forgery ends the check
+    def _run(
+        self,
+        lease: Lease,
+        sub: Submission,
+        picks: Sequence[tuple[int, int]],
+        graded_from: Callable[[int, int], int],
+    ) -> list[Verdict]:
+        verdicts, ties = [], []
+        for i, j, state_CX in self._states_of(sub, picks):  # in order: the first forgery ends the check
             t = sub.groups[i][j]
             row = i * len(sub.groups[i]) + j  # the row it was sampled in (rollout/collect.py)
-            (state_CX,) = self._hidden([t])
             verdict = self.rerun(t, lease.seed, row, state_CX)
             verdicts.append(verdict)
-            allowed = math.floor(self.cfg.max_token_misses * verdict.tokens)
-            if verdict.misses <= allowed:
-                self.worst_passing_error = max(self.worst_passing_error, verdict.max_logprob_error)
-                self.passing_misses += verdict.misses
-            else:
+            if verdict.misses:  # no share of a completion may miss
                 raise Rejected(
                     "forged_generation",
                     f"groups[{i}].samples[{j}]: {verdict.draw_misses} of {verdict.tokens} tokens are "
                     f"not version {sub.policy_version}'s seeded draw, {verdict.logprob_misses} "
                     f"log-probs are off (worst by {verdict.max_logprob_error:.3g})",
                 )
+            self.worst_passing_error = max(self.worst_passing_error, verdict.max_logprob_error)
+            if verdict.tie_positions and verdict.tie_positions[-1] >= (start := graded_from(i, j)):
+                ties.append(f"groups[{i}].samples[{j}] at {verdict.tie_positions[-1]} (graded from {start})")
+        if ties:  # honest rounding makes these: no forgery, and nothing trained on a choice the grade reads
+            self.graded_ties += 1
+            raise Rejected(
+                "graded_tie",
+                f"a near tie on a token the grader reads: {', '.join(ties[:4])}; the submission is dropped "
+                "untrained (no strike)",
+            )
         return verdicts
+
+    def _states_of(self, sub: Submission, picks: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, Any]]:
+        """``(group, sample, state)`` of every pick, in order: completions that fit in one chunk with their
+        prompt go through the decoder together (runs of up to ``SHORT_ROWS``: one padded pass instead of
+        a pass each), longer ones one at a time in chunks (:meth:`_hidden`)."""
+        step = max(1, self.cfg.check_chunk_tokens)
+
+        def short(k: int) -> bool:
+            t = sub.groups[picks[k][0]][picks[k][1]]
+            return len(t.prompt_ids) + len(t.completion_ids) <= step
+
+        k = 0
+        while k < len(picks):
+            run = [k]
+            while short(k) and len(run) < SHORT_ROWS and run[-1] + 1 < len(picks) and short(run[-1] + 1):
+                run.append(run[-1] + 1)
+            states = self._hidden([sub.groups[picks[r][0]][picks[r][1]] for r in run])
+            yield from ((*picks[r], st) for r, st in zip(run, states, strict=True))
+            k = run[-1] + 1
 
     def _hidden(self, trajectories: Sequence[Trajectory]) -> list[Any]:
         """What the loaded weights give at every completion position of each trajectory: the decoder's
@@ -467,12 +573,38 @@ class GenerationCheck:
         if self._parts is None:
             self._parts = lm_parts(self.model) or False
         device = next(self.model.parameters()).device
+        step = max(1, self.cfg.check_chunk_tokens)
+        if self._parts and len(trajectories) > 1:
+            assert all(len(t.prompt_ids) + len(t.completion_ids) <= step for t in trajectories)
+            return self._short_states(trajectories, device)
         if self._parts:
             return [self._states(t, device) for t in trajectories]
         batch = pack(trajectories, [[1.0] * len(t.completion_ids) for t in trajectories], 0, device)
         with torch.no_grad():
             logits_BTV = completion_logits(self.model, batch).float()
         return [logits_BTV[b, : len(t.completion_ids)] for b, t in enumerate(trajectories)]
+
+    def _short_states(self, trajectories: Sequence[Trajectory], device: Any) -> list[Any]:
+        """:meth:`_states` of completions that fit in one chunk with their prompt, in one right-padded
+        pass of the decoder (a pad after a row's tokens is never attended to by them)."""
+        import torch
+
+        L = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories) - 1
+        ids_BL = torch.zeros((len(trajectories), L), dtype=torch.long)
+        mask_BL = torch.zeros((len(trajectories), L), dtype=torch.long)
+        for b, t in enumerate(trajectories):
+            seq = [*t.prompt_ids, *t.completion_ids][:-1]  # the last token predicts nothing checked
+            ids_BL[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask_BL[b, : len(seq)] = 1
+        with torch.no_grad():
+            h_BLH = self._parts.decoder(
+                input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device), use_cache=False
+            ).last_hidden_state
+        self.turns.pause()
+        return [
+            h_BLH[b, len(t.prompt_ids) - 1 : len(t.prompt_ids) - 1 + len(t.completion_ids)]
+            for b, t in enumerate(trajectories)
+        ]
 
     def _states(self, t: Trajectory, device: Any) -> Any:
         """The decoder's hidden states at the positions that predict ``t``'s completion tokens
@@ -512,64 +644,61 @@ class GenerationCheck:
         """Recompute one completion's per-step log-probs and seeded draws with the loaded weights
         (``state_CX``: :meth:`_hidden`'s for it, when already computed), ``check_chunk_tokens``
         positions at a time: the logits, the noise and the nucleus of one chunk exist at once, never
-        ``[C, V]`` tensors."""
+        ``[C, V]`` tensors. Every position is judged by ``positions.judge`` (no share may miss)."""
         import torch
 
         from echo2.learner.grpo import token_logprobs
-        from echo2.rollout.sampling import gumbel_noise, nucleus_mass_before
+        from echo2.rollout.sampling import gumbel_noise
 
         C = len(t.completion_ids)
         if state_CX is None:
             (state_CX,) = self._hidden([t])
         temperature = self.sampling.temperature
-        top_p = self.sampling.top_p
         lp_tol, draw_tol = self.cfg.tolerances()
-        tokens_C = torch.tensor(t.completion_ids, dtype=torch.long, device=state_CX.device)
-        claimed_C = torch.tensor(t.sampler_logprobs, dtype=torch.float32, device=state_CX.device)
-        draw_ok, errs, ties, step = [], [], 0, max(1, self.cfg.check_chunk_tokens)
+        dev = state_CX.device
+        tokens_C = torch.tensor(t.completion_ids, dtype=torch.long, device=dev)
+        claimed_C = torch.tensor(t.sampler_logprobs, dtype=torch.float32, device=dev)
+        parts: list[Positions] = []
+        step = max(1, self.cfg.check_chunk_tokens)
         for lo in range(0, C, step):
             hi = min(C, lo + step)
             logits_cV = self._chunk_logits(state_CX, lo, hi)
             tok_c = tokens_C[lo:hi]
             logp_c = token_logprobs(logits_cV[None], tok_c[None], temperature)[0]  # as the learner's ratio
-            errs.append((logp_c - claimed_C[lo:hi]).abs())
             scaled_cV = logits_cV.div_(temperature)
-            steps_c = torch.arange(lo, hi, device=scaled_cV.device)
-            rows_c = torch.full((hi - lo,), row, device=scaled_cV.device)
-            if top_p < 1.0:
-                before_cV = nucleus_mass_before(scaled_cV)
-                out_cV = (before_cV >= top_p - NUCLEUS_SLACK) & (before_cV != 0)  # not surely in
-                maybe_in_c = before_cV.gather(-1, tok_c[:, None]).squeeze(-1) < top_p + NUCLEUS_SLACK
-                del before_cV
-            scores_cV = scaled_cV.add_(gumbel_noise(seed, rows_c, steps_c, scaled_cV.shape[-1]))
-            chosen_c = scores_cV.gather(-1, tok_c[:, None]).squeeze(-1)
-            if top_p < 1.0:
-                scores_cV.masked_fill_(out_cV, float("-inf"))
-                del out_cV
-            else:
-                maybe_in_c = torch.ones(hi - lo, dtype=torch.bool, device=scores_cV.device)
-            best_c = scores_cV.max(dim=-1).values
-            del scores_cV
-            ok_c = maybe_in_c & (chosen_c >= best_c - draw_tol)
-            ties += int((ok_c & (chosen_c < best_c)).sum())  # passed only within the tolerance
-            draw_ok.append(ok_c)
+            steps_c = torch.arange(lo, hi, device=dev)
+            noise_cV = gumbel_noise(
+                seed, torch.full((hi - lo,), row, device=dev), steps_c, scaled_cV.shape[-1]
+            )
+            parts.append(
+                judge(scaled_cV, noise_cV, tok_c, logp_c, claimed_C[lo:hi], self.sampling.top_p, draw_tol)
+            )
+            del logits_cV, scaled_cV, noise_cV
             self.turns.pause()
-        draw_ok_C = torch.cat(draw_ok) if draw_ok else torch.ones(0, dtype=torch.bool)
-        err_C = torch.cat(errs) if errs else torch.zeros(0)
-        lp_ok_C = err_C <= lp_tol
+        if not parts:
+            return Verdict(0, 0, 0, 0, 0.0)
+        got = Positions(*(torch.cat([getattr(p, f) for p in parts]) for f in Positions.__dataclass_fields__))
+        where_C = torch.arange(C, device=dev)
         if t.turn_mask:  # an episode: only the policy's tokens were drawn (step = completion index)
-            policy_C = torch.tensor(t.turn_mask, dtype=torch.bool, device=draw_ok_C.device)
-            draw_ok_C, lp_ok_C, err_C = draw_ok_C[policy_C], lp_ok_C[policy_C], err_C[policy_C]
-            C = int(policy_C.sum())
+            policy_C = torch.tensor(t.turn_mask, dtype=torch.bool, device=dev)
+            got = Positions(*(getattr(got, f)[policy_C] for f in Positions.__dataclass_fields__))
+            where_C = where_C[policy_C]
+        lp_ok_C, draw_ok_C = got.error_c <= lp_tol, got.exact_c | got.near_c
         verdict = Verdict(
-            tokens=C,
+            tokens=int(where_C.numel()),
             misses=int((~(draw_ok_C & lp_ok_C)).sum()),
             draw_misses=int((~draw_ok_C).sum()),
             logprob_misses=int((~lp_ok_C).sum()),
-            max_logprob_error=float(err_C.max()) if C else 0.0,
-            near_ties=ties,
+            max_logprob_error=float(got.error_c.max()) if where_C.numel() else 0.0,
+            near_ties=int(got.near_c.sum()),
+            tie_positions=tuple(int(k) for k in where_C[got.near_c].tolist()),
+            room=int(got.room_c.sum()),
         )
+        self.errors.add(got.error_c)
+        self.deficits.add(got.deficit_c[~got.exact_c])
+        self.gaps.add(got.gap_c[torch.isfinite(got.gap_c)])
         self.checked += 1
-        self.tokens += C
-        self.near_ties += ties
+        self.tokens += verdict.tokens
+        self.near_ties += verdict.near_ties
+        self.room += verdict.room
         return verdict

@@ -2,8 +2,10 @@
 
 A task builds prompts ``x`` (a train stream and two fixed held-out splits), defines the reward
 ``R(x, y)``, and says how a trajectory's metadata ``Ω`` becomes learner-side signals (a per-token
-loss mask). A new task is a new adapter module plus its config model, registered in
-``echo2.tasks.registry``. This module imports no adapter: adapters import it, never the reverse.
+loss mask). What grades a completion (``Prompt.answer``) is a secret of the learner: a lease carries the
+prompt's text and ``meta`` only, so a task keeps no grading secret in ``meta``. A new task is a new
+adapter module plus its config model, registered in ``echo2.tasks.registry``. This module imports no
+adapter: adapters import it, never the reverse.
 
 Three splits, disjoint by *problem* (each adapter defines when two prompts are the same problem):
 
@@ -18,7 +20,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from echo2.types import Prompt
 
@@ -60,6 +62,18 @@ class Task(Protocol):
 
     def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
         """Per-token loss weights for a completion, from its metadata Ω (1.0 = trained on)."""
+        ...
+
+
+@runtime_checkable
+class ReadsAnAnswer(Protocol):
+    """A task whose grader reads only the end of a completion, from a place it can point to (math: its
+    last ``\\boxed{``). The generation check accepts a numerical near tie before that place, never
+    from it on; a task that cannot say has the whole completion read (``tasks/verify.py``)."""
+
+    def answer_start(self, prompt: Prompt, completion: str) -> int:
+        """The character offset of ``completion`` from which the grade is read (0: the whole text):
+        the grade of the text from there must equal the whole text's."""
         ...
 
 

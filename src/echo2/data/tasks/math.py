@@ -412,6 +412,15 @@ class MathTask:
     def eval_prompts(self, n: int) -> list[Prompt]:
         return self.splits()["test"][:n]
 
+    def answer_start(self, prompt: Prompt, completion: str) -> int:
+        """Where the grade is read from: the last ``\\boxed{`` of ``completion`` when grading the text from
+        there gives the whole text's grade (math-verify took that box), else 0 (the whole text)."""
+        at = completion.rfind("\\boxed{")
+        if at <= 0:
+            return 0
+        whole, tail = self.grade(prompt, completion), self.grade(prompt, completion[at:])
+        return at if (whole.reward, whole.parsed) == (tail.reward, tail.parsed) else 0
+
     def grade(self, prompt: Prompt, completion: str) -> Grade:
         """math-verify's grade against ``gold_answer(prompt.answer, cfg.answer_rule)``, under
         ``GRADE_TIMEOUT_S``; safe from any thread. A grading past the timeout is unparsed with reward 0

@@ -1,0 +1,144 @@
+"""The studies of ``benchmarks/adversary.py`` at real answer lengths (SPEC §10), with their targets, fixed
+here before any of them ran:
+
+- **length_honest** / **length_honest_bf16**: honest HF-engine completions of a 54.5M model
+  (``adversary_length_runs.honest_length``, ``--length`` tokens, 256 by default), every one re-run by the
+  check in the engine's declared precision, the whole completion taken as graded (the strictest reading).
+  Target: >= ``HONEST_COMPLETIONS`` completions of >= 256 tokens re-run, 0 false forgeries; reported beside
+  it: near ties and graded ties, the room a near tie leaves per 1,024 tokens, and the per-position
+  distributions of the log-prob error and of the draw deficit. A run of fewer completions (``--length-n``)
+  is reported as such: the target is not met by a smaller sample.
+- **length_attacks**: ``echo2 run`` with that model, one honest local worker, and the attackers of
+  ``adversary_length.py`` (``adversary_length_runs.PLAN``: identities and submissions each). Targets:
+  0 forged groups admitted trainable from the launderer, the answer rewriter and the phrase inserter; for
+  the sleeper, the partial forger and the forger beside a flood, forged groups admitted trainable per
+  attacker (all its identities) <= identities x ``floor_bound(check_floor)`` (16 forged submissions an
+  identity at the default floor 0.25: more is a 1% event), and the median of the submissions from an
+  identity's first lie to its quarantine, over those three attackers' identities, <= ``MEDIAN_CAUGHT``
+  (the floor's own median is 3; one not caught counts as its budget + 1); 0 honest quarantines.
+- **stale_flood**: ``adversary_runs.liveness_run`` (``echo2 run``, the embedded default, one honest worker
+  at 300 rollouts/s, a 60 s window) with 3 stale hoarders, or a flood of 36 fresh identities doing
+  honest one-prompt work beside a proven forger, interleaved with the baseline, 3 repeats. Targets: median
+  step rate >= 0.8 x the baseline's; the honest worker's stale share (its groups dropped as stale, of the
+  groups it answered in the window) at most 2 points above the baseline's (median of the repeats); 0
+  prompts given up (``data/prompts_skipped``) in every run; the forger's forged groups admitted trainable
+  <= ``floor_bound(check_floor)``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+HONEST_COMPLETIONS = 10_000
+MIN_LENGTH = 256
+MEDIAN_CAUGHT = 6
+STALE_FLOOD_RATE = 0.8
+STALE_POINTS = 0.02
+CONDITIONS = ("baseline", "stale_hoard", "flood")
+
+
+def study_length_honest(
+    out: Path, dtype: str, completions: int, length: int, minutes: float
+) -> dict[str, Any]:
+    from echo2_bench.adversary_length_runs import honest_length
+
+    got = honest_length(out, dtype, completions, length, minutes=minutes)
+    got["target"] = f">= {HONEST_COMPLETIONS} completions of >= {MIN_LENGTH} tokens re-run, 0 false forgeries"
+    got["sample_reached"] = got["completions"] >= HONEST_COMPLETIONS and length >= MIN_LENGTH
+    got["met"] = got["sample_reached"] and got["false_forgeries"] == 0
+    got["command"] = (
+        "python benchmarks/adversary.py --study "
+        f"{'length_honest' if dtype == 'float32' else 'length_honest_bf16'} --length-n {HONEST_COMPLETIONS}"
+    )
+    return got
+
+
+def study_length_attacks(out: Path, length: int, flood_width: int) -> dict[str, Any]:
+    from echo2_bench.adversary_length_runs import PLAN, attacks_run
+
+    got = attacks_run(out, length, PLAN, flood_width)
+    median = got["patient_median_caught_after_lies"]
+    got["plan"] = {k: {"identities": v[0], "budget": v[1]} for k, v in PLAN.items()}
+    got["length"] = length
+    got["flood_width"] = flood_width
+    got["target"] = (
+        "0 forged groups admitted trainable from launder, rewrite, insert; sleeper, partial, forger "
+        "(beside a flood): <= identities x floor_bound(check_floor) each, median submissions from the "
+        f"first lie to the quarantine <= {MEDIAN_CAUGHT}; 0 honest quarantines"
+    )
+    got["met"] = (
+        all(k["met"] for k in got["kinds"].values())
+        and median is not None
+        and median <= MEDIAN_CAUGHT
+        and got["honest_quarantined"] == 0
+    )
+    return got
+
+
+def study_stale_flood(out: Path, repeats: int, window_s: float, warm_s: float, rate: float) -> dict[str, Any]:
+    from echo2.config import SecurityConfig
+    from echo2_bench import adversary_runs as ar
+    from echo2_bench.adversary_length_runs import floor_bound
+    from echo2_bench.stale_flood import flood, honest_stale_share, stale_hoard
+
+    attacks = {"baseline": None, "stale_hoard": stale_hoard(3), "flood": flood(36)}
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONDITIONS}
+    for i in range(repeats):  # interleaved: every condition once per repeat
+        for cond in CONDITIONS:
+            run_dir = out / "adversary_runs" / f"stale_flood_{cond}_{i}"
+            got = ar.liveness_run(run_dir, attacks[cond], warm_s, window_s, rate)
+            got["honest"] = honest_stale_share(run_dir, "local-0", *got["window_wall"])
+            rows = [r for r in ar.records(run_dir) if "data/prompts_skipped" in r]
+            got["prompts_skipped"] = int(rows[-1]["data/prompts_skipped"]) if rows else 0
+            runs[cond].append(got)
+            stale, skipped = got["honest"]["stale_share"], got["prompts_skipped"]
+            print(
+                f"stale_flood {cond} #{i}: {got['step_rate']:.3f} steps/s, stale {stale:.3f}, "
+                f"skipped {skipped}"
+            )
+    bound = floor_bound(SecurityConfig().floor())
+    result: dict[str, Any] = {"runs": runs, "window_s": window_s, "repeats": repeats, "forger_bound": bound}
+    base = runs["baseline"]
+    for cond in CONDITIONS[1:]:
+        ratios = [a["step_rate"] / b["step_rate"] for a, b in zip(runs[cond], base, strict=True)]
+        points = [
+            a["honest"]["stale_share"] - b["honest"]["stale_share"]
+            for a, b in zip(runs[cond], base, strict=True)
+        ]
+        skipped = sum(r["prompts_skipped"] for r in runs[cond])
+        entry: dict[str, Any] = {
+            "ratios": ratios, "median_ratio": statistics.median(ratios), "stale_points": points,
+            "median_stale_points": statistics.median(points), "prompts_skipped": skipped,
+        }  # fmt: skip
+        entry["met"] = (
+            entry["median_ratio"] >= STALE_FLOOD_RATE
+            and entry["median_stale_points"] <= STALE_POINTS
+            and skipped == 0
+        )
+        if cond == "flood":
+            forged = [len(r["attack"]["forger_admitted_forged"]) for r in runs[cond]]
+            entry["forger_admitted_forged"] = forged
+            entry["met"] = entry["met"] and max(forged) <= bound
+        result[cond] = entry
+    result["baseline_skipped"] = sum(r["prompts_skipped"] for r in base)
+    result["met"] = all(result[c]["met"] for c in CONDITIONS[1:]) and result["baseline_skipped"] == 0
+    result["target"] = (
+        f"median step rate >= {STALE_FLOOD_RATE} x the baseline's, the honest stale share at most "
+        f"{STALE_POINTS:.0%} points above the baseline's, 0 prompts given up; the flood's forger <= {bound} "
+        "forged groups admitted trainable"
+    )
+    return result
+
+
+def record(out: Path, study: str, got: dict[str, Any], reading: str) -> None:
+    """Keep ``got`` as ``study``'s newest reading in ``out/adversary_length.json`` (earlier ones kept)."""
+    from echo2_bench.record import on_record
+
+    path = out / "adversary_length.json"
+    res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    res[study] = on_record(res.get(study), got, reading)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1, default=str))

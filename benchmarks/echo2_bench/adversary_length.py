@@ -326,7 +326,7 @@ async def flood(base: LengthAttacker, token: str, width: int, stop: asyncio.Even
             try:
                 if client is None:
                     client = LearnerClient(base.w.opts.join_url, base.w.client.session, reconnect_s=30.0)
-                    await client.register(RegisterRequest(token=token, name="flood", usd_per_hour=0.35))
+                    await client.register(RegisterRequest(name="flood", usd_per_hour=0.35), token)
                     tally["identities"] += 1
                 got = await client.lease(LeaseRequest(max_prompts=1, installed_version=base.w.installed,
                                                       installed_epoch=epoch))  # fmt: skip

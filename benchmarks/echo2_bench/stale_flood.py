@@ -37,7 +37,7 @@ from echo2.types import Trajectory
 async def _hoard_one(att: Any, token: str, stop: asyncio.Event, tally: dict[str, int]) -> None:
     """One stale hoarder (its own identity; the codec of ``att``, which set up like a worker)."""
     client = LearnerClient(att.w.opts.join_url, att.w.client.session, reconnect_s=30.0)
-    await client.register(RegisterRequest(token=token, name="attacker-stale", usd_per_hour=0.35))
+    await client.register(RegisterRequest(name="attacker-stale", usd_per_hour=0.35), token)
     epoch = att.w._follower().epoch
     while not stop.is_set():
         try:
@@ -118,7 +118,7 @@ async def _flood_one(
         try:
             if client is None or refused > 20:  # caught, or idle for long: a fresh identity
                 client = LearnerClient(att.w.opts.join_url, att.w.client.session, reconnect_s=30.0)
-                await client.register(RegisterRequest(token=token, name="flood", usd_per_hour=0.35))
+                await client.register(RegisterRequest(name="flood", usd_per_hour=0.35), token)
                 tally["identities"] = tally.get("identities", 0) + 1
                 refused = 0
             async with lock:  # stay current like an honest worker (cheap when it is)

@@ -412,7 +412,7 @@ def test_the_join_tokens_identity_budget_is_finite_and_survives_a_restart(tmp_pa
     async def body(client: TestClient) -> list[tuple[int, str]]:
         out = []
         for _ in range(4):
-            resp = await client.post("/v1/register", json={"token": TOKEN, "usd_per_hour": 1.0})
+            resp = await client.post("/v1/register", json={"usd_per_hour": 1.0}, headers=JOIN)
             out.append((resp.status, (await resp.json()).get("error", "ok")))
             clock.t += 101.0  # silent past slot_idle_s: retired, its slot free
         return out

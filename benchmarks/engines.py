@@ -190,7 +190,6 @@ def bf16_against_the_check() -> dict[str, Any]:
     """A bfloat16 vLLM engine's samples (the parity study's prompts and seed) put through the learner's
     own re-check (float32, default tolerances, ``GenerationCheck.rerun``): how often an honest bf16
     worker would be flagged. Reported, no target. Its own process: one vLLM engine per process."""
-    import math
 
     import torch
 
@@ -220,7 +219,7 @@ def bf16_against_the_check() -> dict[str, Any]:
     for row, (p, s) in enumerate(zip(prompts, out, strict=True)):
         t = Trajectory(str(row), str(row), tuple(p), s.completion_ids, s.logprobs, 0.0, 0)
         v = check.rerun(t, 12345, row)
-        flagged += v.misses > math.floor(security.max_token_misses * v.tokens)
+        flagged += v.misses > 0  # every position the draw or a declared near tie (tasks/positions.py)
         draw, lp, tokens, worst = (
             draw + v.draw_misses,
             lp + v.logprob_misses,
@@ -239,7 +238,6 @@ def bf16_against_the_check() -> dict[str, Any]:
         "tolerances": {
             "logprob": security.tolerances()[0],
             "gumbel": security.tolerances()[1],
-            "max_token_misses": security.max_token_misses,
         },
     }
 

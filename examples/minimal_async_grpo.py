@@ -4,7 +4,8 @@ in one process, joined by the real parts of echo2 (SPEC §1-§2).
     learner:  store --take the P oldest admissible groups--> GRPO update (v -> v+1)
               every kappa versions: weights --signed snapshot--> in-memory broadcast hub
     worker i: hub --verified snapshot--> its own engine (installed between generations)
-              lease (prompts) --> G samples per prompt + rewards --codec + validation--> store
+              lease (prompts, no answers) --> G samples per prompt --codec + validation--> learner
+    learner:  every completion graded by the task (a worker's reward is never read) --> store
 
 The pieces are the ones `echo2 run` wires across processes and machines: the trajectory store with
 its admission rule ``v >= v_t - S``, the lease broker with its in-flight cap, the broadcast seam
@@ -45,6 +46,7 @@ from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.prompts import PromptSource
 from echo2.tasks.registry import build_task
 from echo2.tasks.warmstart import starting_checkpoint
+from echo2.types import Bounds
 from echo2.weights.delta import decode_full
 from echo2.weights.manifest import new_signing_key
 
@@ -86,11 +88,14 @@ class Worker:
                 seed=seed,
                 policy_version=version,
                 group_prefix=lease.lease_id,
+                grade=False,  # the lease carries no answer: the learner grades (docs/security.md)
             )
         G, ts = lease.group_size, batch.trajectories
         return version, [ts[i : i + G] for i in range(0, len(ts), G)]
 
-    async def run(self, broker: LeaseBroker, store: TrajectoryStore, limits, published, stop) -> None:  # type: ignore[no-untyped-def]
+    async def run(
+        self, broker: LeaseBroker, store: TrajectoryStore, verifier, limits, published, stop
+    ) -> None:  # type: ignore[no-untyped-def]
         n = 0
         while not stop.is_set():
             await asyncio.to_thread(self.install_pending)
@@ -102,11 +107,13 @@ class Worker:
             version, groups = await asyncio.to_thread(
                 self.generate, lease, zlib.crc32(f"{self.name}:{n}".encode())
             )
-            # what travels: the protocol's codec; what is admitted: the validator's and the store's say
+            # what travels: the protocol's codec; what is admitted: the validator's, the task's grades
+            # (the verifier checks the prompt tokens and shape, and grades every completion) and the store's
             body = SubmitRequest(
                 lease_id=lease.lease_id, policy_version=version, groups=[group_to_wire(g) for g in groups]
             )
             sub = validate_submission(body, limits, published())
+            sub = verifier.check(store.lease(lease.lease_id), sub)
             store.submit(sub, self.name, broker.version(), time.time())
             broker.returned(self.name)  # a returned lease earns the next, larger one (runtime/standing.py)
 
@@ -145,9 +152,11 @@ async def main(
     workers = [Worker(f"w{i}", hub, key, skeleton, cfg) for i in range(2)]
     stop = asyncio.Event()
     limits = submission_limits(cfg, task, int(policy.model.config.vocab_size))
+    verifier = task.verifier(policy.codec, policy.eos_ids, Bounds.of(cfg))
     tasks = [asyncio.ensure_future(w.follow_broadcast()) for w in workers]
     tasks += [
-        asyncio.ensure_future(w.run(broker, store, limits, lambda: published[0], stop)) for w in workers
+        asyncio.ensure_future(w.run(broker, store, verifier, limits, lambda: published[0], stop))
+        for w in workers
     ]
 
     S, kappa, P = cfg.staleness.S, cfg.staleness.effective_kappa, cfg.batch.prompts

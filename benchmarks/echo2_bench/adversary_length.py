@@ -401,13 +401,14 @@ def _fate(step: int | None, held: int) -> str:
 def regrade(run_dir: Path, worker_ids: list[str]) -> int:
     """Groups of these workers stored with a reward (or parse status) other than the task's grade of the
     completion: what a worker's claimed rewards got into the store (0: none)."""
-    from echo2.config import load_config
+    from echo2.config import Config, load_config
     from echo2.models.policy import ChatFormat, TextCodec
     from echo2.protocol import decode_group
     from echo2.tasks.registry import build_task
     from echo2.types import Prompt
 
-    cfg = load_config(run_dir / "config.json") if (run_dir / "config.json").is_file() else load_config()
+    written = run_dir / "config.json"  # the run's resolved config, as JSON (observe/rundir.py)
+    cfg = Config.model_validate(json.loads(written.read_text())) if written.is_file() else load_config()
     if cfg.model.path is None:
         from echo2.models.embedded import build_tokenizer
 

@@ -145,8 +145,6 @@ class AsyncLearner:
 
     async def _open_data_and_network(self) -> None:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
-        from echo2.broadcast.factory import open_publisher
-        from echo2.broadcast.registry import get_strategy
         from echo2.runtime.node import assemble
         from echo2.runtime.registry import WorkerRegistry
         from echo2.transport import run_identity
@@ -164,18 +162,7 @@ class AsyncLearner:
             self.run_path, self.token, self.clock, sec.max_workers, sec.slot_idle_s, sec.max_identities
         )
         self._tls = run_identity(self.run_path, [rt.advertise_host or rt.host]) if cfg.security.tls else None
-        publisher = open_publisher(
-            "tcp",
-            key,
-            get_strategy(rt.strategy),
-            rt.chunk_kb << 10 if rt.chunk_kb else None,
-            host=rt.host,
-            port=rt.broadcast_port,
-            advertise_host=rt.advertise_host,
-            ledger=registry,
-            tls=self._tls,  # the API's certificate: workers pin one fingerprint for both planes
-            perimeter=limits,
-        )
+        publisher = self._publisher(key, registry, limits)
         broadcast = await publisher.start()
         identity = await self._identity(key, broadcast)
         self.data_ready = asyncio.Event()  # set on every admitted submission: the main loop's wake-up
@@ -204,6 +191,26 @@ class AsyncLearner:
         self._resources.push_async_callback(self.intake.close)
         await self._serve(parts.routes, broadcast)
         await self._serve_dashboard(parts)
+
+    def _publisher(self, key: Any, registry: Any, limits: Any) -> Any:
+        """The broadcast's TCP publisher: its door the registry (``ledger``), its certificate the API's
+        (workers pin one fingerprint for both planes), its port behind the perimeter."""
+        from echo2.broadcast.factory import open_publisher
+        from echo2.broadcast.registry import get_strategy
+
+        rt = self.cfg.runtime
+        return open_publisher(
+            "tcp",
+            key,
+            get_strategy(rt.strategy),
+            rt.chunk_kb << 10 if rt.chunk_kb else None,
+            host=rt.host,
+            port=rt.broadcast_port,
+            advertise_host=rt.advertise_host,
+            ledger=registry,
+            tls=self._tls,
+            perimeter=limits,
+        )
 
     async def _identity(self, key: Any, broadcast: tuple[str, int]) -> Any:
         """What a worker is told at registration and served: the run's settings, the manifest key, the

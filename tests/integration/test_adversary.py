@@ -177,7 +177,10 @@ def test_attackers_are_refused_or_quarantined_and_the_honest_worker_trains_on(ti
     rows = [r for r in read_metrics(run_dir) if "security/quarantined" in r]
     last = rows[-1]
     assert last["security/quarantined"] == 3
-    assert last["security/checked_trajectories"] > 20 and last["security/position_error_max"] < 0.05
+    # the honest worker's completions passed well inside the tolerance (position_error_max counts the
+    # forgers' positions too: the tampered log-probs are 1 off)
+    assert last["security/checked_trajectories"] > 20 and last["security/worst_passing_logprob_error"] < 0.05
+    assert last["security/position_error_max"] >= 0.99
     assert last["store/rejected/registration_cap"] == 9 and last["store/rejected/turn_mask"] == 1
     assert last["store/rejected/logprob"] == 4 and last["store/rejected/unpublished_version"] == 2
     assert last["store/rejected/forged_generation"] >= 2  # model and logprobs, found by the checker

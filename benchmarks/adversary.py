@@ -579,6 +579,11 @@ def main() -> int:
     p.add_argument("--study", choices=[*studies, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
     p.add_argument("--window", type=float, default=LIVENESS_WINDOW_S, help="seconds of the liveness window")
+    p.add_argument(
+        "--perimeter-only",
+        default="",
+        help="comma-separated attacks of the perimeter study to run alone (recorded as perimeter_<names>)",
+    )
     p.add_argument("--poison-minutes", type=float, default=2.0, help="time budget of each poison learner")
     p.add_argument("--trials", type=int, default=20, help="identities per sampled-check attack")
     p.add_argument("--honest-steps", type=int, default=60, help="steps of the all-checked honest run")
@@ -623,6 +628,12 @@ def main() -> int:
     for s in studies if a.study == "all" else [a.study]:
         if s in LENGTH_STUDIES:  # a results file of their own: results/adversary_length.json
             ls.record(a.out, s, run[s](), a.reading)
+            continue
+        if s == "perimeter" and a.perimeter_only:  # some attacks alone: a record of their own
+            only = a.perimeter_only.split(",")
+            key = "perimeter_" + "_".join(only)
+            res[key] = on_record(res.get(key), perimeter_study.run_study(a.out, only=only), a.reading)
+            path.write_text(json.dumps(res, indent=1))
             continue
         res[s] = on_record(res.get(s), run[s](), a.reading)  # every earlier reading kept
         a.out.mkdir(parents=True, exist_ok=True)

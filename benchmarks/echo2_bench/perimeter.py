@@ -17,8 +17,9 @@ prepares (``quarantined`` builds a real worker), prints ``ready``, waits for a l
 - ``joins_pulls``: joins of made-up members (no credential, a made-up one: the 8 fake relays of the issue)
   and pulls with credentials signed by another key; counts what came back other than a refusal;
 - ``quarantined``: a registered identity (it holds the token) joins the broadcast as a real relay
-  node, then submits a forged reward and is quarantined; the seconds until its broadcast connection is
-  closed, and the versions and bytes it got after;
+  node, then submits a completion with a laundering turn mask and is quarantined (a forged reward no
+  longer is: the learner grades every completion and reads no worker's reward); the seconds until its
+  broadcast connection is closed, and the versions and bytes it got after;
 - ``sybil``: identities of the one join token (every free slot) pulling every byte-serving route
   (model files, the version's manifest, snapshot chains) as fast as they are let: bytes served in all.
 """
@@ -321,18 +322,19 @@ async def joins_pulls(target: Target, a: argparse.Namespace, gov: Governor, t: T
 
 
 async def quarantined(target: Target, a: argparse.Namespace, gov: Governor, t: Tally) -> None:
-    """Identities that join the broadcast as relay nodes, then forge a reward and are quarantined."""
+    """Identities that join the broadcast as relay nodes, then launder a completion through its turn mask
+    (quarantined in the request, ``turn_mask``)."""
     import aiohttp
 
     from echo2.broadcast.worker import TcpWorkerNode
     from echo2.weights.manifest import key_from_text
-    from echo2_bench.adversary import Attacker
+    from echo2_bench.adversary_length import LengthAttacker
 
     deadline = time.monotonic() + a.seconds
     t.extra["cut_after_s"] = []
     t.extra["versions_after"] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        att = Attacker(target.join, target.token, "reward", session, max_prompts=1)
+        att = LengthAttacker(target.join, target.token, "launder", session)
         await att.start()  # a real worker's setup (its engine): before the window, see main()
         _ready()
         while time.monotonic() < deadline - 10:
@@ -344,7 +346,7 @@ async def quarantined(target: Target, a: argparse.Namespace, gov: Governor, t: T
             await node.start()
             await asyncio.sleep(2.0)  # a member: announced, installing
             t.attempts += 1
-            outcome = await att.submit_one()  # the forged reward: quarantined
+            outcome = await att.submit_one()  # the laundering turn mask: quarantined
             t.answers[outcome] += 1
             caught, before = time.monotonic(), node.installed_version
             with contextlib.suppress(TimeoutError):

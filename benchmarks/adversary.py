@@ -640,7 +640,8 @@ def main() -> int:
         path.write_text(json.dumps(res, indent=1))
     plot(res, a.out / "adversary.png")
     if "perimeter" in res:
-        perimeter_study.plot(res["perimeter"], a.out / "adversary_perimeter.png")
+        alone = tuple(v for k, v in res.items() if k.startswith("perimeter_"))  # attacks re-read alone
+        perimeter_study.plot(res["perimeter"], a.out / "adversary_perimeter.png", alone)
     print(
         json.dumps(
             {k: {kk: vv for kk, vv in v.items() if kk not in ("pairs",)} for k, v in res.items()},

@@ -223,18 +223,20 @@ if __name__ == "__main__":
     json.dump(run_study(Path(sys.argv[1])), sys.stdout, indent=1)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Each attack's step rate ratio (bars, the 0.8 target dashed) and the learner's most descriptors in
-    each window (the 1,024 limit dashed)."""
+def plot(result: dict[str, Any], path: Path, alone: tuple[dict[str, Any], ...] = ()) -> None:
+    """Each attack's step rate ratio (bars, the 0.8 target dashed; attacks re-read alone, ``alone``,
+    added below as "<name> (alone)") and the learner's most descriptors in each window of the study (the
+    1,024 limit dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [w["name"] for w in result["windows"][1::2]]
-    ratios = [result[n]["ratio"] for n in names]
+    rows = [(n, result[n]) for n in (w["name"] for w in result["windows"][1::2])]
+    rows += [(f"{w['name']} (alone)", r[w["name"]]) for r in alone for w in r["windows"][1::2]]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax.barh(names, ratios, color=["tab:green" if result[n]["met"] else "tab:red" for n in names])
+    ax.barh([n for n, _ in rows], [v["ratio"] for _, v in rows],
+            color=["tab:green" if v["met"] else "tab:red" for _, v in rows])  # fmt: skip
     ax.axvline(TARGET_RATIO, ls="--", c="k", lw=1)
     ax.set_xlabel("step rate under attack / quiet windows beside it")
     ax.invert_yaxis()

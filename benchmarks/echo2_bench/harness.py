@@ -118,10 +118,12 @@ class Harness:
         self._procs: list[subprocess.Popen[bytes]] = []
         self.keep_logs = keep_logs or bool(os.environ.get("ECHO2_BCAST_KEEP_LOGS"))  # keep per-process logs
         self.workdir = Path(tempfile.mkdtemp(prefix=f"e2bcast{os.getpid()}-", dir=workdir))
-        self._old_term: Any = None
+        self._old_handlers: dict[int, Any] = {}
 
     def __enter__(self) -> Harness:
-        self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # SIGINT too, explicitly: a process started as a background job of a non-interactive shell
+        # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt of its own
+        self._old_handlers = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             if self.mode == "netns":
                 self.topology = NetnsTopology(self.max_workers + 1)
@@ -139,9 +141,9 @@ class Harness:
         if self.topology is not None:
             self.topology.close()
             self.topology = None
-        if self._old_term is not None:
-            signal.signal(signal.SIGTERM, self._old_term)
-            self._old_term = None
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)
+        self._old_handlers = {}
         if self.keep_logs:
             log.info("harness logs kept in %s", self.workdir)
         else:

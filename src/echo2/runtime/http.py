@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -177,9 +178,13 @@ def error(
     detail: str,
     headers: dict[str, str] | None = None,
     close: bool = False,
+    retry_after_s: float | None = None,
 ) -> web.HTTPException:
     """The refusal ``reason`` as aiohttp's exception (the :class:`ErrorReply` shape); ``close``: the
-    connection closes once it is sent (a stranger's refusal: nothing more is read from it)."""
+    connection closes once it is sent (a stranger's refusal: nothing more is read from it);
+    ``retry_after_s``: a ``Retry-After`` header of those seconds (whole, at least 1)."""
+    if retry_after_s is not None:
+        headers = {**(headers or {}), "Retry-After": str(max(1, math.ceil(retry_after_s)))}
     body = ErrorReply(error=reason, detail=clean(detail)).model_dump_json()
     sizes = (0, 0) if cls is web.HTTPRequestEntityTooLarge else ()  # its sizes: the detail says them
     exc = cls(*sizes, text=body, content_type="application/json", headers=headers)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import ssl
 import time
 from collections.abc import Callable
@@ -390,7 +389,7 @@ class Routes:
                 "rate_limited",
                 f"more than {self.rate.rate:g} requests/s (bursts of {self.rate.burst:g}) from this identity "
                 f"(security.max_requests_per_s); retry in {wait:.3f} s",
-                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                retry_after_s=wait,
             )
         return rec
 
@@ -419,7 +418,7 @@ class Routes:
                 f"the join token's identities together have had their copies of {what} for now (a burst "
                 f"of {budget.burst:g}, then {budget.per_hour:g} an hour: security.max_workers, "
                 f"security.token_copies_per_hour); retry in {wait:.0f} s",
-                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                retry_after_s=wait,
             )
 
     async def _body(self, request: web.Request, limit: int | None = None) -> bytes:
@@ -474,7 +473,7 @@ class Routes:
                     "rate_limited",
                     f"more than {self.perimeter.limits.requests_per_s:g} requests/s from this address "
                     "without a trusted credential (security.perimeter.requests_per_s)",
-                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                    retry_after_s=wait,
                     close=True,
                 )
         return await handler(request)

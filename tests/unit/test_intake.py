@@ -45,6 +45,7 @@ class FakeCheck:
         self.gate = threading.Event()
         self.gate.set()
         self.draws: list[float] = []  # the submitter's draw (``full``) the intake asked with, in order
+        self.pins: dict[int, int] = {}  # version -> drawn submissions waiting for their check of it
 
     def pick(self, sub: Any, share: float, full: float) -> list[tuple[int, int]]:
         self.draws.append(full)
@@ -55,6 +56,15 @@ class FakeCheck:
 
     def holds(self, version: int) -> bool:
         return version in self.held
+
+    def pin(self, version: int) -> bool:
+        if version not in self.held:
+            return False
+        self.pins[version] = self.pins.get(version, 0) + 1
+        return True
+
+    def unpin(self, version: int) -> None:
+        self.pins[version] -= 1
 
     def capacity(self) -> tuple[float, float]:
         return 0.0, 0.0
@@ -226,6 +236,31 @@ def test_a_drawn_submission_is_answered_at_once_and_trained_only_after_its_check
     assert intake.metrics()["security/check_backlog"] == 0 and intake.check_latency_s > 0
     assert check.nice == 19  # security.check_nice: the checker yields to the update
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # and only the checker does
+    RUNNER[0].run(intake.close())
+
+
+def test_a_drawn_submission_pins_its_version_until_its_check_ran(tmp_path):
+    """Drawn, its version's weights are pinned (the learner's next publication cannot forget them before
+    the check ran: a drawn check always runs); unpinned once the check ran, passed or not, and at once
+    when the store refuses the submission after it was drawn."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    assert _submit(intake, store, 4, issued=150.0, settle=False) == "pending" and check.pins == {4: 1}
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert check.pins == {4: 0}
+    check.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
+    assert _submit(intake, store, 4, issued=150.0) == "pending" and check.pins == {4: 0}
+    real = store.submit
+
+    def refused(*a: Any, **k: Any) -> Any:
+        raise Rejected("lease_answered", "the store refuses it after the draw")
+
+    store.submit = refused  # type: ignore[method-assign]
+    assert _submit(intake, store, 4, issued=150.0) == "lease_answered" and check.pins == {4: 0}
+    store.submit = real  # type: ignore[method-assign]
     RUNNER[0].run(intake.close())
 
 

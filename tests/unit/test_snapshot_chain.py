@@ -290,3 +290,24 @@ def test_the_run_epoch_is_signed_and_bounded():
     bad["lineage"]["epoch"] = -1
     with pytest.raises(ManifestError, match="epoch"):
         Manifest.from_dict(bad)
+
+
+def test_the_check_is_told_a_version_before_it_is_announced() -> None:
+    """A worker may claim a version as soon as it is announced: by then the generation check holds it
+    (else an honest drawn claim would be refused unchecked_version)."""
+    key = new_signing_key()
+    publisher = open_publisher("memory", key, get_strategy("star-limited"), 4096)
+    seen: list[tuple[int, set[int]]] = []  # (version told, versions announced then)
+    snaps = Snapshots(
+        publisher, 1.1, SnapshotConfig(), on_published=lambda v, w: seen.append((v, set(snaps.published)))
+    )
+    model = tiny_model()
+
+    async def go() -> None:
+        for v in range(3):
+            nudge(model, 1e-5, v)
+            await snaps.publish_model(v, model)
+
+    asyncio.run(go())
+    assert [v for v, _ in seen] == [0, 1, 2] and all(v not in announced for v, announced in seen)
+    assert snaps.published == {0, 1, 2}

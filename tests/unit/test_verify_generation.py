@@ -204,7 +204,8 @@ def test_cherry_picking_and_another_seed_fail(setup):
 
 def test_a_version_not_held_is_refused_never_passed_and_old_ones_are_forgotten(setup, tiny_policy_module):
     """A claim of a version whose weights the check does not hold cannot be re-run: it is refused
-    (unchecked_version), never waved through as checked."""
+    (unchecked_version), never waved through as checked. Versions below the admission floor are
+    forgotten, except one a drawn submission pinned until its check ran."""
     check, lease, sub, _, _ = setup
     assert not check.holds(7) and check.holds(sub.policy_version)
     checked = check.checked
@@ -218,8 +219,15 @@ def test_a_version_not_held_is_refused_never_passed_and_old_ones_are_forgotten(s
         name = sorted(weights)[0]
         weights = {**weights, name: weights[name] + 1} if v else weights
         fresh.keep(v, weights)
-    fresh.forget_below(3)
+    assert fresh.pin(1) and not fresh.pin(9)  # a drawn submission's version, and one never held
+    fresh.forget_below(3)  # the learner moved on while that check waited: 1 stays, and 2 to rebuild it
+    assert fresh.versions() == [1, 2, 3, 4] and fresh.holds(1)
+    assert fresh.pin(1)  # a second drawn claim of it
+    fresh.unpin(1)
+    assert fresh.versions() == [1, 2, 3, 4]
+    fresh.unpin(1)  # the last check of it ran: what only it kept goes
     assert fresh.versions() == [3, 4] and fresh.holds(3) and not fresh.holds(2)
+    assert not fresh.pin(2)
     with pytest.raises(ValueError, match="not newer"):
         fresh.keep(4, weights)
 

@@ -28,9 +28,12 @@ ones: the learner holds no weights of them), and any claim answering a lease of 
 carried by its leases and its signed manifests; after a restart a version number may name other weights
 than the ones the worker sampled with, so such a generation cannot be re-run (no strike; the lease's
 prompts go out again at once). A drawn submission whose version the check does not hold is refused
-[unchecked_version] (it cannot happen for an admissible published version: the check keeps them all);
-held groups whose check cannot run (their version left the window meanwhile, the learner stopped) are
-dropped untrained and counted (``store/unchecked_dropped``), never trained unchecked.
+[unchecked_version] (it cannot happen for an admissible published version: the check keeps them all,
+and is told a version before it is announced); a drawn submission pins its version's weights until its
+check ran (``GenerationCheck.pin``), so a check, once drawn, always runs, even when the learner's update
+moved past its version meanwhile (its groups then pass and are dropped stale, untrained). Held groups
+whose check cannot run (the learner stopped) are dropped untrained and counted
+(``store/unchecked_dropped``), never trained unchecked.
 """
 
 from __future__ import annotations
@@ -184,7 +187,12 @@ class Intake:
                 )
             if mine is not None:  # else the store refuses it, without the expense
                 sub, picks = await self._verify(rec, mine, sub)  # the learner's grades from here on
-            result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
+            result: SubmitResult | None = None
+            try:
+                result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
+            finally:
+                if picks and (result is None or not result.held) and self.generation is not None:
+                    self.generation.unpin(sub.policy_version)  # pinned by _verify; no check will run
         except Rejected as exc:
             self.store.record_rejection(exc.reason)
             log.warning("submission from %s rejected: %s", rec.worker_id, exc)
@@ -193,7 +201,7 @@ class Intake:
             elif lease is not None and lease.worker_id == rec.worker_id and lease.state == "open":
                 self.refused(rec.worker_id, lease.lease_id, exc.reason)  # the lease its body names
             raise
-        assert lease is not None  # the store refuses a submission of no lease
+        assert lease is not None and result is not None  # the store refuses a submission of no lease
         late = lease.state == "expired"  # its expiry was a strike already; a late answer is no return
         if result.dropped_stale:
             self.struck(rec.worker_id, "stale")  # a stale answer returns nothing: a strike, never a return
@@ -247,6 +255,7 @@ class Intake:
         passed."""
         if self.verifier is not None:
             sub = await asyncio.to_thread(self.verifier.check, lease, sub)
+        # read after the await: the learner may have moved on meanwhile (the store then drops it stale)
         admissible = sub.policy_version >= admission_floor(self.version(), self.store.staleness)
         if self.generation is None or not admissible:
             return sub, []
@@ -261,7 +270,7 @@ class Intake:
                 "be checked now (no strike; the lease's prompts go out again)",
             )
         picks = self.generation.pick(sub, full if new else self.check_share(), full)
-        if picks and not self.generation.holds(sub.policy_version):
+        if picks and not self.generation.pin(sub.policy_version):  # held until its check ran
             raise Rejected(
                 "unchecked_version",
                 f"policy_version: {sub.policy_version}: the learner does not hold its weights to "
@@ -317,20 +326,22 @@ class Intake:
         """The checker: one drawn submission at a time, on a thread of its own (never the executor the
         update, the publisher or the deterministic checks use); :meth:`_check_one` says what follows a
         verdict."""
+        assert self.generation is not None
         while True:
             _, drawn = await self._queue.get()
             try:
                 await self._check_one(drawn)
             finally:
                 self.check_latency_s = time.monotonic() - self._pending.pop(drawn.lease.lease_id)
+                self.generation.unpin(drawn.sub.policy_version)  # pinned when it was drawn
                 drawn.rec.checks_waiting -= 1
                 self._queue.task_done()
 
     async def _check_one(self, drawn: _Drawn) -> None:
         """Passed: its groups become trainable, its lease counts as returned (an answer after the lease
         expired: not), its rollouts as admitted. Evidence of a forgery: the worker is quarantined (its
-        groups purged). A check that cannot run because its version left the admissible window (or is
-        no longer held) expired: a strike for the worker, counted. A near tie on a token the grader
+        groups purged). A check that cannot run because its version is no longer held expired: a strike
+        for the worker, counted (the rule stands, though a drawn submission's pin keeps its version). A near tie on a token the grader
         reads: dropped, no strike, counted. An error of the check itself: dropped. Dropped groups are
         never trained, counted, their prompts leased again."""
         assert self.generation is not None

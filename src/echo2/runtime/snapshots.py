@@ -129,10 +129,14 @@ class Snapshots:
     async def _publish_weights(
         self, version: int, weights: dict[str, torch.Tensor], t0: float, copy_cpu_s: float
     ) -> None:
-        enc = await asyncio.to_thread(self.published_chain.encode, weights)
+        # the check is told (and computes an undo) while the patch is encoded, before the announcement:
+        # a worker's claim of a version announced is never one the check does not hold yet
+        enc, _ = await asyncio.gather(
+            asyncio.to_thread(self.published_chain.encode, weights),
+            asyncio.to_thread(self.on_published, version, weights),
+        )
         await self.publish(version, enc.blob, enc.lineage)
         self.published_chain.base = weights
-        await asyncio.to_thread(self.on_published, version, weights)  # the check computes an undo
         self.publication = {
             catalog.BROADCAST_PUBLICATION_BYTES.key: float(len(enc.blob)),
             catalog.BROADCAST_FULL_BYTES.key: float(enc.full_bytes),

@@ -339,6 +339,8 @@ class GenerationCheck:
         self.turns = turns or Turns()
         self._newest: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._undos: dict[int, Undo] = {}  # older version -> the undo from the next held version to it
+        self._pins: dict[int, int] = {}  # version -> drawn submissions waiting for their check of it
+        self._floor = -1  # the oldest version a submission may still claim (forget_below)
         self._loaded: int | None = None  # version whose weights are in self.model
         self._lock = threading.Lock()  # one check at a time (the model is loaded per version)
         self._wlock = threading.Lock()  # the held weights (the event loop adds; never waits on a check)
@@ -378,10 +380,35 @@ class GenerationCheck:
                 self._lock.release()
 
     def forget_below(self, version: int) -> None:
-        """Drop what is kept of versions no submission can still be admitted with."""
+        """Drop what is kept of versions no submission can still be admitted with, except what a drawn
+        submission waiting for its check needs (:meth:`pin`): a check, once drawn, always runs."""
         with self._wlock:
-            for v in [v for v in self._undos if v < version]:
-                del self._undos[v]
+            self._floor = max(self._floor, version)
+            self._forget()
+
+    def pin(self, version: int) -> bool:
+        """Hold the weights of ``version`` until :meth:`unpin` (a drawn submission's check waits for
+        them); False, nothing pinned, when they are not held now."""
+        with self._wlock:
+            if not self._holds(version):
+                return False
+            self._pins[version] = self._pins.get(version, 0) + 1
+            return True
+
+    def unpin(self, version: int) -> None:
+        """The check that pinned ``version`` ran (or never will): what only it kept goes."""
+        with self._wlock:
+            left = self._pins.pop(version) - 1
+            if left:
+                self._pins[version] = left
+            self._forget()
+
+    def _forget(self) -> None:
+        """(``_wlock`` held) Drop the undos below the floor and below every pinned version: rebuilding a
+        version takes every undo from the newest down to it."""
+        keep_from = min([self._floor, *self._pins])
+        for v in [v for v in self._undos if v < keep_from]:
+            del self._undos[v]
 
     def versions(self) -> list[int]:
         with self._wlock:
@@ -395,7 +422,10 @@ class GenerationCheck:
     def holds(self, version: int) -> bool:
         """Whether the weights of ``version`` can be rebuilt (a claim of it can be re-run)."""
         with self._wlock:
-            return version in self._undos or (self._newest is not None and self._newest[0] == version)
+            return self._holds(version)
+
+    def _holds(self, version: int) -> bool:
+        return version in self._undos or (self._newest is not None and self._newest[0] == version)
 
     def _weights_of(self, version: int) -> Mapping[str, torch.Tensor] | None:
         """The weights of ``version`` (None when not held): the newest copy itself, or an older

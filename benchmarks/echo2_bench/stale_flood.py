@@ -12,6 +12,11 @@
 
 :func:`honest_stale_share` reads the store: of the honest worker's answered leases in a window, the share of
 their groups dropped as stale (at submission, or later in the buffer).
+
+Every identity comes from a loopback address of its own (127.0.0.2-254: all of 127/8 is loopback on
+Linux), as attackers on many machines would, never the honest worker's (127.0.0.1): the perimeter's
+per-address caps would otherwise throttle the honest worker with them, and bind the attack less than a
+real one.
 """
 
 from __future__ import annotations
@@ -30,13 +35,30 @@ from echo2.protocol import (
     SubmitRequest,
     group_to_wire,
 )
-from echo2.rollout.client import LearnerClient, Refused
+from echo2.rollout.client import LearnerClient, LearnerGone, Refused
 from echo2.types import Trajectory
+
+ATTACK_TIMEOUT_S = 60.0
+ADDRESSES = iter([f"127.0.0.{i}" for i in range(2, 255)] * 1000)  # attackers' own, in turn
+
+
+def session_from(address: str | None = None) -> Any:
+    """An aiohttp session whose connections come from ``address`` (the next attacker address)."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(local_addr=(address or next(ADDRESSES), 0))
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=ATTACK_TIMEOUT_S))
 
 
 async def _hoard_one(att: Any, token: str, stop: asyncio.Event, tally: dict[str, int]) -> None:
-    """One stale hoarder (its own identity; the codec of ``att``, which set up like a worker)."""
-    client = LearnerClient(att.w.opts.join_url, att.w.client.session, reconnect_s=30.0)
+    """One stale hoarder (its own identity and address; the codec of ``att``, which set up like a worker)."""
+    async with session_from() as session:
+        await _hoard(att, LearnerClient(att.w.opts.join_url, session, reconnect_s=30.0), token, stop, tally)
+
+
+async def _hoard(
+    att: Any, client: LearnerClient, token: str, stop: asyncio.Event, tally: dict[str, int]
+) -> None:
     await client.register(RegisterRequest(name="attacker-stale", usd_per_hour=0.35), token)
     epoch = att.w._follower().epoch
     while not stop.is_set():
@@ -91,12 +113,10 @@ def stale_hoard(k: int) -> Any:
     """The liveness window's attack: ``k`` stale hoarders."""
 
     async def attack(info: dict[str, Any], token: str, run_dir: Path, stop: asyncio.Event) -> dict[str, Any]:
-        import aiohttp
-
         from echo2_bench.adversary import Attacker
 
         tally: dict[str, int] = {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with session_from() as session:
             att = Attacker(info["join"], token, "honest", session)
             await att.start()
             tasks = [asyncio.ensure_future(_hoard_one(att, token, stop, tally)) for _ in range(k)]
@@ -111,46 +131,57 @@ def stale_hoard(k: int) -> Any:
 async def _flood_one(
     att: Any, token: str, lock: asyncio.Lock, stop: asyncio.Event, tally: dict[str, int]
 ) -> None:
-    """Fresh identities, one after the other, each doing honest one-prompt work until it cannot lease."""
+    """Fresh identities, one after the other, each from an address of its own, doing honest one-prompt
+    work until it cannot lease."""
     client: LearnerClient | None = None
+    session: Any = None
     refused = 0
-    while not stop.is_set():
-        try:
-            if client is None or refused > 20:  # caught, or idle for long: a fresh identity
-                client = LearnerClient(att.w.opts.join_url, att.w.client.session, reconnect_s=30.0)
-                await client.register(RegisterRequest(name="flood", usd_per_hour=0.35), token)
-                tally["identities"] = tally.get("identities", 0) + 1
-                refused = 0
-            async with lock:  # stay current like an honest worker (cheap when it is)
-                await att.w._follower().fetch()
-            got = await client.lease(
-                LeaseRequest(
-                    max_prompts=1, installed_version=att.w.installed, installed_epoch=att.w._follower().epoch
-                )
+    try:
+        while not stop.is_set():
+            client, session, refused = await _flood_step(att, token, lock, tally, client, session, refused)
+    finally:
+        if session is not None:
+            await session.close()
+
+
+async def _flood_step(
+    att: Any, token: str, lock: asyncio.Lock, tally: dict[str, int], client: Any, session: Any, refused: int
+) -> tuple[Any, Any, int]:
+    """One lease of a flooding identity (a fresh one, and its own address, when it was caught or idle)."""
+    try:
+        if client is None or refused > 20:  # caught, or idle for long: a fresh identity
+            if session is not None:
+                await session.close()
+            session = session_from()
+            client = LearnerClient(att.w.opts.join_url, session, reconnect_s=30.0)
+            await client.register(RegisterRequest(name="flood", usd_per_hour=0.35), token)
+            tally["identities"] = tally.get("identities", 0) + 1
+            refused = 0
+        async with lock:  # stay current like an honest worker (cheap when it is)
+            await att.w._follower().fetch()
+        got = await client.lease(
+            LeaseRequest(
+                max_prompts=1, installed_version=att.w.installed, installed_epoch=att.w._follower().epoch
             )
-            if not isinstance(got, LeaseGrant):
-                tally[got.reason] = tally.get(got.reason, 0) + 1
-                refused += 1
-                await asyncio.sleep(min(got.retry_after_s, 0.5))
-                continue
-            async with lock:  # one generation at a time on the one engine
-                groups = await asyncio.to_thread(att._generate, got)
-            reply = await client.submit(
-                SubmitRequest(
-                    lease_id=got.lease_id,
-                    policy_version=att.w.installed,
-                    groups=[group_to_wire(g) for g in groups],
-                )
-            )
-            key = (
-                "pending_check" if reply.pending_check else "admitted" if reply.admitted else "dropped_stale"
-            )
-            tally[key] = tally.get(key, 0) + 1
-        except Refused as exc:
-            tally[exc.reply.error] = tally.get(exc.reply.error, 0) + 1
-            if exc.reply.error in ("quarantined", "retired"):
-                client = None
-            await asyncio.sleep(0.2)
+        )
+        if not isinstance(got, LeaseGrant):
+            tally[got.reason] = tally.get(got.reason, 0) + 1
+            await asyncio.sleep(min(got.retry_after_s, 0.5))
+            return client, session, refused + 1
+        async with lock:  # one generation at a time on the one engine
+            groups = await asyncio.to_thread(att._generate, got)
+        groups_wire = [group_to_wire(g) for g in groups]
+        reply = await client.submit(
+            SubmitRequest(lease_id=got.lease_id, policy_version=att.w.installed, groups=groups_wire)
+        )
+        key = "pending_check" if reply.pending_check else "admitted" if reply.admitted else "dropped_stale"
+        tally[key] = tally.get(key, 0) + 1
+    except Refused as exc:
+        tally[exc.reply.error] = tally.get(exc.reply.error, 0) + 1
+        if exc.reply.error in ("quarantined", "retired"):
+            client = None
+        await asyncio.sleep(0.2)
+    return client, session, refused
 
 
 def flood(width: int) -> Any:
@@ -158,14 +189,12 @@ def flood(width: int) -> Any:
     (honest until it has passed ``check_first`` checks, then rewriting every wrong answer)."""
 
     async def attack(info: dict[str, Any], token: str, run_dir: Path, stop: asyncio.Event) -> dict[str, Any]:
-        import aiohttp
-
         from echo2_bench.adversary import Attacker
         from echo2_bench.adversary_length import LengthAttacker
 
         tally: dict[str, int] = {}
         outcomes: list[str] = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with session_from() as session:
             worker = Attacker(info["join"], token, "honest", session, max_prompts=1)
             forger = LengthAttacker(info["join"], token, "forger", session)
             await worker.start()
@@ -191,8 +220,9 @@ def flood(width: int) -> Any:
             await stop.wait()
             await _cancel(tasks)
             quarantined = await _caught(forger)
-            await worker.close()
-            await forger.close()
+            with contextlib.suppress(LearnerGone):  # the learner may stop first: the tally stands
+                await worker.close()
+                await forger.close()
         return {
             "width": width,
             "flood": tally,

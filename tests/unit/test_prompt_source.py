@@ -65,6 +65,17 @@ def test_discarded_prompts_come_back_first_and_a_prompt_always_stale_is_given_up
     assert json.loads(json.dumps(src.state()))["skipped"] == {"stale": 1}
 
 
+def test_a_prompt_answered_late_again_and_again_is_never_given_up(tmp_path):
+    """Stale hoarders lease a prompt and answer it too stale, over and over: the prompt comes back every
+    time and is never skipped (only the learner's own pace, admitted groups dropped stale, counts)."""
+    src = PromptSource(_math(tmp_path), seed=0)
+    (p,) = src.take(1)
+    for _ in range(5 * MAX_REDO):
+        src.redo([(p, "late")])
+        assert src.take(1) == [p]
+    assert src.metrics()[m.DATA_PROMPTS_SKIPPED.key] == 0
+
+
 def _group(prompt: Prompt, lease: str, version: int, n: int = 2, length: int = 3) -> tuple[Trajectory, ...]:
     return tuple(
         Trajectory(
@@ -89,10 +100,10 @@ def test_the_store_reports_every_prompt_it_discards_untrained_and_counts_admitte
     assert store.take_batch(5, learner_version=3, step=4) is None  # v 0 < 3 - 1: both groups dropped
     assert sorted((p.prompt_id, why) for p, why in store.take_redo()) == [("p0", "stale"), ("p1", "stale")]
     assert store.take_redo() == []  # each reported once
-    # a submission already too old when it arrives: the open lease's prompts come back
+    # a submission already too old when it arrives: the open lease's prompts come back, as late
     lease = store.issue_lease("w", [c], now=0.0, ttl_s=100)
     store.submit(Submission(lease, 0, (_group(c, lease, 0),)), "w", 5, 2.0)
-    assert [(p.prompt_id, why) for p, why in store.take_redo()] == [("p2", "stale")]
+    assert [(p.prompt_id, why) for p, why in store.take_redo()] == [("p2", "late")]
     # an answer after its lease expired (its prompts were leased again then) is not redone twice
     lease = store.issue_lease("w", [d], now=0.0, ttl_s=1)
     assert [p.prompt_id for p in store.expire_leases(5.0)] == ["p3"]

@@ -298,8 +298,9 @@ class TrajectoryStore:
 
     def take_redo(self) -> list[tuple[Prompt, str]]:
         """The prompts whose groups were discarded untrained since the last call, with the reason
-        (``stale``: dropped as too old; ``purged``: their worker was quarantined; ``poisoned``: their
-        loss or gradient was not finite), to lease again."""
+        (``stale``: admitted, then dropped as too old before an update took them; ``late``: already too
+        old when the answer came; ``purged``: their worker was quarantined; ``poisoned``: their loss or
+        gradient was not finite; ``unchecked``: their check could not run), to lease again."""
         out, self._redo = self._redo, []
         return out
 
@@ -529,7 +530,8 @@ class TrajectoryStore:
             if sub.policy_version < floor:
                 self._bump("dropped_stale", n)
                 if state == "open":  # an expired lease's prompts were leased again when it expired
-                    self._redo += [(p, "stale") for p in _decode_prompts(prompts_json)]
+                    # "late": the answer's own lateness (a strike for its worker), not the learner's pace
+                    self._redo += [(p, "late") for p in _decode_prompts(prompts_json)]
                 result = SubmitResult(admitted=0, dropped_stale=n)
             else:
                 self._db.executemany(

@@ -6,9 +6,11 @@ Order of what :meth:`PromptSource.take` hands out:
 1. **Prompts to do again**, oldest first: those of leases that expired unanswered (or whose answer was
    refused), and those whose groups were discarded untrained — dropped as too stale, purged with a
    quarantined worker, or left out of an update as poison (the store reports them:
-   ``TrajectoryStore.take_redo``). A prompt whose groups were dropped as stale ``MAX_REDO`` times (its
-   completions are always the slow ones) is given up: counted in ``data/prompts_skipped``, with the
-   reason, and logged.
+   ``TrajectoryStore.take_redo``). A prompt whose admitted groups were dropped as stale ``MAX_REDO``
+   times (the learner never got to them in time: its completions are always the slow ones) is given up:
+   counted in ``data/prompts_skipped``, with the reason, and logged. An answer already too stale when it
+   came (``late``) never counts toward that: it is its worker's lateness (a strike), and a worker that
+   hoards leases to answer them stale cannot make the run give up a prompt.
 2. **The epoch**: for a task whose training split is finite (a dataset file: ``Task.train_prompts``),
    a seeded permutation of the whole split, each prompt once per epoch; the next epoch is another
    permutation (of seed and epoch number: a resumed run continues the same epoch at the same place).
@@ -85,7 +87,8 @@ class PromptSource:
 
     def redo(self, items: Sequence[tuple[Prompt, str]]) -> None:
         """Prompts whose groups were discarded untrained (``TrajectoryStore.take_redo``): leased again
-        first, but a prompt dropped as stale ``MAX_REDO`` times is given up and counted."""
+        first, but a prompt whose admitted groups were dropped as stale ``MAX_REDO`` times is given up
+        and counted (``late`` answers never count: module docstring)."""
         for prompt, reason in items:
             if reason == "stale":
                 self.redo_counts[prompt.prompt_id] += 1

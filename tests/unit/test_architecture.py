@@ -203,3 +203,45 @@ def test_the_rule_finds_a_loop():
         "stats = await asyncio.to_thread(self.core.update, flat)\n"
     )
     assert sorted(line for line, _ in _loop_steps(ast.parse(code))) == [1, 2, 3, 4, 6]
+
+
+TIER_MARKS = ("integration", "netns", "slow", "vllm")  # tiers other than the default (pyproject markers)
+
+
+def _tier_marks(tree: ast.Module) -> list[str]:
+    """The non-unit tier marks a test module carries (``@pytest.mark.X`` or ``pytestmark``)."""
+    return sorted(
+        {
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and n.attr in TIER_MARKS
+            and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "mark"
+        }
+    )
+
+
+def test_the_default_run_is_the_unit_tier_and_the_readme_runs_every_tier():
+    """``python -m pytest`` runs tests/unit (fast, nothing marked for another tier); the README's test
+    command, which CI runs verbatim, runs every tier."""
+    import tomllib
+
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert ini["testpaths"] == ["tests/unit"]
+    marked = {
+        p.name: m
+        for p in sorted((ROOT / "tests" / "unit").glob("test_*.py"))
+        if (m := _tier_marks(ast.parse(p.read_text())))
+    }
+    assert not marked, f"unit-tier modules with tests of another tier: {marked}"
+    readme = (ROOT / "README.md").read_text()
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in line]
+    assert len(ci) == 1 and ci[0].endswith("python -m pytest tests") and f"\n{ci[0]}\n" in readme
+
+
+def test_the_tier_rule_finds_a_marked_test():
+    tree = ast.parse("import pytest\n@pytest.mark.integration\ndef test_x():\n    pass\n")
+    assert _tier_marks(tree) == ["integration"]
+    assert _tier_marks(ast.parse("pytestmark = [pytest.mark.netns]")) == ["netns"]
+    assert _tier_marks(ast.parse("x.integration = 1")) == []

@@ -345,7 +345,8 @@ DATA_PROMPTS_REQUEUED = _m(
 DATA_PROMPTS_SKIPPED = _m(
     "data/prompts_skipped",
     "count",
-    "prompts given up so far, each with a logged reason (dropped as stale 3 times in a row)",
+    "prompts given up so far, each with a logged reason (its admitted groups dropped as stale 3 "
+    "times; answers stale on arrival never count)",
     BOTH,
 )
 DATA_TOKENS_GENERATED = _m(

@@ -2,11 +2,11 @@
 its builder (config -> :class:`~echo2.tasks.base.Task`). It sits above the adapters and the two kinds
 of task (it imports them; they never import it).
 
-A new single-turn task is an adapter (``data/tasks/``), its config model in ``config.py`` and one
+A new single-turn task is an adapter (``data/tasks/``), its config model in ``config/model.py`` and one
 :class:`Entry` here. A new environment takes none of that: it is declared once in its module under
 ``envs/`` and listed in ``envs/registry.ENVIRONMENTS``, and its entry here is derived from that
 declaration (config model, preset, the one environment builder), as its ``[task]`` variant and its
-preset are in ``config.py``."""
+preset are in ``config/model.py``."""
 
 from __future__ import annotations
 

@@ -259,13 +259,13 @@ def study_bf16_errors(rounds: int) -> dict[str, Any]:
 
     import torch
 
+    from echo2.check.rerun import GenerationCheck
     from echo2.config import SecurityConfig, load_config
     from echo2.data.store import Lease
     from echo2.data.submission import Submission
     from echo2.models.policy import load_checkpoint
     from echo2.models.snapshot import aliasing_model, install_weights
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.tasks.verify import GenerationCheck
     from echo2.tasks.warmstart import warmstart_checkpoint
     from echo2.types import Prompt, Trajectory
     from echo2.weights.delta import sampler_copy

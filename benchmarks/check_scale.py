@@ -16,7 +16,7 @@ re-run per checked submission, ``check_chunk_tokens = 64``. Targets (fixed here,
    (1.81x: the checker took half the cores), the intake's checker thread runs at
    ``security.check_nice`` (19) and this study's checker starts the same way; the rule is unchanged.
    Since the reading of 1.13x with the checker niced, the update and the check take turns
-   (``learner/turns.py``: while an update runs the check computes at most ``security.check_duty`` of
+   (``check/turns.py``: while an update runs the check computes at most ``security.check_duty`` of
    its time, between its chunks); this study's update and check take them as ``LearnerCore.update``
    and the intake's check do, and an "off" update now starts only once the checker has finished the
    check it was running (before, a check started on the "on" side could run into the next "off"
@@ -78,11 +78,11 @@ def _setup(shape: dict[str, int], completion: int) -> tuple[Any, Any, Any, Any]:
 
     import torch
 
+    from echo2.check.rerun import GenerationCheck
     from echo2.config import SamplingConfig, SecurityConfig
     from echo2.data.store import Lease
     from echo2.data.submission import Submission
     from echo2.models.snapshot import aliasing_model
-    from echo2.tasks.verify import GenerationCheck
     from echo2.types import Prompt
     from echo2.weights.delta import sampler_copy
 
@@ -218,9 +218,9 @@ def study_latency(shape: dict[str, int], completion: int, n: int) -> dict[str, A
 
 # ---- step time ---------------------------------------------------------------------------------------
 def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, Any]:
+    from echo2.check.turns import Turns
     from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig, SecurityConfig
     from echo2.learner.trainer import GRPOTrainer
-    from echo2.learner.turns import Turns
     from echo2.runtime.intake import yield_to_the_update
 
     model, check, lease, sub = _setup(shape, completion)

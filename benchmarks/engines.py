@@ -193,11 +193,11 @@ def bf16_against_the_check() -> dict[str, Any]:
 
     import torch
 
+    from echo2.check.rerun import GenerationCheck
     from echo2.config import SecurityConfig
     from echo2.models.snapshot import install_weights, skeleton_files
     from echo2.rollout.engines import EngineOptions, build_engine
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.tasks.verify import GenerationCheck
     from echo2.types import Trajectory
     from echo2.weights.delta import sampler_copy
 
@@ -219,7 +219,7 @@ def bf16_against_the_check() -> dict[str, Any]:
     for row, (p, s) in enumerate(zip(prompts, out, strict=True)):
         t = Trajectory(str(row), str(row), tuple(p), s.completion_ids, s.logprobs, 0.0, 0)
         v = check.rerun(t, 12345, row)
-        flagged += v.misses > 0  # every position the draw or a declared near tie (tasks/positions.py)
+        flagged += v.misses > 0  # every position the draw or a declared near tie (check/positions.py)
         draw, lp, tokens, worst = (
             draw + v.draw_misses,
             lp + v.logprob_misses,

@@ -116,12 +116,12 @@ def child_bytes(precision: str) -> dict[str, Any]:
     # what the import holds (about 320 MB with transformers 5.19) is the library's, not the model's
     from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: F401
 
+    from echo2.check.rerun import GenerationCheck
     from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig, SecurityConfig, SnapshotConfig
     from echo2.learner.trainer import GRPOTrainer
     from echo2.models.snapshot import aliasing_model, load_for_check
     from echo2.physics.rules import admission_floor
     from echo2.planner.memory import learner_memory, logits_chunk_bytes
-    from echo2.tasks.verify import GenerationCheck
     from echo2.weights.delta import patch_info, sampler_copy
     from echo2.weights.publication import Link, PublishedChain
 

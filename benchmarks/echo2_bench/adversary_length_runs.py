@@ -52,14 +52,14 @@ def honest_length(
     first (what was reached is reported)."""
     import torch
 
+    from echo2.check.positions import LogHistogram
+    from echo2.check.rerun import GenerationCheck
     from echo2.config import SamplingConfig, SecurityConfig
     from echo2.data.store import Lease
     from echo2.data.submission import Rejected, Submission
     from echo2.models.policy import load_checkpoint
     from echo2.models.snapshot import aliasing_model
     from echo2.rollout.engines import EngineOptions, build_engine
-    from echo2.tasks.positions import LogHistogram
-    from echo2.tasks.verify import GenerationCheck
     from echo2.types import Prompt, Trajectory
     from echo2.weights.delta import sampler_copy
     from echo2_bench.adversary_length import write_model

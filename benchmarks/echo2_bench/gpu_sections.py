@@ -315,10 +315,10 @@ def bf16_errors(ctx: Ctx) -> dict[str, Any]:
     those per completion must equal the verdict's (``hook_agrees``)."""
     import torch
 
+    from echo2.check.rerun import GenerationCheck
     from echo2.config import SecurityConfig
     from echo2.learner import grpo
     from echo2.models.snapshot import aliasing_model
-    from echo2.tasks.verify import GenerationCheck
 
     out = ctx.partial
     security = SecurityConfig(engine_precision="bfloat16")
@@ -384,12 +384,12 @@ def check(ctx: Ctx) -> dict[str, Any]:
     alone; its device memory; the host-to-device copy of a version switch (the whole bf16 copy onto
     the check's model); seconds while an update runs, at the default duty and at duty 1, beside the
     update's seconds alone and with it."""
+    from echo2.check.rerun import GenerationCheck
+    from echo2.check.turns import Turns
     from echo2.config import SecurityConfig
     from echo2.data.store import Lease
     from echo2.data.submission import Submission
-    from echo2.learner.turns import Turns
     from echo2.models.snapshot import aliasing_model
-    from echo2.tasks.verify import GenerationCheck
     from echo2.types import Prompt
 
     p, out = ctx.plan, ctx.partial

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from echo2.check.rerun import GenerationCheck
 from echo2.config import GRPOConfig, GuessTaskConfig, SamplingConfig, SecurityConfig
 from echo2.data.store import Lease
 from echo2.data.submission import Rejected, Submission
@@ -24,7 +25,7 @@ from echo2.learner.trainer import GRPOTrainer, loss_mask
 from echo2.protocol import decode_group, encode_group
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.episodes import collect_episodes
-from echo2.tasks.verify import EpisodeReplay, GenerationCheck
+from echo2.tasks.verify import EpisodeReplay
 from echo2.types import Trajectory
 from echo2.weights.delta import sampler_copy
 

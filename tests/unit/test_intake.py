@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from echo2.check.positions import LogHistogram
 from echo2.config import SecurityConfig
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected, SubmissionLimits
 from echo2.protocol import SubmitRequest
 from echo2.runtime.intake import Intake
-from echo2.tasks.positions import LogHistogram
 from echo2.types import Prompt
 
 G = 2

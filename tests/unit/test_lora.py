@@ -241,13 +241,13 @@ def test_the_check_reruns_base_plus_adapter_as_the_workers_engine_does(tiny_poli
     import copy
     import random
 
+    from echo2.check.rerun import GenerationCheck
     from echo2.config import SecurityConfig
     from echo2.data.store import Lease
     from echo2.data.submission import Rejected, Submission
     from echo2.models.snapshot import aliasing_model
     from echo2.rollout.engines import AdapterEngine
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.tasks.verify import GenerationCheck
     from echo2.types import Prompt
 
     sampling = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=8)

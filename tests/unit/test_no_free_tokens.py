@@ -1,4 +1,4 @@
-"""No free tokens (SPEC §10, tasks/positions.py): a checked completion is the seeded draw at every position
+"""No free tokens (SPEC §10, check/positions.py): a checked completion is the seeded draw at every position
 but declared numerical near ties, and those never on a token the grader reads. At 100 tokens the rule it
 replaced (``max_token_misses = 0.02``) let 2 tokens of a completion be anything: here one is enough to
 fail it, wherever it is. A drawn submission is re-run whole, so one forged completion of many is caught."""
@@ -12,14 +12,14 @@ import random
 import pytest
 import torch
 
+from echo2.check.positions import LogHistogram, judge
+from echo2.check.rerun import GenerationCheck
 from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.store import Lease
 from echo2.data.submission import Rejected, Submission
 from echo2.models.snapshot import aliasing_model, install_weights
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.sampling import gumbel_noise
-from echo2.tasks.positions import LogHistogram, judge
-from echo2.tasks.verify import GenerationCheck
 from echo2.types import Prompt, Trajectory
 from echo2.weights.delta import sampler_copy
 

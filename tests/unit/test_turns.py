@@ -1,4 +1,4 @@
-"""The learner's update and its background work take turns (learner/turns.py)."""
+"""The learner's update and its background work take turns (check/turns.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from echo2.check.turns import Turns
 from echo2.config import SecurityConfig
 from echo2.errors import ConfigError
-from echo2.learner.turns import Turns
 
 
 def _pause_in_thread(turns: Turns) -> tuple[threading.Thread, list[float]]:

@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
+from echo2.check.rerun import GenerationCheck
 from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.store import Lease
 from echo2.data.submission import Rejected, Submission
 from echo2.models.snapshot import alias_weights, aliasing_model, install_weights
 from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.sampling import GUMBEL_MAX, GUMBEL_MIN, gumbel_draw, gumbel_noise, min_drawn_logprob
-from echo2.tasks.verify import GenerationCheck
 from echo2.types import Prompt, Trajectory
 from echo2.weights.delta import sampler_copy
 
@@ -145,7 +145,7 @@ def test_a_check_gives_a_running_update_its_turn_and_its_verdict_is_unchanged(se
     import threading
     import time
 
-    from echo2.learner.turns import Turns
+    from echo2.check.turns import Turns
 
     check, lease, sub, _, _ = setup
     alone = check.check(lease, sub, ALL[:2])

@@ -147,7 +147,7 @@ class SecurityConfig(_Section):
         le=1.0,
         description="while the learner updates, the share of the update's time the generation check may "
         "compute: after each chunk of its work it waits that chunk's time x (1 / check_duty - 1), or until "
-        "the update ends; between updates it runs freely (learner/turns.py). A new identity's check, and one "
+        "the update ends; between updates it runs freely (check/turns.py). A new identity's check, and one "
         "whose claim is at the admission floor, never wait. 1 = never waits (check_nice alone); 0 = waits "
         "for the update to end",
     )

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from echo2.check.turns import Turns
 from echo2.config import Config
 from echo2.errors import Echo2Error, TrainingDivergedError
-from echo2.learner.turns import Turns
 from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, RunDir
 from echo2.tasks.base import Task
 from echo2.types import Bounds, Trajectory
@@ -227,7 +227,7 @@ class LearnerCore:
     first_acc: float = math.nan  # held-out score when this process started
     best_acc: float = math.nan  # best held-out score seen
     last_acc: float = math.nan  # newest held-out score
-    # the update and the generation check take turns (learner/turns.py: security.check_duty)
+    # the update and the generation check take turns (check/turns.py: security.check_duty)
     turns: Turns = field(default_factory=Turns)
 
     @classmethod

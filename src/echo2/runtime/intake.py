@@ -10,7 +10,7 @@ stored *held*, not trainable, and
 the worker is answered at once (``pending_check``); the checker, a task with a thread of its own,
 re-runs their completions with the claimed version's weights and the lease's seed and releases the
 groups (passed) or quarantines the worker (forged); it runs at ``security.check_nice`` (19) and gives
-a running update its turn between chunks (``learner/turns.py``, ``security.check_duty``; not a new
+a running update its turn between chunks (``check/turns.py``, ``security.check_duty``; not a new
 identity's check, nor one whose claim is at the admission floor): the update comes first, checks use
 what it leaves; the queue bound lowers the draw while they wait; the store checks the
 lease (exists, this worker's, not answered before, same prompts) and applies the admission rule at the
@@ -50,6 +50,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from echo2.check.rerun import GenerationCheck
 from echo2.config import Config, SecurityConfig
 from echo2.data.store import Lease, SubmitResult, TrajectoryStore
 from echo2.data.submission import Rejected, Submission, SubmissionLimits, validate_submission
@@ -58,7 +59,7 @@ from echo2.physics.rules import admission_floor
 from echo2.protocol import MAX_ID_CHARS, SubmitRequest
 from echo2.runtime.registry import WorkerRecord
 from echo2.tasks.base import Task
-from echo2.tasks.verify import EVIDENCE, GenerationCheck, Verifier
+from echo2.tasks.verify import EVIDENCE, Verifier
 from echo2.types import Bounds
 
 log = logging.getLogger(__name__)
@@ -341,12 +342,12 @@ class Intake:
         """Passed: its groups become trainable, its lease counts as returned (an answer after the lease
         expired: not), its rollouts as admitted. Evidence of a forgery: the worker is quarantined (its
         groups purged). A check that cannot run because its version is no longer held expired: a strike
-        for the worker, counted (the rule stands, though a drawn submission's pin keeps its version). A near tie on a token the grader
-        reads: dropped, no strike, counted. An error of the check itself: dropped. Dropped groups are
-        never trained, counted, their prompts leased again."""
+        for the worker, counted (the rule stands, though a drawn submission's pin keeps its version). A
+        near tie on a token the grader reads: dropped, no strike, counted. An error of the check itself:
+        dropped. Dropped groups are never trained, counted, their prompts leased again."""
         assert self.generation is not None
         rec, lease, sub = drawn.rec, drawn.lease, drawn.sub
-        # due, its check does not give the update its turn (learner/turns.py): a new identity's (it gets
+        # due, its check does not give the update its turn (check/turns.py): a new identity's (it gets
         # no lease until the verdict), or a claim at the admission floor (the next update leaves its
         # version behind, and its held groups with it)
         due = functools.partial(self._due, sub.policy_version, proving(rec, self.generation.cfg))

@@ -272,7 +272,7 @@ class AsyncLearner:
         """What the learner checks of workers' submissions (``tasks/verify.py``): every one's prompts,
         rewards and shape; and the sampled re-run of generations on a model of its own (None when
         ``security.check_fraction`` is 0)."""
-        from echo2.tasks.verify import GenerationCheck
+        from echo2.check.rerun import GenerationCheck
         from echo2.types import Bounds
 
         cfg, policy = self.cfg, self.core.policy

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from echo2.broadcast.api import SnapshotPublisher
+from echo2.check.rerun import GenerationCheck
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected
@@ -32,7 +33,7 @@ from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
 from echo2.runtime.standing import Standings
 from echo2.tasks.base import Task
-from echo2.tasks.verify import GenerationCheck, Verifier
+from echo2.tasks.verify import Verifier
 
 
 @dataclass

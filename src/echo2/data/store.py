@@ -5,8 +5,7 @@ in one ``BEGIN IMMEDIATE`` transaction and returns only after it is committed to
 restart (a new ``TrajectoryStore`` on the same file) loses no accepted group, lease or counter.
 
 **Threading.** One connection, used from the thread that created the store (SQLite's
-``check_same_thread`` guard enforces it). A server that runs requests on several threads must funnel
-store calls through one thread (e.g. its event loop thread, or one executor thread).
+``check_same_thread`` guard enforces it): a server funnels store calls through one thread.
 
 **Schema** (``PRAGMA user_version = 6``; an older store gains the missing columns on open)::
 
@@ -42,13 +41,19 @@ import sqlite3
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from echo2.data.store_types import (
+    Lease,
+    StoreStats,
+    SubmitResult,
+    decode_prompts,
+    encode_prompts,
+    lease_prompts,
+)
 from echo2.data.submission import Rejected, Submission, is_reason_label
 from echo2.errors import ConfigError
-from echo2.observe import catalog
 from echo2.physics.rules import admission_floor
 from echo2.protocol import decode_group, encode_group
 from echo2.types import Prompt, Trajectory
@@ -62,7 +67,6 @@ DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept i
 PURGED = -2  # consumed_step of a group purged untrained because its worker was quarantined
 REJECTION_FLUSH = 256  # rejections counted in memory are written at the next transaction or at this many
 BUSY_TIMEOUT_MS = 10_000
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS leases (
@@ -96,83 +100,6 @@ CREATE INDEX IF NOT EXISTS groups_consumed ON rollout_groups (consumed_step) WHE
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-
-
-@dataclass(frozen=True)
-class SubmitResult:
-    """What became of an accepted submission."""
-
-    admitted: int  # trajectories stored for training
-    dropped_stale: int  # trajectories accepted but discarded: policy_version < v_t - S
-    held: int = 0  # of the admitted, trajectories not trainable until their generation check passes
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A lease as the store keeps it."""
-
-    lease_id: str
-    worker_id: str  # the worker it was issued to
-    state: str  # open, expired or submitted
-    issued_at: float  # clock time it was issued
-    prompts: list[Prompt]  # in lease order
-    seed: int  # the sampling seed it assigned (row i*G + j samples prompt i's j-th completion)
-    installed_version: int  # the version the worker said it held when it asked for the lease
-    epoch: int = 0  # the run epoch of the learner process that issued it
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Store counters; ``admitted``, ``dropped_stale`` and ``size`` count trajectories."""
-
-    size: int  # buffered: admissible unconsumed trajectories (at the last learner version seen)
-    admitted: int  # trajectories ever stored for training
-    dropped_stale: int  # trajectories discarded as too old, at submit or at take_batch
-    rejected: int  # submissions rejected, all reasons
-    rejected_by_reason: dict[str, int]  # submissions rejected, per reason code
-    purged: int  # trajectories purged untrained because their worker was quarantined
-    poisoned: int  # groups purged because their loss or gradient was not finite (of those purged)
-    leases_open: int  # leases issued and neither submitted nor expired
-    leases_expired: int  # leases ever expired
-    admitted_tokens: int = 0  # completion tokens of the trajectories ever stored for training
-    held: int = 0  # of ``size``, trajectories waiting for their generation check (not yet trainable)
-    unchecked_dropped: int = 0  # trajectories discarded because their generation check could not run
-
-    def metrics(self) -> dict[str, float]:
-        """SPEC §7 keys ``store/size``, ``store/admitted``, ``store/dropped_stale``, ``store/rejected``,
-        plus ``store/rejected/<reason>``."""
-        out: dict[str, float] = {
-            catalog.STORE_SIZE.key: self.size,
-            catalog.STORE_ADMITTED.key: self.admitted,
-            catalog.STORE_DROPPED_STALE.key: self.dropped_stale,
-            catalog.STORE_REJECTED.key: self.rejected,
-            catalog.STORE_PURGED.key: self.purged,
-            catalog.STORE_POISONED.key: self.poisoned,
-            catalog.STORE_HELD.key: self.held,
-            catalog.STORE_UNCHECKED_DROPPED.key: self.unchecked_dropped,
-        }
-        for reason, n in sorted(self.rejected_by_reason.items()):
-            out[catalog.STORE_REJECTED_BY.of(reason)] = n
-        return out
-
-
-def _encode_prompts(prompts: Sequence[Prompt]) -> str:
-    return _JSON.encode([[p.prompt_id, p.text, p.answer, p.meta] for p in prompts])
-
-
-def _decode_prompts(text: str) -> list[Prompt]:
-    return [Prompt(prompt_id=i, text=t, answer=a, meta=m) for i, t, a, m in json.loads(text)]
-
-
-def _lease_prompts(groups: Sequence[tuple[str, str | None]], reason: str) -> list[tuple[Prompt, str]]:
-    """The prompt of each ``(prompt_id, its lease's prompts)`` (one per group; a group with no lease
-    row, or whose prompt the lease lacks, has none), with ``reason``."""
-    out = []
-    for pid, text in groups:
-        by_id = {p.prompt_id: p for p in _decode_prompts(text)} if text else {}
-        if pid in by_id:
-            out.append((by_id[pid], reason))
-    return out
 
 
 class TrajectoryStore:
@@ -292,7 +219,7 @@ class TrajectoryStore:
                 (floor,),
             )
             self._bump("dropped_stale", n)
-            self._redo += _lease_prompts([(pid, text) for _, pid, text, on_time in rows if on_time], "stale")
+            self._redo += lease_prompts([(pid, text) for _, pid, text, on_time in rows if on_time], "stale")
             log.debug("dropped %d stale trajectories (policy_version < %d)", n, floor)
         return int(n)
 
@@ -337,7 +264,7 @@ class TrajectoryStore:
                     now,
                     now + ttl_s,
                     len(prompts),
-                    _encode_prompts(prompts),
+                    encode_prompts(prompts),
                     seed,
                     installed_version,
                     epoch,
@@ -360,7 +287,7 @@ class TrajectoryStore:
             str(owner),
             str(state),
             float(issued),
-            _decode_prompts(prompts),
+            decode_prompts(prompts),
             int(seed),
             int(installed),
             int(epoch),
@@ -378,7 +305,7 @@ class TrajectoryStore:
                 (worker_id,),
             ).fetchall()
             n = sum(int(r[0]) for r in held)
-            self._redo += _lease_prompts([(pid, text) for _, pid, text in held], "purged")
+            self._redo += lease_prompts([(pid, text) for _, pid, text in held], "purged")
             self._db.execute(
                 f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' WHERE consumed_step IS NULL "
                 "AND lease_id IN (SELECT lease_id FROM leases WHERE worker_id = ?)",
@@ -395,7 +322,7 @@ class TrajectoryStore:
             )
             self._bump("leases_expired", len(rows))
         log.warning("purged %d buffered trajectories and %d open leases of %s", n, len(rows), worker_id)
-        return int(n), [p for _, text in rows for p in _decode_prompts(text)]
+        return int(n), [p for _, text in rows for p in decode_prompts(text)]
 
     def purge_groups(self, group_ids: Sequence[str]) -> list[str]:
         """Purge these groups untrained wherever they are (buffered, or consumed by a step whose update
@@ -411,7 +338,7 @@ class TrajectoryStore:
                 f"JOIN leases l USING (lease_id) WHERE g.group_id IN ({marks}) AND g.data != ''",
                 list(group_ids),
             ).fetchall()
-            self._redo += _lease_prompts([(pid, text) for _, _, pid, text in rows], "poisoned")
+            self._redo += lease_prompts([(pid, text) for _, _, pid, text in rows], "poisoned")
             self._db.execute(
                 f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' WHERE group_id IN ({marks})",
                 list(group_ids),
@@ -439,7 +366,7 @@ class TrajectoryStore:
                 return []
             self._db.execute("UPDATE leases SET state = 'expired' WHERE lease_id = ?", (lease_id,))
             self._bump("leases_expired", 1)
-        return _decode_prompts(row[0])
+        return decode_prompts(row[0])
 
     def held_by_worker(self) -> dict[str, int]:
         """Trajectories waiting for their generation check (held, buffered), per worker holding any."""
@@ -479,7 +406,7 @@ class TrajectoryStore:
                 self._bump("leases_expired", len(rows))
         if rows:
             log.info("expired %d leases", len(rows))
-        return [(str(w), _decode_prompts(text), float(ttl)) for _, text, w, ttl in rows]
+        return [(str(w), decode_prompts(text), float(ttl)) for _, text, w, ttl in rows]
 
     # --- ingest ---------------------------------------------------------------------------------------
 
@@ -531,7 +458,7 @@ class TrajectoryStore:
                 self._bump("dropped_stale", n)
                 if state == "open":  # an expired lease's prompts were leased again when it expired
                     # "late": the answer's own lateness (a strike for its worker), not the learner's pace
-                    self._redo += [(p, "late") for p in _decode_prompts(prompts_json)]
+                    self._redo += [(p, "late") for p in decode_prompts(prompts_json)]
                 result = SubmitResult(admitted=0, dropped_stale=n)
             else:
                 self._db.executemany(
@@ -596,7 +523,7 @@ class TrajectoryStore:
                 args,
             ).fetchall()
             n = sum(int(r[0]) for r in rows)
-            self._redo += _lease_prompts([(pid, text) for _, pid, text in rows], "unchecked")
+            self._redo += lease_prompts([(pid, text) for _, pid, text in rows], "unchecked")
             self._db.execute(
                 f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' "
                 "WHERE held = 1 AND consumed_step IS NULL" + (" AND lease_id = ?" if one else ""),

@@ -137,15 +137,8 @@ class HFEngine:
             torch.zeros_like(rows_B) if first_steps is None else torch.tensor(first_steps, device=device)
         )
 
-        # left-pad so every row's next token sits in the last column
-        width = max(len(p) for p in prompts)
         B = len(prompts)
-        input_ids_BT = torch.full((B, width), self.pad_id, dtype=torch.long, device=device)
-        mask_BT = torch.zeros((B, width), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            input_ids_BT[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask_BT[i, width - len(p) :] = 1
-        positions_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
+        input_ids_BT, mask_BT, positions_BT = self._left_padded(prompts, device)
 
         cache = DynamicCache()
         tokens_BS = torch.empty((B, steps), dtype=torch.long, device=device)
@@ -184,16 +177,22 @@ class HFEngine:
         if was_training:
             self.model.train()
 
-        samples = []
         tokens = tokens_BS[:, : n + 1].tolist()
         logprobs = logprobs_BS[:, : n + 1].tolist()
-        for i in range(B):
-            k = int(lengths_B[i])
-            samples.append(
-                Sample(
-                    completion_ids=tuple(tokens[i][:k]),
-                    logprobs=tuple(logprobs[i][:k]),
-                    finished=bool(done_B[i]),
-                )
-            )
-        return samples
+        return [
+            Sample(tuple(tokens[i][:k]), tuple(logprobs[i][:k]), bool(done_B[i]))
+            for i, k in enumerate(lengths_B.tolist())
+        ]
+
+    def _left_padded(
+        self, prompts: Sequence[Sequence[int]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, attention mask and positions of ``prompts`` left-padded, so that every row's next
+        token sits in the last column."""
+        width = max(len(p) for p in prompts)
+        input_ids_BT = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=device)
+        mask_BT = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            input_ids_BT[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask_BT[i, width - len(p) :] = 1
+        return input_ids_BT, mask_BT, (mask_BT.cumsum(-1) - 1).clamp(min=0)

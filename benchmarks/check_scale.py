@@ -170,7 +170,13 @@ def study_latency(shape: dict[str, int], completion: int, n: int) -> dict[str, A
         with tempfile.TemporaryDirectory() as d:
             store = TrajectoryStore(Path(d) / "s.sqlite", staleness=3, group_size=SAMPLES)
             intake = Intake(
-                store, limits, lambda: 0, lambda: 0, time.monotonic, None, check, lambda v: v == 0
+                store=store,
+                limits=limits,
+                version=lambda: 0,
+                published=lambda: 0,
+                clock=time.monotonic,
+                generation=check,
+                is_published=lambda v: v == 0,
             )
             # a proven identity (its first checks passed): its draw falls as the queue fills, as declared
             first = SecurityConfig().check_first

@@ -128,11 +128,11 @@ async def main(
     trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampling, policy.pad_id, task.token_mask)
     store = TrajectoryStore(":memory:", cfg.staleness.S, cfg.batch.group_size)
     broker = LeaseBroker(
-        store,
-        PromptSource(task, cfg.seed),
-        cfg.batch,
-        cfg.staleness,
-        cfg.runtime,
+        store=store,
+        prompts=PromptSource(task, cfg.seed),
+        batch=cfg.batch,
+        staleness=cfg.staleness,
+        runtime=cfg.runtime,
         version=lambda: trainer.version,
         is_active=lambda w: True,
         clock=time.time,

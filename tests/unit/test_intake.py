@@ -114,8 +114,9 @@ def _intake(tmp_path: Any, published: set[int], check: FakeCheck, now: list[floa
     for seen in (REFUSED, QUARANTINED, RETURNED, STRUCK):
         seen.clear()
     intake = Intake(
-        store, LIMITS, lambda: 4, lambda: max(published), lambda: now[0], None, check,  # type: ignore[arg-type]
-        lambda v: v in published, RETURNED.append, lambda *a: REFUSED.append(a),
+        store=store, limits=LIMITS, version=lambda: 4, published=lambda: max(published), clock=lambda: now[0],
+        generation=check,  # type: ignore[arg-type]
+        is_published=lambda v: v in published, returned=RETURNED.append, refused=lambda *a: REFUSED.append(a),
         struck=lambda w, why: STRUCK.append((w, why)),
         quarantine=lambda rec, exc: QUARANTINED.append((rec.worker_id, exc.reason)), epoch=EPOCH,
     )  # fmt: skip

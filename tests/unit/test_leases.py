@@ -61,8 +61,9 @@ def _node(tmp_path: Any, *overrides: str) -> tuple[Any, TrajectoryStore, LeaseBr
     standings = Standings(cfg.security.max_unreturned, cfg.runtime.lease_ttl_s)
     pool = Pool(registry, cfg.controller, cfg.staleness, cfg.batch.rollouts, 0.0, tmp_path, clock)
     broker = LeaseBroker(
-        store, PromptSource(build_task(cfg.task, 0), 0), cfg.batch, cfg.staleness, cfg.runtime,
-        lambda: 10, pool.is_active, clock, cfg.security, standings, lambda: {10},
+        store=store, prompts=PromptSource(build_task(cfg.task, 0), 0), batch=cfg.batch,
+        staleness=cfg.staleness, runtime=cfg.runtime, version=lambda: 10, is_active=pool.is_active,
+        clock=clock, security=cfg.security, standings=standings, published=lambda: {10},
     )  # fmt: skip
     return cfg, store, broker, pool, clock
 

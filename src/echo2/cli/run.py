@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
-
-TOKEN_ENV = "ECHO2_JOIN_TOKEN"
+from echo2.protocol import JOIN_TOKEN_ENV
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,7 +146,7 @@ def _learner(args: argparse.Namespace) -> int:
     def ready(ep: Endpoints) -> None:
         token = "<runtime.join_token>" if cfg.runtime.join_token else f"$(cat {ep.run_dir}/join_token)"
         print("learner ready. On each rollout machine run:", flush=True)
-        print(f"  {TOKEN_ENV}={token} echo2 worker --join '{ep.join}'", flush=True)
+        print(f"  {JOIN_TOKEN_ENV}={token} echo2 worker --join '{ep.join}'", flush=True)
         if ep.dashboard:
             print(f"live dashboard (and Prometheus /metrics): {ep.dashboard}", flush=True)
 
@@ -174,7 +173,7 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
         "(the worker talks only to the certificate with that fingerprint), or http://HOST:PORT on a "
         "trusted network (security.tls = false)",
     )
-    p.add_argument("--token", help=f"the run's join token (default: ${TOKEN_ENV})")
+    p.add_argument("--token", help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
     p.add_argument("--name", help="name shown in the learner's registry (default: host name)")
     p.add_argument("--usd-per-hour", type=float, default=0.35, help="this machine's price ($/h)")
     p.add_argument("--hardware", default="", help="free-text hardware description")
@@ -231,9 +230,9 @@ def _worker(args: argparse.Namespace) -> int:
     from echo2.transport import parse_join
 
     parse_join(args.join)  # a bad join string (https without its fingerprint) is refused before anything
-    token = args.token or os.environ.get(TOKEN_ENV)
+    token = args.token or os.environ.get(JOIN_TOKEN_ENV)
     if not token:
-        raise ConfigError(f"echo2 worker needs the run's join token: --token or ${TOKEN_ENV}")
+        raise ConfigError(f"echo2 worker needs the run's join token: --token or ${JOIN_TOKEN_ENV}")
     if args.engine not in get_args(EngineName):
         raise ConfigError(f"--engine {args.engine!r}: choose one of {list(get_args(EngineName))}")
     if not 0.0 < args.engine_memory <= 1.0:

@@ -119,6 +119,7 @@ class _Drawn:
 class Intake:
     def __init__(
         self,
+        *,
         store: TrajectoryStore,
         limits: SubmissionLimits,
         version: Callable[[], int],
@@ -129,7 +130,6 @@ class Intake:
         is_published: Callable[[int], bool] = lambda version: True,
         returned: Callable[[str], None] = lambda worker_id: None,
         refused: Callable[[str, str, str], None] = lambda worker_id, lease_id, reason: None,
-        *,
         struck: Callable[[str, str], None] = lambda worker_id, reason: None,
         quarantine: Callable[[WorkerRecord, Rejected], None] = lambda rec, exc: None,
         quarantined: Callable[[], int] = lambda: 0,

@@ -21,11 +21,10 @@ from pathlib import Path
 
 from echo2.config import Config
 from echo2.errors import Echo2Error
+from echo2.protocol import JOIN_TOKEN_ENV
 from echo2.runtime.learner import AsyncLearner, Endpoints, LearnerSummary
 
 log = logging.getLogger(__name__)
-
-TOKEN_ENV = "ECHO2_JOIN_TOKEN"
 
 
 def worker_command(join: str, name: str, cfg: Config, hardware: str = "local-cpu") -> list[str]:
@@ -54,7 +53,7 @@ class LocalWorkers:
     def start(self, ep: Endpoints) -> None:
         logs = self.logs
         logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, TOKEN_ENV: ep.token}
+        env = {**os.environ, JOIN_TOKEN_ENV: ep.token}
         for i in range(self.cfg.runtime.workers):
             name = f"local-{i}"
             with (logs / f"{name}.log").open("ab") as fh:

@@ -65,6 +65,7 @@ NO_FAULT = frozenset({"stale_epoch", "unchecked_version", "check_busy"})
 class LeaseBroker:
     def __init__(
         self,
+        *,
         store: TrajectoryStore,
         prompts: PromptSource,
         batch: BatchConfig,

@@ -119,16 +119,16 @@ def assemble(
     pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch, generation)
     limits = submission_limits(cfg, task, vocab_size)
     intake = Intake(
-        store,
-        limits,
-        version,
-        lambda: snapshots.version,
-        clock,
-        verifier,
-        generation,
-        lambda v: v in snapshots.published,
-        broker.returned,
-        broker.refused,
+        store=store,
+        limits=limits,
+        version=version,
+        published=lambda: snapshots.version,
+        clock=clock,
+        verifier=verifier,
+        generation=generation,
+        is_published=lambda v: v in snapshots.published,
+        returned=broker.returned,
+        refused=broker.refused,
         struck=broker.struck,
         quarantine=_quarantine(registry, pool, broker),
         quarantined=lambda: sum(1 for r in registry if r.quarantined),  # persisted: restarts keep it
@@ -177,8 +177,9 @@ def _leasing(
         return rec is not None and rec.checks_waiting > 0 and proving(rec, cfg.security)
 
     broker = LeaseBroker(
-        store, PromptSource(task, cfg.seed), cfg.batch, cfg.staleness, rt, version, pool.is_active, clock,
-        cfg.security, standings, lambda: snapshots.published, epoch, waiting,
+        store=store, prompts=PromptSource(task, cfg.seed), batch=cfg.batch, staleness=cfg.staleness,
+        runtime=rt, version=version, is_active=pool.is_active, clock=clock, security=cfg.security,
+        standings=standings, published=lambda: snapshots.published, epoch=epoch, proving=waiting,
     )  # fmt: skip
     return pool, broker
 

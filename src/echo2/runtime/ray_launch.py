@@ -30,9 +30,9 @@ from typing import Any
 
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error
+from echo2.protocol import JOIN_TOKEN_ENV
 
 log = logging.getLogger(__name__)
-TOKEN_ENV = "ECHO2_JOIN_TOKEN"
 STOP_WAIT_S = 60.0  # how long a stopped learner gets to write its last checkpoint
 
 
@@ -258,7 +258,7 @@ class RayLaunch:
             name = f"ray-{i}"
             argv = worker_command(join, name, self.cfg, hardware=self.opts.hardware)
             logf = str(self.run_dir / "workers" / f"{name}.log")
-            self.workers.append(remote.remote(argv, logf, {TOKEN_ENV: token}, os.getcwd()))
+            self.workers.append(remote.remote(argv, logf, {JOIN_TOKEN_ENV: token}, os.getcwd()))
         for i, actor in enumerate(self.workers):
             self._note(f"ray-{i}", self.ray.get(actor.where.remote()))
         log.info("placed the learner and %d workers on the Ray cluster", len(self.workers))

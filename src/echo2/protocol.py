@@ -39,7 +39,6 @@ from echo2.config import SamplingConfig, TaskConfig
 from echo2.types import MAX_EPOCH, Prompt, Trajectory
 
 API = "/v1"
-JOIN_TOKEN_ENV = "ECHO2_JOIN_TOKEN"  # the environment variable a worker reads its join token from
 VERSION_HEADER = "X-Echo2-Version"
 MAX_ID_CHARS = 256  # lease_id / prompt_id length limit
 MAX_INT = 2**53  # counts and versions above this are not plausible (and not exact as JSON doubles)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 CERT_FILE = "tls_cert.pem"  # the run certificate, in the run directory
 KEY_FILE = "tls_key.pem"  # its private key (mode 0600)
 CERT_DAYS = 30  # validity written into a new certificate (informational: peers pin, they do not check dates)
+JOIN_TOKEN_ENV = "ECHO2_JOIN_TOKEN"  # the environment variable a worker reads its join token from
 PIN_PREFIX = "sha256="  # the join string's fragment: ``#sha256=<64 hex digits>``
 HANDSHAKE_TIMEOUT_S = 15.0  # a TLS handshake that takes longer than this is abandoned
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
-from echo2.protocol import JOIN_TOKEN_ENV
+from echo2.transport import JOIN_TOKEN_ENV
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from echo2.config import Config
 from echo2.errors import Echo2Error
-from echo2.protocol import JOIN_TOKEN_ENV
 from echo2.runtime.learner import AsyncLearner, Endpoints, LearnerSummary
+from echo2.transport import JOIN_TOKEN_ENV
 
 log = logging.getLogger(__name__)
 

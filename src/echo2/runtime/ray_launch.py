@@ -30,7 +30,7 @@ from typing import Any
 
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error
-from echo2.protocol import JOIN_TOKEN_ENV
+from echo2.transport import JOIN_TOKEN_ENV
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 60.0  # how long a stopped learner gets to write its last checkpoint

@@ -18,7 +18,7 @@ environment's own return, without it).
 
 Every episode of a call draws its tokens with one noise row (``rows``) and continues its noise steps
 across turns (``first_steps`` = the token's index in the completion), so the learner re-derives every
-policy token of an episode exactly as it does a single-turn completion (``tasks/verify.py``).
+policy token of an episode exactly as it does a single-turn completion (``check/rerun.py``).
 
 What ends an episode besides the environment's ``done``: ``max_turns`` decisions, or a context that
 could not hold another turn (``max_context``): the episode is *cut* (counted, its return is what it

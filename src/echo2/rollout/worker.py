@@ -424,7 +424,7 @@ class RolloutWorker:
         """The generator thread: leases in, graded version-tagged groups out, back to back; a newer
         snapshot is installed between two generations, never during one."""
         while (lease := self._leases.get()) is not None:
-            try:  # the lease's seed: the learner re-derives the draws from it (tasks/verify.py)
+            try:  # the lease's seed: the learner re-derives the draws from it (check/rerun.py)
                 item: _Generated | BaseException = self._generate(lease, seed=lease.seed)
             except Exception as exc:  # surfaces in the event loop, which stops the worker
                 item = exc

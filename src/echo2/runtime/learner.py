@@ -269,9 +269,9 @@ class AsyncLearner:
             log.info("resuming at version %d from %s; %d groups put back", self.version, self.ckpt, n)
 
     def _checks(self) -> tuple[Any, Any]:
-        """What the learner checks of workers' submissions (``tasks/verify.py``): every one's prompts,
-        rewards and shape; and the sampled re-run of generations on a model of its own (None when
-        ``security.check_fraction`` is 0)."""
+        """What the learner checks of workers' submissions: every one's prompts, rewards and shape
+        (``tasks/verify.py``); and the sampled re-run of generations on a model of its own
+        (``check/rerun.py``; None when ``security.check_fraction`` is 0)."""
         from echo2.check.rerun import GenerationCheck
         from echo2.types import Bounds
 

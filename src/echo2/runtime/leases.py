@@ -37,7 +37,7 @@ returned only with admitted work (``intake.py``): an answer too stale to admit i
 learner process that issued it; an answer to a lease of another epoch is refused (``intake.py``).
 
 Each lease assigns a fresh random sampling seed (the worker samples with seeded Gumbel-max under it,
-so the learner can re-derive any sampled token, ``tasks/verify.py``) and records the version the
+so the learner can re-derive any sampled token, ``check/rerun.py``) and records the version the
 worker said it held (a submission claiming an older one is refused).
 
 Prompts come from a :class:`~echo2.runtime.prompts.PromptSource`: those of expired leases and those

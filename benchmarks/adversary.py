@@ -266,7 +266,7 @@ def study_bf16_errors(rounds: int) -> dict[str, Any]:
     from echo2.models.policy import load_checkpoint
     from echo2.models.snapshot import aliasing_model, install_weights
     from echo2.rollout.engines.hf import HFEngine
-    from echo2.tasks.warmstart import warmstart_checkpoint
+    from echo2.tasks.warm_cache import warmstart_checkpoint
     from echo2.types import Prompt, Trajectory
     from echo2.weights.delta import sampler_copy
 

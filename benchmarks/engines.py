@@ -79,7 +79,7 @@ RESULTS = ROOT / "results" / "engines.json"
 def _default_policy() -> Any:
     from echo2.config import load_config
     from echo2.models.policy import load_checkpoint
-    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.tasks.warm_cache import starting_checkpoint
 
     cfg = load_config()
     return cfg, load_checkpoint(starting_checkpoint(cfg))

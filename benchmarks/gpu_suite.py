@@ -20,7 +20,7 @@ section whose input another did not make is skipped, saying so). The parent stop
   at the Qwen3-1.7B shape, R = 256 rows of 64-token prompts and 512-token completions, at 16,384- and
   8,192-token micro-batches: step time (median of 2 after a warm-up), tokens/s, MFU = 6 x params x
   tokens / (step s x peak) against the measured peak and the datasheet's (989 TFLOP/s dense bf16),
-  peak allocated and reserved memory against the memory model (``planner/memory.py``).
+  peak allocated and reserved memory against the memory model (``planner/memory_model.py``).
 - **publication**: the learner's bf16 copy (device to host), its digest, one update, the lossless patch
   between the two (encode), the worker's side (apply, digest, install into an HF engine on the GPU),
   and that engine's logits equal to a model freshly loaded from the full snapshot's bytes.

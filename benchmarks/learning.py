@@ -87,7 +87,7 @@ def update_cost(seed: int, reps: int, extra: list[str]) -> dict:
     from echo2.rollout.collect import collect_groups
     from echo2.rollout.engines.hf import HFEngine
     from echo2.tasks.registry import build_task
-    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.tasks.warm_cache import starting_checkpoint
 
     # resolve the config exactly as `echo2 train` does for the same flags
     parser = argparse.ArgumentParser()

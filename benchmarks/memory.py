@@ -1,4 +1,4 @@
-"""The learner's memory against its model (``planner/memory.py``, docs/learner.md), and the cost of
+"""The learner's memory against its model (``planner/memory_model.py``, docs/learner.md), and the cost of
 bounding it.
 
 Targets (fixed here, before the runs):
@@ -97,7 +97,7 @@ ALLOCATOR_ROWS = 128
 
 
 def _shape_of(shape: dict[str, int]) -> Any:
-    from echo2.planner.memory import ModelShape
+    from echo2.planner.memory_model import ModelShape
 
     return ModelShape.qwen3(
         shape["hidden"], shape["intermediate"], shape["layers"], shape["heads"], shape["kv_heads"],
@@ -121,7 +121,7 @@ def child_bytes(precision: str) -> dict[str, Any]:
     from echo2.learner.trainer import GRPOTrainer
     from echo2.models.snapshot import aliasing_model, load_for_check
     from echo2.physics.rules import admission_floor
-    from echo2.planner.memory import learner_memory, logits_chunk_bytes
+    from echo2.planner.memory_model import learner_memory, logits_chunk_bytes
     from echo2.weights.delta import patch_info, sampler_copy
     from echo2.weights.publication import Link, PublishedChain
 

@@ -39,8 +39,8 @@ from echo2.physics import broadcast as pb  # noqa: E402
 from echo2.physics.broadcast import mbps_to_bytes_per_s  # noqa: E402
 from echo2.planner import capacity  # noqa: E402
 from echo2.planner.activation import Candidate, exact, greedy, greedy_prefix, random_nocost  # noqa: E402
-from echo2.planner.catalog import parse_scenario, read_toml  # noqa: E402
 from echo2.planner.plan import make_plan  # noqa: E402
+from echo2.planner.scenario import parse_scenario, read_toml  # noqa: E402
 from echo2.sim import experiments, plots  # noqa: E402
 from echo2.sim.config import load_sim_scenario  # noqa: E402
 from echo2.sim.engine import SimParams, SimWorker, _Sim, simulate  # noqa: E402

@@ -61,7 +61,7 @@ RULE_STYLES = ("tag", "station", "lag")
 def study_train(out: Path, seed: int, deals: int, overrides: list[str]) -> dict[str, Any]:
     from echo2.config import load_config, task_preset
     from echo2.rollout.matchups import evaluate_checkpoint, paired_difference
-    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.tasks.warm_cache import starting_checkpoint
 
     run_dir = out / "poker_run"
     sets = [x for o in overrides for x in ("--set", o)]

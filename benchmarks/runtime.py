@@ -486,7 +486,7 @@ async def _serve_drain(
     from echo2.runtime.registry import WorkerRegistry
     from echo2.runtime.routes import Identity
     from echo2.tasks.registry import build_task
-    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.tasks.warm_cache import starting_checkpoint
     from echo2.transport import join_string, run_identity
     from echo2.weights.manifest import new_signing_key
 
@@ -577,7 +577,7 @@ def _bare_loop(cfg: Any, seconds: float) -> dict[str, Any]:
     from echo2.rollout.engines.hf import HFEngine
     from echo2.rollout.opponents import SelfPlayPool
     from echo2.tasks.registry import build_task
-    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.tasks.warm_cache import starting_checkpoint
     from echo2.types import Bounds
     from echo2.weights.delta import sampler_copy
 

@@ -234,7 +234,7 @@ def _write_checkpoint(shape: dict[str, int], where: Path) -> int:
 
 
 def study_load(smoke: bool) -> dict[str, Any]:
-    from echo2.planner.memory import load_peak_bytes
+    from echo2.planner.memory_model import load_peak_bytes
 
     shape = SMOKE if smoke else BIG
     mshape = _model_shape(shape)
@@ -266,7 +266,7 @@ def study_load(smoke: bool) -> dict[str, Any]:
 
 
 def _model_shape(shape: dict[str, int]) -> Any:
-    from echo2.planner.memory import ModelShape
+    from echo2.planner.memory_model import ModelShape
 
     keys = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab")
     return ModelShape.qwen3(*(shape[k] for k in keys), tied=True)

@@ -45,7 +45,7 @@ from echo2.runtime.intake import submission_limits
 from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.prompts import PromptSource
 from echo2.tasks.registry import build_task
-from echo2.tasks.warmstart import starting_checkpoint
+from echo2.tasks.warm_cache import starting_checkpoint
 from echo2.types import Bounds
 from echo2.weights.delta import decode_full
 from echo2.weights.manifest import new_signing_key

@@ -20,7 +20,7 @@ import torch
 from echo2.config import load_config
 from echo2.models.policy import configure_torch, load_checkpoint
 from echo2.tasks.registry import build_task
-from echo2.tasks.warmstart import starting_checkpoint
+from echo2.tasks.warm_cache import starting_checkpoint
 
 
 @torch.no_grad()

@@ -81,7 +81,7 @@ def timed(ctx: Ctx, fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def model_shape(shape: dict[str, int]) -> Any:
-    from echo2.planner.memory import ModelShape
+    from echo2.planner.memory_model import ModelShape
 
     keys = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab")
     return ModelShape.qwen3(*(shape[k] for k in keys), tied=True)
@@ -160,7 +160,7 @@ def learner(ctx: Ctx) -> dict[str, Any]:
     the measured peak and the datasheet's, peak device memory against the memory model."""
     from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
     from echo2.learner.trainer import GRPOTrainer
-    from echo2.planner.memory import learner_memory, logits_chunk_bytes
+    from echo2.planner.memory_model import learner_memory, logits_chunk_bytes
 
     p, out = ctx.plan, ctx.partial
     model = build(p.learner, device=p.device)
@@ -461,7 +461,7 @@ def four_b(ctx: Ctx) -> dict[str, Any]:
     from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
     from echo2.learner.trainer import GRPOTrainer
     from echo2.models.snapshot import alias_weights, aliasing_model
-    from echo2.planner.memory import fits, learner_memory, logits_chunk_bytes
+    from echo2.planner.memory_model import fits, learner_memory, logits_chunk_bytes
     from echo2.weights.delta import sampler_copy
 
     p, out = ctx.plan, ctx.partial

@@ -15,7 +15,7 @@ import pytest
 
 from echo2.broadcast.access import Credential, issue, pull_request
 from echo2.broadcast.api import OpenLedger, PublisherCounters
-from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.in_memory import InMemoryHub
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import DEMOTE_AFTER_REPORTS, TcpPublisher, receipt_fault
 from echo2.broadcast.store import SnapshotBuffer, serve_get

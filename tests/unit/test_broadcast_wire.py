@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from echo2.broadcast.api import BroadcastStats, OpenLedger
-from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.in_memory import InMemoryHub
 from echo2.broadcast.wire import Pacer, ProtocolError, encode, read_header, read_payload
 from echo2.weights.manifest import HmacKey, ManifestError, blob_ok
 

@@ -83,7 +83,7 @@ def test_malformed_override():
 
 def test_one_loader_one_error_format_for_run_plan_and_simulate(tmp_path):
     from echo2.config import load_model
-    from echo2.planner.catalog import PlanScenario
+    from echo2.planner.scenario import PlanScenario
     from echo2.sim.config import load_sim_scenario
 
     run = tmp_path / "run.toml"
@@ -117,7 +117,7 @@ def test_one_loader_one_error_format_for_run_plan_and_simulate(tmp_path):
 
 def test_overrides_as_strings_or_a_mapping_and_list_indices():
     from echo2.config import load_model
-    from echo2.planner.catalog import PlanScenario
+    from echo2.planner.scenario import PlanScenario
     from echo2.sim.config import load_sim_scenario
 
     plan = CONFIGS / "plan_paper_qwen3_8b.toml"
@@ -136,7 +136,7 @@ def test_overrides_as_strings_or_a_mapping_and_list_indices():
 
 
 def test_the_planner_skips_exactly_the_simulators_own_sections():
-    from echo2.planner.catalog import SIM_SECTIONS
+    from echo2.planner.scenario import SIM_SECTIONS
     from echo2.sim.config import SimScenario
 
     assert set(SIM_SECTIONS) == set(SimScenario.model_fields) - {"plan"}
@@ -154,7 +154,7 @@ def test_the_training_config_in_configs_is_the_default_run():
 
 
 def test_run_plan_and_simulate_configs_share_their_sections():
-    from echo2.planner.catalog import PlanScenario
+    from echo2.planner.scenario import PlanScenario
     from echo2.sim.config import SimScenario
 
     plan = PlanScenario.model_fields

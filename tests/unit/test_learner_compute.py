@@ -347,7 +347,7 @@ def _clear_refs_writable() -> bool:
 def test_bf16_mixed_updates_cast_without_autocasts_weight_cache():
     """Under activation checkpointing the update's peak holds one layer's bf16 casts at a time, not every
     layer's (autocast's cache would keep each cast until the forward ends: 2 bytes a parameter of the
-    decoder, planner/memory.py ``autocast_copies``): the peak of an update above the resident memory
+    decoder, planner/memory_model.py ``autocast_copies``): the peak of an update above the resident memory
     before it, per parameter, with the trainer's autocast and then with the cache on (a fresh process;
     read 4.4 and 5.7 here)."""
     out = subprocess.run([sys.executable, "-c", _AUTOCAST_PEAK], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""The learner's memory model (planner/memory.py; docs/learner.md): hand-worked parts and shapes, and
+"""The learner's memory model (planner/memory_model.py; docs/learner.md): hand-worked parts and shapes, and
 `echo2 plan` reporting whether a GPU holds the learner."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from echo2.planner.memory import (
+from echo2.planner.memory_model import (
     GIB,
     QWEN3_SHAPES,
     ModelShape,

@@ -15,7 +15,7 @@ from echo2.errors import ConfigError
 from echo2.physics import broadcast as pb
 from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.physics.rules import admission_floor, bubble_ratio, is_admissible, kappa_from_staleness, knee
-from echo2.planner.catalog import NetworkSpec
+from echo2.planner.scenario import NetworkSpec
 from echo2.sim.config import SimSection
 from echo2.sim.engine import SimParams
 

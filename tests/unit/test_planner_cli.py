@@ -222,7 +222,7 @@ def test_a_lora_plan_ships_the_adapter_and_shows_the_whole_weights_pool_beside_i
     """Qwen3-8B, rank 16 on the attention and MLP projections: 43,646,976 adapter parameters (PEFT's
     count for this model), 87.3 MB in bf16; over 100 Mbit/s links whole weights cannot be hidden at
     kappa = 2, the adapter can. A measured T_bcast (of whole weights) is not taken for the adapter's."""
-    from echo2.planner.memory import QWEN3_SHAPES
+    from echo2.planner.memory_model import QWEN3_SHAPES
 
     assert QWEN3_SHAPES["8B"].lora_params(16) == 43_646_976
     flags = ["--t-train", "60", "--worker-rate", "0.5", "--worker-price", "0.3", "--snapshot-gb", "16"]

@@ -8,7 +8,7 @@ from echo2.learner.trainer import GRPOTrainer
 from echo2.models.policy import load_checkpoint
 from echo2.observe.rundir import RunDir, read_metrics
 from echo2.runtime.local import train
-from echo2.tasks.warmstart import starting_checkpoint, warmstart_checkpoint
+from echo2.tasks.warm_cache import starting_checkpoint, warmstart_checkpoint
 
 
 def test_missing_and_invalid_checkpoint_dirs(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 
 from echo2.broadcast.access import Credential, pull_request
 from echo2.broadcast.api import MemberLedger, OpenLedger
-from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.in_memory import InMemoryHub
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.strategy import LEARNER

@@ -13,7 +13,7 @@ import pytest
 from plans import depth as _depth
 from plans import sources as _sources
 
-from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.in_memory import InMemoryHub
 from echo2.broadcast.pipelined import RelayTree, TreePipelined
 from echo2.broadcast.strategy import LEARNER, Plan, repair_sources
 from echo2.physics import broadcast as pb

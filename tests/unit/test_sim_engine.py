@@ -132,7 +132,7 @@ def test_delta_publications_ship_patches_between_anchors() -> None:
 
 
 def test_planner_sizes_the_pool_with_the_mean_publication() -> None:
-    from echo2.planner.catalog import ModelSpec
+    from echo2.planner.scenario import ModelSpec
 
     full = ModelSpec(snapshot_gb=16.0)
     deltas = ModelSpec(snapshot_gb=16.0, patch_ratio=0.01, anchor_every=20)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 from echo2.broadcast.api import MemberLedger, SnapshotPublisher, SnapshotReceiver
-from echo2.broadcast.memory import InMemoryHub
+from echo2.broadcast.in_memory import InMemoryHub
 from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.strategy import Strategy
 from echo2.broadcast.worker import TcpWorkerNode

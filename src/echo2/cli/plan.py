@@ -11,7 +11,7 @@ from echo2.cli.common import Command
 from echo2.physics.rules import DEFAULT_GAMMA  # stdlib-only module: keeps `echo2 --help` light
 
 if TYPE_CHECKING:
-    from echo2.planner.catalog import PlanScenario
+    from echo2.planner.scenario import PlanScenario
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,7 +114,7 @@ def _scenario(args: argparse.Namespace) -> PlanScenario:
     """The config file (or a flags-only pool) <- the flags as overrides, through the one loader."""
     from echo2.config import BatchConfig, load_model
     from echo2.errors import ConfigError
-    from echo2.planner.catalog import PlanScenario, find_config, read_scenario
+    from echo2.planner.scenario import PlanScenario, find_config, read_scenario
 
     path = find_config(args.config, "plan") if args.config else None
     tree = read_scenario(path) if path is not None else _flags_only(args)

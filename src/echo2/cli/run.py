@@ -122,7 +122,7 @@ def _poker_report(cfg: Any, summary: Any) -> None:
     from pathlib import Path
 
     from echo2.rollout.matchups import evaluate_checkpoint, format_table, plot_table
-    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.tasks.warm_cache import starting_checkpoint
 
     run_dir = Path(summary.run_dir)
     rows = evaluate_checkpoint(cfg, summary.last_checkpoint, {"start": starting_checkpoint(cfg)})

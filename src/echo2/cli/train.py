@@ -44,7 +44,7 @@ def _train(args: argparse.Namespace) -> int:
 def _warmstart(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
     from echo2.models.policy import configure_torch
-    from echo2.tasks.warmstart import warmstart_checkpoint
+    from echo2.tasks.warm_cache import warmstart_checkpoint
 
     configure_torch(cfg)
     path = warmstart_checkpoint(cfg)
@@ -72,7 +72,7 @@ def _eval(args: argparse.Namespace) -> int:
     from echo2.models.policy import chat_format, configure_torch, load_checkpoint, resolve_device
     from echo2.rollout.engines.hf import HFEngine
     from echo2.tasks.registry import build_task
-    from echo2.tasks.warmstart import starting_checkpoint
+    from echo2.tasks.warm_cache import starting_checkpoint
     from echo2.types import Bounds
 
     configure_torch(cfg)

@@ -34,7 +34,7 @@ the model from its config with its parameters on the meta device (``models/snaps
 memory, no random init), wraps it with ``fully_shard`` and allocates only its own shard on its device;
 rank 0 alone reads the checkpoint, tensor by tensor, and sends each rank the rows of its shard
 (``torch.distributed`` point-to-point) in pieces of at most ``LOAD_CHUNK_BYTES`` (4 MiB,
-``planner/memory.py``), so no rank ever holds more than its shard plus a piece or two in flight (a
+``planner/memory_model.py``), so no rank ever holds more than its shard plus a piece or two in flight (a
 safetensors file is opened per piece and read by rows, its mapping closed after each; another format
 is memory-mapped whole by rank 0). The KL reference (``grpo.kl_beta > 0``) is built
 the same way, sharded from the start, and takes the policy's local shards (in bf16 under
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from echo2.planner.memory import LOAD_CHUNK_BYTES
+from echo2.planner.memory_model import LOAD_CHUNK_BYTES
 
 
 @dataclass

@@ -177,7 +177,7 @@ class GRPOTrainer:
         update's precision; float32 out. Without autocast's weight cache: each weight is cast to bf16 at
         its use and autograd keeps the cast a backward needs, so with activation checkpointing one
         layer's casts exist at a time; the cache would hold every layer's until the forward ends, 2
-        bytes a parameter on top of the update's peak (planner/memory.py: ``autocast_copies``)."""
+        bytes a parameter on top of the update's peak (planner/memory_model.py: ``autocast_copies``)."""
         model, parts = (self.reference, self.reference_parts) if reference else (self.model, self.parts)
         assert model is not None
         base_alone = adapter_off(model) if reference and self.adapter_reference else contextlib.nullcontext()

@@ -240,7 +240,7 @@ class LearnerCore:
         a non-finite group is left out of an update instead of ending it) and the engine. The other
         ranks, if any, load what this one tells them (:meth:`Follower.load`)."""
         from echo2.observe.trackers import start_trackers
-        from echo2.tasks.warmstart import starting_checkpoint
+        from echo2.tasks.warm_cache import starting_checkpoint
 
         ranks, device = _placement(cfg)
         if not ranks.leader:  # the other ranks follow (Follower); a command that does not route them is wrong

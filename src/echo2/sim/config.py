@@ -1,4 +1,4 @@
-"""Simulation scenario: a planning scenario (echo2.planner.catalog) plus [sim], [controller], [churn]
+"""Simulation scenario: a planning scenario (echo2.planner.scenario) plus [sim], [controller], [churn]
 and [experiment] tables. Loaded from TOML by the run config's one loader (echo2.config.load_model):
 errors are one-line ConfigErrors naming the file and the field.
 
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from echo2.config import ControllerConfig, load_model
 from echo2.physics.broadcast import StrategyName
-from echo2.planner.catalog import PlanScenario, find_config
+from echo2.planner.scenario import PlanScenario, find_config
 
 
 class _Model(BaseModel):

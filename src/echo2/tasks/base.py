@@ -92,7 +92,7 @@ class Task(Protocol):
 
     def warm_start(self, cfg: Config, policy: Any, out: Path) -> dict[str, float | int | str]:
         """Fit the embedded model ``policy`` to this task's reference behaviour, save it under ``out``
-        and say how it went (``warmstart.py`` caches the result)."""
+        and say how it went (``warm_cache.py`` caches the result)."""
         ...
 
     def batch_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -382,7 +382,7 @@ def fits(
 def markdown_table(gpus_gib: tuple[float, ...] = (24, 48, 80, 141), micro_batch_tokens: int = 8192) -> str:
     """The docs' table: device GiB a one-GPU bf16-mixed learner needs per Qwen3 size (weights, gradients,
     AdamW, the check's bf16 model, one micro-batch without and with activation checkpointing), and which
-    GPU sizes hold it. ``python -m echo2.planner.memory`` prints it."""
+    GPU sizes hold it. ``python -m echo2.planner.memory_model`` prints it."""
     rows = [
         "| Qwen3 | params | weights + grads + AdamW + check model "
         "| + bf16 casts and activations (ckpt off / on) | "
@@ -411,7 +411,7 @@ def sharded_table(
 ) -> str:
     """The docs' table of a sharded bf16-mixed learner: GiB on its largest rank (weights + gradients +
     AdamW divided over K, the check model whole) and with one micro-batch's activations under
-    activation checkpointing. ``python -m echo2.planner.memory --sharded`` prints it."""
+    activation checkpointing. ``python -m echo2.planner.memory_model --sharded`` prints it."""
     rows = [
         "| Qwen3 | " + " | ".join(f"K = {k}" for k in ks) + " |",
         "|---|" + "---|" * len(ks),

@@ -60,7 +60,7 @@ class ModelSpec(_Model):
     # delta publications: bytes of a patch / G (measured: benchmarks/deltas.py); None = full snapshots
     patch_ratio: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     anchor_every: int = Field(default=20, ge=1)  # with deltas, a full anchor every this many publications
-    # a Qwen3 shape (planner/memory.py:QWEN3_SHAPES) for the learner's memory need; None: not reported
+    # a Qwen3 shape (planner/memory_model.py:QWEN3_SHAPES) for the learner's memory need; None: not reported
     shape: Literal["0.6B", "1.7B", "4B", "8B"] | None = None
     lora: LoraSpec | None = None  # a LoRA run: the adapter's bytes (from ``shape``) instead of G
 
@@ -80,7 +80,7 @@ class ModelSpec(_Model):
         """What an anchor ships: G, or a LoRA run's whole adapter (bf16, 2 bytes a parameter)."""
         if self.lora is None:
             return self.snapshot_bytes
-        from echo2.planner.memory import QWEN3_SHAPES
+        from echo2.planner.memory_model import QWEN3_SHAPES
 
         assert self.shape is not None
         return 2.0 * QWEN3_SHAPES[self.shape].lora_params(self.lora.rank)

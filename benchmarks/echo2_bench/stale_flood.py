@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -37,16 +38,17 @@ from echo2.protocol import (
 )
 from echo2.rollout.client import LearnerClient, LearnerGone, Refused
 from echo2.types import Trajectory
+from echo2_bench.perimeter import SOURCES
 
 ATTACK_TIMEOUT_S = 60.0
-ADDRESSES = iter([f"127.0.0.{i}" for i in range(2, 255)] * 1000)  # attackers' own, in turn
+ADDRESSES = itertools.cycle(SOURCES)  # the perimeter study's attacker addresses, in turn
 
 
-def session_from(address: str | None = None) -> Any:
-    """An aiohttp session whose connections come from ``address`` (the next attacker address)."""
+def session_from() -> Any:
+    """An aiohttp session whose connections come from the next attacker address."""
     import aiohttp
 
-    connector = aiohttp.TCPConnector(local_addr=(address or next(ADDRESSES), 0))
+    connector = aiohttp.TCPConnector(local_addr=(next(ADDRESSES), 0))
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=ATTACK_TIMEOUT_S))
 
 

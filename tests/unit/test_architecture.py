@@ -88,14 +88,12 @@ MAX_LINES = 60
 
 
 def test_no_function_of_the_learner_node_or_worker_is_long():
-    long = []
-    for pattern in PROCESS_CODE:
-        for p in sorted(SRC.glob(pattern)):
-            for node in ast.walk(ast.parse(p.read_text())):
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    n = (node.end_lineno or node.lineno) - node.lineno + 1
-                    if n > MAX_LINES:
-                        long.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name} ({n} lines)")
+    long = [
+        f"{p.relative_to(SRC)}:{line} {name} ({n} lines)"
+        for pattern in PROCESS_CODE
+        for p in sorted(SRC.glob(pattern))
+        for line, name, n in _long(ast.parse(p.read_text()), MAX_LINES)
+    ]
     assert not long, long
 
 

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from echo2.models.policy import TextCodec
 
 REWARD_TOLERANCE = 1e-6  # a claimed reward this close to the recomputed one is the same reward
-SHORT_ROWS = 64  # completions that fit in one chunk re-run together through the decoder
 # these quarantine: an honest worker cannot produce them
 EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch", "turn_mask"})
 

@@ -615,7 +615,7 @@ def patch_info(patch: bytes | bytearray | memoryview) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# helpers (numpy and torch are imported inside functions: importing this module stays cheap)
+# a patch's structure (the bit-level helpers: bitplanes.py)
 
 
 def _parse(patch: bytes | bytearray | memoryview) -> tuple[list[list[Any]], memoryview]:

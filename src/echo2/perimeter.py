@@ -467,7 +467,9 @@ class _Gatekeeper(asyncio.Protocol):
         early, self.early = self.early, []
         for data in early:
             self.inner.data_received(data)
-        if self.early_eof and self.inner.eof_received() is not True:
+        # not closed twice: a second close of an asyncio TLS transport (CPython 3.11) drops its TLS
+        # protocol, and aiohttp, starting the request that came before the EOF, then fails reading it
+        if self.early_eof and self.inner.eof_received() is not True and not transport.is_closing():
             transport.close()
 
     # ---- forwarded to the application's protocol ----------------------------------------------------
@@ -480,7 +482,9 @@ class _Gatekeeper(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self.inner is None:
             self.early_eof = True
-            return True  # kept open until the application's protocol has seen what came before
+            # kept open until the application's protocol has seen what came before; over TLS the answer
+            # is ignored (the TLS layer closes after an EOF) and asyncio logs a warning at each True
+            return True if self.ssl_context is None else None
         return self.inner.eof_received()  # type: ignore[no-any-return]
 
     def pause_writing(self) -> None:

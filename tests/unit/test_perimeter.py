@@ -200,3 +200,53 @@ def test_new_connections_from_all_addresses_pass_a_bucket_of_their_own() -> None
         return p
 
     assert asyncio.run(go()).counters.refused_rate == 2
+
+
+def test_tls_clients_that_send_a_request_and_close_at_once_leave_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Over TLS, a request and the peer's close can reach the perimeter together, before the
+    application's protocol exists: the request is handed on, the connection closed once. Closed twice,
+    an asyncio TLS transport drops its TLS layer and aiohttp, starting that request, failed on it with
+    an exception no task retrieved (a traceback in the learner's log, once in a few hundred such peers);
+    and asyncio warned at every such EOF."""
+    from aiohttp import web
+
+    from echo2.runtime.http import PerimeterSite, Runner
+
+    ident = make_identity(["127.0.0.1"])
+    request = b"GET /x HTTP/1.1\r\nHost: learner\r\n\r\n"
+
+    async def go() -> tuple[list[dict[str, Any]], Perimeter]:
+        failures: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: failures.append(ctx))
+        app = web.Application()
+        app.router.add_get("/x", lambda _r: web.Response(text="ok"))  # type: ignore[arg-type,return-value]
+        runner = Runner(app, on_refusal=lambda _reason: None)
+        await runner.setup()
+        p = Perimeter("api", limits(max_connections=64, max_per_address=64))
+        site = PerimeterSite(runner, "127.0.0.1", 0, ident.server_context(), p)
+        await site.start()
+
+        async def rude(i: int) -> None:
+            try:
+                _, writer = await asyncio.open_connection(
+                    "127.0.0.1", site.port, ssl=client_context(), server_hostname="",
+                    local_addr=(f"127.0.{i % 50 + 1}.{i % 5 + 2}", 0),
+                )  # fmt: skip
+            except (ConnectionError, ssl.SSLError):  # evicted during its handshake (64 connections held)
+                return
+            writer.write(request)
+            writer.close()
+
+        for start in range(0, 600, 100):
+            await asyncio.gather(*(rude(i) for i in range(start, start + 100)))
+        await asyncio.sleep(0.5)
+        await runner.cleanup()
+        return failures, p
+
+    with caplog.at_level("WARNING", logger="asyncio"):
+        failures, p = asyncio.run(go())
+    assert p.counters.accepted == 600
+    assert not failures, [str(f.get("exception")) for f in failures[:3]]
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text[:500]

@@ -224,10 +224,10 @@ def study_latency(shape: dict[str, int], completion: int, n: int) -> dict[str, A
 
 # ---- step time ---------------------------------------------------------------------------------------
 def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, Any]:
+    from echo2.check.checker import yield_to_the_update
     from echo2.check.turns import Turns
     from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig, SecurityConfig
     from echo2.learner.trainer import GRPOTrainer
-    from echo2.runtime.intake import yield_to_the_update
 
     model, check, lease, sub = _setup(shape, completion)
     trainer = GRPOTrainer(model, GRPOConfig(lr=1e-12), SamplingConfig(max_new_tokens=48), 0,

@@ -175,6 +175,16 @@ def test_a_version_the_check_does_not_hold_is_refused_not_counted_as_checked(tmp
     assert check.runs == 0 and intake.metrics()["security/checked_submissions"] == 0
 
 
+def test_a_run_without_a_generation_check_reports_the_same_security_metrics_at_zero(tmp_path):
+    """``check_fraction = 0``: no checker; ``security/`` has every key the checker reports, at 0."""
+    checked, _ = _intake(tmp_path, {0}, FakeCheck(held={0}), [100.0])
+    store = TrajectoryStore(tmp_path / "none.sqlite", staleness=3, group_size=G)
+    plain = Intake(store=store, limits=LIMITS, version=lambda: 4, published=lambda: 0, clock=lambda: 100.0)
+    assert plain.checker is None and checked.checker is not None
+    assert plain.metrics().keys() == checked.metrics().keys()
+    assert set(plain.metrics().values()) == {0}
+
+
 def test_a_lease_of_an_earlier_run_epoch_is_refused(tmp_path):
     """After a restart a version number may name other weights than the ones the worker sampled with: a
     lease of an earlier learner process's run epoch cannot be checked, whenever it was issued (the
@@ -234,7 +244,7 @@ def test_a_drawn_submission_is_answered_at_once_and_trained_only_after_its_check
     check.gate.set()
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     assert check.runs == 1 and store.stats().held == 0 and store.take_batch(1, 4, step=1) is not None
-    assert intake.metrics()["security/check_backlog"] == 0 and intake.check_latency_s > 0
+    assert intake.metrics()["security/check_backlog"] == 0 and intake.checker.latency_s > 0
     assert check.nice == 19  # security.check_nice: the checker yields to the update
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # and only the checker does
     RUNNER[0].run(intake.close())
@@ -294,7 +304,7 @@ def test_without_a_floor_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
     proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
     got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(5)]
     assert got == ["pending", "pending", "admitted", "admitted", "admitted"]
-    assert intake.metrics()["security/check_backlog"] == 2 and intake.check_share() == 0
+    assert intake.metrics()["security/check_backlog"] == 2 and intake.checker.check_share() == 0
     assert intake.metrics()["security/check_declined"] == 3
     new = [_submit(intake, store, 4, issued=150.0, settle=False) for _ in range(2)]  # checks_passed 0
     assert new == ["check_busy", "check_busy"] and store.stats().rejected == 2
@@ -302,7 +312,7 @@ def test_without_a_floor_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
     assert intake.metrics()["security/check_backlog"] == 2
     check.gate.set()
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
-    assert check.runs == 2 and store.stats().held == 0 and intake.check_share() == 1.0
+    assert check.runs == 2 and store.stats().held == 0 and intake.checker.check_share() == 1.0
     RUNNER[0].run(intake.close())
 
 
@@ -379,7 +389,7 @@ def test_the_floor_holds_whatever_the_queue_does(tmp_path):
     check.pick = lambda sub, share, full: shares.append(share) or real(sub, share, full)  # type: ignore[method-assign]
     got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(5)]
     assert got == ["pending"] * 5 and shares == [1.0, 0.5, 0.25, 0.25, 0.25]
-    assert intake.check_share() == 0.25 and intake.metrics()["security/check_backlog"] == 5
+    assert intake.checker.check_share() == 0.25 and intake.metrics()["security/check_backlog"] == 5
     assert store.stats().held == 5 * G and store.take_batch(1, 4, step=1) is None  # nothing unchecked
     assert _submit(intake, store, 4, issued=150.0, settle=False) == "check_busy"
     check.gate.set()

@@ -194,7 +194,7 @@ class GenerationCheck:
     ) -> list[tuple[int, int]]:
         """The (group, sample) positions to re-check in ``sub``: none unless the submission is drawn
         (probability ``share``, at most ``full``: the submitter's draw, ``check_fraction`` unless the
-        intake says otherwise; the intake lowers ``share`` as its check queue fills, never below
+        checker says otherwise; the checker lowers ``share`` as its queue fills, never below
         ``check_floor``, and a draw under ``full`` but not under ``share`` is counted ``declined``), else
         ``check_samples`` of them at random (0: every one, so a submission with any forged completion
         fails its check)."""
@@ -220,8 +220,8 @@ class GenerationCheck:
         :class:`Rejected` ``forged_generation`` at the first forgery (a position that misses,
         ``positions.py``), ``graded_tie`` when none was forged but a near tie fell on a token the grader
         reads (``graded_from(group, sample)``: the first such position; None: every position), and
-        ``unchecked_version`` when the claimed version's weights are not held (the intake asks
-        :meth:`holds` first). Between its chunks it gives a running update its turn (:attr:`turns`)
+        ``unchecked_version`` when the claimed version's weights are not held (the checker pins
+        it first). Between its chunks it gives a running update its turn (:attr:`turns`)
         unless ``due()`` says it cannot wait."""
         if not self.holds(sub.policy_version):
             raise Rejected(

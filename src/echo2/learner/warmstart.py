@@ -5,7 +5,7 @@ model starts from random weights, so echo2 first fits it: on reference answers f
 (:func:`supervised`: teacher forcing, loss on answer tokens only), on a scripted teacher's episodes for
 an environment (:func:`imitate`); both stop at the first evaluation on the task's *validation* split
 (never the test split runs report) that reaches ``warmstart.target_accuracy``. Each task picks its
-recipe (``echo2.tasks``); ``echo2/tasks/warmstart.py`` caches the result under a key derived from the
+recipe (``echo2.tasks``); ``echo2/tasks/warm_cache.py`` caches the result under a key derived from the
 seed and the configs, so every run with the same settings starts from the same weights.
 
 Loading a model (``models/policy.py``) never trains one.

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from echo2.broadcast.api import SnapshotPublisher
+from echo2.check.checker import keeper
+from echo2.check.checker import waiting as check_waiting
 from echo2.check.rerun import GenerationCheck
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Rejected
 from echo2.observe.rundir import PUBLISHED_DIR
 from echo2.perimeter import Limits
-from echo2.physics.rules import admission_floor
 from echo2.protocol import LoraSettings, WorkerSettings
-from echo2.runtime.intake import Intake, proving, submission_limits
+from echo2.runtime.intake import Intake, submission_limits
 from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.pool import Pool
 from echo2.runtime.prompts import PromptSource
@@ -112,7 +112,7 @@ def assemble(
     patched afterwards."""
     lora = identity.settings.lora  # a LoRA run: every publication pins the base its adapter applies to
     snapshots = Snapshots(
-        publisher, cfg.staleness.gamma, cfg.snapshot, _keeper(cfg, generation),
+        publisher, cfg.staleness.gamma, cfg.snapshot, keeper(generation, cfg.staleness.S),
         spill_dir=registry.path.parent / PUBLISHED_DIR, epoch=epoch,
         model_base=lora.base_digest if lora else "",
     )  # fmt: skip
@@ -174,7 +174,7 @@ def _leasing(
 
     def waiting(worker_id: str) -> bool:  # a new identity whose submission waits for its check
         rec = registry.get(worker_id)
-        return rec is not None and rec.checks_waiting > 0 and proving(rec, cfg.security)
+        return rec is not None and check_waiting(rec, cfg.security)
 
     broker = LeaseBroker(
         store=store, prompts=PromptSource(task, cfg.seed), batch=cfg.batch, staleness=cfg.staleness,
@@ -182,21 +182,6 @@ def _leasing(
         standings=standings, published=lambda: snapshots.published, epoch=epoch, proving=waiting,
     )  # fmt: skip
     return pool, broker
-
-
-def _keeper(cfg: Config, generation: GenerationCheck | None) -> Callable[[int, dict[str, Any]], None]:
-    """What a publication tells the generation check (in a thread: it computes an undo): keep what
-    rebuilds the published weights of the versions a submission may still claim (``v >= v_t - S``),
-    forget the older ones."""
-    if generation is None:
-        return lambda version, weights: None
-    S = cfg.staleness.S
-
-    def keep(v: int, weights: dict[str, Any]) -> None:
-        generation.keep(v, weights)
-        generation.forget_below(admission_floor(v, S))
-
-    return keep
 
 
 def _quarantine(

@@ -74,3 +74,37 @@ def test_echo2_train_under_torchrun_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train"]) == 2
     assert "echo2 train runs in one process" in capsys.readouterr().err
+
+
+def test_at_one_rank_every_collective_is_the_identity(monkeypatch):
+    """The collectives a trainer and an engine do through ``Ranks`` (learner/sharded.py), at one rank:
+    no process group, the value itself (their two-rank meaning: tests/integration/test_ranks.py)."""
+    import torch
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ranks = Ranks.from_env("cpu", 60.0)
+    t = torch.tensor([1.0, 2.0])
+    assert ranks.sum(2.5) == 2.5 and ranks.sum_(t) is t and t.tolist() == [1.0, 2.0]
+    assert ranks.any(True) and not ranks.any(False)
+    assert ranks.gather({"a": 1}) == [{"a": 1}]
+    assert ranks.share_of([[1], [2], [3]], pad=[]) == [[1], [2], [3]]
+    assert ranks.all_done(torch.tensor([True, True])) and not ranks.all_done(torch.tensor([True, False]))
+    one = Ranks.of(torch.nn.Linear(2, 2))  # a model no process group shards: one rank
+    assert (one.rank, one.world, one.sharded) == (0, 1, False)
+
+
+def test_the_collective_operations_are_one_table_of_the_planes_methods():
+    """Rank 0 announces a collective by the name it is registered under and the other ranks replay it
+    from the same table (runtime/core.py): a method not registered cannot be led, an unknown name
+    cannot be followed."""
+    from echo2.errors import Echo2Error
+    from echo2.runtime.core import COLLECTIVES, Plane
+
+    ops = {"update": Plane.update, "evaluate": Plane.evaluate, "weights": Plane.weights}
+    assert dict(COLLECTIVES) == {**ops, "save_states": Plane.save_states}
+    plane = Plane.__new__(Plane)
+    plane.ranks = Ranks()
+    with pytest.raises(AssertionError, match="not a registered collective"):
+        plane.lead(Plane.lead)  # type: ignore[arg-type]
+    with pytest.raises(Echo2Error, match="unknown operation 'train'"):
+        plane.follow("train", ())

@@ -59,6 +59,8 @@ import torch.distributed as dist
 
 from echo2.planner.memory_model import LOAD_CHUNK_BYTES
 
+_STOP, _KEEPALIVE = "", "."  # the ranks' own announcements, no operation's name
+
 
 @dataclass
 class Ranks:
@@ -99,6 +101,68 @@ class Ranks:
 
         return init_device_mesh(device_type, (self.world,))
 
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Ranks:
+        """The ranks ``model`` is sharded over: the initialised process group's when it is wrapped with
+        FSDP2 in one, else one rank (a trainer given no ranks takes these)."""
+        if not (dist.is_available() and dist.is_initialized() and is_sharded(model)):
+            return cls()
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    # ---- the collectives the ranks do together: each the identity at one rank -------------------------
+    def sum(self, value: float) -> float:
+        """``value`` summed over the ranks (in float64)."""
+        if not self.sharded:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._device())
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks, in place; returned."""
+        if self.sharded:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank."""
+        if not self.sharded:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def all_done(self, done_B: torch.Tensor) -> bool:
+        """Every row of every rank has ended (a sharded generation's stop: each forward is a collective,
+        so every rank takes the same number of steps)."""
+        if not self.sharded:
+            return bool(done_B.all())
+        flag = done_B.all().to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+        if not self.sharded:
+            return [value]
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, value)
+        return everyone
+
+    def share_of(self, items: list[Any], pad: Any) -> list[Any]:
+        """This rank's share of ``items``: every ``world``-th from its own, padded with ``pad`` so that
+        every rank has as many (their collectives must pair up)."""
+        if not self.sharded:
+            return items
+        mine = items[self.rank :: self.world]
+        return mine + [pad] * (math.ceil(len(items) / self.world) - len(mine))
+
+    def _device(self) -> torch.device:
+        """Where this rank's collectives' tensors live: its GPU under NCCL, else the CPU."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def share(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (what the others pass is ignored)."""
         if not self.sharded:
@@ -113,16 +177,25 @@ class Ranks:
             self.share((op, args))
             self.last_announced = time.monotonic()
 
-    def receive(self) -> tuple[str, tuple[Any, ...]]:
-        """A rank other than 0: the next operation rank 0 announced."""
-        op, args = self.share(None)
-        return str(op), tuple(args)
+    def receive(self) -> tuple[str, tuple[Any, ...]] | None:
+        """A rank other than 0: the next operation rank 0 announced (its name and arguments), past any
+        keepalive; None when rank 0 said stop."""
+        while True:
+            op, args = self.share(None)
+            if op == _STOP:
+                return None
+            if op != _KEEPALIVE:
+                return str(op), tuple(args)
 
     def keepalive(self) -> None:
         """Rank 0 while it waits: an empty announcement every quarter of the collective timeout, so the
         other ranks, waiting for the next one, do not time out while workers generate."""
         if self.sharded and time.monotonic() - self.last_announced > self.timeout_s / 4:
-            self.announce("noop")
+            self.announce(_KEEPALIVE)
+
+    def stop(self) -> None:
+        """Rank 0: the other ranks stop following (their :meth:`receive` gives None)."""
+        self.announce(_STOP)
 
     def close(self) -> None:
         """The process group ends on every rank together (a rank tearing its connections down while

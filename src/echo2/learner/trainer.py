@@ -43,6 +43,7 @@ from echo2.learner.logprobs import (
     pack,
     with_proximal,
 )
+from echo2.learner.sharded import Ranks, is_sharded, settle
 from echo2.models.lora import adapter_off, has_adapter
 from echo2.observe import catalog
 from echo2.types import Trajectory
@@ -108,7 +109,9 @@ class GRPOTrainer:
     minibatch, with log-probs taken ``logprob_chunk`` completion positions at a time. ``reference``: the
     frozen KL reference when the caller builds it (a sharded model's: :func:`frozen_reference`, sharded
     the same way); else that copy of ``model`` is made here, or, for a model carrying a LoRA adapter
-    (``models/lora.py``), the model itself with its adapter off.
+    (``models/lora.py``), the model itself with its adapter off. ``ranks``: the learner's ranks
+    (``learner/sharded.Ranks``; by default those the model is sharded over), through which every
+    collective of an update goes.
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class GRPOTrainer:
         isolate: bool = False,
         learner: LearnerConfig | None = None,
         reference: torch.nn.Module | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         self.model = model
         self.isolate = isolate  # leave out the groups that make a minibatch non-finite (module docstring)
@@ -134,24 +138,23 @@ class GRPOTrainer:
         self.version = version
         self.device = next(model.parameters()).device
         self.mixed = self.learner.precision == "bf16-mixed"
-        # sharded with FSDP2 (learner/sharded.py): each rank computes its share of the micro-batches
-        self.rank, self.world = _ranks(model)
-        self.sharded = _sharded(model)  # wrapped with FSDP2, at any world size (one rank included)
+        # sharded with FSDP2 (learner/sharded.py): each rank computes its share of the micro-batches and
+        # every collective of the update goes through ``ranks`` (the identity at one rank)
+        self.ranks = ranks if ranks is not None else Ranks.of(model)
+        self.sharded = is_sharded(model)  # wrapped with FSDP2, at any world size (one rank included)
         if self.learner.activation_checkpointing:
             _enable_activation_checkpointing(model)
         # the LM head at completion positions only (learner/logprobs.py); a sharded model's hidden states
         # come from its own forward with the head set aside (its root gathers the head's parameters)
         self.parts = lm_parts(model, through_root=self.sharded)
         if self.sharded:  # the optimizer over the sharded parameters, whatever a forward gathered
-            from echo2.learner.sharded import settle
-
             settle(model)
         self.optimizer = torch.optim.AdamW(
             (p for p in model.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.reference: torch.nn.Module | None = None
         self.reference_parts: LMParts | None = None
-        if cfg.kl_beta > 0 and reference is None and self.world > 1:
+        if cfg.kl_beta > 0 and reference is None and self.ranks.sharded:
             raise ConfigError(
                 "grpo.kl_beta > 0 on a sharded model needs its KL reference sharded the same way "
                 "(trainer.frozen_reference, then sharded.shard)"
@@ -261,9 +264,7 @@ class GRPOTrainer:
                 logp_bT = self.logprobs(batch.select(mb or rows[:1]))
                 if mb:  # an empty share runs a row only to keep the ranks' collectives in step
                     out_BT[torch.as_tensor(mb, device=self.device), : logp_bT.shape[1]] = logp_bT
-        if self.world > 1:
-            torch.distributed.all_reduce(out_BT)
-        return out_BT
+        return self.ranks.sum_(out_BT)
 
     def _my_micro_batches(self, batch: PackedBatch, rows: Rows) -> list[list[int]]:
         """The micro-batches of ``rows`` (row indices of ``batch``) this rank computes: all of them in one
@@ -274,10 +275,7 @@ class GRPOTrainer:
             [rows[i] for i in mb]
             for mb in micro_batches([lengths[r] for r in rows], self.learner.micro_batch_tokens)
         ]
-        if self.world == 1:
-            return plan
-        mine = plan[self.rank :: self.world]
-        return mine + [[]] * (math.ceil(len(plan) / self.world) - len(mine))
+        return self.ranks.share_of(plan, pad=[])
 
     def _evaluate(
         self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows
@@ -315,8 +313,8 @@ class GRPOTrainer:
                 max_tokens=self.max_tokens,
                 norm=norm,
             )
-            value = self._agree(float(loss.detach()))
-            if not math.isfinite(value):
+            value = float(loss.detach())  # non-finite on every rank when it is on any: all skip together
+            if self.ranks.any(not math.isfinite(value)):
                 self.optimizer.zero_grad(set_to_none=True)
                 return value, _combine(parts), math.nan
             loss.backward()
@@ -326,31 +324,8 @@ class GRPOTrainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-        return self._sum(loss_sum), _combine(self._gather(parts)), grad_norm
-
-    def _agree(self, value: float) -> float:
-        """A micro-batch's loss, made non-finite on every rank when it is on any (so all ranks skip
-        together); the value itself on one process."""
-        if self.world == 1:
-            return value
-        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=self.device)
-        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        return math.nan if bad.item() else value
-
-    def _sum(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t)
-        return float(t.item())
-
-    def _gather(self, parts: list[tuple[grpo.LossStats, float]]) -> list[tuple[grpo.LossStats, float]]:
-        """Every rank's micro-batch diagnostics (each rank's own on one process)."""
-        if self.world == 1:
-            return parts
-        everyone: list[Any] = [None] * self.world
-        torch.distributed.all_gather_object(everyone, parts)
-        return [p for rank_parts in everyone for p in rank_parts]
+        everyone = [p for rank_parts in self.ranks.gather(parts) for p in rank_parts]
+        return self.ranks.sum(loss_sum), _combine(everyone), grad_norm
 
     def _culprits(self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, G: int) -> list[int]:
         """The groups of ``rows`` (by their first row) whose loss or gradient alone is not finite: one
@@ -373,21 +348,6 @@ def frozen_reference(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
         reference.to(torch.bfloat16)
     reference.requires_grad_(False)
     return reference
-
-
-def _sharded(model: torch.nn.Module) -> bool:
-    from echo2.learner.sharded import is_sharded
-
-    return is_sharded(model)
-
-
-def _ranks(model: torch.nn.Module) -> tuple[int, int]:
-    """``(rank, world size)`` of a model sharded with FSDP2 in an initialised process group, else (0, 1)."""
-    from echo2.learner.sharded import is_sharded
-
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized() and is_sharded(model)):
-        return 0, 1
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
 def _enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -16,9 +16,10 @@ import contextlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from echo2.check.turns import Turns
 from echo2.config import Config
@@ -38,16 +39,32 @@ if TYPE_CHECKING:
     from echo2.rollout.evaluate import EvalResult
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+# the operations on the model that every rank does together, by name: rank 0 announces one and does it
+# (Plane.lead), the other ranks replay what it announced (Follower.run); one table, filled by @collective
+COLLECTIVES: dict[str, Callable[..., Any]] = {}
+
+
+def collective(op: Callable[Concatenate[Plane, P], R]) -> Callable[Concatenate[Plane, P], R]:
+    """Register a :class:`Plane` method as a collective operation (module table ``COLLECTIVES``)."""
+    COLLECTIVES[op.__name__] = op
+    return op
+
+
 @dataclass
 class Plane:
     """What every rank of a learner holds: the policy (sharded over the ranks when there are several),
-    the task, the GRPO trainer, an engine on the trainer's own weights, the held-out prompts."""
+    the task, the GRPO trainer, an engine on the trainer's own weights, the held-out prompts and the
+    bounds they are evaluated under, and the ranks. Its ``@collective`` methods are the operations every
+    rank does together; rank 0 runs one through :meth:`lead`."""
 
     policy: Policy
     task: Task
     trainer: GRPOTrainer
     engine: HFEngine  # greedy evaluation on the trainer's own weights
     eval_prompts: list[Any]
+    bounds: Bounds
     ranks: Ranks
 
     @classmethod
@@ -85,19 +102,42 @@ class Plane:
             isolate=isolate,
             learner=cfg.learner,
             reference=reference,
+            ranks=ranks,
         )
         if resumed:
             _resume_states(source, ranks, device, policy.model, trainer)
-        engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens)
-        if ranks.sharded:  # every rank stops generating at the same step (each forward is a collective)
-            engine.all_done = _agreed_all
-        return cls(policy, task, trainer, engine, task.eval_prompts(cfg.train.eval_size), ranks)
+        # every rank stops generating at the same step (each forward of a sharded model is a collective)
+        engine = HFEngine.on_policy(policy, cfg.sampling, cfg.learner.micro_batch_tokens, ranks.all_done)
+        eval_prompts = task.eval_prompts(cfg.train.eval_size)
+        return cls(policy, task, trainer, engine, eval_prompts, Bounds.of(cfg), ranks)
 
-    def evaluate(self, cfg: Config) -> EvalResult:
+    def lead(self, op: Callable[Concatenate[Plane, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Rank 0: announce the collective ``op`` (a ``@collective`` method of this class) with its
+        arguments to the other ranks, then do it."""
+        assert COLLECTIVES.get(op.__name__) is op, f"{op.__name__} is not a registered collective"
+        assert not kwargs, "a collective's arguments are positional (they are replayed as announced)"
+        self.ranks.announce(op.__name__, *args)
+        return op(self, *args)
+
+    def follow(self, name: str, args: tuple[Any, ...]) -> None:
+        """A rank other than 0: do the collective rank 0 announced as ``name``."""
+        op = COLLECTIVES.get(name)
+        if op is None:
+            raise Echo2Error(f"rank {self.ranks.rank}: unknown operation {name!r} from rank 0")
+        op(self, *args)
+
+    @collective
+    def update(self, batch: list[Trajectory]) -> UpdateStats:
+        """One GRPO update (``GRPOTrainer.update``; every rank computes its share)."""
+        return self.trainer.update(batch)
+
+    @collective
+    def evaluate(self) -> EvalResult:
         """The task's greedy held-out score, in the update's precision (this thread's autocast)."""
         with self.trainer.autocast():
-            return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, Bounds.of(cfg))
+            return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, self.bounds)
 
+    @collective
     def weights(self, dtype: str) -> dict[str, Any] | None:
         """A sampler copy of the weights in ``dtype`` (``weights.delta.sampler_copy``; a LoRA policy's:
         the adapter alone); sharded: gathered tensor by tensor to rank 0 (None on the others)."""
@@ -111,12 +151,13 @@ class Plane:
             return adapter_copy(self.policy.model, dtype)
         return sampler_copy(self.policy.model, dtype)
 
-    def save_states(self, path: Path) -> None:
+    @collective
+    def save_states(self, path: str) -> None:
         """The model's and the optimizer's states into ``path/dcp`` (every rank its shards)."""
         from echo2.learner.sharded import save_states
         from echo2.models.policy import DCP_DIR
 
-        save_states(path / DCP_DIR, self.policy.model, self.trainer.optimizer)
+        save_states(Path(path) / DCP_DIR, self.policy.model, self.trainer.optimizer)
 
 
 def shard_policy(cfg: Config, ranks: Ranks, device: Any, policy: Policy, source: Path, resumed: bool) -> Any:
@@ -185,16 +226,6 @@ def _lora(cfg: Config, policy: Policy, source: Path, resumed: bool, sharded: boo
             raise ConfigError(f"{source} is a checkpoint of full fine-tuning: it cannot resume as LoRA")
         policy.lora_base = {"path": str(source.resolve()), "sha256": lora.base_digest(policy.model)}
         lora.attach(policy.model, cfg.lora, cfg.learner.precision)
-
-
-def _agreed_all(done_B: Any) -> bool:
-    """Every row of every rank has ended (a sharded evaluation's stop, agreed over the ranks)."""
-    import torch
-    import torch.distributed as dist
-
-    flag = done_B.all().to(torch.int32).reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def _placement(cfg: Config) -> tuple[Ranks, Any]:
@@ -291,16 +322,14 @@ class LearnerCore:
     def update(self, batch: list[Trajectory]) -> UpdateStats:
         """One GRPO update (``GRPOTrainer.update``; every rank computes its share); a check running
         beside it gives it the cores (:attr:`turns`)."""
-        self.ranks.announce("update", batch)
         with self.turns.updating():
-            return self.trainer.update(batch)
+            return self.plane.lead(Plane.update, batch)
 
     def evaluate(self) -> EvalResult:
         """The task's greedy held-out score of the current weights, in the update's precision and in
         batches of at most ``learner.micro_batch_tokens`` tokens; the running readings follow it (the
         first call sets the starting one)."""
-        self.ranks.announce("evaluate")
-        ev = self.plane.evaluate(self.cfg)
+        ev = self.plane.lead(Plane.evaluate)
         if math.isnan(self.first_acc):
             self.first_acc = self.best_acc = ev.accuracy
         self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)
@@ -308,8 +337,7 @@ class LearnerCore:
 
     def weights(self, dtype: str) -> dict[str, Any]:
         """A sampler copy of the current weights in ``dtype`` (a publication's), gathered from the ranks."""
-        self.ranks.announce("weights", dtype)
-        weights = self.plane.weights(dtype)
+        weights = self.plane.lead(Plane.weights, dtype)
         assert weights is not None  # rank 0 holds the gathered copy
         return weights
 
@@ -324,8 +352,7 @@ class LearnerCore:
         def write(tmp: Path) -> None:
             from echo2.learner.sharded import write_shell
 
-            self.ranks.announce("save_states", str(tmp))
-            self.plane.save_states(tmp)
+            self.plane.lead(Plane.save_states, str(tmp))
             write_shell(tmp, self.policy)
 
         return self.run_dir.save_checkpoint(name, self.policy, self.version, None, state, write=write)
@@ -334,7 +361,7 @@ class LearnerCore:
         """The other ranks stop following; the process group ends. Best effort: when a rank is gone the
         error that ended the loop is the one to report (torchrun then stops every rank)."""
         try:
-            self.ranks.announce("stop")
+            self.ranks.stop()
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError) are RuntimeErrors
             log.error("could not tell the other learner ranks to stop: %s", exc)
             return
@@ -368,21 +395,10 @@ class Follower:
         from echo2.learner.trainer import PoisonedBatch
 
         plane, done = self.plane, 0
-        while True:
-            op, args = plane.ranks.receive()
-            if op == "stop":
-                break
-            if op == "update":
-                with contextlib.suppress(PoisonedBatch):  # rank 0 deals with it; the ranks agreed on it
-                    plane.trainer.update(args[0])
-            elif op == "evaluate":
-                plane.evaluate(self.cfg)
-            elif op == "weights":
-                plane.weights(args[0])
-            elif op == "save_states":
-                plane.save_states(Path(args[0]))
-            elif op != "noop":
-                raise Echo2Error(f"rank {plane.ranks.rank}: unknown operation {op!r} from rank 0")
+        while (announced := plane.ranks.receive()) is not None:
+            name, args = announced
+            with contextlib.suppress(PoisonedBatch):  # an update's: rank 0 deals with it (the ranks agreed)
+                plane.follow(name, args)
             done += 1
         plane.ranks.close()
         return done

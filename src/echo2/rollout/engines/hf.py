@@ -39,6 +39,7 @@ class HFEngine:
         pad_id: int,
         sampling: SamplingConfig,
         max_batch_tokens: int | None = None,
+        all_done: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         self.model = model
         self.eos_ids = eos_tuple(eos_id)  # every token that ends a completion
@@ -48,15 +49,25 @@ class HFEngine:
         # batch. Rows keep their seeded noise whatever batch they are drawn in (``generate``'s ``rows``).
         self.max_batch_tokens = max_batch_tokens
         self._cache_kwarg = cache_kwarg(model)  # `cache` or `past_key_values`, by transformers version
-        # whether every row has ended: on a sharded model (learner/sharded.py) every rank must stop at the
-        # same step (each step's forward is a collective), so the learner agrees on it over its ranks
-        self.all_done: Callable[[torch.Tensor], bool] = lambda done_B: bool(done_B.all())
+        # whether every row has ended: on a sharded model every rank must stop at the same step (each
+        # step's forward is a collective), so the learner passes its ranks' agreement (``Ranks.all_done``)
+        self.all_done: Callable[[torch.Tensor], bool] = all_done or (lambda done_B: bool(done_B.all()))
 
     @classmethod
-    def on_policy(cls, policy: Any, sampling: SamplingConfig, max_batch_tokens: int | None) -> HFEngine:
+    def on_policy(
+        cls,
+        policy: Any,
+        sampling: SamplingConfig,
+        max_batch_tokens: int | None,
+        all_done: Callable[[torch.Tensor], bool] | None = None,
+    ) -> HFEngine:
         """An engine on a loaded policy's own weights (the learner's evaluation): its end-of-sequence ids,
-        its padding, batches of at most ``max_batch_tokens`` tokens."""
-        return cls(policy.model, policy.eos_ids, policy.pad_id, sampling, max_batch_tokens=max_batch_tokens)
+        its padding, batches of at most ``max_batch_tokens`` tokens, ``all_done`` its ranks' agreement
+        that every row has ended (None: this process's rows)."""
+        return cls(
+            policy.model, policy.eos_ids, policy.pad_id, sampling, max_batch_tokens=max_batch_tokens,
+            all_done=all_done,
+        )  # fmt: skip
 
     @classmethod
     def from_skeleton(

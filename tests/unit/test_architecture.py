@@ -287,3 +287,49 @@ def test_the_tier_rule_finds_a_marked_test():
     assert _tier_marks(tree) == ["integration"]
     assert _tier_marks(ast.parse("pytestmark = [pytest.mark.netns]")) == ["netns"]
     assert _tier_marks(ast.parse("x.integration = 1")) == []
+
+
+RANKS_MODULE = "learner/sharded.py"  # the one seam to the other ranks (Ranks) and what FSDP2 needs
+
+
+def _distributed_uses(tree: ast.Module) -> list[tuple[int, str]]:
+    """Where a module reaches the other ranks itself: an import of ``torch.distributed`` (or of a
+    module under it), or an attribute call through ``torch.distributed``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("torch.distributed")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found.append((node.lineno, f"from {node.module}"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            found += [
+                (node.lineno, "from torch import distributed") for a in node.names if a.name == "distributed"
+            ]
+        elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == "torch.distributed":
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_only_the_ranks_seam_speaks_to_the_other_ranks():
+    """Rank and world live in ``Ranks`` alone: the trainer, the engine, the learner core and everything
+    else do their collectives through it (``sum``, ``any``, ``gather``, ``share_of``, ``all_done``, the
+    announcements), never through ``torch.distributed`` directly."""
+    where = [
+        f"{p.relative_to(SRC)}:{line}: {what}"
+        for p, tree in _modules()
+        if p.relative_to(SRC).as_posix() != RANKS_MODULE
+        for line, what in _distributed_uses(tree)
+    ]
+    assert where == [], where
+
+
+def test_the_ranks_rule_finds_a_collective_outside_the_seam():
+    """The scan above is not vacuous: each way of reaching the other ranks is caught."""
+    code = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from torch import distributed\n"
+        "torch.distributed.all_reduce(t)\n"
+        "x = torch.cuda.device_count()\n"  # not the ranks: allowed
+    )
+    assert sorted(line for line, _ in _distributed_uses(ast.parse(code))) == [1, 2, 3, 4]

@@ -210,12 +210,13 @@ def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     root; gradients summed over ranks. Returns the model."""
     from torch.distributed.fsdp import fully_shard
 
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    hf: Any = model  # a transformers model: its decoder and config are its own attributes
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers to shard (model.get_decoder().layers)")
-    if not getattr(model.config, "architectures", None):  # sharding renames the class (FSDP<name>)
-        model.config.architectures = [type(model).__name__]
+    if not getattr(hf.config, "architectures", None):  # sharding renames the class (FSDP<name>)
+        hf.config.architectures = [type(model).__name__]
     for module in [*layers, model]:
         fsdp = fully_shard(module, mesh=mesh)
         fsdp.set_gradient_divide_factor(1.0)  # a sum: each rank's loss is its share of the whole
@@ -421,7 +422,7 @@ def load_from_rank0(model: torch.nn.Module, source: Path | None) -> None:
     problem = _agreed(problem)
     if problem is not None:
         raise CheckpointError(problem)
-    box = [dtypes]
+    box: list[Any] = [dtypes]
     dist.broadcast_object_list(box, src=0)
     for i, (names, t) in enumerate(targets):
         spans = [everyone[r][i] for r in range(world)] if rows[i] is not None else None

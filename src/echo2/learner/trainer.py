@@ -288,7 +288,7 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
         norm = grpo.Norm.of(batch.mask_BT[idx])  # over the whole minibatch, on every rank
-        loss_sum, parts = 0.0, []
+        loss_sum, parts = 0.0, list[tuple[grpo.LossStats, float]]()
         for mine in self._my_micro_batches(batch, rows):
             mb = batch.select(mine or list(rows)[:1])
             if not mine:  # this rank's share is empty: a weightless pass keeps the collectives in step
@@ -353,10 +353,11 @@ def frozen_reference(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
 def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """transformers' per-layer activation checkpointing (non-reentrant), by its new name or its old one."""
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    hf: Any = model  # a transformers model: the methods are its own
+    if hasattr(hf, "activation_checkpointing_enable"):
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(hf, "gradient_checkpointing_enable"):
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
         raise ValueError(
             f"{type(model).__name__} has no activation checkpointing (learner.activation_checkpointing)"

@@ -63,7 +63,7 @@ def _chunk_kib(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from echo2.broadcast.registry import registry
+    from echo2.broadcast.factory import registry
     from echo2.errors import ConfigError
     from echo2_bench.broadcast_bench import BenchConfig, run_benchmark, write_outputs
     from echo2_bench.netns import HarnessError, netns_available

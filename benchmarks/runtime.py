@@ -477,13 +477,12 @@ async def _serve_drain(
     certificate the worker pins (``echo2.transport``), as a real learner serves them by default."""
     import time as _time
 
-    from echo2.broadcast.factory import open_publisher
-    from echo2.broadcast.registry import get_strategy
+    from echo2.broadcast.factory import get_strategy, open_publisher
     from echo2.data.store import TrajectoryStore
     from echo2.models.policy import load_checkpoint
     from echo2.models.snapshot import skeleton_files, snapshot_blob
+    from echo2.runtime.members import WorkerRegistry
     from echo2.runtime.node import assemble, worker_settings
-    from echo2.runtime.registry import WorkerRegistry
     from echo2.runtime.routes import Identity
     from echo2.tasks.registry import build_task
     from echo2.tasks.warm_cache import starting_checkpoint

@@ -28,8 +28,7 @@ import time
 import zlib
 from pathlib import Path
 
-from echo2.broadcast.factory import open_publisher, open_receiver
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.factory import get_strategy, open_publisher, open_receiver
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import validate_submission

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from echo2.broadcast.api import OpenLedger
+from echo2.broadcast.factory import get_strategy
 from echo2.broadcast.publisher import TcpPublisher
-from echo2.broadcast.registry import get_strategy
-from echo2.broadcast.worker import TcpWorkerNode
+from echo2.broadcast.receiver import TcpWorkerNode
 from echo2.config import EmbeddedModelConfig, LoRAConfig, SnapshotConfig
 from echo2.runtime.snapshots import Snapshots
 from echo2.weights.chain import WeightChain, decode_chain, encode_chain, verified_links

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.factory import get_strategy
 from echo2.physics.rules import install_quorum
 from echo2.transport import run_identity
 from echo2.weights.manifest import new_signing_key, synthetic_snapshot

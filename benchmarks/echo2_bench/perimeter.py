@@ -326,7 +326,7 @@ async def quarantined(target: Target, a: argparse.Namespace, gov: Governor, t: T
     (quarantined in the request, ``turn_mask``)."""
     import aiohttp
 
-    from echo2.broadcast.worker import TcpWorkerNode
+    from echo2.broadcast.receiver import TcpWorkerNode
     from echo2.weights.manifest import key_from_text
     from echo2_bench.adversary_length import LengthAttacker
 

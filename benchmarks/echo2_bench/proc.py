@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from echo2.broadcast.api import OpenLedger
+from echo2.broadcast.factory import get_strategy
 from echo2.broadcast.publisher import TcpPublisher
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.receiver import TcpWorkerNode
 from echo2.broadcast.wire import Pacer
-from echo2.broadcast.worker import TcpWorkerNode
 from echo2.physics.rules import DEFAULT_GAMMA
 from echo2.transport import run_identity
 from echo2.weights.manifest import key_from_text, synthetic_snapshot

@@ -9,12 +9,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from echo2.broadcast.api import OpenLedger
+from echo2.broadcast.factory import get_strategy
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.receiver import TcpWorkerNode
 from echo2.broadcast.strategy import Strategy, repair_sources
 from echo2.broadcast.wire import encode, read_header, write_frame
-from echo2.broadcast.worker import TcpWorkerNode
 from echo2.errors import Echo2Error
 from echo2.physics.rules import DEFAULT_GAMMA
 from echo2.weights.frames import decode_chunk_list
@@ -253,7 +253,7 @@ def test_publisher_survives_junk_and_unknown_versions() -> None:
 
 def test_worker_refuses_replayed_and_malformed_announcements() -> None:
     from echo2.broadcast.access import issue
-    from echo2.broadcast.store import SnapshotBuffer, serve_get
+    from echo2.broadcast.buffer import SnapshotBuffer, serve_get
     from echo2.weights.frames import GetFrame, parse_frame
     from echo2.weights.manifest import build_manifest
 

@@ -15,10 +15,10 @@ from aiohttp import web
 
 from echo2.broadcast.access import SERVE_BUDGET, issue, pull_request
 from echo2.broadcast.api import OpenLedger
+from echo2.broadcast.factory import get_strategy
 from echo2.broadcast.publisher import TcpPublisher
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.receiver import TcpWorkerNode
 from echo2.broadcast.wire import read_header, read_payload, write_frame
-from echo2.broadcast.worker import TcpWorkerNode
 from echo2.protocol import RegisterRequest
 from echo2.rollout.client import LearnerClient
 from echo2.transport import PinError, TlsIdentity, join_string, make_identity, open_pinned

@@ -20,7 +20,7 @@ from echo2.broadcast.access import (
     pull_request,
     run_id,
 )
-from echo2.broadcast.store import check_chunk_list
+from echo2.broadcast.buffer import check_chunk_list
 from echo2.broadcast.wire import ProtocolError
 from echo2.transport import make_identity
 from echo2.weights.frames import GetFrame, decode_chunk_list, encode_chunk_list, parse_frame

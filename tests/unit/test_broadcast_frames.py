@@ -16,9 +16,10 @@ import pytest
 from echo2.broadcast import access
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, issue, pull_request
 from echo2.broadcast.api import OpenLedger
+from echo2.broadcast.buffer import SnapshotBuffer, serve_get, serve_pull
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
-from echo2.broadcast.store import SnapshotBuffer, serve_get, serve_pull
+from echo2.broadcast.receiver import TcpWorkerNode
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import ProtocolError as WireProtocolError
 from echo2.broadcast.wire import (
@@ -29,7 +30,6 @@ from echo2.broadcast.wire import (
     read_payload,
     write_frame,
 )
-from echo2.broadcast.worker import TcpWorkerNode
 from echo2.protocol import MAX_INT
 from echo2.transport import make_identity
 from echo2.weights import frames, manifest

@@ -9,8 +9,8 @@ import pytest
 from plans import depth as _depth
 from plans import sources as _sources
 
+from echo2.broadcast.factory import get_strategy, registry
 from echo2.broadcast.pipelined import RelayChain, TreeChains, TreePipelined, striped_tree_plan
-from echo2.broadcast.registry import get_strategy, registry
 from echo2.broadcast.star import StarLimited, StarUnlimited
 from echo2.broadcast.strategy import LEARNER
 from echo2.errors import ConfigError

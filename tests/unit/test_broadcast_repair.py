@@ -1,4 +1,4 @@
-"""Where a worker repairs a failed peer's chunks from (broadcast/worker.py ``_repair``): the failed peer's
+"""Where a worker repairs a failed peer's chunks from (broadcast/receiver.py ``_repair``): the failed peer's
 stripe ancestor, or the next one up when that one failed here lately too, and the learner when the
 chain is exhausted (or loops)."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from echo2.broadcast.receiver import NodeCounters, TcpWorkerNode
 from echo2.broadcast.strategy import LEARNER
-from echo2.broadcast.worker import NodeCounters, TcpWorkerNode
 
 
 def _node(avoid: set[str]) -> tuple[Any, list[str]]:

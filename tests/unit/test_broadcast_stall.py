@@ -15,10 +15,11 @@ import pytest
 
 from echo2.broadcast.access import Credential, issue, pull_request
 from echo2.broadcast.api import OpenLedger, PublisherCounters
+from echo2.broadcast.buffer import SnapshotBuffer, serve_get
 from echo2.broadcast.in_memory import InMemoryHub
 from echo2.broadcast.pipelined import TreePipelined
 from echo2.broadcast.publisher import DEMOTE_AFTER_REPORTS, TcpPublisher, receipt_fault
-from echo2.broadcast.store import SnapshotBuffer, serve_get
+from echo2.broadcast.receiver import AVOID_VERSIONS, TcpWorkerNode
 from echo2.broadcast.strategy import LEARNER, Assignment, plan_with_leaves
 from echo2.broadcast.wire import (
     MAX_DEPTH,
@@ -30,7 +31,6 @@ from echo2.broadcast.wire import (
     read_payload,
     write_frame,
 )
-from echo2.broadcast.worker import AVOID_VERSIONS, TcpWorkerNode
 from echo2.weights.frames import GetFrame, decode_chunk_list, parse_frame
 from echo2.weights.manifest import build_manifest, new_signing_key
 

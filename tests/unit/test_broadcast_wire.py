@@ -99,8 +99,7 @@ def test_in_memory_hub_delivers_verified_snapshots() -> None:
 def test_a_measurement_outlives_its_round() -> None:
     """Waiting for the installs of a version that newer publications retired (a slow pool) returns
     what was measured instead of failing."""
-    from echo2.broadcast.factory import open_publisher
-    from echo2.broadcast.registry import get_strategy
+    from echo2.broadcast.factory import get_strategy, open_publisher
     from echo2.weights.manifest import new_signing_key
 
     async def go() -> None:
@@ -124,9 +123,8 @@ def test_a_measurement_outlives_its_round() -> None:
 def test_publishers_size_chunks_per_snapshot_unless_told() -> None:
     """chunk_size None: each publication is cut at relay_chunk_bytes of its own size (and, over TCP,
     of the link rates the publisher was told); a fixed size stays fixed."""
-    from echo2.broadcast.factory import open_publisher
+    from echo2.broadcast.factory import get_strategy, open_publisher
     from echo2.broadcast.publisher import TcpPublisher
-    from echo2.broadcast.registry import get_strategy
     from echo2.physics.broadcast import relay_chunk_bytes
     from echo2.weights.manifest import new_signing_key
 

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from echo2.broadcast.api import BroadcastStats, PublisherCounters
-from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.factory import get_strategy, open_publisher
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
 from echo2.observe import catalog, report
@@ -25,8 +24,8 @@ from echo2.observe.catalog import METRICS, NAMESPACES, PROMETHEUS
 from echo2.observe.rundir import RunDir, read_metrics
 from echo2.observe.sinks import MemorySink
 from echo2.runtime.local import train
+from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.node import assemble, worker_settings
-from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
 from echo2.tasks.registry import build_task
 from echo2.weights.manifest import new_signing_key

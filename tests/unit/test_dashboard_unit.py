@@ -14,13 +14,12 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.factory import get_strategy, open_publisher
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
 from echo2.observe.dashboard import Dashboard, needs_token
+from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.node import assemble, worker_settings
-from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
 from echo2.runtime.status import SERIES, NodeStatus
 from echo2.tasks.registry import build_task

@@ -1,7 +1,7 @@
 """An environment is declared once: its module under ``envs/`` plus one line of ``ENVIRONMENTS``.
 
-The ``[task]`` union and ``TASK_PRESETS`` (``config.py``), ``env_spec`` (``envs/registry.py``) and the
-task registry (``tasks/registry.py``) are all derived from ``envs/registry.ENVIRONMENTS``; here that is
+The ``[task]`` union and ``TASK_PRESETS`` (``config.py``), ``env_spec`` (``envs/roster.py``) and the
+task registry (``tasks/registry.py``) are all derived from ``envs/roster.ENVIRONMENTS``; here that is
 checked name by name and class by class, and then shown end to end on a throwaway environment that
 a child interpreter adds to that one list (and nowhere else) before the config tree is built.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from echo2.config import SINGLE_TURN_TASKS, TASK_PRESETS, Config, TaskConfig, task_preset
 from echo2.envs.base import Environment, EnvironmentFields
-from echo2.envs.registry import ENVIRONMENTS, env_spec, environment
+from echo2.envs.roster import ENVIRONMENTS, env_spec, environment
 from echo2.tasks.registry import REGISTRY, build_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ COIN = Environment(CoinTaskConfig, CoinSpec, preset=("sampling.max_new_tokens=2"
 CHILD = """
 import pickle, random, sys
 
-import echo2.envs.registry as envs
+import echo2.envs.roster as envs
 import coin
 
 envs.ENVIRONMENTS = (*envs.ENVIRONMENTS, coin.COIN)  # the one place

@@ -19,7 +19,7 @@ from echo2.data.submission import Rejected, Submission
 from echo2.data.tasks.environment import EnvironmentTask
 from echo2.envs.base import EnvStep
 from echo2.envs.guess import GuessEnv
-from echo2.envs.registry import GuessSpec
+from echo2.envs.roster import GuessSpec
 from echo2.learner.logprobs import completion_logprobs, pack
 from echo2.learner.trainer import GRPOTrainer, loss_mask
 from echo2.protocol import decode_group, encode_group

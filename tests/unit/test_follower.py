@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.factory import get_strategy, open_publisher
 from echo2.config import EmbeddedModelConfig, SnapshotConfig
 from echo2.models.embedded import build_model, build_tokenizer
 from echo2.rollout.follower import WeightFollower

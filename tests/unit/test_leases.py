@@ -13,9 +13,9 @@ from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Submission
 from echo2.protocol import LeaseGrant, LeaseRefusal, LeaseRequest, RegisterRequest
 from echo2.runtime.leases import LeaseBroker
+from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.pool import Pool
 from echo2.runtime.prompts import PromptSource
-from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.standing import BENCH_TTLS, Standings
 from echo2.tasks.registry import build_task
 from echo2.types import Trajectory

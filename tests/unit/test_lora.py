@@ -304,8 +304,7 @@ def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_t
     learner; another checkpoint there is refused the same way."""
     import asyncio
 
-    from echo2.broadcast.factory import open_publisher
-    from echo2.broadcast.registry import get_strategy
+    from echo2.broadcast.factory import get_strategy, open_publisher
     from echo2.errors import Echo2Error
     from echo2.protocol import LoraSettings
     from echo2.rollout.follower import WeightFollower

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from echo2.broadcast.registry import get_strategy, registry
+from echo2.broadcast.factory import get_strategy, registry
 from echo2.config import RuntimeConfig
 from echo2.errors import ConfigError
 from echo2.physics import broadcast as pb

@@ -14,7 +14,7 @@ from echo2.data.store import Lease
 from echo2.data.submission import Rejected, Submission
 from echo2.data.tasks.environment import EnvironmentTask
 from echo2.envs.poker import PokerEnv, deal_of, rule_player
-from echo2.envs.registry import PokerSpec
+from echo2.envs.roster import PokerSpec
 from echo2.errors import ConfigError
 from echo2.rollout.engines.base import Sample
 from echo2.rollout.episodes import collect_episodes

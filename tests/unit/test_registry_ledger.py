@@ -1,4 +1,4 @@
-"""The worker registry as the one ledger of members and installed versions (``runtime/registry.py``,
+"""The worker registry as the one ledger of members and installed versions (``runtime/members.py``,
 ``broadcast.api.MemberLedger``): who may join the broadcast, who is a target of a publication, and the
 one monotonic writer of installed versions, fed by the publisher's counted acks (over loopback, the
 real ``TcpPublisher``) and by the in-memory hub. Each test well under a second."""
@@ -18,7 +18,7 @@ from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import read_header, read_payload, write_frame
 from echo2.protocol import RegisterRequest
-from echo2.runtime.registry import WorkerRegistry
+from echo2.runtime.members import WorkerRegistry
 from echo2.weights.frames import JoinFrame, to_wire
 from echo2.weights.manifest import new_signing_key
 
@@ -308,7 +308,7 @@ def test_a_quarantine_cuts_a_pull_in_progress_and_tells_the_relays(tmp_path: Pat
 def test_a_relay_told_revoke_serves_the_member_nothing_more() -> None:
     """A worker's control connection gets ``revoke``: the member is never served again there and the
     streams it has open are closed (against a fake learner: the frame alone)."""
-    from echo2.broadcast.worker import TcpWorkerNode
+    from echo2.broadcast.receiver import TcpWorkerNode
     from echo2.weights.frames import RevokeFrame
 
     async def go() -> tuple[set[str], bool]:

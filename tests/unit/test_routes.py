@@ -12,13 +12,12 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from echo2.broadcast.factory import open_publisher
-from echo2.broadcast.registry import get_strategy
+from echo2.broadcast.factory import get_strategy, open_publisher
 from echo2.config import load_config
 from echo2.data.store import StoreStats, TrajectoryStore
 from echo2.protocol import LoraSettings
+from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.node import assemble, worker_settings
-from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.routes import Identity
 from echo2.tasks.registry import build_task
 from echo2.weights.manifest import new_signing_key

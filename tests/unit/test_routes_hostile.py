@@ -1,4 +1,4 @@
-"""The learner's HTTP API against a peer's worst bytes (runtime/routes.py, runtime/registry.py): deep
+"""The learner's HTTP API against a peer's worst bytes (runtime/routes.py, runtime/members.py): deep
 JSON, lone surrogates, what aiohttp's parser refuses, short bodies, prices near zero, identities that
 hold registration slots, request floods and snapshot pulls past the byte budget. The rule each test
 holds: never a 500; every refusal a counted 4xx in the ErrorReply JSON shape (or a counted dropped
@@ -18,7 +18,7 @@ from test_routes import JOIN, TOKEN, make_node, register, run
 from echo2.broadcast.access import BUDGET_SLACK_CHUNKS, SERVE_BUDGET, ByteBudget, Gate, ServeCounters
 from echo2.perimeter import RequestRate
 from echo2.protocol import HeartbeatRequest, RegisterRequest
-from echo2.runtime.registry import WorkerRegistry
+from echo2.runtime.members import WorkerRegistry
 from echo2.weights.manifest import new_signing_key
 
 DEEP = 50_000  # nesting of the deep bodies (Python's json recursed out of its stack at ~1,000)

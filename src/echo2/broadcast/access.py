@@ -17,7 +17,7 @@ learner) admits a pull request only if it carries:
   announced the version to; a relay, the members the plan has pulling from it (``serve`` in its
   announcement);
 
-and a chunk list that is bounded (:func:`~echo2.broadcast.store.check_chunk_list`: in range, no
+and a chunk list that is bounded (:func:`~echo2.broadcast.buffer.check_chunk_list`: in range, no
 duplicates, no more than the snapshot's chunk count). A server sends one member at most
 ``SERVE_BUDGET`` times the version's size plus ``BUDGET_SLACK_CHUNKS`` chunks (:class:`ByteBudget`,
 the one definition of that rule: the learner's HTTP catch-up route books its chains to one too), so

@@ -1,4 +1,5 @@
-"""The broadcast factory: the one place the runtime picks a transport for the snapshot seam.
+"""The broadcast factory: the one place the runtime picks a transport for the snapshot seam, and a
+strategy by its name (:func:`get_strategy`: a variant is a new registered class, not another ``if``).
 
 ``tcp`` is the real plane (``TcpPublisher`` on the learner, a ``TcpWorkerNode`` per worker that relays
 chunks to its peers); ``memory`` is the in-process hub (tests, the minimal example, single-process
@@ -17,15 +18,32 @@ from typing import Literal
 
 from echo2.broadcast.api import MemberLedger, SnapshotPublisher, SnapshotReceiver
 from echo2.broadcast.in_memory import InMemoryHub
+from echo2.broadcast.pipelined import RelayChain, TreeChains, TreePipelined
 from echo2.broadcast.publisher import TcpPublisher
+from echo2.broadcast.receiver import TcpWorkerNode
+from echo2.broadcast.star import StarLimited, StarUnlimited
 from echo2.broadcast.strategy import Strategy
-from echo2.broadcast.worker import TcpWorkerNode
 from echo2.errors import ConfigError
 from echo2.perimeter import Limits
+from echo2.physics.broadcast import StrategyName, strategy_name
 from echo2.transport import TlsIdentity
 from echo2.weights.manifest import ManifestKey
 
 BroadcastKind = Literal["tcp", "memory"]
+
+
+def registry() -> dict[StrategyName, Strategy]:
+    """Name -> strategy for every shipped strategy (frozen dataclasses: safe to share); the keys are
+    exactly the names of :data:`echo2.physics.broadcast.StrategyName`."""
+    shipped: list[Strategy] = [StarUnlimited(), StarLimited(), TreePipelined(), RelayChain(), TreeChains()]
+    return {s.name: s for s in shipped}
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy called ``name``; ConfigError listing the choices for an unknown name."""
+    return registry()[strategy_name(name)]
+
+
 PublisherAddress = tuple[str, int] | InMemoryHub  # where receivers join: host and port, or the hub itself
 
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
 from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
-from echo2.broadcast.store import Admission, SnapshotBuffer, serve_pull
+from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repair_sources
 from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
 from echo2.errors import Echo2Error

@@ -15,7 +15,7 @@ from echo2.config.base import (
 from echo2.envs.base import EnvironmentFields
 from echo2.envs.guess import GuessTaskConfig as GuessTaskConfig  # re-exported: the name predates envs/
 from echo2.envs.poker_task import PokerTaskConfig as PokerTaskConfig  # re-exported: the name predates envs/
-from echo2.envs.registry import ENVIRONMENTS
+from echo2.envs.roster import ENVIRONMENTS
 
 
 class EmbeddedModelConfig(_Section):
@@ -165,7 +165,7 @@ class MathTaskConfig(_SingleTurnFields):
 
 
 # The multi-turn environments are declared in their own modules (``envs/``: config model, spec,
-# preset) and listed once in ``envs/registry.ENVIRONMENTS``; the ``[task]`` union and the presets
+# preset) and listed once in ``envs/roster.ENVIRONMENTS``; the ``[task]`` union and the presets
 # below are derived from that list.
 SINGLE_TURN_TASKS: tuple[type[_SingleTurnFields], ...] = (ArithmeticTaskConfig, MathTaskConfig)
 # every ``[task]`` variant, in the order pydantic lists them: the single-turn tasks, then the environments

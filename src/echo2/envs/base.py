@@ -17,7 +17,7 @@ the turn-aware loss mask, the per-step timeout and the discounted episodic retur
 these two methods, its ``[task]`` config model (extending :class:`EnvironmentFields`, with its own
 ``name`` literal), its spec (what the task adapter asks of it, ``data/tasks/environment.EnvSpec``),
 the overrides of ``--task NAME`` and the :class:`Environment` tying them together; then it is one
-line of ``envs/registry.ENVIRONMENTS``. The config union, ``config.TASK_PRESETS``, ``env_spec`` and
+line of ``envs/roster.ENVIRONMENTS``. The config union, ``config.TASK_PRESETS``, ``env_spec`` and
 the task registry are derived from that list; nothing in the runtime changes.
 
 This package sits *below* ``echo2.config`` (the config tree is assembled from the environments'
@@ -151,7 +151,7 @@ class EnvKnobs:
 @dataclass(frozen=True)
 class Environment:
     """The one declaration of an environment (in its own module); listed once in
-    ``envs/registry.ENVIRONMENTS``, from which the config union, ``--task`` presets, ``env_spec`` and
+    ``envs/roster.ENVIRONMENTS``, from which the config union, ``--task`` presets, ``env_spec`` and
     the task registry are derived. Its name is its config model's ``name`` literal."""
 
     config: type[EnvironmentFields]  # its ``[task]`` model (``task.name = "<name>"`` selects it)

@@ -15,7 +15,7 @@ Transcript (one character per token for the embedded tokenizer)::
 
 The whole environment is declared here, the example of the one-place procedure (``envs/base.py``):
 its ``[task]`` config (:class:`GuessTaskConfig`), the environment, its spec (:class:`GuessSpec`) and
-:data:`GUESS`, the declaration ``envs/registry.ENVIRONMENTS`` lists.
+:data:`GUESS`, the declaration ``envs/roster.ENVIRONMENTS`` lists.
 """
 
 from __future__ import annotations

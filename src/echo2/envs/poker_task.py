@@ -1,7 +1,7 @@
 """No-Limit Texas Hold'em as a task: its ``[task]`` config, its spec and its ``--task poker`` preset.
 
 The poker environment's declaration (``envs/base.py``): :data:`POKER`, listed once in
-``envs/registry.ENVIRONMENTS``. The table itself (``envs/poker.py``) and its rule-based players
+``envs/roster.ENVIRONMENTS``. The table itself (``envs/poker.py``) and its rule-based players
 (``envs/poker_players.py``) run on pokerkit, which takes most of a second to import; the config tree
 imports this module, so the spec imports them only when it builds a table or asks its teacher.
 """

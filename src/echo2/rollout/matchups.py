@@ -146,7 +146,7 @@ def poker_table(
     """Table 4: the policy against each rule-based style and each named snapshot engine (greedy), on
     the deals of ``test_seeds``, from every seat."""
     from echo2.envs.poker import TextPolicyOpponent, rule_player
-    from echo2.envs.registry import RULE_STYLES
+    from echo2.envs.roster import RULE_STYLES
 
     deals = deal_seeds(test_seeds)
     opponents: list[tuple[str, Any]] = [(s, rule_player(s)) for s in RULE_STYLES]  # type: ignore[arg-type]
@@ -170,7 +170,7 @@ def evaluate_checkpoint(
     styles and each ``against`` checkpoint (name -> directory), on ``deals`` held-out deals (default
     ``task.eval_deals``) of the test split."""
     from echo2.data.tasks.environment import EnvironmentTask
-    from echo2.envs.registry import PokerSpec
+    from echo2.envs.roster import PokerSpec
     from echo2.models.policy import chat_format, load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
 

@@ -39,7 +39,7 @@ from echo2.data.submission import Rejected, Submission, SubmissionLimits, valida
 from echo2.observe import catalog as m
 from echo2.physics.rules import admission_floor
 from echo2.protocol import MAX_ID_CHARS, SubmitRequest
-from echo2.runtime.registry import WorkerRecord
+from echo2.runtime.members import WorkerRecord
 from echo2.tasks.base import Task
 from echo2.tasks.verify import EVIDENCE, Verifier
 from echo2.types import Bounds

@@ -7,7 +7,7 @@ The loop waits until the store holds ``P`` admissible GRPO groups (``R = P * G``
 checked against ``S`` at every step. Every second of the loop that is not an update is bubble, counted
 by cause (``observe/bubble.py``).
 
-The parts, one owner each: the worker registry (``registry.py``), the pool controller and its costs
+The parts, one owner each: the worker registry (``members.py``), the pool controller and its costs
 (``pool.py``), the lease broker (``leases.py``), the intake of submissions (``intake.py``), the
 snapshot publisher (``snapshots.py``) and the HTTP routes (``routes.py``) that adapt the wire protocol
 to them. The learner's version has one provider, the trainer; events are stamped by one injected clock.
@@ -145,8 +145,8 @@ class AsyncLearner:
 
     async def _open_data_and_network(self) -> None:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
+        from echo2.runtime.members import WorkerRegistry
         from echo2.runtime.node import assemble
-        from echo2.runtime.registry import WorkerRegistry
         from echo2.transport import run_identity
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
@@ -195,8 +195,7 @@ class AsyncLearner:
     def _publisher(self, key: Any, registry: Any, limits: Any) -> Any:
         """The broadcast's TCP publisher: its door the registry (``ledger``), its certificate the API's
         (workers pin one fingerprint for both planes), its port behind the perimeter."""
-        from echo2.broadcast.factory import open_publisher
-        from echo2.broadcast.registry import get_strategy
+        from echo2.broadcast.factory import get_strategy, open_publisher
 
         rt = self.cfg.runtime
         return open_publisher(

@@ -1,7 +1,7 @@
 """How the learner node's serving parts are wired: one function, used by the learner, the tests and
 the worker benchmark, so the parts are always assembled the same way.
 
-The parts, one owner each: the worker registry (``registry.py``: membership, credentials, installed
+The parts, one owner each: the worker registry (``members.py``: membership, credentials, installed
 versions), the pool (``pool.py``: cost-aware activation, $/h), the lease broker (``leases.py``: prompts,
 in-flight cap, admissible-version gate), the intake (``intake.py``: validation + store admission), the
 snapshot publisher (``snapshots.py``) and the HTTP routes (``routes.py``) that adapt the wire protocol
@@ -26,9 +26,9 @@ from echo2.perimeter import Limits
 from echo2.protocol import LoraSettings, WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
 from echo2.runtime.leases import LeaseBroker
+from echo2.runtime.members import WorkerRecord, WorkerRegistry
 from echo2.runtime.pool import Pool
 from echo2.runtime.prompts import PromptSource
-from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
 from echo2.runtime.standing import Standings

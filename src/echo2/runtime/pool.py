@@ -42,7 +42,7 @@ from echo2.planner import capacity
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import Heartbeat, PoolController
 from echo2.protocol import HeartbeatRequest
-from echo2.runtime.registry import DEFAULT_RATE, WorkerRecord, WorkerRegistry
+from echo2.runtime.members import DEFAULT_RATE, WorkerRecord, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class Pool:
         """``active``; ``lost`` (heartbeat timeout); ``released`` (the controller's surplus decision);
         before a target exists (or on probation), ``silent`` for a worker not heard from within the
         heartbeat timeout;
-        ``quarantined`` for one caught lying; ``retired`` for one retired for silence (registry.py)."""
+        ``quarantined`` for one caught lying; ``retired`` for one retired for silence (members.py)."""
         rec = self.registry[worker_id]
         if rec.quarantined:
             return "quarantined"

@@ -11,7 +11,7 @@ JSON shape (or, where no answer can reach the peer, a dropped connection), count
 (``store/rejected/<reason>``), and a hostile identity costs only its own work:
 
 - credential: missing 401 ``auth``; unknown 403 ``auth``; revoked 403 ``quarantined``; retired for
-  silence 403 ``retired`` (``runtime/registry.py``: registration slots);
+  silence 403 ``retired`` (``runtime/members.py``: registration slots);
 - requests: each identity's authenticated requests pass a token bucket of ``security.max_requests_per_s``
   refilled per second, holding ``BURST_S`` seconds of it (bursts of twice the rate); past it 429
   ``rate_limited`` with a ``Retry-After`` header (whole seconds, at least 1);
@@ -77,8 +77,8 @@ from echo2.resources import descriptor_limits
 from echo2.runtime import http
 from echo2.runtime.intake import Intake
 from echo2.runtime.leases import LeaseBroker
+from echo2.runtime.members import WorkerRecord, WorkerRegistry
 from echo2.runtime.pool import Pool
-from echo2.runtime.registry import WorkerRecord, WorkerRegistry
 from echo2.runtime.snapshots import Snapshots
 from echo2.weights.chain import Blob, chain_parts
 from echo2.weights.publication import Link

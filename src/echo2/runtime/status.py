@@ -15,8 +15,8 @@ from typing import Any
 
 from echo2.observe import catalog
 from echo2.observe.bubble import CAUSES
+from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.pool import Pool
-from echo2.runtime.registry import WorkerRegistry
 from echo2.runtime.snapshots import Snapshots
 
 SERIES = catalog.DASHBOARD_SERIES  # per-step values the dashboard draws: step, time_s, its charts' keys

@@ -4,7 +4,7 @@ of task (it imports them; they never import it).
 
 A new single-turn task is an adapter (``data/tasks/``), its config model in ``config/model.py`` and one
 :class:`Entry` here. A new environment takes none of that: it is declared once in its module under
-``envs/`` and listed in ``envs/registry.ENVIRONMENTS``, and its entry here is derived from that
+``envs/`` and listed in ``envs/roster.ENVIRONMENTS``, and its entry here is derived from that
 declaration (config model, preset, the one environment builder), as its ``[task]`` variant and its
 preset are in ``config/model.py``."""
 
@@ -23,7 +23,7 @@ from echo2.data.tasks.arithmetic import ArithmeticTask
 from echo2.data.tasks.environment import EnvironmentTask
 from echo2.data.tasks.math import MathTask
 from echo2.envs.base import EnvironmentFields
-from echo2.envs.registry import ENVIRONMENTS, env_spec
+from echo2.envs.roster import ENVIRONMENTS, env_spec
 from echo2.tasks.base import Task
 from echo2.tasks.episodic import Episodic
 from echo2.tasks.single_turn import SingleTurn

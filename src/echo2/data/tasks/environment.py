@@ -12,7 +12,7 @@ everything random in an episode (poker: the whole deck), so no training episode 
 deal. The fixed held-out lists take the seeds 0, 1, 2, ... that fall in their split.
 
 A new environment is an :class:`EnvSpec` (how to build it, which extra prompt fields it draws, who
-teaches its warm start) registered in ``envs/registry.py`` with its config model; nothing else changes.
+teaches its warm start) registered in ``envs/roster.py`` with its config model; nothing else changes.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, pull_request
 from echo2.broadcast.api import InstalledSnapshot
-from echo2.broadcast.store import Admission, SnapshotBuffer, serve_pull
+from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import (
     Pacer,

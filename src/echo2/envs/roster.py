@@ -31,7 +31,7 @@ def environment(cfg: EnvironmentFields) -> Environment:
     for env in ENVIRONMENTS:
         if type(cfg) is env.config:
             return env
-    raise KeyError(f"{type(cfg).__name__} is the config of no listed environment (envs/registry.py)")
+    raise KeyError(f"{type(cfg).__name__} is the config of no listed environment (envs/roster.py)")
 
 
 def env_spec(cfg: EnvironmentFields) -> EnvSpec:

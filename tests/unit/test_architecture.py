@@ -333,3 +333,36 @@ def test_the_ranks_rule_finds_a_collective_outside_the_seam():
         "x = torch.cuda.device_count()\n"  # not the ranks: allowed
     )
     assert sorted(line for line, _ in _distributed_uses(ast.parse(code))) == [1, 2, 3, 4]
+
+
+SHARED_NAMES = frozenset({"__init__.py", "base.py"})  # a package's marker and its protocol module
+
+
+def _collisions(paths: list[str]) -> dict[str, list[str]]:
+    """Module file names (relative to echo2/) held by two modules or more, but the shared ones and the
+    CLI's, each named after the subcommand it runs (``cli/plan.py`` runs ``echo2 plan``)."""
+    by_name: dict[str, list[str]] = {}
+    for rel in paths:
+        name = rel.rsplit("/", 1)[-1]
+        if name not in SHARED_NAMES and not rel.startswith("cli/"):
+            by_name.setdefault(name, []).append(rel)
+    return {name: where for name, where in by_name.items() if len(where) > 1}
+
+
+def test_no_two_modules_share_a_name():
+    """One name per module, so a name in a log line, a traceback or a review says which module: no
+    ``registry.py`` in four packages."""
+    assert _collisions([p.relative_to(SRC).as_posix() for p, _ in _modules()]) == {}
+
+
+def test_the_name_rule_finds_a_collision():
+    """The scan above is not vacuous: two ``store.py`` collide; ``base.py`` and the CLI's do not."""
+    paths = [
+        "data/store.py",
+        "broadcast/store.py",
+        "tasks/base.py",
+        "envs/base.py",
+        "cli/plan.py",
+        "planner/plan.py",
+    ]
+    assert _collisions(paths) == {"store.py": ["data/store.py", "broadcast/store.py"]}

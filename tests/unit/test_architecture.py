@@ -366,3 +366,28 @@ def test_the_name_rule_finds_a_collision():
         "planner/plan.py",
     ]
     assert _collisions(paths) == {"store.py": ["data/store.py", "broadcast/store.py"]}
+
+
+def _protocols(tree: ast.Module) -> list[str]:
+    """The classes a module declares as protocols (``class X(Protocol)``)."""
+    return [
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("Protocol") for b in node.bases)
+    ]
+
+
+def test_no_two_protocols_share_a_name():
+    """One ``Task`` protocol (``tasks/base.py``; the data adapters' is ``Adapter``), one of each seam."""
+    seen: dict[str, list[str]] = {}
+    for p, tree in _modules():
+        for name in _protocols(tree):
+            seen.setdefault(name, []).append(p.relative_to(SRC).as_posix())
+    assert {n: w for n, w in seen.items() if len(w) > 1} == {}
+    assert seen["Task"] == ["tasks/base.py"]
+
+
+def test_the_protocol_scan_finds_protocols():
+    """The scan above is not vacuous: both spellings of a protocol base are found, a plain class is not."""
+    code = "class Task(Protocol): ...\nclass Adapter(typing.Protocol): ...\nclass Plain(Base): ...\n"
+    assert _protocols(ast.parse(code)) == ["Task", "Adapter"]

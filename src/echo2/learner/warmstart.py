@@ -24,12 +24,12 @@ from echo2.data.tasks.environment import EnvironmentTask
 from echo2.types import Prompt
 
 if TYPE_CHECKING:
-    from echo2.data.tasks.base import Task
+    from echo2.data.tasks.base import Adapter
 
 log = logging.getLogger(__name__)
 
 
-def supervised(cfg: Config, policy: Any, task: Task, out: Path) -> dict[str, float | int | str]:
+def supervised(cfg: Config, policy: Any, task: Adapter, out: Path) -> dict[str, float | int | str]:
     """Warm start of a single-turn task: teacher-forced steps on its reference answers until the greedy
     validation accuracy reaches ``warmstart.target_accuracy`` (or ``max_steps``); saved under ``out``."""
     import torch

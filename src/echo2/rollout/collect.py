@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from echo2.data.tasks.base import Task
+from echo2.data.tasks.base import Adapter
 from echo2.models.policy import TextCodec
 from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt, Trajectory
@@ -30,7 +30,7 @@ class RolloutBatch:
 def collect_groups(
     codec: TextCodec,
     engine: Engine,
-    task: Task,
+    task: Adapter,
     prompts: Sequence[Prompt],
     group_size: int,
     *,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from echo2.data.tasks.base import Task
+from echo2.data.tasks.base import Adapter
 from echo2.models.policy import TextCodec
 from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt
@@ -20,7 +20,7 @@ class EvalResult:
 
 
 def evaluate_text(
-    codec: TextCodec, engine: Engine, task: Task, prompts: Sequence[Prompt], batch_size: int = 256
+    codec: TextCodec, engine: Engine, task: Adapter, prompts: Sequence[Prompt], batch_size: int = 256
 ) -> EvalResult:
     """Greedy held-out evaluation of a single-turn task: one greedy completion per prompt, graded by
     the task (an environment's evaluation plays episodes: ``echo2.tasks.episodic``)."""

@@ -14,8 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from echo2.data.tasks.base import Grade
-from echo2.data.tasks.base import Task as TextAdapter
+from echo2.data.tasks.base import Adapter, Grade
 from echo2.observe import catalog as m
 from echo2.rollout.collect import RolloutBatch, collect_groups
 from echo2.rollout.evaluate import EvalResult, evaluate_text
@@ -45,7 +44,7 @@ class SingleTurn:
 
     score: Score = "accuracy"
 
-    def __init__(self, data: TextAdapter) -> None:
+    def __init__(self, data: Adapter) -> None:
         self.data = data  # prompts, splits and the reward function
         self.name = data.name
         self._timeouts = data if isinstance(data, CountsGradeTimeouts) else None

@@ -52,7 +52,7 @@ from echo2.types import Prompt, Trajectory
 
 if TYPE_CHECKING:
     from echo2.data.store import Lease
-    from echo2.data.tasks.base import Task
+    from echo2.data.tasks.base import Adapter
     from echo2.data.tasks.environment import EnvironmentTask
     from echo2.models.policy import TextCodec
 
@@ -64,7 +64,7 @@ EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch"
 class Verifier:
     """The checks every submission gets (cheap: a tokenizer and the task's grader)."""
 
-    def __init__(self, codec: TextCodec, task: Task, eos_id: EosIds, max_new_tokens: int) -> None:
+    def __init__(self, codec: TextCodec, task: Adapter, eos_id: EosIds, max_new_tokens: int) -> None:
         self._setup(codec, eos_id, max_new_tokens)
         self.task = task  # the adapter whose reward function re-grades every completion
 

@@ -1,4 +1,5 @@
-"""The task adapter contract (SPEC §1): the ``Task`` protocol and the helpers adapters share.
+"""The task adapter contract (SPEC §1): the ``Adapter`` protocol and the helpers adapters share (the
+one task protocol of a run, which wraps an adapter, is ``echo2.tasks.base.Task``).
 
 A task builds prompts ``x`` (a train stream and two fixed held-out splits), defines the reward
 ``R(x, y)``, and says how a trajectory's metadata ``Ω`` becomes learner-side signals (a per-token
@@ -33,7 +34,7 @@ class Grade:
     parsed: bool  # False when no answer could be read from y (then reward is 0 and it is counted)
 
 
-class Task(Protocol):
+class Adapter(Protocol):
     """A data-plane task adapter."""
 
     name: str

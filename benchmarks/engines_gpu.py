@@ -99,7 +99,7 @@ def main() -> None:
     sampling = SamplingConfig(max_new_tokens=tokens)
     with tempfile.TemporaryDirectory() as tmp:
         model.config.save_pretrained(tmp)
-        opts = EngineOptions(dtype=dtype, memory_fraction=0.5, max_context=PROMPT_LEN + tokens + 8)
+        opts = EngineOptions(dtype=dtype, memory=0.5, max_context=PROMPT_LEN + tokens + 8)
         res["start_s"], vllm = _timed(lambda: build_engine("vllm", Path(tmp), 1, 0, sampling, opts))
     base = sampler_copy(model, dtype)
     res["install_first_s"], _ = _timed(lambda: vllm.install(base))

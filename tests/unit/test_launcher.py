@@ -59,3 +59,29 @@ def test_the_multi_machine_learner_command_says_what_to_set():
     assert (
         res.returncode == 2 and "set runtime.advertise_host" in res.stderr and "Traceback" not in res.stderr
     )
+
+
+def test_each_engine_setting_has_one_name_from_the_config_to_the_engine():
+    """``runtime.engine_<name>`` (the workers `echo2 run` starts), ``echo2 worker --engine-<name>`` and
+    ``EngineOptions.<name>``, for each of ENGINE_SETTINGS: the config's defaults are the engine's, and a
+    run's settings reach the engine of the worker it starts through the command line, unchanged."""
+    import dataclasses
+
+    from echo2.cli import build_parser
+    from echo2.cli.run import engine_options
+    from echo2.config import RuntimeConfig
+    from echo2.rollout.engines.base import ENGINE_SETTINGS, EngineOptions
+
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    assert set(ENGINE_SETTINGS) <= fields
+    assert {n: getattr(RuntimeConfig(), f"engine_{n}") for n in ENGINE_SETTINGS} == {
+        n: getattr(EngineOptions(), n) for n in ENGINE_SETTINGS
+    }
+    sets = ["runtime.engine_dtype=bfloat16", "security.engine_precision=bfloat16"]
+    sets += ["runtime.engine_memory=0.7", "runtime.engine_device=cpu", "runtime.engine_batch_tokens=512"]
+    cmd = worker_command("http://127.0.0.1:9", "local-0", load_config(overrides=sets))
+    got = engine_options(build_parser().parse_args(cmd[3:]))
+    want = EngineOptions(dtype="bfloat16", memory=0.7, device="cpu", batch_tokens=512)
+    assert got == want
+    plain = worker_command("http://127.0.0.1:9", "local-0", load_config())  # the defaults, end to end
+    assert engine_options(build_parser().parse_args(plain[3:])) == EngineOptions()

@@ -194,9 +194,9 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
         "(checked against the run's digest)",
     )
     p.add_argument("--engine", default="hf", help="rollout engine: hf (default) or vllm (docs/engines.md)")
+    # --engine-<name> for each of rollout/engines/base.ENGINE_SETTINGS, unset: EngineOptions' default
     p.add_argument(  # literals: the parser imports nothing heavy (config.FloatDtype, EngineOptions)
         "--engine-dtype",
-        default="float32",
         choices=["float32", "bfloat16", "float16"],
         help="compute dtype of the engine (default float32; bfloat16 needs the run's "
         "security.engine_precision = bfloat16)",
@@ -204,12 +204,10 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-memory",
         type=float,
-        default=0.3,
         help="share of GPU memory (host memory on CPU) the vLLM engine may claim (default 0.3)",
     )
     p.add_argument(
         "--engine-device",
-        default="auto",
         help="where the HF engine computes: auto (CUDA when present, default), cpu, cuda or cuda:N",
     )
     p.add_argument(
@@ -219,12 +217,30 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_options(args: argparse.Namespace) -> Any:
+    """The ``EngineOptions`` of ``echo2 worker``'s ``--engine-<name>`` flags, one per
+    ``rollout/engines/base.ENGINE_SETTINGS`` (unset: EngineOptions' default), checked."""
+    from echo2.config import DEVICE_PATTERN
+    from echo2.errors import ConfigError
+    from echo2.rollout.engines.base import ENGINE_SETTINGS, EngineOptions
+
+    given = {n: getattr(args, f"engine_{n}") for n in ENGINE_SETTINGS}
+    engine = EngineOptions(**{n: v for n, v in given.items() if v is not None})
+    if not 0.0 < engine.memory <= 1.0:
+        raise ConfigError(f"--engine-memory {engine.memory}: must be in (0, 1]")
+    if not re.match(DEVICE_PATTERN, engine.device):
+        raise ConfigError(f"--engine-device {engine.device!r}: choose auto, cpu, cuda or cuda:N")
+    if engine.batch_tokens is not None and engine.batch_tokens < 16:
+        raise ConfigError(f"--engine-batch-tokens {engine.batch_tokens}: must be >= 16")
+    return engine
+
+
 def _worker(args: argparse.Namespace) -> int:
     from typing import get_args
 
-    from echo2.config import DEVICE_PATTERN, EngineName
+    from echo2.config import EngineName
     from echo2.errors import ConfigError
-    from echo2.rollout.engines import EngineOptions, require_engine
+    from echo2.rollout.engines import require_engine
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
     from echo2.tasks.registry import build_task
     from echo2.transport import parse_join
@@ -235,23 +251,18 @@ def _worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"echo2 worker needs the run's join token: --token or ${JOIN_TOKEN_ENV}")
     if args.engine not in get_args(EngineName):
         raise ConfigError(f"--engine {args.engine!r}: choose one of {list(get_args(EngineName))}")
-    if not 0.0 < args.engine_memory <= 1.0:
-        raise ConfigError(f"--engine-memory {args.engine_memory}: must be in (0, 1]")
-    if not re.match(DEVICE_PATTERN, args.engine_device):
-        raise ConfigError(f"--engine-device {args.engine_device!r}: choose auto, cpu, cuda or cuda:N")
+    engine = engine_options(args)
     if args.lora_base is not None and not Path(args.lora_base).expanduser().is_dir():
         raise ConfigError(f"--lora-base {args.lora_base}: no such checkpoint directory")
     if not 0 <= args.relay_port <= 65535:
         raise ConfigError(f"--relay-port {args.relay_port}: not a TCP port (1-65535, or 0: any free one)")
     if args.advertise_port is not None and not 1 <= args.advertise_port <= 65535:
         raise ConfigError(f"--advertise-port {args.advertise_port}: not a TCP port (1-65535)")
-    if args.engine_batch_tokens is not None and args.engine_batch_tokens < 16:
-        raise ConfigError(f"--engine-batch-tokens {args.engine_batch_tokens}: must be >= 16")
     require_engine(args.engine)  # a missing or broken engine package fails here, before registering
-    if args.engine_dtype != "float32":
+    if engine.dtype != "float32":
         print(
-            f"echo2 worker: warning: --engine-dtype {args.engine_dtype}: the learner's generation check "
-            f"must expect it (security.engine_precision = {args.engine_dtype!r} in the run's config: it "
+            f"echo2 worker: warning: --engine-dtype {engine.dtype}: the learner's generation check "
+            f"must expect it (security.engine_precision = {engine.dtype!r} in the run's config: it "
             "then computes in it); measured passing for the HF engine, not for a bf16 vLLM engine "
             "(docs/security.md, 'bf16 engines')",
             file=sys.stderr,
@@ -267,12 +278,7 @@ def _worker(args: argparse.Namespace) -> int:
         relay_port=args.relay_port,
         advertise_port=args.advertise_port,
         engine=args.engine,
-        engine_options=EngineOptions(
-            dtype=args.engine_dtype,
-            memory_fraction=args.engine_memory,
-            device=args.engine_device,
-            max_batch_tokens=args.engine_batch_tokens,
-        ),
+        engine_options=engine,
         lora_base=Path(args.lora_base).expanduser() if args.lora_base else None,
         **({"name": args.name} if args.name else {}),
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from echo2.config import Config
 from echo2.errors import Echo2Error
+from echo2.rollout.engines.base import ENGINE_SETTINGS
 from echo2.runtime.learner import AsyncLearner, Endpoints, LearnerSummary
 from echo2.transport import JOIN_TOKEN_ENV
 
@@ -33,10 +34,10 @@ def worker_command(join: str, name: str, cfg: Config, hardware: str = "local-cpu
     rt = cfg.runtime
     cmd = [sys.executable, "-m", "echo2.cli", "worker", "--join", join, "--name", name]
     cmd += ["--usd-per-hour", str(rt.worker_usd_per_hour), "--hardware", hardware, "--engine", rt.engine]
-    cmd += ["--engine-dtype", rt.engine_dtype, "--engine-memory", str(rt.engine_memory)]  # hf: dtype only
-    cmd += ["--engine-device", rt.engine_device]
-    if rt.engine_batch_tokens:
-        cmd += ["--engine-batch-tokens", str(rt.engine_batch_tokens)]
+    for name in ENGINE_SETTINGS:  # runtime.engine_<name> -> --engine-<name> (unset: the engine's default)
+        value = getattr(rt, f"engine_{name}")
+        if value is not None:
+            cmd += [f"--engine-{name.replace('_', '-')}", str(value)]
     if rt.worker_max_rollouts_per_s:
         cmd += ["--max-rollouts-per-s", str(rt.worker_max_rollouts_per_s)]
     return cmd

@@ -74,6 +74,12 @@ class Engine(Protocol):
         ...
 
 
+# the engine settings a user gives a worker, one name each end to end: ``runtime.engine_<name>`` for
+# the workers ``echo2 run`` starts (config/runtime.py, with the defaults below), ``echo2 worker
+# --engine-<name>`` (cli/run.py), ``EngineOptions.<name>``; the others come from the run's settings
+ENGINE_SETTINGS = ("dtype", "memory", "device", "batch_tokens")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How a worker sizes its engine (``echo2 worker --engine-*`` flags, ``[runtime]`` for the workers
@@ -81,13 +87,11 @@ class EngineOptions:
     ``device`` in ``dtype`` in batches of at most ``max_batch_tokens`` tokens."""
 
     dtype: str = "float32"  # compute dtype of the engine (float32, bfloat16)
-    memory_fraction: float = 0.3  # share of accelerator memory (host memory on CPU) vLLM may claim
+    memory: float = 0.3  # share of accelerator memory (host memory on CPU) vLLM may claim
     max_context: int = 0  # longest prompt + completion the engine must hold; 0 = the model's own limit
     eager: bool | None = None  # vLLM without CUDA graphs / compilation; None = eager on CPU only
     device: str = "auto"  # where the HF engine's model runs: auto (CUDA when present), cpu, cuda, cuda:N
-    max_batch_tokens: int | None = (
-        None  # HF engine: rows x (prompt + new tokens) per forward batch; None: one
-    )
+    batch_tokens: int | None = None  # HF engine: rows x (prompt + new tokens) per forward batch; None: one
     lora_rank: int | None = None  # vLLM: serve LoRA adapters of this rank natively (a LoRA run's setting)
 
 

@@ -87,7 +87,7 @@ class HFEngine:
         options = options or EngineOptions()
         dtype = getattr(torch, options.dtype)
         model = model_from_skeleton(skeleton_dir).to(resolve_device(options.device, "engine device"), dtype)
-        return cls(model, eos_id, pad_id, sampling, max_batch_tokens=options.max_batch_tokens)
+        return cls(model, eos_id, pad_id, sampling, max_batch_tokens=options.batch_tokens)
 
     def install(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load published weights into the model in place, cast to its dtype (``models/snapshot.py``)."""

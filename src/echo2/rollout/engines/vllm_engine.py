@@ -119,7 +119,7 @@ class VLLMEngine:
             "dtype": opts.dtype,
             "logits_processors": [Echo2Sampler],
             "logprobs_mode": "processed_logits",
-            "gpu_memory_utilization": opts.memory_fraction,
+            "gpu_memory_utilization": opts.memory,
             "enforce_eager": eager,
             "seed": 0,
         }

@@ -161,9 +161,20 @@ def _planned(ann: dict[str, Any]) -> dict[str, int]:
     return got
 
 
+class Verdicts(OpenLedger):
+    """A ledger that keeps the publisher's verdicts on its members as relays, in order."""
+
+    def __init__(self) -> None:
+        self.conduct: list[tuple[str, bool]] = []
+
+    def relay_conduct(self, worker_id: str, demoted: bool) -> None:
+        self.conduct.append((worker_id, demoted))
+
+
 async def _three_members() -> tuple[TcpPublisher, dict[str, Any]]:
-    """A started publisher with members a, b and c joined (their control connections by name)."""
-    pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+    """A started publisher with members a, b and c joined (their control connections by name), its
+    ledger a :class:`Verdicts`."""
+    pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=Verdicts())
     await pub.start()
     ctl = {}
     for w in "abc":
@@ -201,6 +212,7 @@ def test_publisher_counts_reports_demotes_a_staller_and_checks_acks(caplog: pyte
         assert pub.counters.reports_refused == 4 and pub.counters.stall_reports == 1
         await send("b", {"op": "stalled", "v": 1, "source": "c"})
         assert DEMOTE_AFTER_REPORTS == 2 and pub.demoted() == ["c"] and pub.counters.relays_demoted == 1
+        assert pub.ledger.conduct == [("c", True)]  # the member's record shows it (runtime/members.py)
         await send("c", {"op": "installed", "v": 1, "got": _planned(ann["c"])})  # ignored: already refused
         await send("a", {"op": "installed", "v": 1, "got": {"learner": N_CHUNKS}})  # learner served it 0
         assert pub.counters.acks_refused == 2
@@ -459,6 +471,29 @@ def test_node_gives_up_a_silent_peer_at_the_deadline_reports_and_remembers_it(
     asyncio.run(go())
     _no_traceback(caplog)
     assert "source silent failed for v1 (no first chunk within 1." in caplog.text
+
+
+def test_a_demotion_undone_by_a_starvation_report_is_told_to_the_ledger_both_ways() -> None:
+    """b reports a stalling in two versions: a is demoted (the ledger told); a then reports its own
+    source c in the second: the second report was the starvation it passed on, the demotion is undone
+    (the ledger told again) and a relays."""
+
+    async def go() -> None:
+        pub, ctl = await _three_members()
+        for v in (1, 2):
+            await pub.publish(v, BLOB)
+            ann = {w: await read_header(ctl[w][0]) for w in ctl}
+            assert "c" in {s for s, _ in ann["a"]["sources"]} and "a" in {s for s, _ in ann["b"]["sources"]}
+            await _send(ctl, "b", {"op": "stalled", "v": v, "source": "a"})
+        assert pub.demoted() == ["a"] and pub.ledger.conduct == [("a", True)]
+        await _send(ctl, "a", {"op": "stalled", "v": 2, "source": "c"})
+        assert pub.demoted() == [] and pub.ledger.conduct == [("a", True), ("a", False)]
+        assert pub.counters.relays_demoted == 0
+        for w in ctl:
+            ctl[w][1].close()
+        await pub.close()
+
+    asyncio.run(go())
 
 
 def test_a_relay_starved_by_its_own_source_is_not_blamed_for_the_stall_it_passes_on() -> None:

@@ -69,6 +69,23 @@ def test_installed_is_monotonic_and_ignores_strangers(tmp_path: Path) -> None:
     assert [r.installed_version for r in reg] == [5]
 
 
+def test_a_relay_demotion_is_on_the_members_record_for_this_process_only(tmp_path: Path) -> None:
+    """The publisher's verdict on a relay (``relay_conduct``) is on the member's record, read by the pool
+    table and /metrics; a restarted learner's publisher starts every member relaying, so it is not
+    persisted."""
+    reg = _registry(tmp_path)
+    wid, _ = _join(reg, "a")
+    reg.relay_conduct(wid, True)
+    reg.relay_conduct("ghost", True)  # unknown id: nothing happens, nothing raises
+    assert [r.relay_demoted for r in reg] == [True]
+    reg.save()  # as any later change of the registry saves it
+    again = _registry(tmp_path)
+    again.load()
+    assert [r.relay_demoted for r in again] == [False]
+    reg.relay_conduct(wid, False)
+    assert not reg[wid].relay_demoted
+
+
 def test_only_trusted_identities_are_targets(tmp_path: Path) -> None:
     clock = Clock()
     reg = _registry(tmp_path, clock, slot_idle_s=100.0)

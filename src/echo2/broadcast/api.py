@@ -116,6 +116,12 @@ class MemberLedger(Protocol):
         retirement), at once, on the thread that decided it."""
         ...
 
+    def relay_conduct(self, worker_id: str, demoted: bool) -> None:
+        """The publisher's verdict on ``worker_id`` as a relay: demoted (its peers reported it stalling
+        ``DEMOTE_AFTER_REPORTS`` times: it pulls from the learner and serves nobody), or relaying again
+        (those reports were a starvation it passed on). An unknown id is ignored."""
+        ...
+
 
 class OpenLedger:
     """The ledger where none is given (tests, benchmarks, the in-memory hub): anyone may join, every
@@ -132,6 +138,9 @@ class OpenLedger:
 
     def watch(self, on_untrusted: Callable[[str], None]) -> None:
         return None  # nobody is ever untrusted here
+
+    def relay_conduct(self, worker_id: str, demoted: bool) -> None:
+        return None  # the publisher's own counters still count demotions
 
 
 class SnapshotPublisher(Protocol):

@@ -520,6 +520,7 @@ class TcpPublisher:
         if count >= DEMOTE_AFTER_REPORTS and source not in self._demoted:
             self._demoted.add(source)
             self.counters.relays_demoted += 1
+            self.ledger.relay_conduct(source, True)  # its record shows it (the pool table, /metrics)
             log.warning("%s no longer relays: %d stall reports; it pulls from the learner", source, count)
         self._forget()
 
@@ -538,6 +539,7 @@ class TcpPublisher:
         if member in self._demoted and self._reports[member] < DEMOTE_AFTER_REPORTS:
             self._demoted.discard(member)
             self.counters.relays_demoted -= 1
+            self.ledger.relay_conduct(member, False)
         if member in rnd.refused_as_stalled:
             rnd.refused_as_stalled.discard(member)
             rnd.refused.discard(member)

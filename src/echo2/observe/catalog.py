@@ -729,6 +729,15 @@ LIVE: tuple[Live, ...] = (
         _gauge("echo2_worker_install_seconds", "seconds the worker's last install took", _WORKER),
     ),
     Live(
+        "pool.workers[].relay_demoted",
+        "0/1",
+        _gauge(
+            "echo2_worker_relay_demoted",
+            "1 if the broadcast no longer plans the worker as a relay (its peers reported it stalling)",
+            _WORKER,
+        ),
+    ),
+    Live(
         "pool.workers[].mu",
         "rollouts/s",
         _gauge("echo2_worker_rollouts_per_second", "measured mu_i", _WORKER),

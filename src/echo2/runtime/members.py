@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RATE = 1.0  # rollouts/s assumed for a worker that registers without an estimate
 DEFAULT_SLOT_IDLE_S = 600.0  # = security.slot_idle_s's default (the learner passes the configured value)
 REGISTRY_FILE = "workers.json"
+# a record's fields that live with this learner process only (and a record read back without them)
+_NOT_PERSISTED = frozenset({"last_seen_s", "install_s", "checks_waiting", "relay_demoted"})
 
 
 @dataclass
@@ -70,6 +72,8 @@ class WorkerRecord:
     rollouts: int = 0  # rollouts it has had admitted
     checks_passed: int = 0  # of its submissions, those whose generation check passed
     checks_waiting: int = 0  # of its submissions, those drawn and waiting for the check (not persisted)
+    relay_demoted: bool = False  # the broadcast publisher no longer plans it as a relay (not persisted:
+    #                              a restarted learner's publisher starts every member relaying again)
     quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
     quarantined_s: float = 0.0  # clock time it was quarantined (its slot frees slot_idle_s later)
     retired_s: float | None = None  # clock time it was retired for silence (None: not retired)
@@ -217,6 +221,13 @@ class WorkerRegistry:
         right when it happens (the broadcast publisher closes its connections: ``MemberLedger.watch``)."""
         self._watchers.append(on_untrusted)
 
+    def relay_conduct(self, worker_id: str, demoted: bool) -> None:
+        """The broadcast publisher's verdict on a member as a relay (``MemberLedger.relay_conduct``),
+        kept on its record for the pool table and ``/metrics``."""
+        rec = self._records.get(worker_id)
+        if rec is not None:
+            rec.relay_demoted = demoted
+
     def _untrusted(self, worker_id: str) -> None:
         for watcher in self._watchers:
             watcher(worker_id)
@@ -262,8 +273,7 @@ class WorkerRegistry:
         """Write ``workers.json``. A descriptor table or disk that is full is no request's failure: the
         registry stays right in memory and the next save writes it all (logged; never an error reply)."""
         data = [
-            {k: v for k, v in asdict(r).items() if k not in ("last_seen_s", "install_s", "checks_waiting")}
-            for r in self._records.values()
+            {k: v for k, v in asdict(r).items() if k not in _NOT_PERSISTED} for r in self._records.values()
         ]
         try:
             write_atomic(self.path, json.dumps(data, indent=1))

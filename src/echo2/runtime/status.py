@@ -87,6 +87,7 @@ class NodeStatus:
                     "reason": self.pool.last_reason.get(rec.worker_id, ""),
                     "installed_version": rec.installed_version,
                     "install_s": rec.install_s,
+                    "relay_demoted": rec.relay_demoted,
                     "rollouts": rec.rollouts,
                     "last_seen_s": round(now - rec.last_seen_s, 3),
                 }

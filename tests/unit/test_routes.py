@@ -776,3 +776,41 @@ def test_a_lora_runs_base_is_served_a_bounded_number_of_times_and_pinned_in_ever
         assert Manifest.from_dict((await resp.json())["manifest"]).lineage.model_base == "ab" * 32
 
     run(served, node)
+
+
+def test_a_quarantine_is_one_call_on_the_members_record(tmp_path):
+    """``registry.revoke`` alone (what the intake and the learner loop call on evidence of lying) does
+    the whole quarantine: the record, the pool's candidate and rate window, the admitted groups purged,
+    the open leases' prompts out again; a worker retired for silence before it was caught included.
+    A retirement alone purges nothing: a silent worker is no liar."""
+    node = make_node(tmp_path)
+
+    async def go(client: TestClient) -> tuple[str, str, int, list[int]]:
+        liar, quiet, retired = (
+            await register(client, "liar"),
+            await register(client, "quiet"),
+            await register(client, "r"),
+        )
+        for auth in (liar, quiet, retired):
+            le = await lease(client, auth)
+            resp = await client.post("/v1/submit", json=payload(le), headers=auth)
+            assert resp.status == 200, await resp.text()
+        await lease(client, liar)  # an open lease: its prompts go out again at the quarantine
+        ids = {r.name: r.worker_id for r in node.registry}
+        node.registry[ids["r"]].retired_s = time.time()  # retired for silence, then found out
+        node.registry._untrusted(ids["r"])
+        node.registry[ids["quiet"]].retired_s = time.time()  # retired only
+        node.registry._untrusted(ids["quiet"])
+        before = node.store.stats().purged
+        node.registry.revoke(ids["liar"], "reward_mismatch: caught")
+        node.registry.revoke(ids["r"], "forged_generation: caught")
+        open_after = [node.store.open_leases(ids[n]) for n in ("liar", "r")]
+        return ids["liar"], ids["r"], node.store.stats().purged - before, open_after
+
+    (liar, retired, purged, open_after), stats = run(go, node)
+    G = node.cfg.batch.group_size
+    assert purged == 2 * 2 * G and stats.admitted == 3 * 2 * G  # the two liars' groups; quiet's stay
+    assert open_after == [0, 0]
+    for wid, why in ((liar, "reward_mismatch"), (retired, "forged_generation")):
+        assert node.pool.state(wid) == "quarantined" and node.pool.last_reason[wid] == f"quarantined: {why}"
+        assert node.registry[wid].rate_window is None

@@ -40,12 +40,13 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from echo2.observe.rundir import write_atomic
 from echo2.protocol import RegisterRequest
 from echo2.resources import is_exhausted
+from echo2.runtime.standing import Standing
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,9 @@ DEFAULT_RATE = 1.0  # rollouts/s assumed for a worker that registers without an 
 DEFAULT_SLOT_IDLE_S = 600.0  # = security.slot_idle_s's default (the learner passes the configured value)
 REGISTRY_FILE = "workers.json"
 # a record's fields that live with this learner process only (and a record read back without them)
-_NOT_PERSISTED = frozenset({"last_seen_s", "install_s", "checks_waiting", "relay_demoted"})
+_NOT_PERSISTED = frozenset(
+    {"last_seen_s", "install_s", "checks_waiting", "relay_demoted", "standing", "rate_window"}
+)
 
 
 @dataclass
@@ -74,6 +77,11 @@ class WorkerRecord:
     checks_waiting: int = 0  # of its submissions, those drawn and waiting for the check (not persisted)
     relay_demoted: bool = False  # the broadcast publisher no longer plans it as a relay (not persisted:
     #                              a restarted learner's publisher starts every member relaying again)
+    # its record with leases (standing.py: probation, strikes, the bench; the lease broker's view) and the
+    # pool's window of its admitted rollouts (since, busy seconds, admitted then; the measured rate's):
+    # neither persisted (a restarted learner starts every worker on probation, its rate from a new window)
+    standing: Standing = field(default_factory=Standing)
+    rate_window: tuple[float, float, int] | None = None
     quarantined: str = ""  # why its credential was revoked ("" while it is trusted)
     quarantined_s: float = 0.0  # clock time it was quarantined (its slot frees slot_idle_s later)
     retired_s: float | None = None  # clock time it was retired for silence (None: not retired)
@@ -221,6 +229,11 @@ class WorkerRegistry:
         right when it happens (the broadcast publisher closes its connections: ``MemberLedger.watch``)."""
         self._watchers.append(on_untrusted)
 
+    def standing(self, worker_id: str) -> Standing | None:
+        """A member's record with leases (the lease broker's view, ``standing.Standings``)."""
+        rec = self._records.get(worker_id)
+        return rec.standing if rec is not None else None
+
     def relay_conduct(self, worker_id: str, demoted: bool) -> None:
         """The broadcast publisher's verdict on a member as a relay (``MemberLedger.relay_conduct``),
         kept on its record for the pool table and ``/metrics``."""
@@ -233,18 +246,19 @@ class WorkerRegistry:
             watcher(worker_id)
 
     def revoke(self, worker_id: str, reason: str) -> None:
-        """Quarantine a worker: its credential opens nothing any more (persisted, with the time, so a
-        restart keeps it out and frees its slot ``slot_idle_s`` after the catch), and the watchers are
-        told at once; the record stays, with the reason, for the registry's history."""
+        """Quarantine a worker, the one call a quarantine takes: its credential opens nothing any more
+        (persisted, with the time, so a restart keeps it out and frees its slot ``slot_idle_s`` after
+        the catch), and the watchers are told at once, a worker retired before included (the node's
+        watcher then drops it from the pool and purges what it left untrained, ``node.py``; the
+        broadcast publisher's closes its connections); the record stays, with the reason, for the
+        registry's history."""
         rec = self._records[worker_id]
         if not rec.quarantined:
-            was_trusted = rec.trusted
             rec.quarantined = reason
             rec.quarantined_s = self.clock()
             self.save()
             log.warning("quarantined %s (%r): %s", worker_id, rec.name, reason)
-            if was_trusted:
-                self._untrusted(worker_id)
+            self._untrusted(worker_id)
 
     def seen_within(self, seconds: float) -> list[str]:
         """Workers heard from in the last ``seconds``."""
@@ -273,7 +287,8 @@ class WorkerRegistry:
         """Write ``workers.json``. A descriptor table or disk that is full is no request's failure: the
         registry stays right in memory and the next save writes it all (logged; never an error reply)."""
         data = [
-            {k: v for k, v in asdict(r).items() if k not in _NOT_PERSISTED} for r in self._records.values()
+            {f.name: getattr(r, f.name) for f in fields(r) if f.name not in _NOT_PERSISTED}
+            for r in self._records.values()
         ]
         try:
             write_atomic(self.path, json.dumps(data, indent=1))

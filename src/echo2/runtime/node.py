@@ -2,12 +2,13 @@
 the worker benchmark, so the parts are always assembled the same way.
 
 The parts, one owner each: the worker registry (``members.py``: membership, credentials, installed
-versions), the pool (``pool.py``: cost-aware activation, $/h), the lease broker (``leases.py``: prompts,
-in-flight cap, admissible-version gate), the intake (``intake.py``: validation + store admission), the
-snapshot publisher (``snapshots.py``) and the HTTP routes (``routes.py``) that adapt the wire protocol
-to them. They never reach into each other: each gets the callables it needs (the learner's version,
-the newest published version, whether a worker is active, the clock).
-"""
+versions; each member's one record, of which the others keep their parts through narrow views: its
+lease standing, its rate window, its checks, its relay conduct; a quarantine is its one call,
+``revoke``), the pool (``pool.py``: cost-aware activation, $/h), the lease broker (``leases.py``:
+prompts, in-flight cap, admissible-version gate), the intake (``intake.py``: validation + store
+admission), the snapshot publisher (``snapshots.py``) and the HTTP routes (``routes.py``) that adapt
+the wire protocol to them. They never reach into each other: each gets the callables it needs (the
+learner's version, the newest published version, whether a worker is active, the clock)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,12 @@ from echo2.check.checker import waiting as check_waiting
 from echo2.check.rerun import GenerationCheck
 from echo2.config import Config
 from echo2.data.store import TrajectoryStore
-from echo2.data.submission import Rejected
 from echo2.observe.rundir import PUBLISHED_DIR
 from echo2.perimeter import Limits
 from echo2.protocol import LoraSettings, WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
 from echo2.runtime.leases import LeaseBroker
-from echo2.runtime.members import WorkerRecord, WorkerRegistry
+from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.pool import Pool
 from echo2.runtime.prompts import PromptSource
 from echo2.runtime.routes import Identity, Routes
@@ -117,6 +117,7 @@ def assemble(
         model_base=lora.base_digest if lora else "",
     )  # fmt: skip
     pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch, generation)
+    registry.watch(_on_quarantine(registry, pool, broker))  # a quarantine is one call: registry.revoke
     limits = submission_limits(cfg, task, vocab_size)
     intake = Intake(
         store=store,
@@ -130,7 +131,7 @@ def assemble(
         returned=broker.returned,
         refused=broker.refused,
         struck=broker.struck,
-        quarantine=_quarantine(registry, pool, broker),
+        quarantine=lambda rec, exc: registry.revoke(rec.worker_id, f"{exc.reason}: {exc.detail}"),
         quarantined=lambda: sum(1 for r in registry if r.quarantined),  # persisted: restarts keep it
         data_ready=data_ready,
         epoch=epoch,
@@ -157,7 +158,7 @@ def _leasing(
     broker, sharing one ledger of lease standings: a heartbeat keeps a worker alive in the pool only
     while it holds an open lease or asked for one within the heartbeat timeout. The pool is sized
     against what the generation check can re-run at its floor."""
-    standings = Standings(cfg.security.max_unreturned, cfg.lease_ttl())
+    standings = Standings(cfg.security.max_unreturned, cfg.lease_ttl(), book=registry.standing)
     timeout = cfg.controller.heartbeat_timeout_s
 
     def working(worker_id: str) -> bool:
@@ -184,16 +185,19 @@ def _leasing(
     return pool, broker
 
 
-def _quarantine(
-    registry: WorkerRegistry, pool: Pool, broker: LeaseBroker
-) -> Callable[[WorkerRecord, Rejected], None]:
-    """Evidence of lying quarantines the worker: credential revoked, what it left untrained purged,
-    its leases taken back for others."""
+def _on_quarantine(registry: WorkerRegistry, pool: Pool, broker: LeaseBroker) -> Callable[[str], None]:
+    """What a quarantine does beyond the record (``WorkerRegistry.revoke``, the one call: evidence of
+    lying, from the intake or the learner loop): the pool drops the worker for good, what it left
+    untrained is purged and its leases' prompts go out again (its buffered groups' come via
+    take_redo); the broadcast publisher, watching too, closes its connections. A worker retired for
+    silence keeps what it delivered."""
 
-    def quarantine(rec: WorkerRecord, exc: Rejected) -> None:
-        registry.revoke(rec.worker_id, f"{exc.reason}: {exc.detail}")
-        pool.quarantine(rec.worker_id, exc.reason)
-        _, prompts = broker.store.purge_worker(rec.worker_id)
-        broker.prompts.again(prompts)  # its open leases; its buffered groups' prompts come via take_redo
+    def on_untrusted(worker_id: str) -> None:
+        rec = registry.get(worker_id)
+        if rec is None or not rec.quarantined:  # retired: not a liar
+            return
+        pool.quarantine(worker_id, rec.quarantined.partition(":")[0])
+        _, prompts = broker.store.purge_worker(worker_id)
+        broker.prompts.again(prompts)
 
-    return quarantine
+    return on_untrusted

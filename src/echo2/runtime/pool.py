@@ -78,7 +78,6 @@ class Pool:
         self.mu_min: float | None = None  # SPEC §3 mu_min(kappa) from the last measurement
         self.decisions: list[dict[str, Any]] = []  # activation log (also in the run directory)
         self.last_reason: dict[str, str] = {}  # worker -> why the controller last acted on it
-        self._window: dict[str, tuple[float, float, int]] = {}  # worker -> (since, busy_s, admitted then)
         self.probation: set[str] = set()  # registered, nothing admitted yet: no controller candidate
 
     def enroll(self, rec: WorkerRecord) -> None:
@@ -86,7 +85,7 @@ class Pool:
         rollouts goes to the controller at once, active, with the small prior ``DEFAULT_RATE``."""
         if not rec.trusted:
             return
-        self._window[rec.worker_id] = (self.clock(), 0.0, rec.rollouts)
+        rec.rate_window = (self.clock(), 0.0, rec.rollouts)  # since, busy_s, admitted then
         if rec.rollouts == 0:
             self.probation.add(rec.worker_id)
             return
@@ -102,15 +101,15 @@ class Pool:
         least ``MIN_BUSY_SHARE`` of the wall time since). A worker on probation leaves it with that
         first sample as its rate."""
         wid, now = rec.worker_id, self.clock()
-        since, busy, admitted = self._window.get(wid, (now, 0.0, rec.rollouts))
+        since, busy, admitted = rec.rate_window or (now, 0.0, rec.rollouts)
         busy += hb.busy_s
         new = rec.rollouts - admitted
         if new > 0:
             sample = Heartbeat(wid, now, new, max(busy, MIN_BUSY_SHARE * (now - since), 1e-3))
-            self._window[wid] = (now, 0.0, rec.rollouts)
+            rec.rate_window = (now, 0.0, rec.rollouts)
         else:
             sample = Heartbeat(wid, now, 0, 0.0)  # liveness only
-            self._window[wid] = (since, busy, admitted)
+            rec.rate_window = (since, busy, admitted)
         if wid in self.probation:
             if new <= 0:
                 return  # liveness of a probationer is the registry's (last seen)
@@ -131,7 +130,9 @@ class Pool:
         """A worker caught lying leaves the pool for good (the registry revoked its credential)."""
         self.controller.remove_candidate(worker_id)
         self.probation.discard(worker_id)
-        self._window.pop(worker_id, None)
+        rec = self.registry.get(worker_id)
+        if rec is not None:
+            rec.rate_window = None
         self.last_reason[worker_id] = f"quarantined: {reason}"
 
     def rate(self, worker_id: str) -> float:

@@ -27,12 +27,14 @@ worker has *returned*, never what it claims (the lease broker, ``leases.py``, as
 
 Every number here is counted (``leases/unreturned``, ``leases/stale_answers``, ``leases/benched``) and
 kept in memory only: a restarted learner starts every worker on probation again, which costs an honest
-worker one small lease.
+worker one small lease. In the learner node each worker's :class:`Standing` is part of its member record
+(``members.WorkerRecord.standing``): :class:`Standings` is the lease broker's view of it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from echo2.observe.catalog import LEASES_BENCHED, LEASES_STALE_ANSWERS, LEASES_UNRETURNED
@@ -41,7 +43,9 @@ BENCH_TTLS = 4.0  # a benched worker gets no lease for this many runtime.lease_t
 
 
 @dataclass
-class _Record:
+class Standing:
+    """One worker's record with leases."""
+
     returned: int = 0  # leases returned with admitted work since its last strike
     strikes: int = 0  # unreturned leases in a row
     benched_until: float = -math.inf  # clock time its bench ends
@@ -49,25 +53,40 @@ class _Record:
 
 
 class Standings:
-    """The lease record of every worker (event loop only; no I/O)."""
+    """The lease record of every worker (event loop only; no I/O). ``book``: where a worker's
+    :class:`Standing` is kept (the node's member records: ``WorkerRegistry.standing``; None for an id it
+    does not know); without one, here."""
 
-    def __init__(self, max_unreturned: int, lease_ttl_s: float) -> None:
+    def __init__(
+        self,
+        max_unreturned: int,
+        lease_ttl_s: float,
+        book: Callable[[str], Standing | None] | None = None,
+    ) -> None:
         self.max_unreturned = max_unreturned
         self.lease_ttl_s = lease_ttl_s
-        self._workers: dict[str, _Record] = {}
+        self._own: dict[str, Standing] = {}  # the standings kept here, without a book
+        self._keeps_own = book is None
+        self._book = book if book is not None else self._own.get
         self.unreturned = 0  # leases that expired unanswered, all workers
         self.stale_answers = 0  # answers too stale to admit, all workers
         self.benched = 0  # times a worker was benched
 
-    def _rec(self, worker_id: str) -> _Record:
-        return self._workers.setdefault(worker_id, _Record())
+    def _rec(self, worker_id: str) -> Standing:
+        """The standing to write (one the book does not keep, for an id it does not know)."""
+        found = self._book(worker_id)
+        if found is None:
+            found = Standing()
+            if self._keeps_own:
+                self._own[worker_id] = found
+        return found
 
     def asked(self, worker_id: str, now: float) -> None:
         """A lease request arrived (granted or refused): the worker is working, or trying to."""
         self._rec(worker_id).last_asked = now
 
     def asked_within(self, worker_id: str, now: float, seconds: float) -> bool:
-        rec = self._workers.get(worker_id)
+        rec = self._book(worker_id)
         return rec is not None and now - rec.last_asked <= seconds
 
     def returned_lease(self, worker_id: str) -> None:
@@ -98,27 +117,27 @@ class Standings:
             self.benched += 1
 
     def on_probation(self, worker_id: str) -> bool:
-        rec = self._workers.get(worker_id)
+        rec = self._book(worker_id)
         return rec is None or rec.returned == 0
 
     def struck(self, worker_id: str) -> bool:
         """On probation with an unreturned lease on its record (its last lease expired unanswered)."""
-        rec = self._workers.get(worker_id)
+        rec = self._book(worker_id)
         return rec is not None and rec.strikes > 0
 
     def bench_left(self, worker_id: str, now: float) -> float:
         """Seconds of bench left (0 when not benched)."""
-        rec = self._workers.get(worker_id)
+        rec = self._book(worker_id)
         return max(0.0, rec.benched_until - now) if rec is not None else 0.0
 
     def max_open(self, worker_id: str, cap: int) -> int:
         """Open leases the worker may hold: 1 on probation, then 1 + returned, at most ``cap``."""
-        rec = self._workers.get(worker_id)
+        rec = self._book(worker_id)
         return 1 if rec is None else max(1, min(cap, 1 + rec.returned))
 
     def ttl(self, worker_id: str) -> float:
         """Its next lease's time to live: ``lease_ttl_s / 2**strikes``."""
-        rec = self._workers.get(worker_id)
+        rec = self._book(worker_id)
         return self.lease_ttl_s / 2 ** (rec.strikes if rec is not None else 0)
 
     def metrics(self) -> dict[str, float]:

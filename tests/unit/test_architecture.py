@@ -391,3 +391,47 @@ def test_the_protocol_scan_finds_protocols():
     """The scan above is not vacuous: both spellings of a protocol base are found, a plain class is not."""
     code = "class Task(Protocol): ...\nclass Adapter(typing.Protocol): ...\nclass Plain(Base): ...\n"
     assert _protocols(ast.parse(code)) == ["Task", "Adapter"]
+
+
+IMPORT_FREE = ("echo2.errors", "echo2.types")  # modules that import nothing: deferring them saves nothing
+
+
+def _deferred(tree: ast.Module, modules: tuple[str, ...]) -> list[tuple[int, str]]:
+    """Imports of ``modules`` inside a function or class (not at the top, not under TYPE_CHECKING)."""
+    typing_only = {
+        id(m)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+        for m in ast.walk(n)
+    }
+    return [
+        (n.lineno, ast.unparse(n))
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        and n not in tree.body
+        and id(n) not in typing_only
+        and (n.module or "") in modules
+    ]
+
+
+def test_an_import_is_deferred_only_where_it_saves_something():
+    """A deferred import keeps a heavy or optional package (torch, transformers, vLLM, Ray, ...) out of
+    start-up, or an import contract's cycle out; ``echo2.errors`` and ``echo2.types`` import nothing, so
+    they are imported at the top."""
+    where = [
+        f"{p.relative_to(SRC)}:{line}: {what}"
+        for p, tree in _modules()
+        for line, what in _deferred(tree, IMPORT_FREE)
+    ]
+    assert where == [], where
+
+
+def test_the_deferred_import_scan_finds_one():
+    """The scan above is not vacuous: an import in a function is found, one at the top or under
+    TYPE_CHECKING is not."""
+    code = (
+        "from echo2.errors import ConfigError\n"
+        "if TYPE_CHECKING:\n    from echo2.types import Prompt\n"
+        "def f():\n    from echo2.errors import Echo2Error\n"
+    )
+    assert [line for line, _ in _deferred(ast.parse(code), IMPORT_FREE)] == [5]

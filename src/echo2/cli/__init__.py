@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from echo2.cli.common import Command
+from echo2.errors import Echo2Error
 
 
 def _commands() -> dict[str, Command]:
@@ -65,7 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    from echo2.errors import Echo2Error
 
     try:
         return int(args._run(args))

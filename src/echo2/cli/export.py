@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from echo2.cli.common import Command
+from echo2.errors import ConfigError
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +22,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from echo2.errors import ConfigError
     from echo2.learner.sharded import load_model_states
     from echo2.models.policy import DCP_DIR, load_checkpoint
 

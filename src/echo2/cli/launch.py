@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
+from echo2.errors import ConfigError
 
 # the launcher's own flags (with a value each); everything else on the command line is the learner's
 # (and --run-dir: the launcher gives the learner the run directory as an absolute path)
@@ -50,7 +51,6 @@ def learner_arguments(argv: list[str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from echo2.errors import ConfigError
     from echo2.observe.view import ProgressView
     from echo2.runtime.ray_launch import RayLaunch, RayOptions, require_ray
 

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from echo2.cli.common import Command
+from echo2.errors import ConfigError, InfeasibleError
 from echo2.physics.rules import DEFAULT_GAMMA  # stdlib-only module: keeps `echo2 --help` light
 
 if TYPE_CHECKING:
@@ -100,8 +101,6 @@ _FIELDS = (
 
 def _flags_only(args: argparse.Namespace) -> dict[str, Any]:
     """Without a config file: one worker type, ``worker``, that the flags describe."""
-    from echo2.errors import ConfigError
-
     missing = [f for f, v in (("--t-train", args.t_train), ("--worker-rate", args.worker_rate)) if v is None]
     if missing:
         raise ConfigError(f"without a config file, give {' and '.join(missing)}")
@@ -113,7 +112,6 @@ def _flags_only(args: argparse.Namespace) -> dict[str, Any]:
 def _scenario(args: argparse.Namespace) -> PlanScenario:
     """The config file (or a flags-only pool) <- the flags as overrides, through the one loader."""
     from echo2.config import BatchConfig, load_model
-    from echo2.errors import ConfigError
     from echo2.planner.scenario import PlanScenario, find_config, read_scenario
 
     path = find_config(args.config, "plan") if args.config else None
@@ -235,7 +233,6 @@ def _memory_line(label: str, m: dict[str, Any]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from echo2.errors import InfeasibleError
     from echo2.planner.plan import infeasible_plan, make_plan
 
     sc = _scenario(args)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
+from echo2.errors import ConfigError
 from echo2.transport import JOIN_TOKEN_ENV
 
 
@@ -59,8 +60,6 @@ def live_view(args: argparse.Namespace) -> bool:
 def torchrun_argv(args: argparse.Namespace, argv: list[str]) -> list[str] | None:
     """The ``torchrun`` command that starts this command's ranks (``argv``: this command's own
     arguments, which each rank gets again), or None: one rank, or already a rank that torchrun started."""
-    from echo2.errors import ConfigError
-
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(
             f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes} --node-rank {args.node_rank}: "
@@ -221,7 +220,6 @@ def engine_options(args: argparse.Namespace) -> Any:
     """The ``EngineOptions`` of ``echo2 worker``'s ``--engine-<name>`` flags, one per
     ``rollout/engines/base.ENGINE_SETTINGS`` (unset: EngineOptions' default), checked."""
     from echo2.config import DEVICE_PATTERN
-    from echo2.errors import ConfigError
     from echo2.rollout.engines.base import ENGINE_SETTINGS, EngineOptions
 
     given = {n: getattr(args, f"engine_{n}") for n in ENGINE_SETTINGS}
@@ -239,7 +237,6 @@ def _worker(args: argparse.Namespace) -> int:
     from typing import get_args
 
     from echo2.config import EngineName
-    from echo2.errors import ConfigError
     from echo2.rollout.engines import require_engine
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
     from echo2.tasks.registry import build_task

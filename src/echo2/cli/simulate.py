@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.cli.common import Command
+from echo2.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from echo2.errors import ConfigError
     from echo2.sim import experiments, plots
     from echo2.sim.config import load_sim_scenario
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
+from echo2.errors import ConfigError
+from echo2.types import Bounds
 
 if TYPE_CHECKING:
     from echo2.config import Config
@@ -20,8 +22,6 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     import os
-
-    from echo2.errors import ConfigError
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: this command is one process
         raise ConfigError("echo2 train runs in one process; a sharded learner: echo2 run --nproc-per-node")
@@ -73,7 +73,6 @@ def _eval(args: argparse.Namespace) -> int:
     from echo2.rollout.engines.hf import HFEngine
     from echo2.tasks.registry import build_task
     from echo2.tasks.warm_cache import starting_checkpoint
-    from echo2.types import Bounds
 
     configure_torch(cfg)
     policy = load_checkpoint(starting_checkpoint(cfg), chat_format(cfg))
@@ -98,7 +97,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _poker_table(cfg: Config, args: argparse.Namespace, policy: Any, engine: Any) -> list[dict[str, Any]]:
     """Table 4 for ``policy`` (printed), against the rule-based styles and each ``--against`` checkpoint."""
-    from echo2.errors import ConfigError
     from echo2.rollout.matchups import evaluate_checkpoint, format_table
 
     against = {}

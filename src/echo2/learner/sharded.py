@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from echo2.errors import CheckpointError
 from echo2.planner.memory_model import LOAD_CHUNK_BYTES
 
 _STOP, _KEEPALIVE = "", "."  # the ranks' own announcements, no operation's name
@@ -313,8 +314,6 @@ def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     at ``path``; CheckpointError naming the checkpoint when it is none or does not fit."""
     import torch.distributed.checkpoint as dcp
 
-    from echo2.errors import CheckpointError
-
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a sharded checkpoint: its DCP .metadata is missing")
     try:
@@ -344,8 +343,6 @@ def load_full_optimizer(
     (each rank keeps its shard). ``full`` None: a rank other than 0 of a process group, which receives
     rank 0's tensor by tensor (``broadcast_from_rank0``). Every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    from echo2.errors import CheckpointError
 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     group = not _unsharded()
@@ -402,8 +399,6 @@ def load_from_rank0(model: torch.nn.Module, source: Path | None) -> None:
     Every rank calls it. CheckpointError on every rank, before any weight moves, when the checkpoint
     lacks a weight of the model or has it in another shape."""
     from torch.distributed.tensor import DTensor
-
-    from echo2.errors import CheckpointError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     targets = _targets(model)
@@ -523,8 +518,6 @@ class _CheckpointReader:
 
     @staticmethod
     def _torch_files(path: Path) -> dict[str, torch.Tensor]:
-        from echo2.errors import CheckpointError
-
         files = sorted(path.glob("pytorch_model*.bin"))
         if not files:
             raise CheckpointError(f"{path}: no model.safetensors, safetensors index or pytorch_model.bin")
@@ -541,8 +534,6 @@ class _CheckpointReader:
         """The stored dtype of each target (what rank 0 sends), after checking that every one is in the
         checkpoint with the target's whole shape (CheckpointError naming the first that is not)."""
         from safetensors import safe_open
-
-        from echo2.errors import CheckpointError
 
         dtypes = []
         for names, t in targets:

@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from echo2.errors import ConfigError
 from echo2.observe.catalog import SINK_FAILURES
 from echo2.observe.sinks import TRACKER_DIRS, GuardedSink, MetricSink
+from echo2.types import MAX_EPOCH
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,6 @@ def next_epoch(run_dir: Path) -> int:
     there (1 on a new directory), recorded before it is used (fsynced), so no two learner processes on
     a directory ever share one, whether the run resumes or starts fresh. Its versions, leases and
     manifests carry it; those of an earlier process are refused by it."""
-    from echo2.errors import ConfigError
-    from echo2.types import MAX_EPOCH
-
     path = run_dir / EPOCH_FILE
     last = 0
     if path.is_file():

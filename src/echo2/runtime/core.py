@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from echo2.check.turns import Turns
 from echo2.config import Config
-from echo2.errors import Echo2Error, TrainingDivergedError
+from echo2.errors import ConfigError, Echo2Error, TrainingDivergedError
 from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, RunDir
 from echo2.tasks.base import Task
 from echo2.types import Bounds, Trajectory
@@ -206,7 +206,6 @@ def _lora(cfg: Config, policy: Policy, source: Path, resumed: bool, sharded: boo
     """``[lora]`` on the loaded policy: a fresh adapter on the starting checkpoint (its path and digest
     recorded), or the resumed checkpoint's, which must be the one ``[lora]`` describes; ConfigError for
     a checkpoint of the other kind, or LoRA on a sharded learner (not built)."""
-    from echo2.errors import ConfigError
     from echo2.models import lora
 
     carries = lora.has_adapter(policy.model)

@@ -38,6 +38,7 @@ from echo2.errors import ConfigError, Echo2Error
 from echo2.observe import catalog as m
 from echo2.observe.rundir import PUBLISHED_DIR, STATE_FILE, latest_checkpoint, next_epoch, write_atomic
 from echo2.runtime.loop import LearnerSummary
+from echo2.types import Bounds
 
 if TYPE_CHECKING:
     from echo2.data.store import TrajectoryStore
@@ -272,7 +273,6 @@ class AsyncLearner:
         (``tasks/verify.py``); and the sampled re-run of generations on a model of its own
         (``check/rerun.py``; None when ``security.check_fraction`` is 0)."""
         from echo2.check.rerun import GenerationCheck
-        from echo2.types import Bounds
 
         cfg, policy = self.cfg, self.core.policy
         verifier = self.core.task.verifier(policy.codec, policy.eos_ids, Bounds.of(cfg))

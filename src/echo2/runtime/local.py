@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from echo2.config import Config
 from echo2.observe import catalog as m
 from echo2.runtime.loop import LearnerLoop, LearnerSummary
+from echo2.types import Bounds
 
 if TYPE_CHECKING:
     from echo2.data.store import TrajectoryStore
@@ -100,8 +101,6 @@ class LocalFeed:
         self.last = {m.ROLLOUT_T_GEN_S.key: batch.t_gen_s, m.ROLLOUT_TOKENS.key: batch.tokens}
 
     def _generate(self, prompts: list[Prompt], version: int, lease_id: str) -> Any:
-        from echo2.types import Bounds
-
         cfg = self.core.cfg
         return self.core.task.collect(
             self.core.policy.codec,

@@ -1,5 +1,5 @@
 """The generation check at a model size echo2 is for: what it costs the request path, the update and
-memory (``tasks/verify.py`` behind ``runtime/intake.py``).
+memory (``check/rerun.py`` and ``check/checker.py`` behind ``runtime/intake.py``).
 
 A random-init Qwen3-shaped model of ~55M parameters (the memory benchmark's ``MID`` shape: 12 layers,
 hidden 512, a 32,768-token vocabulary), 512-token completions, ``security.check_samples = 4`` of them

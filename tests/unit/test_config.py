@@ -82,7 +82,7 @@ def test_malformed_override():
 
 
 def test_one_loader_one_error_format_for_run_plan_and_simulate(tmp_path):
-    from echo2.config import load_model
+    from echo2.config import load_settings
     from echo2.planner.scenario import PlanScenario
     from echo2.sim.config import load_sim_scenario
 
@@ -93,7 +93,7 @@ def test_one_loader_one_error_format_for_run_plan_and_simulate(tmp_path):
     assert str(exc.value) == f"invalid config {run}: grpo.lr: Input should be greater than 0 (got -1)"
     plan = CONFIGS / "plan_paper_qwen3_8b.toml"
     with pytest.raises(ConfigError) as exc:
-        load_model(PlanScenario, plan, ["learner.t_train_s=-3"], what="scenario")
+        load_settings(PlanScenario, plan, ["learner.t_train_s=-3"], what="scenario")
     assert (
         str(exc.value)
         == f"invalid scenario {plan}: learner.t_train_s: Input should be greater than 0 (got -3)"
@@ -108,7 +108,7 @@ def test_one_loader_one_error_format_for_run_plan_and_simulate(tmp_path):
     # the same file errors for every model: a missing file, invalid TOML (named either way)
     bad = tmp_path / "bad.toml"
     bad.write_text("[[workers]\n")
-    for load in (load_config, lambda f: load_model(PlanScenario, f, what="scenario")):
+    for load in (load_config, lambda f: load_settings(PlanScenario, f, what="scenario")):
         with pytest.raises(ConfigError, match=f"config file {bad} is not valid TOML .*invalid TOML"):
             load(bad)
         with pytest.raises(ConfigError, match=f"config file {tmp_path / 'nope.toml'} does not exist"):
@@ -116,19 +116,20 @@ def test_one_loader_one_error_format_for_run_plan_and_simulate(tmp_path):
 
 
 def test_overrides_as_strings_or_a_mapping_and_list_indices():
-    from echo2.config import load_model
+    from echo2.config import load_settings
     from echo2.planner.scenario import PlanScenario
     from echo2.sim.config import load_sim_scenario
 
     plan = CONFIGS / "plan_paper_qwen3_8b.toml"
-    sc = load_model(PlanScenario, plan, ["workers.0.rollouts_per_s=0.5"], what="scenario")
+    sc = load_settings(PlanScenario, plan, ["workers.0.rollouts_per_s=0.5"], what="scenario")
     assert sc.workers[0].rollouts_per_s == 0.5
-    sc = load_model(PlanScenario, plan, {"workers.0.usd_per_hour": 0.25, "staleness.S": 5}, what="scenario")
+    overrides = {"workers.0.usd_per_hour": 0.25, "staleness.S": 5}
+    sc = load_settings(PlanScenario, plan, overrides, what="scenario")
     assert sc.workers[0].usd_per_hour == 0.25 and sc.staleness.S == 5 and sc.staleness.effective_kappa == 4
     with pytest.raises(
         ConfigError, match=r"override 'workers\.3\.count=2': '3' is not an index of a list of 1"
     ):
-        load_model(PlanScenario, plan, ["workers.3.count=2"], what="scenario")
+        load_settings(PlanScenario, plan, ["workers.3.count=2"], what="scenario")
     with pytest.raises(ConfigError, match=r"'lr' is a value, not a section"):
         load_config(overrides=["grpo.lr=1e-4", "grpo.lr.x=1"])
     sim, _ = load_sim_scenario("paper_qwen3_8b", {"sim.steps": 7, "staleness.S": 4})

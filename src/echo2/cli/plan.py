@@ -111,7 +111,7 @@ def _flags_only(args: argparse.Namespace) -> dict[str, Any]:
 
 def _scenario(args: argparse.Namespace) -> PlanScenario:
     """The config file (or a flags-only pool) <- the flags as overrides, through the one loader."""
-    from echo2.config import BatchConfig, load_model
+    from echo2.config import BatchConfig, load_settings
     from echo2.planner.scenario import PlanScenario, find_config, read_scenario
 
     path = find_config(args.config, "plan") if args.config else None
@@ -145,7 +145,7 @@ def _scenario(args: argparse.Namespace) -> PlanScenario:
                 f"(batch.group_size = {g}); set --group-size to one that divides it"
             )
         overrides["batch.prompts"] = r // g
-    return load_model(
+    return load_settings(
         PlanScenario, path, overrides, what="scenario" if path else "scenario from flags", tree=tree
     )
 

@@ -30,7 +30,7 @@ from echo2.config.base import (
     FloatDtype,
     _Section,
 )
-from echo2.config.loader import apply_override, load_model, read_toml
+from echo2.config.loader import apply_override, load_settings, read_toml
 from echo2.config.model import (
     SINGLE_TURN_TASKS,
     TASK_MODELS,
@@ -66,7 +66,7 @@ __all__ = [
     "ControllerConfig", "EmbeddedModelConfig", "EngineName", "FloatDtype", "GRPOConfig", "GuessTaskConfig",
     "LearnerConfig", "LoRAConfig", "MathTaskConfig", "ModelConfig", "PerimeterConfig", "PokerTaskConfig",
     "RuntimeConfig", "SamplingConfig", "SecurityConfig", "SinkName", "SnapshotConfig", "StalenessConfig",
-    "TaskConfig", "TrainConfig", "WarmstartConfig", "apply_override", "load_config", "load_model",
+    "TaskConfig", "TrainConfig", "WarmstartConfig", "apply_override", "load_config", "load_settings",
     "read_toml", "task_preset",
 ]  # fmt: skip
 
@@ -166,4 +166,4 @@ def task_preset(name: str) -> list[str]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- TOML file <- ``key=value`` overrides, validated once; raises ConfigError."""
-    return load_model(Config, path, overrides)
+    return load_settings(Config, path, overrides)

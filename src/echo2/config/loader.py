@@ -90,7 +90,7 @@ def _format_validation_error(
     return f"invalid {where}: " + "; ".join(problems)
 
 
-def load_model(
+def load_settings(
     model: type[M],
     path: str | Path | None = None,
     overrides: Iterable[str] | Mapping[str, Any] | None = None,

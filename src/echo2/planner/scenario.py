@@ -3,7 +3,7 @@
 A scenario is what `echo2 plan` reads from TOML (and what `echo2 simulate` extends). The ``[batch]`` and
 ``[staleness]`` sections are the run config's own models (:class:`echo2.config.BatchConfig`,
 :class:`echo2.config.StalenessConfig`), so a run, a plan and a simulation read them the same way.
-Scenarios load through the run config's one loader (:func:`echo2.config.load_model`), so a bad value
+Scenarios load through the run config's one loader (:func:`echo2.config.load_settings`), so a bad value
 fails the same way everywhere: one :class:`echo2.errors.ConfigError` line naming the file, the field
 and the rule.
 """
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from echo2.config import BatchConfig, StalenessConfig, load_model, read_toml
+from echo2.config import BatchConfig, StalenessConfig, load_settings, read_toml
 from echo2.errors import ConfigError
 from echo2.physics.broadcast import (
     DEFAULT_CHUNK_BYTES,
@@ -217,8 +217,8 @@ def read_scenario(path: Path) -> dict[str, Any]:
 
 def parse_scenario(data: dict[str, Any], where: str = "scenario") -> PlanScenario:
     """Validate a plain dict as a :class:`PlanScenario` (the one loader,
-    :func:`echo2.config.load_model`); ConfigError ``invalid <where>: field.path: message`` on failure."""
-    return load_model(PlanScenario, tree=data, what=where)
+    :func:`echo2.config.load_settings`); ConfigError ``invalid <where>: field.path: message`` on failure."""
+    return load_settings(PlanScenario, tree=data, what=where)
 
 
 def find_config(name_or_path: str, prefix: str) -> Path:

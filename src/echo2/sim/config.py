@@ -1,5 +1,5 @@
 """Simulation scenario: a planning scenario (echo2.planner.scenario) plus [sim], [controller], [churn]
-and [experiment] tables. Loaded from TOML by the run config's one loader (echo2.config.load_model):
+and [experiment] tables. Loaded from TOML by the run config's one loader (echo2.config.load_settings):
 errors are one-line ConfigErrors naming the file and the field.
 
 ``[batch]``, ``[staleness]`` and ``[controller]`` are the run config's own section models
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from echo2.config import ControllerConfig, load_model
+from echo2.config import ControllerConfig, load_settings
 from echo2.physics.broadcast import StrategyName
 from echo2.planner.scenario import PlanScenario, find_config
 
@@ -96,6 +96,6 @@ def load_sim_scenario(
     name_or_path: str, overrides: Iterable[str] | Mapping[str, Any] | None = None
 ) -> tuple[SimScenario, Path]:
     """Load ``configs/sim_<name>.toml`` or a path, then ``a.b=value`` overrides in the file's own layout
-    (``sim.steps=30``, ``staleness.S=4``), through the one loader (:func:`echo2.config.load_model`)."""
+    (``sim.steps=30``, ``staleness.S=4``), through the one loader (:func:`echo2.config.load_settings`)."""
     path = find_config(name_or_path, "sim")
-    return load_model(SimScenario, path, overrides, what="scenario", inline="plan"), path
+    return load_settings(SimScenario, path, overrides, what="scenario", inline="plan"), path

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from echo2.config import load_model
+from echo2.config import load_settings
 from echo2.errors import InfeasibleError
 from echo2.physics import broadcast
 from echo2.physics.rules import kappa_from_staleness, knee
@@ -36,8 +36,8 @@ PAPER_TABLE2 = {
 
 def with_overrides(sc: SimScenario, **changes: Any) -> SimScenario:
     """A copy with dotted-path overrides, e.g. ``{"plan.staleness.S": 4, "sim.steps": 30}``, through the
-    one config loader (``config.load_model``: the same paths, validation and error format as a file's)."""
-    return load_model(SimScenario, overrides=changes, what="scenario", tree=sc.model_dump())
+    one config loader (``config.load_settings``: the same paths, validation and error format as a file's)."""
+    return load_settings(SimScenario, overrides=changes, what="scenario", tree=sc.model_dump())
 
 
 def workers_of(sc: SimScenario) -> list[SimWorker]:

@@ -30,6 +30,7 @@ from echo2.check.positions import LogHistogram, Positions, judge
 from echo2.check.turns import Turns
 from echo2.config import SamplingConfig, SecurityConfig
 from echo2.data.submission import Rejected, Submission
+from echo2.models.snapshot import load_for_check
 from echo2.types import Trajectory
 from echo2.weights.undo import Undo, rebuild
 
@@ -232,8 +233,6 @@ class GenerationCheck:
                 return []
             self.turns.begin(due, self._stream.synchronize if self._stream is not None else None)
             if self._loaded != sub.policy_version:
-                from echo2.models.snapshot import load_for_check
-
                 weights = self._weights_of(sub.policy_version)
                 if weights is None:  # forgotten since holds() above
                     raise Rejected(
@@ -277,7 +276,6 @@ class GenerationCheck:
     def _settle(self) -> None:
         """Point the check model at the newest kept copy (no copy on the CPU), so that it holds no
         rebuilt or superseded weights between checks (with ``_lock`` held)."""
-        from echo2.models.snapshot import load_for_check
 
         with self._wlock:
             newest = self._newest

@@ -14,7 +14,8 @@ from typing import Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
 from echo2.errors import ConfigError
-from echo2.transport import JOIN_TOKEN_ENV
+from echo2.resources import raise_descriptor_limit
+from echo2.transport import JOIN_TOKEN_ENV, parse_join
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
@@ -240,7 +241,6 @@ def _worker(args: argparse.Namespace) -> int:
     from echo2.rollout.engines import require_engine
     from echo2.rollout.worker import RolloutWorker, WorkerOptions
     from echo2.tasks.registry import build_task
-    from echo2.transport import parse_join
 
     parse_join(args.join)  # a bad join string (https without its fingerprint) is refused before anything
     token = args.token or os.environ.get(JOIN_TOKEN_ENV)
@@ -280,7 +280,6 @@ def _worker(args: argparse.Namespace) -> int:
         **({"name": args.name} if args.name else {}),
     )
     worker = RolloutWorker(opts, build_task)
-    from echo2.resources import raise_descriptor_limit
 
     raise_descriptor_limit()  # its chunk relay serves peers: as many descriptors as the system allows
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.cli.common import Command, add_budget_arguments, add_config_arguments, load_from_args
+from echo2.cli.run import held_out, live_view
 from echo2.errors import ConfigError
 from echo2.types import Bounds
 
@@ -26,7 +27,6 @@ def _train(args: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: this command is one process
         raise ConfigError("echo2 train runs in one process; a sharded learner: echo2 run --nproc-per-node")
     cfg = load_from_args(args)
-    from echo2.cli.run import held_out, live_view
     from echo2.observe.view import ProgressView
     from echo2.runtime.local import train
 

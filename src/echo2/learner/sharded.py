@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from echo2.errors import CheckpointError
 from echo2.planner.memory_model import LOAD_CHUNK_BYTES
+from echo2.weights.delta import _publish_dtypes
 
 _STOP, _KEEPALIVE = "", "."  # the ranks' own announcements, no operation's name
 
@@ -245,8 +246,6 @@ def full_weights(model: torch.nn.Module, dtype: str = "bfloat16") -> dict[str, t
     the CPU, floating tensors in ``dtype``), gathered tensor by tensor; on rank 0, None elsewhere. Every
     rank must call it (the gathers are collectives)."""
     from torch.distributed.tensor import DTensor
-
-    from echo2.weights.delta import _publish_dtypes
 
     settle(model)
     target = _publish_dtypes()[dtype]

@@ -28,6 +28,7 @@ from typing import Any
 
 from echo2.config import LoRAConfig
 from echo2.errors import CheckpointError, ConfigError
+from echo2.weights.delta import sampler_copy, weights_digest
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file: what makes a checkpoint directory a LoRA one
 BASE_FILE = "base.json"  # the base checkpoint a LoRA checkpoint was trained on: path and digest
@@ -72,7 +73,6 @@ def base_digest(model: Any) -> str:
     before an adapter is attached or the base is cast, its floating tensors widened to float32: what a
     LoRA checkpoint's ``base.json`` pins. Widening makes it the same whether a bf16 checkpoint was
     loaded as stored (``load_checkpoint(keep_bf16=True)``) or in float32."""
-    from echo2.weights.delta import weights_digest
 
     if has_adapter(model):
         raise ValueError("base_digest: the model already carries an adapter")
@@ -230,7 +230,6 @@ LORA_A, LORA_B = ".lora_A.default.weight", ".lora_B.default.weight"
 def adapter_copy(model: Any, dtype: str = "bfloat16") -> dict[str, Any]:
     """The adapter's weights as a publication ships them (``weights.delta.sampler_copy`` of the adapter
     tensors alone, by their live names; the base is not copied)."""
-    from echo2.weights.delta import sampler_copy
 
     return sampler_copy(model, dtype, keep=_is_adapter)
 
@@ -239,7 +238,6 @@ def base_copy(model: Any, dtype: str = "bfloat16") -> dict[str, Any]:
     """The frozen base as a full snapshot ships it (``weights.delta.sampler_copy`` without the adapter),
     under the base model's own names (``...q_proj.weight``): what a worker installs once. A tensor
     already in ``dtype`` on the CPU is the frozen parameter itself (never stepped: no copy)."""
-    from echo2.weights.delta import sampler_copy
 
     weights = sampler_copy(model, dtype, keep=lambda name: not _is_adapter(name), frozen=True)
     return {name.replace(".base_layer.", "."): t for name, t in weights.items()}
@@ -260,7 +258,6 @@ class PublishedBase:
 
     @classmethod
     def of(cls, model: Any, dtype: str, scale: float, merged_dtype: str | None = None) -> PublishedBase:
-        from echo2.weights.delta import weights_digest
 
         tensors = base_copy(model, dtype)
         return cls(tensors, weights_digest(tensors), scale, merged_dtype)

@@ -18,6 +18,7 @@ from typing import Any
 
 from echo2.config import Config
 from echo2.errors import CheckpointError, ConfigError
+from echo2.models.snapshot import empty_model
 
 DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer states (torch.distributed.checkpoint)
 
@@ -233,8 +234,6 @@ def load_model(p: Path, keep_bf16: bool = False, weights: bool = True) -> Any:
     dtype = torch.bfloat16 if as_stored else torch.float32
     try:
         if not weights:
-            from echo2.models.snapshot import empty_model
-
             return empty_model(AutoConfig.from_pretrained(p, local_files_only=True), dtype)
         if sharded:
             return AutoModelForCausalLM.from_config(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.errors import CheckpointError
+from echo2.weights.delta import encode_full, sampler_copy
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,6 @@ SKELETON_MAX_FILE = 64 << 20  # largest single skeleton file served (tokenizer.j
 def snapshot_blob(model: Any) -> bytes:
     """A full fp32 snapshot: safetensors bytes of the model's weights, each storage once (first name
     wins; ``echo2.weights.delta.sampler_copy`` in float32)."""
-    from echo2.weights.delta import encode_full, sampler_copy
 
     return encode_full(sampler_copy(model, "float32"))
 

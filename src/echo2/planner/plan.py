@@ -21,6 +21,7 @@ from echo2.physics import broadcast
 from echo2.physics.rules import bubble_ratio
 from echo2.planner import capacity
 from echo2.planner.activation import Activation, Candidate, activate, expand_catalog
+from echo2.planner.memory_model import QWEN3_SHAPES, fits
 from echo2.planner.scenario import PlanScenario
 
 # the strategies the plan reports estimates for: the three of SPEC section 4 plus the scenario's own
@@ -211,7 +212,6 @@ def learner_memory_plan(sc: PlanScenario) -> dict[str, Any] | None:
     parameter on the device, GiB for weights + gradients + optimizer (+ check model) and for one
     micro-batch's activations, and whether one of the learner's GPUs holds it: as one device, and with
     ``gpus`` > 1 on the largest rank of a learner sharded over them (``learner/sharded.py``)."""
-    from echo2.planner.memory_model import QWEN3_SHAPES, fits
 
     if sc.model is None or sc.model.shape is None:
         return None

@@ -23,6 +23,7 @@ from echo2.physics.broadcast import (
     StrategyName,
     mbps_to_bytes_per_s,
 )
+from echo2.planner.memory_model import QWEN3_SHAPES
 
 
 class _Model(BaseModel):
@@ -80,7 +81,6 @@ class ModelSpec(_Model):
         """What an anchor ships: G, or a LoRA run's whole adapter (bf16, 2 bytes a parameter)."""
         if self.lora is None:
             return self.snapshot_bytes
-        from echo2.planner.memory_model import QWEN3_SHAPES
 
         assert self.shape is not None
         return 2.0 * QWEN3_SHAPES[self.shape].lora_params(self.lora.rank)

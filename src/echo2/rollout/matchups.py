@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from echo2.config import Config, PokerTaskConfig
+from echo2.data.tasks.environment import EnvironmentTask
+from echo2.envs.roster import RULE_STYLES, PokerSpec
 from echo2.models.policy import TextCodec
 from echo2.rollout.engines.base import Engine
 from echo2.rollout.episodes import Limits, Stepper, play, start
@@ -146,7 +148,6 @@ def poker_table(
     """Table 4: the policy against each rule-based style and each named snapshot engine (greedy), on
     the deals of ``test_seeds``, from every seat."""
     from echo2.envs.poker import TextPolicyOpponent, rule_player
-    from echo2.envs.roster import RULE_STYLES
 
     deals = deal_seeds(test_seeds)
     opponents: list[tuple[str, Any]] = [(s, rule_player(s)) for s in RULE_STYLES]  # type: ignore[arg-type]
@@ -169,8 +170,6 @@ def evaluate_checkpoint(
     """Table 4 of the checkpoint at ``checkpoint`` on ``cfg``'s poker task: against the rule-based
     styles and each ``against`` checkpoint (name -> directory), on ``deals`` held-out deals (default
     ``task.eval_deals``) of the test split."""
-    from echo2.data.tasks.environment import EnvironmentTask
-    from echo2.envs.roster import PokerSpec
     from echo2.models.policy import chat_format, load_checkpoint
     from echo2.rollout.engines.hf import HFEngine
 

@@ -37,7 +37,9 @@ from urllib.parse import urlparse
 import aiohttp
 
 from echo2.config import USER_CONTEXT_TOKENS, EngineName
+from echo2.envs.base import EnvError
 from echo2.errors import Echo2Error
+from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
 from echo2.protocol import (
     HeartbeatRequest,
     LeaseGrant,
@@ -52,6 +54,8 @@ from echo2.rollout.client import LearnerClient, LearnerGone, Refused
 from echo2.rollout.engines.base import EngineOptions
 from echo2.rollout.follower import WeightFollower
 from echo2.types import Bounds
+from echo2.weights.delta import decode_full, weights_digest
+from echo2.weights.manifest import key_from_text
 
 if TYPE_CHECKING:
     from echo2.config import TaskConfig
@@ -161,8 +165,6 @@ class RolloutWorker:
         import torch
 
         from echo2.models.policy import ChatFormat, TextCodec
-        from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
-        from echo2.weights.manifest import key_from_text
 
         reg = await self._register()
         st = self.settings = reg.settings
@@ -220,7 +222,6 @@ class RolloutWorker:
         the learner publishes it), so no base crosses the network."""
         from echo2.models.lora import PublishedBase, base_copy, merged_dtype
         from echo2.models.policy import load_model
-        from echo2.weights.delta import decode_full, weights_digest
 
         def local_base(path: Path) -> dict[str, Any]:  # the plain model's weights, as the learner ships them
             return base_copy(load_model(path, keep_bf16=lora.dtype == "bfloat16"), lora.dtype)
@@ -431,7 +432,6 @@ class RolloutWorker:
             self._loop.call_soon_threadsafe(self._results.put_nowait, item)
 
     def _generate(self, lease: LeaseGrant, seed: int) -> _Generated:
-        from echo2.envs.base import EnvError
 
         follower = self._follower()
         follower.install_pending()

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from echo2.check.turns import Turns
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error, TrainingDivergedError
+from echo2.models.snapshot import empty_model
 from echo2.observe.rundir import OPTIM_FILE, STATE_FILE, RunDir
 from echo2.tasks.base import Task
 from echo2.types import Bounds, Trajectory
+from echo2.weights.delta import sampler_copy
 
 log = logging.getLogger(__name__)
 TOY_LR_FLOOR = 1e-4  # a learning rate at least this large with a user's checkpoint is warned about
@@ -143,7 +145,6 @@ class Plane:
         the adapter alone); sharded: gathered tensor by tensor to rank 0 (None on the others)."""
         from echo2.learner.sharded import full_weights
         from echo2.models.lora import adapter_copy, has_adapter
-        from echo2.weights.delta import sampler_copy
 
         if self.ranks.sharded:
             return full_weights(self.policy.model, dtype)
@@ -167,7 +168,6 @@ def shard_policy(cfg: Config, ranks: Ranks, device: Any, policy: Policy, source:
     sharded from the start with the policy's shards. Returns the reference (None without one)."""
     from echo2.learner.sharded import load_from_rank0, materialize, sharded_reference
     from echo2.models.policy import DCP_DIR
-    from echo2.models.snapshot import empty_model
 
     mesh = ranks.mesh(device.type)
     materialize(policy.model, mesh, device)

@@ -35,10 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error
+from echo2.models.snapshot import aliasing_model, skeleton_files
 from echo2.observe import catalog as m
 from echo2.observe.rundir import PUBLISHED_DIR, STATE_FILE, latest_checkpoint, next_epoch, write_atomic
-from echo2.runtime.loop import LearnerSummary
+from echo2.resources import RESERVED_FDS, raise_descriptor_limit
+from echo2.runtime.loop import LearnerLoop, LearnerSummary
+from echo2.transport import join_string, run_identity
 from echo2.types import Bounds
+from echo2.weights.delta import encode_full
+from echo2.weights.manifest import key_from_text, new_signing_key
 
 if TYPE_CHECKING:
     from echo2.data.store import TrajectoryStore
@@ -102,7 +107,6 @@ class AsyncLearner:
     async def run(self) -> LearnerSummary:
         """Set up the node, then the learner loop (``loop.py``) over its feed; what setup opened is
         closed in reverse when the loop ends, however it ends."""
-        from echo2.runtime.loop import LearnerLoop
 
         async with contextlib.AsyncExitStack() as self._resources:
             await self.setup()
@@ -148,7 +152,6 @@ class AsyncLearner:
         """The store, the broadcast publisher and the parts that serve workers; then the API."""
         from echo2.runtime.members import WorkerRegistry
         from echo2.runtime.node import assemble
-        from echo2.transport import run_identity
 
         cfg, rt, policy = self.cfg, self.cfg.runtime, self.core.policy
         limits = _perimeter_limits(cfg)
@@ -215,7 +218,6 @@ class AsyncLearner:
     async def _identity(self, key: Any, broadcast: tuple[str, int]) -> Any:
         """What a worker is told at registration and served: the run's settings, the manifest key, the
         broadcast address, the model skeleton, and a LoRA run's base."""
-        from echo2.models.snapshot import skeleton_files
         from echo2.runtime.node import worker_settings
         from echo2.runtime.routes import Identity
 
@@ -231,7 +233,6 @@ class AsyncLearner:
         the run directory and served from a read-only map (``GET /v1/base``); (None, None) otherwise."""
         from echo2.models import lora
         from echo2.protocol import LoraSettings
-        from echo2.weights.delta import encode_full
         from echo2.weights.publication import spill_file
 
         model = self.core.policy.model
@@ -278,7 +279,6 @@ class AsyncLearner:
         verifier = self.core.task.verifier(policy.codec, policy.eos_ids, Bounds.of(cfg))
         if cfg.security.check_fraction <= 0:
             return verifier, None
-        from echo2.models.snapshot import aliasing_model
 
         check_model = aliasing_model(policy.model, cfg.security.engine_precision)  # as the engines compute
         # a LoRA run keeps the published adapters and re-runs base + adapter, expanded as workers do
@@ -289,7 +289,6 @@ class AsyncLearner:
     async def _serve(self, routes: Any, broadcast: tuple[str, int]) -> None:
         """Start the API (over TLS with the run's certificate unless ``security.tls`` is off); say where
         it is (``learner.json`` holds no secret: the token has its own file, a fingerprint is public)."""
-        from echo2.transport import join_string
 
         rt, tls = self.cfg.runtime, self._tls
         runner, port = await routes.serve(rt.host, rt.port, tls.server_context() if tls else None)
@@ -445,7 +444,6 @@ def _perimeter_limits(cfg: Config) -> Any:
     descriptor limit to the hard one: ``security.perimeter`` cut so both ports together stay under it
     with ``resources.RESERVED_FDS`` kept for the learner's files."""
     from echo2.perimeter import port_limits
-    from echo2.resources import RESERVED_FDS, raise_descriptor_limit
 
     per = cfg.security.perimeter
     soft = raise_descriptor_limit(2 * per.max_connections + RESERVED_FDS)
@@ -464,7 +462,6 @@ def _perimeter_limits(cfg: Config) -> Any:
 def _persistent_key(run_path: Path) -> Any:
     """The run's manifest signing key, kept in the run directory so a restarted learner signs with
     the key its workers already trust."""
-    from echo2.weights.manifest import key_from_text, new_signing_key
 
     return key_from_text(_persistent_secret(run_path / "learner_key", lambda: new_signing_key().to_text()))
 

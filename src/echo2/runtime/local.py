@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from echo2.config import Config
 from echo2.observe import catalog as m
 from echo2.runtime.loop import LearnerLoop, LearnerSummary
+from echo2.runtime.prompts import PromptSource
 from echo2.types import Bounds
 
 if TYPE_CHECKING:
@@ -73,7 +74,6 @@ class LocalFeed:
     the trainer's weights and submits it to the store."""
 
     def __init__(self, core: LearnerCore, store: TrajectoryStore) -> None:
-        from echo2.runtime.prompts import PromptSource
 
         self.core, self.store = core, store
         self.prompts = PromptSource(core.task, core.cfg.seed)  # the node's: epochs of a finite split

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from echo2.errors import Echo2Error, TrainingDivergedError
 from echo2.observe import catalog as m
+from echo2.observe.bubble import BubbleMeter
 from echo2.resources import RETRY_DELAYS_S, is_exhausted, retry_exhausted
 from echo2.types import Trajectory
 
@@ -147,7 +148,6 @@ class LearnerLoop:
 
     async def main_loop(self) -> None:
         """Wait for a batch (the bubble), update, then the feed / evaluate / checkpoint / log."""
-        from echo2.observe.bubble import BubbleMeter
 
         self.meter = BubbleMeter()
         self.deadline = time.perf_counter() + (self.cfg.train.max_minutes or math.inf) * 60

@@ -37,6 +37,7 @@ from echo2.config import SnapshotConfig
 from echo2.observe import catalog
 from echo2.physics.rules import install_quorum
 from echo2.weights.chain import Blob
+from echo2.weights.delta import sampler_copy
 from echo2.weights.manifest import Lineage
 from echo2.weights.publication import Link, PublishedChain
 
@@ -99,7 +100,6 @@ class Snapshots:
     # ---- publishing ------------------------------------------------------------------------------------
     async def publish_model(self, version: int, model: Any, wait: bool = True) -> None:
         """Publish ``model``'s weights as ``version`` (:meth:`publish_copy` of ``sampler_copy``)."""
-        from echo2.weights.delta import sampler_copy
 
         await self.publish_copy(version, lambda dtype: sampler_copy(model, dtype), wait)
 

@@ -47,6 +47,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from echo2.data.submission import Rejected, Submission
+from echo2.data.tasks.base import ReadsAnAnswer
+from echo2.envs.base import EnvError
 from echo2.rollout.engines.base import EosIds, eos_tuple, first_eos
 from echo2.types import Prompt, Trajectory
 
@@ -137,7 +139,6 @@ class Verifier:
         grade of the text from there is the whole text's) gives that position, less one token of margin;
         else 0, the whole completion. A near tie of the generation check is never accepted from here on
         (``GenerationCheck``)."""
-        from echo2.data.tasks.base import ReadsAnAnswer
 
         if not isinstance(self.task, ReadsAnAnswer):
             return 0
@@ -243,7 +244,6 @@ class EpisodeReplay(Verifier):
         return 0
 
     def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> Trajectory:
-        from echo2.envs.base import EnvError
         from echo2.rollout import episodes
 
         if not t.turn_mask:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from echo2.config import SnapshotConfig
 from echo2.resources import is_exhausted, retry_exhausted
 from echo2.weights.chain import Blob
+from echo2.weights.delta import encode_full, encode_patch, weights_digest
 from echo2.weights.manifest import Lineage
 
 if TYPE_CHECKING:
@@ -100,7 +101,6 @@ class PublishedChain:
 
     def encode(self, weights: dict[str, torch.Tensor]) -> Encoded:
         """The next publication of ``weights`` (a sampler copy; any thread)."""
-        from echo2.weights.delta import encode_full, encode_patch, weights_digest
 
         t0, cpu0 = time.perf_counter(), time.thread_time()
         cfg = self.cfg

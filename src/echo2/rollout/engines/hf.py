@@ -23,6 +23,7 @@ import torch
 
 from echo2.config import SamplingConfig
 from echo2.models.policy import cache_kwarg
+from echo2.models.snapshot import install_weights, model_from_skeleton
 from echo2.rollout.engines.base import EngineOptions, EosIds, Sample, eos_tuple
 from echo2.rollout.sampling import gumbel_draw
 
@@ -82,7 +83,6 @@ class HFEngine:
         fills them), computing in ``options.dtype`` (float32, or bfloat16 as GPU workers run: the
         learner's check then needs ``security.engine_precision = "bfloat16"``)."""
         from echo2.models.policy import resolve_device
-        from echo2.models.snapshot import model_from_skeleton
 
         options = options or EngineOptions()
         dtype = getattr(torch, options.dtype)
@@ -91,7 +91,6 @@ class HFEngine:
 
     def install(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load published weights into the model in place, cast to its dtype (``models/snapshot.py``)."""
-        from echo2.models.snapshot import install_weights
 
         install_weights(self.model, weights)
 

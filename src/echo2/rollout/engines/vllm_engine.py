@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from echo2.config import SamplingConfig
 from echo2.errors import CheckpointError, ConfigError
+from echo2.models.snapshot import check_snapshot, snapshot_layout
 from echo2.rollout.engines.base import EngineOptions, EosIds, Sample, eos_tuple
 
 if TYPE_CHECKING:
@@ -102,7 +103,6 @@ class VLLMEngine:
     ) -> VLLMEngine:
         """A vLLM engine on the skeleton's architecture with placeholder weights (the first install
         fills them). Reads ``skeleton_dir`` only here."""
-        from echo2.models.snapshot import snapshot_layout
 
         opts = options or EngineOptions()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -146,7 +146,6 @@ class VLLMEngine:
         snapshot that does not fit changes nothing), then drop cached prefixes of the old weights.
         vLLM's reload is not transactional: if it fails part-way, the version served before is loaded
         back and :class:`CheckpointError` says so."""
-        from echo2.models.snapshot import check_snapshot
 
         check_snapshot(weights, self.layout.shapes)
         t0 = time.perf_counter()

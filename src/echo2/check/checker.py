@@ -289,6 +289,7 @@ class Checker:
     def metrics(self) -> dict[str, float]:
         """``security/`` metrics of the check: what it re-ran and found, its queue and its draw."""
         gen = self.generation
+        capacity, capacity_tokens = gen.capacity()
         return {
             m.SECURITY_CHECKED_SUBMISSIONS.key: self.checked_submissions,
             m.SECURITY_CHECKED_TRAJECTORIES.key: gen.checked,
@@ -301,8 +302,8 @@ class Checker:
             m.SECURITY_CHECK_SHARE.key: self.check_share(),
             m.SECURITY_CHECK_DECLINED.key: gen.declined,
             m.SECURITY_CHECK_EXPIRED.key: self.check_expired,
-            m.SECURITY_CHECK_CAPACITY.key: gen.capacity()[0],
-            m.SECURITY_CHECK_CAPACITY_TOKENS.key: gen.capacity()[1],
+            m.SECURITY_CHECK_CAPACITY.key: capacity,
+            m.SECURITY_CHECK_CAPACITY_TOKENS.key: capacity_tokens,
             m.SECURITY_NEAR_TIES.key: gen.near_ties,
             m.SECURITY_NEAR_TIE_ROOM.key: gen.room,
             m.SECURITY_GRADED_TIES.key: self.graded_ties,

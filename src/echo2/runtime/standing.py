@@ -65,9 +65,11 @@ class Standings:
     ) -> None:
         self.max_unreturned = max_unreturned
         self.lease_ttl_s = lease_ttl_s
-        self._own: dict[str, Standing] = {}  # the standings kept here, without a book
-        self._keeps_own = book is None
-        self._book = book if book is not None else self._own.get
+        self._own: dict[str, Standing] | None = None  # the standings kept here, without a book
+        if book is None:
+            self._own = {}
+            book = self._own.get
+        self._book = book
         self.unreturned = 0  # leases that expired unanswered, all workers
         self.stale_answers = 0  # answers too stale to admit, all workers
         self.benched = 0  # times a worker was benched
@@ -77,7 +79,7 @@ class Standings:
         found = self._book(worker_id)
         if found is None:
             found = Standing()
-            if self._keeps_own:
+            if self._own is not None:
                 self._own[worker_id] = found
         return found
 

@@ -13,7 +13,9 @@ as ``echo2 worker``) whenever it finds a gap. The run contains every case a work
 - a relay that corrupts one chunk in every five it serves (caught by the chunk digests, refetched).
 
 Every install is compared with the learner's own digest of that version: ``bit_identical`` must equal
-``installs``.
+``installs``. In a LoRA run (``lora``) the first publication carries the frozen base (a ``base`` link):
+the workers joined before it get it through the relays, the late joiner in its HTTP chain, and each
+one's base is compared with the learner's (``base_identical``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from echo2.broadcast.receiver import TcpWorkerNode
 from echo2.config import EmbeddedModelConfig, LoRAConfig, SnapshotConfig
 from echo2.runtime.snapshots import Snapshots
 from echo2.weights.chain import WeightChain, decode_chain, encode_chain, verified_links
-from echo2.weights.delta import sampler_copy
+from echo2.weights.delta import sampler_copy, weights_digest
 from echo2.weights.manifest import new_signing_key
 from echo2_bench.faults import Faults, FaultTap
 
@@ -72,6 +74,8 @@ class _Worker:
     http_fetches: int = 0
     installed: list[int] = field(default_factory=list)
     digests: list[tuple[int, str]] = field(default_factory=list)  # (version, digest) of every install
+    base: str | None = None  # a LoRA run's: the digest of the base it staged
+    base_via: str = ""  # ... and how it came: "broadcast" or "http"
 
 
 async def chain_over_tcp(
@@ -93,15 +97,18 @@ async def chain_over_tcp(
     pub = TcpPublisher(key, get_strategy("tree-pipelined"), chunk_size=chunk, ledger=OpenLedger())
     await pub.start()
     model = build_model(SHAPE, build_tokenizer(), seed)
-    model_base = ""
+    model_base, frozen = "", None
     if lora:
-        model_base = lora_mod.PublishedBase.of(model, "bfloat16", 2.0).digest
+        base = lora_mod.PublishedBase.of(model, "bfloat16", 2.0)
+        model_base, frozen = base.digest, base.tensors
         lora_mod.attach(model, LoRAConfig(enabled=True, r=4, alpha=8.0))
         with torch.no_grad():  # an adapter that has trained a while (B is zero at init)
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed))
-    snaps = Snapshots(pub, 1.1, SnapshotConfig(anchor_every=anchor_every), model_base=model_base)
+    snaps = Snapshots(
+        pub, 1.1, SnapshotConfig(anchor_every=anchor_every), model_base=model_base, frozen=frozen
+    )
     copy = (
         (lambda dtype: lora_mod.adapter_copy(model, dtype))
         if lora
@@ -123,14 +130,17 @@ async def chain_over_tcp(
     killer.node = workers[1].node
 
     async def fetch(w: _Worker) -> list[Any]:
-        body = encode_chain([(link.manifest, link.blob) for link in snaps.chain_from(w.chain.version)])
+        held = not lora or w.base is not None
+        body = encode_chain([(k.manifest, k.blob) for k in snaps.chain_from(w.chain.version, held)])
         w.http_fetches += 1
         return verified_links(decode_chain(body), key.verifier())
 
-    def install(w: _Worker, links: list[Any]) -> None:
+    def install(w: _Worker, links: list[Any], via: str = "broadcast") -> None:
         staged = w.chain.stage(links)
         if staged is None:
             return
+        if staged.frozen is not None and w.base is None:
+            w.base, w.base_via = weights_digest(staged.frozen), via
         w.chain.commit(staged)
         w.installs += 1
         w.installed.append(staged.version)
@@ -144,7 +154,7 @@ async def chain_over_tcp(
             received[snap.manifest.version] = (snap.manifest, snap.data)
             install(w, [link for v, link in received.items() if v > w.chain.version])
             if max(received) > w.chain.version:  # a gap: the chain from the learner
-                install(w, await fetch(w))
+                install(w, await fetch(w), "http")
             received = {v: link for v, link in received.items() if v > w.chain.version}
             await w.node.report_installed(w.chain.version)
             if w.slow_s:
@@ -172,7 +182,7 @@ async def chain_over_tcp(
             if v == publications * 2 // 3:  # a late joiner: holds nothing, joins mid-chain
                 late = _Worker("late-joiner", node("late-joiner"))
                 await late.node.start()
-                install(late, await fetch(late))  # what `echo2 worker` does at start
+                install(late, await fetch(late), "http")  # what `echo2 worker` does at start
                 workers.append(late)
                 tasks.append(asyncio.create_task(follow(late)))
             await asyncio.sleep(0.12)
@@ -185,7 +195,7 @@ async def chain_over_tcp(
             w
         ) in alive:  # a worker whose last announcement was superseded asks the learner (as echo2 worker does)
             if w.chain.version < last:
-                install(w, await fetch(w))
+                install(w, await fetch(w), "http")
         wall = time.perf_counter() - t0
         for w in workers:
             w.bit_identical = sum(d == published.get(v) for v, d in w.digests)
@@ -203,7 +213,8 @@ async def chain_over_tcp(
             link.manifest["lineage"]["model_base"] == model_base for link in snaps.chain
         ),
         "publications": publications,
-        "anchors": sum(k == "full" for k in kinds.values()),
+        "anchors": sum(k != "patch" for k in kinds.values()),
+        "base_links": sum(k == "base" for k in kinds.values()),
         "patches": sum(k == "patch" for k in kinds.values()),
         "installs": installs,
         "bit_identical": sum(w.bit_identical for w in workers),
@@ -217,6 +228,8 @@ async def chain_over_tcp(
                 "bit_identical": w.bit_identical,
                 "http_fetches": w.http_fetches,
                 "final_version": w.chain.version,
+                "base_identical": w.base == model_base if lora else None,
+                "base_via": w.base_via,
                 "versions_skipped": publications
                 - len(set(w.installed))
                 - (w.installed[0] if w.installed else 0),

@@ -13,12 +13,11 @@ Endpoints (JSON; every one but ``register`` needs ``Authorization: Bearer <crede
     POST /v1/lease      LeaseRequest     -> LeaseGrant | LeaseRefusal
     POST /v1/submit     SubmitRequest    -> SubmitReply
     GET  /v1/version                     -> VersionReply
-    GET  /v1/snapshot?have=V             -> a snapshot chain (``echo2.weights.chain.encode_chain``): the
+    GET  /v1/snapshot?have=V&base=B      -> a snapshot chain (``echo2.weights.chain.encode_chain``): the
                                             links that take installed version V to the newest (V = -1:
-                                            anchor first)
+                                            anchor first; in a LoRA run the link carrying the frozen
+                                            base first unless B = 1, the caller holds it)
     GET  /v1/model                       -> ModelReply (config + tokenizer files: the skeleton)
-    GET  /v1/base                        -> a LoRA run's frozen base (``weights.delta.encode_full``
-                                            bytes, once per worker; its digest is in the settings)
     any refusal                          -> ErrorReply with a 4xx status
 
 The trajectory codec (:func:`group_to_wire`, :func:`group_from_wire`, :func:`encode_group`,
@@ -128,8 +127,8 @@ class SubmitRequest(BaseModel):
 
 # ---- replies (learner -> worker) --------------------------------------------------------------------
 class LoraSettings(BaseModel):
-    """A LoRA run's publications are the adapter alone: the worker holds the frozen base (``GET
-    /v1/base``, checked against ``base_digest``) and loads base + ``scale`` x B @ A (``models/lora.py``)."""
+    """A LoRA run's publications are the adapter alone: the worker holds the frozen base (the first link
+    of the chain, checked against ``base_digest``) and loads base + ``scale`` x B @ A (``models/lora.py``)."""
 
     model_config = LENIENT
 

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 @pytest.mark.parametrize("lora", [False, True], ids=["whole-weights", "lora-adapter"])
 def test_every_install_reproduces_the_published_weights_bit_for_bit(lora: bool) -> None:
     """Whole-weight publications, and a LoRA run's (the adapter alone, its base pinned in every signed
-    lineage): the same chains, faults and catch-ups, every install bit-identical."""
+    lineage and carried by the first link): the same chains, faults and catch-ups, every install
+    bit-identical, every worker's base the learner's."""
     r = asyncio.run(chain_over_tcp(publications=18, anchor_every=6, lora=lora))
     assert r["model_base_pinned"]
     w = r["workers"]
@@ -28,3 +29,10 @@ def test_every_install_reproduces_the_published_weights_bit_for_bit(lora: bool) 
         assert w[name]["final_version"] == 17, name
     assert w["slow"]["http_fetches"] > 0 and w["slow"]["installs"] < 18  # it missed links and caught up
     assert w["late-joiner"]["http_fetches"] >= 1
+    if lora:  # the base rode the first link: relayed to the workers joined before it, HTTP to the late one
+        assert r["base_links"] == 1
+        for name in ("steady", "corrupting-relay", "slow", "late-joiner"):
+            assert w[name]["base_identical"], name
+        assert w["late-joiner"]["base_via"] == "http"
+        for name in ("steady", "relay-killed", "corrupting-relay", "slow"):  # joined before it: relayed
+            assert w[name]["base_via"] == "broadcast", name

@@ -1,7 +1,7 @@
-"""A LoRA run whose workers hold the base checkpoint themselves (`echo2 worker --lora-base PATH`): a
-real `echo2 learner --lora` on a user's checkpoint, one worker reading the same checkpoint from its
-disk (it never asks the learner for the base) and training the run, one pointed at another checkpoint,
-refused at setup with one line before it registers a lease."""
+"""A real `echo2 learner --lora` on a user's checkpoint: one worker receives the frozen base with the
+first link of the weights chain, one reads the same checkpoint from its own disk (`echo2 worker
+--lora-base PATH`: it never receives the base), both train the run; one pointed at another checkpoint
+is refused at setup with one line before it registers a lease."""
 
 from __future__ import annotations
 
@@ -42,9 +42,12 @@ def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_pol
         started.append(wrong)
         local = echo2(*join, str(base), "--name", "local", env=env, log=tmp_path / "local.log")
         started.append(local)
+        chained = echo2(*join[:-1], "--name", "chained", env=env, log=tmp_path / "chained.log")
+        started.append(chained)
         assert wrong.wait(120) != 0
         wait_for(lambda: last_step(run_dir) >= 4, 240, "four steps with the worker holding its base")
         assert local.poll() is None, (tmp_path / "local.log").read_text()[-3000:]
+        assert chained.poll() is None, (tmp_path / "chained.log").read_text()[-3000:]
         learner.send_signal(signal.SIGINT)
         rc = learner.wait(120)
     finally:
@@ -52,9 +55,14 @@ def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_pol
     text = (tmp_path / "learner.log").read_text()
     assert rc == 0, text[-3000:]
     assert "LoRA base installed (" in (local_log := (tmp_path / "local.log").read_text())
-    assert f"the LoRA base at {base} (--lora-base, as bfloat16)" in local_log  # read, not downloaded
+    assert f"the LoRA base at {base} (--lora-base, as bfloat16)" in local_log  # read, not received
+    assert "from the chain's first link" not in local_log
+    chained_log = (tmp_path / "chained.log").read_text()
+    assert "LoRA base installed from the chain's first link" in chained_log and "ready at v" in chained_log
     wrong_log = (tmp_path / "wrong.log").read_text()
     assert "(--lora-base, as bfloat16) digests to" in wrong_log and "another base; refusing it" in wrong_log
+    admitted = {r["name"]: r["rollouts"] for r in json.loads((run_dir / "workers.json").read_text())}
+    assert admitted.get("local", 0) > 0 and admitted.get("chained", 0) > 0, admitted  # both trained it
     rows = [r for r in read_metrics(run_dir) if "learner/t_train_s" in r]
     assert len(rows) >= 4 and all(r["store/rejected"] == 0 for r in rows)
     assert rows[-1]["security/quarantined"] == 0 and rows[-1]["security/checked_submissions"] > 0

@@ -37,7 +37,9 @@ def main() -> None:
     cfg = LoRAConfig(enabled=True, r=RANK, alpha=8.0)
     lora.attach(model, cfg, "fp32")
     base = lora.PublishedBase.of(model, "bfloat16", lora.lora_scale(cfg), "float32")  # lora.vllm = native
-    engine = AdapterEngine(vllm, base)
+    slot = lora.BaseSlot(base.digest, base.scale, base.merged_dtype)
+    slot.fill(base.tensors)
+    engine = AdapterEngine(vllm, slot)
     out["native"] = engine.native
     plain = build_model(SHAPE, tok, seed=1)
 

@@ -39,10 +39,13 @@ class Learner:
         self.asked: list[int] = []  # the ``have`` of every chain fetched
         self.tamper = False
 
-    async def snapshot_chain(self, have: int) -> list[tuple[dict[str, Any], memoryview]]:
+    async def snapshot_chain(
+        self, have: int, base_held: bool = False
+    ) -> list[tuple[dict[str, Any], memoryview]]:
         self.asked.append(have)
         links = [
-            (link.manifest, b"junk" if self.tamper else link.blob) for link in self.snaps.chain_from(have)
+            (link.manifest, b"junk" if self.tamper else link.blob)
+            for link in self.snaps.chain_from(have, base_held)
         ]
         return decode_chain(encode_chain(links))
 

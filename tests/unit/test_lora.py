@@ -256,7 +256,9 @@ def test_the_check_reruns_base_plus_adapter_as_the_workers_engine_does(tiny_poli
     v1 = lora.adapter_copy(tiny_policy.model)
     v2 = {n: t + 0.2 * torch.randn_like(t.float()).to(t.dtype) for n, t in v1.items()}
     plain = tiny_policy_factory()  # a worker's engine model: the architecture alone
-    engine = AdapterEngine(HFEngine(plain.model, plain.eos_id, plain.pad_id, sampling), base)
+    slot = lora.BaseSlot(base.digest, scale)
+    slot.fill(base.tensors)
+    engine = AdapterEngine(HFEngine(plain.model, plain.eos_id, plain.pad_id, sampling), slot)
     check = GenerationCheck(
         aliasing_model(tiny_policy.model), sampling, SecurityConfig(), random.Random(0), expand=base.expand
     )
@@ -295,23 +297,24 @@ def test_the_check_reruns_base_plus_adapter_as_the_workers_engine_does(tiny_poli
     assert check.held_bytes() <= sum(t.nbytes for t in v1.values())  # an undo of an adapter, not a model
 
 
-def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_the_stated_one(
-    tiny_policy, tmp_path
-):
-    """The follower installs only links whose signed lineage pins the base it holds (counted as an
-    install failure otherwise); a base whose digest is not the settings' ends the worker's setup. A
-    worker holding the base checkpoint (``--lora-base``) builds the same base from it, without the
-    learner; another checkpoint there is refused the same way."""
+def test_the_base_rides_the_first_link_and_a_worker_refuses_another_base(tiny_policy, tmp_path):
+    """The learner's first publication carries the frozen base (a signed ``base`` link); a worker that
+    holds no base gets it first in the chain and its engine then loads base + adapter; one that holds it
+    (``base=1``) gets the same version's adapter alone. The follower installs only links whose signed
+    lineage pins the base it holds, and refuses (an install failure) a base link whose base is not the
+    pinned one and an adapter before any base. A worker holding the base checkpoint (``--lora-base``)
+    fills its slot from it, never from the chain; another checkpoint there ends its setup."""
     import asyncio
 
     from echo2.broadcast.factory import get_strategy, open_publisher
     from echo2.errors import Echo2Error
     from echo2.protocol import LoraSettings
+    from echo2.rollout.engines import AdapterEngine
     from echo2.rollout.follower import WeightFollower
     from echo2.rollout.worker import RolloutWorker, WorkerCounters, WorkerOptions
     from echo2.runtime.snapshots import Snapshots
-    from echo2.weights.delta import encode_full
-    from echo2.weights.manifest import Manifest, new_signing_key
+    from echo2.weights.chain import decode_chain, encode_chain, verified_links
+    from echo2.weights.manifest import new_signing_key
 
     tiny_policy.save(tmp_path / "base")  # the base checkpoint, as the worker's machine holds it
     scale = _trained_adapter(tiny_policy)
@@ -323,42 +326,63 @@ def test_a_worker_refuses_publications_for_another_base_and_a_base_that_is_not_t
         def install(self, weights):
             self.loaded = weights
 
-    async def go() -> None:
+    def follower(slot, counters, key):
+        engine = AdapterEngine(Engine(), slot)
+        f = WeightFollower(
+            None, engine, key.verifier(), None, "w0", counters, finished=lambda: True,
+            model_base=slot.digest, base=slot,
+        )  # type: ignore[arg-type]  # fmt: skip
+        return f, engine.engine
+
+    async def publications(model_base: str):
         key = new_signing_key()
         snaps = Snapshots(
-            open_publisher("memory", key, get_strategy("star-limited"), 4096), 1.1, model_base="cd" * 32
+            open_publisher("memory", key, get_strategy("star-limited"), 4096),
+            1.1,
+            model_base=model_base,
+            frozen=base.tensors,
         )
-        await snaps.publish_copy(0, lambda dtype: lora.adapter_copy(tiny_policy.model, dtype))
-        links = [(Manifest.from_dict(link.manifest), link.blob) for link in snaps.chain]
-        counters = WorkerCounters()
-        for held, ok in (("ab" * 32, False), ("cd" * 32, True)):
-            follower = WeightFollower(
-                None, Engine(), key.verifier(), None, "w0", counters, finished=lambda: True, model_base=held
-            )  # type: ignore[arg-type]
-            assert follower._install(links) is ok
-        assert counters.install_failures == 1
+        for v in range(2):
+            with torch.no_grad():
+                for name, p in tiny_policy.model.named_parameters():
+                    if "lora_B" in name:
+                        p.add_(0.01)
+            await snaps.publish_copy(v, lambda dtype: lora.adapter_copy(tiny_policy.model, dtype))
         await snaps.close()
 
-        class Client:
-            async def lora_base(self):
-                return encode_full(base.tensors)
+        def chain(held: bool):
+            body = encode_chain([(k.manifest, k.blob) for k in snaps.chain_from(-1, held)])
+            return verified_links(decode_chain(body), key.verifier())
+
+        return key, snaps, chain
+
+    async def go() -> None:
+        key, _, chain = await publications(base.digest)
+        first, twin = chain(False)[0], chain(True)[0]
+        assert [m.kind for m, _ in chain(False)] == ["base", "patch"]
+        assert (first[0].version, twin[0].version, twin[0].kind) == (0, 0, "full")
+        assert twin[0].lineage.weights_digest == first[0].lineage.weights_digest
+        assert len(twin[1]) < len(first[1]) // 4  # the adapter alone
+        counters = WorkerCounters()
+        empty = lora.BaseSlot(base.digest, scale)
+        f, engine = follower(empty, counters, key)
+        assert f._install(chain(False)) and empty.held is not None and empty.held.digest == base.digest
+        newest = lora.adapter_copy(tiny_policy.model)
+        assert all(torch.equal(t, base.expand(newest)[n]) for n, t in engine.loaded.items())
+        f, _ = follower(lora.BaseSlot(base.digest, scale), counters, key)  # no base yet: refused
+        assert not f._install(chain(True)) and counters.install_failures == 1
+        f, _ = follower(lora.BaseSlot("ab" * 32, scale), counters, key)  # links pin another base
+        assert not f._install(chain(False)) and counters.install_failures == 2
+        key, _, lying = await publications("cd" * 32)  # a base link whose base is not the one it pins
+        f, _ = follower(lora.BaseSlot("cd" * 32, scale), counters, key)
+        assert not f._install(lying(False)) and counters.install_failures == 3
 
         worker = RolloutWorker.__new__(RolloutWorker)
-        worker.client = Client()
-        worker.opts = WorkerOptions("https://learner.invalid", "t")  # no --lora-base: downloaded
-        got = await worker._lora_base(LoraSettings(scale=scale, base_digest=base.digest))
-        assert got.digest == base.digest and got.scale == scale
-        with pytest.raises(Echo2Error, match="another base; refusing it"):
-            await worker._lora_base(LoraSettings(scale=scale, base_digest="ef" * 32))
-
-        class NoBase:
-            async def lora_base(self):
-                raise AssertionError("a worker holding the base must not download it")
-
-        worker.client = NoBase()
+        worker.opts = WorkerOptions("https://learner.invalid", "t")  # the base comes with the chain
+        assert (await worker._lora_base(LoraSettings(scale=scale, base_digest=base.digest))).held is None
         worker.opts = WorkerOptions("https://learner.invalid", "t", lora_base=tmp_path / "base")
         local = await worker._lora_base(LoraSettings(scale=scale, base_digest=base.digest))
-        assert local.digest == base.digest and local.tensors.keys() == base.tensors.keys()
+        assert local.held.digest == base.digest and local.held.tensors.keys() == base.tensors.keys()
         other = load_checkpoint(tmp_path / "base")
         with torch.no_grad():
             other.model.get_input_embeddings().weight.add_(0.01)

@@ -20,6 +20,7 @@ from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.node import assemble, worker_settings
 from echo2.runtime.routes import Identity
 from echo2.tasks.registry import build_task
+from echo2.weights.delta import weights_digest
 from echo2.weights.manifest import new_signing_key
 
 TOKEN = "join-token-for-tests-0123456789"
@@ -27,9 +28,7 @@ JOIN = {"Authorization": f"Bearer {TOKEN}"}  # what registration sends: the join
 VOCAB = 100
 
 
-def make_node(
-    tmp_path, *overrides: str, verifier: Any = None, lora_base: bytes | None = None
-) -> SimpleNamespace:
+def make_node(tmp_path, *overrides: str, verifier: Any = None, frozen: dict | None = None) -> SimpleNamespace:
     """The parts of a learner node wired as ``runtime/learner.py`` wires them (in-memory broadcast,
     no model); ``node.v`` is the learner version the parts read."""
     cfg = load_config(
@@ -52,18 +51,15 @@ def make_node(
         tmp_path, TOKEN, time.time, sec.max_workers, sec.slot_idle_s, sec.max_identities
     )
     publisher = open_publisher("memory", key, get_strategy("star-limited"), 1 << 10)
-    lora = LoraSettings(scale=2.0, base_digest="ab" * 32) if lora_base is not None else None
+    lora = LoraSettings(scale=2.0, base_digest=weights_digest(frozen)) if frozen is not None else None
     identity = Identity(
-        worker_settings(cfg, lora=lora),
-        key.verifier().to_text(),
-        ("127.0.0.1", 1),
-        {"config.json": "{}"},
-        lora_base,
+        worker_settings(cfg, lora=lora), key.verifier().to_text(), ("127.0.0.1", 1), {"config.json": "{}"}
     )
     n.task = build_task(cfg.task, 0)
     parts = assemble(
-        cfg, registry, n.store, n.task, publisher, identity, VOCAB, lambda: n.v, time.time, verifier
-    )
+        cfg, registry, n.store, n.task, publisher, identity, VOCAB, lambda: n.v, time.time, verifier,
+        frozen=frozen,
+    )  # fmt: skip
     n.__dict__.update(vars(parts))
     return n
 
@@ -736,44 +732,49 @@ def test_over_long_numbers_get_a_counted_4xx_on_every_endpoint(tmp_path):
     assert stats.rejected_by_reason == {"oversized": 1, "auth": 1, "malformed": 2, "future_version": 1}
 
 
-def test_a_lora_runs_base_is_served_a_bounded_number_of_times_and_pinned_in_every_manifest(tmp_path):
-    """GET /v1/base: 404 not_lora in a run of whole weights; in a LoRA run the base bytes, at most
-    SERVE_BUDGET (3) times an identity, then 429 over_budget; the settings name its digest and every
-    publication's signed lineage pins it."""
+def test_a_lora_runs_base_is_the_first_link_of_the_chain_and_pinned_in_every_manifest(tmp_path):
+    """GET /v1/snapshot in a LoRA run: the chain of a worker holding no base (``base=0``, the default)
+    leads with the link that carries it; one holding it (``base=1``) gets that version's adapter alone,
+    signed the same; ``base`` is 0 or 1 (400 naming it); the link is booked to the identity's budget
+    like any (429 ``over_budget`` after SERVE_BUDGET copies); every manifest pins the base."""
     import torch
 
-    from echo2.weights.manifest import Manifest
+    from echo2.weights.chain import decode_chain, verified_links
+    from echo2.weights.manifest import key_from_text
 
-    plain = make_node(tmp_path / "plain")
-
-    async def refused(client: TestClient) -> None:
-        auth = await register(client)
-        resp = await client.get("/v1/base", headers=auth)
-        assert resp.status == 404 and (await resp.json())["error"] == "not_lora"
-
-    run(refused, plain)
-    node = make_node(tmp_path / "lora", lora_base=b"the base bytes")
+    frozen = {"model.w.weight": torch.ones(64, 64, dtype=torch.bfloat16)}
+    node = make_node(tmp_path / "lora", frozen=frozen)
+    adapter = {"model.w.lora_A.default.weight": torch.ones(2, 64, dtype=torch.bfloat16)}
 
     async def served(client: TestClient) -> None:
         resp = await client.post("/v1/register", headers=JOIN, json={"name": "w", "usd_per_hour": 0.35})
         reply = await resp.json()
+        digest = weights_digest(frozen)
         assert reply["settings"]["lora"] == {
-            "scale": 2.0,
-            "base_digest": "ab" * 32,
-            "dtype": "bfloat16",
-            "rank": None,
-            "vllm": "merged",
-        }
+            "scale": 2.0, "base_digest": digest, "dtype": "bfloat16", "rank": None, "vllm": "merged",
+        }  # fmt: skip
         auth = {"Authorization": f"Bearer {reply['credential']}"}
-        assert (await client.get("/v1/base")).status == 401
-        for _ in range(3):
-            resp = await client.get("/v1/base", headers=auth)
-            assert resp.status == 200 and await resp.read() == b"the base bytes"
-        resp = await client.get("/v1/base", headers=auth)
+        key = key_from_text(reply["public_key"])
+        await node.snapshots.publish_copy(1, lambda dtype: adapter)  # (v0 is run()'s bytes)
+        await node.snapshots.publish_copy(2, lambda dtype: {n: t + 1 for n, t in adapter.items()})
+
+        async def chain(query: str) -> list:
+            resp = await client.get(f"/v1/snapshot?{query}", headers=auth)
+            assert resp.status == 200, await resp.text()
+            return verified_links(decode_chain(await resp.read()), key)
+
+        bare, held = await chain("have=-1"), await chain("have=-1&base=1")
+        assert [(m.version, m.kind) for m, _ in bare] == [(1, "base"), (2, "patch")]
+        assert [(m.version, m.kind) for m, _ in held] == [(1, "full"), (2, "patch")]
+        assert len(bare[0][1]) > 64 * 64 * 2 > len(held[0][1])  # the base crosses only with base=0
+        assert all(m.lineage.model_base == digest for m, _ in bare + held)
+        resp = await client.get("/v1/snapshot?have=-1&base=yes", headers=auth)
+        assert resp.status == 400 and "base must be 0 or 1" in (await resp.json())["detail"]
+        for _ in range(2):  # the second and third copy of the base for this identity (with the twin's)
+            await chain("have=-1")
+        resp = await client.get("/v1/snapshot?have=-1", headers=auth)
         assert resp.status == 429 and (await resp.json())["error"] == "over_budget"
-        await node.snapshots.publish_copy(1, lambda dtype: {"a.lora_A.default.weight": torch.ones(2, 2)})
-        resp = await client.get("/v1/version", headers=auth)
-        assert Manifest.from_dict((await resp.json())["manifest"]).lineage.model_base == "ab" * 32
+        assert (await client.get("/v1/base", headers=auth)).status == 404  # no side channel
 
     run(served, node)
 

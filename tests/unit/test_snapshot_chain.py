@@ -16,7 +16,7 @@ from echo2.broadcast.factory import get_strategy, open_publisher
 from echo2.config import EmbeddedModelConfig, SnapshotConfig
 from echo2.models.embedded import build_model, build_tokenizer
 from echo2.runtime.snapshots import Snapshots
-from echo2.weights.chain import ChainError, WeightChain, decode_chain, encode_chain
+from echo2.weights.chain import ChainError, WeightChain, decode_chain, encode_chain, with_frozen
 from echo2.weights.delta import DeltaError, decode_full, sampler_copy, weights_digest
 from echo2.weights.manifest import (
     Lineage,
@@ -209,6 +209,11 @@ def test_the_lineage_is_signed_and_checked() -> None:
         ),
         ({"kind": "patch", "base_version": 1}, "base_digest"),
         ({"kind": "full", "base_version": 2}, "names no base"),
+        (
+            {"kind": "base", "base_version": 2, "weights_digest": "b" * 64, "model_base": "c" * 64},
+            "names no base",
+        ),
+        ({"kind": "base", "weights_digest": "b" * 64}, "must state model_base"),
         ({"kind": "full", "weights_digest": "XYZ"}, "hex"),
         ({"kind": "full", "extra": 1}, "unknown"),
         ("full", "object"),
@@ -310,3 +315,54 @@ def test_the_check_is_told_a_version_before_it_is_announced() -> None:
     asyncio.run(go())
     assert [v for v, _ in seen] == [0, 1, 2] and all(v not in announced for v, announced in seen)
     assert snaps.published == {0, 1, 2}
+
+
+def test_a_lora_runs_base_is_the_first_link_and_stays_after_every_anchor(tmp_path: Path) -> None:
+    """With a frozen base (a LoRA run), the first publication is a ``base`` link (the adapter and the
+    base, signed with the base's digest); it stays the chain's first link, and its file, after later
+    anchors end the chain it led; a worker holding nothing stages it first and gets the base handed on,
+    one holding the base gets the same version's adapter alone (its twin) while it leads the chain. A
+    base link whose base is not the one it pins is refused."""
+    g = torch.Generator().manual_seed(0)
+    frozen = {"m.w.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16)}
+    adapter = {"m.w.lora_A.default.weight": torch.zeros(4, 32, dtype=torch.bfloat16)}
+    key = new_signing_key()
+    spill = tmp_path / "published"
+    publisher = open_publisher("memory", key, get_strategy("star-limited"), 4096)
+    snaps = Snapshots(
+        publisher, 1.1, SnapshotConfig(anchor_every=3), spill_dir=spill, model_base=weights_digest(frozen),
+        frozen=frozen,
+    )  # fmt: skip
+    seen: dict[int, list[int]] = {}
+
+    async def go() -> None:
+        for v in range(5):
+            nudged = {n: t + (1.0 if v == 3 else 0.01 * v) for n, t in adapter.items()}
+            await snaps.publish_copy(v, lambda dtype, w=nudged: w)
+            if v == 2:
+                seen[2] = [link.version for link in snaps.chain_from(-1, True)]
+                twin = snaps.chain_from(-1, True)[0]
+                assert twin.manifest["lineage"]["kind"] == "full" and len(twin.blob) < len(
+                    snaps.chain[0].blob
+                )
+
+    asyncio.run(go())
+    kinds = [link.manifest["lineage"]["kind"] for link in snaps.chain_from(-1)]
+    assert kinds == ["base", "full", "patch"]  # v0 base link, then the v3 anchor and its patch
+    assert seen[2] == [0, 1, 2]
+    assert [link.version for link in snaps.chain_from(-1, True)] == [3, 4]  # no base: none needed
+    assert sorted(p.name for p in spill.iterdir()) == [
+        "v0000000000.bin",
+        "v0000000003.bin",
+        "v0000000004.bin",
+    ]
+    links = [(Manifest.from_dict(k.manifest), k.blob) for k in snaps.chain_from(-1)]
+    staged = WeightChain().stage(links)
+    assert staged is not None and staged.version == 4 and staged.frozen is not None
+    assert weights_digest(staged.frozen) == weights_digest(frozen) and set(staged.tensors) == set(adapter)
+    assert staged.digest == snaps.chain[-1].manifest["lineage"]["weights_digest"]
+    lie = Lineage("base", weights_digest=weights_digest(adapter), model_base="c" * 64)
+    blob = bytes(snaps.chain_from(-1)[0].blob)
+    assert decode_full(blob).keys() == with_frozen(frozen, adapter).keys()
+    with pytest.raises(DeltaError, match="the base it carries"):
+        WeightChain().stage([(build_manifest(blob, 0, 4096, key, lie), blob)])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from echo2.physics.rules import install_quorum
-from echo2.weights.manifest import Lineage, Manifest
+from echo2.weights.manifest import Lineage, Manifest, ManifestKey
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,7 @@ class SnapshotPublisher(Protocol):
     """Learner side: announce a snapshot to the current members and serve it."""
 
     counters: PublisherCounters  # stall reports, demotions, refused acks, refused frames
+    key: ManifestKey  # what it signs manifests with (a base link's twin is signed with it too)
 
     async def start(self) -> tuple[str, int]:
         """Start serving; returns the address receivers join."""

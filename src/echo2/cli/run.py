@@ -190,8 +190,8 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lora-base",
-        help="a LoRA run's base checkpoint on this machine: read it instead of downloading the base "
-        "(checked against the run's digest)",
+        help="a LoRA run's base checkpoint on this machine: read it instead of receiving the base with "
+        "the first link of the weights chain (checked against the run's digest)",
     )
     p.add_argument("--engine", default="hf", help="rollout engine: hf (default) or vllm (docs/engines.md)")
     # --engine-<name> for each of rollout/engines/base.ENGINE_SETTINGS, unset: EngineOptions' default

@@ -220,8 +220,9 @@ def merged_weights(model: Any) -> dict[str, Any]:
 
 # ---- publications of the adapter -------------------------------------------------------------------
 # A LoRA learner publishes the adapter alone (``adapter_copy``: the live names, ``...q_proj.lora_A.
-# default.weight``) through the usual codec, chain and broadcast; the base goes to each worker once
-# (``base_copy``). Workers and the learner's generation check turn a published adapter into the full
+# default.weight``) through the usual codec, chain and broadcast; the base (``base_copy``) rides the
+# first link of each learner process's chain, and a worker keeps it in a ``BaseSlot``. Workers and
+# the learner's generation check turn a published adapter into the full
 # weights an engine loads with one function (``merge_published``), exactly, so both hold the same bytes.
 
 LORA_A, LORA_B = ".lora_A.default.weight", ".lora_B.default.weight"
@@ -270,6 +271,36 @@ class PublishedBase:
         """CheckpointError when ``adapter`` does not fit this base (what ``expand`` would refuse)."""
         for _ in adapter_pairs(self.tensors, adapter):
             pass
+
+
+class BaseSlot:
+    """A worker's LoRA base: empty until the first link of the chain (or a checkpoint on the worker's
+    own disk) fills it with the base the run's settings pin (``digest``); then held for the run. Its
+    engines read it at every install (``rollout.engines.AdapterEngine``)."""
+
+    def __init__(self, digest: str, scale: float, merged_dtype: str | None = None) -> None:
+        self.digest, self.scale, self.merged_dtype = digest, scale, merged_dtype
+        self.held: PublishedBase | None = None
+
+    def fill(self, tensors: dict[str, Any], where: str = "the base the chain carried") -> PublishedBase:
+        """Hold ``tensors`` as the base (once: a base already held stays); CheckpointError naming
+        ``where`` when their digest is not the run's."""
+        if self.held is None:
+            got = weights_digest(tensors)
+            if got != self.digest:
+                raise CheckpointError(
+                    f"{where} digests to {got[:16]}..., the run's settings state {self.digest[:16]}...: "
+                    "another base; refusing it"
+                )
+            self.held = PublishedBase(tensors, got, self.scale, self.merged_dtype)
+        return self.held
+
+    @property
+    def base(self) -> PublishedBase:
+        """The base held; CheckpointError before one is (an adapter needs its base)."""
+        if self.held is None:
+            raise CheckpointError("an adapter arrived before the base it applies to (the chain's first link)")
+        return self.held
 
 
 def lora_scale(cfg: LoRAConfig) -> float:

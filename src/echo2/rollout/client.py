@@ -112,22 +112,20 @@ class LearnerClient:
     async def version(self) -> VersionReply:
         return await self._call("GET", "/version", VersionReply)
 
-    async def snapshot_chain(self, have: int) -> list[tuple[dict[str, Any], memoryview]]:
-        """The signed links (manifest dict, bytes) from installed version ``have`` to the newest; the
-        caller verifies every one (``ChainError`` if the body itself is malformed)."""
+    async def snapshot_chain(
+        self, have: int, base_held: bool = False
+    ) -> list[tuple[dict[str, Any], memoryview]]:
+        """The signed links (manifest dict, bytes) from installed version ``have`` to the newest (in a
+        LoRA run led by the base unless ``base_held``); the caller verifies every one (``ChainError``
+        if the body itself is malformed)."""
         # no total timeout: the first anchor of a real model is GBs over a WAN; a stall still ends it
-        status, body, _ = await self._request("GET", f"/snapshot?have={int(have)}", timeout=SNAPSHOT_TIMEOUT)
+        path = f"/snapshot?have={int(have)}&base={int(base_held)}"
+        status, body, _ = await self._request("GET", path, timeout=SNAPSHOT_TIMEOUT)
         self._raise_for(status, body)
         return decode_chain(body)
 
     async def model(self) -> ModelReply:
         return await self._call("GET", "/model", ModelReply)
-
-    async def lora_base(self) -> bytes:
-        """A LoRA run's frozen base (``encode_full`` bytes; the caller checks its digest)."""
-        status, body, _ = await self._request("GET", "/base", timeout=SNAPSHOT_TIMEOUT)
-        self._raise_for(status, body)
-        return body
 
     # ---- plumbing -----------------------------------------------------------------------------------
     async def _call(self, method: str, path: str, reply: type[R], req: BaseModel | None = None) -> R:

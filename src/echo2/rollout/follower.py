@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
     from echo2.broadcast.api import InstalledSnapshot, SnapshotReceiver
     from echo2.broadcast.factory import PublisherAddress
+    from echo2.models.lora import BaseSlot
     from echo2.rollout.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,11 @@ class Learner(Protocol):
     credential: str | None  # this worker's credential, presented when it joins the broadcast
     pin: str | None  # the learner certificate's fingerprint (None: plain TCP), pinned there too
 
-    async def snapshot_chain(self, have: int) -> list[tuple[dict[str, Any], memoryview]]:
-        """The signed links from ``have`` to the newest, unverified (``GET /v1/snapshot``)."""
+    async def snapshot_chain(
+        self, have: int, base_held: bool = False
+    ) -> list[tuple[dict[str, Any], memoryview]]:
+        """The signed links from ``have`` to the newest, unverified (``GET /v1/snapshot``), in a LoRA run
+        led by the link that carries the base unless ``base_held``."""
         ...
 
 
@@ -92,6 +96,7 @@ class WeightFollower:
         catchup_s: float = 3.0,
         on_install: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         model_base: str = "",
+        base: BaseSlot | None = None,
     ) -> None:
         self.client = client  # the HTTP catch-up, and the credential and pin the broadcast join presents
         self.engine = engine
@@ -106,6 +111,7 @@ class WeightFollower:
         self.catchup_s = catchup_s  # wait this long for the broadcast before fetching over HTTP
         self.on_install = on_install  # told each installed version's weights (a self-play pool)
         self.model_base = model_base  # a LoRA run's: digest of the base held; every manifest must state it
+        self.base = base  # ... and where its engines find the base (filled by the chain's first link)
         self.chain = WeightChain()  # the published weights being served, and staged installs
         self.node: SnapshotReceiver | None = None  # the broadcast receiver while joined
         self._received: dict[int, InstalledSnapshot] = {}  # delivered, not yet installed
@@ -168,7 +174,8 @@ class WeightFollower:
         # weights of an earlier run epoch are no base for this one's patches: the whole chain then
         have = self.installed if self.epoch >= self._seen_epoch else -1
         try:
-            links = verified_links(await self.client.snapshot_chain(have), self.key)
+            held = self.base is None or self.base.held is not None
+            links = verified_links(await self.client.snapshot_chain(have, held), self.key)
         except (ChainError, ManifestError) as exc:
             self.counters.install_failures += 1
             log.warning("snapshot chain over HTTP refused: %s", exc)
@@ -216,6 +223,11 @@ class WeightFollower:
                 if staged is None:
                     return False
                 with self._engine_lock:
+                    if staged.frozen is not None and self.base is not None and self.base.held is None:
+                        self.base.fill(staged.frozen)  # the first link: the base (one already held stays)
+                        log.info(
+                            "LoRA base installed from the chain's first link (%d tensors)", len(staged.frozen)
+                        )
                     self.engine.install(staged.tensors)
             except (DeltaError, CheckpointError) as exc:
                 self.counters.install_failures += 1
@@ -274,8 +286,8 @@ class WeightFollower:
             return
         self._seen_epoch = epoch
         # only this epoch's versions; nothing already installed, and nothing older than an anchor
-        floor = snap.manifest.version if snap.manifest.kind == "full" else 0
-        if epoch == self.epoch and snap.manifest.kind != "full":
+        floor = snap.manifest.version if snap.manifest.lineage.anchor else 0
+        if epoch == self.epoch and not snap.manifest.lineage.anchor:
             floor = self.installed + 1
         self._received = {
             v: s for v, s in self._received.items() if s.manifest.lineage.epoch == epoch and v >= floor

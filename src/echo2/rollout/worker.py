@@ -38,7 +38,7 @@ import aiohttp
 
 from echo2.config import USER_CONTEXT_TOKENS, EngineName
 from echo2.envs.base import EnvError
-from echo2.errors import Echo2Error
+from echo2.errors import CheckpointError, Echo2Error
 from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
 from echo2.protocol import (
     HeartbeatRequest,
@@ -54,7 +54,6 @@ from echo2.rollout.client import LearnerClient, LearnerGone, Refused
 from echo2.rollout.engines.base import EngineOptions
 from echo2.rollout.follower import WeightFollower
 from echo2.types import Bounds
-from echo2.weights.delta import decode_full, weights_digest
 from echo2.weights.manifest import key_from_text
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ class WorkerOptions:
     engine_options: EngineOptions = field(default_factory=EngineOptions)  # max_context: the learner's
     reconnect_s: float = 120.0  # give up when the learner is unreachable this long
     catchup_s: float = 3.0  # wait this long for the broadcast before fetching a snapshot over HTTP
-    lora_base: Path | None = None  # a LoRA run's base checkpoint held here (instead of GET /v1/base)
+    lora_base: Path | None = None  # a LoRA run's base checkpoint held here (not the chain's first link)
 
 
 @dataclass
@@ -211,40 +210,36 @@ class RolloutWorker:
             catchup_s=self.opts.catchup_s,
             on_install=self.selfplay.offer if self.selfplay is not None else None,
             model_base=base.digest if base is not None else "",
+            base=base,
         )
         await self.follower.fetch()
         log.info("worker %s ready at v%d", self.worker_id, self.installed)
 
     async def _lora_base(self, lora: LoraSettings) -> Any:
-        """A LoRA run's frozen base, checked against the digest the settings state (every manifest
-        states it too): a base that is not it ends the worker. Fetched from the learner once, or, with
-        ``lora_base``, read from the checkpoint this machine holds (cast to the published dtype, as
-        the learner publishes it), so no base crosses the network."""
-        from echo2.models.lora import PublishedBase, base_copy, merged_dtype
+        """A LoRA run's base slot (``models/lora.BaseSlot``): filled by the first link of the chain the
+        worker installs, or now, with ``lora_base``, from the checkpoint this machine holds (cast to the
+        published dtype, as the learner publishes it; checked against the run's digest), so no base
+        crosses the network to it (the chain it fetches then leads with the adapter alone)."""
+        from echo2.models.lora import BaseSlot, base_copy, merged_dtype
         from echo2.models.policy import load_model
 
-        def local_base(path: Path) -> dict[str, Any]:  # the plain model's weights, as the learner ships them
-            return base_copy(load_model(path, keep_bf16=lora.dtype == "bfloat16"), lora.dtype)
-
+        slot = BaseSlot(lora.base_digest, lora.scale, merged_dtype(lora.vllm))
+        path = self.opts.lora_base
+        if path is None:
+            return slot
         t0 = time.perf_counter()
-        if self.opts.lora_base is not None:
-            where = f"the LoRA base at {self.opts.lora_base} (--lora-base, as {lora.dtype})"
-            tensors = await asyncio.to_thread(local_base, self.opts.lora_base)
-        else:
-            where = "the LoRA base the learner sent"
-            blob = await self.client.lora_base()
-            tensors = await asyncio.to_thread(decode_full, blob)
-            del blob
-        got = await asyncio.to_thread(weights_digest, tensors)
-        if got != lora.base_digest:
-            raise Echo2Error(
-                f"{where} digests to {got[:16]}..., the run's settings state {lora.base_digest[:16]}...: "
-                "another base; refusing it"
-            )
+        where = f"the LoRA base at {path} (--lora-base, as {lora.dtype})"
+        tensors = await asyncio.to_thread(
+            lambda: base_copy(load_model(path, keep_bf16=lora.dtype == "bfloat16"), lora.dtype)
+        )
+        try:
+            await asyncio.to_thread(slot.fill, tensors, where)
+        except CheckpointError as exc:
+            raise Echo2Error(str(exc)) from None
         log.info(
             "LoRA base installed (%d tensors) in %.1f s: %s", len(tensors), time.perf_counter() - t0, where
         )
-        return PublishedBase(tensors, got, lora.scale, merged_dtype(lora.vllm))
+        return slot
 
     def _engine_options(self, st: Any) -> Any:
         """This worker's engine options with the run's context, and in a LoRA run whose vLLM workers

@@ -37,12 +37,11 @@ from echo2.config import Config
 from echo2.errors import ConfigError, Echo2Error
 from echo2.models.snapshot import aliasing_model, skeleton_files
 from echo2.observe import catalog as m
-from echo2.observe.rundir import PUBLISHED_DIR, STATE_FILE, latest_checkpoint, next_epoch, write_atomic
+from echo2.observe.rundir import STATE_FILE, latest_checkpoint, next_epoch, write_atomic
 from echo2.resources import RESERVED_FDS, raise_descriptor_limit
 from echo2.runtime.loop import LearnerLoop, LearnerSummary
 from echo2.transport import join_string, run_identity
 from echo2.types import Bounds
-from echo2.weights.delta import encode_full
 from echo2.weights.manifest import key_from_text, new_signing_key
 
 if TYPE_CHECKING:
@@ -184,6 +183,7 @@ class AsyncLearner:
             data_ready=self.data_ready.set,
             epoch=self.epoch,
             perimeter=limits,
+            frozen=self.lora.tensors if self.lora is not None else None,
         )
         if self.ckpt is not None:
             parts.broker.prompts.restore(json.loads((self.ckpt / STATE_FILE).read_text()).get("leases"))
@@ -217,42 +217,35 @@ class AsyncLearner:
 
     async def _identity(self, key: Any, broadcast: tuple[str, int]) -> Any:
         """What a worker is told at registration and served: the run's settings, the manifest key, the
-        broadcast address, the model skeleton, and a LoRA run's base."""
+        broadcast address, the model skeleton (a LoRA run's base rides the chain: ``assemble(frozen=)``)."""
         from echo2.runtime.node import worker_settings
         from echo2.runtime.routes import Identity
 
         policy = self.core.policy
         files = skeleton_files(policy.source, policy.model, policy.tokenizer, self.run_path / "skeleton")
-        lora, base = await self._lora_base()
-        settings = worker_settings(self.cfg, policy.eos_ids, lora)
-        return Identity(settings, key.verifier().to_text(), broadcast, files, base)
+        settings = worker_settings(self.cfg, policy.eos_ids, self._lora_base())
+        return Identity(settings, key.verifier().to_text(), broadcast, files)
 
-    async def _lora_base(self) -> tuple[Any, Any]:
-        """A LoRA run's frozen base as workers hold it (``models/lora.PublishedBase``: kept for the
-        generation check) and what they are told of it (``LoraSettings``), and its bytes, written to
-        the run directory and served from a read-only map (``GET /v1/base``); (None, None) otherwise."""
+    def _lora_base(self) -> Any:
+        """A LoRA run's frozen base as workers hold it (``models/lora.PublishedBase``: published as the
+        first link of the chain, and kept for the generation check) and what they are told of it
+        (``LoraSettings``); None otherwise."""
         from echo2.models import lora
         from echo2.protocol import LoraSettings
-        from echo2.weights.publication import spill_file
 
         model = self.core.policy.model
         if not lora.has_adapter(model):
-            return None, None
+            return None
         base = self.lora = lora.PublishedBase.of(
             model,
             self.cfg.snapshot.dtype,
             lora.lora_scale(self.cfg.lora),
             lora.merged_dtype(self.cfg.lora.vllm),
         )
-        (self.run_path / PUBLISHED_DIR).mkdir(parents=True, exist_ok=True)
-        blob = await asyncio.to_thread(
-            lambda: spill_file(self.run_path / PUBLISHED_DIR / "base.bin", encode_full(base.tensors))
-        )
         lc = self.cfg.lora
-        settings = LoraSettings(
+        return LoraSettings(
             scale=base.scale, base_digest=base.digest, dtype=self.cfg.snapshot.dtype, rank=lc.r, vllm=lc.vllm
         )
-        return settings, blob
 
     def _open_store(self) -> None:
         """The trajectory store, less an earlier process's groups whose checks never ran, with the

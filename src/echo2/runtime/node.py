@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from echo2.broadcast.api import SnapshotPublisher
 from echo2.check.checker import keeper
@@ -101,6 +102,7 @@ def assemble(
     data_ready: Callable[[], None] = lambda: None,
     epoch: int = 0,
     perimeter: Limits | None = None,
+    frozen: dict[str, Any] | None = None,
 ) -> NodeParts:
     """The serving parts of a learner node over ``store`` and ``registry`` (which the broadcast
     ``publisher`` consults too, so it is made first), publishing through ``publisher``; workers an
@@ -108,13 +110,14 @@ def assemble(
     pool. ``data_ready`` is called on every admitted submission (the learner loop's wake-up). ``epoch``
     is this learner process's run epoch (``observe.rundir.next_epoch``): its manifests and leases carry
     it, and leases of another refuse. ``perimeter``: the API port's limits before anyone is known (None:
-    the defaults cut to the descriptor limit). Each part gets its collaborators when it is made; none is
-    patched afterwards."""
+    the defaults cut to the descriptor limit). ``frozen``: a LoRA run's base as workers hold it
+    (``models/lora.PublishedBase.tensors``), the first link of the chain. Each part gets its
+    collaborators when it is made; none is patched afterwards."""
     lora = identity.settings.lora  # a LoRA run: every publication pins the base its adapter applies to
     snapshots = Snapshots(
         publisher, cfg.staleness.gamma, cfg.snapshot, keeper(generation, cfg.staleness.S),
         spill_dir=registry.path.parent / PUBLISHED_DIR, epoch=epoch,
-        model_base=lora.base_digest if lora else "",
+        model_base=lora.base_digest if lora else "", frozen=frozen,
     )  # fmt: skip
     pool, broker = _leasing(cfg, registry, store, task, snapshots, version, clock, epoch, generation)
     registry.watch(_on_quarantine(registry, pool, broker))  # a quarantine is one call: registry.revoke

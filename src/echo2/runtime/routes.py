@@ -27,9 +27,8 @@ JSON shape (or, where no answer can reach the peer, a dropped connection), count
 - snapshot chains (``GET /v1/snapshot``): each link's bytes are booked to (identity, link version) under
   the broadcast port's byte budget (``broadcast.access.ByteBudget``: ``SERVE_BUDGET`` x the version's
   size + ``BUDGET_SLACK_CHUNKS`` chunks); a chain that does not fit is 429 ``over_budget`` before a byte
-  is streamed (a new version brings a new budget; retrying the same one does not);
-- a LoRA run's base (``GET /v1/base``): at most ``SERVE_BUDGET`` times per identity (429 ``over_budget``),
-  404 ``not_lora`` in a run that publishes whole weights;
+  is streamed (a new version brings a new budget; retrying the same one does not); a LoRA run's base is
+  the first link of that chain (``?base=0``), booked like any link;
 - aiohttp's own refusals: a body over the limit 413 ``oversized``, an unknown route 404 ``not_found``,
   a method 405 ``method``, and what its HTTP parser refuses before any handler runs (a NUL byte or an
   over-long line in a header, Content-Length with Transfer-Encoding, a bad request line or chunk size)
@@ -80,12 +79,11 @@ from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.members import WorkerRecord, WorkerRegistry
 from echo2.runtime.pool import Pool
 from echo2.runtime.snapshots import Snapshots
-from echo2.weights.chain import Blob, chain_parts
+from echo2.weights.chain import chain_parts
 from echo2.weights.publication import Link
 
 log = logging.getLogger(__name__)
 
-BASE_PIECE = 4 << 20  # bytes of a LoRA base written to the response at a time
 BURST_S = 2.0  # a token bucket holds this many seconds of security.max_requests_per_s (bursts of twice it)
 REGISTER_MAX_BYTES = 4 << 10  # a registration's body (a name, a price, a description) is read up to this
 OFF_LOOP_BYTES = 64 << 10  # a request body past this is parsed in a worker thread, off the event loop
@@ -101,7 +99,6 @@ class Identity:
     public_key: str  # manifest verification key, ``key_from_text`` form
     broadcast: tuple[str, int]  # where the broadcast plane listens
     skeleton: dict[str, str]  # model config + tokenizer files (no weights)
-    base: Blob | None = None  # a LoRA run's frozen base (encode_full bytes; settings.lora has its digest)
 
 
 class Routes:
@@ -147,7 +144,6 @@ class Routes:
                 web.get(f"{API}/version", self.version),
                 web.get(f"{API}/snapshot", self.snapshot),
                 web.get(f"{API}/model", self.model),
-                web.get(f"{API}/base", self.base),
             ]
         )
         return app
@@ -299,7 +295,8 @@ class Routes:
 
     async def snapshot(self, request: web.Request) -> web.StreamResponse:
         """The links that take the caller's installed version (``?have=V``, default -1) to the newest:
-        the patches after V if the learner still holds them, else the latest anchor and its patches.
+        the patches after V if the learner still holds them, else the latest anchor and its patches;
+        in a LoRA run, led by the link that carries the base unless the caller holds it (``?base=1``).
         Each link's bytes are booked to (caller, link version) first; a chain that does not fit the
         budget is refused whole (429 ``over_budget``) before anything is streamed. Streamed piece by
         piece: the learner never copies an anchor to answer."""
@@ -310,7 +307,12 @@ class Routes:
             have = int(request.query.get("have", "-1"))
         except ValueError:
             raise http.error(web.HTTPBadRequest, "invalid", "have must be an integer version") from None
-        links = self.snapshots.chain_from(have)
+        held = request.query.get("base", "0")
+        if held not in ("0", "1"):
+            raise http.error(
+                web.HTTPBadRequest, "invalid", "base must be 0 or 1 (whether the caller holds it)"
+            )
+        links = self.snapshots.chain_from(have, held == "1")
         self._book(rec.worker_id, links)
         full = sum(len(link.blob) for link in self.snapshots.chain_from(-1))  # what a copy of the chain is
         self._take_token("snapshot", "snapshot chains", sum(len(link.blob) for link in links), full)
@@ -321,20 +323,24 @@ class Routes:
     def _book(self, member: str, links: list[Link]) -> None:
         """Book every link of a chain to ``member``'s byte budget of its version, or none of them
         (429 ``over_budget``, counted); old versions' entries are forgotten."""
+        chain = self.snapshots.published_chain
         for link in links:
             size, chunk = len(link.blob), int(link.manifest["chunk_size"])
-            if not self.budget.fits(member, link.version, size, size, chunk):
+            if not self.budget.fits(member, link.version, size, chain.budget_size(link), chunk):
                 raise http.error(
                     web.HTTPTooManyRequests,
                     "over_budget",
                     f"v{link.version}: {self.budget.sent(member, link.version) + size} bytes would pass "
-                    f"this identity's budget of {self.budget.limit(size, chunk):.0f} for the version "
-                    f"({SERVE_BUDGET:g} x its {size} bytes + {BUDGET_SLACK_CHUNKS} chunks of {chunk}); a "
+                    f"this identity's budget of {self.budget.limit(chain.budget_size(link), chunk):.0f} "
+                    f"for the version ({SERVE_BUDGET:g} x its {chain.budget_size(link)} bytes + "
+                    f"{BUDGET_SLACK_CHUNKS} chunks of {chunk}); a "
                     "newer version has a budget of its own",
                 )
         for link in links:
             size = len(link.blob)
-            self.budget.book(member, link.version, size, size, int(link.manifest["chunk_size"]))
+            self.budget.book(
+                member, link.version, size, chain.budget_size(link), int(link.manifest["chunk_size"])
+            )
         if links:
             self.budget.forget_before(self.snapshots.chain_from(-1)[0].version)  # the oldest still served
 
@@ -345,19 +351,6 @@ class Routes:
         body = self._model_reply
         self._charge(("model", rec.worker_id), "the model files", len(body), len(body))
         return web.Response(body=body, content_type="application/json")
-
-    async def base(self, request: web.Request) -> web.StreamResponse:
-        """A LoRA run's frozen base (404 ``not_lora`` in any other run), at most ``SERVE_BUDGET`` times
-        per identity (then 429 ``over_budget``), within the join token's budget: a worker fetches it
-        once and checks its digest."""
-        rec = self._auth(request)
-        blob = self.identity.base
-        if blob is None:
-            raise http.error(web.HTTPNotFound, "not_lora", "this run publishes whole weights: it has no base")
-        self._charge(("base", rec.worker_id), "the base", len(blob), len(blob))
-        view = memoryview(blob)
-        parts = [view[lo : lo + BASE_PIECE] for lo in range(0, len(view), BASE_PIECE)]
-        return await http.stream_parts(request, parts, f"base to {rec.worker_id}")
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> WorkerRecord:

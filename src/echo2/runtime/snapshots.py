@@ -8,7 +8,10 @@ only for the copy: encoding, digesting, signing and announcing run off the event
 on.
 
 A worker that catches up over HTTP gets the patches after the version it holds if they are in the
-chain, else the anchor and every patch (:meth:`Snapshots.chain_from`). Beyond the model it trains,
+chain, else the anchor and every patch (:meth:`Snapshots.chain_from`); in a LoRA run (``frozen``) the
+first publication carries the frozen base and stays the chain's first link for workers that hold no
+base (``PublishedChain.first``; its twin, the adapter alone signed for the same version, for those
+that do). Beyond the model it trains,
 the learner holds one full copy of the published weights (the newest publication, the base of the
 next patch; a second, the new copy, while a publication is encoded). The published bytes themselves
 (anchor and patches) are written to the run directory's ``published/`` and served from read-only maps
@@ -25,6 +28,7 @@ is what the learner itself uploaded).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -38,7 +42,7 @@ from echo2.observe import catalog
 from echo2.physics.rules import install_quorum
 from echo2.weights.chain import Blob
 from echo2.weights.delta import sampler_copy
-from echo2.weights.manifest import Lineage
+from echo2.weights.manifest import Lineage, build_manifest
 from echo2.weights.publication import Link, PublishedChain
 
 if TYPE_CHECKING:
@@ -59,13 +63,14 @@ class Snapshots:
         spill_dir: Path | None = None,
         epoch: int = 0,
         model_base: str = "",
+        frozen: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.publisher = publisher
         self.gamma = gamma
         self.cfg = cfg or SnapshotConfig()
         # what was published (its bytes in files under spill_dir when given); the next patch's base;
         # every manifest's lineage carries this learner process's run epoch (and a LoRA run's base)
-        self.published_chain = PublishedChain(self.cfg, spill_dir, epoch, model_base)
+        self.published_chain = PublishedChain(self.cfg, spill_dir, epoch, model_base, frozen)
         self.bcast: dict[str, float] = {}  # the newest finite broadcast/ metrics (T_bcast, bytes)
         self.publication: dict[str, float] = {}  # what the newest publication shipped
         self._pending: asyncio.Future[None] | None = None  # a publication being encoded and announced
@@ -93,9 +98,10 @@ class Snapshots:
         """The newest published version (-1 before the first)."""
         return self.published_chain.version
 
-    def chain_from(self, have: int) -> list[Link]:
-        """What a worker holding ``have`` needs to reach the newest (``PublishedChain.chain_from``)."""
-        return self.published_chain.chain_from(have)
+    def chain_from(self, have: int, base_held: bool = False) -> list[Link]:
+        """What a worker holding ``have`` (and a LoRA run's base, ``base_held``) needs to reach the newest
+        (``PublishedChain.chain_from``)."""
+        return self.published_chain.chain_from(have, base_held)
 
     # ---- publishing ------------------------------------------------------------------------------------
     async def publish_model(self, version: int, model: Any, wait: bool = True) -> None:
@@ -136,12 +142,14 @@ class Snapshots:
             asyncio.to_thread(self.on_published, version, weights),
         )
         await self.publish(version, enc.blob, enc.lineage)
+        if enc.alone is not None:  # a base link: its adapter alone, signed as the same version
+            await self._sign_twin(version, enc.alone, dataclasses.replace(enc.lineage, kind="full"))
         self.published_chain.base = weights
         self.publication = {
             catalog.BROADCAST_PUBLICATION_BYTES.key: float(len(enc.blob)),
             catalog.BROADCAST_FULL_BYTES.key: float(enc.full_bytes),
             catalog.BROADCAST_PATCH_RATIO.key: len(enc.blob) / max(1, enc.full_bytes),
-            catalog.BROADCAST_ANCHOR.key: float(enc.lineage.kind == "full"),
+            catalog.BROADCAST_ANCHOR.key: float(enc.lineage.anchor),
             catalog.BROADCAST_ENCODE_S.key: enc.encode_s,
             # copy, encode, chunk digests, signature, announcements (wall time)
             catalog.BROADCAST_PUBLISH_S.key: time.perf_counter() - t0,
@@ -163,6 +171,14 @@ class Snapshots:
             task = asyncio.ensure_future(self._measure(version, members))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _sign_twin(self, version: int, alone: bytes, lineage: Lineage) -> None:
+        """The base link's twin: the same version's adapter alone, signed with the publication key and
+        served over HTTP to workers that hold the base (never announced)."""
+        first = self.published_chain.first
+        chunk = int(first.manifest["chunk_size"]) if first is not None else len(alone)
+        manifest = await asyncio.to_thread(build_manifest, alone, version, chunk, self.publisher.key, lineage)
+        self.published_chain.twin = Link(version, manifest.to_dict(), alone)
 
     async def _measure(self, version: int, members: int) -> None:
         need = install_quorum(members, self.gamma)

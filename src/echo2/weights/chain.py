@@ -10,6 +10,12 @@ is swapped in (:meth:`WeightChain.commit`, after the engine loaded it); any fail
 version serving and says why. A gap (a patch whose base the worker never had) stops the walk where
 it is, so the caller fetches the missing links (``GET /v1/snapshot?have=V``).
 
+A LoRA run's chain starts, in each learner process, with a **base** link: the adapter anchor and the
+frozen base it applies to in one safetensors blob (:func:`with_frozen`: the base's tensors under
+``FROZEN``), relayed like any publication. Staging it checks the base against the lineage's signed
+``model_base`` digest and hands it on (:attr:`Weights.frozen`) to whoever holds it for the engine;
+the weights a version names stay the adapter's.
+
 That body (:func:`chain_parts` on the learner, :func:`decode_chain` on the worker) is magic, an 8-byte
 header length, a JSON header naming each link's signed manifest and size, then the links' bytes in
 order; nothing in it is trusted: :func:`verified_links` authenticates every manifest and checks every
@@ -19,7 +25,7 @@ blob against it before :meth:`WeightChain.stage` sees them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +41,21 @@ CHAIN_MAGIC = b"E2CHAIN1"
 MAX_CHAIN_LINKS = 1024  # a chain longer than this is refused (the learner anchors far more often)
 
 Blob = bytes | bytearray | memoryview
+
+
+FROZEN = "frozen/"  # a base link's tensors of the frozen base are named FROZEN + their own name
+
+
+def with_frozen(frozen: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The tensors a base link ships: ``weights`` (the adapter) and the frozen base under ``FROZEN``."""
+    return {**{FROZEN + name: t for name, t in frozen.items()}, **weights}
+
+
+def split_frozen(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Inverse of :func:`with_frozen`: (the frozen base by its own names, the rest)."""
+    n = len(FROZEN)
+    frozen = {name[n:]: t for name, t in tensors.items() if name.startswith(FROZEN)}
+    return frozen, {name: t for name, t in tensors.items() if not name.startswith(FROZEN)}
 
 
 class ChainError(ValueError):
@@ -110,6 +131,7 @@ class Weights:
     digest: str  # ``weights_digest(tensors)``
     tensors: dict[str, torch.Tensor]
     epoch: int = 0  # the run epoch of the learner process that published it (its manifest's lineage)
+    frozen: dict[str, torch.Tensor] | None = None  # a LoRA run's base, when a base link was staged
 
 
 class WeightChain:
@@ -135,14 +157,22 @@ class WeightChain:
         is ignored, and a newer epoch starts from its anchor (its patches' bases are of its own epoch,
         whatever their numbers). Raises
         :class:`DeltaError` when a link does not fit what it claims (wrong base digest, result digest
-        mismatch, malformed bytes): nothing is swapped in then."""
-        cur = self.current
+        mismatch, malformed bytes, a base link whose base is not the one its lineage pins): nothing is
+        swapped in then. A base link staged hands its base on in the result's ``frozen``."""
+        cur, frozen = self.current, None
         for manifest, data in sorted(links, key=lambda link: (link[0].lineage.epoch, link[0].version)):
             lin = manifest.lineage
             if cur is not None and (lin.epoch, manifest.version) <= (cur.epoch, cur.version):
                 continue
-            if lin.kind == "full":
+            if lin.anchor:
                 tensors = decode_full(data)
+                if lin.kind == "base":
+                    frozen, tensors = split_frozen(tensors)
+                    if (got := weights_digest(frozen)) != lin.model_base:
+                        raise DeltaError(
+                            f"v{manifest.version}: the base it carries has digest {got[:12]}, its signed "
+                            f"lineage pins {lin.model_base[:12]}; not installing"
+                        )
             elif cur is None or lin.epoch != cur.epoch or lin.base_version != cur.version:
                 break  # a gap: the caller fetches the chain from the version it holds
             elif lin.base_digest != cur.digest:
@@ -158,7 +188,7 @@ class WeightChain:
                     f"v{manifest.version}: the weights built have digest {digest[:12]}, the learner "
                     f"published {lin.weights_digest[:12]}; not installing"
                 )
-            cur = Weights(manifest.version, digest, tensors, lin.epoch)
+            cur = Weights(manifest.version, digest, tensors, lin.epoch, frozen)
         return cur if cur is not None and cur is not self.current else None
 
     def commit(self, staged: Weights) -> None:

@@ -19,10 +19,11 @@ whose scheme is not the one of its key.
 Chunk ``i`` covers bytes ``[i*chunk_size, min((i+1)*chunk_size, total_size))``.
 
 A snapshot is either a full **anchor** (the weights as safetensors) or a **patch** against an earlier
-published version (``echo2.weights.delta``). Its :class:`Lineage` (kind, base version, digest of the
-base weights, digest of the resulting weights) is part of the signed payload, so a relay cannot
-splice a patch onto the wrong base, and a worker checks the weights it builds against what the
-learner published before it serves them.
+published version (``echo2.weights.delta``); a LoRA run's first link of each learner process is a
+**base** anchor, the adapter with the frozen base it applies to (``echo2.weights.chain``). Its
+:class:`Lineage` (kind, base version, digest of the base weights, digest of the resulting weights) is
+part of the signed payload, so a relay cannot splice a patch onto the wrong base, and a worker checks
+the weights it builds against what the learner published before it serves them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class ManifestError(Echo2Error):
     """A manifest is malformed or fails authentication; the message says which field or check."""
 
 
-KINDS = ("full", "patch")
+KINDS = ("full", "patch", "base")  # an anchor, a patch, an anchor carrying a LoRA run's base
 _HEX64 = frozenset("0123456789abcdef")
 
 
@@ -63,14 +64,21 @@ class Lineage:
     learner on the run directory): a version number names weights only within its epoch, so a restart
     makes every earlier version unusable by construction (a patch's base is of its own epoch).
     ``model_base`` pins a LoRA run's publications (the adapter alone) to the base model they apply to:
-    a worker holding another base refuses them (``models/lora.py``)."""
+    a worker holding another base refuses them (``models/lora.py``). A ``base`` link is an anchor
+    that also carries that frozen base (its weights digest ``model_base``, checked by the receiver):
+    the first link of a LoRA run's chain (``echo2.weights.chain``)."""
 
-    kind: str = "full"  # "full" (an anchor) or "patch"
+    kind: str = "full"  # "full" (an anchor), "patch", or "base" (an anchor with a LoRA run's base)
     base_version: int = -1  # the version a patch applies to; -1 for an anchor
     base_digest: str = ""  # weights digest of the base (patches only)
     weights_digest: str = ""  # weights digest of the result of installing this snapshot
     epoch: int = 0  # the publishing learner process's run epoch (0: none stated)
     model_base: str = ""  # a LoRA run's: weights digest of the frozen base the adapter applies to
+
+    @property
+    def anchor(self) -> bool:
+        """Whether these bytes are whole weights (an anchor, with or without a base), not a patch."""
+        return self.kind != "patch"
 
     def check(self, version: int) -> None:
         if not 0 <= self.epoch <= MAX_EPOCH:
@@ -83,8 +91,12 @@ class Lineage:
                 raise ManifestError(
                     f"manifest.{name} must be 64 lowercase hex digits or empty, got {value!r}"
                 )
-        if self.kind == "full" and (self.base_version != -1 or self.base_digest):
-            raise ManifestError("a full snapshot's manifest names no base (base_version -1, no base_digest)")
+        if self.kind != "patch" and (self.base_version != -1 or self.base_digest):
+            raise ManifestError(
+                f"a {self.kind} snapshot's manifest names no base version (base_version -1, no base_digest)"
+            )
+        if self.kind == "base" and not (self.model_base and self.weights_digest):
+            raise ManifestError("a base snapshot's manifest must state model_base and weights_digest")
         if self.kind == "patch":
             if not 0 <= self.base_version < version:
                 raise ManifestError(

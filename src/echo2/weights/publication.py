@@ -8,12 +8,20 @@ sampler copy in the precision workers sample with (bf16 by default) as a lossles
 the previous publication (``echo2.weights.delta``), or as a full **anchor** every ``anchor_every``
 publications and whenever a patch would exceed ``max_patch_ratio`` of the full snapshot.
 
+In a LoRA run (``frozen``: the base the adapter applies to) the first publication of the process is a
+**base** link: the adapter anchor with the frozen base (``weights.chain.with_frozen``), relayed like
+any publication, and kept as the chain's first link for as long as the process runs
+(:attr:`PublishedChain.first`): a worker that holds no base gets it ahead of the latest anchor. A
+worker that holds the base gets, in its place, the same version's adapter alone (:attr:`PublishedChain.twin`,
+an anchor signed like the rest), so the largest object of the run crosses to a worker once.
+
 No event loop and no network here: ``runtime/snapshots.py`` copies the weights, calls :meth:`encode`
 off the loop, signs and announces the result, and records it (:meth:`PublishedChain.record`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import time
@@ -23,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from echo2.config import SnapshotConfig
 from echo2.resources import is_exhausted, retry_exhausted
-from echo2.weights.chain import Blob
+from echo2.weights.chain import Blob, with_frozen
 from echo2.weights.delta import encode_full, encode_patch, weights_digest
 from echo2.weights.manifest import Lineage
 
@@ -51,6 +59,7 @@ class Encoded:
     full_bytes: int  # bytes of the weights in the publication dtype (what an anchor ships, about)
     encode_s: float  # seconds to diff, compress and digest
     encode_cpu_s: float  # of which CPU seconds of the encoding thread
+    alone: bytes | None = None  # a base link's adapter anchor alone (its twin for workers holding the base)
 
 
 SPILL_GLOB = "v*.bin"  # the files PublishedChain.spill writes (_spilled: v<version, 10 digits>.bin)
@@ -66,6 +75,7 @@ class PublishedChain:
         spill_dir: Path | None = None,
         epoch: int = 0,
         model_base: str = "",
+        frozen: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg or SnapshotConfig()
         self.epoch = epoch  # this learner process's run epoch: signed into every lineage
@@ -79,6 +89,11 @@ class PublishedChain:
         self.published: set[int] = set()  # every version this process published (a claim must be one)
         self.base: dict[str, torch.Tensor] | None = None  # the newest published weights (links[-1])
         self.model_base = model_base  # a LoRA run's: digest of the base model every publication applies to
+        self.frozen = frozen  # ... and that base (weights_digest == model_base), shipped in the first link
+        self.first: Link | None = None  # the base link this process published (LoRA runs), kept for good
+        self.twin: Link | None = (
+            None  # the same version's adapter alone, signed (for workers holding the base)
+        )
 
     @property
     def latest(self) -> Link | None:
@@ -90,14 +105,27 @@ class PublishedChain:
         """The newest published version (-1 before the first)."""
         return self.links[-1].version if self.links else -1
 
-    def chain_from(self, have: int) -> list[Link]:
+    def chain_from(self, have: int, base_held: bool = False) -> list[Link]:
         """What a worker holding version ``have`` needs to reach the newest: the links after ``have``
         when it is in the chain (always fewer bytes than the anchor and its patches), else the whole
-        chain, anchor first. Empty when ``have`` is the newest."""
+        chain, anchor first. Empty when ``have`` is the newest. In a LoRA run a worker that does not
+        hold the base (``base_held`` false) gets the base link first; one that does gets the base
+        link's twin in its place."""
         versions = [link.version for link in self.links]
         if have in versions:
             return self.links[versions.index(have) + 1 :]
-        return list(self.links)
+        links = list(self.links)
+        if self.first is None:
+            return links
+        if base_held:
+            return [self.twin if link is self.first and self.twin is not None else link for link in links]
+        return links if links[0] is self.first else [self.first, *links]
+
+    def budget_size(self, link: Link) -> int:
+        """The bytes a version's serve budget is reckoned from: its link's, or for the base link's twin
+        the base link's (both are that version; a member may get either, within one budget)."""
+        first = self.first
+        return len(first.blob) if first is not None and link.version == first.version else len(link.blob)
 
     def encode(self, weights: dict[str, torch.Tensor]) -> Encoded:
         """The next publication of ``weights`` (a sampler copy; any thread)."""
@@ -116,6 +144,13 @@ class PublishedChain:
                     patch, lineage, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0
                 )
         anchor = Lineage("full", weights_digest=digest, epoch=self.epoch, model_base=self.model_base)
+        if self.frozen is not None and self.first is None:  # this process's first link of the weights
+            blob, alone = encode_full(with_frozen(self.frozen, weights)), encode_full(weights)
+            anchor = dataclasses.replace(anchor, kind="base")
+            full_bytes += sum(t.numel() * t.element_size() for t in self.frozen.values())
+            return Encoded(
+                blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0, alone
+            )
         blob = encode_full(weights)
         return Encoded(blob, anchor, full_bytes, time.perf_counter() - t0, time.thread_time() - cpu0)
 
@@ -146,15 +181,20 @@ class PublishedChain:
 
     def record(self, link: Link) -> None:
         """``link`` is announced: a patch extends the chain, an anchor starts a new one (the files of the
-        chain it ends are removed; views still open on them stay readable until dropped)."""
+        chain it ends are removed, but the first link's; views still open on them stay readable until
+        dropped). A base link is also kept as the first link for good."""
         self.published.add(link.version)
-        if link.manifest["lineage"]["kind"] == "patch":
+        kind = link.manifest["lineage"]["kind"]
+        if kind == "patch":
             self.links = [*self.links, link]
             return
+        if kind == "base":
+            self.first = link
         ended, self.links = self.links, [link]
         if self.spill_dir is not None:
             for old in ended:
-                self._spilled(old.version).unlink(missing_ok=True)
+                if old is not self.first:
+                    self._spilled(old.version).unlink(missing_ok=True)
 
 
 def spill_file(path: Path, blob: Blob) -> Blob:

@@ -55,9 +55,9 @@ class AdapterEngine:
     float32 everywhere (``PublishedBase.merged_dtype``), which that matches to float32 rounding
     (measured: tests/integration/vllm_lora_probe.py)."""
 
-    def __init__(self, engine: Engine, base: Any) -> None:
+    def __init__(self, engine: Engine, slot: Any) -> None:
         self.engine = engine
-        self.base = base  # models.lora.PublishedBase
+        self.slot = slot  # models.lora.BaseSlot: the base, once the chain's first link filled it
         self.native = bool(getattr(engine, "serves_lora", False))  # it has install_adapter
         self._base_in = False  # the native path: the base installed (once, with the first adapter)
 
@@ -65,11 +65,12 @@ class AdapterEngine:
         return self.engine.generate(*args, **kwargs)
 
     def install(self, weights: Any) -> None:
+        base = self.slot.base  # CheckpointError before the base arrived
         if not self.native:
-            self.engine.install(self.base.expand(weights))
+            self.engine.install(base.expand(weights))
             return
-        self.base.check(weights)  # an adapter that does not fit its base changes nothing
+        base.check(weights)  # an adapter that does not fit its base changes nothing
         if not self._base_in:
-            self.engine.install(self.base.tensors)
+            self.engine.install(base.tensors)
             self._base_in = True
-        self.engine.install_adapter(weights, self.base.scale)  # type: ignore[attr-defined]
+        self.engine.install_adapter(weights, base.scale)  # type: ignore[attr-defined]

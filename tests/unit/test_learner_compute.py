@@ -144,8 +144,26 @@ def _train(policy_factory, grpo: GRPOConfig, learner: LearnerConfig, steps: int 
         GRPOConfig(lr=1e-3, loss_agg="seq-mean-token-mean"),
         GRPOConfig(lr=1e-3, loss_agg="seq-mean-token-sum-norm"),
         GRPOConfig(lr=1e-3, kl_beta=0.05, clip_anchor="proximal", num_minibatches=2),
+        GRPOConfig(lr=1e-3, algorithm="gspo", clip_eps_low=0.2, clip_eps_high=0.28),
+        GRPOConfig(lr=1e-3, algorithm="cispo"),
+        GRPOConfig(
+            lr=1e-3,
+            clip_anchor="proximal",
+            is_mode="mask",
+            is_level="geometric",
+            num_minibatches=2,
+            offpolicy_mask_delta=0.05,
+        ),
     ],
-    ids=["token-mean", "seq-mean-token-mean", "sum-norm", "kl-proximal-2-minibatches"],
+    ids=[
+        "token-mean",
+        "seq-mean-token-mean",
+        "sum-norm",
+        "kl-proximal-2-minibatches",
+        "gspo",
+        "cispo",
+        "masked-geometric-is-offpolicy-mask",
+    ],
 )
 def test_a_micro_batched_update_is_the_unbatched_update(grpo, tiny_policy_factory):
     """The loss and the accumulated gradient of a minibatch at a budget of about 2 rows per micro-batch

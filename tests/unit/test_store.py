@@ -458,6 +458,7 @@ def test_stats_metrics_keys(store):
         "store/size",
         "store/admitted",
         "store/dropped_stale",
+        "store/zero_variance",
         "store/rejected",
         "store/purged",
         "store/poisoned",
@@ -639,3 +640,44 @@ def test_every_learner_process_on_a_run_directory_has_a_run_epoch_of_its_own(tmp
     (tmp_path / EPOCH_FILE).write_text("four\n")
     with pytest.raises(ConfigError, match="not a run epoch"):
         next_epoch(tmp_path)
+
+
+def test_groups_with_equal_rewards_are_admitted_but_never_trained_and_the_batch_is_filled(tmp_path):
+    """``drop_flat`` (grpo.drop_zero_variance, DAPO's dynamic sampling): a group whose rewards are all
+    equal is admitted (its worker's work counts) and counted ``zero_variance``, never handed to the
+    learner; a batch is R groups with signal, filled from what arrives next (never a smaller one). A
+    drawn submission's flat groups stay held with the rest: its check still runs."""
+    s = TrajectoryStore(tmp_path / "flat.db", staleness=2, group_size=G, drop_flat=True)
+    try:
+        lease = s.issue_lease("w1", prompts("a", "b", "c"), now=0.0, ttl_s=10.0)
+        raw = body(lease, ["a", "b", "c"])
+        for sample in raw["groups"][1]["samples"]:  # group b: every reward 1.0
+            sample["reward"] = 1.0
+        sub = validate_submission(raw, LIMITS, 0)
+        result = s.submit(sub, "w1", 0, now=1.0)
+        assert (result.admitted, result.zero_variance) == (3 * G, G)
+        assert s.take_batch(3, 0, step=1) is None  # two groups with signal: not a batch of three
+        got = s.take_batch(2, 0, step=1)
+        assert got is not None and [g[0].prompt_id for g in got] == ["a", "c"]
+        stats = s.stats()
+        assert (stats.admitted, stats.zero_variance, stats.size) == (3 * G, G, 0)
+        assert stats.metrics()["store/zero_variance"] == G
+        held = s.issue_lease("w1", prompts("d"), now=2.0, ttl_s=10.0)
+        flat = body(held, ["d"])
+        for sample in flat["groups"][0]["samples"]:
+            sample["reward"] = 0.0
+        r = s.submit(validate_submission(flat, LIMITS, 0), "w1", 0, now=3.0, hold=True)
+        assert (r.held, r.zero_variance) == (G, G)  # the check of a drawn submission still runs
+        assert s.release(held) == 0  # and passing it trains nothing of a flat group
+    finally:
+        s.close()
+    plain = TrajectoryStore(tmp_path / "plain.db", staleness=2, group_size=G)  # the default: trained
+    try:
+        lease = plain.issue_lease("w1", prompts("a"), now=0.0, ttl_s=10.0)
+        raw = body(lease, ["a"])
+        for sample in raw["groups"][0]["samples"]:
+            sample["reward"] = 1.0
+        assert plain.submit(validate_submission(raw, LIMITS, 0), "w1", 0, now=1.0).zero_variance == 0
+        assert plain.take_batch(1, 0, step=1) is not None
+    finally:
+        plain.close()

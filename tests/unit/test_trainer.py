@@ -155,3 +155,24 @@ def test_isolate_leaves_out_the_poisoned_group_and_trains_on_the_rest(tiny_polic
         trainer.update(_batch(tiny_policy, [1e39, 0, 0, 1] * 3))
     assert info.value.excluded == ("g0", "g1", "g2") and trainer.version == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(poisoned_model), strict=True))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+def test_every_preset_trains_and_reports_the_menus_metrics(tiny_policy, algorithm):
+    """Each recipe runs an update through the trainer and the update reports the share of groups with
+    no signal, the clip split and the engines' mismatch KL, read on the rows sampled at its version."""
+    trainer = GRPOTrainer(
+        tiny_policy.model, GRPOConfig(algorithm=algorithm, lr=1e-3), SAMPLING, tiny_policy.pad_id
+    )
+    b = pack(_batch(tiny_policy, [0.0] * 8), [[1.0, 1.0]] * 8, tiny_policy.pad_id)
+    with torch.no_grad():
+        learner = completion_logprobs(tiny_policy.model, b, 1.0)
+    # group g0 (rows 0-3) at the learner's version, sampled 0.1 nats off; g1 (rows 4-7) flat rewards
+    logp = [tuple((lp - 0.1).tolist()) for lp in learner]
+    trajs = _batch(tiny_policy, [1, 0, 0, 1, 1, 1, 1, 1], logp=logp)
+    m = trainer.update(trajs).metrics()
+    assert m["learner/zero_variance_share"] == 0.5
+    # every token 0.1 nats off: k3 = e^0.1 - 1 - 0.1 = 0.005171
+    assert m["learner/mismatch_kl"] == pytest.approx(0.005171, abs=1e-4)
+    assert m["learner/clipfrac"] == pytest.approx(m["learner/clipfrac_low"] + m["learner/clipfrac_high"])
+    assert trainer.version == 1

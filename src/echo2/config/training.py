@@ -80,17 +80,75 @@ class ControllerConfig(_Section):
     )
 
 
-class GRPOConfig(_Section):
-    """GRPO with the off-policy corrections of the paper's App. D (see learner/grpo.py)."""
+# ``[grpo] algorithm``: the published hyper-parameters of each recipe (learner/grpo.py defines each term);
+# a field given explicitly wins over its preset. A recipe's parts echo2 does not build yet (DAPO's overlong
+# shaping) are not in its preset (docs/learner.md, "The loss menu").
+PRESETS: dict[str, dict[str, object]] = {
+    # DeepSeekMath (Shao et al. 2024): eps 0.2, a k3 KL of beta 0.04, per-sequence mean
+    "grpo": {"clip_eps": 0.2, "kl_beta": 0.04, "loss_agg": "seq-mean-token-mean", "scale_by_std": True},
+    # Dr. GRPO (Liu et al. 2025): no std scaling, a constant token normaliser
+    "dr_grpo": {
+        "clip_eps": 0.2, "kl_beta": 0.0, "loss_agg": "seq-mean-token-sum-norm", "scale_by_std": False,
+    },
+    # DAPO (Yu et al. 2025): clip-higher 0.2 / 0.28, token-level mean, no KL, dynamic sampling (groups whose
+    # rewards are all equal never trained, the batch filled from the buffer)
+    "dapo": {
+        "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_beta": 0.0, "loss_agg": "token-mean",
+        "drop_zero_variance": True,
+    },
+    # GSPO (Zheng et al. 2025): the sequence ratio, eps 3e-4 / 4e-4, per-sequence mean, no KL
+    "gspo": {
+        "ratio_level": "sequence", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "kl_beta": 0.0,
+        "loss_agg": "seq-mean-token-mean",
+    },
+    # CISPO (MiniMax-M1 2025): the IS weight clipped above only (no lower bound), normalised by all the
+    # batch's tokens, no KL; eps_high 0.28 is DAPO's (the report states none)
+    "cispo": {
+        "loss": "cispo", "clip_eps_low": 1.0, "clip_eps_high": 0.28, "kl_beta": 0.0, "loss_agg": "token-mean",
+    },
+}  # fmt: skip
 
+
+class GRPOConfig(_Section):
+    """GRPO with the off-policy corrections of the paper's App. D and the loss menu of learner/grpo.py."""
+
+    algorithm: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] | None = Field(
+        None,
+        description="a named recipe's published settings (config/training.PRESETS); explicit fields win",
+    )
     lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
-    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon_c")
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon_c (both sides unless split)")
+    clip_eps_low: float | None = Field(
+        None, gt=0.0, le=1.0, description="the clip's lower side, 1 - eps_low (default clip_eps; 1: no bound)"
+    )
+    clip_eps_high: float | None = Field(
+        None, gt=0.0, description="the clip's upper side, 1 + eps_high (default clip_eps; DAPO's clip-higher)"
+    )
+    loss: Literal["ppo", "cispo"] = Field(
+        "ppo",
+        description="the PPO clipped surrogate, or CISPO's clipped stop-gradient IS weight on the log-prob",
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="the ratio per token, or GSPO's length-normalised sequence ratio"
+    )
     is_cap: float = Field(
         2.0,
         ge=1.0,
         le=1e8,
         description="cap C: of the IS weight sampler->learner (proximal), dual clip (sampler)",
+    )
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="the IS weight (proximal anchor): min(rho, C), or rho inside [1/C, C], else 0"
+    )
+    is_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="rho per token, per sequence (the product), or the sequence's geometric mean"
+    )
+    offpolicy_mask_delta: float | None = Field(
+        None,
+        ge=0.0,
+        description="leave out sequences with A < 0 whose mean log(sampler / learner) exceeds this "
+        "(DeepSeek-V3.2's off-policy sequence masking); unset: none",
     )
     clip_anchor: Literal["sampler", "proximal"] = Field(
         "sampler",
@@ -102,16 +160,53 @@ class GRPOConfig(_Section):
         "token-mean", description="how per-token losses become one scalar (learner/grpo.py)"
     )
     scale_by_std: bool = Field(True, description="divide group-centred rewards by the group std")
+    drop_zero_variance: bool = Field(
+        False,
+        description="never train a group whose rewards are all equal (zero advantage: no signal); the "
+        "batch is filled from the buffer (DAPO's dynamic sampling)",
+    )
     num_minibatches: int = Field(1, ge=1, description="optimizer steps per update (one learner version)")
     max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping threshold")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: object) -> object:
+        """A named recipe fills the fields the config does not give (a ``clip_eps`` given sets both
+        sides: the recipe's split clip gives way to it)."""
+        if isinstance(data, dict) and isinstance(name := data.get("algorithm"), str) and name in PRESETS:
+            preset = dict(PRESETS[name])
+            if "clip_eps" in data:
+                preset = {k: v for k, v in preset.items() if k not in ("clip_eps_low", "clip_eps_high")}
+            return {**preset, **data}
+        return data
+
+    @property
+    def eps_low(self) -> float:
+        return self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
     @model_validator(mode="after")
-    def _dual_clip_acts(self) -> GRPOConfig:
-        if self.clip_anchor == "sampler" and self.is_cap <= 1.0 + self.clip_eps:
+    def _coherent(self) -> GRPOConfig:
+        high = "clip_eps" if self.clip_eps_high is None else "clip_eps_high"
+        if self.clip_anchor == "sampler" and self.loss == "ppo" and self.is_cap <= 1.0 + self.eps_high:
             raise ValueError(
-                f"is_cap={self.is_cap:g} must exceed 1 + clip_eps = {1.0 + self.clip_eps:g}: with the "
+                f"is_cap={self.is_cap:g} must exceed 1 + {high} = {1.0 + self.eps_high:g}: with the "
                 "sampler anchor it is the dual-clip constant C, and at C <= 1 + clip_eps the dual clip "
                 "cuts inside the PPO clip (raise is_cap, or lower clip_eps)"
+            )
+        if self.clip_anchor == "sampler" and (self.is_mode, self.is_level) != ("truncate", "token"):
+            raise ValueError(
+                f"is_mode={self.is_mode!r} / is_level={self.is_level!r} shape the IS weight of the decoupled "
+                'objective (clip_anchor = "proximal"); with the sampler anchor the ratio itself carries '
+                'the correction: set clip_anchor = "proximal", or leave them at truncate / token'
+            )
+        if self.loss == "cispo" and self.ratio_level == "sequence":
+            raise ValueError(
+                'loss = "cispo" weighs each token\'s log-prob by its own clipped ratio; ratio_level = '
+                '"sequence" is GSPO\'s: choose one'
             )
         return self
 

@@ -18,11 +18,13 @@ restart (a new ``TrajectoryStore`` on the same file) loses no accepted group, le
            n_traj, consumed_step NULL, data)
         one row per GRPO group, kept whole; seq is the arrival order (FIFO key, never reused);
         consumed_step is NULL while buffered, -1 once discarded as stale, -2 once purged (its worker
-        was quarantined), else the learner step that trained on it; rows are never deleted (the
-        ledger), only the samples of pruned / dropped / purged ones;
+        was quarantined), -3 when its rewards were all equal and the run drops such groups
+        (``drop_flat``: admitted, counted ``zero_variance``, never trained), else the learner step that
+        trained on it; rows are never deleted (the ledger), only the samples of pruned / dropped /
+        purged / flat ones;
         data: the group as the protocol codec encodes it (echo2.protocol.encode_group)
-    counters(name PK, value)      admitted, dropped_stale, purged (trajectories), poisoned (groups),
-                                  leases_expired (leases), rejected/<reason> (submissions)
+    counters(name PK, value)      admitted, dropped_stale, zero_variance, purged (trajectories),
+                                  poisoned (groups), leases_expired (leases), rejected/<reason> (submissions)
     settings(name PK, value)      group_size (checked on reopen), staleness (informational)
 
 **Admission** (SPEC §2). At learner version ``v_t`` with budget ``S`` a group of version ``v`` is
@@ -44,6 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from echo2.data.store_schema import READABLE_VERSIONS, SCHEMA_VERSION, migrate
 from echo2.data.store_types import (
     Lease,
     StoreStats,
@@ -60,46 +63,11 @@ from echo2.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
-# 6: leases of a run epoch; 5: groups held for a check; 4: late answers; 3: seed and version; 2: without;
-# 1: positional
-SCHEMA_VERSION = 6
 DROPPED = -1  # consumed_step of a group discarded as stale at take time (kept in the ledger)
 PURGED = -2  # consumed_step of a group purged untrained because its worker was quarantined
+FLAT = -3  # consumed_step of a group whose rewards are all equal, left out untrained (drop_flat)
 REJECTION_FLUSH = 256  # rejections counted in memory are written at the next transaction or at this many
 BUSY_TIMEOUT_MS = 10_000
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS leases (
-    lease_id TEXT PRIMARY KEY,
-    worker_id TEXT NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('open', 'expired', 'submitted')),
-    issued_at REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    submitted_at REAL,
-    n_prompts INTEGER NOT NULL,
-    prompts TEXT NOT NULL,
-    seed INTEGER NOT NULL DEFAULT 0,
-    installed_version INTEGER NOT NULL DEFAULT -1,
-    late INTEGER NOT NULL DEFAULT 0,
-    epoch INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, expires_at);
-CREATE TABLE IF NOT EXISTS rollout_groups (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    group_id TEXT NOT NULL UNIQUE,
-    lease_id TEXT NOT NULL,
-    prompt_id TEXT NOT NULL,
-    policy_version INTEGER NOT NULL,
-    n_traj INTEGER NOT NULL,
-    consumed_step INTEGER,
-    data TEXT NOT NULL,
-    held INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS groups_buffered ON rollout_groups (seq) WHERE consumed_step IS NULL;
-CREATE INDEX IF NOT EXISTS groups_consumed ON rollout_groups (consumed_step) WHERE consumed_step IS NOT NULL;
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
 
 
 class TrajectoryStore:
@@ -109,7 +77,7 @@ class TrajectoryStore:
     the store only from the thread that created it.
     """
 
-    def __init__(self, path: str | Path, staleness: int, group_size: int) -> None:
+    def __init__(self, path: str | Path, staleness: int, group_size: int, drop_flat: bool = False) -> None:
         if staleness < 0:
             raise ConfigError(f"staleness: {staleness} must be >= 0")
         if group_size < 1:
@@ -117,6 +85,7 @@ class TrajectoryStore:
         self.path = str(path)  # the SQLite file (":memory:" for a throwaway store)
         self.staleness = staleness  # S: admissible iff policy_version >= v_t - S
         self.group_size = group_size  # samples per GRPO group
+        self.drop_flat = drop_flat  # leave out admitted groups whose rewards are all equal (no signal)
         self._floor: int | None = None  # v_t - S at the last learner version seen; None: none seen yet
         self._rejections: dict[str, int] = {}  # counted, not yet written (the next transaction does)
         # prompts whose groups were discarded untrained (dropped as stale, purged), to be leased again;
@@ -141,27 +110,13 @@ class TrajectoryStore:
             log.warning("%s: journal_mode is %s, not wal (still durable, slower)", self.path, mode)
         db.execute("PRAGMA synchronous = FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 2, 3, 4, 5, SCHEMA_VERSION):
+        if version not in READABLE_VERSIONS:
             raise ConfigError(
                 f"{self.path}: store schema version {version}, this echo2 reads {SCHEMA_VERSION}; "
                 "start a fresh run (without --resume) or use the echo2 that wrote it"
             )
         with self._tx():
-            if version == 2:  # leases gain their seed and the worker's version
-                db.execute("ALTER TABLE leases ADD COLUMN seed INTEGER NOT NULL DEFAULT 0")
-                db.execute("ALTER TABLE leases ADD COLUMN installed_version INTEGER NOT NULL DEFAULT -1")
-            if version in (2, 3):  # leases say whether their answer came after they expired
-                db.execute("ALTER TABLE leases ADD COLUMN late INTEGER NOT NULL DEFAULT 0")
-            leases = {row[1] for row in db.execute("PRAGMA table_info(leases)")}
-            if version in (2, 3, 4, 5) and "epoch" not in leases:  # leases of an earlier process: epoch 0
-                db.execute("ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0")
-            groups = {row[1] for row in db.execute("PRAGMA table_info(rollout_groups)")}
-            if version in (2, 3, 4) and "held" not in groups:  # groups may wait for their check
-                db.execute("ALTER TABLE rollout_groups ADD COLUMN held INTEGER NOT NULL DEFAULT 0")
-            for stmt in _SCHEMA.split(";"):
-                if stmt.strip():
-                    db.execute(stmt)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            migrate(db, version)
             settings = dict(db.execute("SELECT name, value FROM settings").fetchall())
             if "group_size" in settings and int(settings["group_size"]) != self.group_size:
                 raise ConfigError(
@@ -461,9 +416,10 @@ class TrajectoryStore:
                     self._redo += [(p, "late") for p in decode_prompts(prompts_json)]
                 result = SubmitResult(admitted=0, dropped_stale=n)
             else:
+                flat = [self.drop_flat and len({t.reward for t in g}) == 1 for g in sub.groups]
                 self._db.executemany(
                     "INSERT INTO rollout_groups (group_id, lease_id, prompt_id, policy_version, n_traj, "
-                    "data, held) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "data, held, consumed_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     [
                         (
                             g[0].group_id,
@@ -471,15 +427,20 @@ class TrajectoryStore:
                             g[0].prompt_id,
                             sub.policy_version,
                             len(g),
-                            encode_group(g),
-                            int(hold),
+                            "" if f else encode_group(g),
+                            int(hold),  # a flat group's check still runs: it vouches for the rest
+                            FLAT if f else None,
                         )
-                        for g in sub.groups
+                        for g, f in zip(sub.groups, flat, strict=True)
                     ],
                 )
+                n_flat = sum(len(g) for g, f in zip(sub.groups, flat, strict=True) if f)
                 self._bump("admitted", n)
+                self._bump("zero_variance", n_flat)
                 self._bump("admitted_tokens", sum(len(t.completion_ids) for g in sub.groups for t in g))
-                result = SubmitResult(admitted=n, dropped_stale=0, held=n if hold else 0)
+                result = SubmitResult(
+                    admitted=n, dropped_stale=0, held=n if hold else 0, zero_variance=n_flat
+                )
             self._db.execute(
                 "UPDATE leases SET state = 'submitted', submitted_at = ?, late = ? WHERE lease_id = ?",
                 (now, int(state == "expired"), sub.lease_id),
@@ -673,6 +634,7 @@ class TrajectoryStore:
             admitted_tokens=int(counters.get("admitted_tokens", 0)),
             held=self._buffered(held_only=True),
             unchecked_dropped=int(counters.get("unchecked_dropped", 0)),
+            zero_variance=int(counters.get("zero_variance", 0)),
         )
 
     def outstanding_rollouts(self) -> int:

@@ -17,6 +17,7 @@ class SubmitResult:
     admitted: int  # trajectories stored for training
     dropped_stale: int  # trajectories accepted but discarded: policy_version < v_t - S
     held: int = 0  # of the admitted, trajectories not trainable until their generation check passes
+    zero_variance: int = 0  # of the admitted, trajectories of groups whose rewards are all equal, not trained
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class StoreStats:
     admitted_tokens: int = 0  # completion tokens of the trajectories ever stored for training
     held: int = 0  # of ``size``, trajectories waiting for their generation check (not yet trainable)
     unchecked_dropped: int = 0  # trajectories discarded because their generation check could not run
+    zero_variance: int = 0  # admitted trajectories of groups whose rewards were all equal, never trained
 
     def metrics(self) -> dict[str, float]:
         """SPEC §7 keys ``store/size``, ``store/admitted``, ``store/dropped_stale``, ``store/rejected``,
@@ -57,6 +59,7 @@ class StoreStats:
             catalog.STORE_SIZE.key: self.size,
             catalog.STORE_ADMITTED.key: self.admitted,
             catalog.STORE_DROPPED_STALE.key: self.dropped_stale,
+            catalog.STORE_ZERO_VARIANCE.key: self.zero_variance,
             catalog.STORE_REJECTED.key: self.rejected,
             catalog.STORE_PURGED.key: self.purged,
             catalog.STORE_POISONED.key: self.poisoned,

@@ -62,6 +62,11 @@ class UpdateStats:
     t_train_s: float  # wall seconds of this update
     tokens: int  # completion tokens trained on
     excluded: tuple[str, ...] = ()  # group ids left out: their loss or gradient was not finite
+    clipfrac_low: float = 0.0  # of clipfrac, tokens clipped at 1 - eps_low
+    clipfrac_high: float = 0.0  # of clipfrac, tokens clipped at 1 + eps_high
+    masked_seq_frac: float = 0.0  # sequences off-policy sequence masking left out
+    mismatch_kl: float = math.nan  # k3 KL(sampler || learner) on tokens sampled at the learner's version
+    zero_variance_share: float = 0.0  # groups whose rewards are all equal (no signal), of the batch
 
     def metrics(self) -> dict[str, float]:
         """The ``learner/`` metrics of SPEC §7 this update produced."""
@@ -70,6 +75,11 @@ class UpdateStats:
             catalog.LEARNER_LOSS.key: self.loss,
             catalog.LEARNER_KL.key: self.kl,
             catalog.LEARNER_CLIPFRAC.key: self.clipfrac,
+            catalog.LEARNER_CLIPFRAC_LOW.key: self.clipfrac_low,
+            catalog.LEARNER_CLIPFRAC_HIGH.key: self.clipfrac_high,
+            catalog.LEARNER_MASKED_SEQ_FRAC.key: self.masked_seq_frac,
+            catalog.LEARNER_MISMATCH_KL.key: self.mismatch_kl,
+            catalog.LEARNER_ZERO_VARIANCE_SHARE.key: self.zero_variance_share,
             catalog.LEARNER_GRAD_NORM.key: self.grad_norm,
             catalog.LEARNER_IS_WEIGHT_MEAN.key: self.is_weight_mean,
             catalog.LEARNER_T_TRAIN_S.key: self.t_train_s,
@@ -130,6 +140,12 @@ class GRPOTrainer:
         self.model = model
         self.isolate = isolate  # leave out the groups that make a minibatch non-finite (module docstring)
         self.cfg = cfg
+        self.objective = grpo.Objective(
+            clip_eps_low=cfg.eps_low, clip_eps_high=cfg.eps_high, is_cap=cfg.is_cap, kl_beta=cfg.kl_beta,
+            loss_agg=cfg.loss_agg, clip_anchor=cfg.clip_anchor, ratio_level=cfg.ratio_level,
+            policy_loss=cfg.loss, is_mode=cfg.is_mode, is_level=cfg.is_level,
+            offpolicy_delta=cfg.offpolicy_mask_delta,
+        )  # fmt: skip
         self.learner = learner or LearnerConfig()
         self.temperature = sampling.temperature
         self.max_tokens = sampling.max_new_tokens
@@ -199,6 +215,8 @@ class GRPOTrainer:
             raise ValueError(f"update needs whole groups of equal size >= 2, got sizes {groups}")
         rewards_PG = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device)
         advantages_B = grpo.group_advantages(rewards_PG.view(-1, G), cfg.scale_by_std).flatten()
+        flat_P = rewards_PG.view(-1, G).std(dim=1) == 0  # every reward of the group equal: no signal
+        fresh_B = torch.tensor([t.policy_version == self.version for t in trajectories], device=self.device)
         masks = [loss_mask(t, self.token_mask) for t in trajectories]
         batch = pack(trajectories, masks, self.pad_id, self.device)
 
@@ -209,15 +227,15 @@ class GRPOTrainer:
         rows_per_mb = len(groups) // n_mb * G
         if n_mb > 1 and cfg.clip_anchor == "proximal":  # frozen before the first optimizer step
             batch = with_proximal(batch, self._frozen_logprobs(batch))
-        losses, klv, clipf, gnorms, isw = [], [], [], [], []
+        losses, gnorms, seen = [], [], list[grpo.LossStats]()
         excluded: list[int] = []  # the first row of each group left out
         for k in range(n_mb):
             rows = list(range(k * rows_per_mb, (k + 1) * rows_per_mb))
             while True:  # each round leaves out at least one group, so this ends
-                loss, stats, grad_norm = self._evaluate(batch, advantages_B, rows)
+                loss, stats, grad_norm = self._evaluate(batch, advantages_B, rows, fresh_B)
                 if math.isfinite(grad_norm):
                     break
-                culprits = self._culprits(batch, advantages_B, rows, G) if self.isolate else []
+                culprits = self._culprits(batch, advantages_B, rows, G, fresh_B) if self.isolate else []
                 if not culprits:
                     what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
                     raise TrainingDivergedError(f"{what} at version {self.version}, minibatch {k}")
@@ -230,10 +248,8 @@ class GRPOTrainer:
                 continue  # every group of this minibatch was left out: no step for it
             self.optimizer.step()
             losses.append(loss)
-            klv.append(stats.kl)
-            clipf.append(stats.clipfrac)
             gnorms.append(grad_norm)
-            isw.append(stats.is_weight_mean)
+            seen.append(stats)
         self.optimizer.zero_grad(set_to_none=True)  # no gradient outlives the update (memory model)
         ids = tuple(trajectories[r].group_id for r in excluded)
         if not losses:
@@ -242,16 +258,22 @@ class GRPOTrainer:
         kept_BT = batch.mask_BT.clone()
         for r in excluded:
             kept_BT[r : r + G] = 0
+        fresh = [s for s in seen if s.fresh_tokens > 0]
         return UpdateStats(
             version=self.version,
             loss=_mean(losses),
-            kl=_mean(klv),
-            clipfrac=_mean(clipf),
+            kl=_mean([s.kl for s in seen]),
+            clipfrac=_mean([s.clipfrac for s in seen]),
             grad_norm=_mean(gnorms),
-            is_weight_mean=_mean(isw),
+            is_weight_mean=_mean([s.is_weight_mean for s in seen]),
             t_train_s=time.perf_counter() - t0,
             tokens=int(kept_BT.gt(0).sum()),
             excluded=ids,
+            clipfrac_low=_mean([s.clipfrac_low for s in seen]),
+            clipfrac_high=_mean([s.clipfrac_high for s in seen]),
+            masked_seq_frac=_mean([s.masked_seq_frac for s in seen]),
+            mismatch_kl=_mean([s.mismatch_kl for s in fresh]) if fresh else math.nan,
+            zero_variance_share=float(flat_P.float().mean()),
         )
 
     def _frozen_logprobs(self, batch: PackedBatch) -> torch.Tensor:
@@ -278,13 +300,13 @@ class GRPOTrainer:
         return self.ranks.share_of(plan, pad=[])
 
     def _evaluate(
-        self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows
+        self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, fresh_B: torch.Tensor | None = None
     ) -> tuple[float, grpo.LossStats, float]:
         """Loss and clipped gradient (left in the parameters) of the minibatch ``rows``, accumulated over
         its micro-batches with the minibatch's own normalisation (``grpo.Norm``), so the result is the
         unbatched update's: ``(loss, stats, grad_norm)``; ``grad_norm`` is nan (and no gradient is left)
-        when a micro-batch's loss is not finite."""
-        cfg = self.cfg
+        when a micro-batch's loss is not finite. ``fresh_B``: the rows sampled at the learner's version
+        (the mismatch KL is read over them)."""
         self.optimizer.zero_grad(set_to_none=True)
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
         norm = grpo.Norm.of(batch.mask_BT[idx])  # over the whole minibatch, on every rank
@@ -298,20 +320,18 @@ class GRPOTrainer:
             if self.reference is not None:
                 with torch.no_grad():
                     logp_ref_BT = self.logprobs(mb, reference=True)
+            picked = torch.as_tensor(mine or list(rows)[:1], device=self.device)
             loss, stats = grpo.grpo_loss(
                 logp_BT,
                 logp_BT.detach() if mb.logp_prox_BT is None else mb.logp_prox_BT,
                 mb.logp_sampler_BT,
-                advantages_B[torch.as_tensor(mine or list(rows)[:1], device=self.device)],
+                advantages_B[picked],
                 mb.mask_BT,
-                clip_eps=cfg.clip_eps,
-                is_cap=cfg.is_cap,
-                kl_beta=cfg.kl_beta,
+                objective=self.objective,
                 logp_ref_BT=logp_ref_BT,
-                loss_agg=cfg.loss_agg,
-                clip_anchor=cfg.clip_anchor,
                 max_tokens=self.max_tokens,
                 norm=norm,
+                fresh_B=fresh_B[picked] if fresh_B is not None else None,
             )
             value = float(loss.detach())  # non-finite on every rank when it is on any: all skip together
             if self.ranks.any(not math.isfinite(value)):
@@ -321,18 +341,20 @@ class GRPOTrainer:
             loss_sum += value
             if mine:
                 parts.append((stats, float(mb.mask_BT.sum())))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
         everyone = [p for rank_parts in self.ranks.gather(parts) for p in rank_parts]
         return self.ranks.sum(loss_sum), _combine(everyone), grad_norm
 
-    def _culprits(self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, G: int) -> list[int]:
+    def _culprits(
+        self, batch: PackedBatch, advantages_B: torch.Tensor, rows: Rows, G: int, fresh_B: torch.Tensor
+    ) -> list[int]:
         """The groups of ``rows`` (by their first row) whose loss or gradient alone is not finite: one
         forward and backward per group, about the cost of the minibatch once more."""
         bad = []
         for r in list(rows)[::G]:
-            _, _, grad_norm = self._evaluate(batch, advantages_B, range(r, r + G))
+            _, _, grad_norm = self._evaluate(batch, advantages_B, range(r, r + G), fresh_B)
             if not math.isfinite(grad_norm):
                 bad.append(r)
         self.optimizer.zero_grad(set_to_none=True)
@@ -371,12 +393,24 @@ def _combine(parts: Sequence[tuple[grpo.LossStats, float]]) -> grpo.LossStats:
     if not parts:
         return grpo.LossStats(math.nan, math.nan, math.nan, math.nan, math.nan)
     n = sum(w for _, w in parts) or 1.0
+    fresh = sum(s.fresh_tokens for s, _ in parts)
+
+    def mean(field: str) -> float:
+        return sum(getattr(s, field) * w for s, w in parts) / n
+
     return grpo.LossStats(
         pg_loss=sum(s.pg_loss for s, _ in parts),
         kl=sum(s.kl for s, _ in parts),
-        clipfrac=sum(s.clipfrac * w for s, w in parts) / n,
-        is_weight_mean=sum(s.is_weight_mean * w for s, w in parts) / n,
-        is_truncated_frac=sum(s.is_truncated_frac * w for s, w in parts) / n,
+        clipfrac=mean("clipfrac"),
+        is_weight_mean=mean("is_weight_mean"),
+        is_truncated_frac=mean("is_truncated_frac"),
+        clipfrac_low=mean("clipfrac_low"),
+        clipfrac_high=mean("clipfrac_high"),
+        masked_seq_frac=mean("masked_seq_frac"),
+        mismatch_kl=sum(s.mismatch_kl * s.fresh_tokens for s, _ in parts if s.fresh_tokens) / fresh
+        if fresh
+        else math.nan,
+        fresh_tokens=fresh,
     )
 
 

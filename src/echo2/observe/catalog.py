@@ -186,6 +186,31 @@ LEARNER_KL = _m("learner/kl", "nats", "k3 KL to the reference (0 when grpo.kl_be
 LEARNER_CLIPFRAC = _m(
     "learner/clipfrac", "fraction", "share of valid tokens where the PPO clip was active", BOTH
 )
+LEARNER_CLIPFRAC_LOW = _m(
+    "learner/clipfrac_low", "fraction", "of the clipped tokens, those clipped at 1 - eps_low", BOTH
+)
+LEARNER_CLIPFRAC_HIGH = _m(
+    "learner/clipfrac_high", "fraction", "of the clipped tokens, those clipped at 1 + eps_high", BOTH
+)
+LEARNER_MASKED_SEQ_FRAC = _m(
+    "learner/masked_seq_frac",
+    "fraction",
+    "share of sequences off-policy sequence masking left out (grpo.offpolicy_mask_delta)",
+    BOTH,
+)
+LEARNER_MISMATCH_KL = _m(
+    "learner/mismatch_kl",
+    "nats",
+    "k3 KL(sampler || learner) over tokens sampled at the learner's version: the engines' numerical "
+    "mismatch, not staleness (nan when no fresh token)",
+    BOTH,
+)
+LEARNER_ZERO_VARIANCE_SHARE = _m(
+    "learner/zero_variance_share",
+    "fraction",
+    "groups of the batch whose rewards were all equal (zero advantage: no signal)",
+    BOTH,
+)
 LEARNER_GRAD_NORM = _m("learner/grad_norm", "1", "gradient norm before clipping", BOTH)
 LEARNER_IS_WEIGHT_MEAN = _m(
     "learner/is_weight_mean",
@@ -300,6 +325,13 @@ STORE_DROPPED_STALE = _m(
     "trajectories discarded as too old (v < v_t - S), at submit or at take",
     ALL,
     _counter("echo2_store_dropped_stale", "trajectories dropped stale"),
+)
+STORE_ZERO_VARIANCE = _m(
+    "store/zero_variance",
+    "trajectories",
+    "admitted trajectories of groups whose rewards were all equal, left out untrained "
+    "(grpo.drop_zero_variance; counted in store/admitted)",
+    BOTH,
 )
 STORE_REJECTED = _m("store/rejected", "count", "requests refused, all reasons (so far)", BOTH)
 STORE_REJECTED_BY = _m(

@@ -253,7 +253,9 @@ class AsyncLearner:
         from echo2.data.store import TrajectoryStore
 
         cfg = self.cfg
-        self.store = TrajectoryStore(self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
+        self.store = TrajectoryStore(
+            self.run_path / "store.sqlite", cfg.staleness.S, cfg.batch.group_size, cfg.grpo.drop_zero_variance
+        )
         self._resources.callback(self.store.close)
         unchecked = self.store.drop_held()
         if unchecked:

@@ -60,7 +60,7 @@ async def _train(cfg: Config, on_step: Callable[[dict[str, Any]], None] | None) 
 
     configure_torch(cfg)
     core = LearnerCore.load(cfg, Path(cfg.train.run_dir))
-    store = TrajectoryStore(":memory:", cfg.staleness.S, cfg.batch.group_size)
+    store = TrajectoryStore(":memory:", cfg.staleness.S, cfg.batch.group_size, cfg.grpo.drop_zero_variance)
     try:
         watchers = [on_step] if on_step is not None else []
         return await LearnerLoop(core, store, LocalFeed(core, store), watchers).run()

@@ -176,3 +176,31 @@ def test_every_preset_trains_and_reports_the_menus_metrics(tiny_policy, algorith
     assert m["learner/mismatch_kl"] == pytest.approx(0.005171, abs=1e-4)
     assert m["learner/clipfrac"] == pytest.approx(m["learner/clipfrac_low"] + m["learner/clipfrac_high"])
     assert trainer.version == 1
+
+
+def test_overlong_handling_masks_cut_completions_or_penalises_long_ones_dapo_eq_13(tiny_policy):
+    """DAPO: overlong filtering (``mask_truncated``: a completion without its EOS carries no loss) and
+    the soft overlong penalty (``overlong_buffer`` L_cache under L_max = max_new_tokens = 8:
+    ``R_len = min(0, (L_max - L_cache - n) / L_cache)``, -1 at L_max), and a length penalty."""
+    from echo2.errors import ConfigError
+
+    eos = (tiny_policy.eos_id,)
+    shaping = GRPOTrainer(
+        tiny_policy.model, GRPOConfig(overlong_buffer=4, length_penalty=0.1), SAMPLING, tiny_policy.pad_id
+    )
+    # n = 4: inside L_max - L_cache, no penalty; 6: (4 - 6) / 4 = -0.5; 8: -1; each minus 0.1 n / 8
+    got = [shaping.length_shaping(n) for n in (4, 6, 8)]
+    assert got == pytest.approx([-0.05, -0.5 - 0.075, -1.0 - 0.1])
+    masking = GRPOTrainer(
+        tiny_policy.model, GRPOConfig(mask_truncated=True), SAMPLING, tiny_policy.pad_id, eos_ids=eos
+    )
+    trajs = _batch(tiny_policy, [1, 0, 0, 1])
+    cut = Trajectory(**{**trajs[0].__dict__, "completion_ids": (5, 6), "sampler_logprobs": (-1.0, -1.0)})
+    assert masking.truncated(cut) and not masking.truncated(trajs[1])
+    assert masking.update([cut, *trajs[1:]]).tokens == 6  # 2 tokens of each of the three whole ones
+    with pytest.raises(ConfigError, match="EOS ids"):
+        GRPOTrainer(tiny_policy.model, GRPOConfig(mask_truncated=True), SAMPLING, tiny_policy.pad_id)
+    with pytest.raises(ConfigError, match="overlong_buffer = 8 must be below"):
+        GRPOTrainer(tiny_policy.model, GRPOConfig(overlong_buffer=8), SAMPLING, tiny_policy.pad_id)
+    with pytest.raises(ValueError, match="choose one"):
+        GRPOConfig(mask_truncated=True, overlong_buffer=2)

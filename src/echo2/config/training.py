@@ -165,6 +165,19 @@ class GRPOConfig(_Section):
         description="never train a group whose rewards are all equal (zero advantage: no signal); the "
         "batch is filled from the buffer (DAPO's dynamic sampling)",
     )
+    mask_truncated: bool = Field(
+        False, description="a completion cut at sampling.max_new_tokens (no EOS) carries no loss (DAPO)"
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong penalty: over the last this many tokens before max_new_tokens the "
+        "reward falls linearly to -overlong_penalty (0: none)",
+    )
+    overlong_penalty: float = Field(1.0, ge=0.0, description="the soft overlong penalty at max_new_tokens")
+    length_penalty: float = Field(
+        0.0, ge=0.0, description="reward minus this x completion tokens / max_new_tokens (0: none)"
+    )
     num_minibatches: int = Field(1, ge=1, description="optimizer steps per update (one learner version)")
     max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping threshold")
 
@@ -202,6 +215,11 @@ class GRPOConfig(_Section):
                 f"is_mode={self.is_mode!r} / is_level={self.is_level!r} shape the IS weight of the decoupled "
                 'objective (clip_anchor = "proximal"); with the sampler anchor the ratio itself carries '
                 'the correction: set clip_anchor = "proximal", or leave them at truncate / token'
+            )
+        if self.mask_truncated and self.overlong_buffer:
+            raise ValueError(
+                "mask_truncated leaves truncated completions out of the loss, overlong_buffer penalises the "
+                "long ones that are still trained: DAPO uses one or the other, choose one"
             )
         if self.loss == "cispo" and self.ratio_level == "sequence":
             raise ValueError(

@@ -136,8 +136,17 @@ class GRPOTrainer:
         learner: LearnerConfig | None = None,
         reference: torch.nn.Module | None = None,
         ranks: Ranks | None = None,
+        eos_ids: Sequence[int] = (),
     ) -> None:
         self.model = model
+        self.eos_ids = frozenset(eos_ids)  # a completion that ends in none of them was cut: truncated
+        if cfg.mask_truncated and not self.eos_ids:
+            raise ConfigError("grpo.mask_truncated needs the model's EOS ids to tell a truncated completion")
+        if cfg.overlong_buffer >= sampling.max_new_tokens:
+            raise ConfigError(
+                f"grpo.overlong_buffer = {cfg.overlong_buffer} must be below sampling.max_new_tokens = "
+                f"{sampling.max_new_tokens} (the penalty starts that many tokens before it)"
+            )
         self.isolate = isolate  # leave out the groups that make a minibatch non-finite (module docstring)
         self.cfg = cfg
         self.objective = grpo.Objective(
@@ -183,6 +192,21 @@ class GRPOTrainer:
             self.reference = reference if reference is not None else frozen_reference(model, self.mixed)
             self.reference_parts = lm_parts(self.reference, through_root=self.sharded)
 
+    def truncated(self, t: Trajectory) -> bool:
+        """Whether ``t`` was cut before its EOS (a trajectory ends with one unless it was)."""
+        return not t.completion_ids or t.completion_ids[-1] not in self.eos_ids
+
+    def length_shaping(self, n: int) -> float:
+        """What the length of an ``n``-token completion adds to its reward: DAPO's soft overlong penalty
+        ``min(0, (L_max - L_cache - n) / L_cache) x overlong_penalty`` (``L_cache`` the overlong buffer,
+        ``L_max`` ``sampling.max_new_tokens``), minus ``length_penalty x n / L_max``."""
+        cfg, top = self.cfg, self.max_tokens
+        shaped = -cfg.length_penalty * n / top
+        if cfg.overlong_buffer:
+            free = top - cfg.overlong_buffer
+            shaped += max(-1.0, min(0.0, (free - n) / cfg.overlong_buffer)) * cfg.overlong_penalty
+        return shaped
+
     def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager[None]:
         """The update's compute precision (bf16 autocast under ``bf16-mixed``; a no-op in fp32).
         ``cache``: autocast keeps the bf16 cast of each weight until the context ends (an evaluation's
@@ -213,11 +237,16 @@ class GRPOTrainer:
         G = groups[0]
         if any(g != G for g in groups) or G < 2:
             raise ValueError(f"update needs whole groups of equal size >= 2, got sizes {groups}")
-        rewards_PG = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device)
+        rewards = [t.reward + self.length_shaping(len(t.completion_ids)) for t in trajectories]
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32, device=self.device)
         advantages_B = grpo.group_advantages(rewards_PG.view(-1, G), cfg.scale_by_std).flatten()
         flat_P = rewards_PG.view(-1, G).std(dim=1) == 0  # every reward of the group equal: no signal
         fresh_B = torch.tensor([t.policy_version == self.version for t in trajectories], device=self.device)
         masks = [loss_mask(t, self.token_mask) for t in trajectories]
+        if cfg.mask_truncated:  # DAPO's overlong filtering: a cut completion teaches nothing about its end
+            masks = [
+                [0.0] * len(m) if self.truncated(t) else m for t, m in zip(trajectories, masks, strict=True)
+            ]
         batch = pack(trajectories, masks, self.pad_id, self.device)
 
         self.model.train()

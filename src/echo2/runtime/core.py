@@ -105,6 +105,7 @@ class Plane:
             learner=cfg.learner,
             reference=reference,
             ranks=ranks,
+            eos_ids=policy.eos_ids,
         )
         if resumed:
             _resume_states(source, ranks, device, policy.model, trainer)

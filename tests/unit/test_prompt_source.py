@@ -133,3 +133,18 @@ def test_a_store_written_by_the_previous_schema_opens(tmp_path):
     with TrajectoryStore(path, 1, 2) as store:  # migrated: the column is back, the lease kept
         assert store.open_leases("w") == 1
         assert store.expire_leases(10.0)[0].prompt_id == "p"
+
+
+def test_prompts_given_up_in_a_burst_are_one_log_line_a_minute_with_the_count(tmp_path, caplog):
+    """416 prompts given up in a few minutes were 416 WARNING lines over the status line: now one line
+    a minute at most, saying how many more and the running count (the count is the metric)."""
+    import logging
+
+    src = PromptSource(_math(tmp_path), seed=0)
+    with caplog.at_level(logging.WARNING, logger="echo2.runtime.prompts"):
+        for i in range(50):
+            p = Prompt(f"p{i}", "1+1=", "2")
+            src.redo([(p, "stale")] * MAX_REDO)
+    lines = [r.getMessage() for r in caplog.records if "dropped as stale" in r.getMessage()]
+    assert len(lines) == 1 and "data/prompts_skipped: 1 so far" in lines[0]
+    assert src.metrics()[m.DATA_PROMPTS_SKIPPED.key] == 50

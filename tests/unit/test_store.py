@@ -459,6 +459,7 @@ def test_stats_metrics_keys(store):
         "store/admitted",
         "store/dropped_stale",
         "store/zero_variance",
+        "store/trained",
         "store/rejected",
         "store/purged",
         "store/poisoned",
@@ -681,3 +682,36 @@ def test_groups_with_equal_rewards_are_admitted_but_never_trained_and_the_batch_
         assert plain.take_batch(1, 0, step=1) is not None
     finally:
         plain.close()
+
+
+def test_the_yield_counts_every_trajectory_that_reached_the_store_once(tmp_path):
+    """``store/yield``: of the trajectories received (admitted, or stale on arrival), the share trained,
+    and the shares lost by cause or still buffered, adding up to 1; a restart's requeue and a poisoned
+    group taken back out are not trained."""
+    s = TrajectoryStore(tmp_path / "y.db", staleness=1, group_size=G, drop_flat=True)
+    try:
+        a = s.issue_lease("w1", prompts("a", "b", "c", "d"), now=0.0, ttl_s=10.0)
+        raw = body(a, ["a", "b", "c", "d"])
+        for sample in raw["groups"][3]["samples"]:  # d: flat
+            sample["reward"] = 0.0
+        s.submit(validate_submission(raw, LIMITS, 0), "w1", 0, now=1.0)  # 4 groups, 1 flat
+        got = s.take_batch(2, 0, step=1)  # a, b trained
+        assert got is not None
+        late = s.issue_lease("w1", prompts("e"), now=1.0, ttl_s=10.0)
+        s.submit(validate_submission(body(late, ["e"]), LIMITS, 0), "w1", 5, now=2.0)  # stale on arrival
+        assert s.take_batch(1, 2, step=2) is None  # c (v0 < 2 - 1) dropped stale from the buffer
+        s.purge_groups([got[1][0].group_id])  # b left out as poison after its update took it
+        st = s.stats()
+        assert (st.received(), st.trained, st.dropped_stale, st.zero_variance) == (5 * G, G, 2 * G, G)
+        m = st.metrics()
+        assert m["store/yield"] == pytest.approx(1 / 5)
+        lost = {k: v for k, v in m.items() if k.startswith("store/yield_lost/")}
+        assert lost == pytest.approx({
+            "store/yield_lost/stale": 2 / 5, "store/yield_lost/zero_variance": 1 / 5,
+            "store/yield_lost/purged": 1 / 5, "store/yield_lost/unchecked": 0.0,
+            "store/yield_lost/buffered": 0.0,
+        })  # fmt: skip
+        assert m["store/yield"] + sum(lost.values()) == pytest.approx(1.0)
+        assert s.requeue_after(0) == 1 and s.stats().trained == 0  # a's update was lost in a restart
+    finally:
+        s.close()

@@ -174,6 +174,7 @@ class TrajectoryStore:
                 (floor,),
             )
             self._bump("dropped_stale", n)
+            self._bump("stale_buffered", n)
             self._redo += lease_prompts([(pid, text) for _, pid, text, on_time in rows if on_time], "stale")
             log.debug("dropped %d stale trajectories (policy_version < %d)", n, floor)
         return int(n)
@@ -294,6 +295,12 @@ class TrajectoryStore:
                 list(group_ids),
             ).fetchall()
             self._redo += lease_prompts([(pid, text) for _, _, pid, text in rows], "poisoned")
+            (taken,) = self._db.execute(  # those an update had taken: not trained after all
+                f"SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups WHERE group_id IN ({marks}) "
+                "AND data != '' AND consumed_step >= 0",
+                list(group_ids),
+            ).fetchone()
+            self._bump("trained", -int(taken))
             self._db.execute(
                 f"UPDATE rollout_groups SET consumed_step = {PURGED}, data = '' WHERE group_id IN ({marks})",
                 list(group_ids),
@@ -547,6 +554,7 @@ class TrajectoryStore:
             self._db.executemany(
                 "UPDATE rollout_groups SET consumed_step = ? WHERE seq = ?", [(step, r[0]) for r in rows]
             )
+            self._bump("trained", len(rows) * self.group_size)  # every group is whole
         return [decode_group(data, gid, v) for _, gid, _pid, v, data in rows]
 
     def _checks_at_floor(self, learner_version: int) -> bool:
@@ -571,10 +579,15 @@ class TrajectoryStore:
         lost, so they must be trained on (once). They keep their arrival order, so they come first.
         """
         with self._tx():
+            (back,) = self._db.execute(
+                "SELECT COALESCE(SUM(n_traj), 0) FROM rollout_groups WHERE consumed_step > ? AND data != ''",
+                (step,),
+            ).fetchone()
             n = self._db.execute(
                 "UPDATE rollout_groups SET consumed_step = NULL WHERE consumed_step > ? AND data != ''",
                 (step,),
             ).rowcount
+            self._bump("trained", -int(back))
         if n:
             log.info("requeued %d groups consumed after step %d", n, step)
         return int(n)
@@ -635,6 +648,8 @@ class TrajectoryStore:
             held=self._buffered(held_only=True),
             unchecked_dropped=int(counters.get("unchecked_dropped", 0)),
             zero_variance=int(counters.get("zero_variance", 0)),
+            trained=int(counters.get("trained", 0)),
+            stale_buffered=int(counters.get("stale_buffered", 0)),
         )
 
     def outstanding_rollouts(self) -> int:

@@ -51,6 +51,28 @@ class StoreStats:
     held: int = 0  # of ``size``, trajectories waiting for their generation check (not yet trainable)
     unchecked_dropped: int = 0  # trajectories discarded because their generation check could not run
     zero_variance: int = 0  # admitted trajectories of groups whose rewards were all equal, never trained
+    trained: int = 0  # trajectories updates have taken (less those a restart handed back or poison purged)
+    stale_buffered: int = 0  # of ``dropped_stale``, those admitted first and dropped before an update
+
+    def received(self) -> int:
+        """Trajectories that reached the learner's store: admitted, or dropped as stale on arrival."""
+        return self.admitted + self.dropped_stale - self.stale_buffered
+
+    def yield_metrics(self) -> dict[str, float]:
+        """The run's yield: of the trajectories received, the share trained, and the shares lost by
+        cause (stale, zero variance, purged with a quarantined worker or as poison, unchecked) or still
+        waiting (buffered)."""
+        n = self.received()
+        if not n:
+            return {}
+        return {
+            catalog.STORE_YIELD.key: self.trained / n,
+            catalog.STORE_YIELD_LOST.of("stale"): self.dropped_stale / n,
+            catalog.STORE_YIELD_LOST.of("zero_variance"): self.zero_variance / n,
+            catalog.STORE_YIELD_LOST.of("purged"): self.purged / n,
+            catalog.STORE_YIELD_LOST.of("unchecked"): self.unchecked_dropped / n,
+            catalog.STORE_YIELD_LOST.of("buffered"): self.size / n,
+        }
 
     def metrics(self) -> dict[str, float]:
         """SPEC §7 keys ``store/size``, ``store/admitted``, ``store/dropped_stale``, ``store/rejected``,
@@ -65,6 +87,8 @@ class StoreStats:
             catalog.STORE_POISONED.key: self.poisoned,
             catalog.STORE_HELD.key: self.held,
             catalog.STORE_UNCHECKED_DROPPED.key: self.unchecked_dropped,
+            catalog.STORE_TRAINED.key: self.trained,
+            **self.yield_metrics(),
         }
         for reason, n in sorted(self.rejected_by_reason.items()):
             out[catalog.STORE_REJECTED_BY.of(reason)] = n

@@ -341,6 +341,26 @@ STORE_REJECTED_BY = _m(
     RUN,
     _counter("echo2_store_rejected", "requests refused, by reason", ("reason",)),
 )
+STORE_TRAINED = _m(
+    "store/trained",
+    "count",
+    "trajectories updates have taken (less those a restart handed back or poison purged)",
+    BOTH,
+)
+STORE_YIELD = _m(
+    "store/yield",
+    "fraction",
+    "of the trajectories that reached the store (admitted, or stale on arrival), the share trained: the "
+    "run's yield",
+    BOTH,
+)
+STORE_YIELD_LOST = _m(
+    "store/yield_lost/<cause>",
+    "fraction",
+    "of the trajectories that reached the store, the share lost by cause (stale, zero_variance, purged, "
+    "unchecked) or still buffered",
+    BOTH,
+)
 STORE_PURGED = _m(
     "store/purged", "count", "trajectories purged untrained because their worker was quarantined", BOTH
 )

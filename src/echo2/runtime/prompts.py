@@ -30,6 +30,7 @@ from dataclasses import asdict
 from typing import Any
 
 from echo2.observe import catalog as m
+from echo2.perimeter import SampledLog
 from echo2.tasks.base import Task
 from echo2.types import Prompt
 
@@ -53,6 +54,7 @@ class PromptSource:
         self.redo_counts: Counter[str] = Counter()  # prompt id -> times its groups were dropped as stale
         self.requeued: Counter[str] = Counter()  # reason -> prompts put back
         self.skipped: Counter[str] = Counter()  # reason -> prompts given up
+        self._given_up = SampledLog(log, every_s=60.0, per_window=1)  # a summary line, not one a prompt
 
     # ---- what is handed out ----------------------------------------------------------------------------
     def take(self, n: int) -> list[Prompt]:
@@ -95,11 +97,13 @@ class PromptSource:
                 if self.redo_counts[prompt.prompt_id] >= MAX_REDO:
                     del self.redo_counts[prompt.prompt_id]
                     self.skipped["stale"] += 1
-                    log.warning(
+                    self._given_up.log(  # one line a minute at most: the count is the metric
+                        "given_up",
                         "prompt %s: its groups were dropped as stale %d times; skipped (counted in "
-                        "data/prompts_skipped)",
+                        "data/prompts_skipped: %d so far)",
                         prompt.prompt_id,
                         MAX_REDO,
+                        self.skipped["stale"],
                     )
                     continue
             self.reissue.append(prompt)

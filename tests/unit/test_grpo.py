@@ -353,8 +353,13 @@ def test_offpolicy_sequence_masking_leaves_out_negative_drifted_sequences_deepse
     assert stats.masked_seq_frac == pytest.approx(1 / 3)
 
 
-def test_the_mismatch_kl_reads_fresh_tokens_only():
-    # fresh row: prox - sampler = log 2 -> k3 = 2 - 1 - log 2 = 0.306853; the stale row (log 8) is not read
+def test_the_mismatch_kl_and_the_entropy_read_fresh_tokens_only():
+    # fresh row: prox - sampler = log 2 -> k3 = 2 - 1 - log 2 = 0.306853; the stale row (log 8) is not read.
+    # entropy: mean -logp_prox over the fresh tokens, the Monte-Carlo estimate -E[log pi(y)], y ~ pi
+    ent = torch.tensor([[math.log(0.25)], [math.log(0.5)]])
+    _, est = grpo.grpo_loss(ent, ent, ent, torch.zeros(2), torch.ones(2, 1), clip_eps=0.2, is_cap=2.0,
+                            fresh_B=torch.tensor([True, False]))  # fmt: skip
+    assert est.entropy == pytest.approx(math.log(4.0)) and est.mismatch_kl == pytest.approx(0.0)
     prox = torch.zeros(2, 1)
     sampler = -torch.tensor([[math.log(2.0)], [math.log(8.0)]])
     _, stats = grpo.grpo_loss(prox, prox, sampler, torch.zeros(2), torch.ones(2, 1), clip_eps=0.2,

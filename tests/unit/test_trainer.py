@@ -172,6 +172,8 @@ def test_every_preset_trains_and_reports_the_menus_metrics(tiny_policy, algorith
     trajs = _batch(tiny_policy, [1, 0, 0, 1, 1, 1, 1, 1], logp=logp)
     m = trainer.update(trajs).metrics()
     assert m["learner/zero_variance_share"] == 0.5
+    want = -float(learner[:, :2].mean())  # every completion 2 tokens: the mean -log pi of them
+    assert m["learner/entropy"] == pytest.approx(want, rel=1e-4)
     # every token 0.1 nats off: k3 = e^0.1 - 1 - 0.1 = 0.005171
     assert m["learner/mismatch_kl"] == pytest.approx(0.005171, abs=1e-4)
     assert m["learner/clipfrac"] == pytest.approx(m["learner/clipfrac_low"] + m["learner/clipfrac_high"])

@@ -221,6 +221,7 @@ class LossStats:
     masked_seq_frac: float = 0.0  # share of sequences off-policy sequence masking left out
     mismatch_kl: float = math.nan  # k3 KL(sampler || learner) over fresh tokens (nan: none)
     fresh_tokens: float = 0.0  # valid tokens of sequences sampled at the learner's version
+    entropy: float = math.nan  # mean -logp_prox over fresh tokens: a Monte-Carlo estimate of the entropy
 
 
 @dataclass(frozen=True)
@@ -368,13 +369,14 @@ def _stats(
             return float((flag_BT.to(mask_BT.dtype) * mask_BT).sum() / n)
 
         capped_BT = w_BT >= obj.is_cap if obj.is_mode == "truncate" else w_BT == 0
-        mismatch, fresh = math.nan, 0.0
+        mismatch, fresh, entropy = math.nan, 0.0, math.nan
         if fresh_B is not None:
             fresh_BT = mask_BT * fresh_B[:, None].to(mask_BT.dtype)
             fresh = float(fresh_BT.sum())
             if fresh > 0:
                 log_r_BT = (logp_prox_BT - logp_sampler_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
                 mismatch = float(((torch.exp(log_r_BT) - 1.0 - log_r_BT) * fresh_BT).sum() / fresh)
+                entropy = float(-(logp_prox_BT * fresh_BT).sum() / fresh)
         return LossStats(
             pg_loss=float(pg),
             kl=float(kl),
@@ -386,6 +388,7 @@ def _stats(
             masked_seq_frac=float(1.0 - kept_B1.mean()) if kept_B1.numel() else 0.0,
             mismatch_kl=mismatch,
             fresh_tokens=fresh,
+            entropy=entropy,
         )
 
 

@@ -67,6 +67,7 @@ class UpdateStats:
     masked_seq_frac: float = 0.0  # sequences off-policy sequence masking left out
     mismatch_kl: float = math.nan  # k3 KL(sampler || learner) on tokens sampled at the learner's version
     zero_variance_share: float = 0.0  # groups whose rewards are all equal (no signal), of the batch
+    entropy: float = math.nan  # the policy's per-token entropy, estimated on its own fresh samples
 
     def metrics(self) -> dict[str, float]:
         """The ``learner/`` metrics of SPEC §7 this update produced."""
@@ -80,6 +81,7 @@ class UpdateStats:
             catalog.LEARNER_MASKED_SEQ_FRAC.key: self.masked_seq_frac,
             catalog.LEARNER_MISMATCH_KL.key: self.mismatch_kl,
             catalog.LEARNER_ZERO_VARIANCE_SHARE.key: self.zero_variance_share,
+            catalog.LEARNER_ENTROPY.key: self.entropy,
             catalog.LEARNER_GRAD_NORM.key: self.grad_norm,
             catalog.LEARNER_IS_WEIGHT_MEAN.key: self.is_weight_mean,
             catalog.LEARNER_T_TRAIN_S.key: self.t_train_s,
@@ -302,6 +304,7 @@ class GRPOTrainer:
             clipfrac_high=_mean([s.clipfrac_high for s in seen]),
             masked_seq_frac=_mean([s.masked_seq_frac for s in seen]),
             mismatch_kl=_mean([s.mismatch_kl for s in fresh]) if fresh else math.nan,
+            entropy=_mean([s.entropy for s in fresh]) if fresh else math.nan,
             zero_variance_share=float(flat_P.float().mean()),
         )
 
@@ -427,6 +430,11 @@ def _combine(parts: Sequence[tuple[grpo.LossStats, float]]) -> grpo.LossStats:
     def mean(field: str) -> float:
         return sum(getattr(s, field) * w for s, w in parts) / n
 
+    def fresh_mean(field: str) -> float:  # over the fresh tokens (nan when there are none)
+        if not fresh:
+            return math.nan
+        return sum(getattr(s, field) * s.fresh_tokens for s, _ in parts if s.fresh_tokens) / fresh
+
     return grpo.LossStats(
         pg_loss=sum(s.pg_loss for s, _ in parts),
         kl=sum(s.kl for s, _ in parts),
@@ -436,9 +444,8 @@ def _combine(parts: Sequence[tuple[grpo.LossStats, float]]) -> grpo.LossStats:
         clipfrac_low=mean("clipfrac_low"),
         clipfrac_high=mean("clipfrac_high"),
         masked_seq_frac=mean("masked_seq_frac"),
-        mismatch_kl=sum(s.mismatch_kl * s.fresh_tokens for s, _ in parts if s.fresh_tokens) / fresh
-        if fresh
-        else math.nan,
+        mismatch_kl=fresh_mean("mismatch_kl"),
+        entropy=fresh_mean("entropy"),
         fresh_tokens=fresh,
     )
 

@@ -205,6 +205,13 @@ LEARNER_MISMATCH_KL = _m(
     "mismatch, not staleness (nan when no fresh token)",
     BOTH,
 )
+LEARNER_ENTROPY = _m(
+    "learner/entropy",
+    "nats",
+    "the policy's per-token entropy, estimated as the mean -log pi(y_t) of the tokens sampled at the "
+    "learner's version (unbiased on the policy's own samples; nan when none)",
+    BOTH,
+)
 LEARNER_ZERO_VARIANCE_SHARE = _m(
     "learner/zero_variance_share",
     "fraction",

@@ -321,6 +321,25 @@ def test_submissions_waiting_for_their_check_count_in_the_probation_share(tmp_pa
     assert broker.standings.on_probation(flood[0]) and broker.standings.metrics()["leases/stale_answers"] == 1
 
 
+def test_the_pool_is_sized_for_the_rollouts_a_batch_can_use(tmp_path):
+    """With zero-variance groups left out, a batch needs R / useful rollouts received: the target is
+    mu_min(R) / useful (the share measured by the store), never more than 1 / MIN_USEFUL times it."""
+    from echo2.runtime.pool import MIN_USEFUL
+
+    cfg = load_config()
+    pool = Pool(registry=WorkerRegistry(tmp_path, "t" * 20, Clock(), 1000), controller=cfg.controller,
+                staleness=cfg.staleness, rollouts_per_step=cfg.batch.rollouts, learner_usd_per_hour=0.0,
+                run_path=tmp_path, clock=Clock())  # fmt: skip
+    pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
+    whole = pool.controller.mu_target
+    pool.retarget(t_train_s=10.0, t_bcast_s=1.0, useful=0.4)
+    assert (
+        pool.controller.mu_target == pytest.approx(whole / 0.4) and pool.metrics()["pool/useful_share"] == 0.4
+    )
+    pool.retarget(t_train_s=10.0, t_bcast_s=1.0, useful=0.0)
+    assert pool.controller.mu_target == pytest.approx(whole / MIN_USEFUL)
+
+
 def test_the_pool_is_sized_against_what_the_check_can_re_run(tmp_path):
     """SPEC §10: a checker that re-runs 2 completions/s keeps a floor of 0.25 for at most 8 rollouts/s of
     pool (capacity.mu_policed); a target above it is capped there (pool/mu_check_max), one below is

@@ -663,6 +663,7 @@ def test_groups_with_equal_rewards_are_admitted_but_never_trained_and_the_batch_
         stats = s.stats()
         assert (stats.admitted, stats.zero_variance, stats.size) == (3 * G, G, 0)
         assert stats.metrics()["store/zero_variance"] == G
+        assert stats.useful_share() == pytest.approx(2 / 3)  # what the pool is sized by
         held = s.issue_lease("w1", prompts("d"), now=2.0, ttl_s=10.0)
         flat = body(held, ["d"])
         for sample in flat["groups"][0]["samples"]:

@@ -54,6 +54,10 @@ class StoreStats:
     trained: int = 0  # trajectories updates have taken (less those a restart handed back or poison purged)
     stale_buffered: int = 0  # of ``dropped_stale``, those admitted first and dropped before an update
 
+    def useful_share(self) -> float:
+        """Of the admitted trajectories, the share a batch can use (not left out as zero-variance)."""
+        return 1.0 - self.zero_variance / self.admitted if self.admitted else 1.0
+
     def received(self) -> int:
         """Trajectories that reached the learner's store: admitted, or dropped as stale on arrival."""
         return self.admitted + self.dropped_stale - self.stale_buffered

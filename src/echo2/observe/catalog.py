@@ -471,6 +471,13 @@ POOL_MU_CHECK_MAX = _m(
     "capacity / check_floor; the target is capped at it (null before the first check)",
     RUN,
 )
+POOL_USEFUL_SHARE = _m(
+    "pool/useful_share",
+    "fraction",
+    "the share of received rollouts a batch can use, which the target is sized for (R / share): "
+    "1 - the zero-variance share when grpo.drop_zero_variance",
+    RUN,
+)
 POOL_MU_TARGET = _m(
     "pool/mu_target",
     "rollouts/s",

@@ -401,7 +401,8 @@ class NodeFeed:
         n = len(t_trains)
         if n == WARMUP_STEPS or (n > WARMUP_STEPS and n % RETARGET_EVERY == 0):
             recent = t_trains[-RETARGET_EVERY:]
-            self.parts.pool.retarget(sum(recent) / len(recent), self.parts.snapshots.t_bcast_s)
+            useful = self.store.stats().useful_share()  # < 1 when zero-variance groups are left out
+            self.parts.pool.retarget(sum(recent) / len(recent), self.parts.snapshots.t_bcast_s, useful)
 
     def metrics(self, step_wall_s: float) -> dict[str, float]:
         """The broadcast, pool, intake and lease metrics, and what the step cost."""

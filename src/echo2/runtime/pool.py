@@ -50,6 +50,9 @@ ACTIVATION_FILE = "activation.jsonl"
 MIN_BUSY_SHARE = 0.5  # generating time claimed below this share of the wall time is not believed
 
 
+MIN_USEFUL = 0.05  # the pool is never sized for more than 20x the batch (a run whose groups are all flat)
+
+
 class Pool:
     def __init__(
         self,
@@ -70,6 +73,7 @@ class Pool:
         self.working = working  # holds an open lease or asked for one lately (the lease broker's say)
         self.staleness = staleness
         self.rollouts = rollouts_per_step
+        self.useful = 1.0  # the share of received rollouts a batch can use (retarget's)
         self.learner_usd_per_hour = learner_usd_per_hour
         self.log_path = run_path / ACTIVATION_FILE
         self.clock = clock
@@ -155,12 +159,16 @@ class Pool:
     def is_active(self, worker_id: str) -> bool:
         return worker_id in self.active_ids()
 
-    def retarget(self, t_train_s: float, t_bcast_s: float) -> None:
-        """``mu_target = gamma * mu_min(kappa)`` from measured ``T_train`` and ``T_bcast`` (SPEC §3);
-        when no pool can hide the broadcast, keep every worker active and say why."""
+    def retarget(self, t_train_s: float, t_bcast_s: float, useful: float = 1.0) -> None:
+        """``mu_target = gamma * mu_min(kappa)`` from measured ``T_train`` and ``T_bcast`` (SPEC §3), for
+        the rollouts a batch can use: ``R / useful``, ``useful`` the measured share of received rollouts
+        a batch takes (below 1 when zero-variance groups are left out; at least ``MIN_USEFUL``); when no
+        pool can hide the broadcast, keep every worker active and say why."""
         kappa = self.staleness.effective_kappa
-        try:
-            mu = capacity.mu_min(kappa=kappa, t_train=t_train_s, t_bcast=t_bcast_s, rollouts=self.rollouts)
+        self.useful = min(1.0, max(MIN_USEFUL, useful))
+        try:  # mu_min is linear in R: the pool for R / useful rollouts a batch is mu_min(R) / useful
+            rule = capacity.mu_min(kappa=kappa, t_train=t_train_s, t_bcast=t_bcast_s, rollouts=self.rollouts)
+            mu = rule / self.useful
         except InfeasibleError as exc:
             log.warning("capacity model: %s; keeping every worker active", exc)
             return
@@ -243,5 +251,6 @@ class Pool:
             catalog.POOL_MU_POOL.key: self.controller.mu_pool(self.clock()),
             catalog.POOL_MU_TARGET.key: self.controller.mu_target if self.target_known else None,
             catalog.POOL_MU_CHECK_MAX.key: self.mu_check_max,
+            catalog.POOL_USEFUL_SHARE.key: self.useful,
             catalog.POOL_ACTIVE_WORKERS.key: len(self.active_ids()),
         }

@@ -49,6 +49,16 @@ def test_paper_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert est["star-limited"] == pytest.approx(2096.64 + 127, rel=1e-9)
 
 
+def test_the_pool_is_planned_for_the_rollouts_a_batch_can_use(capsys: pytest.CaptureFixture[str]) -> None:
+    """--useful-share 0.5 (half the groups left out as zero-variance): mu_min = kappa R / (kappa T_train -
+    T_bcast) / 0.5. kappa 2, R 1000: 2000 / 150 = 13.333 -> 26.667; N_min = ceil(26.667 / 2.5) = 11."""
+    argv = ["--t-train", "100", "--t-bcast", "50", "--rollouts-per-step", "1000", "--staleness", "3",
+            "--worker-rate", "2.5", "--useful-share", "0.5", "--json"]  # fmt: skip
+    plan = json.loads(_run(argv, capsys))
+    assert plan["mu_min"] == pytest.approx(2000 / 150 / 0.5) and plan["n_min"] == 11
+    assert plan["useful_share"] == 0.5 and plan["overlap_holds"]
+
+
 def test_short_name_and_text_report(capsys: pytest.CaptureFixture[str]) -> None:
     out = _run(["paper_qwen3_8b"], capsys)
     assert "mu_min = 2.2439" in out and "8 x rtx5090" in out and "saving 33.6%" in out

@@ -69,6 +69,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="bytes of an adapter patch / the adapter (benchmarks/lora.py); default: whole adapters",
     )
+    p.add_argument(
+        "--useful-share",
+        type=float,
+        help="share of generated rollouts a batch can use (1 - the zero-variance share when such groups "
+        "are left out; a run reports it as pool/useful_share): the pool is sized for R / it",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -86,6 +92,7 @@ _FIELDS = (
     ("snapshot_gb", "model.snapshot_gb"),
     ("group_size", "batch.group_size"),
     ("activation", "activation"),
+    ("useful_share", "useful_share"),
     ("model_size", "model.shape"),
     ("lora_rank", "model.lora.rank"),
     ("lora_patch_ratio", "model.lora.patch_ratio"),
@@ -169,7 +176,8 @@ def _report(plan: dict[str, Any]) -> str:
         )
     lines += [
         f"T_bcast used = {plan['t_bcast_s']:.1f} s from {plan['t_bcast_source']}",
-        f"mu_min = {plan['mu_min']:.4f} rollouts/s   mu_target = {plan['mu_target']:.4f} rollouts/s",
+        f"mu_min = {plan['mu_min']:.4f} rollouts/s   mu_target = {plan['mu_target']:.4f} rollouts/s"
+        + (f"   (for R / useful share {plan['useful_share']:g})" if plan["useful_share"] < 1 else ""),
     ]
     for name, t in plan["per_type"].items():
         lines.append(

@@ -52,9 +52,10 @@ def t_bcast_estimates(sc: PlanScenario, n: int) -> dict[str, float] | None:
 
 
 def _choose(sc: PlanScenario, kappa: int, t_bcast: float) -> tuple[float, Activation]:
-    mu_min = capacity.mu_min(
-        kappa=kappa, t_train=sc.learner.t_train, t_bcast=t_bcast, rollouts=sc.batch.rollouts
-    )
+    mu_min = (
+        capacity.mu_min(kappa=kappa, t_train=sc.learner.t_train, t_bcast=t_bcast, rollouts=sc.batch.rollouts)
+        / sc.useful_share
+    )  # linear in R: the pool generates R / useful_share for R useful ones
     target = capacity.mu_target(mu_min, sc.staleness.gamma)
     return mu_min, activate(sc.activation, _candidates(sc, target), target)
 
@@ -114,10 +115,11 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
     mu_target = capacity.mu_target(mu_min, sc.staleness.gamma)
     n_active = len(act.selected)
     mu_pool = act.mu_pool
-    cycle = max(kappa * t_train, t_bcast + kappa * r / mu_pool)
+    mu_useful = mu_pool * sc.useful_share  # what of the pool's rate a batch can use
+    cycle = max(kappa * t_train, t_bcast + kappa * r / mu_useful)
     step_s = cycle / kappa
     conservative = capacity.staleness_bound_conservative(
-        kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=r, mu_pool=mu_pool
+        kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=r, mu_pool=mu_useful
     )
     tight = capacity.staleness_bound_tight(kappa=kappa, t_train=t_train, t_bcast=t_bcast)
     per_type = {
@@ -152,8 +154,9 @@ def make_plan(sc: PlanScenario) -> dict[str, Any]:
         "t_bcast_estimates_s": t_bcast_estimates(sc, n_active),
         "feasible": True,
         "overlap_holds": capacity.overlap_holds(
-            kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=r, mu_pool=mu_pool
+            kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=r, mu_pool=mu_useful
         ),
+        "useful_share": sc.useful_share,
         "mu_min": mu_min,
         "mu_target": mu_target,
         "per_type": per_type,

@@ -184,6 +184,9 @@ class PlanScenario(_Model):
     workers: tuple[WorkerType, ...] = ()  # the catalog (an empty one is refused, naming [[workers]])
     baselines: tuple[Baseline, ...] = ()  # centralized clusters to compare with
     activation: Literal["greedy", "greedy_prefix", "exact", "random"] = "greedy"  # active-set policy
+    # the share of received rollouts a batch can use (below 1 when zero-variance groups are left out:
+    # grpo.drop_zero_variance; a run measures it as pool/useful_share): the pool is sized for R / it
+    useful_share: float = Field(1.0, gt=0.0, le=1.0)
     priced: bool = True  # False when worker prices are placeholders (flags-only plan without prices)
 
     @model_validator(mode="after")

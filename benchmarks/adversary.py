@@ -594,7 +594,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300, help="steps of each cost-study run")
     p.add_argument("--length", type=int, default=256, help="completion tokens of the length_* studies")
     p.add_argument("--length-n", type=int, default=10_000, help="completions re-run by length_honest(_bf16)")
-    p.add_argument("--length-minutes", type=float, default=0.0, help="stop length_honest(_bf16) after this")
+    p.add_argument(
+        "--length-minutes",
+        type=float,
+        default=0.0,
+        help="stop length_honest(_bf16) or length_attacks after this",
+    )
     p.add_argument(
         "--flood-width", type=int, default=6, help="flooding identities at a time (length_attacks)"
     )
@@ -622,7 +627,7 @@ def main() -> int:
         "length_honest_bf16": lambda: ls.study_length_honest(
             a.out, "bfloat16", a.length_n, a.length, a.length_minutes
         ),
-        "length_attacks": lambda: ls.study_length_attacks(a.out, a.length, a.flood_width),
+        "length_attacks": lambda: ls.study_length_attacks(a.out, a.length, a.flood_width, a.length_minutes),
         "stale_flood": lambda: ls.study_stale_flood(a.out, a.repeats, a.window, LIVENESS_WARM_S, HONEST_RATE),
     }
     for s in studies if a.study == "all" else [a.study]:

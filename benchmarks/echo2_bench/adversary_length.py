@@ -257,21 +257,30 @@ class LengthAttacker(Attacker):
 
 
 async def until_caught(
-    att: LengthAttacker, identities: int, budget: int, waiting: Callable[[str], int]
+    att: LengthAttacker,
+    identities: int,
+    budget: int,
+    waiting: Callable[[str], int],
+    out: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """``identities`` identities of ``att`` (the first is the one it set up with; a new one registers after
     each catch), each submitting until quarantined or ``budget`` submissions: every submission's outcome,
     and after how many of its lying ones it was caught (a verdict that comes after the last submission,
-    once ``waiting(worker_id)`` says no check of it waits, included)."""
+    once ``waiting(worker_id)`` says no check of it waits, included). Each identity's record is in
+    ``out`` from its first submission on, so a study cut short by its time budget keeps what was done
+    (an identity still submitting has ``"done": False``)."""
     from echo2_bench.adversary import EVIDENCE
 
-    out = []
+    out = [] if out is None else out
     for n in range(identities):
         wid = att.w.worker_id if n == 0 else await att.new_identity()
         outcomes: list[str] = []
         lying_from: int | None = None
         caught: int | None = None
         refused = 0
+        trial = {"kind": att.kind, "worker_id": wid, "outcomes": outcomes, "lying_from": None,
+                 "caught_after_lies": None, "done": False}  # fmt: skip
+        out.append(trial)
         while len(outcomes) < budget and refused < 120:
             if att.lying and lying_from is None:
                 lying_from = len(outcomes)
@@ -290,10 +299,10 @@ async def until_caught(
             if outcome in EVIDENCE:
                 caught = len(outcomes) - (lying_from or 0)
                 break
+            trial["lying_from"] = lying_from
         if caught is None and await _quarantined_at_last(att, wid, waiting):
             caught = len(outcomes) - (lying_from or 0)
-        out.append({"kind": att.kind, "worker_id": wid, "outcomes": outcomes, "lying_from": lying_from,
-                    "caught_after_lies": caught})  # fmt: skip
+        trial.update(lying_from=lying_from, caught_after_lies=caught, done=True)
     return out
 
 

@@ -142,10 +142,11 @@ SMOKE_PLAN = {"launder": (1, 1), "rewrite": (1, 1), "partial": (1, 6), "forger":
 
 
 def attacks_run(out: Path, length: int, plan: dict[str, tuple[int, int]], flood_width: int,
-                shape: dict[str, int] = SHAPE_55M) -> dict[str, Any]:  # fmt: skip
+                shape: dict[str, int] = SHAPE_55M, minutes: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """``echo2 run`` (the model of ``shape``, completions of ``length`` tokens, one honest local worker)
     and the attackers of ``plan``, one kind after the other; the forger's lies come beside a flood of
-    ``flood_width`` fabricating identities at a time."""
+    ``flood_width`` fabricating identities at a time. ``minutes`` (0: none) cuts the attacks short after
+    that long: the kinds done, and what the cut one did, are scored; the rest are not read."""
     from echo2_bench.adversary_length import write_model, write_questions
 
     runs = out / "adversary_runs"
@@ -166,7 +167,8 @@ def attacks_run(out: Path, length: int, plan: dict[str, tuple[int, int]], flood_
     try:
         info = wait_ready(run_dir, proc, timeout=1200)
         token = (run_dir / "join_token").read_text().strip()
-        got = asyncio.run(_attack(info["join"], token, plan, flood_width, lambda w: _held(run_dir, w)))
+        waiting = lambda w: _held(run_dir, w)  # noqa: E731
+        got = asyncio.run(_attack(info["join"], token, plan, flood_width, waiting, 60.0 * minutes))
         rc = stop(proc)
     finally:
         stop(proc)
@@ -190,22 +192,30 @@ def _held(run_dir: Path, worker_id: str) -> int:
 
 
 async def _attack(
-    join: str, token: str, plan: dict[str, tuple[int, int]], width: int, waiting: Any
+    join: str, token: str, plan: dict[str, tuple[int, int]], width: int, waiting: Any, budget_s: float = 0.0
 ) -> dict[str, Any]:
     import aiohttp
 
     from echo2_bench.adversary_length import LengthAttacker, flood, until_caught
 
     out: dict[str, Any] = {}
+    deadline = time.perf_counter() + budget_s if budget_s else math.inf
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for kind, (identities, budget) in plan.items():
             t0 = time.perf_counter()
+            if t0 >= deadline:
+                break  # not read: the study's time budget is spent
             att = LengthAttacker(join, token, kind, session)
             await att.start()
             stop_ev, flooded = asyncio.Event(), None
             if kind == "forger" and width:
                 flooded = asyncio.ensure_future(_flood_when_lying(att, token, width, stop_ev, flood))
-            trials = await until_caught(att, identities, budget, waiting)
+            trials: list[dict[str, Any]] = []
+            cut = False
+            try:
+                await asyncio.wait_for(until_caught(att, identities, budget, waiting, trials), deadline - t0)
+            except TimeoutError:
+                cut = True  # what it did so far is scored; an identity still submitting is marked
             stop_ev.set()
             out[kind] = {
                 "trials": trials,
@@ -213,6 +223,7 @@ async def _attack(
                 "admitted_forged": sorted(att.admitted_forged),
                 "flood": await flooded if flooded else None,
                 "seconds": time.perf_counter() - t0,
+                "cut_short": cut,
             }
             await att.close()
             print(kind, [(t["outcomes"], t["caught_after_lies"]) for t in trials], flush=True)
@@ -250,6 +261,7 @@ def _score(run_dir: Path, got: dict[str, Any]) -> dict[str, Any]:
             "trials": trials,
             "flood": entry["flood"],
             "seconds": entry["seconds"],
+            "cut_short": entry.get("cut_short", False),
         }
         if kind in PATIENT:
             row["bound"] = len(trials) * k99  # groups: one prompt a lease, k99 forged submissions an identity

@@ -56,10 +56,13 @@ def study_length_honest(
     return got
 
 
-def study_length_attacks(out: Path, length: int, flood_width: int) -> dict[str, Any]:
+def study_length_attacks(out: Path, length: int, flood_width: int, minutes: float = 0.0) -> dict[str, Any]:
     from echo2_bench.adversary_length_runs import PLAN, attacks_run
 
-    got = attacks_run(out, length, PLAN, flood_width)
+    got = attacks_run(out, length, PLAN, flood_width, minutes=minutes)
+    got["minutes_budget"] = minutes
+    got["kinds_read"] = [k for k, v in got["kinds"].items() if not v["cut_short"]]
+    got["partial"] = got["kinds_read"] != list(PLAN)
     median = got["patient_median_caught_after_lies"]
     got["plan"] = {k: {"identities": v[0], "budget": v[1]} for k, v in PLAN.items()}
     got["length"] = length
@@ -70,7 +73,8 @@ def study_length_attacks(out: Path, length: int, flood_width: int) -> dict[str, 
         f"first lie to the quarantine <= {MEDIAN_CAUGHT}; 0 honest quarantines"
     )
     got["met"] = (
-        all(k["met"] for k in got["kinds"].values())
+        not got["partial"]
+        and all(k["met"] for k in got["kinds"].values())
         and median is not None
         and median <= MEDIAN_CAUGHT
         and got["honest_quarantined"] == 0

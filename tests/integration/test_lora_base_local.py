@@ -18,6 +18,32 @@ from echo2.observe.rundir import read_metrics
 pytestmark = pytest.mark.integration
 
 
+def _passed(run_dir, name: str) -> int:
+    """Groups of the worker registered as ``name`` admitted and past their check (trainable or trained),
+    read from the run's store beside the learner (every submission is checked here)."""
+    import sqlite3
+
+    try:
+        ids = [
+            r["worker_id"] for r in json.loads((run_dir / "workers.json").read_text()) if r["name"] == name
+        ]
+        db = sqlite3.connect(f"file:{run_dir / 'store.sqlite'}?mode=ro", uri=True, timeout=30)
+    except (OSError, ValueError, sqlite3.Error):
+        return 0
+    try:
+        (n,) = db.execute(
+            "SELECT COUNT(*) FROM rollout_groups g JOIN leases l USING (lease_id) WHERE l.worker_id IN "
+            f"({','.join('?' * len(ids)) or 'NULL'}) AND g.held = 0 AND (g.consumed_step IS NULL OR "
+            "g.consumed_step >= 0)",
+            ids,
+        ).fetchone()
+    except sqlite3.Error:
+        return 0
+    finally:
+        db.close()
+    return int(n)
+
+
 def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_policy_factory, tmp_path):
     base, other = tmp_path / "base", tmp_path / "other"
     tiny_policy_factory().save(base)
@@ -45,7 +71,11 @@ def test_a_worker_reads_the_lora_base_from_its_own_disk(tiny_overrides, tiny_pol
         chained = echo2(*join[:-1], "--name", "chained", env=env, log=tmp_path / "chained.log")
         started.append(chained)
         assert wrong.wait(120) != 0
-        wait_for(lambda: last_step(run_dir) >= 4, 240, "four steps with the worker holding its base")
+
+        def both() -> bool:
+            return last_step(run_dir) >= 4 and min(_passed(run_dir, "local"), _passed(run_dir, "chained")) > 0
+
+        wait_for(both, 300, "four steps, and work of both workers past its check")
         assert local.poll() is None, (tmp_path / "local.log").read_text()[-3000:]
         assert chained.poll() is None, (tmp_path / "chained.log").read_text()[-3000:]
         learner.send_signal(signal.SIGINT)

@@ -95,8 +95,8 @@ def test_vllm_serves_lora_adapters_natively_as_the_check_computes_them():
 def test_echo2_run_with_vllm_workers_and_lora(tiny_overrides, tmp_path):
     """A LoRA run (the learner publishes the adapter alone) with vLLM workers, which serve each adapter
     through vLLM's own LoRA support (``lora.vllm = "native"``, the default): every submission re-checked
-    against base + adapter, all admitted; each publication is a fraction of the base the workers fetched
-    once."""
+    against base + adapter, all admitted; each publication after the first (which carries the base) is a
+    fraction of it."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "echo2.cli", "run", *[a for o in tiny_overrides for a in ("--set", o)]]
     # head_dim 32 (the tiny shape's 16 has no vLLM CPU attention kernel); every submission re-checked
@@ -117,8 +117,9 @@ def test_echo2_run_with_vllm_workers_and_lora(tiny_overrides, tmp_path):
     assert all("LoRA adapters served natively by the engine" in p.read_text() for p in logs)
     # all 20 steps' rollouts came from vLLM workers (a slow starter may miss a short run altogether)
     assert sum(r["rollouts_submitted"] for r in reports) >= 20 * 4 * 4
-    base_bytes = (run_dir / "published" / "base.bin").stat().st_size
-    published = [r["broadcast/full_bytes"] for r in rows if "broadcast/full_bytes" in r]
+    # the first link (v0, kept for the whole run) carries the base; later ones the adapter alone
+    base_bytes = (run_dir / "published" / "v0000000000.bin").stat().st_size
+    published = [r["broadcast/publication_bytes"] for r in rows if r["step"] >= 3]
     assert published and max(published) < 0.5 * base_bytes  # the adapter, not the model
     assert rows[-1]["security/checked_submissions"] > 0
 

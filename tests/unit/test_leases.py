@@ -240,6 +240,41 @@ def test_a_lease_is_cut_to_what_fits_in_the_budget(tmp_path):
     assert isinstance(full, LeaseRefusal) and full.reason == "buffer_full"
 
 
+@pytest.mark.parametrize("updating", [False, True])
+def test_a_lagging_worker_leases_only_what_will_still_be_admissible(tmp_path, updating):
+    """Updates take the oldest groups first, so a worker whose weights lag by L versions queues behind
+    the rollouts ahead and gets only what fits in (S + 1 - L) R, a batch less while an update is under
+    way (it took its batch at v_t and moves the version on without taking any of those ahead); past that
+    it is told to install newer weights (stale_weights with the oldest version that has room), never
+    handed work it will drop. S = 3, G = 4, R = 16 (in-flight budget 32 rollouts: max_inflight_batches
+    = 2), learner at version 10."""
+    _, store, broker, pool, clock = _node(tmp_path, "batch.prompts=4", "batch.group_size=4")
+    broker.published = lambda: {6, 7, 8, 9, 10}
+    a, b = (_register(pool.registry, pool, n) for n in "ab")
+    for w in (a, b):  # off probation: one returned lease each (8 rollouts ahead now)
+        grant = _ask(broker, w)
+        assert isinstance(grant, LeaseGrant)
+        _answer(store, broker, grant, w)
+    store.taken_at = 10 if updating else 9
+    u = int(updating)
+
+    def ask(worker: str, installed: int) -> LeaseGrant | LeaseRefusal:
+        broker.is_active.__self__.registry[worker].last_seen_s = clock()  # type: ignore[attr-defined]
+        return broker.grant(worker, LeaseRequest(max_prompts=8, installed_version=installed))
+
+    # lag 3: (S + 1 - 3 - u) R = 16 rollouts idle, 8 ahead: 2 prompts; none while updating
+    lagging = ask(a, 7)
+    if updating:
+        assert isinstance(lagging, LeaseRefusal)
+        assert (lagging.reason, lagging.min_version) == ("stale_weights", 8)
+        lagging = ask(a, 8)  # lag 2 while updating: the room of lag 3 idle
+    assert isinstance(lagging, LeaseGrant) and len(lagging.prompts) == 2
+    again = ask(b, 7 + u)  # 16 ahead now: none fits at that lag; one version newer would: install it
+    assert isinstance(again, LeaseRefusal) and (again.reason, again.min_version) == ("stale_weights", 8 + u)
+    fresh = ask(b, 10)  # current weights: the in-flight budget binds (32, 16 ahead): 4 prompts
+    assert broker.inflight_cap == 32 and isinstance(fresh, LeaseGrant) and len(fresh.prompts) == 4
+
+
 def test_weights_of_another_run_epoch_get_no_lease_and_leases_carry_the_epoch(tmp_path):
     """A worker still holding an earlier learner process's version (its number may name other weights
     now) is told stale_epoch with the newest version to install; a grant carries this process's epoch,

@@ -93,6 +93,8 @@ class TrajectoryStore:
         # crash, after which --resume requeues from the checkpoint's lease state
         self._redo: list[tuple[Prompt, str]] = []
         self.waits_for_checks = 0  # take_batch calls that waited for a check of a group at the floor
+        self.taken_at: int | None = None  # learner version of the last batch taken (its update under way
+        # until the version moves on)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
@@ -555,6 +557,7 @@ class TrajectoryStore:
                 "UPDATE rollout_groups SET consumed_step = ? WHERE seq = ?", [(step, r[0]) for r in rows]
             )
             self._bump("trained", len(rows) * self.group_size)  # every group is whole
+        self.taken_at = learner_version
         return [decode_group(data, gid, v) for _, gid, _pid, v, data in rows]
 
     def _checks_at_floor(self, learner_version: int) -> bool:

@@ -38,6 +38,7 @@ from typing import Any
 from echo2.config import ControllerConfig, StalenessConfig
 from echo2.errors import InfeasibleError
 from echo2.observe import catalog
+from echo2.perimeter import SampledLog
 from echo2.planner import capacity
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import Heartbeat, PoolController
@@ -70,6 +71,7 @@ class Pool:
         # the generation check's measured capacity (completions/s) and floor: the pool it can police
         self.check = check
         self.mu_check_max: float | None = None  # capacity / floor, once the check has run
+        self._capped = SampledLog(log, every_s=60.0, per_window=1)  # a line a minute, not one a round
         self.working = working  # holds an open lease or asked for one lately (the lease broker's say)
         self.staleness = staleness
         self.rollouts = rollouts_per_step
@@ -195,7 +197,8 @@ class Pool:
             return target
         self.mu_check_max = capacity.mu_policed(done_per_s, floor)
         if target > self.mu_check_max:
-            log.warning(
+            self._capped.log(
+                "check_cap",
                 "the pool's target %.1f rollouts/s is more than the generation check can keep at its floor "
                 "(%.2f completions/s / check_floor %.2f = %.1f rollouts/s): capped there; a faster check "
                 "(its own device) or a lower security.check_floor raises it",

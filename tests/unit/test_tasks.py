@@ -287,13 +287,20 @@ def test_math_numeric_answers_and_explicit_eval_file(tmp_path):
 
 
 def test_registry_builds_every_task():
-    from echo2.config import TASK_PRESETS, GuessTaskConfig, PokerTaskConfig
+    from echo2.config import TASK_PRESETS, CodeTaskConfig, GuessTaskConfig, PokerTaskConfig
+    from echo2.data.tasks.code import CodeTask
     from echo2.data.tasks.environment import EnvironmentTask
     from echo2.tasks.episodic import Episodic
     from echo2.tasks.registry import REGISTRY
     from echo2.tasks.single_turn import SingleTurn
 
-    assert set(TASKS) == {ArithmeticTaskConfig, MathTaskConfig, PokerTaskConfig, GuessTaskConfig}
+    assert set(TASKS) == {
+        ArithmeticTaskConfig,
+        MathTaskConfig,
+        CodeTaskConfig,
+        PokerTaskConfig,
+        GuessTaskConfig,
+    }
     # one registry keyed by the task name: its config model (whose name it is), preset and builder
     assert set(REGISTRY) == set(TASK_PRESETS)
     for name, entry in REGISTRY.items():
@@ -301,7 +308,9 @@ def test_registry_builds_every_task():
     arithmetic, math_task = build_task(ArithmeticTaskConfig(), 0), build_task(MathTaskConfig(), 0)
     assert isinstance(arithmetic, SingleTurn) and isinstance(arithmetic.data, ArithmeticTask)
     assert isinstance(math_task, SingleTurn) and isinstance(math_task.data, MathTask)
-    assert arithmetic.score == math_task.score == "accuracy"
+    code = build_task(CodeTaskConfig(), 0)
+    assert isinstance(code, SingleTurn) and isinstance(code.data, CodeTask)
+    assert arithmetic.score == math_task.score == code.score == "accuracy"
     for cfg in (PokerTaskConfig(), GuessTaskConfig()):
         task = build_task(cfg, 0)
         assert isinstance(task, Episodic) and isinstance(task.data, EnvironmentTask) and task.name == cfg.name

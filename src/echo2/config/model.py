@@ -124,28 +124,42 @@ class ArithmeticTaskConfig(_SingleTurnFields):
         return self
 
 
-class MathTaskConfig(_SingleTurnFields):
-    """Question/answer records from a JSONL file, graded by a math-answer checker (math-verify)."""
+class _DatasetFields(_SingleTurnFields):
+    """A single-turn task read from a user's dataset file: the file, the test file and the held-out
+    shares (``data/tasks/base.file_splits``)."""
 
-    name: Literal["math"] = "math"
     train_path: str | None = Field(
         None,
-        description="question / answer records: .jsonl, .json, .parquet, .arrow or a datasets save_to_disk "
+        description="the task's records: .jsonl, .json, .parquet, .arrow or a datasets save_to_disk "
         "directory; unset = bundled sample",
     )
     eval_path: str | None = Field(
         None, description="test-split file (same formats); unset = a split of train_path"
-    )
-    question_field: str = Field("question", min_length=1, description="the records' question field")
-    answer_field: str = Field("answer", min_length=1, description="the records' answer field")
-    system_field: str | None = Field(
-        None, min_length=1, description="a per-record system message field (chat template); unset = none"
     )
     eval_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="share of train_path held out as the test split if no eval_path"
     )
     validation_fraction: float = Field(
         0.1, gt=0.0, lt=1.0, description="share of train_path held out as the validation split (warm start)"
+    )
+
+    @model_validator(mode="after")
+    def _check_held_out(self) -> _DatasetFields:
+        held = self.validation_fraction + (self.eval_fraction if self.eval_path is None else 0.0)
+        if held >= 1.0:
+            names = "validation_fraction" + (" + eval_fraction" if self.eval_path is None else "")
+            raise ValueError(f"{names} = {held:g} must be < 1 to leave problems of train_path to train on")
+        return self
+
+
+class MathTaskConfig(_DatasetFields):
+    """Question/answer records from a JSONL file, graded by a math-answer checker (math-verify)."""
+
+    name: Literal["math"] = "math"
+    question_field: str = Field("question", min_length=1, description="the records' question field")
+    answer_field: str = Field("answer", min_length=1, description="the records' answer field")
+    system_field: str | None = Field(
+        None, min_length=1, description="a per-record system message field (chat template); unset = none"
     )
     prompt_template: str = Field("{question}\nAnswer: ", description="format string with a {question} slot")
     answer_rule: Literal["auto", "gsm8k", "boxed", "whole"] = Field(
@@ -155,24 +169,68 @@ class MathTaskConfig(_SingleTurnFields):
         "boxed if a \\boxed{ is, else whole",
     )
 
+
+class CodeTaskConfig(_DatasetFields):
+    """Programming problems with unit tests, graded by running the code in a bubblewrap sandbox."""
+
+    name: Literal["code"] = "code"
+    prompt_field: str = Field("prompt", min_length=1, description="the records' problem text")
+    tests_field: str = Field(
+        "tests",
+        min_length=1,
+        description="the records' tests: Python text (or a list of lines) run after the code",
+    )
+    entry_point_field: str | None = Field(
+        "entry_point",
+        min_length=1,
+        description="the field naming the function the tests' check(candidate) is called with (optional)",
+    )
+    solution_field: str | None = Field(
+        "solution",
+        min_length=1,
+        description="a reference solution per record (the embedded model's warm start)",
+    )
+    prompt_template: str = Field("{prompt}\n", description="format string with a {prompt} slot")
+    prepend_prompt: bool = Field(
+        False, description="grade the prompt's text followed by the completion (a function head to complete)"
+    )
+    timeout_s: float = Field(5.0, gt=0.0, le=300.0, description="wall-clock limit of one graded run")
+    cpu_s: int = Field(3, ge=1, le=300, description="CPU-seconds limit of each process of a graded run")
+    memory_mb: int = Field(512, ge=64, description="address-space limit of each process of a graded run, MiB")
+    processes: int = Field(16, ge=4, description="processes and threads a graded run may have at once")
+    output_kb: int = Field(1024, ge=1, description="output a graded run may print, KiB, then it is killed")
+    python: str | None = Field(
+        None,
+        description="the interpreter graded code runs with; unset = /usr/bin/python3, else the learner's",
+    )
+    grade_threads: int = Field(
+        0,
+        ge=0,
+        description="a submission's completions graded at once (each a sandboxed process); 0 = the cores",
+    )
+
     @model_validator(mode="after")
-    def _check(self) -> MathTaskConfig:
-        held = self.validation_fraction + (self.eval_fraction if self.eval_path is None else 0.0)
-        if held >= 1.0:
-            names = "validation_fraction" + (" + eval_fraction" if self.eval_path is None else "")
-            raise ValueError(f"{names} = {held:g} must be < 1 to leave problems of train_path to train on")
+    def _check(self) -> CodeTaskConfig:
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError(f"prompt_template = {self.prompt_template!r} has no {{prompt}} slot")
+        if self.cpu_s > self.timeout_s:
+            raise ValueError(f"cpu_s = {self.cpu_s} must be <= timeout_s = {self.timeout_s:g}")
         return self
 
 
 # The multi-turn environments are declared in their own modules (``envs/``: config model, spec,
 # preset) and listed once in ``envs/roster.ENVIRONMENTS``; the ``[task]`` union and the presets
 # below are derived from that list.
-SINGLE_TURN_TASKS: tuple[type[_SingleTurnFields], ...] = (ArithmeticTaskConfig, MathTaskConfig)
+SINGLE_TURN_TASKS: tuple[type[_SingleTurnFields], ...] = (
+    ArithmeticTaskConfig,
+    MathTaskConfig,
+    CodeTaskConfig,
+)
 # every ``[task]`` variant, in the order pydantic lists them: the single-turn tasks, then the environments
 TASK_MODELS: tuple[type[BaseModel], ...] = (*SINGLE_TURN_TASKS, *(env.config for env in ENVIRONMENTS))
 
 if TYPE_CHECKING:  # the checker's view: a single-turn task or any declared environment
-    TaskConfig = ArithmeticTaskConfig | MathTaskConfig | EnvironmentFields
+    TaskConfig = ArithmeticTaskConfig | MathTaskConfig | CodeTaskConfig | EnvironmentFields
 else:  # pydantic's: one variant per model, picked by its ``name`` literal
     TaskConfig = Annotated[functools.reduce(operator.or_, TASK_MODELS), Field(discriminator="name")]
 
@@ -182,5 +240,6 @@ else:  # pydantic's: one variant per model, picked by its ``name`` literal
 TASK_PRESETS: dict[str, list[str]] = {
     "arithmetic": ["task.name=arithmetic"],
     "math": ["task.name=math"],
+    "code": ["task.name=code", "sampling.max_new_tokens=40"],
     **{env.name: [f"task.name={env.name}", *env.preset] for env in ENVIRONMENTS},
 }

@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.config import Config
+from echo2.data.tasks.base import WritesReference
 from echo2.data.tasks.environment import EnvironmentTask
 from echo2.types import Prompt
 
@@ -39,6 +41,7 @@ def supervised(cfg: Config, policy: Any, task: Adapter, out: Path) -> dict[str, 
 
     ws = cfg.model.warmstart
     model = policy.model
+    reference = task.reference if isinstance(task, WritesReference) else (lambda p: p.answer)
     engine = HFEngine(model, policy.eos_id, policy.pad_id, cfg.sampling)
     val_prompts = task.validation_prompts(ws.eval_size)  # never the test split (task.eval_prompts)
     rng = random.Random(f"warmstart:{cfg.seed}")
@@ -50,7 +53,7 @@ def supervised(cfg: Config, policy: Any, task: Adapter, out: Path) -> dict[str, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         while accuracy < ws.target_accuracy and step < ws.max_steps:
-            loss = _sft_step(policy, opt, task.sample_train(rng, ws.batch_size))
+            loss = _sft_step(policy, opt, task.sample_train(rng, ws.batch_size), reference)
             step += 1
             if step % ws.eval_every == 0:
                 accuracy = evaluate_text(policy.codec, engine, task, val_prompts).accuracy
@@ -140,11 +143,11 @@ def _agreement(policy: Any, rows: list[tuple[list[int], list[int]]]) -> float:
     return hits / max(total, 1)
 
 
-def _sft_step(policy: Any, opt: Any, prompts: list[Prompt]) -> float:
+def _sft_step(policy: Any, opt: Any, prompts: list[Prompt], reference: Callable[[Prompt], str]) -> float:
     """One teacher-forced step on reference answers (loss on the answer tokens and EOS only)."""
     rows = []
     for p in prompts:
-        x, y = policy.codec.encode(p), [*policy.encode_prompt(p.answer), policy.eos_id]
+        x, y = policy.codec.encode(p), [*policy.encode_prompt(reference(p)), policy.eos_id]
         rows.append((x + y, [0] * len(x) + [1] * len(y)))
     return _fit(policy, opt, rows)
 

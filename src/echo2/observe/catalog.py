@@ -295,6 +295,13 @@ REWARD_GRADE_TIMEOUTS = _m(
     "their grading process (each scored 0 and unparsed; math task)",
     BOTH,
 )
+REWARD_OUTCOMES = _m(
+    "reward/outcomes/<outcome>",
+    "count",
+    "gradings of the learner process since the previous step, by outcome (code task: passed, failed, "
+    "exited_early, no_code, and the sandbox limits timeout, cpu, memory, output, killed)",
+    BOTH,
+)
 REWARD_ACCURACY = _m(
     "reward/accuracy",
     "fraction",

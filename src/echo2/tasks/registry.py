@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from echo2.config import (
     TASK_PRESETS,
     ArithmeticTaskConfig,
+    CodeTaskConfig,
     MathTaskConfig,
     TaskConfig,
 )
 from echo2.data.tasks.arithmetic import ArithmeticTask
+from echo2.data.tasks.code import CodeTask
 from echo2.data.tasks.environment import EnvironmentTask
 from echo2.data.tasks.math import MathTask
 from echo2.envs.base import EnvironmentFields
@@ -48,6 +50,11 @@ def _math(cfg: TaskConfig, seed: int) -> Task:
     return SingleTurn(MathTask(cfg, seed))
 
 
+def _code(cfg: TaskConfig, seed: int) -> Task:
+    assert isinstance(cfg, CodeTaskConfig)
+    return SingleTurn(CodeTask(cfg, seed))
+
+
 def _environment(cfg: TaskConfig, seed: int) -> Task:
     """Every environment's builder: its declared spec behind the episodic task."""
     assert isinstance(cfg, EnvironmentFields)
@@ -57,6 +64,7 @@ def _environment(cfg: TaskConfig, seed: int) -> Task:
 REGISTRY: dict[str, Entry] = {
     "arithmetic": Entry(ArithmeticTaskConfig, tuple(TASK_PRESETS["arithmetic"]), _arithmetic),
     "math": Entry(MathTaskConfig, tuple(TASK_PRESETS["math"]), _math),
+    "code": Entry(CodeTaskConfig, tuple(TASK_PRESETS["code"]), _code),
     **{env.name: Entry(env.config, tuple(TASK_PRESETS[env.name]), _environment) for env in ENVIRONMENTS},
 }
 TASKS: dict[type, Callable[[TaskConfig, int], Task]] = {e.config: e.build for e in REGISTRY.values()}

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from echo2.data.tasks.base import Adapter, Grade
+from echo2.data.tasks.base import Adapter, CountsOutcomes, Grade
 from echo2.observe import catalog as m
 from echo2.rollout.collect import RolloutBatch, collect_groups
 from echo2.rollout.evaluate import EvalResult, evaluate_text
@@ -49,6 +49,8 @@ class SingleTurn:
         self.name = data.name
         self._timeouts = data if isinstance(data, CountsGradeTimeouts) else None
         self._timeouts_seen = 0  # the count at the previous batch_metrics
+        self._outcomes = data if isinstance(data, CountsOutcomes) else None
+        self._outcomes_seen: dict[str, int] = {}
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         return self.data.sample_train(rng, n)
@@ -110,12 +112,19 @@ class SingleTurn:
 
     def batch_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """``reward/grade_timeouts`` (gradings past the timeout since the previous call) for an adapter
-        that counts them; nothing for one that cannot time out."""
-        if self._timeouts is None:
-            return {}
-        now = self._timeouts.grade_timeouts
-        new, self._timeouts_seen = now - self._timeouts_seen, now
-        return {m.REWARD_GRADE_TIMEOUTS.key: float(new)}
+        that counts them, ``reward/outcomes/<outcome>`` (gradings since the previous call, by outcome)
+        for one that counts outcomes; nothing for the others."""
+        out: dict[str, float] = {}
+        if self._timeouts is not None:
+            now = self._timeouts.grade_timeouts
+            new, self._timeouts_seen = now - self._timeouts_seen, now
+            out[m.REWARD_GRADE_TIMEOUTS.key] = float(new)
+        if self._outcomes is not None:
+            counts = self._outcomes.outcome_counts()
+            for outcome, n in sorted(counts.items()):
+                out[m.REWARD_OUTCOMES.of(outcome)] = float(n - self._outcomes_seen.get(outcome, 0))
+            self._outcomes_seen = counts
+        return out
 
     def max_completion_tokens(self, bounds: Bounds) -> int:
         return bounds.max_new_tokens

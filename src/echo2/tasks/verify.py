@@ -44,10 +44,11 @@ import json
 import math
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from echo2.data.submission import Rejected, Submission
-from echo2.data.tasks.base import ReadsAnAnswer
+from echo2.data.tasks.base import Grade, ReadsAnAnswer
 from echo2.envs.base import EnvError
 from echo2.rollout.engines.base import EosIds, eos_tuple, first_eos
 from echo2.types import Prompt, Trajectory
@@ -94,23 +95,45 @@ class Verifier:
                 f"{lease.installed_version} when it took the lease",
             )
         by_id = {p.prompt_id: p for p in lease.prompts}
-        groups = []
+        return dataclasses.replace(sub, groups=self._checked(sub, by_id))
+
+    def _checked(self, sub: Submission, by_id: dict[str, Prompt]) -> tuple[tuple[Trajectory, ...], ...]:
+        """Every group as the learner takes it: each sample's shape checked (``_completion_text``), then
+        every completion graded (on several threads for a task that declares them)."""
+        todo: list[tuple[Prompt, str]] = []  # (prompt, completion text) of every sample to grade, in order
         with self._lock:
             for i, group in enumerate(sub.groups):
                 prompt = by_id.get(group[0].prompt_id) if group else None
                 if prompt is None:
-                    groups.append(group)
                     continue
                 want = self._prompt_tokens(prompt)
-                groups.append(
-                    tuple(
-                        self._check_sample(prompt, want, t, f"groups[{i}].samples[{j}]")
-                        for j, t in enumerate(group)
-                    )
-                )
-        return dataclasses.replace(sub, groups=tuple(groups))
+                for j, t in enumerate(group):
+                    todo.append((prompt, self._completion_text(prompt, want, t, f"groups[{i}].samples[{j}]")))
+        grades = iter(self._grade_all(todo))
+        groups = []
+        for group in sub.groups:
+            if not group or group[0].prompt_id not in by_id:
+                groups.append(group)
+                continue
+            graded = []
+            for t in group:
+                grade = next(grades)
+                meta = {**t.meta, "parsed": grade.parsed}
+                graded.append(dataclasses.replace(t, reward=grade.reward, meta=meta, turn_mask=()))
+            groups.append(tuple(graded))
+        return tuple(groups)
 
-    def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> Trajectory:
+    def _grade_all(self, todo: list[tuple[Prompt, str]]) -> list[Grade]:
+        """The task's grade of every ``(prompt, completion)``, in order: on ``grade_threads`` threads at
+        once for a task that declares them (code: each grade a sandboxed process), else one by one."""
+        threads = min(len(todo), getattr(self.task, "grade_threads", 1))
+        if threads <= 1:
+            return [self.task.grade(p, text) for p, text in todo]
+        with ThreadPoolExecutor(threads, thread_name_prefix="echo2-grade") as pool:
+            return list(pool.map(lambda job: self.task.grade(*job), todo))
+
+    def _completion_text(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> str:
+        """The completion's text, once its shape is what a lease of ``prompt`` asked for."""
         if tuple(t.prompt_ids) != want:
             raise Rejected("prompt_mismatch", f"{where}.prompt_ids: not the leased prompt's tokens")
         if any(m != 1 for m in t.turn_mask):  # the loss would train fewer tokens than the grade read
@@ -129,9 +152,7 @@ class Verifier:
                 f"{where}.completion_ids: {len(ids)} tokens without EOS (a completion ends at EOS or "
                 f"after max_new_tokens={self.max_new_tokens})",
             )
-        grade = self.task.grade(prompt, self.codec.decode_completion(ids))
-        meta = {**t.meta, "parsed": grade.parsed}
-        return dataclasses.replace(t, reward=grade.reward, meta=meta, turn_mask=())
+        return self.codec.decode_completion(ids)
 
     def graded_from(self, prompt: Prompt, t: Trajectory) -> int:
         """The first completion position whose token the grader reads (any thread): a task that can say
@@ -243,7 +264,24 @@ class EpisodeReplay(Verifier):
         """0: the environment reads every action of the policy."""
         return 0
 
-    def _check_sample(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> Trajectory:
+    def _checked(self, sub: Submission, by_id: dict[str, Prompt]) -> tuple[tuple[Trajectory, ...], ...]:
+        """Every episode replayed (one at a time: one environment thread)."""
+        groups = []
+        with self._lock:
+            for i, group in enumerate(sub.groups):
+                prompt = by_id.get(group[0].prompt_id) if group else None
+                if prompt is None:
+                    groups.append(group)
+                    continue
+                groups.append(
+                    tuple(
+                        self._check_sample(prompt, t, f"groups[{i}].samples[{j}]")
+                        for j, t in enumerate(group)
+                    )
+                )
+        return tuple(groups)
+
+    def _check_sample(self, prompt: Prompt, t: Trajectory, where: str) -> Trajectory:
         from echo2.rollout import episodes
 
         if not t.turn_mask:

@@ -18,12 +18,17 @@ Three splits, disjoint by *problem* (each adapter defines when two prompts are t
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
+from echo2.errors import DataError
 from echo2.types import Prompt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,25 @@ class ReadsAnAnswer(Protocol):
         ...
 
 
+@runtime_checkable
+class CountsOutcomes(Protocol):
+    """A task whose gradings end in named outcomes it counts (code: passed, failed, timeout, ...)."""
+
+    def outcome_counts(self) -> dict[str, int]:
+        """Gradings of this process so far, by outcome (running counts)."""
+        ...
+
+
+@runtime_checkable
+class WritesReference(Protocol):
+    """A task whose warm start imitates something other than ``Prompt.answer`` (code: a record's
+    reference solution, while the answer holds its tests)."""
+
+    def reference(self, prompt: Prompt) -> str:
+        """The reference completion of ``prompt`` (what the supervised warm start teaches)."""
+        ...
+
+
 def full_mask(completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
     """Train on every completion token (the mask most tasks want)."""
     return [1.0] * len(completion_ids)
@@ -102,3 +126,70 @@ def split_of(u: float, test_fraction: float, validation_fraction: float) -> Spli
     if u < test_fraction + validation_fraction:
         return "validation"
     return "train"
+
+
+R = TypeVar("R")
+
+
+class FileSplitsAccess:
+    """The split verbs of a task whose splits come from a file (``splits()``, read on first use)."""
+
+    def splits(self) -> dict[Split, list[Prompt]]:
+        raise NotImplementedError
+
+    def train_prompts(self) -> list[Prompt]:
+        return self.splits()["train"]
+
+    def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
+        train = self.splits()["train"]
+        return [rng.choice(train) for _ in range(n)]
+
+    def validation_prompts(self, n: int) -> list[Prompt]:
+        return self.splits()["validation"][:n]
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return self.splits()["test"][:n]
+
+
+def file_splits(
+    records: Sequence[R],
+    test_records: Sequence[R] | None,
+    key: Callable[[R], str],
+    tag: str,
+    test_fraction: float,
+    validation_fraction: float,
+    files: tuple[Path, Path | None],
+) -> dict[Split, list[R]]:
+    """A dataset file's records in the three splits, disjoint by problem (``key``: records with the same
+    key are the same problem; ``tag`` salts the hash). Without ``test_records``: test =
+    ``[0, test_fraction)`` of the stable hash, validation the next ``validation_fraction``, train the rest;
+    with them (an eval file) they are the test split, and records of ``records`` whose key is among
+    theirs are left out (logged). An empty split is a :class:`DataError` naming the files."""
+    splits: dict[Split, list[R]] = {"train": [], "validation": [], "test": []}
+    test_keys: set[str] = set()
+    if test_records is not None:
+        splits["test"] = list(test_records)
+        test_keys = {key(r) for r in test_records}
+    overlap = 0
+    for record in records:
+        k = key(record)
+        if k in test_keys:
+            overlap += 1
+            continue
+        u = stable_fraction(f"{tag}:{k}")
+        splits[split_of(u, 0.0 if test_keys else test_fraction, validation_fraction)].append(record)
+    train_file, eval_file = files
+    if overlap:
+        log.warning(
+            "%s: %d records ask a question of the test file %s; left out of train and validation",
+            train_file, overlap, eval_file,
+        )  # fmt: skip
+    empty = [name for name, got in splits.items() if not got]
+    if empty:
+        sizes = ", ".join(f"{name} {len(got)}" for name, got in splits.items())
+        raise DataError(
+            f"{train_file}: {len(records)} records leave an empty {' and '.join(empty)} split ({sizes}; "
+            f"eval_fraction={test_fraction}, validation_fraction={validation_fraction}); "
+            "add records, change the fractions, or set task.eval_path"
+        )
+    return splits

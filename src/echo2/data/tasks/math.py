@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import re
 import signal
 import subprocess
@@ -55,9 +54,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from echo2.data.tasks.base import Grade, Split, full_mask, split_of, stable_fraction
+from echo2.data.tasks.base import FileSplitsAccess, Grade, Split, file_splits, full_mask
 from echo2.data.tasks.records import Fields, Record, read_records
-from echo2.errors import DataError
 from echo2.types import Prompt
 
 if TYPE_CHECKING:  # the grading process imports this module: it stays light (no pydantic)
@@ -330,7 +328,7 @@ class MathGrader:
         return _Child(proc, requests, replies, weakref.finalize(self, _stop, proc, requests, replies))
 
 
-class MathTask:
+class MathTask(FileSplitsAccess):
     name = "math"
 
     def __init__(self, cfg: MathTaskConfig, seed: int = 0, *, grader: MathGrader | None = None) -> None:
@@ -358,38 +356,16 @@ class MathTask:
             train_file = Path(cfg.train_path)
         fields = Fields(cfg.question_field, cfg.answer_field, cfg.system_field)
         records = read_records(train_file, fields)
-        splits: dict[Split, list[Prompt]] = {"train": [], "validation": [], "test": []}
-        if cfg.eval_path is None:
-            test_fraction, test_questions = cfg.eval_fraction, set[str]()
-        else:
-            eval_file = Path(cfg.eval_path)
-            eval_records = read_records(eval_file, fields)
-            splits["test"] = [self._prompt(eval_file, r) for r in eval_records]
-            test_fraction, test_questions = 0.0, {normalise_question(r.question) for r in eval_records}
-        overlap = 0
-        for record in records:
-            key = normalise_question(record.question)
-            if key in test_questions:
-                overlap += 1
-                continue
-            split = split_of(stable_fraction(f"math:{key}"), test_fraction, cfg.validation_fraction)
-            splits[split].append(self._prompt(train_file, record))
-        if overlap:
-            log.warning(
-                "%s: %d records ask a question of the test file %s; left out of train and validation",
-                train_file,
-                overlap,
-                cfg.eval_path,
-            )
-        empty = [name for name, prompts in splits.items() if not prompts]
-        if empty:
-            sizes = ", ".join(f"{name} {len(prompts)}" for name, prompts in splits.items())
-            raise DataError(
-                f"{train_file}: {len(records)} records leave an empty {' and '.join(empty)} split ({sizes}; "
-                f"eval_fraction={cfg.eval_fraction}, validation_fraction={cfg.validation_fraction}); "
-                "add records, change the fractions, or set task.eval_path"
-            )
-        return splits
+        eval_file = None if cfg.eval_path is None else Path(cfg.eval_path)
+        test = None if eval_file is None else read_records(eval_file, fields)
+        by_record = file_splits(
+            records, test, lambda r: normalise_question(r.question), "math",
+            cfg.eval_fraction, cfg.validation_fraction, (train_file, eval_file),
+        )  # fmt: skip
+        return {
+            name: [self._prompt(eval_file if name == "test" and eval_file else train_file, r) for r in got]
+            for name, got in by_record.items()
+        }
 
     def _prompt(self, path: Path, r: Record) -> Prompt:
         return Prompt(
@@ -398,19 +374,6 @@ class MathTask:
             answer=r.answer,
             meta={} if r.system is None else {"system": r.system},
         )
-
-    def train_prompts(self) -> list[Prompt]:
-        return self.splits()["train"]
-
-    def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
-        train = self.splits()["train"]
-        return [rng.choice(train) for _ in range(n)]
-
-    def validation_prompts(self, n: int) -> list[Prompt]:
-        return self.splits()["validation"][:n]
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        return self.splits()["test"][:n]
 
     def answer_start(self, prompt: Prompt, completion: str) -> int:
         """Where the grade is read from: the last ``\\boxed{`` of ``completion`` when grading the text from

@@ -40,6 +40,15 @@ class Record:
 
 def read_records(path: Path, fields: Fields = Fields()) -> list[Record]:
     """Every record of ``path`` (module docstring); DataError on anything unreadable."""
+    records = [_record(path, row, obj, fields) for row, obj in read_rows(path)]
+    if not records:
+        raise DataError(f"{path}: no records")
+    return records
+
+
+def read_rows(path: Path) -> list[tuple[int, Any]]:
+    """Every row of ``path`` as ``(line or row, object)`` (module docstring), unvalidated; DataError if the
+    file cannot be read."""
     if path.is_dir():
         rows = _from_disk(path)
     elif not path.is_file():
@@ -53,10 +62,7 @@ def read_records(path: Path, fields: Fields = Fields()) -> list[Record]:
             f"{path}: unknown dataset format {path.suffix!r}; use .jsonl, .json, .parquet, .arrow or a "
             "directory saved with datasets' save_to_disk"
         )
-    records = [_record(path, row, obj, fields) for row, obj in rows]
-    if not records:
-        raise DataError(f"{path}: no records")
-    return records
+    return rows
 
 
 def _record(path: Path, row: int, obj: Any, fields: Fields) -> Record:

@@ -8,7 +8,8 @@ A completion's program runs in ``bwrap`` (bubblewrap, from the distribution's pa
   no run directory, nothing of the learner's;
 - **a private tmp**: ``/tmp`` a fresh tmpfs of ``tmp_mb`` (the only writable place), the working
   directory; a fresh ``/proc`` and minimal ``/dev``;
-- **limits** set on the sandbox's processes before ``bwrap`` starts (inherited, never raised inside):
+- **limits** set by util-linux's ``prlimit`` before ``bwrap`` starts (inherited, never raised inside; no
+  Python runs between fork and exec, which could deadlock a learner grading on several threads):
   CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``), file size (``RLIMIT_FSIZE``), open files, no
   core dumps; processes (``RLIMIT_NPROC``) set inside the sandbox by util-linux's ``prlimit`` just before
   the program, so it counts the sandbox's own user namespace only (set before bwrap, the kernel would
@@ -16,11 +17,13 @@ A completion's program runs in ``bwrap`` (bubblewrap, from the distribution's pa
   bomb's dying processes then failed the next sandbox's start); a wall-clock limit and an output cap
   enforced from outside (the whole sandbox is killed: bwrap's ``--die-with-parent`` and the pid namespace
   take every process it started with it);
-- a CPU priority below the learner's (``nice`` 10: an update keeps its cores while a batch is graded);
+- a CPU priority below the learner's (coreutils' ``nice`` 10: an update keeps its cores while a batch is
+  graded);
 - an empty environment (``--clearenv``), a session of its own (``--new-session``: no terminal to write
   to), no capabilities, no further user namespaces (``--disable-userns``).
 
-A root learner starts bwrap as an unprivileged user (``nobody``): a sandbox started by root ignores
+A root learner starts the whole chain as an unprivileged user (``nobody``, switched by ``subprocess``
+before exec): a sandbox started by root ignores
 ``RLIMIT_NPROC`` (measured: 200 forks under a limit of 16, set outside or inside, with or without a uid
 switched inside); started as ``nobody`` the limit holds. Any other user runs bwrap as
 itself (unprivileged user namespaces must be allowed, as on most distributions).
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -146,6 +148,7 @@ class Sandbox:
             )
         self.bwrap = found
         self.prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
+        self.nice = shutil.which("nice", path="/usr/bin:/bin") or "nice"
         if self.prlimit is None:
             raise SandboxUnavailable(
                 "the sandbox needs util-linux's prlimit in /usr/bin (apt-get install util-linux)"
@@ -178,60 +181,73 @@ class Sandbox:
         cmd += ["--chdir", "/tmp", "--cap-drop", "ALL", "--disable-userns", "--unshare-user"]
         return [*cmd, "--", self.prlimit, f"--nproc={lim.processes}:{lim.processes}", "--", *args]
 
-    def _limit(self) -> None:
-        """In the child, before exec: the limits (inherited by bwrap and everything it starts), then, for
-        a root learner, the unprivileged user (module docstring)."""
+    def outer(self) -> list[str]:
+        """What runs bwrap: util-linux's ``prlimit`` with the per-process limits (inherited by everything
+        it starts) and coreutils' ``nice``. Tools exec'd in the child, not a ``preexec_fn``: the learner
+        grades on several threads, and Python code between fork and exec may deadlock there."""
         lim = self.limits
-        cpu = lim.cpu_s
-        for what, value in (
-            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-            (resource.RLIMIT_AS, (lim.memory_mb << 20,) * 2),
-            (resource.RLIMIT_FSIZE, (lim.file_mb << 20,) * 2),
-            (resource.RLIMIT_NOFILE, (lim.open_files,) * 2),
-            (resource.RLIMIT_CORE, (0, 0)),
-        ):
-            resource.setrlimit(what, value)
-        os.nice(lim.nice)
-        if os.geteuid() == 0:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+        return [
+            self.prlimit,
+            f"--cpu={lim.cpu_s}:{lim.cpu_s + 1}",
+            f"--as={lim.memory_mb << 20}",
+            f"--fsize={lim.file_mb << 20}",
+            f"--nofile={lim.open_files}",
+            "--core=0",
+            "--",
+            self.nice, "-n", str(lim.nice),
+        ]  # fmt: skip
 
     def run(self, args: list[str], stdin: bytes = b"") -> Outcome:
         """Run ``args`` in the sandbox with ``stdin``; never raises on what it does (module docstring)."""
         lim = self.limits
         t0 = time.monotonic()
+        root = os.geteuid() == 0  # then bwrap starts as nobody (module docstring)
         proc = subprocess.Popen(
-            self.argv(args),
+            [*self.outer(), *self.argv(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            preexec_fn=self._limit,
             start_new_session=True,
+            **({"user": NOBODY, "group": NOBODY, "extra_groups": []} if root else {}),  # type: ignore[arg-type]
         )
         assert proc.stdin is not None and proc.stdout is not None
         kept, read, status = bytearray(), 0, None
+        pending = memoryview(stdin)
+        sel = selectors.DefaultSelector()
         try:
-            _feed(proc, stdin)
-            sel = selectors.DefaultSelector()
             sel.register(proc.stdout, selectors.EVENT_READ)
+            if pending:  # written as the program reads it: a program that never reads cannot block us
+                os.set_blocking(proc.stdin.fileno(), False)
+                sel.register(proc.stdin, selectors.EVENT_WRITE)
+            else:
+                proc.stdin.close()
             while True:
                 left = lim.wall_s - (time.monotonic() - t0)
                 if left <= 0:
                     status = "timeout"
                     break
-                if not sel.select(min(left, 0.5)):
-                    continue
-                chunk = os.read(proc.stdout.fileno(), 65536)
-                if not chunk:
+                done = False
+                for key, _ in sel.select(min(left, 0.5)):
+                    if key.fileobj is proc.stdin:
+                        pending = _write_some(proc, pending)
+                        if not pending:
+                            sel.unregister(proc.stdin)
+                            proc.stdin.close()
+                        continue
+                    chunk = os.read(proc.stdout.fileno(), 65536)
+                    if not chunk:
+                        done = True
+                        break
+                    read += len(chunk)
+                    kept = (kept + chunk)[-self.keep_bytes :]
+                    if read > lim.output_bytes:
+                        status = "output"
+                        done = True
+                        break
+                if done:
                     break
-                read += len(chunk)
-                kept = (kept + chunk)[-self.keep_bytes :]
-                if read > lim.output_bytes:
-                    status = "output"
-                    break
-            sel.close()
         finally:
+            sel.close()
             if status is not None:
                 _kill(proc)
             try:
@@ -239,21 +255,24 @@ class Sandbox:
             except subprocess.TimeoutExpired:  # its output closed but it runs on (a daemonised child)
                 _kill(proc)
                 code, status = proc.wait(), status or "timeout"
-            proc.stdout.close()
+            for pipe in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
         wall = time.monotonic() - t0
         if status is not None:
             return Outcome(status, None, wall, bytes(kept))
         return Outcome(_status(code, bytes(kept)), code, wall, bytes(kept))
 
 
-def _feed(proc: subprocess.Popen[bytes], data: bytes) -> None:
-    """Write ``data`` to the program's stdin and close it (a program that exits before reading all of
-    it is no error of ours)."""
+def _write_some(proc: subprocess.Popen[bytes], pending: memoryview) -> memoryview:
+    """Write what the program's stdin takes now; what is left (nothing once it closed its stdin)."""
     assert proc.stdin is not None
-    with contextlib.suppress(BrokenPipeError, OSError):
-        proc.stdin.write(data)
-    with contextlib.suppress(BrokenPipeError, OSError):
-        proc.stdin.close()
+    try:
+        return pending[os.write(proc.stdin.fileno(), pending[:65536]) :]
+    except BlockingIOError:
+        return pending
+    except OSError:  # it exited or closed its stdin: the rest is not ours to deliver
+        return pending[:0]
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:

@@ -285,3 +285,21 @@ def test_a_workers_reward_is_never_believed_every_completion_is_graded_here(tmp_
     got = verifier.check(lease, Submission("L", 0, (group,)))
     assert [t.reward for t in got.groups[0]] == [1.0, 0.0, 0.0, 0.0]
     assert task.outcome_counts() == {"passed": 1, "failed": 1, "exited_early": 1, "cpu": 1}
+
+
+def test_the_process_cap_holds_inside_and_a_program_that_never_reads_its_input_cannot_block(
+    box: Sandbox,
+) -> None:
+    forks = "\n".join([
+        "import os, time", "n = 0", "for _ in range(100):", "    try:", "        pid = os.fork()",
+        "    except OSError:", "        break", "    if pid == 0:", "        time.sleep(2); os._exit(0)",
+        "    n += 1", "print(n, os.getuid())",
+    ])  # fmt: skip
+    got = box.run([box.python, "-I", "-S", "-c", forks])
+    started, uid = (int(x) for x in got.output.split())
+    assert got.status == "ok" and started < box.limits.processes, got.output
+    if os.geteuid() == 0:
+        assert uid == 65534  # a root learner's sandbox runs as nobody
+    t0 = time.monotonic()
+    stuck = box.run([box.python, "-I", "-S", "-c", "import time; time.sleep(60)"], stdin=b"x" * (4 << 20))
+    assert stuck.status == "timeout" and time.monotonic() - t0 < box.limits.wall_s + 2.0

@@ -140,6 +140,7 @@ class Sandbox:
     ) -> None:
         self.limits = limits
         self.keep_bytes = keep_bytes
+        self.python, self.binds = interpreter(python)
         found = bwrap or shutil.which("bwrap")
         if found is None:
             raise SandboxUnavailable(
@@ -153,7 +154,6 @@ class Sandbox:
             raise SandboxUnavailable(
                 "the sandbox needs util-linux's prlimit in /usr/bin (apt-get install util-linux)"
             )
-        self.python, self.binds = interpreter(python)
 
     def argv(self, args: list[str]) -> list[str]:
         """The ``bwrap`` command line that runs ``args`` (the sandbox's own program) under these limits."""

@@ -64,7 +64,7 @@ def _prompts(task: Any) -> list[Any]:
 
 
 def study_capacity(n: int) -> dict[str, Any]:
-    from echo2.tasks.verify import Verifier
+    from echo2.tasks.verify import grade_all
 
     out: dict[str, Any] = {"programs": n, "threads": {}}
     for threads in (1, 2):
@@ -76,10 +76,8 @@ def study_capacity(n: int) -> dict[str, Any]:
             ref = task.reference(p)
             jobs.append((p, ref if i % 2 == 0 else ref.replace("return ", "return 1 + ")))
         task.grade(*jobs[0])  # the sandbox's probe and first start
-        grader = Verifier.__new__(Verifier)  # the verifier's grading step alone (no tokenizer needed)
-        grader.task = task
         t0 = time.perf_counter()
-        grades = grader._grade_all(jobs)
+        grades = grade_all(task, jobs)  # the verifier's grading step alone
         wall = time.perf_counter() - t0
         right = sum(g.reward == (i % 2 == 0) for i, g in enumerate(grades))
         out["threads"][threads] = {"seconds": wall, "per_s": n / wall, "per_s_per_core": n / wall / threads,
@@ -129,7 +127,7 @@ def _nobody_processes() -> int:
 
 
 def study_hostile(window_s: float) -> dict[str, Any]:
-    from echo2.tasks.verify import Verifier
+    from echo2.tasks.verify import grade_all
 
     task = _task()
     prompts = _prompts(task)
@@ -149,8 +147,6 @@ def study_hostile(window_s: float) -> dict[str, Any]:
         print(
             f"hostile {name}: reward {grade.reward}, {outcome}, {outcomes[name]['seconds']:.2f} s", flush=True
         )
-    grader = Verifier.__new__(Verifier)
-    grader.task = task
     batches = {
         "clean": [(p, task.reference(p)) for p in prompts[:64]],
         "hostile": [(prompts[i % len(prompts)], code) for i, code in enumerate(list(hostile.values()) * 8)],
@@ -165,7 +161,7 @@ def study_hostile(window_s: float) -> dict[str, Any]:
 
         def grade_forever() -> None:
             while not stop.is_set():
-                graded[0] += len(grader._grade_all(batches[kind]))
+                graded[0] += len(grade_all(task, batches[kind]))
 
         thread = threading.Thread(target=grade_forever, daemon=True)
         thread.start()

@@ -98,10 +98,6 @@ class Outcome:
     wall_s: float
     output: bytes  # the last ``keep_bytes`` of stdout and stderr together
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
 
 class SandboxUnavailable(ConfigError):
     """bubblewrap is missing or cannot make its namespaces here."""

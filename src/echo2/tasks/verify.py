@@ -64,6 +64,16 @@ REWARD_TOLERANCE = 1e-6  # a claimed reward this close to the recomputed one is 
 EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch", "turn_mask"})
 
 
+def grade_all(task: Adapter, todo: list[tuple[Prompt, str]]) -> list[Grade]:
+    """``task``'s grade of every ``(prompt, completion)``, in order: on ``grade_threads`` threads at once
+    for a task that declares them (code: each grade a sandboxed process), else one by one."""
+    threads = min(len(todo), getattr(task, "grade_threads", 1))
+    if threads <= 1:
+        return [task.grade(p, text) for p, text in todo]
+    with ThreadPoolExecutor(threads, thread_name_prefix="echo2-grade") as pool:
+        return list(pool.map(lambda job: task.grade(*job), todo))
+
+
 class Verifier:
     """The checks every submission gets (cheap: a tokenizer and the task's grader)."""
 
@@ -109,7 +119,7 @@ class Verifier:
                 want = self._prompt_tokens(prompt)
                 for j, t in enumerate(group):
                     todo.append((prompt, self._completion_text(prompt, want, t, f"groups[{i}].samples[{j}]")))
-        grades = iter(self._grade_all(todo))
+        grades = iter(grade_all(self.task, todo))
         groups = []
         for group in sub.groups:
             if not group or group[0].prompt_id not in by_id:
@@ -122,15 +132,6 @@ class Verifier:
                 graded.append(dataclasses.replace(t, reward=grade.reward, meta=meta, turn_mask=()))
             groups.append(tuple(graded))
         return tuple(groups)
-
-    def _grade_all(self, todo: list[tuple[Prompt, str]]) -> list[Grade]:
-        """The task's grade of every ``(prompt, completion)``, in order: on ``grade_threads`` threads at
-        once for a task that declares them (code: each grade a sandboxed process), else one by one."""
-        threads = min(len(todo), getattr(self.task, "grade_threads", 1))
-        if threads <= 1:
-            return [self.task.grade(p, text) for p, text in todo]
-        with ThreadPoolExecutor(threads, thread_name_prefix="echo2-grade") as pool:
-            return list(pool.map(lambda job: self.task.grade(*job), todo))
 
     def _completion_text(self, prompt: Prompt, want: tuple[int, ...], t: Trajectory, where: str) -> str:
         """The completion's text, once its shape is what a lease of ``prompt`` asked for."""

@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, runtime_checkable
 
@@ -132,10 +134,33 @@ R = TypeVar("R")
 
 
 class FileSplitsAccess:
-    """The split verbs of a task whose splits come from a file (``splits()``, read on first use)."""
+    """The split verbs of a task whose splits come from a dataset file, read on first use (a worker
+    grades nothing and leases its prompts, so it never reads one): a subclass says how in
+    ``_read_splits`` and names its bundled sample in ``SAMPLE``."""
+
+    SAMPLE = ""  # the file under ``data/tasks/samples`` read when ``train_path`` is unset
+
+    def __init__(self) -> None:
+        self._splits: dict[Split, list[Prompt]] | None = None
+        self._splits_lock = threading.Lock()
 
     def splits(self) -> dict[Split, list[Prompt]]:
+        """The train / validation / test prompts, read on first use (any thread)."""
+        with self._splits_lock:
+            if self._splits is None:
+                self._splits = self._read_splits()
+            return self._splits
+
+    def _read_splits(self) -> dict[Split, list[Prompt]]:
         raise NotImplementedError
+
+    def dataset_files(self, train_path: str | None, eval_path: str | None) -> tuple[Path, Path | None]:
+        """The train file (the bundled sample when ``train_path`` is unset) and the test file, if any."""
+        if train_path is None:
+            train = Path(str(resources.files("echo2.data.tasks") / "samples" / self.SAMPLE))
+        else:
+            train = Path(train_path)
+        return train, None if eval_path is None else Path(eval_path)
 
     def train_prompts(self) -> list[Prompt]:
         return self.splits()["train"]

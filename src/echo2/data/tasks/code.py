@@ -45,7 +45,6 @@ import textwrap
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +57,6 @@ from echo2.types import Prompt
 if TYPE_CHECKING:
     from echo2.config import CodeTaskConfig
 
-SAMPLE_FILE = "code_sample.jsonl"
 OUTCOMES = ("passed", "failed", "exited_early", "no_code", "timeout", "cpu", "memory", "output", "killed")
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
 
@@ -105,32 +103,22 @@ def _text(obj: dict[str, Any], field: str, where: str, *, required: bool = True)
 
 class CodeTask(FileSplitsAccess):
     name = "code"
+    SAMPLE = "code_sample.jsonl"
 
     def __init__(self, cfg: CodeTaskConfig, seed: int = 0, *, sandbox: Sandbox | None = None) -> None:
         self.cfg = cfg
         self.grade_threads = cfg.grade_threads or os.cpu_count() or 1  # gradings a verifier runs at once
         self._sandbox = sandbox
         self._sandbox_lock = threading.Lock()
-        self._splits: dict[Split, list[Prompt]] | None = None
-        self._splits_lock = threading.Lock()
         self._refs: dict[str, str] = {}  # prompt id -> reference solution (the warm start's)
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
+        super().__init__()
 
     # ---- data ---------------------------------------------------------------------------------------
-    def splits(self) -> dict[Split, list[Prompt]]:
-        with self._splits_lock:
-            if self._splits is None:
-                self._splits = self._read_splits()
-            return self._splits
-
     def _read_splits(self) -> dict[Split, list[Prompt]]:
         cfg = self.cfg
-        if cfg.train_path is None:
-            train_file = Path(str(resources.files("echo2.data.tasks") / "samples" / SAMPLE_FILE))
-        else:
-            train_file = Path(cfg.train_path)
-        eval_file = None if cfg.eval_path is None else Path(cfg.eval_path)
+        train_file, eval_file = self.dataset_files(cfg.train_path, cfg.eval_path)
         train = self._prompts(train_file)
         test = None if eval_file is None else self._prompts(eval_file)
         return file_splits(

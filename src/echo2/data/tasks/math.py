@@ -49,7 +49,6 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -63,7 +62,6 @@ if TYPE_CHECKING:  # the grading process imports this module: it stays light (no
 
 log = logging.getLogger(__name__)
 
-SAMPLE_FILE = "math_sample.jsonl"
 GRADE_TIMEOUT_S = 5.0  # default wall-clock limit of one grading (parse + verify) in the grading process
 GRADER_START_TIMEOUT_S = 120.0  # limit on a fresh grading process's start (imports sympy and math-verify)
 GoldRule = Literal["auto", "gsm8k", "boxed", "whole"]
@@ -330,33 +328,20 @@ class MathGrader:
 
 class MathTask(FileSplitsAccess):
     name = "math"
+    SAMPLE = "math_sample.jsonl"
 
     def __init__(self, cfg: MathTaskConfig, seed: int = 0, *, grader: MathGrader | None = None) -> None:
         self.cfg = cfg
         self.grader = grader or MathGrader()  # its process starts on the first grade
         self._bad_gold: set[str] = set()  # prompt ids whose gold answer math-verify cannot parse
         self._gold_lock = threading.Lock()  # grade runs in several threads; each bad gold is logged once
-        self._splits: dict[Split, list[Prompt]] | None = None  # read on first use (a worker never does)
-        self._splits_lock = threading.Lock()
-
-    def splits(self) -> dict[Split, list[Prompt]]:
-        """The train / validation / test prompts, read from the files on first use: grading needs only
-        the prompt (its answer travels with it), so a worker that only grades leased prompts needs no
-        dataset file."""
-        with self._splits_lock:
-            if self._splits is None:
-                self._splits = self._read_splits()
-            return self._splits
+        super().__init__()
 
     def _read_splits(self) -> dict[Split, list[Prompt]]:
         cfg = self.cfg
-        if cfg.train_path is None:
-            train_file = Path(str(resources.files("echo2.data.tasks") / "samples" / SAMPLE_FILE))
-        else:
-            train_file = Path(cfg.train_path)
+        train_file, eval_file = self.dataset_files(cfg.train_path, cfg.eval_path)
         fields = Fields(cfg.question_field, cfg.answer_field, cfg.system_field)
         records = read_records(train_file, fields)
-        eval_file = None if cfg.eval_path is None else Path(cfg.eval_path)
         test = None if eval_file is None else read_records(eval_file, fields)
         by_record = file_splits(
             records, test, lambda r: normalise_question(r.question), "math",

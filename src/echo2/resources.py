@@ -39,8 +39,8 @@ def descriptor_limits() -> tuple[int, int]:
 
 def raise_descriptor_limit(need: int | None = None) -> int:
     """Raise the soft descriptor limit to the hard one (an unlimited hard limit: to ``need``, at least
-    the soft one); returns the soft limit now in force. ``need`` (descriptors the caller's caps may use)
-    is compared with it and a shortfall logged as one line naming the fix."""
+    the soft one); returns the soft limit now in force. Whether that is enough is the caller's to say
+    (the learner: ``runtime.learner._perimeter_limits``)."""
     soft, hard = descriptor_limits()
     try:
         import resource
@@ -51,13 +51,6 @@ def raise_descriptor_limit(need: int | None = None) -> int:
             soft = target
     except (ImportError, ValueError, OSError) as exc:  # a container may refuse; keep what there is
         log.info("descriptor limit stays at %d (%s)", soft, exc)
-    if need is not None and need > soft:
-        log.warning(
-            "the connection caps may use %d descriptors but this process may open %d: they are cut to "
-            "fit (raise the hard limit, e.g. `ulimit -Hn 65536` or LimitNOFILE= in a systemd unit)",
-            need,
-            soft,
-        )
     return soft
 
 

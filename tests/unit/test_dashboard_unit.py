@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from importlib import resources
@@ -77,6 +78,7 @@ def _serve(tmp_path, body, view_token: str | None = None) -> Any:  # type: ignor
                 assert resp.status == 200, await resp.text()
                 creds.append((await resp.json())["credential"])
             registry.relay_conduct(next(iter(registry)).worker_id, True)  # the publisher demoted one
+            registry.mismatch(next(iter(registry)).worker_id, 0.0125)  # an update read its mismatch KL
             hb = {"rollouts": 5, "busy_s": 1.0, "installed_version": 0}
             resp = await api.post("/v1/heartbeat", json=hb, headers={"Authorization": f"Bearer {creds[0]}"})
             assert resp.status == 200, await resp.text()
@@ -114,7 +116,7 @@ def test_page_is_self_contained_and_reads_only_keys_the_state_has(tmp_path):
     assert series_read and series_read <= set(st["series"]) == set(SERIES)
     assert st["series"]["step"] == [1, 2] and st["series"]["reward/accuracy"] == [None, 0.5]
     columns = set(re.findall(r'^\s*\["(\w+)", "(?:num|mono|)"', html, re.M))
-    assert len(columns) == 11 and all(columns | {"reason"} <= set(w) for w in st["pool"]["workers"])
+    assert len(columns) == 12 and all(columns | {"reason"} <= set(w) for w in st["pool"]["workers"])
     assert st["learner"]["steps"] == 2 and st["pool"]["active"] == 2
     assert "esc(" in html and "textContent" in html  # worker strings are escaped, never raw innerHTML
 
@@ -134,7 +136,8 @@ def test_metrics_parse_and_agree_with_the_state(tmp_path):
                         ("echo2_worker_install_seconds", "install_s"),
                         ("echo2_worker_rollouts_admitted", "rollouts"),
                         ("echo2_worker_rollouts_per_second", "mu"),
-                        ("echo2_worker_relay_demoted", "relay_demoted")):  # fmt: skip
+                        ("echo2_worker_relay_demoted", "relay_demoted"),
+                        ("echo2_worker_mismatch_kl", "mismatch_kl")):  # fmt: skip
         for s in fams[name].samples:
             row = per_worker.setdefault(
                 s.labels["worker"], {"name": s.labels["name"], "hardware": s.labels["hardware"]}
@@ -152,6 +155,10 @@ def test_metrics_parse_and_agree_with_the_state(tmp_path):
         assert m["mu"] == w["mu"] and m["relay_demoted"] == float(w["relay_demoted"])
     assert sorted(w["installed_version"] for w in workers.values()) == [-1, 0]
     assert sorted(w["relay_demoted"] for w in workers.values()) == [False, True]  # the demotion shows
+    for wid, m in per_worker.items():  # NaN on /metrics, null in the table, before an update read it
+        kl = workers[wid]["mismatch_kl"]
+        assert (math.isnan(m["mismatch_kl"]) and kl is None) or m["mismatch_kl"] == kl == 0.0125
+    assert sorted(str(w["mismatch_kl"]) for w in workers.values()) == ["0.0125", "None"]
     assert HOSTILE in {w["name"] for w in workers.values()}
     assert fams["echo2_pool_active_workers"].samples[0].value == st["pool"]["active"]
     assert fams["echo2_learner_version"].samples[0].value == st["learner"]["version"] == 2

@@ -365,6 +365,8 @@ def test_the_mismatch_kl_and_the_entropy_read_fresh_tokens_only():
     _, stats = grpo.grpo_loss(prox, prox, sampler, torch.zeros(2), torch.ones(2, 1), clip_eps=0.2,
                               is_cap=2.0, fresh_B=torch.tensor([True, False]))  # fmt: skip
     assert stats.mismatch_kl == pytest.approx(2 - 1 - math.log(2.0), abs=1e-6) and stats.fresh_tokens == 1
+    ((row, k3, n),) = stats.seq_mismatch  # per fresh sequence (read per worker by the trainer)
+    assert (row, n) == (0, 1.0) and k3 == pytest.approx(2 - 1 - math.log(2.0), abs=1e-6)
     _, none = grpo.grpo_loss(prox, prox, sampler, torch.zeros(2), torch.ones(2, 1), clip_eps=0.2, is_cap=2.0)
     assert math.isnan(none.mismatch_kl)
 

@@ -168,7 +168,9 @@ def _train(policy_factory, grpo: GRPOConfig, learner: LearnerConfig, steps: int 
 def test_a_micro_batched_update_is_the_unbatched_update(grpo, tiny_policy_factory):
     """The loss and the accumulated gradient of a minibatch at a budget of about 2 rows per micro-batch
     equal the unbatched ones within 1e-6 relative (fp32; the gradient as a whole vector), and three
-    updates give the same weights (each tensor within 1e-6 of its norm) and statistics."""
+    updates give the same weights (each tensor within 1e-5 of its norm: GSPO's after three steps differ by
+    2e-6 on some CPUs, fp32 sums in another order) and statistics. A wrong normalisation is off by a
+    factor, not 1e-5."""
     policy = tiny_policy_factory()
     trajs = _trajectories(policy)
     rows = list(range(len(trajs)))
@@ -201,7 +203,7 @@ def test_a_micro_batched_update_is_the_unbatched_update(grpo, tiny_policy_factor
     whole, s_whole = _train(tiny_policy_factory, grpo, LearnerConfig(micro_batch_tokens=1 << 20))
     small, s_small = _train(tiny_policy_factory, grpo, LearnerConfig(micro_batch_tokens=40, logprob_chunk=5))
     for a, b in zip(whole, small, strict=True):
-        assert float((b - a).norm()) <= 1e-6 * float(a.norm())
+        assert float((b - a).norm()) <= 1e-5 * float(a.norm())
     for x, y in zip(s_whole, s_small, strict=True):
         assert y.loss == pytest.approx(x.loss, rel=1e-5, abs=1e-7)
         assert y.clipfrac == pytest.approx(x.clipfrac, abs=1e-6)

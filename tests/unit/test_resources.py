@@ -55,6 +55,26 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one() -> None:
     assert soft == now_soft and (now_soft == hard or hard == -1)
 
 
+@pytest.mark.parametrize(
+    ("hard", "workers", "level"), [(20000, 64, "INFO"), (1024, 64, "INFO"), (1024, 1000, "WARNING")]
+)
+def test_a_cut_connection_cap_warns_only_where_the_fleet_may_not_fit(
+    monkeypatch: Any, caplog: Any, hard: int, workers: int, level: str
+) -> None:
+    """The default caps (16,384 a port) need more descriptors than most hard limits: the cut is logged,
+    and at WARNING only when a port may hold fewer than two connections for each of the token's workers."""
+    from echo2.config import load_config
+    from echo2.runtime import learner
+
+    monkeypatch.setattr(learner, "raise_descriptor_limit", lambda need: hard)
+    cfg = load_config(overrides=[f"security.max_workers={workers}"])
+    with caplog.at_level("INFO", logger=learner.log.name):
+        limits = learner._perimeter_limits(cfg)
+    cut = [r for r in caplog.records if "connection caps" in r.getMessage()]
+    assert limits.max_connections < cfg.security.perimeter.max_connections
+    assert [r.levelname for r in cut] == [level], caplog.text
+
+
 def test_a_publication_that_cannot_be_spilled_is_served_from_memory(tmp_path: Path, monkeypatch: Any) -> None:
     chain = PublishedChain(SnapshotConfig(), tmp_path, 1, "")
 

@@ -232,6 +232,8 @@ def test_issue_submit_take_roundtrip(store):
     assert (res.admitted, res.dropped_stale) == (2 * G, 0)
     batch = store.take_batch(2, learner_version=1, step=1)
     assert batch == list(sub.groups)
+    gids = [g[0].group_id for g in batch]  # whose lease each answered, by the store's record
+    assert store.workers_of([*gids, "unknown"]) == dict.fromkeys(gids, "w1") and store.workers_of([]) == {}
     assert store.take_batch(1, learner_version=1, step=2) is None
     st = store.stats()
     assert (st.admitted, st.size, st.leases_open) == (2 * G, 0, 0)

@@ -1,10 +1,13 @@
+import dataclasses
+import math
+
 import pytest
 import torch
 
-from echo2.config import GRPOConfig, SamplingConfig
+from echo2.config import GRPOConfig, LearnerConfig, SamplingConfig
 from echo2.errors import TrainingDivergedError
 from echo2.learner.logprobs import completion_logprobs, pack
-from echo2.learner.trainer import GRPOTrainer
+from echo2.learner.trainer import GRPOTrainer, mismatch_by
 from echo2.types import Trajectory
 
 
@@ -178,6 +181,30 @@ def test_every_preset_trains_and_reports_the_menus_metrics(tiny_policy, algorith
     assert m["learner/mismatch_kl"] == pytest.approx(0.005171, abs=1e-4)
     assert m["learner/clipfrac"] == pytest.approx(m["learner/clipfrac_low"] + m["learner/clipfrac_high"])
     assert trainer.version == 1
+
+
+def test_the_mismatch_kl_is_read_per_worker_across_minibatches_and_micro_batches(tiny_policy):
+    """Each worker's fresh sequences give its own k3 (the pool table's column): worker a's group g0 has its
+    tokens 0.1 nats off (k3 = e^0.1 - 1.1 = 0.005171), worker b's g2 0.3 (e^0.3 - 1.3 = 0.049859), in the
+    second minibatch and split over micro-batches of two rows; a stale row (another version) is not read,
+    nor a group no worker is known for."""
+    cfg = GRPOConfig(num_minibatches=2, clip_anchor="proximal", lr=1e-3)
+    trainer = GRPOTrainer(
+        tiny_policy.model, cfg, SAMPLING, tiny_policy.pad_id, learner=LearnerConfig(micro_batch_tokens=16)
+    )
+    b = pack(_batch(tiny_policy, [0.0] * 16), [[1.0, 1.0]] * 16, tiny_policy.pad_id)
+    with torch.no_grad():
+        learner = completion_logprobs(tiny_policy.model, b, 1.0)
+    off = [0.1] * 4 + [0.2] * 4 + [0.3] * 4 + [0.2] * 4
+    logp = [tuple((lp - d).tolist()) for lp, d in zip(learner, off, strict=True)]
+    trajs = _batch(tiny_policy, [1, 0, 0, 1] * 4, logp=logp)
+    trajs[3] = dataclasses.replace(trajs[3], policy_version=-1)  # stale: no fresh tokens
+    by_group = trainer.update(trajs).mismatch_by_group
+    assert set(by_group) == {"g0", "g1", "g2", "g3"} and by_group["g0"][1] == 3 * 2  # 3 fresh rows, 2 tokens
+    by_worker = mismatch_by({"g0": "a", "g2": "b"}.get, by_group)
+    assert set(by_worker) == {"a", "b"}
+    assert by_worker["a"] == pytest.approx(math.exp(0.1) - 1.1, abs=1e-4)
+    assert by_worker["b"] == pytest.approx(math.exp(0.3) - 1.3, abs=1e-4)
 
 
 def test_overlong_handling_masks_cut_completions_or_penalises_long_ones_dapo_eq_13(tiny_policy):

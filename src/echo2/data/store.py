@@ -312,6 +312,19 @@ class TrajectoryStore:
         log.warning("purged %d groups whose loss or gradient was not finite", len(rows))
         return sorted({str(r[1]) for r in rows})
 
+    def workers_of(self, group_ids: Sequence[str]) -> dict[str, str]:
+        """The worker each of ``group_ids`` answered a lease of (the store's record, never a submission's
+        claim); groups it does not know are left out."""
+        if not group_ids:
+            return {}
+        marks = ",".join("?" * len(group_ids))
+        rows = self._db.execute(
+            f"SELECT g.group_id, l.worker_id FROM rollout_groups g JOIN leases l USING (lease_id) "
+            f"WHERE g.group_id IN ({marks})",
+            list(group_ids),
+        ).fetchall()
+        return {str(g): str(w) for g, w in rows}
+
     def open_leases(self, worker_id: str) -> int:
         """Leases issued to ``worker_id`` that are still ``open`` (neither submitted nor expired)."""
         (n,) = self._db.execute(

@@ -222,6 +222,9 @@ class LossStats:
     mismatch_kl: float = math.nan  # k3 KL(sampler || learner) over fresh tokens (nan: none)
     fresh_tokens: float = 0.0  # valid tokens of sequences sampled at the learner's version
     entropy: float = math.nan  # mean -logp_prox over fresh tokens: a Monte-Carlo estimate of the entropy
+    # per fresh sequence with valid tokens: (its row in these rows, its k3 sum, its fresh tokens), so the
+    # mismatch KL can be read per worker (``trainer.UpdateStats.mismatch_by_worker``)
+    seq_mismatch: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -370,13 +373,19 @@ def _stats(
 
         capped_BT = w_BT >= obj.is_cap if obj.is_mode == "truncate" else w_BT == 0
         mismatch, fresh, entropy = math.nan, 0.0, math.nan
+        per_seq: tuple[tuple[int, float, float], ...] = ()
         if fresh_B is not None:
             fresh_BT = mask_BT * fresh_B[:, None].to(mask_BT.dtype)
             fresh = float(fresh_BT.sum())
             if fresh > 0:
                 log_r_BT = (logp_prox_BT - logp_sampler_BT).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-                mismatch = float(((torch.exp(log_r_BT) - 1.0 - log_r_BT) * fresh_BT).sum() / fresh)
+                k3_B = ((torch.exp(log_r_BT) - 1.0 - log_r_BT) * fresh_BT).sum(dim=1)
+                n_B = fresh_BT.sum(dim=1)
+                mismatch = float(k3_B.sum() / fresh)
                 entropy = float(-(logp_prox_BT * fresh_BT).sum() / fresh)
+                per_seq = tuple(
+                    (r, float(k3_B[r]), float(n_B[r])) for r in torch.nonzero(n_B).flatten().tolist()
+                )
         return LossStats(
             pg_loss=float(pg),
             kl=float(kl),
@@ -389,6 +398,7 @@ def _stats(
             mismatch_kl=mismatch,
             fresh_tokens=fresh,
             entropy=entropy,
+            seq_mismatch=per_seq,
         )
 
 

@@ -24,7 +24,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ class UpdateStats:
     mismatch_kl: float = math.nan  # k3 KL(sampler || learner) on tokens sampled at the learner's version
     zero_variance_share: float = 0.0  # groups whose rewards are all equal (no signal), of the batch
     entropy: float = math.nan  # the policy's per-token entropy, estimated on its own fresh samples
+    # per group with fresh sequences: (their k3 sum, their fresh tokens), read per worker by the node
+    mismatch_by_group: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """The ``learner/`` metrics of SPEC §7 this update produced."""
@@ -306,6 +308,7 @@ class GRPOTrainer:
             mismatch_kl=_mean([s.mismatch_kl for s in fresh]) if fresh else math.nan,
             entropy=_mean([s.entropy for s in fresh]) if fresh else math.nan,
             zero_variance_share=float(flat_P.float().mean()),
+            mismatch_by_group=_by_group(trajectories, [q for s in seen for q in s.seq_mismatch]),
         )
 
     def _frozen_logprobs(self, batch: PackedBatch) -> torch.Tensor:
@@ -371,8 +374,9 @@ class GRPOTrainer:
                 return value, _combine(parts), math.nan
             loss.backward()
             loss_sum += value
-            if mine:
-                parts.append((stats, float(mb.mask_BT.sum())))
+            if mine:  # its sequences' rows, as rows of the batch
+                seqs = tuple((mine[r], k3, n) for r, k3, n in stats.seq_mismatch)
+                parts.append((dataclasses.replace(stats, seq_mismatch=seqs), float(mb.mask_BT.sum())))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -427,13 +431,13 @@ def _combine(parts: Sequence[tuple[grpo.LossStats, float]]) -> grpo.LossStats:
     n = sum(w for _, w in parts) or 1.0
     fresh = sum(s.fresh_tokens for s, _ in parts)
 
-    def mean(field: str) -> float:
-        return sum(getattr(s, field) * w for s, w in parts) / n
+    def mean(name: str) -> float:
+        return sum(getattr(s, name) * w for s, w in parts) / n
 
-    def fresh_mean(field: str) -> float:  # over the fresh tokens (nan when there are none)
+    def fresh_mean(name: str) -> float:  # over the fresh tokens (nan when there are none)
         if not fresh:
             return math.nan
-        return sum(getattr(s, field) * s.fresh_tokens for s, _ in parts if s.fresh_tokens) / fresh
+        return sum(getattr(s, name) * s.fresh_tokens for s, _ in parts if s.fresh_tokens) / fresh
 
     return grpo.LossStats(
         pg_loss=sum(s.pg_loss for s, _ in parts),
@@ -447,7 +451,34 @@ def _combine(parts: Sequence[tuple[grpo.LossStats, float]]) -> grpo.LossStats:
         mismatch_kl=fresh_mean("mismatch_kl"),
         entropy=fresh_mean("entropy"),
         fresh_tokens=fresh,
+        seq_mismatch=tuple(seq for s, _ in parts for seq in s.seq_mismatch),
     )
+
+
+def _by_group(
+    trajectories: Sequence[Trajectory], seqs: Sequence[tuple[int, float, float]]
+) -> dict[str, tuple[float, float]]:
+    """The fresh sequences ``seqs`` (row, k3 sum, tokens) summed per group of ``trajectories``."""
+    sums: dict[str, tuple[float, float]] = {}
+    for row, k3, n in seqs:
+        gid = trajectories[row].group_id
+        k3_sum, tokens = sums.get(gid, (0.0, 0.0))
+        sums[gid] = (k3_sum + k3, tokens + n)
+    return sums
+
+
+def mismatch_by(
+    key_of: Callable[[str], str | None], by_group: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """The mismatch KL per key (a worker) of groups ``by_group`` (``UpdateStats.mismatch_by_group``):
+    each key's k3 sum over its fresh tokens; groups ``key_of`` gives None are left out."""
+    sums: dict[str, tuple[float, float]] = {}
+    for gid, (k3, n) in by_group.items():
+        key = key_of(gid)
+        if key is not None:
+            k3_sum, tokens = sums.get(key, (0.0, 0.0))
+            sums[key] = (k3_sum + k3, tokens + n)
+    return {key: k3 / n for key, (k3, n) in sums.items() if n > 0}
 
 
 def _mean(xs: list[float]) -> float:

@@ -811,6 +811,16 @@ LIVE: tuple[Live, ...] = (
         ),
     ),
     Live(
+        "pool.workers[].mismatch_kl",
+        "nats",
+        _gauge(
+            "echo2_worker_mismatch_kl",
+            "k3 KL(the worker's sampler || the learner) over its fresh sequences in the latest update with "
+            "any (NaN before)",
+            _WORKER,
+        ),
+    ),
+    Live(
         "pool.workers[].mu",
         "rollouts/s",
         _gauge("echo2_worker_rollouts_per_second", "measured mu_i", _WORKER),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any, Protocol
@@ -188,7 +189,10 @@ def _pool_metrics(st: dict[str, Any]) -> Iterator[Any]:
     for w in pool["workers"]:
         values = {**w, "active": 1.0 if w["state"] == "active" else 0.0}
         for key, fam in families.items():
-            fam.add_metric([w["worker_id"], w["name"], w["hardware"]], float(values[key]))
+            value = values[key]
+            fam.add_metric(
+                [w["worker_id"], w["name"], w["hardware"]], math.nan if value is None else float(value)
+            )
     yield from families.values()
 
 

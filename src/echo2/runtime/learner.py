@@ -392,6 +392,15 @@ class NodeFeed:
                 self.store.record_rejection(why.reason)
                 self.parts.intake.quarantine(rec, why)
 
+    def mismatch(self, by_group: dict[str, tuple[float, float]]) -> None:
+        """The mismatch KL of each worker that sent fresh groups (the store says whose lease each
+        answered), kept on its record: the pool table's and ``/metrics``' per-worker column."""
+        from echo2.learner.trainer import mismatch_by
+
+        workers = self.store.workers_of(list(by_group))
+        for worker_id, kl in mismatch_by(workers.get, by_group).items():
+            self.parts.registry.mismatch(worker_id, kl)
+
     async def after_update(self, version: int, t_trains: Sequence[float], meter: BubbleMeter) -> None:
         """Publish every kappa versions; the pool's target from the measured T_train (after the warm-up
         steps, then every RETARGET_EVERY)."""
@@ -442,8 +451,24 @@ def _perimeter_limits(cfg: Config) -> Any:
     from echo2.perimeter import port_limits
 
     per = cfg.security.perimeter
-    soft = raise_descriptor_limit(2 * per.max_connections + RESERVED_FDS)
+    need = 2 * per.max_connections + RESERVED_FDS
+    soft = raise_descriptor_limit(need)
     limits = port_limits(per, soft)
+    if limits.max_connections < per.max_connections:
+        # a cut is news only where the token's fleet may not fit: two connections a member on a port
+        members = 2 * cfg.security.max_workers
+        log.log(
+            logging.WARNING if limits.max_connections < members else logging.INFO,
+            "the connection caps may use %d descriptors but this process may open %d: each port's cap is "
+            "cut to %d (%s %d for the token's %d workers; raise the hard limit, e.g. `ulimit -Hn 65536` "
+            "or LimitNOFILE= in a systemd unit)",
+            need,
+            soft,
+            limits.max_connections,
+            "below the" if limits.max_connections < members else "above the",
+            members,
+            cfg.security.max_workers,
+        )
     log.info(
         "descriptor limit %d: each port holds at most %d connections (%d per address, %d before "
         "authentication)",

@@ -118,6 +118,9 @@ class LocalFeed:
         last good weights saved), so there is no sender to blame but the run itself."""
         self.store.purge_groups(group_ids)
 
+    def mismatch(self, by_group: dict[str, tuple[float, float]]) -> None:
+        pass  # one process samples and trains: no workers to tell apart
+
     async def after_update(self, version: int, t_trains: Sequence[float], meter: BubbleMeter) -> None:
         pass  # nothing to publish: the next generation runs on the trainer's weights
 

@@ -73,6 +73,10 @@ class Feed(Protocol):
         """Groups an update left out (non-finite loss or gradient): purge them for good and deal with
         their senders."""
 
+    def mismatch(self, by_group: dict[str, tuple[float, float]]) -> None:
+        """An update's fresh sequences per group, (k3 sum, tokens) (``UpdateStats.mismatch_by_group``):
+        the node reads the mismatch KL per worker from them (the pool table)."""
+
     async def after_update(self, version: int, t_trains: Sequence[float], meter: BubbleMeter) -> None:
         """What a new version triggers (publication, the pool's target), timed by ``meter``'s causes."""
 
@@ -201,6 +205,7 @@ class LearnerLoop:
                 return None
         if stats.excluded:
             self.feed.poisoned(stats.excluded)
+        self.feed.mismatch(stats.mismatch_by_group)
         self.steps += 1
         self.staleness_max = max(self.staleness_max, delta)
         self.t_trains.append(stats.t_train_s)

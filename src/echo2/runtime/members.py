@@ -55,7 +55,7 @@ DEFAULT_SLOT_IDLE_S = 600.0  # = security.slot_idle_s's default (the learner pas
 REGISTRY_FILE = "workers.json"
 # a record's fields that live with this learner process only (and a record read back without them)
 _NOT_PERSISTED = frozenset(
-    {"last_seen_s", "install_s", "checks_waiting", "relay_demoted", "standing", "rate_window"}
+    {"last_seen_s", "install_s", "checks_waiting", "relay_demoted", "standing", "rate_window", "mismatch_kl"}
 )
 
 
@@ -77,6 +77,8 @@ class WorkerRecord:
     checks_waiting: int = 0  # of its submissions, those drawn and waiting for the check (not persisted)
     relay_demoted: bool = False  # the broadcast publisher no longer plans it as a relay (not persisted:
     #                              a restarted learner's publisher starts every member relaying again)
+    mismatch_kl: float | None = None  # k3 KL(its sampler || the learner) over its fresh sequences in the
+    #                                   latest update that had any (None: none yet; not persisted)
     # its record with leases (standing.py: probation, strikes, the bench; the lease broker's view) and the
     # pool's window of its admitted rollouts (since, busy seconds, admitted then; the measured rate's):
     # neither persisted (a restarted learner starts every worker on probation, its rate from a new window)
@@ -240,6 +242,13 @@ class WorkerRegistry:
         rec = self._records.get(worker_id)
         if rec is not None:
             rec.relay_demoted = demoted
+
+    def mismatch(self, worker_id: str, kl: float) -> None:
+        """The mismatch KL an update read on ``worker_id``'s fresh sequences (``trainer._by_worker``),
+        kept on its record for the pool table and ``/metrics``."""
+        rec = self._records.get(worker_id)
+        if rec is not None:
+            rec.mismatch_kl = kl
 
     def _untrusted(self, worker_id: str) -> None:
         for watcher in self._watchers:

@@ -88,6 +88,7 @@ class NodeStatus:
                     "installed_version": rec.installed_version,
                     "install_s": rec.install_s,
                     "relay_demoted": rec.relay_demoted,
+                    "mismatch_kl": rec.mismatch_kl,
                     "rollouts": rec.rollouts,
                     "last_seen_s": round(now - rec.last_seen_s, 3),
                 }

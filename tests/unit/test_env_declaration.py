@@ -142,7 +142,7 @@ assert load_config(sys.argv[1]).task == coin.CoinTaskConfig(sides=4)  # `[task] 
 for bad, says in (
     (["task.name=coin", "task.sides=9"], "task.coin.sides: Input should be less than or equal to 6 (got 9)"),
     (["task.name=coin", "task.side=3"], "task.coin.side: Extra inputs are not permitted"),
-    (["task.name=dice"], "'arithmetic', 'math', 'code', 'poker', 'guess', 'coin'"),
+    (["task.name=dice"], "'arithmetic', 'math', 'code', 'verifiers', 'poker', 'guess', 'coin'"),
     (["task.name=coin", "grpo.loss_agg=seq-mean-token-sum-norm"], "needs a constant completion length"),
 ):
     try:

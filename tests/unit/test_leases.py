@@ -11,7 +11,7 @@ import pytest
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Submission
-from echo2.protocol import LeaseGrant, LeaseRefusal, LeaseRequest, RegisterRequest
+from echo2.protocol import HeartbeatRequest, LeaseGrant, LeaseRefusal, LeaseRequest, RegisterRequest
 from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.members import WorkerRegistry
 from echo2.runtime.pool import Pool
@@ -396,3 +396,33 @@ def test_the_pool_is_sized_against_what_the_check_can_re_run(tmp_path):
     measured[0] = (1000.0, 0.25)
     pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
     assert pool.controller.mu_target == pytest.approx(uncapped)
+
+
+def test_is_active_agrees_with_the_active_list_in_every_state(tmp_path):
+    """``Pool.is_active`` (constant time: every heartbeat and lease asks it) says what ``active_ids``
+    lists, for workers on probation, delivered, silent, timed out, quarantined and unknown, before and
+    after the pool has a target."""
+    cfg, _, _, pool, clock = _node(tmp_path)
+    registry = pool.registry
+    ids = [_register(registry, pool, f"w{i}") for i in range(6)]
+    for wid in ids[:4]:  # heard from now; w4 and w5 never
+        registry[wid].last_seen_s = clock()
+    for wid in ids[1:3]:  # w1 and w2 deliver: they leave probation for the controller
+        registry[wid].rollouts += 64
+        pool.observe(registry[wid], HeartbeatRequest(rollouts=64, busy_s=1.0, installed_version=10))
+
+    def agree() -> None:
+        listed = set(pool.active_ids())
+        assert {w for w in [*ids, "nobody"] if pool.is_active(w)} == listed
+
+    agree()
+    pool.retarget(t_train_s=1.0, t_bcast_s=0.1)
+    agree()
+    registry.revoke(ids[0], "test")
+    pool.quarantine(ids[0], "test")
+    agree()
+    clock.t += cfg.controller.heartbeat_timeout_s + 1  # everyone times out
+    agree()
+    registry[ids[1]].last_seen_s = clock()
+    pool.observe(registry[ids[1]], HeartbeatRequest(rollouts=0, busy_s=0.0, installed_version=10))
+    agree()

@@ -287,9 +287,16 @@ def test_math_numeric_answers_and_explicit_eval_file(tmp_path):
 
 
 def test_registry_builds_every_task():
-    from echo2.config import TASK_PRESETS, CodeTaskConfig, GuessTaskConfig, PokerTaskConfig
+    from echo2.config import (
+        TASK_PRESETS,
+        CodeTaskConfig,
+        GuessTaskConfig,
+        PokerTaskConfig,
+        VerifiersTaskConfig,
+    )
     from echo2.data.tasks.code import CodeTask
     from echo2.data.tasks.environment import EnvironmentTask
+    from echo2.data.tasks.verifiers_env import VerifiersTask
     from echo2.tasks.episodic import Episodic
     from echo2.tasks.registry import REGISTRY
     from echo2.tasks.single_turn import SingleTurn
@@ -298,6 +305,7 @@ def test_registry_builds_every_task():
         ArithmeticTaskConfig,
         MathTaskConfig,
         CodeTaskConfig,
+        VerifiersTaskConfig,
         PokerTaskConfig,
         GuessTaskConfig,
     }
@@ -310,6 +318,10 @@ def test_registry_builds_every_task():
     assert isinstance(math_task, SingleTurn) and isinstance(math_task.data, MathTask)
     code = build_task(CodeTaskConfig(), 0)
     assert isinstance(code, SingleTurn) and isinstance(code.data, CodeTask)
+    vf_task = build_task(
+        VerifiersTaskConfig(), 0
+    )  # builds without verifiers: the taskset is read on first use
+    assert isinstance(vf_task, SingleTurn) and isinstance(vf_task.data, VerifiersTask)
     assert arithmetic.score == math_task.score == code.score == "accuracy"
     for cfg in (PokerTaskConfig(), GuessTaskConfig()):
         task = build_task(cfg, 0)

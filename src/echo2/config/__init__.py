@@ -43,6 +43,7 @@ from echo2.config.model import (
     ModelConfig,
     PokerTaskConfig,
     TaskConfig,
+    VerifiersTaskConfig,
     WarmstartConfig,
 )
 from echo2.config.runtime import RuntimeConfig
@@ -93,6 +94,7 @@ __all__ = [
     "StalenessConfig",
     "TaskConfig",
     "TrainConfig",
+    "VerifiersTaskConfig",
     "WarmstartConfig",
     "apply_override",
     "load_config",

@@ -218,6 +218,54 @@ class CodeTaskConfig(_DatasetFields):
         return self
 
 
+class VerifiersTaskConfig(_SingleTurnFields):
+    """A verifiers (v1) taskset's single-turn tasks, every completion scored on the learner by the tasks'
+    own ``@reward`` functions (``data/tasks/verifiers_env.py``; the ``verifiers`` extra)."""
+
+    name: Literal["verifiers"] = "verifiers"
+    env: str = Field(
+        "echo2.data.tasks.verifiers_example:load_taskset",
+        min_length=1,
+        description="the taskset (default: a bundled sums taskset): 'package.module:name' or "
+        "'path/to/file.py:name', name a Taskset class, a Taskset, or a function returning one (an Env's "
+        "taskset is taken)",
+    )
+    env_args: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict,
+        description="keyword arguments of that function, or the fields of the Taskset class's config "
+        "(they travel to workers with the run's settings: no secret belongs here)",
+    )
+    limit: int = Field(
+        100_000, ge=1, description="tasks read from the taskset at most (an infinite one needs it)"
+    )
+    prompt_template: str = Field("{prompt}\n", description="format string with a {prompt} slot")
+    reference_field: str | None = Field(
+        "answer",
+        min_length=1,
+        description="the task data's field whose text the embedded model's warm start imitates (unset: none)",
+    )
+    eval_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="share of the tasks held out as the test split"
+    )
+    validation_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of the tasks held out as the validation split (warm start)"
+    )
+    grade_threads: int = Field(
+        4, ge=1, description="a submission's completions scored at once (each on its own event loop)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> VerifiersTaskConfig:
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError(f"prompt_template = {self.prompt_template!r} has no {{prompt}} slot")
+        if self.eval_fraction + self.validation_fraction >= 1.0:
+            raise ValueError(
+                f"eval_fraction + validation_fraction = {self.eval_fraction + self.validation_fraction:g} "
+                "must be < 1 to leave tasks to train on"
+            )
+        return self
+
+
 # The multi-turn environments are declared in their own modules (``envs/``: config model, spec,
 # preset) and listed once in ``envs/roster.ENVIRONMENTS``; the ``[task]`` union and the presets
 # below are derived from that list.
@@ -225,12 +273,15 @@ SINGLE_TURN_TASKS: tuple[type[_SingleTurnFields], ...] = (
     ArithmeticTaskConfig,
     MathTaskConfig,
     CodeTaskConfig,
+    VerifiersTaskConfig,
 )
 # every ``[task]`` variant, in the order pydantic lists them: the single-turn tasks, then the environments
 TASK_MODELS: tuple[type[BaseModel], ...] = (*SINGLE_TURN_TASKS, *(env.config for env in ENVIRONMENTS))
 
 if TYPE_CHECKING:  # the checker's view: a single-turn task or any declared environment
-    TaskConfig = ArithmeticTaskConfig | MathTaskConfig | CodeTaskConfig | EnvironmentFields
+    TaskConfig = (
+        ArithmeticTaskConfig | MathTaskConfig | CodeTaskConfig | VerifiersTaskConfig | EnvironmentFields
+    )
 else:  # pydantic's: one variant per model, picked by its ``name`` literal
     TaskConfig = Annotated[functools.reduce(operator.or_, TASK_MODELS), Field(discriminator="name")]
 
@@ -241,5 +292,6 @@ TASK_PRESETS: dict[str, list[str]] = {
     "arithmetic": ["task.name=arithmetic"],
     "math": ["task.name=math"],
     "code": ["task.name=code", "sampling.max_new_tokens=40"],
+    "verifiers": ["task.name=verifiers"],
     **{env.name: [f"task.name={env.name}", *env.preset] for env in ENVIRONMENTS},
 }

@@ -144,9 +144,9 @@ class PoolController:
         return set(self._workers)
 
     def is_alive(self, worker_id: str, now_s: float) -> bool:
-        """a_i(t): active and heard from within the heartbeat timeout."""
-        st = self._workers[worker_id]
-        return st.active and now_s - st.last_heartbeat_s <= self.config.heartbeat_timeout_s
+        """a_i(t): active and heard from within the heartbeat timeout (False for a worker not known)."""
+        st = self._workers.get(worker_id)
+        return st is not None and st.active and now_s - st.last_heartbeat_s <= self.config.heartbeat_timeout_s
 
     def measured_rate(self, worker_id: str) -> float:
         """Current mu_i estimate of one worker, rollouts/s."""

@@ -159,7 +159,18 @@ class Pool:
         ]
 
     def is_active(self, worker_id: str) -> bool:
-        return worker_id in self.active_ids()
+        """Whether ``worker_id`` is one of :meth:`active_ids`, without listing them (asked on every
+        heartbeat, lease and pool-table row: constant time, whatever the fleet's size)."""
+        rec = self.registry.get(worker_id)
+        now = self.clock()
+        seen = (
+            rec is not None
+            and rec.trusted
+            and now - rec.last_seen_s <= self.controller.config.heartbeat_timeout_s
+        )
+        if not self.target_known:
+            return seen
+        return (seen and worker_id in self.probation) or self.controller.is_alive(worker_id, now)
 
     def retarget(self, t_train_s: float, t_bcast_s: float, useful: float = 1.0) -> None:
         """``mu_target = gamma * mu_min(kappa)`` from measured ``T_train`` and ``T_bcast`` (SPEC §3), for
@@ -234,7 +245,7 @@ class Pool:
             return "quarantined"
         if not rec.trusted:
             return "retired"
-        if worker_id in self.active_ids():
+        if self.is_active(worker_id):
             return "active"
         if not self.target_known or worker_id in self.probation:
             return "silent"

@@ -19,11 +19,13 @@ from echo2.config import (
     CodeTaskConfig,
     MathTaskConfig,
     TaskConfig,
+    VerifiersTaskConfig,
 )
 from echo2.data.tasks.arithmetic import ArithmeticTask
 from echo2.data.tasks.code import CodeTask
 from echo2.data.tasks.environment import EnvironmentTask
 from echo2.data.tasks.math import MathTask
+from echo2.data.tasks.verifiers_env import VerifiersTask
 from echo2.envs.base import EnvironmentFields
 from echo2.envs.roster import ENVIRONMENTS, env_spec
 from echo2.tasks.base import Task
@@ -55,6 +57,11 @@ def _code(cfg: TaskConfig, seed: int) -> Task:
     return SingleTurn(CodeTask(cfg, seed))
 
 
+def _verifiers(cfg: TaskConfig, seed: int) -> Task:
+    assert isinstance(cfg, VerifiersTaskConfig)
+    return SingleTurn(VerifiersTask(cfg, seed))
+
+
 def _environment(cfg: TaskConfig, seed: int) -> Task:
     """Every environment's builder: its declared spec behind the episodic task."""
     assert isinstance(cfg, EnvironmentFields)
@@ -65,6 +72,7 @@ REGISTRY: dict[str, Entry] = {
     "arithmetic": Entry(ArithmeticTaskConfig, tuple(TASK_PRESETS["arithmetic"]), _arithmetic),
     "math": Entry(MathTaskConfig, tuple(TASK_PRESETS["math"]), _math),
     "code": Entry(CodeTaskConfig, tuple(TASK_PRESETS["code"]), _code),
+    "verifiers": Entry(VerifiersTaskConfig, tuple(TASK_PRESETS["verifiers"]), _verifiers),
     **{env.name: Entry(env.config, tuple(TASK_PRESETS[env.name]), _environment) for env in ENVIRONMENTS},
 }
 TASKS: dict[type, Callable[[TaskConfig, int], Task]] = {e.config: e.build for e in REGISTRY.values()}

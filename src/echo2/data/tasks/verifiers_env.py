@@ -1,0 +1,306 @@
+"""A verifiers (v1) taskset as an echo2 task: its single-turn tasks are leased as prompts, and every
+completion is scored **on the learner** by the task's own ``@reward`` functions (the ``verifiers`` extra;
+``import verifiers.v1 as vf``).
+
+**What is read.** ``task.env`` names the taskset: ``package.module:name`` or ``path/to/file.py:name``,
+where ``name`` is a ``vf.Taskset`` subclass (built with its config class from ``task.env_args``), a
+``vf.Taskset``, an ``Env`` (its taskset is taken), or a function returning one of those (called with
+``task.env_args``). Up to ``task.limit`` tasks are read, on first use (a worker never reads them).
+
+**What a lease carries.** A task's prompt (``TaskData.prompt``: a text, or messages of which one user
+turn, with at most one system message) as ``Prompt.text`` through ``task.prompt_template``, and its
+system prompt (``TaskData.system_prompt`` or the system message) in ``meta["system"]``. Nothing else of
+the task data: the rest (a gold answer, tests, a rubric's inputs) stays in the learner's process, keyed by
+the prompt id (the task's ``key``); ``Prompt.answer`` holds that key only.
+
+**How a completion is scored.** The learner builds a ``vf.Trace`` of the task's data, the prompt's
+messages and the completion as the one sampled assistant message, and runs ``Task.score`` on it without
+a runtime; the reward is ``trace.reward`` (the weighted sum of the reward functions). A worker's claimed
+reward is never read (the verifier replaces it, ``tasks/verify.py``), and workers need no verifiers at all.
+A scoring that raises, or a reward that is not finite, scores 0 and is counted
+(``reward/outcomes/error``); ``scored`` counts the rest.
+
+**What is refused.** A task the learner cannot score by itself on the trace alone, at load time, with a
+line naming what: a reward, metric or judge that needs a runtime, judges (a judge model is a network call
+the learner does not make), tool servers (``toolsets``), a container (``NEEDS_CONTAINER``), and
+``setup`` / ``finalize`` / ``stage_verifier`` hooks (they prepare state in a runtime). Multi-turn
+environments, tools and a worker-side harness are not built: this adapter is single-turn.
+
+The three splits are disjoint by task key (``file_splits``: a stable hash of the key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from echo2.data.tasks.base import FileSplitsAccess, Grade, Split, file_splits, full_mask
+from echo2.errors import ConfigError, DataError
+from echo2.types import Prompt
+
+if TYPE_CHECKING:
+    from echo2.config import VerifiersTaskConfig
+
+log = logging.getLogger(__name__)
+OUTCOMES = ("scored", "error")
+ERROR_LOG_EVERY_S = 60.0  # a failing reward function is logged once a minute per kind of failure
+RUNTIME_HOOKS = ("setup", "finalize", "stage_verifier")  # Task methods that prepare state in a runtime
+
+
+def _run(coro: Coroutine[Any, Any, float]) -> float:
+    """``coro`` to completion on an event loop of its own: in this thread, or, when this thread already
+    runs one (the learner's warm start and evaluation may be called from its loop), in a fresh thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1, thread_name_prefix="echo2-score") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _vf() -> Any:
+    """``verifiers.v1``, or a :class:`ConfigError` naming the extra to install."""
+    try:
+        return importlib.import_module("verifiers.v1")
+    except ImportError as exc:
+        raise ConfigError(
+            f"task.name = 'verifiers' needs the verifiers package (pip install 'echo2[verifiers]'): {exc}"
+        ) from None
+
+
+def load_object(spec: str) -> Any:
+    """The object ``spec`` names: ``package.module:name`` or ``path/to/file.py:name``."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"task.env = {spec!r}: expected 'package.module:name' or 'path/to/file.py:name'")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ConfigError(f"task.env = {spec!r}: no file {path}")
+            mod_name = f"echo2_env_{abs(hash(path.resolve()))}"
+            spec_ = importlib.util.spec_from_file_location(mod_name, path)
+            if spec_ is None or spec_.loader is None:
+                raise ConfigError(f"task.env = {spec!r}: {path} cannot be imported")
+            module = importlib.util.module_from_spec(spec_)
+            sys.modules[mod_name] = module  # pydantic models of the file resolve their own names
+            spec_.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's module: whatever it raises is its own error, named
+        raise ConfigError(
+            f"task.env = {spec!r}: importing {where} failed ({type(exc).__name__}: {exc})"
+        ) from None
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ConfigError(f"task.env = {spec!r}: {where} has no {name!r}") from None
+
+
+def load_taskset(spec: str, args: dict[str, Any]) -> Any:
+    """The ``vf.Taskset`` ``spec`` names (module docstring), built with ``args``."""
+    vf = _vf()
+    obj = load_object(spec)
+    try:
+        if inspect.isclass(obj) and issubclass(obj, vf.Taskset):
+            obj = obj(_config_type(obj, vf)(**args))
+        elif callable(obj) and not isinstance(obj, (vf.Taskset, vf.Env)):
+            obj = obj(**args)
+        elif args:
+            raise ConfigError(f"task.env = {spec!r} is already built: task.env_args = {args} cannot apply")
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"task.env = {spec!r}: building it failed ({type(exc).__name__}: {exc})") from None
+    if isinstance(obj, vf.Env):
+        obj = obj.taskset
+    if not isinstance(obj, vf.Taskset):
+        raise ConfigError(f"task.env = {spec!r} gives a {type(obj).__name__}, not a verifiers Taskset or Env")
+    return obj
+
+
+def _config_type(cls: type, vf: Any) -> type:
+    """The config class a ``Taskset`` subclass declares (its generic argument), else ``vf.TasksetConfig``."""
+    from verifiers.v1.utils.generic import concrete_type
+
+    return concrete_type(cls, vf.TasksetConfig) or vf.TasksetConfig
+
+
+def unscorable(task: Any, taskset: Any) -> list[str]:
+    """What of ``task`` the learner cannot score from a trace alone (module docstring), one phrase each."""
+    vf = _vf()
+    why = []
+
+    def needs_runtime(fn: Any) -> bool:
+        param = inspect.signature(fn).parameters.get("runtime")
+        return param is not None and param.default is inspect.Parameter.empty
+
+    for kind in ("reward", "metric"):
+        why += [f"{kind} {fn.__name__!r} needs a runtime" for fn in task.hooks(kind) if needs_runtime(fn)]
+    judges = task.plugged_judges()
+    why += [f"judge {j.reward_name!r} calls a judge model" for j in judges]
+    if getattr(type(task), "NEEDS_CONTAINER", False):
+        why.append("it needs a container (NEEDS_CONTAINER)")
+    if type(task).toolsets(task.config) or type(taskset).toolsets(taskset.config):
+        why.append("it serves tools (toolsets)")
+    for hook in RUNTIME_HOOKS:
+        if getattr(type(task), hook) is not getattr(vf.Task, hook):
+            why.append(f"it overrides {hook}() (state prepared in a runtime)")
+    if not task.hooks("reward") and not judges:
+        why.append("it has no @reward function")
+    return why
+
+
+class VerifiersTask(FileSplitsAccess):
+    name = "verifiers"
+
+    def __init__(self, cfg: VerifiersTaskConfig, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.grade_threads = cfg.grade_threads
+        self._tasks: dict[str, Any] = {}  # prompt id (the task's key) -> the vf.Task: the grading secret
+        self._messages: dict[str, list[Any]] = {}  # prompt id -> the prompt's messages, as the trace has them
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+        self._error_logged: dict[str, float] = {}  # failure (its first 80 characters) -> when last logged
+        super().__init__()
+
+    # ---- data ---------------------------------------------------------------------------------------
+    def _read_splits(self) -> dict[Split, list[Prompt]]:
+        cfg = self.cfg
+        taskset = load_taskset(cfg.env, cfg.env_args)
+        tasks = []
+        for task in taskset.take(cfg.limit):
+            why = unscorable(task, taskset)
+            if why:
+                raise ConfigError(
+                    f"task.env = {cfg.env!r}: task {task.key[:12]} ({type(task).__name__}) cannot be scored "
+                    f"on the learner: {'; '.join(why)}. echo2 scores every reward itself; this adapter "
+                    "takes single-turn tasks whose rewards read the task data and the trace"
+                )
+            tasks.append(task)
+        if not tasks:
+            raise DataError(f"task.env = {cfg.env!r}: the taskset has no tasks")
+        prompts = [self._prompt(task) for task in tasks]
+        env = Path(cfg.env.rpartition(":")[0])
+        return file_splits(
+            prompts, None, lambda p: p.prompt_id, "verifiers",
+            cfg.eval_fraction, cfg.validation_fraction, (env, None),
+        )  # fmt: skip
+
+    def _prompt(self, task: Any) -> Prompt:
+        vf = _vf()
+        data = task.data
+        key = task.key
+        if key in self._tasks:
+            raise DataError(
+                f"task.env = {self.cfg.env!r}: two tasks have the key {key[:12]} (keys are unique)"
+            )
+        system, user = data.system_prompt, None
+        messages = [{"role": "user", "content": data.prompt}] if isinstance(data.prompt, str) else data.prompt
+        for m in messages or []:
+            role = m["role"] if isinstance(m, dict) else getattr(m, "role", None)
+            content = m["content"] if isinstance(m, dict) else getattr(m, "content", None)
+            text = vf.types.content_text(content) if not isinstance(content, str) else content
+            if role == "system" and system is None:
+                system = text
+            elif role == "user" and user is None:
+                user = text
+            else:
+                raise DataError(
+                    f"task.env = {self.cfg.env!r}: task {key[:12]}'s prompt has a {role!r} message beyond "
+                    "one user turn (and one system message): this adapter leases single-turn prompts"
+                )
+        if user is None:
+            raise DataError(f"task.env = {self.cfg.env!r}: task {key[:12]} has no user prompt")
+        self._tasks[key] = task
+        self._messages[key] = [
+            *([vf.SystemMessage(content=system)] if system is not None else []),
+            vf.UserMessage(content=user),
+        ]
+        return Prompt(
+            prompt_id=key,
+            text=self.cfg.prompt_template.format(prompt=user),
+            answer=key,
+            meta={} if system is None else {"system": system},
+        )
+
+    def reference(self, prompt: Prompt) -> str:
+        """The task data's ``reference_field`` as text (what the embedded model's warm start imitates)."""
+        field = self.cfg.reference_field
+        task = self._task(prompt)
+        value = getattr(task.data, field, None) if field else None
+        if value is None:
+            raise ConfigError(
+                f"the embedded model's warm start needs a reference answer: task.reference_field = {field!r} "
+                f"is not a field of {type(task.data).__name__} (set it, or train a model.path)"
+            )
+        return str(value)
+
+    def _task(self, prompt: Prompt) -> Any:
+        self.splits()  # the tasks are read with the splits
+        task = self._tasks.get(prompt.prompt_id)
+        if task is None:
+            raise DataError(f"prompt {prompt.prompt_id[:12]} is not a task of {self.cfg.env!r}")
+        return task
+
+    # ---- reward -------------------------------------------------------------------------------------
+    def grade(self, prompt: Prompt, completion: str) -> Grade:
+        """The task's reward of ``completion`` as its one sampled assistant turn, scored here (any thread:
+        each scoring runs on its own event loop)."""
+        task = self._task(prompt)
+        try:
+            reward = _run(self._score(task, self._messages[prompt.prompt_id], completion))
+            why = "" if math.isfinite(reward) else f"a reward that is not finite ({reward})"
+        except Exception as exc:  # the user's reward code: a failure is its completion's 0, counted
+            reward, why = math.nan, f"{type(exc).__name__}: {exc}"
+        with self._counts_lock:
+            self._counts["error" if why else "scored"] += 1
+            if why and time.monotonic() - self._error_logged.get(why[:80], -math.inf) >= ERROR_LOG_EVERY_S:
+                self._error_logged[why[:80]] = time.monotonic()
+                log.warning(
+                    "scoring a completion of task %s failed, scored 0 (%s); %d such so far",
+                    prompt.prompt_id[:12], why[:300], self._counts["error"],
+                )  # fmt: skip
+        return Grade(0.0 if why else reward, not why)
+
+    @staticmethod
+    async def _score(task: Any, messages: Sequence[Any], completion: str) -> float:
+        vf = _vf()
+        nodes = [vf.MessageNode(message=m, parent=i - 1 if i else None) for i, m in enumerate(messages)]
+        nodes.append(
+            vf.MessageNode(
+                message=vf.AssistantMessage(content=completion), parent=len(nodes) - 1, sampled=True
+            )
+        )
+        trace = vf.Trace(
+            task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+            agent=vf.AgentInfo(config=vf.AgentConfig()),
+            nodes=nodes,
+            is_completed=True,
+            ok=True,
+        )
+        await task.score(trace)
+        if any(r is None for r in trace.rewards.values()):
+            return math.nan  # a reward function did not run
+        return float(trace.reward)
+
+    def outcome_counts(self) -> dict[str, int]:
+        with self._counts_lock:
+            return dict(self._counts)
+
+    def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
+        return full_mask(completion_ids, meta)

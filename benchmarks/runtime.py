@@ -3,6 +3,7 @@
     python benchmarks/runtime.py --study overlap     # echo2 run (S=3) vs echo2 train, same budget, 3 seeds
     python benchmarks/runtime.py --study staleness   # accuracy vs S; S = 3 vs S = 0 on 3 seeds, with a CI
     python benchmarks/runtime.py --study bubble      # measured bubble vs N, planner N_min, simulator beside
+    python benchmarks/runtime.py --study bubble --bubble-algorithm dapo   # zero-variance groups left out
     python benchmarks/runtime.py --study worker      # a worker's delivered rollouts/s vs a bare HF loop
     python benchmarks/runtime.py --study all
 
@@ -344,9 +345,13 @@ def study_bubble(
     warmup: int,
     task: str | None = None,
     overrides: tuple[str, ...] = (),
+    tag: str = "",
 ) -> dict[str, Any]:
-    """``task``: run the study on another task's embedded default (``--task``), e.g. poker;
-    ``overrides``: config fields set for every run of the study (``--set``)."""
+    """``task``: run the study on another task's embedded default (``--task``), e.g. poker; ``tag``: a
+    suffix of the run directories and the plot (``runtime_bubble_<tag>.png``);
+    ``overrides``: config fields set for every run of the study (``--set``), e.g. ``grpo.algorithm=dapo``.
+    The planner's N_min is for the rollouts a batch can use: ``mu_min / useful``, ``useful`` the runs'
+    measured ``pool/useful_share`` (1 when nothing is left out; below it with zero-variance filtering)."""
     from echo2.config import load_config, task_preset
     from echo2.sim.engine import SimParams, SimWorker, simulate
 
@@ -358,7 +363,7 @@ def study_bubble(
     runs = out / "runtime_runs"
     rows_out = []
     for n in ns:
-        d = runs / f"bubble{'_' + task if task else ''}_N{n}"
+        d = runs / f"bubble{'_' + task if task else ''}{'_' + tag if tag else ''}_N{n}"
         echo2(
             "run",
             *task_args,
@@ -381,6 +386,7 @@ def study_bubble(
         update = sum(r["learner/update_s"] for r in rows)
         bc = [r["broadcast/t_bcast_s"] for r in rows if r.get("broadcast/t_bcast_s") is not None]
         mu = [r["pool/mu_pool"] / n for r in rows[len(rows) // 2 :]]
+        useful = [r["pool/useful_share"] for r in rows[len(rows) // 2 :] if r.get("pool/useful_share")]
         rows_out.append(
             {
                 "n": n,
@@ -392,14 +398,20 @@ def study_bubble(
                 "t_train_s": update / len(rows),
                 "t_bcast_s": statistics.median(bc) if bc else 0.0,
                 "mu_worker": statistics.median(mu),
+                "useful_share": statistics.median(useful) if useful else 1.0,
+                "zero_variance_share": statistics.mean(
+                    r.get("learner/zero_variance_share", 0.0) for r in rows
+                ),
             }
         )
     # planner inputs measured on the real runs: medians over all runs
     t_train = statistics.median(r["t_train_s"] for r in rows_out)
     t_bcast = statistics.median(r["t_bcast_s"] for r in rows_out)
     mu_w = statistics.median(r["mu_worker"] for r in rows_out)
+    useful = statistics.median(r["useful_share"] for r in rows_out)
     mu_min = capacity.mu_min(kappa=kappa, t_train=t_train, t_bcast=t_bcast, rollouts=R)
-    n_min = capacity.n_min(mu_min, mu_w)
+    n_min = capacity.n_min(mu_min / useful, mu_w)
+    n_min_all_trained = capacity.n_min(mu_min, mu_w)  # what the planner said before the yield counted
     for r in rows_out:  # the simulator, fed with each run's own measured T_train and the shared rates
         params = SimParams(
             rollouts_per_step=R,
@@ -436,7 +448,10 @@ def study_bubble(
         "t_bcast_s": t_bcast,
         "mu_worker": mu_w,
         "mu_min": mu_min,
+        "useful_share": useful,
         "n_min": n_min,
+        "n_min_if_every_rollout_trained": n_min_all_trained,
+        "overrides": list(overrides),
         "knee_measured": knee,
         "knee_rule": f"smallest N with bubble ratio <= {KNEE_THRESHOLD:.0%} (echo2.physics.rules.knee)",
         "knee_sim": knee_of([r["n"] for r in rows_out], [r["bubble_sim"] for r in rows_out]),
@@ -458,7 +473,7 @@ def study_bubble(
     )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"{task + '_' if task else 'runtime_'}bubble.png", dpi=110)
+    fig.savefig(out / f"{task + '_' if task else 'runtime_'}bubble{'_' + tag if tag else ''}.png", dpi=110)
     return res
 
 
@@ -693,6 +708,10 @@ def main() -> int:
     p.add_argument("--bubble-ns", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     p.add_argument("--bubble-throttle", type=float, default=400.0, help="rollouts/s per worker")
     p.add_argument("--bubble-minutes", type=float, default=1.0)
+    p.add_argument(
+        "--bubble-algorithm", default=None, help="a grpo.algorithm preset for every run (dapo: zero-variance "
+        "groups left out; writes runtime_bubble_dapo.json)",
+    )  # fmt: skip
     p.add_argument("--worker-seconds", type=float, default=20.0)
     p.add_argument("--worker-trials", type=int, default=5, help="interleaved worker / bare-loop pairs")
     p.add_argument("--reuse", action="store_true", help="analyse finished runs under OUT/runtime_runs again")
@@ -708,7 +727,12 @@ def main() -> int:
         elif study == "staleness":
             res = study_staleness(a.out, a.staleness_steps, a.staleness_values, a.seeds[0], a.seeds[1:])
         elif study == "bubble":
-            res = study_bubble(a.out, a.bubble_ns, a.bubble_throttle, a.bubble_minutes, warmup=10)
+            tag = a.bubble_algorithm or ""
+            sets = (f"grpo.algorithm={tag}",) if tag else ()
+            res = study_bubble(
+                a.out, a.bubble_ns, a.bubble_throttle, a.bubble_minutes, warmup=10, overrides=sets, tag=tag
+            )
+            study = f"bubble_{tag}" if tag else study
         else:
             res = study_worker(a.out, a.worker_seconds, a.worker_trials)
         (a.out / f"runtime_{study}.json").write_text(json.dumps(res, indent=1))

@@ -53,6 +53,8 @@ def main() -> int:
         print(res.stderr[-3000:], file=sys.stderr)
         return 1
     s = json.loads((run_dir / "summary.json").read_text())
+    # how the warm start ended (a reading, no target): its last log line, or that a cached one was used
+    warm = [line for line in res.stderr.splitlines() if "warm start" in line or "warm-start" in line]
     outcomes = summed(run_dir, "reward/outcomes/")
     admitted = last_record(run_dir, "store/admitted") or 0
     checked = last_record(run_dir, "security/checked_submissions") or 0
@@ -76,6 +78,7 @@ def main() -> int:
         "checked_submissions": checked,
         "rejected": rejected,
         "yield": s["store"].get("store/yield"),
+        "warm_start_log": warm[-2:],
         "met": met,
     }
     args.out.mkdir(parents=True, exist_ok=True)

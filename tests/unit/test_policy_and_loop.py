@@ -42,6 +42,20 @@ def test_warmstart_is_cached_and_loads_like_any_checkpoint(tiny_overrides):
     assert same.source == str(path)
 
 
+def test_a_warm_start_short_of_its_target_says_so(tiny_overrides, caplog):
+    """A warm start that used up max_steps under its target is one WARNING (a grader that rewards nothing
+    looks exactly like this: found when a task's rewards all failed during the warm start)."""
+    cfg = load_config(overrides=[*tiny_overrides, "model.warmstart.max_steps=10"])
+    with caplog.at_level("WARNING"):
+        path = warmstart_checkpoint(cfg)
+    info = json.loads((path / "warmstart.json").read_text())
+    said = [r.getMessage() for r in caplog.records if "under its target" in r.getMessage()]
+    assert info["steps"] == 10 and info["validation_accuracy"] < 0.9
+    assert said == [f"warm start stopped after 10 steps (model.warmstart.max_steps) at validation accuracy "
+                    f"{info['validation_accuracy']:.3f}, under its target 0.90: check that the task's grader "
+                    "rewards its own reference answers"]  # fmt: skip
+
+
 def test_sync_loop_writes_run_dir_with_spec_metric_names(tiny_overrides, tmp_path):
     cfg = load_config(overrides=[*tiny_overrides, "train.steps=6"])
     summary = train(cfg)

@@ -58,6 +58,7 @@ def supervised(cfg: Config, policy: Any, task: Adapter, out: Path) -> dict[str, 
             if step % ws.eval_every == 0:
                 accuracy = evaluate_text(policy.codec, engine, task, val_prompts).accuracy
                 log.info("warm start step %d: loss %.3f, validation accuracy %.3f", step, loss, accuracy)
+    _short_of_target("accuracy", accuracy, ws.target_accuracy, step)
     policy.save(out)
     return {"steps": step, "validation_accuracy": accuracy, "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -86,8 +87,21 @@ def imitate(cfg: Config, policy: Any, task: EnvironmentTask, out: Path) -> dict[
             if step % ws.eval_every == 0:
                 agreement = _agreement(policy, val)
                 log.info("warm start step %d: loss %.3f, validation agreement %.3f", step, loss, agreement)
+    _short_of_target("agreement", agreement, ws.target_accuracy, step)
     policy.save(out)
     return {"steps": step, "validation_agreement": agreement, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _short_of_target(what: str, got: float, target: float, steps: int) -> None:
+    """One WARNING when the warm start used up ``max_steps`` under its target: RL then starts from a model
+    that the task's grader rarely rewards, which is as often a grader that rewards nothing (a reward that
+    raises, reads the wrong field) as a task too hard for the embedded model."""
+    if got < target:
+        log.warning(
+            "warm start stopped after %d steps (model.warmstart.max_steps) at validation %s %.3f, under its "
+            "target %.2f: check that the task's grader rewards its own reference answers",
+            steps, what, got, target,
+        )  # fmt: skip
 
 
 def teacher_transcript(

@@ -225,6 +225,27 @@ def test_a_multi_turn_prompt_is_refused(tmp_path: Path) -> None:
         _task(env + ":Set").splits()
 
 
+def test_an_image_in_the_prompt_is_refused_not_dropped(tmp_path: Path) -> None:
+    env = _env(
+        tmp_path,
+        """
+        class Task(vf.Task[QA, vf.State, vf.TaskConfig]):
+            @vf.reward
+            async def r(self, trace) -> float:
+                return 1.0
+
+
+        class Set(vf.Taskset[Task, vf.TasksetConfig]):
+            def load(self):
+                parts = [{"type": "text", "text": "what is this?"},
+                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+                yield Task(QA(prompt=[{"role": "user", "content": parts}], answer="a"), self.config.task)
+        """,
+    )
+    with pytest.raises(DataError, match=r"non-text parts \(\['image_url'\]\)"):
+        _task(env + ":Set").splits()
+
+
 @pytest.mark.parametrize(
     ("spec", "error"),
     [

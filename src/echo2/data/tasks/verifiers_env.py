@@ -214,7 +214,14 @@ class VerifiersTask(FileSplitsAccess):
         for m in messages or []:
             role = m["role"] if isinstance(m, dict) else getattr(m, "role", None)
             content = m["content"] if isinstance(m, dict) else getattr(m, "content", None)
-            text = vf.types.content_text(content) if not isinstance(content, str) else content
+            if not isinstance(content, str):
+                parts = [p if isinstance(p, dict) else p.model_dump() for p in content or []]
+                if any(p.get("type") != "text" for p in parts):
+                    raise DataError(
+                        f"task.env = {self.cfg.env!r}: task {key[:12]}'s {role} message has non-text parts "
+                        f"({sorted({str(p.get('type')) for p in parts} - {'text'})}): text-only models here"
+                    )
+            text = content if isinstance(content, str) else "\n".join(str(p["text"]) for p in parts)
             if role == "system" and system is None:
                 system = text
             elif role == "user" and user is None:

@@ -16,6 +16,11 @@ fixed here, before any run:
   its first submissions being its own honest work). Since the learner grades every completion itself
   (no grading secret on the wire), forged rewards are no longer refused: their target is 0 groups stored
   with a reward that is not the task's grade.
+- **tasks** (added with the verifiers adapter; targets fixed before its first run): the reward forger,
+  best-of-n cherry-picking and the foreign prompt against a run of ``--task verifiers`` (the bundled
+  taskset's reward functions) and one of ``--task code`` (unit tests in the sandbox), with the targets
+  above: 0 stored rewards that are not the task's grade, best-of-n quarantined within a median of <= 5
+  submissions, every foreign prompt refused and none trained.
 - **honest**: every completion of every submission re-run (``security.check_fraction = 1``, a check
   queue that declines none) on honest workers until >= 10,000 trajectories were checked. Target: 0
   quarantines.
@@ -133,20 +138,27 @@ async def attack(info: dict[str, Any], token: str, kinds: list[str], trials: int
     return out
 
 
-def study_attacks(out: Path, trials: int) -> dict[str, Any]:
+def study_attacks(
+    out: Path, trials: int, task: str | None = None, kinds: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """``task``: the run's task preset (``--task``; the embedded default when None); ``kinds``: the
+    attacks run (every one when None)."""
+    from echo2.config import task_preset
     from echo2_bench.adversary import ATTACKS, DETERMINISTIC, REGRADED, SAMPLED
     from echo2_bench.adversary_length import regrade
 
-    run_dir = out / "adversary_runs" / "attacks"
-    proc = start_run(run_dir, "runtime.workers=1", "security.max_workers=1000")
+    kinds = kinds or ATTACKS
+    run_dir = out / "adversary_runs" / ("attacks" + (f"_{task}" if task else ""))
+    preset = task_preset(task) if task else []
+    proc = start_run(run_dir, *preset, "runtime.workers=1", "security.max_workers=1000")
     try:
         info = wait_ready(run_dir, proc)
         token = (run_dir / "join_token").read_text().strip()
-        trials_out = asyncio.run(attack(info, token, list(ATTACKS), trials))
+        trials_out = asyncio.run(attack(info, token, list(kinds), trials))
     finally:
         stop(proc)
     per_kind: dict[str, Any] = {}
-    for kind in ATTACKS:
+    for kind in kinds:
         ts = [t for t in trials_out if t["kind"] == kind]
         outcomes = [o for t in ts for o in t["outcomes"]]
         caught = [t["quarantined_after"] for t in ts]
@@ -199,6 +211,23 @@ def study_attacks(out: Path, trials: int) -> dict[str, Any]:
         "target": f"sampled attacks: median submissions until quarantined <= {TARGET_QUARANTINE}; "
         "deterministic: 100% refused, 0 groups trained on",
     }
+
+
+# what a stranger could send to raise its reward on a task whose grader is not arithmetic: a claimed
+# reward (replaced by the learner's grade), best-of-n completions (the generation check), another prompt
+TASK_ATTACKS = ("reward", "cherry", "prompt")
+
+
+def study_tasks(out: Path, trials: int) -> dict[str, Any]:
+    """The attacks of ``TASK_ATTACKS`` against a run of each task whose reward is computed by code the
+    learner runs: ``verifiers`` (the bundled taskset's reward functions) and ``code`` (unit tests in the
+    sandbox), with the targets of the attacks study: 0 stored rewards that are not the task's grade,
+    best-of-n caught within a median of TARGET_QUARANTINE submissions, every foreign prompt refused."""
+    res: dict[str, Any] = {
+        task: study_attacks(out, trials, task, TASK_ATTACKS) for task in ("verifiers", "code")
+    }
+    res["met"] = all(all(k["met"] for k in res[t]["kinds"].values()) for t in ("verifiers", "code"))
+    return res
 
 
 def _honest_quarantined(run_dir: Path) -> int:
@@ -573,8 +602,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     studies = [
-        "attacks", "honest", "honest_bf16", "honest_bf16_vllm", "bf16_errors", "restart", "cost", "poison",
-        "liveness", "garbage", "perimeter", "preauth_cost", *LENGTH_STUDIES,
+        "attacks", "tasks", "honest", "honest_bf16", "honest_bf16_vllm", "bf16_errors", "restart", "cost",
+        "poison", "liveness", "garbage", "perimeter", "preauth_cost", *LENGTH_STUDIES,
     ]  # fmt: skip
     p.add_argument("--study", choices=[*studies, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every liveness condition")
@@ -610,6 +639,7 @@ def main() -> int:
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     run = {
         "attacks": lambda: study_attacks(a.out, a.trials),
+        "tasks": lambda: study_tasks(a.out, a.trials),
         "honest": lambda: study_honest(a.out, a.honest_steps),
         "honest_bf16": lambda: study_honest(a.out, a.honest_steps, "bfloat16"),
         "honest_bf16_vllm": lambda: study_honest(a.out, a.honest_steps, "bfloat16", "vllm"),

@@ -192,7 +192,9 @@ class Attacker:
         from echo2.rollout.collect import collect_groups
 
         w, G = self.w, lease.group_size
-        prompts = [solved(p.prompt()) for p in lease.prompts]  # it grades its own draws (cherry-picking)
+        # it grades its own draws (cherry-picking) with what it can know: a public dataset's record
+        prompts = [known(w.task, p.prompt()) for p in lease.prompts]
+        prompts = [p if p.answer else solved(p) for p in prompts]
 
         def draw(seed: int) -> list[list[Trajectory]]:
             batch = collect_groups(
@@ -209,6 +211,25 @@ class Attacker:
             return [ts[i : i + G] for i in range(0, len(ts), G)]
 
         return self.forges()[self.kind](self, draw(lease.seed), lease, draw)
+
+
+def known(task: Any, prompt: Prompt) -> Prompt:
+    """``prompt`` with its answer as the public data the attacker can read holds it: a task read from a
+    dataset file (code, math, verifiers: the bundled samples are public, as a published benchmark is) is
+    read on the attacker's side too and the leased prompt found there by id and text; else as it is."""
+    from echo2.data.tasks.base import FileSplitsAccess
+
+    data = getattr(task, "data", None)
+    if not isinstance(data, FileSplitsAccess):
+        return prompt
+    index = _PUBLIC.get(id(data))
+    if index is None:
+        index = _PUBLIC[id(data)] = {p.prompt_id: p for split in data.splits().values() for p in split}
+    found = index.get(prompt.prompt_id)
+    return found if found is not None and found.text == prompt.text else prompt
+
+
+_PUBLIC: dict[int, dict[str, Prompt]] = {}  # a task's public records by prompt id (known)
 
 
 def solved(prompt: Prompt) -> Prompt:

@@ -19,6 +19,12 @@ Reported, from the run's own records (targets fixed here, before the run):
 Writes results/math_run.json and results/math_run.png.
 
     python benchmarks/math_run.py             # about 10 minutes here
+
+With ``--algorithm NAME`` every run takes that ``grpo.algorithm`` preset and writes
+results/math_run_NAME.json (and .png) instead; beside the above it reports the run's yield split by
+cause (``store/yield_lost/*``) and the zero-variance share of what was received: with ``dapo`` the
+groups whose rewards are all equal are left out (a reading, no target: what the filter changes in the
+share trained, read against ``--algorithm grpo`` on the same day and budget).
 """
 
 from __future__ import annotations
@@ -61,8 +67,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--minutes", type=float, default=MINUTES)
+    p.add_argument("--algorithm", default=None, help="a grpo.algorithm preset (writes math_run_<it>.json)")
     a = p.parse_args()
-    run_dir = a.out / "math_run_runs" / "latest"
+    name = f"math_run_{a.algorithm}" if a.algorithm else "math_run"
+    run_dir = a.out / "math_run_runs" / (a.algorithm or "latest")
     with tempfile.TemporaryDirectory(prefix="echo2-math-") as tmp:
         data = Path(tmp) / "sums.jsonl"
         dataset(data)
@@ -72,6 +80,7 @@ def main() -> int:
             "model.warmstart.eval_size=64", f"model.warmstart.max_steps={WARM_STEPS}",
             "model.warmstart.batch_size=32", "train.eval_size=128",
             f"train.max_minutes={a.minutes}",
+            *([f"grpo.algorithm={a.algorithm}"] if a.algorithm else []),
         ]  # fmt: skip
         env = {**os.environ, "ECHO2_CACHE": str(Path(tmp) / "cache")}
         cmd = [sys.executable, "-m", "echo2.cli", "run", "--run-dir", str(run_dir), "--no-progress"]
@@ -99,7 +108,19 @@ def main() -> int:
     leases = db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
     db.close()
     out = {
-        "command": "python benchmarks/math_run.py",
+        "command": "python benchmarks/math_run.py"
+        + (f" --algorithm {a.algorithm}" if a.algorithm else "")
+        + (f" --minutes {a.minutes:g}" if a.minutes != MINUTES else ""),
+        "algorithm": a.algorithm or "grpo (the default)",
+        "yield": last.get("store/yield"),
+        "yield_lost": {
+            k.removeprefix("store/yield_lost/"): v
+            for k, v in last.items()
+            if k.startswith("store/yield_lost/")
+        },
+        "zero_variance_trajectories_left_out": last.get("store/zero_variance"),
+        "zero_variance_share_trained_mean": sum(r.get("learner/zero_variance_share", 0.0) for r in steps)
+        / len(steps),
         "command_wall_s": wall,
         "max_new_tokens": MAX_NEW,
         "rows": ROWS,
@@ -129,8 +150,8 @@ def main() -> int:
         "length_gap": abs(out["trained_vs_generated"]) <= MAX_LENGTH_GAP,
     }
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "math_run.json").write_text(json.dumps(out, indent=1))
-    plot(steps, out, a.out / "math_run.png")
+    (a.out / f"{name}.json").write_text(json.dumps(out, indent=1))
+    plot(steps, out, a.out / f"{name}.png")
     print(json.dumps(out, indent=1))
     return 0
 

@@ -28,9 +28,11 @@ class QA(vf.TaskData):
 """
 
 
-def _env(tmp_path: Path, *bodies: str) -> str:
+def _env(tmp_path: Path, *bodies: str, load: str = "") -> str:
+    """A module of ``bodies`` (each dedented); ``load``: the body of the last ``load()`` they open."""
     path = tmp_path / "envs.py"
-    path.write_text(HEADER + "\n".join(textwrap.dedent(body) for body in bodies))
+    text = "\n".join(textwrap.dedent(body) for body in bodies)
+    path.write_text(HEADER + text + textwrap.indent(textwrap.dedent(load), " " * 8))
     return str(path)
 
 
@@ -204,18 +206,24 @@ def test_a_task_the_learner_cannot_score_alone_is_refused_naming_why(
     assert error in str(caught.value)
 
 
+# a task that always scores 1, in a taskset whose load() the test completes with its prompt
+ALWAYS_ONE = """
+class Task(vf.Task[QA, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def r(self, trace) -> float:
+        return 1.0
+
+
+class Set(vf.Taskset[Task, vf.TasksetConfig]):
+    def load(self):
+"""
+
+
 def test_a_multi_turn_prompt_is_refused(tmp_path: Path) -> None:
     env = _env(
         tmp_path,
-        """
-        class Task(vf.Task[QA, vf.State, vf.TaskConfig]):
-            @vf.reward
-            async def r(self, trace) -> float:
-                return 1.0
-
-
-        class Set(vf.Taskset[Task, vf.TasksetConfig]):
-            def load(self):
+        ALWAYS_ONE,
+        load="""
                 turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                          {"role": "user", "content": "again"}]
                 yield Task(QA(prompt=turns, answer="a"), self.config.task)
@@ -228,15 +236,8 @@ def test_a_multi_turn_prompt_is_refused(tmp_path: Path) -> None:
 def test_an_image_in_the_prompt_is_refused_not_dropped(tmp_path: Path) -> None:
     env = _env(
         tmp_path,
-        """
-        class Task(vf.Task[QA, vf.State, vf.TaskConfig]):
-            @vf.reward
-            async def r(self, trace) -> float:
-                return 1.0
-
-
-        class Set(vf.Taskset[Task, vf.TasksetConfig]):
-            def load(self):
+        ALWAYS_ONE,
+        load="""
                 parts = [{"type": "text", "text": "what is this?"},
                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
                 yield Task(QA(prompt=[{"role": "user", "content": parts}], answer="a"), self.config.task)

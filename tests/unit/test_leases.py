@@ -400,29 +400,30 @@ def test_the_pool_is_sized_against_what_the_check_can_re_run(tmp_path):
 
 def test_is_active_agrees_with_the_active_list_in_every_state(tmp_path):
     """``Pool.is_active`` (constant time: every heartbeat and lease asks it) says what ``active_ids``
-    lists, for workers on probation, delivered, silent, timed out, quarantined and unknown, before and
-    after the pool has a target."""
+    lists, and both are the rule: before the pool has a target, every worker heard from; then the
+    controller's alive ones and those on probation heard from; for workers on probation, delivered,
+    silent, timed out, quarantined and unknown."""
     cfg, _, _, pool, clock = _node(tmp_path)
     registry = pool.registry
     ids = [_register(registry, pool, f"w{i}") for i in range(6)]
-    for wid in ids[:4]:  # heard from now; w4 and w5 never
-        registry[wid].last_seen_s = clock()
+    for wid in ids[4:]:  # w4 and w5 silent since before the heartbeat timeout
+        registry[wid].last_seen_s = clock() - cfg.controller.heartbeat_timeout_s - 1
     for wid in ids[1:3]:  # w1 and w2 deliver: they leave probation for the controller
         registry[wid].rollouts += 64
         pool.observe(registry[wid], HeartbeatRequest(rollouts=64, busy_s=1.0, installed_version=10))
 
-    def agree() -> None:
+    def agree(*want: int) -> None:
         listed = set(pool.active_ids())
-        assert {w for w in [*ids, "nobody"] if pool.is_active(w)} == listed
+        assert {w for w in [*ids, "nobody"] if pool.is_active(w)} == listed == {ids[i] for i in want}
 
-    agree()
+    agree(0, 1, 2, 3)  # no target yet: heard from
     pool.retarget(t_train_s=1.0, t_bcast_s=0.1)
-    agree()
+    agree(0, 1, 2, 3)  # w1, w2 the controller's; w0, w3 on probation and heard from
     registry.revoke(ids[0], "test")
     pool.quarantine(ids[0], "test")
-    agree()
+    agree(1, 2, 3)
     clock.t += cfg.controller.heartbeat_timeout_s + 1  # everyone times out
     agree()
     registry[ids[1]].last_seen_s = clock()
     pool.observe(registry[ids[1]], HeartbeatRequest(rollouts=0, busy_s=0.0, installed_version=10))
-    agree()
+    agree(1)

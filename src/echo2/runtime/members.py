@@ -244,7 +244,7 @@ class WorkerRegistry:
             rec.relay_demoted = demoted
 
     def mismatch(self, worker_id: str, kl: float) -> None:
-        """The mismatch KL an update read on ``worker_id``'s fresh sequences (``trainer._by_worker``),
+        """The mismatch KL an update read on ``worker_id``'s fresh sequences (``trainer.mismatch_by``),
         kept on its record for the pool table and ``/metrics``."""
         rec = self._records.get(worker_id)
         if rec is not None:
@@ -269,10 +269,14 @@ class WorkerRegistry:
             log.warning("quarantined %s (%r): %s", worker_id, rec.name, reason)
             self._untrusted(worker_id)
 
+    def heard_from(self, worker_id: str, seconds: float) -> bool:
+        """Whether ``worker_id`` is trusted and was heard from in the last ``seconds``."""
+        rec = self._records.get(worker_id)
+        return rec is not None and rec.trusted and self.clock() - rec.last_seen_s <= seconds
+
     def seen_within(self, seconds: float) -> list[str]:
-        """Workers heard from in the last ``seconds``."""
-        now = self.clock()
-        return [w for w, r in self._records.items() if now - r.last_seen_s <= seconds and r.trusted]
+        """Workers heard from in the last ``seconds`` (:meth:`heard_from`)."""
+        return [w for w in self._records if self.heard_from(w, seconds)]
 
     def _retire_if_silent(self, rec: WorkerRecord) -> bool:
         """Retire ``rec`` if it is trusted and was not heard from within ``slot_idle_s`` (True: it was

@@ -148,29 +148,17 @@ class Pool:
         return self.controller.measured_rate(worker_id)
 
     def active_ids(self) -> list[str]:
-        """Before T_train is measured, every worker heard from within the heartbeat timeout; then the
-        controller's active ones that are alive, and the workers on probation heard from."""
-        seen = self.registry.seen_within(self.controller.config.heartbeat_timeout_s)
-        if not self.target_known:
-            return seen
-        now = self.clock()
-        return [w for w in self.controller.active_ids() if self.controller.is_alive(w, now)] + [
-            w for w in seen if w in self.probation
-        ]
+        """The registered workers :meth:`is_active` holds active."""
+        return [rec.worker_id for rec in self.registry if self.is_active(rec.worker_id)]
 
     def is_active(self, worker_id: str) -> bool:
-        """Whether ``worker_id`` is one of :meth:`active_ids`, without listing them (asked on every
-        heartbeat, lease and pool-table row: constant time, whatever the fleet's size)."""
-        rec = self.registry.get(worker_id)
-        now = self.clock()
-        seen = (
-            rec is not None
-            and rec.trusted
-            and now - rec.last_seen_s <= self.controller.config.heartbeat_timeout_s
-        )
+        """Before T_train is measured, a worker heard from within the heartbeat timeout; then one the
+        controller has active and alive, or one on probation heard from. Constant time (asked on every
+        heartbeat, lease and pool-table row, whatever the fleet's size)."""
+        seen = self.registry.heard_from(worker_id, self.controller.config.heartbeat_timeout_s)
         if not self.target_known:
             return seen
-        return (seen and worker_id in self.probation) or self.controller.is_alive(worker_id, now)
+        return (seen and worker_id in self.probation) or self.controller.is_alive(worker_id, self.clock())
 
     def retarget(self, t_train_s: float, t_bcast_s: float, useful: float = 1.0) -> None:
         """``mu_target = gamma * mu_min(kappa)`` from measured ``T_train`` and ``T_bcast`` (SPEC §3), for

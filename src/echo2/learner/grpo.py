@@ -223,7 +223,7 @@ class LossStats:
     fresh_tokens: float = 0.0  # valid tokens of sequences sampled at the learner's version
     entropy: float = math.nan  # mean -logp_prox over fresh tokens: a Monte-Carlo estimate of the entropy
     # per fresh sequence with valid tokens: (its row in these rows, its k3 sum, its fresh tokens), so the
-    # mismatch KL can be read per worker (``trainer.UpdateStats.mismatch_by_worker``)
+    # mismatch KL can be read per worker (``trainer.UpdateStats.mismatch_by_group``)
     seq_mismatch: tuple[tuple[int, float, float], ...] = ()
 
 

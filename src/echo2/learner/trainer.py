@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -455,16 +455,21 @@ def _combine(parts: Sequence[tuple[grpo.LossStats, float]]) -> grpo.LossStats:
     )
 
 
+def _summed(items: Iterable[tuple[str | None, float, float]]) -> dict[str, tuple[float, float]]:
+    """``(key, k3 sum, tokens)`` items summed per key (items whose key is None left out)."""
+    sums: dict[str, tuple[float, float]] = {}
+    for key, k3, n in items:
+        if key is not None:
+            k3_sum, tokens = sums.get(key, (0.0, 0.0))
+            sums[key] = (k3_sum + k3, tokens + n)
+    return sums
+
+
 def _by_group(
     trajectories: Sequence[Trajectory], seqs: Sequence[tuple[int, float, float]]
 ) -> dict[str, tuple[float, float]]:
     """The fresh sequences ``seqs`` (row, k3 sum, tokens) summed per group of ``trajectories``."""
-    sums: dict[str, tuple[float, float]] = {}
-    for row, k3, n in seqs:
-        gid = trajectories[row].group_id
-        k3_sum, tokens = sums.get(gid, (0.0, 0.0))
-        sums[gid] = (k3_sum + k3, tokens + n)
-    return sums
+    return _summed((trajectories[row].group_id, k3, n) for row, k3, n in seqs)
 
 
 def mismatch_by(
@@ -472,12 +477,7 @@ def mismatch_by(
 ) -> dict[str, float]:
     """The mismatch KL per key (a worker) of groups ``by_group`` (``UpdateStats.mismatch_by_group``):
     each key's k3 sum over its fresh tokens; groups ``key_of`` gives None are left out."""
-    sums: dict[str, tuple[float, float]] = {}
-    for gid, (k3, n) in by_group.items():
-        key = key_of(gid)
-        if key is not None:
-            k3_sum, tokens = sums.get(key, (0.0, 0.0))
-            sums[key] = (k3_sum + k3, tokens + n)
+    sums = _summed((key_of(gid), k3, n) for gid, (k3, n) in by_group.items())
     return {key: k3 / n for key, (k3, n) in sums.items() if n > 0}
 
 

@@ -457,15 +457,16 @@ def _perimeter_limits(cfg: Config) -> Any:
     if limits.max_connections < per.max_connections:
         # a cut is news only where the token's fleet may not fit: two connections a member on a port
         members = 2 * cfg.security.max_workers
+        short = limits.max_connections < members
         log.log(
-            logging.WARNING if limits.max_connections < members else logging.INFO,
+            logging.WARNING if short else logging.INFO,
             "the connection caps may use %d descriptors but this process may open %d: each port's cap is "
             "cut to %d (%s %d for the token's %d workers; raise the hard limit, e.g. `ulimit -Hn 65536` "
             "or LimitNOFILE= in a systemd unit)",
             need,
             soft,
             limits.max_connections,
-            "below the" if limits.max_connections < members else "above the",
+            "below the" if short else "above the",
             members,
             cfg.security.max_workers,
         )

@@ -135,30 +135,30 @@ async def _flood_one(
 ) -> None:
     """Fresh identities, one after the other, each from an address of its own, doing honest one-prompt
     work until it cannot lease."""
-    client: LearnerClient | None = None
-    session: Any = None
-    refused = 0
+    me: dict[str, Any] = {"client": None, "session": None, "refused": 0}
     try:
         while not stop.is_set():
-            client, session, refused = await _flood_step(att, token, lock, tally, client, session, refused)
-    finally:
-        if session is not None:
-            await session.close()
+            await _flood_step(att, token, lock, tally, me)
+    finally:  # the session of the identity in use (cancelled or not) is closed
+        if me["session"] is not None:
+            await me["session"].close()
 
 
 async def _flood_step(
-    att: Any, token: str, lock: asyncio.Lock, tally: dict[str, int], client: Any, session: Any, refused: int
-) -> tuple[Any, Any, int]:
-    """One lease of a flooding identity (a fresh one, and its own address, when it was caught or idle)."""
+    att: Any, token: str, lock: asyncio.Lock, tally: dict[str, int], me: dict[str, Any]
+) -> None:
+    """One lease of a flooding identity (a fresh one, and its own address, when it was caught or idle);
+    ``me`` holds its client, session and refusals in a row."""
     try:
-        if client is None or refused > 20:  # caught, or idle for long: a fresh identity
-            if session is not None:
-                await session.close()
-            session = session_from()
-            client = LearnerClient(att.w.opts.join_url, session, reconnect_s=30.0)
-            await client.register(RegisterRequest(name="flood", usd_per_hour=0.35), token)
+        if me["client"] is None or me["refused"] > 20:  # caught, or idle for long: a fresh identity
+            if me["session"] is not None:
+                await me["session"].close()
+            me["session"] = session_from()
+            me["client"] = LearnerClient(att.w.opts.join_url, me["session"], reconnect_s=30.0)
+            me["refused"] = 0
+            await me["client"].register(RegisterRequest(name="flood", usd_per_hour=0.35), token)
             tally["identities"] = tally.get("identities", 0) + 1
-            refused = 0
+        client = me["client"]
         async with lock:  # stay current like an honest worker (cheap when it is)
             await att.w._follower().fetch()
         got = await client.lease(
@@ -168,8 +168,9 @@ async def _flood_step(
         )
         if not isinstance(got, LeaseGrant):
             tally[got.reason] = tally.get(got.reason, 0) + 1
+            me["refused"] += 1
             await asyncio.sleep(min(got.retry_after_s, 0.5))
-            return client, session, refused + 1
+            return
         async with lock:  # one generation at a time on the one engine
             groups = await asyncio.to_thread(att._generate, got)
         groups_wire = [group_to_wire(g) for g in groups]
@@ -181,9 +182,8 @@ async def _flood_step(
     except Refused as exc:
         tally[exc.reply.error] = tally.get(exc.reply.error, 0) + 1
         if exc.reply.error in ("quarantined", "retired"):
-            client = None
+            me["client"] = None
         await asyncio.sleep(0.2)
-    return client, session, refused
 
 
 def flood(width: int) -> Any:

@@ -275,6 +275,37 @@ def test_a_lagging_worker_leases_only_what_will_still_be_admissible(tmp_path, up
     assert broker.inflight_cap == 32 and isinstance(fresh, LeaseGrant) and len(fresh.prompts) == 4
 
 
+def test_a_lagging_worker_queues_behind_what_probation_holds_for_its_check(tmp_path):
+    """Probation's rollouts sit outside the in-flight budget, not outside the queue: a newcomer's groups
+    held for their check keep their place, and once checked an update takes them before anything
+    submitted after them. So a lagging worker's fresh room counts them ahead (the budget's room does
+    not). S = 3, G = 4, R = 16, budget 32: two proven workers' 8 rollouts buffered, a newcomer's 4 held;
+    at lag 2 an idle learner has (S + 1 - 2) R = 32 rollouts of room for it: 32 - 12 = 20, 5 prompts
+    (6 if the held ones were not counted, and then the update that takes the newcomer's checked group
+    leaves one of the lagging worker's groups behind, stale)."""
+    _, store, broker, pool, clock = _node(tmp_path, "batch.prompts=4", "batch.group_size=4")
+    broker.published = lambda: {8, 9, 10}
+    a, b, new = (_register(pool.registry, pool, n) for n in ("a", "b", "new"))
+    for w in (a, b):
+        grant = _ask(broker, w)
+        assert isinstance(grant, LeaseGrant)
+        _answer(store, broker, grant, w)
+    probation = _ask(broker, new)
+    assert isinstance(probation, LeaseGrant) and len(probation.prompts) == 1
+    groups = tuple(
+        tuple(Trajectory(p.prompt_id, f"{probation.lease_id}:{i}", (1,), (2,), (-0.5,), float(j % 2), 10)
+              for j in range(4))
+        for i, p in enumerate(probation.prompts)
+    )  # fmt: skip
+    store.submit(Submission(probation.lease_id, 10, groups), new, learner_version=10, now=0.0, hold=True)
+    store.taken_at = 9  # no update under way
+    pool.registry[a].last_seen_s = clock()
+    lagging = broker.grant(a, LeaseRequest(max_prompts=8, installed_version=8))
+    assert isinstance(lagging, LeaseGrant) and len(lagging.prompts) == 5
+    current = broker.grant(b, LeaseRequest(max_prompts=8, installed_version=10))  # the budget binds: 32 -
+    assert isinstance(current, LeaseGrant) and len(current.prompts) == 1  # (8 + 20) leaves 4, 1 prompt
+
+
 def test_weights_of_another_run_epoch_get_no_lease_and_leases_carry_the_epoch(tmp_path):
     """A worker still holding an earlier learner process's version (its number may name other weights
     now) is told stale_epoch with the newest version to install; a grant carries this process's epoch,

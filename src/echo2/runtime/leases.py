@@ -22,9 +22,11 @@ A lease is granted only (in this order of refusal reasons):
   that would pass it is cut to the prompts that fit     [buffer_full when not one does]
 - and, for a worker whose weights lag the learner's by ``L`` versions, within ``(S + 1 - L) * R``, a
   batch less while an update is under way: its groups queue behind the rollouts leased and buffered
-  before them and must still be admissible when an update takes them (``_fresh_room``); cut to what
-  fits     [stale_weights when not one does: its ``min_version`` is the oldest version with room, which
-  the worker installs before it asks again; buffer_full if current weights would not fit either]
+  before them (those leased on probation and held for their check included: once checked they keep
+  their place in the queue) and must still be admissible when an update takes them (``_fresh_room``);
+  cut to what fits     [stale_weights when not one does: its ``min_version`` is the oldest version
+  with room, which the worker installs before it asks again; buffer_full if current weights would not
+  fit either]
 - for a worker on probation (``standing.py``: nothing returned yet, or a strike since), while all
   workers on probation hold at most ``security.probation_share`` of that budget (open leases and
   groups waiting for their check), and those
@@ -182,11 +184,13 @@ class LeaseBroker:
             if not self._probation_turn(worker_id, n, now, by_worker, on_probation):
                 return LeaseRefusal(reason="probation_full", retry_after_s=retry * 4)
         else:
-            ahead = self.store.outstanding_rollouts() - on_probation
-            room = (self.inflight_cap - ahead) // G
+            outstanding = self.store.outstanding_rollouts()
+            room = (self.inflight_cap - (outstanding - on_probation)) // G
             if room < 1:
                 return LeaseRefusal(reason="buffer_full", retry_after_s=retry)
-            fresh, max_lag = self._fresh_room(installed, ahead)
+            # probation's rollouts are outside the budget but not outside the queue: its groups held for
+            # their check keep their place and an update takes them first once checked
+            fresh, max_lag = self._fresh_room(installed, outstanding)
             if fresh < 1:  # what it would generate now goes stale behind the rollouts ahead of it
                 newest = self.version() - max_lag
                 if max_lag < 0 or newest <= installed:  # newer weights would not help: the queue is too long

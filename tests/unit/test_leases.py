@@ -458,3 +458,29 @@ def test_is_active_agrees_with_the_active_list_in_every_state(tmp_path):
     registry[ids[1]].last_seen_s = clock()
     pool.observe(registry[ids[1]], HeartbeatRequest(rollouts=0, busy_s=0.0, installed_version=10))
     agree(1)
+
+
+def test_heartbeats_run_at_most_one_controller_round_a_second(tmp_path):
+    """Every heartbeat may run a controller round (the controller keeps deciding while an update holds
+    the training loop), but a thousand heartbeats in one second run one round, not a thousand
+    (``Pool.tick_due``); the housekeeping's own round counts."""
+    from echo2.runtime.pool import ROUND_S
+
+    _, _, _, pool, clock = _node(tmp_path)
+    pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
+    rounds = []
+    decide = pool.controller.decide
+    pool.controller.decide = lambda now: rounds.append(now) or decide(now)  # type: ignore[method-assign]
+    for _ in range(1000):
+        pool.tick_due()
+    assert len(rounds) == 1
+    clock.t += ROUND_S / 2
+    pool.tick_due()
+    assert len(rounds) == 1
+    clock.t += ROUND_S / 2
+    pool.tick_due()
+    assert len(rounds) == 2
+    pool.tick()  # the housekeeping's round ...
+    clock.t += ROUND_S / 2
+    pool.tick_due()  # ... is the last one
+    assert len(rounds) == 3

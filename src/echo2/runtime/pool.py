@@ -52,6 +52,7 @@ MIN_BUSY_SHARE = 0.5  # generating time claimed below this share of the wall tim
 
 
 MIN_USEFUL = 0.05  # the pool is never sized for more than 20x the batch (a run whose groups are all flat)
+ROUND_S = 1.0  # a heartbeat runs a controller round only when none ran for this long (Pool.tick_due)
 
 
 class Pool:
@@ -81,6 +82,7 @@ class Pool:
         self.clock = clock
         self.controller = PoolController(mu_target=1.0, config=controller)
         self.target_known = False  # until T_train is measured every live worker is active
+        self._last_round = -math.inf  # clock of the last controller round (tick)
         self.mu_min: float | None = None  # SPEC §3 mu_min(kappa) from the last measurement
         self.decisions: list[dict[str, Any]] = []  # activation log (also in the run directory)
         self.last_reason: dict[str, str] = {}  # worker -> why the controller last acted on it
@@ -206,8 +208,16 @@ class Pool:
             return self.mu_check_max
         return target
 
+    def tick_due(self) -> None:
+        """A controller round if none ran in the last ``ROUND_S`` (a heartbeat's: the controller keeps
+        deciding while an update holds the training loop, and a thousand members' heartbeats a second
+        cost one round a second, not a thousand)."""
+        if self.clock() - self._last_round >= ROUND_S:
+            self.tick()
+
     def tick(self) -> None:
         """One controller round: carry out and log its decisions (the worker learns at its next call)."""
+        self._last_round = self.clock()
         if not self.target_known:
             return
         for d in self.controller.decide(self.clock()):

@@ -236,7 +236,7 @@ class Routes:
             )
         self.registry.installed(rec.worker_id, hb.installed_version, hb.install_s, holds_now=True)
         self.pool.observe(rec, hb)
-        self.pool.tick()
+        self.pool.tick_due()
         reply = HeartbeatReply(
             active=self.pool.is_active(rec.worker_id),
             version=self.broker.version(),

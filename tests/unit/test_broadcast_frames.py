@@ -51,6 +51,7 @@ from echo2.weights.frames import (
     RevokeFrame,
     ShutdownFrame,
     StalledFrame,
+    Stride,
     decode_chunk_list,
     encode_chunk_list,
     parse_frame,
@@ -196,6 +197,21 @@ def test_an_announcement_naming_a_repair_source_without_an_address_is_refused() 
     assert ok.repair == {"w2": "w7"}
 
 
+def test_a_stride_is_read_as_its_chunks_and_one_past_the_last_is_refused() -> None:
+    """A pull stream may name its chunks as a stride (every step-th from start to the version's last, as
+    a relay tree's stripe): the member reads the list it stands for; a stride that names no chunk of the
+    version, or steps by 0, is refused naming the field."""
+    base = BY_HAND["announce"][0]
+    frame = parse_frame({**base, "sources": [["w2", {"start": 1, "step": 3}]]}, AnnounceFrame)
+    assert parse_announcement(frame, 11, False).sources == [("w2", [1, 4, 7, 10])]
+    with pytest.raises(WireProtocolError, match="names a stride past chunk 0"):
+        parse_announcement(frame, 1, False)
+    with pytest.raises(ProtocolError, match=r"field 'sources\.0\.1\.step': Input should be greater than or"):
+        parse_frame({**base, "sources": [["w2", {"start": 1, "step": 0}]]}, AnnounceFrame)
+    with pytest.raises(ProtocolError, match=r"sources\.0\.1"):
+        parse_frame({**base, "sources": [["w2", {"start": 1}]]}, AnnounceFrame)
+
+
 def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
     async def go() -> dict[str, Any]:
         pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
@@ -211,7 +227,9 @@ def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
 
     header = asyncio.run(go())
     frame = parse_frame(header, AnnounceFrame)
-    assert frame.sources == [(LEARNER, [0, 1, 2])] and set(frame.peers) == {"w1", LEARNER}
+    assert frame.sources == [(LEARNER, Stride(start=0, step=1))]  # all 3 chunks, as a stride
+    assert parse_announcement(frame, 3, tls=False).sources == [(LEARNER, [0, 1, 2])]
+    assert set(frame.peers) == {LEARNER} and frame.members == 1
     assert on_wire(to_wire(frame)) == header
 
 

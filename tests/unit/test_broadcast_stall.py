@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from plans import announced
 
 from echo2.broadcast.access import Credential, issue, pull_request
 from echo2.broadcast.api import OpenLedger, PublisherCounters
@@ -142,7 +143,7 @@ async def _join(addr: tuple[str, int], worker: str) -> tuple[asyncio.StreamReade
 
 async def _pull_learner(addr: tuple[str, int], ann: dict[str, Any]) -> int:
     """Pull the chunks the plan puts on the learner, as a member would; how many came."""
-    chunks = [i for s, ch in ann["sources"] if s == LEARNER for i in ch]
+    chunks = [i for s, ch in announced(ann) if s == LEARNER for i in ch]
     if not chunks:
         return 0
     reader, writer = await asyncio.open_connection(*addr)
@@ -156,7 +157,7 @@ async def _pull_learner(addr: tuple[str, int], ann: dict[str, Any]) -> int:
 
 def _planned(ann: dict[str, Any]) -> dict[str, int]:
     got: dict[str, int] = {}
-    for s, ch in ann["sources"]:
+    for s, ch in announced(ann):
         got[s] = got.get(s, 0) + len(ch)
     return got
 
@@ -195,7 +196,7 @@ def test_publisher_counts_reports_demotes_a_staller_and_checks_acks(caplog: pyte
         pub, ctl = await _three_members()
         await pub.publish(1, BLOB)
         ann = {w: await read_header(ctl[w][0]) for w in ctl}
-        assert all("c" in {s for s, _ in ann[w]["sources"]} for w in "ab")  # c relays for a and b
+        assert all("c" in {s for s, _ in announced(ann[w])} for w in "ab")  # c relays for a and b
 
         async def send(w: str, msg: dict[str, Any]) -> None:
             await _send(ctl, w, msg)
@@ -229,8 +230,8 @@ def test_publisher_counts_reports_demotes_a_staller_and_checks_acks(caplog: pyte
 
         await pub.publish(2, BLOB)
         ann = {w: await read_header(ctl[w][0]) for w in ctl}
-        assert ann["c"]["sources"] == [[LEARNER, list(range(N_CHUNKS))]] and ann["c"]["serve"] == []
-        assert all(s != "c" for w in "ab" for s, _ in ann[w]["sources"])  # nobody pulls from c again
+        assert announced(ann["c"]) == [(LEARNER, list(range(N_CHUNKS)))] and ann["c"]["serve"] == []
+        assert all(s != "c" for w in "ab" for s, _ in announced(ann[w]))  # nobody pulls from c again
         await send("a", {"op": "installed", "v": 2, "got": {"c": N_CHUNKS}})  # c is no source of a now
         assert pub.counters.acks_refused == 3
         assert await _pull_learner(pub.address, ann["c"]) == N_CHUNKS  # a leaf: everything, uncapped
@@ -483,7 +484,7 @@ def test_a_demotion_undone_by_a_starvation_report_is_told_to_the_ledger_both_way
         for v in (1, 2):
             await pub.publish(v, BLOB)
             ann = {w: await read_header(ctl[w][0]) for w in ctl}
-            assert "c" in {s for s, _ in ann["a"]["sources"]} and "a" in {s for s, _ in ann["b"]["sources"]}
+            assert "c" in {s for s, _ in announced(ann["a"])} and "a" in {s for s, _ in announced(ann["b"])}
             await _send(ctl, "b", {"op": "stalled", "v": v, "source": "a"})
         assert pub.demoted() == ["a"] and pub.ledger.conduct == [("a", True)]
         await _send(ctl, "a", {"op": "stalled", "v": 2, "source": "c"})
@@ -510,7 +511,7 @@ def test_a_relay_starved_by_its_own_source_is_not_blamed_for_the_stall_it_passes
         for v in (1, 2):  # two versions: two counted reports would demote a
             await pub.publish(v, BLOB)
             ann = {w: await read_header(ctl[w][0]) for w in ctl}
-            src = {w: {s for s, _ in ann[w]["sources"]} for w in ctl}
+            src = {w: {s for s, _ in announced(ann[w])} for w in ctl}
             assert "c" in src["a"] and "a" in src["b"]  # c relays for a, a for b
             if v == 1:  # b's report of a arrives first, then a's of c: a is exonerated afterwards
                 await send("b", {"op": "stalled", "v": v, "source": "a"})
@@ -529,3 +530,34 @@ def test_a_relay_starved_by_its_own_source_is_not_blamed_for_the_stall_it_passes
         await pub.close()
 
     asyncio.run(go())
+
+
+def test_an_announcement_names_only_the_peers_its_member_needs() -> None:
+    """A member is told the address of each peer it pulls from or repairs from (and the learner's), never
+    the whole fleet's, and how many members the version went to (its stall deadline's N): a frame's size
+    does not grow with the fleet. 12 and 48 members over loopback (trees of depth 2 and 3)."""
+
+    async def frames(n: int) -> list[tuple[dict[str, Any], int]]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+        await pub.start()
+        ctl = {f"m{i}": await _join(pub.address, f"m{i}") for i in range(n)}
+        await pub.wait_members(n, 5)
+        await pub.publish(1, BLOB * 8)  # 80 chunks
+        got = []
+        for r, _ in ctl.values():
+            (size,) = struct.unpack("!I", await r.readexactly(4))
+            got.append((parse_header(await r.readexactly(size)), size))
+        for _, w in ctl.values():
+            w.close()
+        await pub.close()
+        return got
+
+    sizes = {}
+    for n in (12, 48):
+        got = asyncio.run(frames(n))
+        for ann, _ in got:
+            named = {s for s, _ in announced(ann)} | set(ann["repair"].values()) | {LEARNER}
+            assert set(ann["peers"]) == named and ann["members"] == n
+        assert n < 48 or any(ann["repair"] for ann, _ in got)  # depth 3: ancestors named too
+        sizes[n] = max(size for _, size in got)
+    assert sizes[48] < 1.25 * sizes[12]  # 4 times the fleet, not 4 times the frame

@@ -9,7 +9,7 @@ import pytest
 
 from echo2.broadcast.api import BroadcastStats, OpenLedger
 from echo2.broadcast.in_memory import InMemoryHub
-from echo2.broadcast.wire import Pacer, ProtocolError, encode, read_header, read_payload
+from echo2.broadcast.wire import Pacer, ProtocolError, dumps, encode, encode_with, read_header, read_payload
 from echo2.weights.manifest import HmacKey, ManifestError, blob_ok
 
 
@@ -155,3 +155,15 @@ def test_publishers_size_chunks_per_snapshot_unless_told() -> None:
             await rated.close()
 
     asyncio.run(go())
+
+
+def test_a_header_with_a_value_encoded_once_is_the_same_bytes() -> None:
+    """The publisher encodes a version's manifest once and splices it into every announcement
+    (``wire.encode_with``): byte for byte the frame ``encode`` writes."""
+    header = {
+        "op": "announce", "manifest": {"version": 3, "chunk_digests": "QUJD" * 50, "lineage": {"base": None}},
+        "sources": [["w2", {"start": 1, "step": 8}], ["learner", [0, 8]]], "peers": {"w2": ["h", 9, ""]},
+        "stall_hint": 0.5, "serve": [], "repair": {}, "credential": {"member": "w1"}, "members": 12,
+    }  # fmt: skip
+    assert encode_with(header, {"manifest": dumps(header["manifest"])}) == encode(header)
+    assert encode_with(header, {}) == encode(header)

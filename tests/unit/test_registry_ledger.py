@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plans import announced
+
 from echo2.broadcast.access import Credential, pull_request
 from echo2.broadcast.api import MemberLedger, OpenLedger
 from echo2.broadcast.in_memory import InMemoryHub
@@ -114,14 +116,14 @@ async def _member(addr: tuple[str, int], worker: str, credential: str) -> tuple[
 async def _pull_learner(addr: tuple[str, int], ann: dict[str, Any]) -> dict[str, int]:
     """Pull the chunks the plan puts on the learner, as a member would; the receipts of a member that
     stored every planned chunk."""
-    chunks = [i for s, ch in ann["sources"] if s == LEARNER for i in ch]
+    chunks = [i for s, ch in announced(ann) if s == LEARNER for i in ch]
     reader, writer = await asyncio.open_connection(*addr)
     await write_frame(writer, *pull_request(Credential.from_dict(ann["credential"]), chunks, False, "", None))
     for _ in chunks:
         await read_payload(reader, await read_header(reader), CHUNK)
     writer.close()
     got: dict[str, int] = {}
-    for s, ch in ann["sources"]:
+    for s, ch in announced(ann):
         got[s] = got.get(s, 0) + len(ch)
     return got
 
@@ -149,7 +151,7 @@ def test_a_revoked_member_is_disconnected_at_once_and_is_no_target(tmp_path: Pat
         assert pub.members() == [good]
         await pub.publish(1, BLOB)
         ann = await asyncio.wait_for(read_header(ctl[good][0]), 5)
-        assert ann["op"] == "announce" and [s for s, _ in ann["sources"]] == [LEARNER]  # planned alone
+        assert ann["op"] == "announce" and [s for s, _ in announced(ann)] == [LEARNER]  # planned alone
         assert bad not in ann["peers"]
         assert pub.stats(1).n_workers == 1
         assert pub.stats(1).install_s == {} and reg[bad].installed_version == -1
@@ -252,7 +254,11 @@ def test_a_publisher_over_an_empty_registry_admits_nobody_unregistered(tmp_path:
         return members, ann
 
     members, ann = asyncio.run(go())
-    assert members == [next(iter(r.worker_id for r in reg))] and set(ann["peers"]) == {members[0], LEARNER}
+    assert (
+        members == [next(iter(r.worker_id for r in reg))]
+        and ann["members"] == 1
+        and set(ann["peers"]) == {LEARNER}
+    )
 
 
 def test_a_restored_registry_keeps_its_members_and_its_quarantines(tmp_path: Path) -> None:
@@ -294,9 +300,9 @@ def test_a_quarantine_cuts_a_pull_in_progress_and_tells_the_relays(tmp_path: Pat
         await pub.wait_members(3, 5)
         await pub.publish(1, big)
         ann = {w: await asyncio.wait_for(read_header(ctl[w][0]), 5) for w in ctl}
-        victim = next(w for w in ann if any(s == LEARNER for s, _ in ann[w]["sources"]))
+        victim = next(w for w in ann if any(s == LEARNER for s, _ in announced(ann[w])))
         relays = [w for w in ann if victim in ann[w].get("serve", [])]
-        chunks = [i for s, ch in ann[victim]["sources"] if s == LEARNER for i in ch]
+        chunks = [i for s, ch in announced(ann[victim]) if s == LEARNER for i in ch]
         r, w = await asyncio.open_connection(*pub.address)
         await write_frame(
             w, *pull_request(Credential.from_dict(ann[victim]["credential"]), chunks, False, "", None)

@@ -15,7 +15,7 @@ from plans import sources as _sources
 
 from echo2.broadcast.in_memory import InMemoryHub
 from echo2.broadcast.pipelined import RelayTree, TreePipelined
-from echo2.broadcast.strategy import LEARNER, Plan, repair_sources
+from echo2.broadcast.strategy import LEARNER, REPAIR_HOPS, Plan, repair_sources
 from echo2.physics import broadcast as pb
 from echo2.weights.manifest import blob_ok, chunk_ok, new_signing_key, verify_manifest
 
@@ -68,12 +68,14 @@ def test_the_runtime_plans_the_physics_layout() -> None:
 @pytest.mark.parametrize("n", [8, 16, 100, 1000])
 def test_a_failed_peers_chunks_are_asked_of_its_stripe_ancestors_in_order(n: int) -> None:
     """The announcement's repair sources: for each peer a member pulls from, that peer's own source for
-    those chunks, then that one's, up to the learner (never named: the last resort); where the chunks
-    came to a peer from several sources (a member pulling two stripes from one peer) the chain stops."""
+    those chunks, then that one's, nearest first, at least ``REPAIR_HOPS`` of them where the tree has
+    them, up to the learner (never named: the last resort); where the chunks came to a peer from several
+    sources (a member pulling two stripes from one peer) the chain stops. Here only at N = 1,000 is a
+    chain cut short of the learner."""
     workers = [f"w{i}" for i in range(n)]
     plan = TreePipelined().plan(workers, 64)
     src, ups = _sources(plan), repair_sources(plan)
-    asked = stopped = 0
+    asked = stopped = cut = 0
     for w, pulls in plan.items():
         for a in pulls:
             expect, x = [], a.source
@@ -89,11 +91,13 @@ def test_a_failed_peers_chunks_are_asked_of_its_stripe_ancestors_in_order(n: int
             while peer in ups[w]:
                 peer = ups[w][peer]
                 chain.append(peer)
-            assert chain == expect  # every ancestor, nearest first; the learner left out
+            assert chain == expect[: len(chain)] and len(chain) >= min(len(expect), REPAIR_HOPS)
+            cut += len(chain) < len(expect)
             asked += len(chain)
     k = pb.relay_stripes(np.ones(n), 1.0)
     assert asked > 0 if n > k else asked == 0  # depth 2 (n <= k): every peer's source is the learner
     assert stopped <= 0.05 * sum(len(p) for p in plan.values())  # the rare two-stripe pull
+    assert (cut > 0) == (n == 1000)
 
 
 def test_a_departed_relay_is_repaired_from_its_ancestors() -> None:
@@ -210,3 +214,29 @@ def test_thousand_peers_in_process_on_the_in_memory_hub() -> None:
         return len(stats.install_s)
 
     assert asyncio.run(main()) == n
+
+
+@pytest.mark.parametrize("n_chunks", [3, 64])
+def test_repair_sources_from_the_parent_maps_are_those_of_the_chunk_lists(n_chunks: int) -> None:
+    """The publisher asks the strategy for the repair sources (``strategy.repairs_of``): Tree-Pipelined
+    reads them off its parent maps in O(N k depth), and they equal the chunk lists' (``repair_sources``)
+    on fresh trees, through departures and joiners, with demoted leaves beside the trees, and with fewer
+    chunks than stripes; a plan of other trees gets the chunk lists' answer."""
+    from echo2.broadcast.pipelined import _planned_by
+    from echo2.broadcast.strategy import plan_with_leaves, repairs_of
+
+    strategy = TreePipelined()
+    rng = np.random.default_rng(7)
+    members = [f"w{i}" for i in range(300)]
+    for round_ in range(6):
+        leaves = frozenset(members[j] for j in rng.choice(len(members), 5, replace=False))
+        plan = plan_with_leaves(strategy, members, leaves, n_chunks)
+        assert strategy._cache.tree is not None and _planned_by(strategy._cache.tree, plan, n_chunks)
+        fast = repairs_of(strategy, plan, n_chunks)  # from the parent maps
+        assert fast == repair_sources(plan), round_
+        assert any(fast.values())  # 300 members: trees deeper than 2, chains to walk
+        gone = set(rng.choice(members, 20, replace=False).tolist())
+        members = [w for w in members if w not in gone] + [f"x{round_}-{i}" for i in range(25)]
+    other = TreePipelined().plan([f"y{i}" for i in range(50)], n_chunks)  # not the cached trees
+    assert not _planned_by(strategy._cache.tree, other, n_chunks)
+    assert repairs_of(strategy, other, n_chunks) == repair_sources(other)

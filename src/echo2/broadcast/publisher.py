@@ -21,9 +21,16 @@ With a TLS identity (``tls``: the run's certificate, ``echo2.transport``) the po
 workers pin its fingerprint. A worker's join names the fingerprint of its own relay certificate, and
 every announcement hands each member the addresses *and* fingerprints of the peers it pulls from, the
 members it serves (``serve``), where each of its peers gets its chunks (``repair``: the stripe
-ancestors it asks first when that peer fails, ``strategy.repair_sources``; an ancestor serves the
+ancestors it asks first when that peer fails, ``strategy.repairs_of``; an ancestor serves the
 members below it) and its credential for the version (``access.py``), which a ``get``
 must carry: the learner is the only party that vouches for who is who.
+
+An announcement's size does not grow with the fleet: it names only the peers its member pulls or
+repairs from (not every member's address), a stripe's chunks as a stride, and how many members the
+version went to. Planning (the strategy, its repair sources, who serves whom) and encoding the
+announcements run off the event loop (``asyncio.to_thread``, the encoding ``ANNOUNCE_BATCH`` members at
+a time), so the loop keeps serving leases and heartbeats meanwhile; the manifest, the same for every
+member, is encoded once per version. Measured: ``benchmarks/fleet.py --study publish``.
 
 Members are untrusted, so the publisher also keeps their conduct (docs/broadcast.md, "A stalling
 relay"): a member reports on its control connection each peer that stalled for it
@@ -56,8 +63,18 @@ from dataclasses import dataclass, field
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
 from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
-from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repair_sources
-from echo2.broadcast.wire import Pacer, ProtocolError, parse_pull, read_header, show, write_frame
+from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repairs_of
+from echo2.broadcast.wire import (
+    Pacer,
+    ProtocolError,
+    dumps,
+    encode,
+    encode_with,
+    parse_pull,
+    read_header,
+    show,
+    write_frame,
+)
 from echo2.errors import Echo2Error
 from echo2.perimeter import Limits, Perimeter, SampledLog, default_limits, streams
 from echo2.physics.broadcast import relay_chunk_bytes
@@ -85,6 +102,7 @@ log = logging.getLogger(__name__)
 DEMOTE_AFTER_REPORTS = 2  # counted stall reports against a member that end its relaying for the run
 MAX_TRACKED = 4096  # members whose reports / demotion the publisher remembers (then: the current ones)
 MAX_CONTROL = 1 << 16  # bytes of a member's control frame (an install ack with its receipts is the largest)
+ANNOUNCE_BATCH = 256  # announcements encoded per trip off the event loop
 
 
 @dataclass
@@ -113,8 +131,25 @@ class _Round:
     starved: set[str] = field(default_factory=set)  # members that reported a source of theirs stalling
     refused: set[str] = field(default_factory=set)  # members whose ack of this version does not count
     refused_as_stalled: set[str] = field(default_factory=set)  # of which for a stall report against it
-    repair: dict[str, dict[str, str]] = field(default_factory=dict)  # strategy.repair_sources(plan)
+    repair: dict[str, dict[str, str]] = field(default_factory=dict)  # strategy.repairs_of(plan)
     serves: dict[str, set[str]] = field(default_factory=dict)  # member -> the members it serves
+
+    _wire: dict[int, tuple[tuple[int, ...], object]] = field(default_factory=dict)  # id -> chunks, as sent
+    manifest_json: bytes = b""  # the manifest as every announcement of the version carries it
+
+    def on_wire(self, chunks: tuple[int, ...]) -> object:
+        """A pull's chunks as an announcement carries them: a stride (``frames.Stride``) when they are every
+        step-th chunk from the first to the version's last, as a relay tree's stripe is, else the list.
+        Worked out once per tuple of the plan (its stripes' tuples are shared by every member)."""
+        hit = self._wire.get(id(chunks))
+        if hit is not None and hit[0] is chunks:
+            return hit[1]
+        wire: object = list(chunks)
+        step = chunks[1] - chunks[0] if len(chunks) >= 2 else 0
+        if step >= 1 and chunks == tuple(range(chunks[0], self.manifest.n_chunks, step)):
+            wire = {"start": chunks[0], "step": step}
+        self._wire[id(chunks)] = (chunks, wire)
+        return wire
 
     def sources(self, member: str) -> set[str]:
         """The sources ``member``'s plan names this version (the learner included when it does) and the
@@ -188,6 +223,7 @@ class TcpPublisher:
         self._joined = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._planning = asyncio.Lock()  # publications plan one at a time
 
     async def start(self) -> tuple[str, int]:
         self.ledger.watch(self._expel)  # a quarantine or a retirement closes the member's connections
@@ -256,17 +292,9 @@ class TcpPublisher:
         self._gate.forget_before(min(self._buffers))
         members = {w: m for w, m in self._members.items() if self.ledger.is_target(w)}
         leaves = frozenset(w for w in members if w in self._demoted)
-        plan = plan_with_leaves(self.strategy, list(members), leaves, manifest.n_chunks)
-        peers = {w: (*m.addr, m.cert) for w, m in members.items()}
-        peers[LEARNER] = (*self.address, self.fingerprint)
-        repair = repair_sources(plan)  # whom each member asks first when a peer of its plan fails
-        rnd = _Round(manifest, time.monotonic(), tuple(members), plan=plan, leaves=leaves, repair=repair)
-        serves = rnd.serves = {w: set() for w in members}  # who may pull from whom
-        for w in plan:
-            for src in rnd.sources(w) - {LEARNER}:
-                serves[src].add(w)
-        if self.link_rates is not None and len(members) > len(leaves):
-            rnd.stream_rate = self.strategy.learner_stream_rate(len(members) - len(leaves), *self.link_rates)
+        addresses = {w: (*m.addr, m.cert) for w, m in members.items()}
+        async with self._planning:  # one plan at a time: a strategy keeps its last trees
+            rnd = await asyncio.to_thread(self._plan_round, manifest, addresses, leaves)
         self._rounds[version] = rnd
         for old in sorted(self._rounds)[: -max(8, self.keep_versions)]:
             del self._rounds[old]
@@ -280,14 +308,59 @@ class TcpPublisher:
         )
         man = manifest.to_dict()
         hint = self._stall_hint(len(members), manifest.chunk_size)
-        for w, member in members.items():
-            frame = announce(
-                manifest=man, sources=[(a.source, list(a.chunks)) for a in plan[w]], peers=peers,
-                stall_hint=hint, serve=sorted(serves[w]), repair=repair[w],
-                credential=issue(self.key, version, w, member.cert).to_dict(),
-            )  # fmt: skip
-            self._spawn(self._send(member, frame))
+        order = list(members)
+        for i in range(0, len(order), ANNOUNCE_BATCH):  # encoded off the loop, a batch at a time
+            batch = order[i : i + ANNOUNCE_BATCH]
+            frames = await asyncio.to_thread(self._announcements, rnd, man, hint, addresses, batch)
+            for w, frame in zip(batch, frames, strict=True):
+                if (member := self._members.get(w)) is members[w]:  # still the member it was planned for
+                    self._spawn(self._send_raw(member, frame))
         return manifest
+
+    def _plan_round(
+        self, manifest: Manifest, addresses: dict[str, tuple[str, int, str]], leaves: frozenset[str]
+    ) -> _Round:
+        """The plan of a version over ``addresses``' members (``leaves`` relay nothing), whom each asks
+        when a peer fails and whom each serves; pure in its arguments but for the strategy's kept trees,
+        run off the event loop."""
+        n = manifest.n_chunks
+        plan = plan_with_leaves(self.strategy, list(addresses), leaves, n)
+        repair = repairs_of(self.strategy, plan, n)  # whom each member asks first when a peer fails
+        rnd = _Round(manifest, time.monotonic(), tuple(addresses), plan=plan, leaves=leaves, repair=repair)
+        serves = rnd.serves = {w: set() for w in addresses}  # who may pull from whom
+        for w in plan:
+            for src in rnd.sources(w) - {LEARNER}:
+                serves[src].add(w)
+        if self.link_rates is not None and len(addresses) > len(leaves):
+            rnd.stream_rate = self.strategy.learner_stream_rate(
+                len(addresses) - len(leaves), *self.link_rates
+            )
+        return rnd
+
+    def _announcements(
+        self,
+        rnd: _Round,
+        man: dict[str, object],
+        hint: float,
+        addresses: dict[str, tuple[str, int, str]],
+        batch: list[str],
+    ) -> list[bytes]:
+        """The encoded ``announce`` frames of ``batch``'s members: each names only the peers it pulls or
+        repairs from (and the learner), so a frame's size does not grow with the fleet."""
+        version, n = rnd.manifest.version, len(rnd.targets)
+        me = (*self.address, self.fingerprint)
+        encoded = {"manifest": rnd.manifest_json or dumps(man)}  # the same for every member: once
+        rnd.manifest_json = encoded["manifest"]
+        out = []
+        for w in batch:
+            peers = {LEARNER: me} | {p: addresses[p] for p in rnd.sources(w) - {LEARNER}}
+            frame = announce(
+                manifest=man, sources=[(a.source, rnd.on_wire(a.chunks)) for a in rnd.plan[w]], peers=peers,
+                stall_hint=hint, serve=sorted(rnd.serves[w]), repair=rnd.repair[w],
+                credential=issue(self.key, version, w, addresses[w][2]).to_dict(), members=n,
+            )  # fmt: skip
+            out.append(encode_with(to_wire(frame), encoded))
+        return out
 
     def _stall_hint(self, n: int, chunk: int) -> float:
         """Seconds without data that are still normal: 8 chunk-times of a stream sharing B_w with N others."""
@@ -351,9 +424,14 @@ class TcpPublisher:
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, member: _Member, frame: Frame) -> None:
+        await self._send_raw(member, encode(to_wire(frame)))
+
+    async def _send_raw(self, member: _Member, data: bytes) -> None:
+        """One encoded frame on ``member``'s control connection."""
         try:
             async with member.lock:
-                await write_frame(member.writer, to_wire(frame))
+                member.writer.write(data)
+                await member.writer.drain()
         except (OSError, ConnectionError) as exc:
             log.warning("control send to %s failed: %s", member.worker, exc)
 

@@ -367,7 +367,7 @@ class TcpWorkerNode:
         self._buffers[v] = buffer
         self._serves[v] = plan.serves
         stall = max(self.stall_timeout, plan.stall_hint)
-        transfer = _Transfer(manifest, buffer, peers, stall, credential, len(peers) - 1, repair=plan.repair)
+        transfer = _Transfer(manifest, buffer, peers, stall, credential, plan.members, repair=plan.repair)
         if all(s != LEARNER for s, _ in sources):
             transfer.learner_first = 0.0  # no learner stream: that term of the deadline is absent
         self._transfer = transfer

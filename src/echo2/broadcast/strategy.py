@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from echo2.physics.broadcast import StrategyName
 
@@ -63,23 +63,47 @@ def plan_with_leaves(
     return {w: plan.get(w, every) for w in members}
 
 
+REPAIR_HOPS = 2  # stripe ancestors above a failed peer a member is told to ask before the learner
+
+
 def repair_sources(plan: Plan) -> dict[str, dict[str, str]]:
     """For every member, each peer it pulls from -> where that peer pulls those chunks from, and so on
-    up its stripe to the learner (not named): a member repairs a failed peer's chunks from the peer's
-    own source, an ancestor that holds them before the failed peer did, and asks the learner only
-    when the chain is exhausted. A peer whose chunks for the member come from several sources ends the
-    chain there (the learner repairs them)."""
+    up its stripe, at most ``REPAIR_HOPS`` ancestors above the peer (the learner is never named): a
+    member repairs a failed peer's chunks from the peer's own source, an ancestor that holds them
+    before the failed peer did, and asks the learner only when the chain is exhausted. A peer whose
+    chunks for the member come from several sources ends the chain there (the learner repairs them).
+    The cap bounds whom a relay serves (about the members below it within ``REPAIR_HOPS + 1`` levels,
+    ``k + k^2 + k^3`` for fan-out k, whatever N is: 580 at N = 10,000, k = 8) and so its
+    announcement's ``serve`` list; it cuts only the chains of members more than 4 levels below the
+    learner (fleets of hundreds at k = 8), whose learner repairs what 3 failed relays in a row leave."""
     source_of = {w: {i: a.source for a in pulls for i in a.chunks} for w, pulls in plan.items()}
     out: dict[str, dict[str, str]] = {}
     for w, pulls in plan.items():
         ups: dict[str, str] = {}
         for a in pulls:
-            peer, chunks = a.source, a.chunks
-            while peer != LEARNER and peer not in ups and chunks:
+            peer, chunks, hops = a.source, a.chunks, 0
+            while peer != LEARNER and peer not in ups and chunks and hops < REPAIR_HOPS:
                 above = {source_of.get(peer, {}).get(i) for i in chunks}
                 up = above.pop() if len(above) == 1 else None
                 if up is None or up in (LEARNER, w):
                     break
                 ups[peer] = peer = up
+                hops += 1
         out[w] = ups
     return out
+
+
+@runtime_checkable
+class TreeRepairs(Protocol):
+    """A strategy that derives :func:`repair_sources` of its own plans from its trees (cheaper than from
+    the chunk lists)."""
+
+    def repair_sources(self, plan: Plan, n_chunks: int) -> dict[str, dict[str, str]]: ...
+
+
+def repairs_of(strategy: Strategy, plan: Plan, n_chunks: int) -> dict[str, dict[str, str]]:
+    """:func:`repair_sources` of ``plan`` (made by ``strategy`` over ``n_chunks`` chunks), from the
+    strategy's trees where it keeps them."""
+    if isinstance(strategy, TreeRepairs):
+        return strategy.repair_sources(plan, n_chunks)
+    return repair_sources(plan)

@@ -31,11 +31,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel
+
 from echo2.broadcast.strategy import LEARNER
 from echo2.weights.frames import (
     AnnounceFrame,
     GetFrame,
     ProtocolError,
+    Stride,
     parse_frame,
     refusal,
     show,
@@ -54,8 +57,36 @@ _SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # an escape in U+D800..U+D
 def encode(header: dict[str, Any], payload_len: int = 0) -> bytes:
     if payload_len:
         header = {**header, "n": payload_len}
-    body = json.dumps(header, separators=(",", ":")).encode()
+    body = json.dumps(header, separators=(",", ":"), default=_plain).encode()
     return _LEN.pack(len(body)) + body
+
+
+def encode_with(header: dict[str, Any], encoded: dict[str, bytes]) -> bytes:
+    """:func:`encode` of ``header`` (no payload) when the JSON of some of its values is at hand
+    (``encoded``: key -> that value's JSON, as ``json.dumps`` with this module's separators writes it):
+    the same bytes, without encoding those values again (an announcement's manifest, the same for every
+    member, is encoded once per version)."""
+    items = (
+        json.dumps(k).encode() + b":" + (encoded[k] if k in encoded else _dumps(v)) for k, v in header.items()
+    )
+    body = b"{" + b",".join(items) + b"}"
+    return _LEN.pack(len(body)) + body
+
+
+def dumps(value: object) -> bytes:
+    """``value`` as a frame header writes it (compact JSON)."""
+    return _dumps(value)
+
+
+def _dumps(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":"), default=_plain).encode()
+
+
+def _plain(value: object) -> object:
+    """A frame's nested model (a parsed announcement's ``frames.Stride``) as JSON: its fields."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 async def write_frame(
@@ -218,15 +249,25 @@ class Announcement:
     serves: frozenset[str]  # members the plan has pulling from this node (and repairing from it)
     stall_hint: float  # seconds without data the learner still calls normal (0 = no hint)
     repair: dict[str, str]  # a source -> its own source for those chunks (strategy.repair_sources)
+    members: int  # members the version was announced to (N in first_chunk_deadline)
 
 
 def parse_announcement(frame: AnnounceFrame, n_chunks: int, tls: bool) -> Announcement:
-    """An announcement's plan (the types and bounds of its fields are its model's); ProtocolError
-    naming the fault unless every chunk index is in ``[0, n_chunks)``, ``peers`` names every source (a
-    repair source too) and the learner, and (over TLS) each with a 64-digit fingerprint."""
+    """An announcement's plan (the types and bounds of its fields are its model's; a stride is expanded to
+    its chunks); ProtocolError naming the fault unless every chunk index is in ``[0, n_chunks)`` (a stride
+    names at least one), ``peers`` names every source (a repair source too) and the learner, and (over
+    TLS) each with a 64-digit fingerprint."""
+    sources = []
     for source, chunks in frame.sources:
-        if any(i >= n_chunks for i in chunks):
+        if isinstance(chunks, Stride):
+            chunks = list(range(chunks.start, n_chunks, chunks.step))
+            if not chunks:
+                raise ProtocolError(
+                    f"announcement source {source!r} names a stride past chunk {n_chunks - 1}"
+                )
+        elif any(i >= n_chunks for i in chunks):
             raise ProtocolError(f"announcement source {source!r} names chunks outside [0, {n_chunks})")
+        sources.append((source, chunks))
     peers = {k: (a[0], a[1], a[2] if len(a) == 3 else "") for k, a in frame.peers.items()}
     named = [s for s, _ in frame.sources] + list(frame.repair.values())
     if any(s not in peers for s in named) or LEARNER not in peers:
@@ -234,7 +275,8 @@ def parse_announcement(frame: AnnounceFrame, n_chunks: int, tls: bool) -> Announ
     if tls and any(len(peers[s][2]) != 64 for s in named):
         raise ProtocolError("announcement names a source without its certificate fingerprint")
     repair = {k: v for k, v in frame.repair.items() if k != v and v != LEARNER}
-    return Announcement(list(frame.sources), peers, frozenset(frame.serve), frame.stall_hint, repair)
+    members = frame.members if frame.members is not None else max(1, len(peers) - 1)
+    return Announcement(sources, peers, frozenset(frame.serve), frame.stall_hint, repair, members)
 
 
 async def parse_pull(

@@ -18,8 +18,8 @@ without a valid credential is refused as such whatever else is wrong with it; th
 ``parse_frame``'s next. :func:`to_wire` is the one way back: the dict ``wire.write_frame``
 sends, with exactly the keys (and their order) the nodes sent before these models existed, so peers
 of this version interoperate whichever side built its frame by hand. An optional field left at None
-(``join.credential``, ``get.cert``, ``get.proof``) is not sent; a chunk's payload length ``n`` is
-written by ``wire.encode`` from the payload, so :func:`to_wire` leaves it out.
+(``join.credential``, ``get.cert``, ``get.proof``, ``announce.members``) is not sent; a chunk's payload
+length ``n`` is written by ``wire.encode`` from the payload, so :func:`to_wire` leaves it out.
 
 What a model cannot know stays with its owner: whether a chunk index is below the manifest's chunk
 count and a source has an address (``wire.parse_announcement``), what a manifest or credential says
@@ -29,11 +29,12 @@ one this node serves (``access.Gate``).
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, get_args, overload
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
 from echo2.errors import Echo2Error
 from echo2.weights import manifest
@@ -47,6 +48,7 @@ MAX_REASON = 4096  # characters of a refusal's reason (it may quote a member id 
 MAX_CHUNKS = manifest.MAX_CHUNKS  # chunks of one version: indices and counts
 MAX_CHUNK_BYTES = manifest.MAX_CHUNK_SIZE  # payload bytes of one chunk
 MAX_MEMBERS = 1 << 16  # members one frame names (peers, sources, serve, receipts)
+MAX_FLEET = 1 << 30  # members a version may be announced to (a count, never a list)
 MAX_FIELDS = 64  # keys of a nested record (a manifest, a credential: about ten each)
 MAX_CERT_HEX = 8192  # hex characters of a member's DER certificate in a get (2 x access.MAX_CERT_BYTES)
 MAX_PROOF_HEX = 1024  # hex characters of its proof of possession (an ECDSA P-256 signature: <= 144)
@@ -72,10 +74,30 @@ Record = Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)]
 RunCredential = Annotated[str, Field(max_length=MAX_CREDENTIAL)]  # a join's run credential
 CertHex = Annotated[str, Field(max_length=MAX_CERT_HEX)]  # a member's DER certificate, hex
 ProofHex = Annotated[str, Field(max_length=MAX_PROOF_HEX)]  # its proof of possession, hex
+
+
+class Stride(BaseModel):
+    """Every ``step``-th chunk from ``start`` on, to the version's last: a relay tree's stripe, named in a
+    few bytes instead of a list of C / k indices."""
+
+    model_config = FRAME
+
+    start: ChunkIndex
+    step: Annotated[int, Field(ge=1, le=MAX_CHUNKS)]
+
+
 # JSON has no tuples: these accept a list (strict=False on the tuple itself); their items stay strict.
-Source = Annotated[
-    tuple[Member, Annotated[list[ChunkIndex], Field(max_length=MAX_CHUNKS)]], Field(strict=False)
+def _chunks_kind(value: object) -> str:
+    return "stride" if isinstance(value, dict | Stride) else "list"
+
+
+# a pull stream's chunks: [chunk, ...] or {"start": s, "step": k}, told apart by their JSON type
+Chunks = Annotated[
+    Annotated[Annotated[list[ChunkIndex], Field(max_length=MAX_CHUNKS)], Tag("list")]
+    | Annotated[Stride, Tag("stride")],
+    Discriminator(_chunks_kind),
 ]
+Source = Annotated[tuple[Member, Chunks], Field(strict=False)]  # a pull stream: [source, chunks]
 Address = Annotated[tuple[Host, Port], Field(strict=False)]  # [host, port]: plain TCP
 PinnedAddress = Annotated[tuple[Host, Port, Fingerprint], Field(strict=False)]  # [host, port, fingerprint]
 
@@ -138,7 +160,9 @@ class LeaveFrame(BaseModel):
 
 # ---- control: learner -> worker ---------------------------------------------------------------------
 class AnnounceFrame(BaseModel):
-    """A new version for one member: the signed manifest, that member's plan and its credential."""
+    """A new version for one member: the signed manifest, that member's plan and its credential. Its size
+    does not grow with the fleet: ``peers`` names only the member's own sources and repair ancestors (and
+    the learner), ``members`` says how many the version went to."""
 
     model_config = FRAME
 
@@ -146,7 +170,7 @@ class AnnounceFrame(BaseModel):
     manifest: Record  # the signed manifest (``Manifest.to_dict``; verified by the worker)
     sources: Annotated[
         list[Source], Field(max_length=MAX_MEMBERS)
-    ]  # its pull streams: [source, [chunk, ...]]
+    ]  # its pull streams: [source, [chunk, ...]] or [source, {"start": s, "step": k}]
     peers: Annotated[dict[Member, Address | PinnedAddress], Field(max_length=MAX_MEMBERS)]  # id -> address
     stall_hint: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # seconds still normal (0 = none)
     serve: Annotated[list[Member], Field(max_length=MAX_MEMBERS)] = []  # members it serves this version
@@ -154,6 +178,8 @@ class AnnounceFrame(BaseModel):
     # asked first when the source fails; the learner when none is named)
     repair: Annotated[dict[Member, Member], Field(max_length=MAX_MEMBERS)] = {}
     credential: Record  # its credential for the version (``access.Credential.to_dict``)
+    # members the version was announced to (N of ``wire.first_chunk_deadline``); None: len(peers) - 1
+    members: Annotated[int, Field(ge=1, le=MAX_FLEET)] | None = None
 
 
 class RevokeFrame(BaseModel):
@@ -298,8 +324,9 @@ def parse_get_credentials(header: Mapping[str, Any], *, sender: str | None = Non
 
 def to_wire(frame: Frame) -> dict[str, Any]:
     """The header ``wire.write_frame`` sends for ``frame`` (the module docstring: same keys as ever).
-    Shallow: the field values go out as they are (tuples encode as JSON arrays), so the learner's
-    announcements, one per member with the whole peer map, cost no copy of that map."""
+    Shallow: the field values go out as they are (tuples encode as JSON arrays; a nested model, a
+    parsed announcement's ``Stride``, is written as its fields by ``wire.encode``), so the learner's
+    announcements, one per member, copy nothing they share (the manifest)."""
     out: dict[str, Any] = {}
     for name, key, unsent_none in _WIRE[type(frame)]:
         value = getattr(frame, name)
@@ -346,14 +373,18 @@ def show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+_UNION_LABEL = re.compile(r"^(tuple\[|list$|stride$)")
+
+
 def _explain(exc: ValidationError, tagged: bool) -> str:
     """The first fault of a failed validation as ``field 'a.b': what, got value`` (and how many more).
     ``tagged``: the validation was the discriminated union's, whose ``loc`` starts with the op tag."""
     errors = exc.errors(include_url=False)
     err = errors[0]
-    # the op tag (tagged) and a union's member label (an announced peer's address) are no field
+    # the op tag (tagged) and a union's member label (an announced peer's address, a pull's chunks as a
+    # list or a stride) are no field
     loc = err["loc"][1:] if tagged else err["loc"]
-    path = ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("tuple[")))
+    path = ".".join(str(p) for p in loc if not (isinstance(p, str) and _UNION_LABEL.match(p)))
     if err["type"] == "missing":
         text = f"field {path!r} is missing"
     elif err["type"] == "extra_forbidden":

@@ -561,3 +561,56 @@ def test_an_announcement_names_only_the_peers_its_member_needs() -> None:
         assert n < 48 or any(ann["repair"] for ann, _ in got)  # depth 3: ancestors named too
         sizes[n] = max(size for _, size in got)
     assert sizes[48] < 1.25 * sizes[12]  # 4 times the fleet, not 4 times the frame
+
+
+class _Sink:
+    """A member's control connection that keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def writelines(self, pieces: list[bytes]) -> None:
+        self.data += b"".join(pieces)
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        return None
+
+
+def test_a_version_to_the_same_fleet_reuses_the_plan_and_a_changed_fleet_gets_a_new_one() -> None:
+    """Planning a publication for a large fleet costs (the trees, the repair sources, who serves whom):
+    a version announced to the same members at the same addresses, with the same chunk count, reuses
+    the last plan; a member gone, a member moved or another chunk count plans again. Each member still
+    gets its own announcement, with a credential for that version."""
+    from echo2.broadcast.publisher import _Member
+
+    async def go() -> None:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+        sinks = {f"m{i}": _Sink() for i in range(40)}
+        for w, sink in sinks.items():
+            pub._members[w] = _Member(w, ("127.0.0.1", 9), "", sink)  # type: ignore[arg-type]
+
+        async def publish(v: int, blob: bytes) -> None:
+            await pub.publish(v, blob)
+            while pub._tasks:
+                await asyncio.gather(*list(pub._tasks))
+
+        await publish(1, BLOB)
+        await publish(2, BLOB)
+        assert pub._rounds[2].plan is pub._rounds[1].plan and pub._rounds[2].serves is pub._rounds[1].serves
+        for sink in sinks.values():  # two announcements each, the second with its credential for v2
+            (first,) = struct.unpack("!I", sink.data[:4])
+            second = parse_header(sink.data[8 + first :])
+            assert second["credential"]["version"] == 2 and second["manifest"]["version"] == 2
+        del pub._members["m3"]
+        await publish(3, BLOB)
+        assert pub._rounds[3].plan is not pub._rounds[2].plan and "m3" not in pub._rounds[3].plan
+        await publish(4, BLOB + BLOB)  # twice the chunks
+        assert pub._rounds[4].plan is not pub._rounds[3].plan
+        pub._members["m4"].addr = ("127.0.0.2", 9)
+        await publish(5, BLOB + BLOB)
+        assert pub._rounds[5].plan is not pub._rounds[4].plan
+
+    asyncio.run(go())

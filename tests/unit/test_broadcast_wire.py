@@ -165,5 +165,10 @@ def test_a_header_with_a_value_encoded_once_is_the_same_bytes() -> None:
         "sources": [["w2", {"start": 1, "step": 8}], ["learner", [0, 8]]], "peers": {"w2": ["h", 9, ""]},
         "stall_hint": 0.5, "serve": [], "repair": {}, "credential": {"member": "w1"}, "members": 12,
     }  # fmt: skip
-    assert encode_with(header, {"manifest": dumps(header["manifest"])}) == encode(header)
-    assert encode_with(header, {}) == encode(header)
+    whole = encode(header)
+    assert b"".join(encode_with(header, {"manifest": dumps(header["manifest"])})) == whole
+    assert b"".join(encode_with(header, {})) == whole
+    for keys in (["op"], ["members"], ["manifest", "sources"], ["op", "manifest", "members"], list(header)):
+        assert b"".join(encode_with(header, {k: dumps(header[k]) for k in keys})) == whole, keys
+    shared = dumps(header["manifest"])
+    assert any(p is shared for p in encode_with(header, {"manifest": shared}))  # not copied

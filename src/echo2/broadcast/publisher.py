@@ -59,6 +59,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
 from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
@@ -154,7 +155,13 @@ class _Round:
     def sources(self, member: str) -> set[str]:
         """The sources ``member``'s plan names this version (the learner included when it does) and the
         ancestors it was told to repair a failed one from."""
-        return {a.source for a in self.plan.get(member, ())} | set(self.repair.get(member, {}).values())
+        return planned_sources(self.plan, self.repair, member)
+
+
+def planned_sources(plan: Plan, repair: Mapping[str, Mapping[str, str]], member: str) -> set[str]:
+    """The sources ``plan`` names for ``member`` (the learner included when it does) and the ancestors
+    ``repair`` tells it to repair a failed one from."""
+    return {a.source for a in plan.get(member, ())} | set(repair.get(member, {}).values())
 
 
 def receipt_fault(got: Mapping[str, int], sources: set[str], n_chunks: int, served: int) -> str | None:
@@ -224,6 +231,9 @@ class TcpPublisher:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._planning = asyncio.Lock()  # publications plan one at a time
+        # the last plan and what it was made for (members and addresses, leaves, chunks): a version
+        # published to the same fleet reuses it (the rounds only read it)
+        self._last_plan: tuple[Any, Plan, dict[str, dict[str, str]], dict[str, set[str]]] | None = None
 
     async def start(self) -> tuple[str, int]:
         self.ledger.watch(self._expel)  # a quarantine or a retirement closes the member's connections
@@ -324,13 +334,18 @@ class TcpPublisher:
         when a peer fails and whom each serves; pure in its arguments but for the strategy's kept trees,
         run off the event loop."""
         n = manifest.n_chunks
-        plan = plan_with_leaves(self.strategy, list(addresses), leaves, n)
-        repair = repairs_of(self.strategy, plan, n)  # whom each member asks first when a peer fails
+        key = (tuple(addresses.items()), leaves, n)
+        if self._last_plan is None or self._last_plan[0] != key:  # else the same fleet: the same plan
+            plan = plan_with_leaves(self.strategy, list(addresses), leaves, n)
+            repair = repairs_of(self.strategy, plan, n)  # whom each member asks first when a peer fails
+            serves: dict[str, set[str]] = {w: set() for w in addresses}  # who may pull from whom
+            for w in plan:
+                for src in planned_sources(plan, repair, w) - {LEARNER}:
+                    serves[src].add(w)
+            self._last_plan = (key, plan, repair, serves)
+        _, plan, repair, serves = self._last_plan
         rnd = _Round(manifest, time.monotonic(), tuple(addresses), plan=plan, leaves=leaves, repair=repair)
-        serves = rnd.serves = {w: set() for w in addresses}  # who may pull from whom
-        for w in plan:
-            for src in rnd.sources(w) - {LEARNER}:
-                serves[src].add(w)
+        rnd.serves = serves
         if self.link_rates is not None and len(addresses) > len(leaves):
             rnd.stream_rate = self.strategy.learner_stream_rate(
                 len(addresses) - len(leaves), *self.link_rates
@@ -344,9 +359,10 @@ class TcpPublisher:
         hint: float,
         addresses: dict[str, tuple[str, int, str]],
         batch: list[str],
-    ) -> list[bytes]:
-        """The encoded ``announce`` frames of ``batch``'s members: each names only the peers it pulls or
-        repairs from (and the learner), so a frame's size does not grow with the fleet."""
+    ) -> list[list[bytes]]:
+        """The encoded ``announce`` frames of ``batch``'s members, each in pieces (``wire.encode_with``: the
+        manifest's one bytes object in every frame): each names only the peers it pulls or repairs from
+        (and the learner), so a frame's size does not grow with the fleet."""
         version, n = rnd.manifest.version, len(rnd.targets)
         me = (*self.address, self.fingerprint)
         encoded = {"manifest": rnd.manifest_json or dumps(man)}  # the same for every member: once
@@ -424,13 +440,13 @@ class TcpPublisher:
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, member: _Member, frame: Frame) -> None:
-        await self._send_raw(member, encode(to_wire(frame)))
+        await self._send_raw(member, [encode(to_wire(frame))])
 
-    async def _send_raw(self, member: _Member, data: bytes) -> None:
-        """One encoded frame on ``member``'s control connection."""
+    async def _send_raw(self, member: _Member, pieces: list[bytes]) -> None:
+        """One encoded frame, in ``pieces``, on ``member``'s control connection."""
         try:
             async with member.lock:
-                member.writer.write(data)
+                member.writer.writelines(pieces)
                 await member.writer.drain()
         except (OSError, ConnectionError) as exc:
             log.warning("control send to %s failed: %s", member.worker, exc)

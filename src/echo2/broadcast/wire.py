@@ -61,16 +61,31 @@ def encode(header: dict[str, Any], payload_len: int = 0) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def encode_with(header: dict[str, Any], encoded: dict[str, bytes]) -> bytes:
+def encode_with(header: dict[str, Any], encoded: dict[str, bytes]) -> list[bytes]:
     """:func:`encode` of ``header`` (no payload) when the JSON of some of its values is at hand
-    (``encoded``: key -> that value's JSON, as ``json.dumps`` with this module's separators writes it):
-    the same bytes, without encoding those values again (an announcement's manifest, the same for every
-    member, is encoded once per version)."""
-    items = (
-        json.dumps(k).encode() + b":" + (encoded[k] if k in encoded else _dumps(v)) for k, v in header.items()
-    )
-    body = b"{" + b",".join(items) + b"}"
-    return _LEN.pack(len(body)) + body
+    (``encoded``: key -> that value's JSON, as ``json.dumps`` with this module's separators writes it),
+    as pieces whose concatenation is those bytes: the pieces at hand are not encoded or copied again
+    (an announcement's manifest, the same for every member, is encoded once per version and the same
+    bytes object goes to every member; ``StreamWriter.writelines`` sends the pieces)."""
+    parts: list[bytes] = []
+    run: dict[str, Any] = {}  # consecutive values still to encode: one call for them all
+
+    def flush() -> None:
+        if run:
+            parts.append(_dumps(run)[1:-1])
+            run.clear()
+
+    for k, v in header.items():
+        if k in encoded:
+            flush()
+            parts += [(b"," if parts else b"") + json.dumps(k).encode() + b":", encoded[k]]
+        else:
+            if not run and parts:
+                parts.append(b",")
+            run[k] = v
+    flush()
+    size = 2 + sum(map(len, parts))
+    return [_LEN.pack(size) + b"{", *parts, b"}"]
 
 
 def dumps(value: object) -> bytes:

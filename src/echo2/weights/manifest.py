@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import json
@@ -276,18 +277,30 @@ class Ed25519Key:
         )
 
     def sign(self, payload: bytes) -> str:
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
         if self.private is None:
             raise ManifestError("this node holds only the learner's public key and cannot sign manifests")
-        return Ed25519PrivateKey.from_private_bytes(self.private).sign(payload).hex()
+        return self._signer.sign(payload).hex()
+
+    @functools.cached_property
+    def _signer(self) -> Any:
+        """The private key as the library's object, built once (a publication signs one credential per
+        member: rebuilding it cost as much as the signature)."""
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        assert self.private is not None
+        return Ed25519PrivateKey.from_private_bytes(self.private)
+
+    @functools.cached_property
+    def _verifier(self) -> Any:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        return Ed25519PublicKey.from_public_bytes(self.public)
 
     def verify(self, payload: bytes, tag: str) -> bool:
         from cryptography.exceptions import InvalidSignature
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
         try:
-            Ed25519PublicKey.from_public_bytes(self.public).verify(bytes.fromhex(tag), payload)
+            self._verifier.verify(bytes.fromhex(tag), payload)
         except (InvalidSignature, ValueError, TypeError):  # TypeError: a tag that is not a string
             return False
         return True

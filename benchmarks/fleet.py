@@ -1,0 +1,205 @@
+"""The learner node at fleet size (issue: one learner node serving 1,000 to 10,000 members).
+
+Study ``publish`` (in-process, the real publisher): what announcing one version to N broadcast members
+costs the learner. A :class:`~echo2.broadcast.publisher.TcpPublisher` with the default strategy
+(Tree-Pipelined) is handed N members whose control connections are in-process sinks (they count the
+bytes of each frame and drop them: the data plane is not run), then publishes a version with the chunk
+count of a 1.2 GB anchor at the automatic chunk size (``physics.broadcast.relay_chunk_bytes``): the
+blob is that many 4 KiB chunks, so the manifest, the plan and every frame are those of the anchor while
+hashing it costs little; the manifest's hashing and signing is read apart and taken off. Per N it
+reports the publication's control plane: the learner's CPU seconds (process time, threads included)
+and wall seconds until the last announcement is written, the bytes of all frames and of the largest,
+and the longest the event loop went without running a 5 ms ticker meanwhile (what a lease, a heartbeat
+or a submission would have waited); for the first publication to the fleet and (``next``, a reading
+added after the first run) the next version to the same fleet. A figure of the runtime's publisher,
+not of a model.
+
+Targets (fixed here, before the first run; the issue's): at N = 10,000, at most 1 s of learner CPU for
+the control plane of a publication (the first) and no frame over 1 MiB. Baseline: the same study on the
+code before the change (``--label before`` run with that checkout's ``src`` first on ``PYTHONPATH``),
+in the same session.
+
+Writes results/fleet.json (the study's readings under their ``--label``) and results/fleet.png.
+
+    python benchmarks/fleet.py --study publish --label after
+    git worktree add ../echo2-before 0c4427b
+    PYTHONPATH=../echo2-before/src python benchmarks/fleet.py --study publish --label before
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ANCHOR_BYTES = 1.2e9  # the issue's anchor: its chunk count at the automatic chunk size
+CHUNK = 4096  # bytes of each stand-in chunk (the count is the anchor's)
+MAX_CPU_S = 1.0  # target at N = 10,000: learner CPU seconds of one publication's control plane
+MAX_FRAME = 1 << 20  # target at N = 10,000: no frame over 1 MiB
+TARGET_N = 10_000
+TICK_S = 0.005
+
+
+class Sink:
+    """A member's control connection that keeps only the sizes of what is written to it."""
+
+    def __init__(self) -> None:
+        self.frames: list[int] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(len(data))
+
+    def writelines(self, pieces: list[bytes]) -> None:  # one frame in pieces
+        self.frames.append(sum(map(len, pieces)))
+
+    async def drain(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+async def publish_once(n: int, n_chunks: int) -> dict[str, Any]:
+    """One publication to ``n`` in-process members; the control plane's costs."""
+    from echo2.broadcast.api import OpenLedger
+    from echo2.broadcast.pipelined import TreePipelined
+    from echo2.broadcast.publisher import TcpPublisher, _Member
+    from echo2.weights.manifest import build_manifest, new_signing_key
+
+    key = new_signing_key()
+    pub = TcpPublisher(key, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+    sinks = {}
+    for i in range(n):
+        w = f"member-{i:05d}-{os.urandom(3).hex()}"  # ids of a registry's length
+        sinks[w] = Sink()
+        pub._members[w] = _Member(
+            w, (f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 40000), "ab" * 32, sinks[w]
+        )  # type: ignore[arg-type]
+    blob = os.urandom(n_chunks * CHUNK)
+    cpu0 = time.process_time()
+    build_manifest(blob, 1, CHUNK, pub.key, None)  # what publish spends on the manifest, read apart
+    manifest_cpu = time.process_time() - cpu0
+    first = await _timed(pub, 1, blob, sinks, manifest_cpu)
+    again = await _timed(pub, 2, os.urandom(n_chunks * CHUNK), sinks, manifest_cpu)  # the same fleet
+    return {"n": n, "n_chunks": n_chunks, "manifest_cpu_s": manifest_cpu, **first, "next": again}
+
+
+async def _timed(
+    pub: Any, version: int, blob: bytes, sinks: dict[str, Sink], manifest_cpu: float
+) -> dict[str, Any]:
+    """One publication: CPU and wall seconds until every announcement is written (``cpu_s``: the
+    control plane, the manifest's ``manifest_cpu`` taken off), the frames' bytes, the longest the event
+    loop went without running a 5 ms ticker meanwhile."""
+    for sink in sinks.values():
+        sink.frames.clear()
+    gaps = [0.0]
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(TICK_S)
+            now = time.perf_counter()
+            gaps[0] = max(gaps[0], now - last - TICK_S)
+            last = now
+
+    tick = asyncio.ensure_future(ticker())
+    gc.collect()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    await pub.publish(version, blob)
+    while pub._tasks:  # every announcement written
+        await asyncio.gather(*list(pub._tasks))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    done.set()
+    await tick
+    sizes = [s for sink in sinks.values() for s in sink.frames]
+    assert len(sizes) == len(sinks), f"{len(sizes)} announcements for {len(sinks)} members"
+    return {
+        "cpu_s": cpu - manifest_cpu, "publish_cpu_s": cpu, "wall_s": wall, "frames": len(sizes),
+        "bytes": sum(sizes), "largest_frame": max(sizes), "loop_max_stall_s": gaps[0],
+    }  # fmt: skip
+
+
+def study_publish(ns: list[int], label: str) -> dict[str, Any]:
+    from echo2.physics.broadcast import relay_chunk_bytes
+
+    chunk = relay_chunk_bytes(ANCHOR_BYTES)
+    n_chunks = math.ceil(ANCHOR_BYTES / chunk)
+    rows = []
+    for n in ns:
+        row = asyncio.run(publish_once(n, n_chunks))
+        for which, r in (("first", row), ("next", row["next"])):
+            print(
+                f"{label} N={n} {which}: control-plane cpu {r['cpu_s']:.2f} s, wall {r['wall_s']:.2f} s, "
+                f"{r['bytes'] / 1e6:.0f} MB, largest frame {r['largest_frame'] / 1e3:.0f} KB, "
+                f"loop stall {r['loop_max_stall_s']:.2f} s",
+                flush=True,
+            )
+        rows.append(row)
+    at = next((r for r in rows if r["n"] == TARGET_N), None)
+    return {
+        "label": label, "anchor_bytes": ANCHOR_BYTES, "auto_chunk_bytes": chunk, "rows": rows,
+        "cores": os.cpu_count(), "source": "runtime publisher, in-process members (data plane not run)",
+        "target": f"N = {TARGET_N}: <= {MAX_CPU_S} s learner CPU, no frame over {MAX_FRAME} bytes",
+        "met": None if at is None else at["cpu_s"] <= MAX_CPU_S and at["largest_frame"] <= MAX_FRAME,
+        "met_next": None if at is None else at["next"]["cpu_s"] <= MAX_CPU_S,
+    }  # fmt: skip
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for label, got in sorted(res.get("publish", {}).items()):
+        ns = [r["n"] for r in got["rows"]]
+        axes[0].plot(ns, [r["cpu_s"] for r in got["rows"]], "o-", label=label)
+        axes[0].plot(ns, [r["next"]["cpu_s"] for r in got["rows"]], "x--", label=f"{label}, next version")
+        axes[1].plot(ns, [r["largest_frame"] / 1e3 for r in got["rows"]], "o-", label=label)
+        axes[2].plot(ns, [r["loop_max_stall_s"] for r in got["rows"]], "o-", label=label)
+    axes[0].axhline(MAX_CPU_S, ls=":", c="k")
+    axes[1].axhline(MAX_FRAME / 1e3, ls=":", c="k")
+    titles = ("learner CPU s per publication", "largest announce frame (KB)", "longest event-loop stall (s)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("members N")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        "One publication's control plane (1.2 GB anchor's chunk count), runtime publisher", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", choices=["publish"], default="publish")
+    p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
+    p.add_argument("--label", default="after", help="whose code this is (the before/after readings)")
+    p.add_argument("--out", type=Path, default=ROOT / "results")
+    a = p.parse_args()
+    path = a.out / "fleet.json"
+    res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    res.setdefault("publish", {})[a.label] = study_publish(a.ns, a.label)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    plot(res, a.out / "fleet.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

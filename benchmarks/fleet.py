@@ -157,6 +157,80 @@ def study_publish(ns: list[int], label: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def study_probation(ns: list[int], label: str) -> dict[str, Any]:
+    """Study ``probation`` (in-process, the real lease broker and store): N newcomers asking for their
+    first lease while the probation share is full (a fleet arriving at once), each asking in turn; the
+    broker's seconds per request (the refusal path: every newcomer waits its turn), read over the last
+    round of asks after N - 1 are already waiting. Target (fixed before the first run): the time per
+    request at N = 10,000 within 2x of N = 1,000's (O(1) in the newcomers waiting)."""
+    rows = []
+    for n in ns:
+        per, granted = _probation_round(n)
+        rows.append({"n": n, "s_per_request": per, "granted_first_round": granted})
+        print(f"{label} probation N={n}: {per * 1e6:.0f} us a request ({granted} granted first)", flush=True)
+    by = {r["n"]: r["s_per_request"] for r in rows}
+    ratio = by[10_000] / by[1_000] if 10_000 in by and 1_000 in by else None
+    return {
+        "label": label, "rows": rows, "ratio_10k_to_1k": ratio, "source": "runtime lease broker, in-process",
+        "target": "seconds per request at N = 10,000 within 2x of N = 1,000's",
+        "met": None if ratio is None else ratio <= 2.0,
+    }  # fmt: skip
+
+
+def _probation_round(n: int) -> tuple[float, int]:
+    """N newcomers ask once (a share's worth granted), then each asks again: seconds a request of the
+    second round, and how many the first granted."""
+    import tempfile
+
+    from echo2.config import load_config
+    from echo2.data.store import TrajectoryStore
+    from echo2.protocol import LeaseRequest, RegisterRequest
+    from echo2.runtime.leases import LeaseBroker
+    from echo2.runtime.members import WorkerRegistry
+    from echo2.runtime.pool import Pool
+    from echo2.runtime.prompts import PromptSource
+    from echo2.runtime.standing import Standings
+    from echo2.tasks.registry import build_task
+
+    cfg = load_config()
+    now = [1000.0]
+
+    def clock() -> float:
+        return now[0]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp)
+        store = TrajectoryStore(run / "store.sqlite", cfg.staleness.S, cfg.batch.group_size)
+        registry = WorkerRegistry(run, "t" * 20, clock, n + 10)
+        registry.save = lambda: None  # type: ignore[method-assign]  # not this study's cost
+        pool = Pool(registry, cfg.controller, cfg.staleness, cfg.batch.rollouts, 0.0, run, clock)
+        standings = Standings(cfg.security.max_unreturned, cfg.runtime.lease_ttl_s)
+        broker = LeaseBroker(
+            store=store, prompts=PromptSource(build_task(cfg.task, 0), 0), batch=cfg.batch,
+            staleness=cfg.staleness, runtime=cfg.runtime, version=lambda: 10, is_active=pool.is_active,
+            clock=clock, security=cfg.security, standings=standings, published=lambda: {10},
+        )  # fmt: skip
+        ids = []
+        for i in range(n):
+            rec, _ = registry.register(RegisterRequest(name=f"new{i}", usd_per_hour=0.35))
+            pool.enroll(rec)
+            ids.append(rec.worker_id)
+        req = LeaseRequest(max_prompts=8, installed_version=10)
+
+        def ask(w: str) -> bool:
+            registry[w].last_seen_s = clock()
+            now[0] += 0.0001
+            return not hasattr(broker.grant(w, req), "reason")
+
+        granted = sum(ask(w) for w in ids)  # the share fills, then everyone waits
+        t0 = time.perf_counter()
+        for w in ids:  # every newcomer asks again, in turn
+            ask(w)
+        per = (time.perf_counter() - t0) / n
+        store.close()
+    return per, granted
+
+
 def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -188,14 +262,15 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["publish"], default="publish")
+    p.add_argument("--study", choices=["publish", "probation"], default="publish")
     p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
     p.add_argument("--label", default="after", help="whose code this is (the before/after readings)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     a = p.parse_args()
     path = a.out / "fleet.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    res.setdefault("publish", {})[a.label] = study_publish(a.ns, a.label)
+    study = study_publish if a.study == "publish" else study_probation
+    res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, a.out / "fleet.png")
     return 0

@@ -107,7 +107,8 @@ class LeaseBroker:
         self.probation_cap = max(int(self.sec.probation_share * self.inflight_cap), one_lease)
         self.struck_cap = max(self.probation_cap // 2, one_lease)  # of which workers with a strike
         self.finished = False  # the run is over: no more leases
-        self._waiting: dict[str, float] = {}  # worker on probation -> when it was first refused for room
+        # worker on probation -> when it was first refused for room, in that order (insertion order)
+        self._waiting: dict[str, float] = {}
 
     @property
     def min_version(self) -> int:
@@ -231,19 +232,32 @@ class LeaseBroker:
         if self.standings.struck(worker_id):
             struck = sum(k for w, k in by_worker.items() if self.standings.struck(w))
             room = min(room, (self.struck_cap - struck * G) // (n * G))
-        alive = 4 * self.rt.heartbeat_s  # a waiter that stopped asking (or left probation) gives up its place
-        self._waiting = {
-            w: t
-            for w, t in self._waiting.items()
-            if self.standings.asked_within(w, now, alive) and self.standings.on_probation(w)
-        }
-        mine = self._waiting.get(worker_id, now)
-        ahead = sum(1 for w, t in self._waiting.items() if w != worker_id and t < mine)
+        ahead = self._waiting_ahead(worker_id, now, room)
         if room <= ahead:
             self._waiting.setdefault(worker_id, now)
             return False
         self._waiting.pop(worker_id, None)
         return True
+
+    def _waiting_ahead(self, worker_id: str, now: float, room: int) -> int:
+        """Waiters refused for room before ``worker_id`` (all of them when it is not waiting) that still
+        wait, counted up to ``room`` (past that the answer is no either way). ``_waiting`` keeps the
+        order of first refusal, so this walks from its head and stops there or at ``worker_id``: O(room)
+        whatever the number of newcomers waiting; a waiter that stopped asking (or left probation) gives
+        up its place when the walk passes it."""
+        alive = 4 * self.rt.heartbeat_s
+        mine = self._waiting.get(worker_id, now)
+        ahead, gone = 0, []
+        for w, t in self._waiting.items():
+            if w == worker_id or ahead >= room or t >= mine:
+                break
+            if self.standings.asked_within(w, now, alive) and self.standings.on_probation(w):
+                ahead += 1
+            else:
+                gone.append(w)
+        for w in gone:
+            del self._waiting[w]
+        return ahead
 
     def returned(self, worker_id: str) -> None:
         """A lease of ``worker_id`` came back with admitted work (the intake's say: trainable groups, in

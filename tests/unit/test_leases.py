@@ -484,3 +484,34 @@ def test_heartbeats_run_at_most_one_controller_round_a_second(tmp_path):
     clock.t += ROUND_S / 2
     pool.tick_due()  # ... is the last one
     assert len(rounds) == 3
+
+
+def test_a_newcomers_turn_is_read_from_the_head_of_the_queue_not_the_whole_queue(tmp_path):
+    """A fleet arriving at once: 400 newcomers wait for the probation share. Each request looks at the
+    waiters ahead of it from the head of the queue, no further than the room there is (plus the ones
+    that stopped asking, which give up their place as it passes them): the same answers as the whole
+    queue gave (first refused, first served), at a cost that does not grow with the queue."""
+    _, store, broker, pool, clock = _node(tmp_path)
+    new = [_register(pool.registry, pool, f"new{i}") for i in range(400)]
+    grants = []
+    for w in new:
+        got = _ask(broker, w)
+        grants += [got] if isinstance(got, LeaseGrant) else []
+        clock.t += 0.001
+    assert len(grants) == 8 and len(broker._waiting) == 392  # the share's 8 leases; the rest wait
+    looked: list[str] = []
+    asked_within = broker.standings.asked_within
+    broker.standings.asked_within = lambda w, now, s: looked.append(w) or asked_within(w, now, s)  # type: ignore[method-assign]
+    late = _ask(broker, new[-1])
+    assert isinstance(late, LeaseRefusal) and late.reason == "probation_full" and len(looked) <= 8
+    for g in grants:  # their leases come to an end: the share has room for 8 again
+        store.expire_lease(g.lease_id)
+    waiting = list(broker._waiting)
+    for w in waiting[:3]:  # the first three stopped asking: they give up their places
+        broker.standings.asked(w, -1e9)
+    looked.clear()
+    assert isinstance(_ask(broker, waiting[3]), LeaseGrant)  # the head of the live queue: its turn
+    assert looked == waiting[:3] and waiting[0] not in broker._waiting  # passed over and dropped
+    looked.clear()
+    assert isinstance(_ask(broker, new[-1]), LeaseRefusal)  # the tail still waits behind 7 places
+    assert len(looked) == 7

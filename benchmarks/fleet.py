@@ -231,6 +231,54 @@ def _probation_round(n: int) -> tuple[float, int]:
     return per, granted
 
 
+def study_register(ns: list[int], label: str) -> dict[str, Any]:
+    """Study ``register`` (in-process, the real registry on a run directory on disk): N workers register
+    one after another, as a fleet arriving at once does, each checked against the join token's slots
+    and identity budget first as the route checks it; the seconds of the last 100 registrations, per
+    registration (what the N-th costs the serving thread), and of all N. Target (fixed before the first
+    run): the last registrations at N = 10,000 within 2x of N = 1,000's (O(1) in the fleet)."""
+    rows = []
+    for n in ns:
+        last, whole, worst = _register_fleet(n)
+        row = {"n": n, "last_100_s_each": last, "all_s": whole, "slowest_s": worst}
+        rows.append(row)
+        print(
+            f"{label} register N={n}: the last 100 {last * 1e3:.2f} ms each, "
+            f"the slowest {worst * 1e3:.1f} ms, all {whole:.1f} s",
+            flush=True,
+        )
+    by = {r["n"]: r["last_100_s_each"] for r in rows}
+    ratio = by[10_000] / by[1_000] if 10_000 in by and 1_000 in by else None
+    return {
+        "label": label, "rows": rows, "ratio_10k_to_1k": ratio, "source": "runtime registry, in-process",
+        "target": "the last registrations at N = 10,000 within 2x of N = 1,000's",
+        "met": None if ratio is None else ratio <= 2.0,
+    }  # fmt: skip
+
+
+def _register_fleet(n: int) -> tuple[float, float, float]:
+    """N registrations, each after the route's checks: seconds each of the last 100, seconds of all,
+    the slowest one (a whole ``workers.json`` written, once a second)."""
+    import tempfile
+
+    from echo2.protocol import RegisterRequest
+    from echo2.runtime.members import WorkerRegistry
+
+    with tempfile.TemporaryDirectory() as tmp:
+        reg = WorkerRegistry(Path(tmp), "t" * 20, time.time, n + 10)
+        req = RegisterRequest(name="w", usd_per_hour=0.35)
+        stamps, worst = [time.perf_counter()], 0.0
+        for i in range(n):
+            t = time.perf_counter()
+            assert not reg.full and not reg.spent  # as the route checks, then enrols
+            reg.register(req)
+            worst = max(worst, time.perf_counter() - t)
+            if i == n - 101:
+                stamps.append(time.perf_counter())
+        stamps.append(time.perf_counter())
+    return (stamps[2] - stamps[1]) / 100, stamps[2] - stamps[0], worst
+
+
 def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -262,14 +310,14 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["publish", "probation"], default="publish")
+    p.add_argument("--study", choices=["publish", "probation", "register"], default="publish")
     p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
     p.add_argument("--label", default="after", help="whose code this is (the before/after readings)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     a = p.parse_args()
     path = a.out / "fleet.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    study = study_publish if a.study == "publish" else study_probation
+    study = {"publish": study_publish, "probation": study_probation, "register": study_register}[a.study]
     res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, a.out / "fleet.png")

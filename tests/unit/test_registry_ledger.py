@@ -6,10 +6,13 @@ real ``TcpPublisher``) and by the in-memory hub. Each test well under a second."
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from plans import announced
 
 from echo2.broadcast.access import Credential, pull_request
@@ -364,3 +367,46 @@ def test_a_relay_told_revoke_serves_the_member_nothing_more() -> None:
 
     revoked, dropped = asyncio.run(go())
     assert revoked == {"w9"} and dropped
+
+
+def test_changes_go_to_a_journal_and_the_file_is_written_whole_once_a_second(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fleet registering at once rewrites no file per registration: the first change writes
+    ``workers.json``, the changes within the next second are appended to ``workers.journal`` (one line
+    each), and the housekeeping's ``flush_due`` writes the file whole a second later (the journal then
+    gone). A restart reads both, the journal's newer record winning (a quarantine there too), skips a
+    line a crash cut short, with one warning, and writes one file again."""
+    from echo2.runtime.members import JOURNAL_FILE, WRITE_EVERY_S
+
+    clock = Clock()
+    reg = _registry(tmp_path, clock)
+    creds = [_join(reg, f"w{i}") for i in range(5)]
+    saved = _saved(tmp_path)
+    journal = (tmp_path / JOURNAL_FILE).read_text().splitlines()
+    assert [d["name"] for d in saved] == ["w0"] and len(journal) == 4
+    reg.revoke(creds[1][0], "caught")  # a quarantine within the second: journaled
+    reg.flush_due()
+    assert len(_saved(tmp_path)) == 1  # not yet
+    clock.t += WRITE_EVERY_S
+    reg.flush_due()
+    assert len(_saved(tmp_path)) == 5 and not (tmp_path / JOURNAL_FILE).exists()
+    clock.t += WRITE_EVERY_S
+    more = [_join(reg, f"x{i}") for i in range(3)]  # the first is written whole, 2 journaled
+    reg.revoke(more[0][0], "caught later")  # journaled: the file still says it is trusted
+    with (tmp_path / JOURNAL_FILE).open("a") as fh:
+        fh.write('{"worker_id": "w9-torn", "na')  # a crash mid-line
+    caplog.set_level(logging.WARNING)
+    again = _registry(tmp_path, clock)
+    trusted = {r.worker_id for r in again.load()}
+    assert len(again) == 8 and trusted == {w for w, _ in creds + more} - {creds[1][0], more[0][0]}
+    assert again[more[0][0]].quarantined == "caught later" and again.authenticate(more[2][1]) is not None
+    assert "1 line(s) not a whole record, skipped" in caplog.text
+    assert len(_saved(tmp_path)) == 8 and not (tmp_path / JOURNAL_FILE).exists()
+
+
+def _saved(run: Path) -> list[dict[str, object]]:
+    """The records ``workers.json`` holds."""
+    from echo2.runtime.members import REGISTRY_FILE
+
+    return list(json.loads((run / REGISTRY_FILE).read_text()))

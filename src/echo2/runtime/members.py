@@ -15,7 +15,11 @@ checkpoint, its workers re-fetch older weights).
 
 The run's join token is exchanged once for a per-worker bearer credential; only the credential's
 SHA-256 is kept, in ``workers.json`` of the run directory, so credentials survive a learner restart
-and a leaked registry file grants nothing.
+and a leaked registry file grants nothing. A change a restart must keep (a registration, a quarantine,
+a retirement) is appended to ``workers.journal`` at once, and ``workers.json`` is written whole at most
+once a second (``WRITE_EVERY_S``; at the end of the run every time): registering a fleet of N costs
+O(N), not O(N^2). A restart reads the file, then the journal (the newer record wins); a reader of the
+file alone may see the run up to a second late.
 
 **Registration slots.** The join token opens ``max_workers`` slots at a time, and ``max_identities``
 identities over the whole run (every record the file keeps counts: a quarantined identity that registers
@@ -38,10 +42,12 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from echo2.observe.rundir import write_atomic
 from echo2.protocol import RegisterRequest
@@ -53,6 +59,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RATE = 1.0  # rollouts/s assumed for a worker that registers without an estimate
 DEFAULT_SLOT_IDLE_S = 600.0  # = security.slot_idle_s's default (the learner passes the configured value)
 REGISTRY_FILE = "workers.json"
+JOURNAL_FILE = "workers.journal"  # records changed since workers.json was last written, one JSON line each
+WRITE_EVERY_S = 1.0  # workers.json is written whole at most this often (the journal holds the rest)
 # a record's fields that live with this learner process only (and a record read back without them)
 _NOT_PERSISTED = frozenset(
     {"last_seen_s", "install_s", "checks_waiting", "relay_demoted", "standing", "rate_window", "mismatch_kl"}
@@ -117,6 +125,10 @@ class WorkerRegistry:
         self._records: dict[str, WorkerRecord] = {}
         self._by_cred: dict[str, str] = {}  # credential sha -> worker id
         self._watchers: list[Callable[[str], None]] = []  # told when an identity stops being trusted
+        self.journal = run_path / JOURNAL_FILE
+        self._written = -math.inf  # clock time workers.json was last written whole
+        self._dirty = False  # records changed since (in the journal, not yet in workers.json)
+        self._slots = (-math.inf, 0, 0)  # slots_held's last count: (clock, slots held, records then)
 
     def __iter__(self) -> Iterator[WorkerRecord]:
         return iter(list(self._records.values()))
@@ -137,14 +149,21 @@ class WorkerRegistry:
 
     def slots_held(self) -> int:
         """Identities holding a registration slot now (see the module docstring); retires the trusted
-        ones silent longer than ``slot_idle_s`` first."""
-        self._retire_silent()
+        ones silent longer than ``slot_idle_s`` first. The count over every record is made at most once
+        every ``WRITE_EVERY_S`` and the registrations since are added to it (a registration asks, so a
+        fleet arriving at once would scan the registry N times): a slot that frees meanwhile is seen
+        up to a second late, never one too many handed out."""
         now = self.clock()
-        return sum(
-            1
-            for r in self._records.values()
-            if r.trusted or (r.quarantined and now - r.quarantined_s < self.slot_idle_s)
-        )
+        if now - self._slots[0] >= WRITE_EVERY_S:
+            self._retire_silent()
+            held = sum(
+                1
+                for r in self._records.values()
+                if r.trusted or (r.quarantined and now - r.quarantined_s < self.slot_idle_s)
+            )
+            self._slots = (now, held, len(self._records))
+        _, held, seen = self._slots
+        return held + len(self._records) - seen  # + the registrations since the count
 
     @property
     def spent(self) -> bool:
@@ -172,7 +191,7 @@ class WorkerRegistry:
             last_seen_s=self.clock(),
         )
         self._index(rec)
-        self.save()
+        self._changed(rec)
         log.info(
             "registered %s (%r, %r, $%.2f/h)", rec.worker_id, rec.name, rec.hardware or "?", rec.usd_per_hour
         )
@@ -187,7 +206,7 @@ class WorkerRegistry:
             return None
         rec = self._records[wid]
         if self._retire_if_silent(rec):
-            self.save()
+            self._changed(rec)
         if rec.trusted:
             rec.last_seen_s = self.clock()
         return rec
@@ -223,7 +242,7 @@ class WorkerRegistry:
     def _trusted_now(self, rec: WorkerRecord) -> bool:
         """``rec.trusted``, after retiring it if it has been silent longer than ``slot_idle_s``."""
         if self._retire_if_silent(rec):
-            self.save()
+            self._changed(rec)
         return rec.trusted
 
     def watch(self, on_untrusted: Callable[[str], None]) -> None:
@@ -265,7 +284,7 @@ class WorkerRegistry:
         if not rec.quarantined:
             rec.quarantined = reason
             rec.quarantined_s = self.clock()
-            self.save()
+            self._changed(rec)
             log.warning("quarantined %s (%r): %s", worker_id, rec.name, reason)
             self._untrusted(worker_id)
 
@@ -291,42 +310,99 @@ class WorkerRegistry:
         return True
 
     def _retire_silent(self) -> None:
-        retired = [r for r in list(self._records.values()) if self._retire_if_silent(r)]
-        if retired:
-            self.save()
+        for rec in list(self._records.values()):
+            if self._retire_if_silent(rec):
+                self._changed(rec)
 
     # ---- persistence ---------------------------------------------------------------------------------
+    def _changed(self, rec: WorkerRecord) -> None:
+        """``rec`` changed in a way a restart must keep (registered, quarantined, retired): one line
+        appended to the journal now, and ``workers.json`` written whole when it was not for
+        ``WRITE_EVERY_S`` (else at the next :meth:`flush_due` or :meth:`save`). A registration costs
+        O(1), not a rewrite of every record (a fleet of N registering wrote O(N^2) bytes)."""
+        self._dirty = True
+        if self.clock() - self._written >= WRITE_EVERY_S:
+            self.save()
+            return
+        try:
+            with self.journal.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(_persisted(rec)) + "\n")
+        except OSError as exc:
+            if not is_exhausted(exc):
+                raise
+            log.error("%s not written (%s): the next change writes it", self.journal, exc.strerror)
+
+    def flush_due(self) -> None:
+        """Write ``workers.json`` whole if records changed since and it was not for ``WRITE_EVERY_S`` (the
+        node's housekeeping, about once a second)."""
+        if self._dirty and self.clock() - self._written >= WRITE_EVERY_S:
+            self.save()
+
     def save(self) -> None:
-        """Write ``workers.json``. A descriptor table or disk that is full is no request's failure: the
-        registry stays right in memory and the next save writes it all (logged; never an error reply)."""
-        data = [
-            {f.name: getattr(r, f.name) for f in fields(r) if f.name not in _NOT_PERSISTED}
-            for r in self._records.values()
-        ]
+        """Write ``workers.json`` whole (then the journal is empty: everything is in it). A descriptor
+        table or disk that is full is no request's failure: the registry stays right in memory and the
+        next save writes it all (logged; never an error reply)."""
+        data = [_persisted(r) for r in self._records.values()]
         try:
             write_atomic(self.path, json.dumps(data, indent=1))
+            self.journal.unlink(missing_ok=True)
         except OSError as exc:
             if not is_exhausted(exc):
                 raise
             log.error("%s not written (%s): the next change writes it", self.path, exc.strerror)
+            return
+        self._written, self._dirty = self.clock(), False
 
     def load(self) -> list[WorkerRecord]:
         """Restore the workers of an earlier learner process; returns the trusted ones (those that may
         come back, for the pool). Each counts as heard from now: it gets the pool's heartbeat timeout
         to come back before it is taken for lost, and ``slot_idle_s`` before it is retired (the
         learner's downtime is not its silence). Quarantine and retirement times are kept as saved."""
-        if not self.path.is_file():
+        saved = json.loads(self.path.read_text()) if self.path.is_file() else []
+        by_id = {d["worker_id"]: d for d in saved}
+        later = _journal_lines(self.journal)  # changed after that write: the newer record wins
+        by_id.update((d["worker_id"], d) for d in later)
+        if not by_id:
             return []
-        restored = [WorkerRecord(**d) for d in json.loads(self.path.read_text())]
+        restored = [WorkerRecord(**d) for d in by_id.values()]
         for rec in restored:
             rec.last_seen_s = self.clock()
             self._index(rec)
-        log.info("restored %d registered workers from %s", len(restored), self.path)
+        log.info(
+            "restored %d registered workers from %s (%d changed after it, from its journal)",
+            len(restored), self.path, len(later),
+        )  # fmt: skip
+        if later:
+            self.save()  # one file again
         return [r for r in restored if r.trusted]
 
     def _index(self, rec: WorkerRecord) -> None:
         self._records[rec.worker_id] = rec
         self._by_cred[rec.credential_sha256] = rec.worker_id
+
+
+def _persisted(rec: WorkerRecord) -> dict[str, Any]:
+    """The fields of ``rec`` a restart keeps, as ``workers.json`` and its journal hold them."""
+    return {f.name: getattr(rec, f.name) for f in fields(rec) if f.name not in _NOT_PERSISTED}
+
+
+def _journal_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of the registry's journal, oldest first; a line that is not a whole record (the
+    last one, cut by a crash while it was written) is skipped, with one warning."""
+    if not path.is_file():
+        return []
+    out, torn = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            d = json.loads(line)
+            WorkerRecord(**d)  # every field there and known
+        except (ValueError, TypeError):
+            torn += 1
+            continue
+        out.append(d)
+    if torn:
+        log.warning("%s: %d line(s) not a whole record, skipped (a write cut short)", path, torn)
+    return out
 
 
 def _bytes(text: str) -> bytes:

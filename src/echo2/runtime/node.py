@@ -48,10 +48,12 @@ class NodeParts:
 
     def housekeeping(self) -> None:
         """About once a second: expired leases go back (each a strike for its worker, and generating
-        time that delivered nothing for the controller), then one controller round."""
+        time that delivered nothing for the controller), then one controller round; the registry's
+        changes written whole to ``workers.json`` (``WorkerRegistry.flush_due``)."""
         for worker_id, held_s in self.broker.expire():
             self.pool.unreturned(worker_id, held_s)
         self.pool.tick()
+        self.registry.flush_due()
 
     def metrics(self) -> dict[str, float]:
         """``leases/`` metrics (what the lease standing ledger counted), ``data/`` (the epoch, the

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from echo2.broadcast.strategy import LEARNER, REPAIR_HOPS, Assignment, Plan, repair_sources
+from echo2.broadcast.strategy import LEARNER, Assignment, Plan, climb, repair_sources
 from echo2.errors import ConfigError
 from echo2.physics.broadcast import DEFAULT_MAX_PEERS, StrategyName, relay_layout, relay_stripes
 
@@ -240,14 +240,7 @@ class RelayTree:
                 by_src.setdefault(self.parent[s][w], []).append(s)
             ups: dict[str, str] = {}
             for src, stripes in sorted(by_src.items(), key=lambda kv: (kv[0] != LEARNER, kv[0])):
-                peer, hops = src, 0
-                while peer != LEARNER and peer not in ups and hops < REPAIR_HOPS:
-                    above = {self.parent[s][peer] for s in stripes}
-                    up = above.pop() if len(above) == 1 else None
-                    if up is None or up in (LEARNER, w):
-                        break
-                    ups[peer] = peer = up
-                    hops += 1
+                climb(ups, w, src, lambda p, ss=stripes: {self.parent[s][p] for s in ss})
             out[w] = ups
         return out
 

@@ -10,7 +10,7 @@ lower bound ``T*`` live in :mod:`echo2.physics.broadcast` (bytes and bytes/s, li
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -81,16 +81,25 @@ def repair_sources(plan: Plan) -> dict[str, dict[str, str]]:
     for w, pulls in plan.items():
         ups: dict[str, str] = {}
         for a in pulls:
-            peer, chunks, hops = a.source, a.chunks, 0
-            while peer != LEARNER and peer not in ups and chunks and hops < REPAIR_HOPS:
-                above = {source_of.get(peer, {}).get(i) for i in chunks}
-                up = above.pop() if len(above) == 1 else None
-                if up is None or up in (LEARNER, w):
-                    break
-                ups[peer] = peer = up
-                hops += 1
+            if a.chunks:
+                climb(ups, w, a.source, lambda p, ch=a.chunks: {source_of.get(p, {}).get(i) for i in ch})
         out[w] = ups
     return out
+
+
+def climb(ups: dict[str, str], member: str, peer: str, above: Callable[[str], set[str | None]]) -> None:
+    """Record in ``ups`` the chain above ``peer`` for one pull of ``member``: ``above(p)`` is where
+    ``p`` gets that pull's chunks (one source: the next link; several: the chain ends), at most
+    ``REPAIR_HOPS`` links, never the learner or ``member`` itself, ending where ``ups`` already goes on
+    (another pull's chain)."""
+    hops = 0
+    while peer != LEARNER and peer not in ups and hops < REPAIR_HOPS:
+        sources = above(peer)
+        up = sources.pop() if len(sources) == 1 else None
+        if up is None or up in (LEARNER, member):
+            break
+        ups[peer] = peer = up
+        hops += 1
 
 
 @runtime_checkable

@@ -280,6 +280,85 @@ def _register_fleet(n: int) -> tuple[float, float, float]:
     return (stamps[2] - stamps[1]) / 100, stamps[2] - stamps[0], worst
 
 
+MIX = ((200.0, 0.60), (100.0, 0.25), (1000.0, 0.15))  # the issue's link mix: Mbit/s, share of the fleet
+B0_MBPS = 1000.0  # the learner's uplink
+LINK_RATIO = 1.5  # target of the links study: the 1 Gbit workers' median within this x the model's
+
+
+def study_links(ns: list[int], label: str) -> dict[str, Any]:
+    """Study ``links`` (the runtime's trees, timed by the model): on the issue's mix of upload links
+    (60% 200, 25% 100, 15% 1,000 Mbit/s; the learner 1 Gbit/s; a 1.2 GB anchor at the automatic chunk
+    size), the install time of every worker over the trees the runtime's Tree-Pipelined builds
+    (``RelayTree.layout`` handed to ``physics.broadcast.relay_times``), against the model's own trees
+    over the same links: the runtime before declared rates reached it (every link equal), with every
+    worker's rate declared at registration, and after churn (5% of the members left and 5% joined since
+    the trees were built: joiners attached where there is room). A model figure of the runtime's
+    topology, not a transfer. Target (the issue's, fixed before the first run): with declared rates, the
+    1 Gbit workers' median install within 1.5x of the model's at N = 1,000."""
+    import numpy as np
+
+    from echo2.broadcast.pipelined import TreePipelined
+    from echo2.broadcast.strategy import plan_with_leaves
+    from echo2.physics import broadcast as pb
+
+    mbit = 1e6 / 8
+    rows = []
+    for n in ns:
+        rng = np.random.default_rng(n)
+        rates, shares = zip(*MIX, strict=True)
+        ids = [f"w{i}" for i in range(n)]
+        links = {w: float(rng.choice(rates, p=shares)) * mbit for w in ids}
+        b0, chunk = B0_MBPS * mbit, pb.relay_chunk_bytes(ANCHOR_BYTES)
+
+        model_b = np.array([links[w] for w in ids])
+        model = pb.relay_times(ANCHOR_BYTES, model_b, b0, chunk)
+        blind = TreePipelined()
+        blind.plan(ids, 64)
+        linked = TreePipelined()
+        plan_with_leaves(linked, ids, frozenset(), 64, links, b0)
+        row = {
+            "n": n, "model_fast_median_s": float(np.median(model[model_b == 1000.0 * mbit])),
+            "equal_links_fast_median_s": _fast_median(blind._cache.tree, ids, links, b0, chunk),
+            "declared_fast_median_s": _fast_median(linked._cache.tree, ids, links, b0, chunk),
+        }  # fmt: skip
+        gone = set(rng.choice(ids, n // 20, replace=False).tolist())
+        churned = [w for w in ids if w not in gone] + [f"j{i}" for i in range(n // 20)]
+        links.update({w: float(rng.choice(rates, p=shares)) * mbit for w in churned[n - n // 20 :]})
+        plan_with_leaves(linked, churned, frozenset(), 64, links, b0)
+        row["churned_fast_median_s"] = _fast_median(linked._cache.tree, churned, links, b0, chunk)
+        cb = np.array([links[w] for w in churned])
+        churn_model = pb.relay_times(ANCHOR_BYTES, cb, b0, chunk)
+        row["churned_model_fast_median_s"] = float(np.median(churn_model[cb == 1000.0 * mbit]))
+        for key in ("equal_links", "declared"):
+            row[f"{key}_ratio"] = row[f"{key}_fast_median_s"] / row["model_fast_median_s"]
+        row["churned_ratio"] = row["churned_fast_median_s"] / row["churned_model_fast_median_s"]
+        rows.append(row)
+        print(
+            f"{label} links N={n}: 1 Gbit median, model {row['model_fast_median_s']:.1f} s; runtime with "
+            f"equal links {row['equal_links_ratio']:.2f}x, declared {row['declared_ratio']:.2f}x, "
+            f"after 5% churn {row['churned_ratio']:.2f}x",
+            flush=True,
+        )
+    at = next((r for r in rows if r["n"] == 1_000), None)
+    return {
+        "label": label, "rows": rows, "mix_mbps_share": MIX, "b0_mbps": B0_MBPS,
+        "source": "the runtime's trees (TreePipelined) timed by the model (physics.broadcast.relay_times)",
+        "target": f"declared rates: the 1 Gbit workers' median <= {LINK_RATIO}x the model's, N = 1,000",
+        "met": None if at is None else at["declared_ratio"] <= LINK_RATIO,
+    }  # fmt: skip
+
+
+def _fast_median(tree: Any, members: list[str], links: dict[str, float], b0: float, chunk: int) -> float:
+    """The model's median install time of the 1 Gbit workers over ``tree`` (the runtime's trees)."""
+    import numpy as np
+
+    from echo2.physics import broadcast as pb
+
+    b = np.array([links[w] for w in members])
+    t = pb.relay_times(ANCHOR_BYTES, b, b0, chunk, layout=tree.layout(members))
+    return float(np.median(t[b == 1000.0 * 1e6 / 8]))
+
+
 def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -311,14 +390,15 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["publish", "probation", "register"], default="publish")
+    p.add_argument("--study", choices=["publish", "probation", "register", "links"], default="publish")
     p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
     p.add_argument("--label", default="after", help="whose code this is (the before/after readings)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     a = p.parse_args()
     path = a.out / "fleet.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    study = {"publish": study_publish, "probation": study_probation, "register": study_register}[a.study]
+    studies = {"publish": study_publish, "probation": study_probation, "register": study_register}
+    study = {**studies, "links": study_links}[a.study]
     res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, a.out / "fleet.png")

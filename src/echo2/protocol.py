@@ -48,6 +48,7 @@ LENIENT = ConfigDict(extra="ignore")  # replies: a newer learner may add fields
 Version = Annotated[int, Field(ge=-1, le=MAX_INT)]  # a snapshot version; -1 = none installed yet
 MAX_SECONDS = 86400.0  # no heartbeat interval, generation or install a worker reports lasts longer than a day
 MAX_ROLLOUTS = 10**9  # nor does one heartbeat interval hold more rollouts than this
+MAX_UPLINK_MBPS = 400_000.0  # no worker's upload link is faster (400 Gbit/s)
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 Ident = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
@@ -65,6 +66,8 @@ class RegisterRequest(BaseModel):
     hardware: Annotated[str, Field(max_length=128)] = ""  # free-text description (GPU model, ...)
     usd_per_hour: Annotated[float, Field(gt=0, allow_inf_nan=False)]  # this machine's price c_i (> 0)
     rollouts_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # own estimate
+    # its upload link in Mbit/s, as it declares it: the relay trees put the fast ones near the root
+    uplink_mbps: Annotated[float, Field(gt=0, le=MAX_UPLINK_MBPS, allow_inf_nan=False)] | None = None
 
 
 class HeartbeatRequest(BaseModel):

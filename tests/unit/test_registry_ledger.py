@@ -410,3 +410,24 @@ def _saved(run: Path) -> list[dict[str, object]]:
     from echo2.runtime.members import REGISTRY_FILE
 
     return list(json.loads((run / REGISTRY_FILE).read_text()))
+
+
+def test_a_declared_upload_rate_is_kept_and_bounded(tmp_path: Path) -> None:
+    """A worker may declare its upload link at registration (Mbit/s); the ledger hands the publisher
+    bytes/s, kept across a restart; one that declares none, or is not a member, has None; a rate that is
+    not a positive finite number up to 400 Gbit/s is refused by the request's model."""
+    from pydantic import ValidationError
+
+    from echo2.protocol import RegisterRequest
+
+    reg = _registry(tmp_path)
+    fast, _ = reg.register(RegisterRequest(name="fast", usd_per_hour=1.0, uplink_mbps=1000.0))
+    quiet, _ = _join(reg, "quiet")
+    assert reg.uplink(fast.worker_id) == 125e6 and reg.uplink(quiet) is None and reg.uplink("nobody") is None
+    reg.save()
+    again = _registry(tmp_path)
+    again.load()
+    assert again.uplink(fast.worker_id) == 125e6
+    for bad in (0.0, -5.0, 4e5 + 1, float("nan"), "100"):
+        with pytest.raises(ValidationError):
+            RegisterRequest.model_validate({"name": "x", "usd_per_hour": 1.0, "uplink_mbps": bad})

@@ -240,3 +240,44 @@ def test_repair_sources_from_the_parent_maps_are_those_of_the_chunk_lists(n_chun
     other = TreePipelined().plan([f"y{i}" for i in range(50)], n_chunks)  # not the cached trees
     assert not _planned_by(strategy._cache.tree, other, n_chunks)
     assert repairs_of(strategy, other, n_chunks) == repair_sources(other)
+
+
+def test_declared_upload_rates_shape_the_trees_as_the_model_does() -> None:
+    """When every relay declared its upload rate, Tree-Pipelined builds the model's trees
+    (``relay_layout`` over those rates: the fast workers relay near the root), keeps them while fewer
+    than ``RELINK_SHARE`` of the members joined or left, and builds them afresh past that; one relay
+    without a rate and the trees take every link as equal, as before."""
+    from echo2.broadcast.pipelined import RELINK_SHARE
+    from echo2.broadcast.strategy import plan_with_leaves
+
+    rng = np.random.default_rng(3)
+    mbit = 1e6 / 8
+    workers = [f"w{i}" for i in range(300)]
+    links = {w: float(rng.choice([200, 100, 1000], p=[0.6, 0.25, 0.15])) * mbit for w in workers}
+    strategy = TreePipelined()
+    plan = plan_with_leaves(strategy, workers, frozenset(), 64, links, 1000 * mbit)
+    tree = strategy._cache.tree
+    assert tree is not None and strategy._cache.linked
+    model = pb.relay_layout(np.array([links[w] for w in workers]), 1000 * mbit)
+    roots = {workers[i] for s in range(model.stripes) for i in np.flatnonzero(model.parent[s] < 0)}
+    assert {w for kids in tree.children for w in kids.get(LEARNER, [])} == roots
+    assert all(links[w] == 1000 * mbit for w in roots)  # the learner feeds 1 Gbit workers
+    lay = tree.layout(workers)  # the runtime's trees, as the model times them: the model's own
+    assert (lay.parent == model.parent).all() and lay.depth() == model.depth()
+    b = np.array([links[w] for w in workers])
+    assert np.allclose(
+        pb.relay_times(1.2e9, b, 1000 * mbit, layout=lay), pb.relay_times(1.2e9, b, 1000 * mbit)
+    )
+    blind = TreePipelined()
+    plan_with_leaves(blind, workers, frozenset(), 64, {**links, workers[0]: None}, 1000 * mbit)
+    assert blind._cache.tree is not None and not blind._cache.linked
+    few = int(RELINK_SHARE * len(workers)) // 2
+    joined = [*workers, *(f"x{i}" for i in range(few))]
+    links.update({w: 200 * mbit for w in joined[len(workers) :]})
+    plan_with_leaves(strategy, joined, frozenset(), 64, links, 1000 * mbit)
+    assert strategy._cache.tree is tree  # a few joiners: attached where there is room
+    more = [*joined, *(f"y{i}" for i in range(few + 1))]
+    links.update({w: 200 * mbit for w in more[len(joined) :]})
+    plan_with_leaves(strategy, more, frozenset(), 64, links, 1000 * mbit)
+    assert strategy._cache.tree is not tree and set(strategy._cache.built) == set(more)  # built afresh
+    assert set(plan) == set(workers)

@@ -116,6 +116,11 @@ class MemberLedger(Protocol):
         retirement), at once, on the thread that decided it."""
         ...
 
+    def uplink(self, worker_id: str) -> float | None:
+        """The upload rate ``worker_id`` declared, bytes/s, or None: the relay trees put the fast members
+        near the root when every relay's is known."""
+        ...
+
     def relay_conduct(self, worker_id: str, demoted: bool) -> None:
         """The publisher's verdict on ``worker_id`` as a relay: demoted (its peers reported it stalling
         ``DEMOTE_AFTER_REPORTS`` times: it pulls from the learner and serves nobody), or relaying again
@@ -138,6 +143,9 @@ class OpenLedger:
 
     def watch(self, on_untrusted: Callable[[str], None]) -> None:
         return None  # nobody is ever untrusted here
+
+    def uplink(self, worker_id: str) -> float | None:
+        return None  # not known: the trees take every link as equal
 
     def relay_conduct(self, worker_id: str, demoted: bool) -> None:
         return None  # the publisher's own counters still count demotions

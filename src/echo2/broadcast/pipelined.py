@@ -37,9 +37,17 @@ import numpy as np
 
 from echo2.broadcast.strategy import LEARNER, Assignment, Plan, climb, repair_sources
 from echo2.errors import ConfigError
-from echo2.physics.broadcast import DEFAULT_MAX_PEERS, StrategyName, relay_layout, relay_stripes
+from echo2.physics.broadcast import (
+    DEFAULT_MAX_PEERS,
+    LEARNER_INDEX,
+    RelayLayout,
+    StrategyName,
+    relay_layout,
+    relay_stripes,
+)
 
 RATE_MATCH = 1.1  # learner stripe streams run this much above B_w/k (slack for jitter)
+RELINK_SHARE = 0.1  # link-shaped trees are built afresh once this share of members joined or left
 
 
 def matched_stream_rate(n: int, b0: float, bw: float, stripes: int | None = None) -> float | None:
@@ -227,6 +235,34 @@ class RelayTree:
             out[w] = tuple(Assignment(src, _merged(stripes, ss)) for src, ss in items)
         return out
 
+    def layout(self, order: Sequence[str]) -> RelayLayout:
+        """These trees as the model's :class:`~echo2.physics.broadcast.RelayLayout` over the members in
+        ``order`` (index i: ``order[i]``), so the model can time the runtime's own topology
+        (``relay_times(..., layout=...)``: ``benchmarks/fleet.py --study links``)."""
+        idx = {w: i for i, w in enumerate(order)}
+        if set(idx) != set(self.members):
+            raise ConfigError("a layout's order must name every member of the trees once")
+        k, n = self.stripes, len(order)
+        parent = np.full((k, n), LEARNER_INDEX, dtype=np.int64)
+        bfs = np.zeros((k, n), dtype=np.int64)
+        ends = []
+        for s, (par, kids) in enumerate(zip(self.parent, self.children, strict=True)):
+            for w, p in par.items():
+                parent[s, idx[w]] = LEARNER_INDEX if p == LEARNER else idx[p]
+            level, seen, stripe_ends = list(kids.get(LEARNER, ())), [], []
+            while level:
+                seen += level
+                stripe_ends.append(len(seen))
+                level = [c for x in level for c in kids.get(x, ())]
+            bfs[s] = [idx[w] for w in seen]
+            ends.append(tuple(stripe_ends))
+        return RelayLayout(
+            stripes=k, stripe_rate=0.0, max_peers=self.max_peers,
+            home=np.array([self.home.get(w, -1) for w in order], dtype=np.int64),
+            capacity=np.array([self.capacity.get(w, 0) for w in order], dtype=np.int64),
+            parent=parent, order=bfs, level_ends=tuple(ends),
+        )  # fmt: skip
+
     def repair_sources(self, n_chunks: int) -> dict[str, dict[str, str]]:
         """:func:`~echo2.broadcast.strategy.repair_sources` of :meth:`plan` (``n_chunks``), read off the
         parent maps instead of the chunk lists: a member's pulls from one source are the stripes in which
@@ -255,6 +291,8 @@ def _merged(stripes: list[tuple[int, ...]], which: list[int]) -> tuple[int, ...]
 @dataclass
 class _TreeCache:
     tree: RelayTree | None = None  # the relay trees of the last plan, kept for the next version
+    linked: bool = False  # built over the workers' upload rates
+    built: frozenset[str] = frozenset()  # the members it was built for (joiners since came in link-blind)
 
 
 def striped_tree_plan(
@@ -306,27 +344,45 @@ class TreePipelined:
     max_peers: int = DEFAULT_MAX_PEERS  # relay connections per worker: k parents + max_peers - k children
     _cache: _TreeCache = field(default_factory=_TreeCache, compare=False, repr=False)  # last version's trees
 
-    def tree(self, workers: Sequence[str]) -> RelayTree:
+    def tree(
+        self, workers: Sequence[str], links: Mapping[str, float] | None = None, b0: float | None = None
+    ) -> RelayTree:
         """The relay trees for ``workers``: last version's, repaired and extended, or a fresh build when
-        none fits (first version, all members changed, or the learner feeds more than twice the stripes)."""
-        old = self._cache.tree
+        none fits (first version, all members changed, the learner feeds more than twice the stripes,
+        or the stripe count no longer fits the fleet). With ``links`` (every worker's upload rate,
+        bytes/s) the trees are the model's (``physics.broadcast.relay_layout``: fast workers relay
+        near the root), and are built afresh once more than ``RELINK_SHARE`` of the members joined or
+        left since (a joiner is attached wherever there is room, whatever its link)."""
+        old, cache = self._cache.tree, self._cache
         now = set(workers)
-        if old is not None and old.members and now & set(old.members):
+        rates = np.array([links[w] for w in workers]) if links is not None else np.ones(len(workers))
+        ref = (b0 or float(np.median(rates))) if links is not None else 1.0
+        if old is not None and old.members and now & set(old.members) and cache.linked == (links is not None):
             for w in [m for m in old.members if m not in now]:
                 old.remove(w)
             for w in workers:
                 old.add(w)
-            if old.learner_streams() <= 2 * old.stripes and old.stripes == relay_stripes(
-                np.ones(len(workers)), 1.0, self.max_peers
-            ):
+            moved = len(now ^ cache.built) / max(1, len(cache.built))
+            fits = old.learner_streams() <= 2 * old.stripes
+            same_k = old.stripes == relay_stripes(rates, ref, self.max_peers)
+            if fits and same_k and (links is None or moved <= RELINK_SHARE):
                 return old
-        self._cache.tree = RelayTree(workers, self.max_peers)
-        return self._cache.tree
+        cache.tree = RelayTree(workers, self.max_peers, links, ref if links is not None else None)
+        cache.linked, cache.built = links is not None, frozenset(workers)
+        return cache.tree
 
     def plan(self, workers: Sequence[str], n_chunks: int) -> Plan:
         if not workers:
             return {}
         return self.tree(workers).plan(n_chunks)
+
+    def plan_over_links(
+        self, workers: Sequence[str], n_chunks: int, links: Mapping[str, float], b0: float | None
+    ) -> Plan:
+        """The plan over trees shaped to the workers' upload rates (``strategy.LinkAware``)."""
+        if not workers:
+            return {}
+        return self.tree(workers, links, b0).plan(n_chunks)
 
     def repair_sources(self, plan: Plan, n_chunks: int) -> dict[str, dict[str, str]]:
         """``strategy.repair_sources(plan)`` for a plan of this strategy's last trees (members outside

@@ -303,8 +303,9 @@ class TcpPublisher:
         members = {w: m for w, m in self._members.items() if self.ledger.is_target(w)}
         leaves = frozenset(w for w in members if w in self._demoted)
         addresses = {w: (*m.addr, m.cert) for w, m in members.items()}
+        links = {w: self.ledger.uplink(w) for w in members}  # declared upload rates (None: not declared)
         async with self._planning:  # one plan at a time: a strategy keeps its last trees
-            rnd = await asyncio.to_thread(self._plan_round, manifest, addresses, leaves)
+            rnd = await asyncio.to_thread(self._plan_round, manifest, addresses, leaves, links)
         self._rounds[version] = rnd
         for old in sorted(self._rounds)[: -max(8, self.keep_versions)]:
             del self._rounds[old]
@@ -328,15 +329,21 @@ class TcpPublisher:
         return manifest
 
     def _plan_round(
-        self, manifest: Manifest, addresses: dict[str, tuple[str, int, str]], leaves: frozenset[str]
+        self,
+        manifest: Manifest,
+        addresses: dict[str, tuple[str, int, str]],
+        leaves: frozenset[str],
+        links: dict[str, float | None],
     ) -> _Round:
-        """The plan of a version over ``addresses``' members (``leaves`` relay nothing), whom each asks
+        """The plan of a version over ``addresses``' members (``leaves`` relay nothing; ``links`` their
+        declared upload rates, which shape the trees when every relay declared one), whom each asks
         when a peer fails and whom each serves; pure in its arguments but for the strategy's kept trees,
         run off the event loop."""
         n = manifest.n_chunks
-        key = (tuple(addresses.items()), leaves, n)
+        key = (tuple(addresses.items()), leaves, n, tuple(links.items()))
         if self._last_plan is None or self._last_plan[0] != key:  # else the same fleet: the same plan
-            plan = plan_with_leaves(self.strategy, list(addresses), leaves, n)
+            b0 = self.link_rates[0] if self.link_rates is not None else None
+            plan = plan_with_leaves(self.strategy, list(addresses), leaves, n, links, b0)
             repair = repairs_of(self.strategy, plan, n)  # whom each member asks first when a peer fails
             serves: dict[str, set[str]] = {w: set() for w in addresses}  # who may pull from whom
             for w in plan:

@@ -10,7 +10,7 @@ lower bound ``T*`` live in :mod:`echo2.physics.broadcast` (bytes and bytes/s, li
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -50,15 +50,37 @@ class Strategy(Protocol):
         ...
 
 
+@runtime_checkable
+class LinkAware(Protocol):
+    """A strategy that shapes its plan to the members' upload rates where it knows them."""
+
+    def plan_over_links(
+        self, workers: Sequence[str], n_chunks: int, links: Mapping[str, float], b0: float | None
+    ) -> Plan:
+        """:meth:`Strategy.plan` with every worker's upload rate (bytes/s) and the learner's (None:
+        unknown)."""
+        ...
+
+
 def plan_with_leaves(
-    strategy: Strategy, members: Sequence[str], leaves: Collection[str], n_chunks: int
+    strategy: Strategy,
+    members: Sequence[str],
+    leaves: Collection[str],
+    n_chunks: int,
+    links: Mapping[str, float | None] | None = None,
+    b0: float | None = None,
 ) -> Plan:
     """The plan of one version when some members may no longer relay (``leaves``: the publisher demoted
     them after stall reports, ``publisher.py``): ``strategy`` plans over the other members, in their
     order, and every leaf pulls every chunk straight from the learner. Nobody pulls from a leaf, so a
-    leaf's chunks cost the learner G each instead of costing its peers a stall."""
+    leaf's chunks cost the learner G each instead of costing its peers a stall. Where the strategy is
+    :class:`LinkAware` and ``links`` names an upload rate for every relay, it plans over them."""
     relays = [w for w in members if w not in leaves]
-    plan = strategy.plan(relays, n_chunks) if relays else {}
+    rates = {w: r for w in relays if links is not None and (r := links.get(w)) is not None}
+    if relays and isinstance(strategy, LinkAware) and len(rates) == len(relays):
+        plan = strategy.plan_over_links(relays, n_chunks, rates, b0)
+    else:
+        plan = strategy.plan(relays, n_chunks) if relays else {}
     every = (Assignment(LEARNER, tuple(range(n_chunks))),)
     return {w: plan.get(w, every) for w in members}
 

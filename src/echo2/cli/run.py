@@ -179,6 +179,12 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="", help="free-text hardware description")
     p.add_argument("--rollouts-per-s", type=float, help="own throughput estimate (the controller's prior)")
     p.add_argument("--max-rollouts-per-s", type=float, help="throttle to emulate slower hardware")
+    p.add_argument(
+        "--uplink-mbps",
+        type=float,
+        help="this machine's upload link in Mbit/s: declared, the relay trees put the fast workers near "
+        "the root (default: not declared; the trees then take every link as equal)",
+    )
     p.add_argument("--advertise-host", help="address peers reach this worker's chunk server at")
     p.add_argument(
         "--relay-port", type=int, default=0, help="port of this worker's chunk server (default: any free one)"
@@ -271,6 +277,7 @@ def _worker(args: argparse.Namespace) -> int:
         hardware=args.hardware,
         rollouts_per_s=args.rollouts_per_s,
         max_rollouts_per_s=args.max_rollouts_per_s,
+        uplink_mbps=args.uplink_mbps,
         advertise_host=args.advertise_host,
         relay_port=args.relay_port,
         advertise_port=args.advertise_port,

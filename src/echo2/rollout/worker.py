@@ -73,6 +73,7 @@ class WorkerOptions:
     usd_per_hour: float = 0.35  # this machine's price c_i
     hardware: str = "cpu"  # free-text description
     rollouts_per_s: float | None = None  # own throughput estimate (the controller's prior)
+    uplink_mbps: float | None = None  # its upload link, Mbit/s, declared at registration (relay trees)
     max_rollouts_per_s: float | None = None  # throttle, to emulate slower hardware
     advertise_host: str | None = None  # address peers reach this worker's chunk server at
     relay_port: int = 0  # the port its chunk server binds (0: any free one)
@@ -270,6 +271,7 @@ class RolloutWorker:
             usd_per_hour=o.usd_per_hour,
             hardware=o.hardware,
             rollouts_per_s=o.rollouts_per_s,
+            uplink_mbps=o.uplink_mbps,
         )
         try:
             reply = await self.client.register(req, o.token)

@@ -77,6 +77,7 @@ class WorkerRecord:
     usd_per_hour: float  # its price c_i
     hardware: str  # free-text description (GPU model, ...)
     rollouts_per_s: float  # its own estimate at registration (the controller's prior)
+    uplink_mbps: float | None = None  # its upload link as it declared it (None: not declared)
     installed_version: int = -1  # newest snapshot it reported installed (never decreases: installed())
     install_s: float = 0.0  # seconds its newest install took: its heartbeat's figure, or from publication
     #                         to its counted broadcast ack, whichever came last (a metric; not persisted)
@@ -188,6 +189,7 @@ class WorkerRegistry:
             usd_per_hour=req.usd_per_hour,
             hardware=req.hardware,
             rollouts_per_s=req.rollouts_per_s or DEFAULT_RATE,
+            uplink_mbps=req.uplink_mbps,
             last_seen_s=self.clock(),
         )
         self._index(rec)
@@ -254,6 +256,12 @@ class WorkerRegistry:
         """A member's record with leases (the lease broker's view, ``standing.Standings``)."""
         rec = self._records.get(worker_id)
         return rec.standing if rec is not None else None
+
+    def uplink(self, worker_id: str) -> float | None:
+        """The upload rate ``worker_id`` declared at registration, bytes/s (None: not declared, or not
+        a member): the relay trees put the fast ones near the root (``MemberLedger.uplink``)."""
+        rec = self._records.get(worker_id)
+        return None if rec is None or rec.uplink_mbps is None else rec.uplink_mbps * 1e6 / 8
 
     def relay_conduct(self, worker_id: str, demoted: bool) -> None:
         """The broadcast publisher's verdict on a member as a relay (``MemberLedger.relay_conduct``),

@@ -226,14 +226,18 @@ class RelayTree:
         costs O(N k) and not O(N C)); only a source feeding a member several stripes gets a merged one."""
         k = self.stripes
         stripes = [tuple(range(s, n_chunks, k)) for s in range(min(k, n_chunks))]
-        out: Plan = {}
-        for w in self.members:
-            by_src: dict[str, list[int]] = {}
-            for s in range(len(stripes)):
-                by_src.setdefault(self.parent[s][w], []).append(s)
-            items = sorted(by_src.items(), key=lambda kv: (kv[0] != LEARNER, kv[0]))
-            out[w] = tuple(Assignment(src, _merged(stripes, ss)) for src, ss in items)
-        return out
+        return {
+            w: tuple(Assignment(src, _merged(stripes, ss)) for src, ss in self._pulls(w, len(stripes)))
+            for w in self.members
+        }
+
+    def _pulls(self, w: str, live: int) -> list[tuple[str, list[int]]]:
+        """``w``'s sources over the first ``live`` stripes (those that carry a chunk), each with the
+        stripes it feeds ``w``, in a plan's order (the learner first, then by id)."""
+        by_src: dict[str, list[int]] = {}
+        for s in range(live):
+            by_src.setdefault(self.parent[s][w], []).append(s)
+        return sorted(by_src.items(), key=lambda kv: (kv[0] != LEARNER, kv[0]))
 
     def layout(self, order: Sequence[str]) -> RelayLayout:
         """These trees as the model's :class:`~echo2.physics.broadcast.RelayLayout` over the members in
@@ -268,14 +272,10 @@ class RelayTree:
         parent maps instead of the chunk lists: a member's pulls from one source are the stripes in which
         that source is its parent, and the source's own source for them is its parent in those stripes.
         O(N k depth) rather than O(N C depth) for C chunks (9,000 of them in a 1.2 GB anchor)."""
-        live = range(min(self.stripes, n_chunks))  # the stripes that carry a chunk
         out: dict[str, dict[str, str]] = {}
         for w in self.members:
-            by_src: dict[str, list[int]] = {}
-            for s in live:
-                by_src.setdefault(self.parent[s][w], []).append(s)
             ups: dict[str, str] = {}
-            for src, stripes in sorted(by_src.items(), key=lambda kv: (kv[0] != LEARNER, kv[0])):
+            for src, stripes in self._pulls(w, min(self.stripes, n_chunks)):
                 climb(ups, w, src, lambda p, ss=stripes: {self.parent[s][p] for s in ss})
             out[w] = ups
         return out

@@ -136,7 +136,6 @@ class _Round:
     serves: dict[str, set[str]] = field(default_factory=dict)  # member -> the members it serves
 
     _wire: dict[int, tuple[tuple[int, ...], object]] = field(default_factory=dict)  # id -> chunks, as sent
-    manifest_json: bytes = b""  # the manifest as every announcement of the version carries it
 
     def on_wire(self, chunks: tuple[int, ...]) -> object:
         """A pull's chunks as an announcement carries them: a stride (``frames.Stride``) when they are every
@@ -318,11 +317,12 @@ class TcpPublisher:
             self.strategy.name,
         )
         man = manifest.to_dict()
+        encoded = {"manifest": await asyncio.to_thread(dumps, man)}  # the same in every announcement: once
         hint = self._stall_hint(len(members), manifest.chunk_size)
         order = list(members)
         for i in range(0, len(order), ANNOUNCE_BATCH):  # encoded off the loop, a batch at a time
             batch = order[i : i + ANNOUNCE_BATCH]
-            frames = await asyncio.to_thread(self._announcements, rnd, man, hint, addresses, batch)
+            frames = await asyncio.to_thread(self._announcements, rnd, man, encoded, hint, addresses, batch)
             for w, frame in zip(batch, frames, strict=True):
                 if (member := self._members.get(w)) is members[w]:  # still the member it was planned for
                     self._spawn(self._send_raw(member, frame))
@@ -363,17 +363,16 @@ class TcpPublisher:
         self,
         rnd: _Round,
         man: dict[str, object],
+        encoded: dict[str, bytes],
         hint: float,
         addresses: dict[str, tuple[str, int, str]],
         batch: list[str],
     ) -> list[list[bytes]]:
-        """The encoded ``announce`` frames of ``batch``'s members, each in pieces (``wire.encode_with``: the
-        manifest's one bytes object in every frame): each names only the peers it pulls or repairs from
-        (and the learner), so a frame's size does not grow with the fleet."""
+        """The encoded ``announce`` frames of ``batch``'s members, each in pieces (``wire.encode_with``:
+        ``encoded``'s manifest, the one bytes object, in every frame): each names only the peers it
+        pulls or repairs from (and the learner), so a frame's size does not grow with the fleet."""
         version, n = rnd.manifest.version, len(rnd.targets)
         me = (*self.address, self.fingerprint)
-        encoded = {"manifest": rnd.manifest_json or dumps(man)}  # the same for every member: once
-        rnd.manifest_json = encoded["manifest"]
         out = []
         for w in batch:
             peers = {LEARNER: me} | {p: addresses[p] for p in rnd.sources(w) - {LEARNER}}

@@ -57,7 +57,7 @@ _SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # an escape in U+D800..U+D
 def encode(header: dict[str, Any], payload_len: int = 0) -> bytes:
     if payload_len:
         header = {**header, "n": payload_len}
-    body = json.dumps(header, separators=(",", ":"), default=_plain).encode()
+    body = dumps(header)
     return _LEN.pack(len(body)) + body
 
 
@@ -72,7 +72,7 @@ def encode_with(header: dict[str, Any], encoded: dict[str, bytes]) -> list[bytes
 
     def flush() -> None:
         if run:
-            parts.append(_dumps(run)[1:-1])
+            parts.append(dumps(run)[1:-1])
             run.clear()
 
     for k, v in header.items():
@@ -90,10 +90,6 @@ def encode_with(header: dict[str, Any], encoded: dict[str, bytes]) -> list[bytes
 
 def dumps(value: object) -> bytes:
     """``value`` as a frame header writes it (compact JSON)."""
-    return _dumps(value)
-
-
-def _dumps(value: object) -> bytes:
     return json.dumps(value, separators=(",", ":"), default=_plain).encode()
 
 

@@ -86,7 +86,6 @@ class Stride(BaseModel):
     step: Annotated[int, Field(ge=1, le=MAX_CHUNKS)]
 
 
-# JSON has no tuples: these accept a list (strict=False on the tuple itself); their items stay strict.
 def _chunks_kind(value: object) -> str:
     return "stride" if isinstance(value, dict | Stride) else "list"
 
@@ -97,6 +96,7 @@ Chunks = Annotated[
     | Annotated[Stride, Tag("stride")],
     Discriminator(_chunks_kind),
 ]
+# JSON has no tuples: these accept a list (strict=False on the tuple itself); their items stay strict.
 Source = Annotated[tuple[Member, Chunks], Field(strict=False)]  # a pull stream: [source, chunks]
 Address = Annotated[tuple[Host, Port], Field(strict=False)]  # [host, port]: plain TCP
 PinnedAddress = Annotated[tuple[Host, Port, Fingerprint], Field(strict=False)]  # [host, port, fingerprint]

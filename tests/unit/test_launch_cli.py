@@ -62,9 +62,13 @@ def test_nothing_but_the_launcher_imports_ray():
         (["--relay-port", "-1"], "--relay-port -1: not a TCP port"),
         (["--advertise-port", "0"], "--advertise-port 0: not a TCP port"),
         (["--lora-base", "/nonexistent/base"], "--lora-base /nonexistent/base: no such checkpoint directory"),
+        (["--uplink-mbps", "-1"], "--uplink-mbps -1.0: Input should be greater than 0"),
+        (["--uplink-mbps", "500000"], "--uplink-mbps 500000.0: Input should be less than or equal to 400000"),
+        (["--usd-per-hour", "0"], "--usd-per-hour 0.0: Input should be greater than 0"),
+        (["--rollouts-per-s", "nan"], "--rollouts-per-s nan: Input should be a finite number"),
     ],
 )
-def test_a_worker_with_a_port_that_is_no_port_is_refused(flags, says, capsys):
+def test_a_worker_flag_out_of_bounds_is_refused_naming_it(flags, says, capsys):
     from echo2.cli import main
 
     assert main(["worker", "--join", "http://127.0.0.1:9", "--token", "t", *flags]) == 2

@@ -240,6 +240,25 @@ def engine_options(args: argparse.Namespace) -> Any:
     return engine
 
 
+def _registration_flags(args: argparse.Namespace) -> None:
+    """``--usd-per-hour``, ``--hardware``, ``--rollouts-per-s`` and ``--uplink-mbps`` checked by the model
+    the learner checks a registration with (``protocol.RegisterRequest``), before anything starts: one
+    line naming the flag, not a traceback at registration."""
+    from pydantic import ValidationError
+
+    from echo2.protocol import RegisterRequest
+
+    try:
+        RegisterRequest(
+            usd_per_hour=args.usd_per_hour, hardware=args.hardware, rollouts_per_s=args.rollouts_per_s,
+            uplink_mbps=args.uplink_mbps,
+        )  # fmt: skip
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        raise ConfigError(f"{flag} {err['input']!r}: {err['msg']}") from None
+
+
 def _worker(args: argparse.Namespace) -> int:
     from typing import get_args
 
@@ -255,6 +274,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.engine not in get_args(EngineName):
         raise ConfigError(f"--engine {args.engine!r}: choose one of {list(get_args(EngineName))}")
     engine = engine_options(args)
+    _registration_flags(args)
     if args.lora_base is not None and not Path(args.lora_base).expanduser().is_dir():
         raise ConfigError(f"--lora-base {args.lora_base}: no such checkpoint directory")
     if not 0 <= args.relay_port <= 65535:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from echo2.config import ControllerConfig
+from echo2.errors import ConfigError
 from echo2.planner import capacity
 from echo2.sim.engine import SimParams, SimWorker, _Sim, simulate
 
@@ -229,3 +230,27 @@ def test_a_dropped_versions_groups_are_skipped_in_arrival_order() -> None:
     sim._try_train()
     assert sim.dropped == 16 and sim.store == {4: 16} and list(sim.fifo) == [(4, 3.0)]
     assert sim.batch_stats == (2, 1.0) and sim.wait_max == 10.0
+
+
+def test_a_pool_sized_for_the_useful_groups_hides_the_broadcast_one_sized_for_all_does_not() -> None:
+    # half the groups zero-variance (left out): the 9 workers that sized the pool for R above now leave
+    # a bubble; 9 / 0.5 = 18 hide it again, and the measured useful share is the one drawn
+    t_bcast = _run(9).summary["t_bcast_mean_s"]
+    mu_min = capacity.mu_min(kappa=2, t_train=1631.2, t_bcast=t_bcast, rollouts=2048) / 0.5
+    n_min = capacity.n_min(mu_min, 0.32)
+    assert n_min == 15
+    short = _run(9, useful_share=0.5).summary
+    sized = _run(math.ceil(1.1 * n_min), useful_share=0.5).summary
+    # the cycle model with the pool's useful rate (9 x 0.32 x 0.5): 1 - 3262.4 / (T_bcast + 4096 / 1.44) = 24%
+    model = capacity.cycle_bubble_ratio(kappa=2, t_train=1631.2, t_bcast=t_bcast, rollouts=2048, mu_pool=1.44)
+    assert short["bubble_ratio"] == pytest.approx(model, abs=0.03) and model > 0.2
+    assert sized["bubble_ratio"] <= 0.02
+    assert (
+        sized["useful_share_measured"] == pytest.approx(0.5, abs=0.05) and sized["zero_variance_rollouts"] > 0
+    )
+    assert sized["staleness_max"] <= 3
+    # every group useful: no draw, the run the same as before the option
+    assert _run(9, useful_share=1.0).metrics == _run(9).metrics
+    assert _run(9).summary["useful_share_measured"] == 1.0
+    with pytest.raises(ConfigError, match="useful_share"):
+        _params(useful_share=0.0)

@@ -103,6 +103,7 @@ def setup(sc: SimScenario, *, policy: str | None = None, seed: int | None = None
         join_interval_s=sc.churn.join_interval_s,
         buffer_steps=sc.sim.buffer_steps,
         record_metrics=sc.sim.record_metrics,
+        useful_share=p.useful_share,
     )
     return Setup(params, workers, active, plan)
 

@@ -68,6 +68,10 @@ class SimParams:
     join_interval_s: float | None = None  # mean time between new idle workers joining; None: none
     record_metrics: bool = True  # keep the per-step metric dicts (off for speed runs)
     buffer_steps: float | None = None  # backpressure: no new group while stored + in-flight >= this x R
+    # the share of delivered groups a batch can use (the rest zero-variance, left out as with
+    # grpo.drop_zero_variance); each group is useful with this probability, drawn from a stream of its
+    # own (1: every one, no draw)
+    useful_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rollouts_per_step < 1 or self.group_size < 1:
@@ -79,6 +83,8 @@ class SimParams:
             )
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if not 0.0 < self.useful_share <= 1.0:
+            raise ConfigError(f"useful_share must be in (0, 1], got {self.useful_share!r}")
         if self.staleness < 0 or self.kappa < 1:
             raise ConfigError(f"need S >= 0 and kappa >= 1, got S={self.staleness}, kappa={self.kappa}")
         if self.controller is not None and self.mu_target is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
@@ -92,3 +93,69 @@ def test_random_is_deterministic_under_seed() -> None:
     a = activate("random", cands, 3.0, seed=3)
     b = activate("random", cands, 3.0, seed=3)
     assert a.selected == b.selected
+
+
+def _greedy_by_scanning(candidates: list[Candidate], target: float) -> tuple[Candidate, ...]:
+    """The greedy policy as first written, each finisher found by scanning the whole suffix (O(n^2)): the
+    reference the indexed lookup must agree with, choice for choice."""
+    ranked = sorted(candidates, key=lambda c: (c.rho, -c.rollouts_per_s, c.worker_id))
+
+    def prune(chosen: list[Candidate]) -> list[Candidate]:
+        out, pool = list(chosen), math.fsum(c.rollouts_per_s for c in chosen)
+        for c in sorted(chosen, key=lambda c: (-c.usd_per_hour, c.rollouts_per_s)):
+            if pool - c.rollouts_per_s >= target:
+                out.remove(c)
+                pool -= c.rollouts_per_s
+        return out
+
+    best: list[Candidate] | None = None
+    best_cost, prefix, pool, cost = math.inf, [], 0.0, 0.0
+    for j, c in enumerate(ranked):
+        fins = [d for d in ranked[j:] if d.rollouts_per_s >= target - pool]
+        f = min(fins, key=lambda d: d.usd_per_hour, default=None)
+        if f is not None and cost + f.usd_per_hour < best_cost + max(
+            (d.usd_per_hour for d in prefix), default=0
+        ):
+            option = prune([*prefix, f])
+            if math.fsum(d.usd_per_hour for d in option) < best_cost:
+                best, best_cost = option, math.fsum(d.usd_per_hour for d in option)
+        prefix.append(c)
+        pool += c.rollouts_per_s
+        cost += c.usd_per_hour
+        if pool >= target:
+            option = prune(prefix)
+            if math.fsum(d.usd_per_hour for d in option) < best_cost:
+                best = option
+            break
+    assert best is not None
+    return tuple(best)
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_greedy_chooses_what_scanning_every_suffix_chose(distinct: bool) -> None:
+    # catalog types (repeated prices and rates, so ties in price and rate) and measured workers (every
+    # rate its own); the targets span a single finisher to nearly the whole pool
+    rng = random.Random(11)
+    for _ in range(300):
+        if distinct:
+            cands = [
+                Candidate(f"w{j}", "w", round(rng.uniform(0.1, 3.0), 2), round(rng.uniform(0.05, 2.0), 3))
+                for j in range(rng.randint(1, 40))
+            ]
+            target = rng.uniform(0.01, 1.0) * math.fsum(c.rollouts_per_s for c in cands)
+        else:
+            cands, target = _random_pool(rng)
+        assert greedy(cands, target).selected == _greedy_by_scanning(cands, target)
+
+
+def test_greedy_on_a_plan_of_100000_workers_answers_in_seconds() -> None:
+    # 104,031 of the cheapest type reach the target, and one huge worker could finish from any position:
+    # every position's finisher is asked of a suffix of up to 130,001 workers (scanning each suffix took
+    # 5 minutes for `echo2 plan` on a one-type catalog of that size)
+    cands = expand_catalog(
+        [("slow", 0.35, 0.0023, 110_000), ("fast", 100.0, 0.55, 20_000), ("huge", 6e4, 300.0, 1)]
+    )
+    t0 = time.perf_counter()
+    a = greedy(cands, 239.27)
+    assert time.perf_counter() - t0 < 10.0
+    assert a.mu_pool >= 239.27 and a.counts_by_type() == {"slow": 104_031}

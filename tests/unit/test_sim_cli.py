@@ -102,3 +102,10 @@ def test_the_simulator_ships_a_lora_runs_adapter() -> None:
     params = experiments.setup(lora).params
     assert whole.snapshot_bytes == pytest.approx(16.38e9)
     assert params.snapshot_bytes == pytest.approx(2 * 43_646_976) and params.patch_ratio is None
+
+
+def test_a_scale_case_without_recorded_metrics_writes_its_summary(tmp_path: Path) -> None:
+    # `record_metrics = false` (the scale cases) left no metric to plot and ended in matplotlib's traceback
+    assert _run(["speed_100k", "--steps", "3", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "speed_100k.json").read_text())["summary"]["steps"] == 3
+    assert not (tmp_path / "speed_100k_run.png").exists()

@@ -47,14 +47,15 @@ def _run(args: argparse.Namespace) -> int:
     files: list[Path] = []
     if kind == "run":
         res, plan = experiments.run(sc)
-        metrics_path = out / f"{stem}_metrics.jsonl"
-        with metrics_path.open("w") as f:
-            for m in res.metrics:
-                f.write(json.dumps(m) + "\n")
-        files.append(metrics_path)
-        files.append(
-            plots.plot_metrics(res.metrics, out / f"{stem}_run.png", title=f"simulated: {path.name}")
-        )
+        if res.metrics:  # none where the scenario says `record_metrics = false` (the scale cases)
+            metrics_path = out / f"{stem}_metrics.jsonl"
+            with metrics_path.open("w") as f:
+                for m in res.metrics:
+                    f.write(json.dumps(m) + "\n")
+            files.append(metrics_path)
+            files.append(
+                plots.plot_metrics(res.metrics, out / f"{stem}_run.png", title=f"simulated: {path.name}")
+            )
         result: dict[str, Any] = {"config": str(path), "summary": res.summary, "plan": plan}
     elif kind == "bubble_sweep":
         result = experiments.bubble_sweep(sc)

@@ -16,7 +16,9 @@ Three policies share one result type:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -124,18 +126,57 @@ def _check(candidates: Sequence[Candidate], target: float) -> None:
 
 def _prune(chosen: list[Candidate], target: float) -> list[Candidate]:
     """Release the most expensive members while the rest still reach ``target``."""
-    out = list(chosen)
-    pool = math.fsum(c.rollouts_per_s for c in out)
-    for c in sorted(out, key=lambda c: (-c.usd_per_hour, c.rollouts_per_s)):
-        if pool - c.rollouts_per_s >= target:
-            out.remove(c)
-            pool -= c.rollouts_per_s
+    pool = math.fsum(c.rollouts_per_s for c in chosen)
+    released: set[int] = set()
+    for i in sorted(range(len(chosen)), key=lambda i: (-chosen[i].usd_per_hour, chosen[i].rollouts_per_s)):
+        if pool - chosen[i].rollouts_per_s >= target:
+            released.add(i)
+            pool -= chosen[i].rollouts_per_s
+    return [c for i, c in enumerate(chosen) if i not in released]
+
+
+def _finishers(ranked: Sequence[Candidate], residuals: Sequence[float]) -> list[int | None]:
+    """For each ``j < len(residuals)``: the position of the cheapest worker in ``ranked[j:]`` whose rate
+    covers ``residuals[j]`` (the first such in ranked order among equal prices), or None.
+
+    All the queries are known up front (the residuals are the target less the prefix sums), so they are
+    answered in one backward sweep over the positions, inserting each worker into a Fenwick tree of
+    prefix minima over its rate's rank (fastest first): O(n log n) where asking each position's question
+    of the whole suffix was O(n^2), 5 minutes for a plan of 100,000 workers. Positions before the first
+    whose residual some later worker can cover are never swept.
+    """
+    n, m = len(ranked), len(residuals)
+    out: list[int | None] = [None] * m
+    if m == 0:
+        return out
+    rates = [c.rollouts_per_s for c in ranked]
+    fastest_after = list(itertools.accumulate(reversed(rates), max))[::-1]  # max rate of ranked[j:]
+    asked = [j for j in range(m) if residuals[j] <= fastest_after[j]]
+    if not asked:
+        return out
+    ascending = sorted(set(rates))
+    k = len(ascending)
+    tree: list[tuple[float, int] | None] = [None] * (k + 1)  # prefix minima of (price, position)
+    rank = {r: k - i for i, r in enumerate(ascending)}  # 1 = the fastest rate
+    todo = set(asked)
+    for j in range(n - 1, asked[0] - 1, -1):
+        key = (ranked[j].usd_per_hour, j)
+        i = rank[rates[j]]
+        while i <= k:
+            cur = tree[i]
+            if cur is None or key < cur:
+                tree[i] = key
+            i += i & -i
+        if j in todo:  # the workers at least as fast as the residual: the k - bisect fastest ranks
+            i = k - bisect.bisect_left(ascending, residuals[j])
+            best: tuple[float, int] | None = None
+            while i > 0:
+                cur = tree[i]
+                if cur is not None and (best is None or cur < best):
+                    best = cur
+                i -= i & -i
+            out[j] = None if best is None else best[1]
     return out
-
-
-def _prunable(prefix: list[Candidate]) -> float:
-    """Upper bound on what pruning can save from a prefix: its most expensive member's price."""
-    return max((c.usd_per_hour for c in prefix), default=0.0)
 
 
 def greedy_prefix(candidates: Sequence[Candidate], target: float) -> Activation:
@@ -153,37 +194,32 @@ def greedy(candidates: Sequence[Candidate], target: float) -> Activation:
     price the alternative "stop here and finish with the cheapest single remaining worker whose
     mu covers the residual ``target - mu_prefix``". Keep the cheaper of all these finishes, then
     release the most expensive members the target does not need. The prefix is one of the
-    alternatives, so this is never worse than the paper's prefix; it costs O(n^2) in the worst case.
+    alternatives, so this is never worse than the paper's prefix. The finishers are found in O(n log n)
+    (:func:`_finishers`); each alternative priced below the best so far is pruned in O(n log n).
     Each alternative is pruned before the costs are compared.
     """
     _check(candidates, target)
     ranked = sorted(candidates, key=lambda c: (c.rho, -c.rollouts_per_s, c.worker_id))
-    # suffix structure: for position j, remaining workers ranked[j:] sorted by rate for the lookup
+    pools = list(itertools.accumulate((c.rollouts_per_s for c in ranked), initial=0.0))
+    # the prefix's last worker (all of them where the sum falls a rounding error short, as _check allows)
+    reach = next((j for j in range(len(ranked)) if pools[j + 1] >= target), len(ranked) - 1)
+    finishers = _finishers(ranked, [target - pools[j] for j in range(reach + 1)])
     best: list[Candidate] | None = None
     best_cost = math.inf
-    prefix: list[Candidate] = []
-    pool = cost = 0.0
-    for j, c in enumerate(ranked):
-        residual = target - pool
-        finisher = min(
-            (d for d in ranked[j:] if d.rollouts_per_s >= residual),
-            key=lambda d: d.usd_per_hour,
-            default=None,
-        )
-        if finisher is not None and cost + finisher.usd_per_hour < best_cost + _prunable(prefix):
-            option = _prune([*prefix, finisher], target)
+    cost = priciest = 0.0  # the prefix's cost, and its most expensive member (what pruning can save)
+    for j in range(reach + 1):
+        f = finishers[j]
+        if f is not None and cost + ranked[f].usd_per_hour < best_cost + priciest:
+            option = _prune([*ranked[:j], ranked[f]], target)
             option_cost = math.fsum(d.usd_per_hour for d in option)
             if option_cost < best_cost:
                 best, best_cost = option, option_cost
-        prefix.append(c)
-        pool += c.rollouts_per_s
-        cost += c.usd_per_hour
-        if pool >= target:
-            option = _prune(prefix, target)
-            option_cost = math.fsum(d.usd_per_hour for d in option)
-            if option_cost < best_cost:
-                best, best_cost = option, option_cost
-            break
+        cost += ranked[j].usd_per_hour
+        priciest = max(priciest, ranked[j].usd_per_hour)
+    option = _prune(list(ranked[: reach + 1]), target)
+    option_cost = math.fsum(d.usd_per_hour for d in option)
+    if option_cost < best_cost:
+        best = option
     assert best is not None  # feasibility was checked: the full prefix reaches the target
     return Activation("greedy", tuple(best), target)
 

@@ -49,6 +49,7 @@ Version = Annotated[int, Field(ge=-1, le=MAX_INT)]  # a snapshot version; -1 = n
 MAX_SECONDS = 86400.0  # no heartbeat interval, generation or install a worker reports lasts longer than a day
 MAX_ROLLOUTS = 10**9  # nor does one heartbeat interval hold more rollouts than this
 MAX_UPLINK_MBPS = 400_000.0  # no worker's upload link is faster (400 Gbit/s)
+MAX_HEARTBEAT_S = 3600.0  # the longest heartbeat period a reply may ask for (runtime/members.py: Cadence)
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 Ident = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
@@ -68,6 +69,10 @@ class RegisterRequest(BaseModel):
     rollouts_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # own estimate
     # its upload link in Mbit/s, as it declares it: the relay trees put the fast ones near the root
     uplink_mbps: Annotated[float, Field(gt=0, le=MAX_UPLINK_MBPS, allow_inf_nan=False)] | None = None
+    # a random id the worker draws once per registration and repeats when it sends it again: a retry of a
+    # registration that had landed (its reply late or lost) gets that identity back with a new credential,
+    # not a second identity, slot and share of the token's identity budget (runtime/members.py)
+    attempt: Annotated[str, Field(min_length=16, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
 
 
 class HeartbeatRequest(BaseModel):
@@ -181,6 +186,9 @@ class HeartbeatReply(BaseModel):
     version: int  # the learner's version v_t
     min_version: int  # oldest admissible generating version v_t - S
     finished: bool  # the run is over: stop
+    # seconds until the next heartbeat: longer as the fleet grows (runtime/members.py: Cadence); absent
+    # from a learner before it, where settings.heartbeat_s stands
+    heartbeat_s: Annotated[float, Field(gt=0, le=MAX_HEARTBEAT_S, allow_inf_nan=False)] | None = None
 
 
 class LeasedPrompt(BaseModel):

@@ -11,9 +11,16 @@ import pytest
 from echo2.config import load_config
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import Submission
-from echo2.protocol import HeartbeatRequest, LeaseGrant, LeaseRefusal, LeaseRequest, RegisterRequest
+from echo2.protocol import (
+    MAX_HEARTBEAT_S,
+    HeartbeatRequest,
+    LeaseGrant,
+    LeaseRefusal,
+    LeaseRequest,
+    RegisterRequest,
+)
 from echo2.runtime.leases import LeaseBroker
-from echo2.runtime.members import WorkerRegistry
+from echo2.runtime.members import Cadence, WorkerRegistry
 from echo2.runtime.pool import Pool
 from echo2.runtime.prompts import PromptSource
 from echo2.runtime.standing import BENCH_TTLS, Standings
@@ -515,3 +522,56 @@ def test_a_newcomers_turn_is_read_from_the_head_of_the_queue_not_the_whole_queue
     looked.clear()
     assert isinstance(_ask(broker, new[-1]), LeaseRefusal)  # the tail still waits behind 7 places
     assert len(looked) == 7
+
+
+def test_the_fleet_cadence_stretches_past_its_heartbeat_budget():
+    # 200 heartbeats a second at a 1 s period: nothing changes up to 200 members
+    members = [0]
+    cad = Cadence(1.0, 200.0, lambda: members[0])
+    for n, factor, beat, retry in [(0, 1, 1, 0.25), (200, 1, 1, 0.25), (400, 2, 2, 1.0), (1000, 5, 5, 5.0)]:
+        members[0] = n
+        assert (cad.factor(), cad.heartbeat(), cad.retry()) == (factor, beat, retry)
+        assert cad.silence(10.0) == 10.0 * factor  # the silence windows stretch as the period does
+    members[0] = 10**9  # a reply may not ask for more than an hour
+    assert cad.heartbeat() == cad.retry() == MAX_HEARTBEAT_S
+
+
+def test_a_large_fleet_is_asked_to_call_less_often_and_its_silence_is_read_over_as_long(tmp_path):
+    """With 1,000 members (5x the heartbeat budget) an idle worker's refused lease asks it back after 5 s
+    (0.25 s in a small fleet), and the controller's heartbeat timeout is 50 s, not 10: a worker heard
+    from 20 s ago is still alive."""
+    cfg, _store, broker, pool, clock = _node(tmp_path)
+    registry = pool.registry
+    cad = Cadence(cfg.runtime.heartbeat_s, cfg.runtime.heartbeats_per_s, registry.slots_held)
+    broker.cadence = pool.cadence = cad
+    first = _register(registry, pool, "first")
+    grant = _ask(broker, first, 1)
+    assert isinstance(grant, LeaseGrant)
+    again = _ask(broker, first, 1)  # on probation with a lease open: refused
+    assert isinstance(again, LeaseRefusal) and again.retry_after_s == 0.25
+    for i in range(999):
+        _register(registry, pool, f"m{i}")
+    clock.t += 1.0  # the slot count is made at most once a second
+    assert cad.factor() == 5.0
+    again = _ask(broker, first, 1)
+    assert isinstance(again, LeaseRefusal) and again.retry_after_s == 5.0
+    pool.retarget(t_train_s=1.0, t_bcast_s=0.1)
+    pool.tick_due()
+    assert pool.controller.config.heartbeat_timeout_s == 5 * cfg.controller.heartbeat_timeout_s
+    registry[first].last_seen_s = clock()
+    clock.t += 20.0
+    assert pool.is_active(first)  # within 50 s (the unstretched 10 s would have lost it)
+
+
+def test_the_pools_n_min_reads_the_controllers_candidates_once_whatever_the_fleet(tmp_path):
+    # asked per registered worker, the candidates' set made /api/state O(N^2): 1.3 s at 10,000 members
+    _cfg, _store, _broker, pool, _clock = _node(tmp_path)
+    for i in range(50):
+        rec, _ = pool.registry.register(RegisterRequest(name=f"w{i}", usd_per_hour=0.35))
+        rec.rollouts = 8  # delivered: the controller's candidate
+        pool.enroll(rec)
+    pool.retarget(t_train_s=1.0, t_bcast_s=0.1)
+    asked = []
+    known = pool.controller.known
+    pool.controller.known = lambda: asked.append(1) or known()  # type: ignore[method-assign]
+    assert pool.planned_n_min() is not None and len(asked) == 1

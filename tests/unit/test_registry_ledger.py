@@ -431,3 +431,31 @@ def test_a_declared_upload_rate_is_kept_and_bounded(tmp_path: Path) -> None:
     for bad in (0.0, -5.0, 4e5 + 1, float("nan"), "100"):
         with pytest.raises(ValidationError):
             RegisterRequest.model_validate({"name": "x", "usd_per_hour": 1.0, "uplink_mbps": bad})
+
+
+def test_a_registration_is_got_back_only_by_its_attempt_while_fresh_and_trusted(tmp_path):
+    from echo2.protocol import RegisterRequest
+    from echo2.runtime.members import ATTEMPT_TTL_S, WorkerRegistry
+
+    now = [0.0]
+    reg = WorkerRegistry(tmp_path, "t" * 20, lambda: now[0], 10)
+    req = RegisterRequest(name="w", usd_per_hour=0.35, attempt="x" * 16)
+    rec, cred = reg.register(req)
+    assert reg.retried(RegisterRequest(name="w", usd_per_hour=0.35)) is None  # no attempt: a new one
+    assert reg.retried(req.model_copy(update={"attempt": "y" * 16})) is None
+    now[0] = 1.0
+    again, cred2 = reg.retried(req)  # type: ignore[misc]
+    assert again is rec and cred2 != cred and reg.authenticate(cred) is None
+    now[0] = 2.0
+    again, cred3 = reg.retried(req)  # type: ignore[misc]  # that reply lost too: sent a third time
+    assert again is rec and cred3 != cred2 and reg.authenticate(cred2) is None
+    now[0] = 3.0
+    assert reg.authenticate(cred3) is rec  # used: the reply arrived; the attempt opens nothing any more
+    assert reg.retried(req) is None
+    other = RegisterRequest(name="v", usd_per_hour=0.35, attempt="z" * 16)
+    rec2, _ = reg.register(other)
+    now[0] += ATTEMPT_TTL_S + 1  # too late: a registration of its own
+    assert reg.retried(other) is None
+    now[0] = 4.0
+    reg.revoke(rec2.worker_id, "caught")  # a quarantined identity is not handed back
+    assert reg.retried(other) is None and len(reg) == 2

@@ -278,6 +278,7 @@ def test_heartbeat_validates_and_reports_activity(tmp_path):
     node = make_node(tmp_path)
     (good, future, garbage), _ = run(body, node)
     assert good["active"] is True and good["finished"] is False
+    assert good["heartbeat_s"] == 1.0  # a fleet of one: the configured period
     assert (future, garbage) == (422, 422)
     rec = next(iter(node.registry))
     wid = rec.worker_id
@@ -815,3 +816,35 @@ def test_a_quarantine_is_one_call_on_the_members_record(tmp_path):
     for wid, why in ((liar, "reward_mismatch"), (retired, "forged_generation")):
         assert node.pool.state(wid) == "quarantined" and node.pool.last_reason[wid] == f"quarantined: {why}"
         assert node.registry[wid].rate_window is None
+
+
+def test_a_registration_sent_again_gets_its_identity_back_not_a_second_one(tmp_path):
+    """A reply lost or too late: the client sends the same registration again (the same ``attempt``).
+    It gets the identity that landed, with a new credential (the lost one opens nothing), even with
+    every slot held; a registration of its own still meets the cap. Without it, a fleet registering
+    under load burnt a slot and an identity for every retry that had landed (415 of 10,064 at 10,000)."""
+    attempt = "a" * 16
+
+    async def body(client):
+        async def reg(**fields: Any) -> dict[str, Any]:
+            resp = await client.post("/v1/register", headers=JOIN, json={"usd_per_hour": 0.5, **fields})
+            return {"status": resp.status, **(await resp.json())}
+
+        first = await reg(name="a", attempt=attempt)
+        again = await reg(name="a", attempt=attempt)
+        other = await reg(name="b", attempt="b" * 16)
+        beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        old = await client.post(
+            "/v1/heartbeat", json=beat, headers={"Authorization": f"Bearer {first['credential']}"}
+        )
+        new = await client.post(
+            "/v1/heartbeat", json=beat, headers={"Authorization": f"Bearer {again['credential']}"}
+        )
+        return first, again, other, old.status, new.status
+
+    node = make_node(tmp_path, "security.max_workers=1")
+    (first, again, other, old, new), _ = run(body, node)
+    assert first["status"] == again["status"] == 200 and again["worker_id"] == first["worker_id"]
+    assert again["credential"] != first["credential"] and old in (401, 403) and new == 200
+    assert (other["status"], other["error"]) == (403, "registration_cap")
+    assert len(node.registry) == 1

@@ -57,6 +57,14 @@ class RuntimeConfig(_Section):
         2.0, ge=1.0, description="cap on leased + buffered rollouts, in learner batches R (clamped to S + 1)"
     )
     heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between worker heartbeats")
+    heartbeats_per_s: float = Field(
+        200.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="the fleet's heartbeats a second the learner plans for: past heartbeats_per_s x "
+        "heartbeat_s members the heartbeat period, the pause a refused lease asks for and the windows "
+        "that read silence as absence stretch with the fleet (runtime/members.py: Cadence)",
+    )
     engine: EngineName = Field(
         "hf", description="rollout engine of the workers `echo2 run` starts: hf or vllm (docs/engines.md)"
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -90,6 +91,8 @@ class LearnerClient:
     async def register(self, req: RegisterRequest, token: str) -> RegisterReply:
         """Join the run with its join ``token`` (sent as the bearer of this one request); the credential
         the reply carries is the bearer of every later one."""
+        if req.attempt is None:  # one id for this registration, repeated by every retry of it (_request)
+            req = req.model_copy(update={"attempt": secrets.token_urlsafe(16)})
         self.credential = token
         try:
             reply = await self._call("POST", "/register", RegisterReply, req)

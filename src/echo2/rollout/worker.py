@@ -287,6 +287,7 @@ class RolloutWorker:
 
     # ---- the control loops ------------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
+        every = self.settings.heartbeat_s
         while not self.finished:
             req = HeartbeatRequest(
                 rollouts=self._hb_rollouts,
@@ -298,6 +299,7 @@ class RolloutWorker:
             try:
                 reply = await self.client.heartbeat(req)
                 self.finished = self.finished or reply.finished
+                every = reply.heartbeat_s or every  # the learner's cadence for its fleet now
             except LearnerGone as exc:
                 log.error("%s", exc)
                 self.finished = True
@@ -317,7 +319,7 @@ class RolloutWorker:
                         await self.follower.rejoin(self.worker_id)
                 else:
                     log.warning("heartbeat refused: %s", exc)
-            await asyncio.sleep(self.settings.heartbeat_s)
+            await asyncio.sleep(every)
 
     def _lease_request(self) -> LeaseRequest:
         return LeaseRequest(

@@ -61,6 +61,7 @@ from echo2.config import BatchConfig, RuntimeConfig, SecurityConfig, StalenessCo
 from echo2.data.store import TrajectoryStore
 from echo2.physics.rules import admission_floor
 from echo2.protocol import LeasedPrompt, LeaseGrant, LeaseRefusal, LeaseRequest
+from echo2.runtime.members import Cadence
 from echo2.runtime.prompts import PromptSource
 from echo2.runtime.standing import Standings
 
@@ -86,8 +87,12 @@ class LeaseBroker:
         published: Callable[[], set[int]] = set,
         epoch: int = 0,
         proving: Callable[[str], bool] = lambda worker_id: False,
+        cadence: Cadence | None = None,
     ) -> None:
         self.store = store
+        # how often the fleet is asked to call (the pause a refusal asks for, the probation queue's
+        # "still asking"): stretched as the fleet grows
+        self.cadence = cadence or Cadence(runtime.heartbeat_s, runtime.heartbeats_per_s, lambda: 0)
         self.proving = proving  # a new identity with a submission waiting for its generation check
         self.epoch = epoch  # this learner process's run epoch: leases carry it, installs of another refuse
         self.prompts = prompts
@@ -148,12 +153,12 @@ class LeaseBroker:
         """Why no lease of ``n`` prompts now, or how many prompts to lease: ``n``, or fewer when only
         fewer fit in the in-flight budget (a lease of whatever fits rather than none: a budget of
         about one lease would otherwise stay locked by the groups buffered below a batch)."""
-        retry = self.rt.heartbeat_s / 4
+        retry = self.cadence.retry()
         G = self.batch.group_size
         if self.finished:
             return LeaseRefusal(reason="finished", retry_after_s=retry)
         if not self.is_active(worker_id):
-            return LeaseRefusal(reason="inactive", retry_after_s=retry * 4)
+            return LeaseRefusal(reason="inactive", retry_after_s=self.cadence.heartbeat())
         if (bench := self.standings.bench_left(worker_id, now)) > 0:
             return LeaseRefusal(reason="benched", retry_after_s=bench)
         if installed >= 0 and epoch != self.epoch:  # weights of another learner process: numbers name others
@@ -245,7 +250,7 @@ class LeaseBroker:
         order of first refusal, so this walks from its head and stops there or at ``worker_id``: O(room)
         whatever the number of newcomers waiting; a waiter that stopped asking (or left probation) gives
         up its place when the walk passes it."""
-        alive = 4 * self.rt.heartbeat_s
+        alive = 4 * self.cadence.heartbeat()
         mine = self._waiting.get(worker_id, now)
         ahead, gone = 0, []
         for w, t in self._waiting.items():

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.observe.rundir import write_atomic
-from echo2.protocol import RegisterRequest
+from echo2.protocol import MAX_HEARTBEAT_S, RegisterRequest
 from echo2.resources import is_exhausted
 from echo2.runtime.standing import Standing
 
@@ -60,6 +60,7 @@ DEFAULT_RATE = 1.0  # rollouts/s assumed for a worker that registers without an 
 DEFAULT_SLOT_IDLE_S = 600.0  # = security.slot_idle_s's default (the learner passes the configured value)
 REGISTRY_FILE = "workers.json"
 JOURNAL_FILE = "workers.journal"  # records changed since workers.json was last written, one JSON line each
+ATTEMPT_TTL_S = 600.0  # how long a registration's attempt id gets its identity back when sent again
 WRITE_EVERY_S = 1.0  # workers.json is written whole at most this often (the journal holds the rest)
 # a record's fields that live with this learner process only (and a record read back without them)
 _NOT_PERSISTED = frozenset(
@@ -130,6 +131,7 @@ class WorkerRegistry:
         self._written = -math.inf  # clock time workers.json was last written whole
         self._dirty = False  # records changed since (in the journal, not yet in workers.json)
         self._slots = (-math.inf, 0, 0)  # slots_held's last count: (clock, slots held, records then)
+        self._attempts: dict[str, tuple[str, float]] = {}  # attempt sha -> (identity, when): retried()
 
     def __iter__(self) -> Iterator[WorkerRecord]:
         return iter(list(self._records.values()))
@@ -178,9 +180,35 @@ class WorkerRegistry:
         """Every registration slot of the join token is held."""
         return self.slots_held() >= self.max_workers
 
+    def retried(self, req: RegisterRequest) -> tuple[WorkerRecord, str] | None:
+        """A registration sent again (its ``attempt`` seen within ``ATTEMPT_TTL_S``, its identity still
+        trusted and its credential never used: the reply that carried it was lost): that identity with
+        a new credential (the lost one opens nothing any more), no slot or identity spent; None for a
+        registration not seen. An identity whose credential was used is never handed out again, so an
+        attempt id that leaks (or a client that picks a guessable one) gives nobody a working identity."""
+        if req.attempt is None:
+            return None
+        key, now = _sha(req.attempt), self.clock()
+        seen = self._attempts.get(key)
+        if seen is None or now - seen[1] > ATTEMPT_TTL_S:
+            return None
+        rec = self._records.get(seen[0])
+        if rec is None or not rec.trusted or rec.last_seen_s > seen[1]:  # quarantined, retired or used
+            return None
+        credential = secrets.token_urlsafe(32)
+        self._by_cred.pop(rec.credential_sha256, None)
+        rec.credential_sha256 = _sha(credential)
+        self._by_cred[rec.credential_sha256] = rec.worker_id
+        rec.last_seen_s = now  # handed out now, unused since (a reply lost again may be sent again)
+        del self._attempts[key]
+        self._attempts[key] = (rec.worker_id, now)  # at the end: the dict stays in time order
+        self._changed(rec)
+        log.info("registration of %s sent again: the same identity, a new credential", rec.worker_id)
+        return rec, credential
+
     def register(self, req: RegisterRequest) -> tuple[WorkerRecord, str]:
-        """Enroll a worker whose token was checked (and :attr:`full` was not); returns its record and
-        its new credential."""
+        """Enroll a worker whose token was checked (and :attr:`full` was not; a retried registration is
+        :meth:`retried`'s); returns its record and its new credential."""
         credential = secrets.token_urlsafe(32)
         rec = WorkerRecord(
             worker_id=f"w{len(self._records)}-{secrets.token_hex(3)}",
@@ -194,6 +222,11 @@ class WorkerRegistry:
         )
         self._index(rec)
         self._changed(rec)
+        if req.attempt is not None:  # its retries get this identity back (retried)
+            now = self.clock()
+            while self._attempts and now - next(iter(self._attempts.values()))[1] > ATTEMPT_TTL_S:
+                del self._attempts[next(iter(self._attempts))]  # oldest first: insertion order
+            self._attempts[_sha(req.attempt)] = (rec.worker_id, now)
         log.info(
             "registered %s (%r, %r, $%.2f/h)", rec.worker_id, rec.name, rec.hardware or "?", rec.usd_per_hour
         )
@@ -387,6 +420,45 @@ class WorkerRegistry:
     def _index(self, rec: WorkerRecord) -> None:
         self._records[rec.worker_id] = rec
         self._by_cred[rec.credential_sha256] = rec.worker_id
+
+
+class Cadence:
+    """How often the fleet is asked to call, stretched as it grows so that its control traffic stays
+    near ``per_s`` heartbeats a second: with ``n`` identities holding slots the factor is
+    ``f = max(1, n / (per_s x heartbeat_s))``, and
+
+    - the heartbeat period is ``heartbeat_s x f`` (every heartbeat reply says it; the stock worker
+      sleeps what the last reply said);
+    - a refused lease asks the worker back after ``heartbeat_s / 4 x f x min(f, 4)``: a quarter of
+      the heartbeat period in a small fleet (as before), the whole period from f = 4 on, so idle
+      workers' lease polls cost no more than their heartbeats;
+    - the windows that read silence as absence (the controller's heartbeat timeout, the lease broker's
+      "still asking" for the probation queue and the pool's "working") are stretched by ``f``.
+
+    Below ``per_s x heartbeat_s`` identities (200 at the defaults) nothing changes. The count is the
+    registry's slot count (:meth:`WorkerRegistry.slots_held`: made at most once a second)."""
+
+    def __init__(self, heartbeat_s: float, per_s: float, members: Callable[[], int]) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.per_s = per_s
+        self.members = members
+
+    def factor(self) -> float:
+        return max(1.0, self.members() / (self.per_s * self.heartbeat_s))
+
+    def silence(self, window_s: float) -> float:
+        """A window that reads silence as absence (``window_s`` in a small fleet), stretched by the
+        factor: the one rule for the controller's heartbeat timeout and the pool's "working"."""
+        return window_s * self.factor()
+
+    def heartbeat(self) -> float:
+        """Seconds between one worker's heartbeats now (at most an hour: the protocol's bound)."""
+        return min(MAX_HEARTBEAT_S, self.heartbeat_s * self.factor())
+
+    def retry(self) -> float:
+        """Seconds a refused lease asks the worker to wait (idle refusals: nothing to lease it now)."""
+        f = self.factor()
+        return min(MAX_HEARTBEAT_S, self.heartbeat_s / 4 * f * min(f, 4.0))
 
 
 def _persisted(rec: WorkerRecord) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from echo2.perimeter import Limits
 from echo2.protocol import LoraSettings, WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
 from echo2.runtime.leases import LeaseBroker
-from echo2.runtime.members import WorkerRegistry
+from echo2.runtime.members import Cadence, WorkerRegistry
 from echo2.runtime.pool import Pool
 from echo2.runtime.prompts import PromptSource
 from echo2.runtime.routes import Identity, Routes
@@ -164,16 +164,19 @@ def _leasing(
     while it holds an open lease or asked for one within the heartbeat timeout. The pool is sized
     against what the generation check can re-run at its floor."""
     standings = Standings(cfg.security.max_unreturned, cfg.lease_ttl(), book=registry.standing)
+    rt = cfg.runtime
+    cadence = Cadence(rt.heartbeat_s, rt.heartbeats_per_s, registry.slots_held)
     timeout = cfg.controller.heartbeat_timeout_s
 
-    def working(worker_id: str) -> bool:
-        return standings.asked_within(worker_id, clock(), timeout) or store.open_leases(worker_id) > 0
+    def working(worker_id: str) -> bool:  # asked within the timeout, stretched as the fleet's cadence is
+        asked = standings.asked_within(worker_id, clock(), cadence.silence(timeout))
+        return asked or store.open_leases(worker_id) > 0
 
-    rt = cfg.runtime
     pool = Pool(
         registry, cfg.controller, cfg.staleness, cfg.batch.rollouts, rt.learner_usd_per_hour,
         registry.path.parent, clock, working,
         check=(lambda: (generation.capacity()[0], generation.cfg.floor())) if generation else None,
+        cadence=cadence,
     )  # fmt: skip
     for rec in registry.load():
         pool.enroll(rec)
@@ -186,6 +189,7 @@ def _leasing(
         store=store, prompts=PromptSource(task, cfg.seed), batch=cfg.batch, staleness=cfg.staleness,
         runtime=rt, version=version, is_active=pool.is_active, clock=clock, security=cfg.security,
         standings=standings, published=lambda: snapshots.published, epoch=epoch, proving=waiting,
+        cadence=cadence,
     )  # fmt: skip
     return pool, broker
 

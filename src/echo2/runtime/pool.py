@@ -43,7 +43,7 @@ from echo2.planner import capacity
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import Heartbeat, PoolController
 from echo2.protocol import HeartbeatRequest
-from echo2.runtime.members import DEFAULT_RATE, WorkerRecord, WorkerRegistry
+from echo2.runtime.members import DEFAULT_RATE, Cadence, WorkerRecord, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,12 @@ class Pool:
         clock: Callable[[], float],
         working: Callable[[str], bool] = lambda worker_id: True,
         check: Callable[[], tuple[float, float]] | None = None,
+        cadence: Cadence | None = None,
     ) -> None:
         self.registry = registry
+        # the fleet's call cadence: the controller's heartbeat timeout stretches with it (tick_due)
+        self.cadence = cadence or Cadence(1.0, math.inf, lambda: 0)
+        self._controller_config = controller  # as configured: _follow_cadence stretches a copy
         # the generation check's measured capacity (completions/s) and floor: the pool it can police
         self.check = check
         self.mu_check_max: float | None = None  # capacity / floor, once the check has run
@@ -213,7 +217,16 @@ class Pool:
         deciding while an update holds the training loop, and a thousand members' heartbeats a second
         cost one round a second, not a thousand)."""
         if self.clock() - self._last_round >= ROUND_S:
+            self._follow_cadence()
             self.tick()
+
+    def _follow_cadence(self) -> None:
+        """Stretch the controller's heartbeat timeout by the fleet's cadence factor (workers of a large
+        fleet heartbeat less often: their silence must be read over a longer window)."""
+        base = self._controller_config
+        timeout = self.cadence.silence(base.heartbeat_timeout_s)
+        if timeout != self.controller.config.heartbeat_timeout_s:
+            self.controller.config = base.model_copy(update={"heartbeat_timeout_s": timeout})
 
     def tick(self) -> None:
         """One controller round: carry out and log its decisions (the worker learns at its next call)."""
@@ -252,7 +265,8 @@ class Pool:
     def planned_n_min(self) -> int | None:
         """SPEC §3 ``N_min = ceil(mu_min / mu_w)`` with mu_w the mean measured rate of the registered
         workers (None before T_train is measured)."""
-        rates = [self.rate(r.worker_id) for r in self.registry if r.worker_id in self.controller.known()]
+        known = self.controller.known()  # once: asked per worker, /api/state was O(N^2) (1.3 s at 10,000)
+        rates = [self.rate(r.worker_id) for r in self.registry if r.worker_id in known]
         if self.mu_min is None or not rates:
             return None
         return capacity.n_min(self.mu_min, sum(rates) / len(rates))

@@ -171,7 +171,9 @@ class Routes:
     # ---- handlers ----------------------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
         """Enrol a worker: the join token (``Authorization: Bearer <token>``) is checked before a byte of
-        the body is read, and the body (a name, a price) is read only up to ``REGISTER_MAX_BYTES``."""
+        the body is read, and the body (a name, a price) is read only up to ``REGISTER_MAX_BYTES``. A
+        registration sent again (its ``attempt`` seen: the reply was late or lost) gets its identity back
+        before the slots and the identity budget are asked, since it spends neither."""
         token = http.bearer(request)
         if token is None:
             raise http.error(
@@ -182,6 +184,11 @@ class Routes:
             )
         if not self.registry.token_ok(token):
             raise http.error(web.HTTPForbidden, "auth", "wrong join token", close=True)
+        self.perimeter.vouch(request.transport)
+        req = _parse(RegisterRequest, await self._body(request, REGISTER_MAX_BYTES))
+        again = self.registry.retried(req)  # sent again after a late or lost reply: the same identity
+        if again is not None:
+            return http.reply(self._registered(*again))
         if self.registry.full:
             raise http.error(
                 web.HTTPForbidden,
@@ -196,8 +203,6 @@ class Routes:
                 f"the join token has registered all {self.registry.max_identities} identities it may over "
                 "this run (security.max_identities: re-registrations and quarantined identities count)",
             )
-        self.perimeter.vouch(request.transport)
-        req = _parse(RegisterRequest, await self._body(request, REGISTER_MAX_BYTES))
         sec = self.security
         if not sec.min_usd_per_hour <= req.usd_per_hour <= sec.max_usd_per_hour:
             raise http.error(
@@ -215,15 +220,17 @@ class Routes:
             )
         rec, credential = self.registry.register(req)
         self.pool.enroll(rec)
+        return http.reply(self._registered(rec, credential))
+
+    def _registered(self, rec: WorkerRecord, credential: str) -> RegisterReply:
         ident = self.identity
-        reply = RegisterReply(
+        return RegisterReply(
             worker_id=rec.worker_id,
             credential=credential,
             public_key=ident.public_key,
             broadcast=ident.broadcast,
             settings=ident.settings,
         )
-        return http.reply(reply)
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         rec = self._auth(request)
@@ -242,6 +249,7 @@ class Routes:
             version=self.broker.version(),
             min_version=self.broker.min_version,
             finished=self.broker.finished,
+            heartbeat_s=self.pool.cadence.heartbeat(),
         )
         return http.reply(reply)
 

@@ -19,21 +19,41 @@ the control plane of a publication (the first) and no frame over 1 MiB. Baseline
 code before the change (``--label before`` run with that checkout's ``src`` first on ``PYTHONPATH``),
 in the same session.
 
+Study ``node`` (the runtime, over the network): the real learner node (``echo2 run`` with no local
+worker: the math task on sums, completions of up to 770 tokens, the generation check off, probation's
+share 0.5, the join token's slots and identities set to the fleet's size) serving N simulated members
+(``echo2_bench/fleet_node.py``: real TLS, registration, heartbeats at the learner's cadence, the stock
+worker's lease loop, one lease of 8 real-length completions every 20 s +- 20%), the generator in this
+process on the same cores. Per N, after a registration phase (until every member is registered, at most
+``REGISTER_S``), a steady window of ``--window`` seconds: per-endpoint latency (p50 / p99 / max of the
+answered calls, the client's own retries of 429 and 503 inside), outcomes by endpoint (refusals by
+status and error, failed calls), lease refusals by reason, the learner's update seconds per 1,000
+trained tokens (median over the window's steps), its steps, its CPU share and memory (the process and
+its children), and the generator's own CPU share. Baseline: ``BASE_N`` members at the same pace (the
+issue's 16-worker baseline: a fleet that loads the node little), read in the same invocation.
+Targets (fixed here before the first run; the issue's): at N = 1,000 update time <= 1.05x the
+baseline's, 0 errors (5xx or failed calls), p99 lease and submit latency <= 1 s; at N = 3,000 training
+continues (a step in the window) and every member registered within 2 minutes; at N = 10,000 no 5xx and
+p99 <= 2 s for registration, heartbeats and leases.
+
 Writes results/fleet.json (the study's readings under their ``--label``) and results/fleet.png.
 
     python benchmarks/fleet.py --study publish --label after
     git worktree add ../echo2-before 0c4427b
     PYTHONPATH=../echo2-before/src python benchmarks/fleet.py --study publish --label before
+    python benchmarks/fleet.py --study node --ns 100 1000 --window 120
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +67,21 @@ MAX_FRAME = 1 << 20  # target at N = 10,000: no frame over 1 MiB
 TARGET_N = 10_000
 TICK_S = 0.005
 FLAT = 2.0  # target of the probation and register studies: N = 10,000 within this x N = 1,000's
+BASE_N = 16  # the node study's baseline fleet
+SHARED_CONNECTIONS = 16  # connections an address's members share where descriptors run short
+REGISTER_S = 120.0  # the node study's registration phase, at most (the issue's: all within 2 minutes)
+# the node study's model: a random-init Qwen3 of ~1.3M parameters (a character-level tokenizer, so a
+# 770-token completion is 770 characters): an update of the window's batches takes seconds, not minutes
+NODE_SHAPE = {"hidden": 128, "intermediate": 384, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32,
+              "vocab": 1024}  # fmt: skip
+NODE_TARGETS = {  # the node study's, fixed before its first run
+    "n1000_update_ratio_max": 1.05,
+    "n1000_errors_max": 0,
+    "n1000_p99_lease_submit_s_max": 1.0,
+    "n3000_steps_min": 1,
+    "n3000_register_s_max": 120.0,
+    "n10000_p99_control_s_max": 2.0,
+}
 
 
 class Sink:
@@ -280,6 +315,53 @@ def _register_fleet(n: int) -> tuple[float, float, float]:
     return (stamps[2] - stamps[1]) / 100, stamps[2] - stamps[0], worst
 
 
+def study_state(ns: list[int], label: str) -> dict[str, Any]:
+    """Study ``state`` (in-process, the real registry, pool and node status): with N workers registered,
+    each delivered (a candidate of the controller with a measured rate) and the target known, the
+    seconds of one ``/api/state`` snapshot (``NodeStatus.state``, what ``/metrics`` reads too) and of its
+    JSON, best of 3, per member. The broadcast part reads a stand-in publisher with no member (the
+    publisher's own cost is the publish study's). Target (fixed before the first run; the issue's "O(N)
+    at most"): the seconds per member at N = 10,000 within 2x of N = 1,000's."""
+    rows = []
+    for n in ns:
+        per, whole = _state_of(n)
+        rows.append({"n": n, "state_s": whole, "state_s_per_member": per})
+        print(f"{label} state N={n}: {whole * 1e3:.1f} ms ({per * 1e6:.2f} us a member)", flush=True)
+    return _flat(
+        label, rows, "state_s_per_member", "runtime node status, in-process", "a snapshot's cost a member"
+    )
+
+
+def _state_of(n: int) -> tuple[float, float]:
+    import tempfile
+    from types import SimpleNamespace
+
+    from echo2.config import load_config
+    from echo2.protocol import RegisterRequest
+    from echo2.runtime.members import WorkerRegistry
+    from echo2.runtime.pool import Pool
+    from echo2.runtime.status import NodeStatus
+
+    cfg = load_config()
+    with tempfile.TemporaryDirectory() as tmp:
+        reg = WorkerRegistry(Path(tmp), "t" * 20, time.time, n + 10)
+        pool = Pool(reg, cfg.controller, cfg.staleness, cfg.batch.rollouts, 12.24, Path(tmp), time.time)
+        for _ in range(n):
+            rec, _ = reg.register(RegisterRequest(name="w", usd_per_hour=0.35, rollouts_per_s=1.0))
+            rec.rollouts = 64  # delivered: a candidate of the controller, as a restored worker enrols
+            pool.enroll(rec)
+        pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
+        publisher = SimpleNamespace(members=lambda: [])
+        snapshots = SimpleNamespace(version=-1, publisher=publisher, bcast={}, publication=None)
+        status = NodeStatus(reg, pool, snapshots, cfg.staleness.S, 2, lambda: 10)  # type: ignore[arg-type]
+        best = math.inf
+        for _ in range(3):
+            t = time.perf_counter()
+            json.dumps(status.state())
+            best = min(best, time.perf_counter() - t)
+    return best / n, best
+
+
 MIX = ((200.0, 0.60), (100.0, 0.25), (1000.0, 0.15))  # the issue's link mix: Mbit/s, share of the fleet
 B0_MBPS = 1000.0  # the learner's uplink
 LINK_RATIO = 1.5  # target of the links study: the 1 Gbit workers' median within this x the model's
@@ -367,13 +449,188 @@ def _times(
     return float(np.median(t[b == 1000.0 * 1e6 / 8])), float(t.max())
 
 
+def _node_run(n: int, window_s: float, out: Path) -> dict[str, Any]:
+    """One run of the node study: a fresh ``echo2 run`` serving ``n`` simulated members, each over
+    connections of its own where the descriptor limit holds two a member on both sides, else the members
+    of an address sharing a pool of connections (``SHARED_CONNECTIONS``; said in the row)."""
+    import shutil
+    import sys
+
+    import psutil
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from echo2_bench.adversary_length import write_model, write_questions
+    from echo2_bench.adversary_runs import last_step, records, start_run, stop, wait_ready
+    from echo2_bench.fleet_node import Codec, Tally, fleet, quantiles
+    from echo2_bench.perimeter import SOURCES
+
+    limit = _descriptors(6 * n + 1024)  # the learner (a child) inherits it
+    shared = 0 if limit >= 6 * n + 1024 else SHARED_CONNECTIONS
+    per_address = max(64, 4 * math.ceil(n / len(SOURCES)))  # 253 addresses stand in for N machines
+    runs = out / "fleet_runs"
+    data = write_questions(runs / "sums.jsonl", 4000)
+    model = write_model(runs / "model_node", NODE_SHAPE)
+    run_dir = runs / f"node_{n}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    prompts, group = 8, 8
+    proc = start_run(
+        run_dir, f"model.path={str(model)!r}", "runtime.workers=0", "task.name=math",
+        f"task.train_path={str(data)!r}", "sampling.max_new_tokens=770", f"batch.prompts={prompts}",
+        f"batch.group_size={group}", "runtime.lease_prompts=1", "train.eval_every=1000000",
+        "train.eval_size=8", "security.check_fraction=0",
+        "security.check_first=0", "security.probation_share=0.5", f"security.max_workers={n + 64}",
+        f"security.max_identities={n + 64}", f"security.perimeter.max_per_address={per_address}",
+        minutes=60,
+    )  # fmt: skip
+    learner = psutil.Process(proc.pid)
+
+    def summed(read: Any) -> float:  # ``read`` of the learner's process and its children, summed
+        total = 0.0
+        for p in [learner, *learner.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += read(p)
+        return total
+
+    def cpu() -> float:  # CPU seconds
+        return summed(lambda p: sum(p.cpu_times()[:2]))  # user + system
+
+    def rss() -> int:
+        return int(summed(lambda p: p.memory_info().rss))
+
+    try:
+        info = wait_ready(run_dir, proc)
+        token = (run_dir / "join_token").read_text().strip()
+
+        async def go() -> dict[str, Any]:
+            codec = await Codec.fetch(info["join"], token)
+            tally, stop_ev = Tally(), asyncio.Event()
+            t0 = time.perf_counter()
+            task = asyncio.ensure_future(
+                fleet(info["join"], token, n, codec, run_dir, stop_ev, tally, shared)
+            )
+            while len(tally.registered_at) < n and time.perf_counter() - t0 < REGISTER_S:
+                await asyncio.sleep(0.5)
+            registered = len(tally.registered_at)
+            s0, c0, g0, w0 = last_step(run_dir), cpu(), time.process_time(), time.perf_counter()
+            await asyncio.sleep(window_s)
+            s1, c1, g1, dt = last_step(run_dir), cpu(), time.process_time(), time.perf_counter() - w0
+            mem = rss()
+            stop_ev.set()
+            await asyncio.wait_for(task, 90)
+            return {"tally": tally, "registered_in_phase": registered, "steps": (s0, s1), "window_s": dt,
+                    "learner_cpu": (c1 - c0) / dt, "generator_cpu": (g1 - g0) / dt,
+                    "learner_rss": mem}  # fmt: skip
+
+        got = asyncio.run(go())
+        rc = stop(proc)
+    finally:
+        stop(proc)
+    tally: Any = got["tally"]
+    s0, s1 = got["steps"]
+    per_k = []
+    for r in records(run_dir):
+        if (
+            s0 < r.get("step", 0) <= s1
+            and "learner/t_train_s" in r
+            and r.get("data/completion_tokens_trained")
+        ):
+            per_k.append(
+                r["learner/t_train_s"] / (prompts * group * r["data/completion_tokens_trained"] / 1000)
+            )
+    errors = sum(
+        c
+        for table in tally.outcomes.values()
+        for o, c in table.items()
+        if o.startswith(("5", "failed", "crashed"))
+    )
+    reg = sorted(tally.registered_at)
+    return {
+        "n": n,
+        "exit": rc,
+        "connections_per_address": shared or "one pool a member",
+        "registered": len(reg),
+        "registered_in_phase": got["registered_in_phase"],
+        "register_all_s": reg[-1] if len(reg) == n else None,
+        "register_p50_s": reg[len(reg) // 2] if reg else None,
+        "window_s": got["window_s"],
+        "steps_in_window": s1 - s0,
+        "update_s_per_1k_tokens": statistics.median(per_k) if per_k else None,
+        "update_s_per_1k_tokens_each": per_k,
+        "learner_cpu_share": got["learner_cpu"],
+        "learner_rss_bytes": got["learner_rss"],
+        "generator_cpu_share": got["generator_cpu"],
+        "latency": {k: quantiles(v) for k, v in tally.latency.items()},
+        "outcomes": tally.outcomes,
+        "errors": errors,
+        "lease_refusals": tally.refusals,
+        "granted_prompts": tally.granted_prompts,
+        "admitted": tally.admitted,
+        "dropped_stale": tally.dropped_stale,
+    }
+
+
+def _descriptors(need: int) -> int:
+    """This process's descriptor limit (and so the learner's, its child's) to at least ``need``: the soft
+    limit to the hard one, and the hard one too where the machine lets it (root), as a deployment would
+    set ``LimitNOFILE=``; otherwise what there is (the learner then cuts its connection caps, and says so)."""
+    import resource
+
+    from echo2.resources import raise_descriptor_limit
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        with contextlib.suppress(ValueError, OSError):  # a container may not let even root raise it
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+    return raise_descriptor_limit(need)
+
+
+def study_node(ns: list[int], label: str, window_s: float) -> dict[str, Any]:
+    """The baseline fleet, then each N (module docstring); the readings against ``NODE_TARGETS``."""
+    rows = []
+    for n in [BASE_N, *ns]:
+        print(f"node study: N = {n}", flush=True)
+        rows.append(_node_run(n, window_s, ROOT / "results"))
+        r = rows[-1]
+        shown = ("n", "registered", "register_all_s", "steps_in_window", "update_s_per_1k_tokens",
+                 "learner_cpu_share", "generator_cpu_share", "errors", "latency")  # fmt: skip
+        print(json.dumps({k: r[k] for k in shown}), flush=True)
+    base = rows[0]["update_s_per_1k_tokens"]
+    for r in rows:
+        u = r["update_s_per_1k_tokens"]
+        r["update_ratio"] = u / base if u is not None and base else None
+    by_n = {r["n"]: r for r in rows}
+    t = NODE_TARGETS
+    verdict: dict[str, Any] = {}
+    if 1000 in by_n:
+        r = by_n[1000]
+        p99 = max(r["latency"].get(k, {}).get("p99", math.inf) for k in ("lease", "submit"))
+        verdict["n1000"] = (
+            r["update_ratio"] is not None
+            and r["update_ratio"] <= t["n1000_update_ratio_max"]
+            and r["errors"] <= t["n1000_errors_max"]
+            and p99 <= t["n1000_p99_lease_submit_s_max"]
+        )
+    if 3000 in by_n:
+        r = by_n[3000]
+        verdict["n3000"] = r["steps_in_window"] >= t["n3000_steps_min"] and (
+            r["register_all_s"] is not None and r["register_all_s"] <= t["n3000_register_s_max"]
+        )
+    if 10000 in by_n:
+        r = by_n[10000]
+        fives = sum(c for tb in r["outcomes"].values() for o, c in tb.items() if o.startswith("5"))
+        p99 = max(r["latency"].get(k, {}).get("p99", math.inf) for k in ("register", "heartbeat", "lease"))
+        verdict["n10000"] = fives == 0 and p99 <= t["n10000_p99_control_s_max"]
+    return {"label": label, "window_s": window_s, "base_n": BASE_N, "rows": rows, "targets": t,
+            "met": verdict, "cpus": os.cpu_count()}  # fmt: skip
+
+
 def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     for label, got in sorted(res.get("publish", {}).items()):
         ns = [r["n"] for r in got["rows"]]
         axes[0].plot(ns, [r["cpu_s"] for r in got["rows"]], "o-", label=label)
@@ -382,15 +639,25 @@ def plot(res: dict[str, Any], path: Path) -> None:
         axes[2].plot(ns, [r["loop_max_stall_s"] for r in got["rows"]], "o-", label=label)
     axes[0].axhline(MAX_CPU_S, ls=":", c="k")
     axes[1].axhline(MAX_FRAME / 1e3, ls=":", c="k")
+    for label, got in sorted(res.get("node", {}).items()):  # the node study: update time against the baseline
+        rows = [r for r in got["rows"] if r["update_ratio"] is not None]
+        axes[3].plot([r["n"] for r in rows], [r["update_ratio"] for r in rows], "o-", label=f"node: {label}")
+    axes[3].axhline(NODE_TARGETS["n1000_update_ratio_max"], ls=":", c="k")
     titles = ("learner CPU s per publication", "largest announce frame (KB)", "longest event-loop stall (s)")
-    for ax, title in zip(axes, titles, strict=True):
+    for ax, title in zip(axes[:3], titles, strict=True):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("members N")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
+    axes[3].set_xscale("log")
+    axes[3].set_xlabel("simulated members N")
+    axes[3].set_title(f"node: update s per 1k tokens / N = {BASE_N}'s", fontsize=10)
+    axes[3].legend(fontsize=8)
     fig.suptitle(
-        "One publication's control plane (1.2 GB anchor's chunk count), runtime publisher", fontsize=10
+        "One publication's control plane (1.2 GB anchor's chunk count), runtime publisher; the real node "
+        "serving N simulated members (loopback, TLS)",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -398,16 +665,23 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["publish", "probation", "register", "links"], default="publish")
+    p.add_argument(
+        "--study", choices=["publish", "probation", "register", "links", "node", "state"], default="publish"
+    )
+    p.add_argument("--window", type=float, default=120.0, help="node: seconds of the steady window")
     p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
     p.add_argument("--label", default="after", help="whose code this is (the before/after readings)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     a = p.parse_args()
     path = a.out / "fleet.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    studies = {"publish": study_publish, "probation": study_probation, "register": study_register}
-    study = {**studies, "links": study_links}[a.study]
-    res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
+    studies = {"publish": study_publish, "probation": study_probation, "register": study_register,
+               "state": study_state}  # fmt: skip
+    if a.study == "node":
+        res.setdefault("node", {})[a.label] = study_node(a.ns, a.label, a.window)
+    else:
+        study = {**studies, "links": study_links}[a.study]
+        res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, a.out / "fleet.png")
     return 0

@@ -11,12 +11,28 @@ Writes results/learning.json and results/learning.png.
 
     python benchmarks/learning.py                 # 3 seeds, the default time budget
     python benchmarks/learning.py --quick         # smoke run (tiny budget), for checking the script
+
+3. The loss presets (``--presets``): each ``grpo.algorithm`` preset (and the config's own defaults,
+   ``default``) through `echo2 run` on the embedded default (the learner and its 2 local workers,
+   staleness S = 3: the presets differ in how they treat off-policy tokens, and a synchronous loop
+   is on-policy, where CISPO's and clip-higher's gradients equal PPO's), the same seeds, the same budget in
+   updates (``--preset-steps``, no wall-clock limit: every arm trains as many versions on as many
+   prompts, whatever the machine's speed), the same warm start per seed. Read: the held-out gain (the
+   last evaluation minus the first), its mean over the seeds with a 95% t interval, and each preset's
+   gain minus the default's on the same seed (paired: same warm start, same held-out set) with its
+   interval; an interval that holds 0 is reported as no difference. Beside it the mean entropy and
+   zero-variance share of the updates, the run's yield (``store/yield``), the wall seconds. A reading:
+   no target.
+   Writes results/learning_presets.json and .png.
+
+    python benchmarks/learning.py --presets       # 6 arms x 3 seeds x 200 updates, ~1 hour here
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -27,13 +43,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_seed(seed: int, out: Path, extra: list[str]) -> dict:
-    run_dir = out / f"seed{seed}"
+def run_seed(seed: int, out: Path, extra: list[str], name: str = "", command: str = "train") -> dict:
+    run_dir = out / f"{name}seed{seed}"
     cmd = [
         sys.executable,
         "-m",
         "echo2.cli",
-        "train",
+        command,
         "--seed",
         str(seed),
         "--run-dir",
@@ -63,7 +79,99 @@ def run_seed(seed: int, out: Path, extra: list[str]) -> dict:
         "gain_final": curve[-1][1] - start,
         "curve_time_s": [t for t, _ in curve],
         "curve_accuracy": [a for _, a in curve],
+        # per update, over the run: the policy's entropy and the share of groups with no signal
+        "entropy_mean": _mean_of(records, "learner/entropy"),
+        "zero_variance_share_mean": _mean_of(records, "learner/zero_variance_share"),
+        "yield": records[-1].get("store/yield"),  # echo2 run's: the share of received rollouts trained
     }
+
+
+def _mean_of(records: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in records if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
+    return statistics.fmean(xs) if xs else None
+
+
+def _t95(xs: list[float]) -> dict:
+    """Mean and 95% Student-t interval of ``xs`` (n >= 2)."""
+    from scipy import stats
+
+    n, m = len(xs), statistics.fmean(xs)
+    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(xs) / math.sqrt(n) if n > 1 else math.inf
+    return {"mean": m, "lo": m - half, "hi": m + half, "n": n}
+
+
+PRESET_ARMS = ["default", "grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+
+
+def study_presets(seeds: list[int], steps: int, out: Path, extra: list[str]) -> dict:
+    """Every arm of ``PRESET_ARMS`` x ``seeds`` (arms interleaved within a seed), ``steps`` updates each."""
+    runs = out / "learning_runs"
+    budget = ["--set", f"train.steps={steps}", "--set", "train.max_minutes=1000", *extra]
+    rows: dict[str, list[dict]] = {arm: [] for arm in PRESET_ARMS}
+    for seed in seeds:
+        for arm in PRESET_ARMS:
+            algo = [] if arm == "default" else ["--set", f"grpo.algorithm={arm!r}"]
+            r = run_seed(seed, runs, [*budget, *algo], name=f"preset_{arm}_", command="run")
+            rows[arm].append(r)
+            print(f"{arm} seed {seed}: {r['initial_accuracy']:.3f} -> {r['final_accuracy']:.3f}, "
+                  f"{r['steps']} steps in {r['process_wall_s']:.0f} s", flush=True)  # fmt: skip
+    base = {r["seed"]: r["gain_final"] for r in rows["default"]}
+    arms = {}
+    for arm, rs in rows.items():
+        gains = [r["gain_final"] for r in rs]
+        paired = _t95([r["gain_final"] - base[r["seed"]] for r in rs]) if arm != "default" else None
+        arms[arm] = {
+            "gain": _t95(gains),
+            "gain_minus_default": paired,
+            "differs_from_default": None if paired is None else not (paired["lo"] <= 0 <= paired["hi"]),
+            "entropy_mean": _mean_or_none([r["entropy_mean"] for r in rs]),
+            "zero_variance_share_mean": _mean_or_none([r["zero_variance_share_mean"] for r in rs]),
+            "wall_s_mean": statistics.fmean(r["process_wall_s"] for r in rs),
+            "yield_mean": _mean_or_none([r["yield"] for r in rs]),
+            "runs": [{k: v for k, v in r.items() if not k.startswith("curve_")} for r in rs],
+            "curves": [[r["curve_time_s"], r["curve_accuracy"]] for r in rs],
+        }
+    return {
+        "source": "runtime: echo2 run (the learner and 2 local workers, S = 3: off-policy as users run it), "
+        "embedded default, one run at a time",
+        "budget": {"updates": steps, "seeds": seeds, "extra_args": extra},
+        "gain_definition": "held-out greedy accuracy at the last evaluation minus at the first (step 0)",
+        "interval": "95% Student t over the seeds; paired by seed against the default config",
+        "target": None,
+        "arms": arms,
+    }
+
+
+def _points(iv: dict) -> str:
+    return f"{iv['mean'] * 100:+.1f} points [{iv['lo'] * 100:+.1f}, {iv['hi'] * 100:+.1f}]"
+
+
+def _mean_or_none(xs: list[float | None]) -> float | None:
+    ys = [x for x in xs if x is not None]
+    return statistics.fmean(ys) if ys else None
+
+
+def plot_presets(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = result["arms"]
+    names = list(arms)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, name in enumerate(names):
+        g = arms[name]["gain"]
+        lo, hi = (g["mean"] - g["lo"]) * 100, (g["hi"] - g["mean"]) * 100
+        ax.errorbar([i], [g["mean"] * 100], yerr=[[lo], [hi]], fmt="o", capsize=5, color="C0")
+        seeds = [r["gain_final"] * 100 for r in arms[name]["runs"]]
+        ax.scatter([i] * len(seeds), seeds, color="grey", s=12, zorder=3)
+    ax.set_xticks(range(len(names)), names)
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_ylabel("held-out gain (points): mean, 95% t interval, each seed")
+    ax.set_title(f"echo2 run, embedded default: {result['budget']['updates']} updates per run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _config_only(extra: list[str]) -> list[str]:
@@ -180,13 +288,28 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions of each update path")
     ap.add_argument("--quick", action="store_true", help="tiny budget: checks the script, not the claim")
+    ap.add_argument("--presets", action="store_true", help="the loss presets study (3.) instead of 1. and 2.")
+    ap.add_argument("--preset-steps", type=int, default=200, help="updates per run of the presets study")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to `echo2 train` after --")
     args = ap.parse_args()
     extra = [x for x in args.extra if x != "--"]
+    out = Path(args.out)
+    if args.presets:
+        out.mkdir(parents=True, exist_ok=True)
+        steps = 20 if args.quick else args.preset_steps
+        quick = ["--set", "train.eval_every=10"] if args.quick else []
+        res = study_presets(args.seeds, steps, out, [*extra, *quick])
+        name = "learning_presets_quick" if args.quick else "learning_presets"
+        (out / f"{name}.json").write_text(json.dumps(res, indent=2))
+        plot_presets(res, out / f"{name}.png")
+        for arm, a in res["arms"].items():
+            d = a["gain_minus_default"]
+            vs = "" if d is None else f"; minus the default's {_points(d)}"
+            print(f"{arm:8s} gain {_points(a['gain'])}{vs}")
+        return 0
     if args.quick:
         extra = ["--max-minutes", "0.2", "--set", "train.eval_every=10", *extra]
         args.reps = 3
-    out = Path(args.out)
     runs = out / "learning_runs"
     runs.mkdir(parents=True, exist_ok=True)
     seeds = [run_seed(s, runs, extra) for s in args.seeds]

@@ -431,6 +431,7 @@ def study_bubble(
             warmup_steps=warmup,
             buffer_steps=min(cfg.runtime.max_inflight_batches, S + 1),
             record_metrics=False,
+            useful_share=useful,  # the groups a batch can use, as the runs measured it (1: every group)
         )
         workers = [SimWorker(f"w{i}", "cpu", 0.35, mu_w, 1.25e10) for i in range(r["n"])]
         r["bubble_sim"] = simulate(params, workers, [w.worker_id for w in workers]).summary["bubble_ratio"]

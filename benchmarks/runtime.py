@@ -701,6 +701,7 @@ def study_worker(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", choices=["overlap", "staleness", "bubble", "worker", "all"], default="all")
+    p.add_argument("--reading", default="", help="what changed since the study's last reading (kept with it)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--overlap-minutes", type=float, default=3.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -736,7 +737,12 @@ def main() -> int:
             study = f"bubble_{tag}" if tag else study
         else:
             res = study_worker(a.out, a.worker_seconds, a.worker_trials)
-        (a.out / f"runtime_{study}.json").write_text(json.dumps(res, indent=1))
+        path = a.out / f"runtime_{study}.json"
+        if path.exists():  # the study's earlier readings stay beside the new one
+            old = json.loads(path.read_text())
+            res["earlier_readings"] = [*old.pop("earlier_readings", []), old]
+        res["reading"] = a.reading
+        path.write_text(json.dumps(res, indent=1))
         summary = {k: v for k, v in res.items() if not isinstance(v, list | dict)}
         log.info("%s: %s", study, json.dumps(summary))
     return 0

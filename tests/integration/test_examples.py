@@ -6,9 +6,10 @@ and 78 were not always enough to rise above the noise (+0.8 points once, seed 0)
 Seed 0, read before, is the weakest warm start (21.1% held-out) and how fast it takes off depends on
 the machine: 150 updates of the sync example gained +8.5 points on an earlier machine and +1.2 on a
 later one (bit for bit the same in two runs there, and the same with the code of the last run that had
-passed: the machine, not the code, differs), where seeds 1 and 2 gained +41 and +25 (the async example: seed 0 +7.0, seed 1 +44). Seed 1
-on that machine: sync +32.1 / +40.6 points after 50 / 100 updates, async +35.2 / +40.3. The 8-minute cap
-only ends a run that hangs. The two run side by side (the embedded model computes on one thread)."""
+passed: the machine, not the code, differs), where seeds 1 and 2 gained +41 and +25 (the async
+example: seed 0 +7.0, seed 1 +44). Seed 1 on that machine: sync +32.1 / +40.6 points after 50 / 100
+updates, async +35.2 / +40.3. The 8-minute cap only ends a run that hangs. The two run side by side
+(the embedded model computes on one thread)."""
 
 from __future__ import annotations
 

@@ -92,12 +92,13 @@ def _mean_of(records: list[dict], key: str) -> float | None:
 
 
 def _t95(xs: list[float]) -> dict:
-    """Mean and 95% Student-t interval of ``xs`` (n >= 2)."""
-    from scipy import stats
+    """Mean and 95% Student-t interval of ``xs`` (runtime.t_interval; unbounded for one value)."""
+    from runtime import t_interval  # benchmarks/runtime.py, as the other studies read theirs
 
-    n, m = len(xs), statistics.fmean(xs)
-    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(xs) / math.sqrt(n) if n > 1 else math.inf
-    return {"mean": m, "lo": m - half, "hi": m + half, "n": n}
+    if len(xs) < 2:
+        return {"mean": statistics.fmean(xs), "lo": -math.inf, "hi": math.inf, "n": len(xs)}
+    mean, lo, hi = t_interval(xs)
+    return {"mean": mean, "lo": lo, "hi": hi, "n": len(xs)}
 
 
 PRESET_ARMS = ["default", "grpo", "dr_grpo", "dapo", "gspo", "cispo"]

@@ -44,6 +44,7 @@ from echo2.observe.rundir import read_metrics  # noqa: E402
 from echo2.physics.rules import KNEE_THRESHOLD, bubble_ratio  # noqa: E402
 from echo2.physics.rules import knee as knee_of  # noqa: E402
 from echo2.planner import capacity  # noqa: E402
+from echo2_bench.record import on_record  # noqa: E402
 
 log = logging.getLogger("runtime_bench")
 
@@ -738,11 +739,8 @@ def main() -> int:
         else:
             res = study_worker(a.out, a.worker_seconds, a.worker_trials)
         path = a.out / f"runtime_{study}.json"
-        if path.exists():  # the study's earlier readings stay beside the new one
-            old = json.loads(path.read_text())
-            res["earlier_readings"] = [*old.pop("earlier_readings", []), old]
-        res["reading"] = a.reading
-        path.write_text(json.dumps(res, indent=1))
+        earlier = json.loads(path.read_text()) if path.exists() else None
+        path.write_text(json.dumps(on_record(earlier, res, a.reading), indent=1))  # earlier readings kept
         summary = {k: v for k, v in res.items() if not isinstance(v, list | dict)}
         log.info("%s: %s", study, json.dumps(summary))
     return 0

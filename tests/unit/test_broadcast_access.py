@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from echo2.broadcast.access import (
     ServeCounters,
     check_credential,
     issue,
+    issue_batch,
     pull_request,
     run_id,
 )
@@ -77,6 +79,65 @@ def test_forged_and_expired_credentials_are_refused():
         Credential.from_dict({"run": "x"})
     with pytest.raises(AccessError, match="types"):
         Credential.from_dict({**issue(KEY, 7, "w1", "").to_dict(), "version": "7"})
+
+
+def test_one_signature_covers_a_batch_and_each_member_checks_alone():
+    """An announcement's batch is signed once: every member's credential carries the same signature and
+    its own path (at most ceil(log2 n) steps), and checks with the public key alone."""
+    for n in (1, 2, 3, 37, 256):
+        members = {f"w{i}": MEMBER.fingerprint if i % 2 else "" for i in range(n)}
+        creds = issue_batch(KEY, 9, members)
+        assert list(creds) == list(members) and len({c.sig for c in creds.values()}) == 1
+        for w, c in creds.items():
+            assert c.member == w and c.cert == members[w] and len(c.path) <= 65 * math.ceil(math.log2(n))
+            check_credential(PUBLIC, Credential.from_dict(c.to_dict()), 9, w)
+    assert issue_batch(KEY, 9, {}) == {}
+
+
+def test_a_batch_credential_cannot_be_moved_to_another_member_or_reshaped():
+    """A member of a batch cannot present its path for another id or certificate (the other's leaf leads
+    elsewhere), nor take a batch-mate's path; a path whose steps are flipped, cut, or not steps at all
+    is refused."""
+    creds = issue_batch(KEY, 9, {f"w{i}": MEMBER.fingerprint for i in range(5)})
+    c3, c4 = creds["w3"], creds["w4"]
+    flipped = ("R" if c3.path[0] == "L" else "L") + c3.path[1:]
+    for change in (
+        {"member": "w4"},  # w3's credential renamed to a batch-mate
+        {"member": "w9"},  # ... or to a stranger
+        {"cert": "00" * 32},  # ... or re-bound to another certificate
+        {"path": c4.path},  # w3 with w4's path
+        {"path": flipped},  # a step's side flipped
+        {"path": c3.path[:65]},  # cut short
+        {"path": c3.path + c3.path[:65]},  # a step too many
+    ):
+        cred = dataclasses.replace(c3, **change)
+        with pytest.raises(AccessError, match="fails the learner's signature"):
+            check_credential(PUBLIC, cred, 9, cred.member)
+    for path, needle in (("X" + "0" * 64, "not L or R"), ("L" + "zz" * 32, "not hex")):
+        with pytest.raises(AccessError, match=needle):
+            check_credential(PUBLIC, dataclasses.replace(c3, path=path), 9, "w3")
+    for path in ("L00", "L" + "0" * 64 * 41):
+        with pytest.raises(AccessError, match="not whole steps"):
+            Credential.from_dict({**c3.to_dict(), "path": path})
+    with pytest.raises(AccessError, match="missing 'path'"):
+        Credential.from_dict({k: v for k, v in c3.to_dict().items() if k != "path"})
+
+
+def test_the_gate_verifies_a_batchs_signature_once(monkeypatch):
+    """Pulls of one batch's credentials cost the server one signature check; a forged credential is
+    still refused, whatever was verified before."""
+    calls = []
+    verify = type(PUBLIC).verify
+    monkeypatch.setattr(type(PUBLIC), "verify", lambda self, *a: calls.append(1) or verify(self, *a))
+    gate, counters = _gate(me=None)
+    creds = issue_batch(KEY, 3, {f"w{i}": "" for i in range(6)})
+    for w, c in creds.items():
+        assert gate.authenticate(_header(c, [0], False, "", None)) == (w, 3)
+    assert len(calls) == 1
+    forged = dataclasses.replace(creds["w1"], member="w7")
+    with pytest.raises(AccessError, match="signature"):
+        gate.authenticate(_header(forged, [0], False, "", None))
+    assert counters.refused_requests == 1
 
 
 def test_hmac_runs_issue_credentials_too():

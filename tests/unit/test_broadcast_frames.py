@@ -189,6 +189,21 @@ def test_a_gets_header_stays_small_whatever_its_chunk_list() -> None:
     assert abs(len(encode(one)) - len(encode(many))) <= 8  # an ECDSA proof varies by a few bytes
 
 
+def test_a_get_with_a_batch_credential_fits_what_a_stranger_may_send() -> None:
+    """A credential from an announcement's batch carries its Merkle path (8 steps for 256 members): the
+    get that presents it still fits the pre-authentication limits on size and items."""
+    from echo2.broadcast.access import issue_batch
+    from echo2.broadcast.publisher import ANNOUNCE_BATCH
+
+    me, server = make_identity(["127.0.0.1"]), make_identity(["127.0.0.1"])
+    cred = issue_batch(KEY, 5, {f"member-{i:05d}-abcdef": me.fingerprint for i in range(ANNOUNCE_BATCH)})
+    header, payload = pull_request(cred["member-00000-abcdef"], [0, 1], False, server.fingerprint, me)
+    raw = encode(header, len(payload))
+    assert len(cred["member-00000-abcdef"].path) == 65 * 8
+    assert len(raw) < frames.PRE_AUTH_HEADER
+    assert raw.count(b",") + raw.count(b"[") + raw.count(b"{") <= frames.PRE_AUTH_ITEMS
+
+
 def test_an_announcement_naming_a_repair_source_without_an_address_is_refused() -> None:
     frame = parse_frame({**BY_HAND["announce"][0], "repair": {"w2": "w9"}}, AnnounceFrame)
     with pytest.raises(WireProtocolError, match="a source without an address"):

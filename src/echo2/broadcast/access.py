@@ -1,10 +1,15 @@
 """Who may pull which chunks: per-member, per-version credentials and the checks made before a chunk moves.
 
 The publisher issues every member, with each version it announces, a :class:`Credential`: the
-learner's signature (the manifest key, ``weights/manifest.py``) over the run, the version, the member's id,
-the SHA-256 fingerprint of the member's relay certificate and an expiry time. A server (the
-publisher, or a relaying peer, which holds the learner's public key and so needs no call to the
-learner) admits a pull request only if it carries:
+learner's signature (the manifest key, ``weights/manifest.py``) over the run, the version, an expiry
+time and the root of a Merkle tree whose leaves are the (member id, SHA-256 fingerprint of the member's
+relay certificate) pairs of a batch of members (:func:`issue_batch`), with the member's path from its
+leaf to that root. One signature covers a batch (an announcement's batch of up to
+``publisher.ANNOUNCE_BATCH`` members), so a publication to 10,000 members signs ~40 times, not 10,000;
+a batch of one is the tree of one leaf (an empty path). A leaf and an inner node hash with different
+prefixes, so no path can pass an inner node off as a member: naming a member the batch did not hold
+needs a second preimage of SHA-256. A server (the publisher, or a relaying peer, which holds the
+learner's public key and so needs no call to the learner) admits a pull request only if it carries:
 
 - a credential whose signature checks under the run's key, issued for this run, for the version
   asked, to the member id the request names, and not expired;
@@ -58,6 +63,10 @@ class AccessError(ProtocolError):
     """A pull request without a valid credential, proof or schedule entry; the message says which."""
 
 
+MAX_PATH = 40  # a credential's Merkle path has at most this many steps (batches of up to 2**40 members)
+_STEP = 65  # one step of a path: "L" or "R" (the side the sibling is on) and the sibling's hex SHA-256
+
+
 @dataclass(frozen=True)
 class Credential:
     """The learner's permission for ``member`` to pull ``version`` of run ``run``."""
@@ -67,11 +76,12 @@ class Credential:
     member: str  # the worker id it was issued to
     cert: str  # SHA-256 fingerprint of the member's relay certificate ("" without TLS)
     expires: float  # unix time after which servers refuse it
-    sig: str  # the learner's signature (or MAC) over the fields above
+    sig: str  # the learner's signature (or MAC) over the run, version, expiry and the batch's root
+    path: str = ""  # the member's leaf to the batch's root: steps of ``_STEP`` characters ("": alone)
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "version": self.version, "member": self.member, "cert": self.cert,
-                "expires": self.expires, "sig": self.sig}  # fmt: skip
+                "expires": self.expires, "sig": self.sig, "path": self.path}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: object) -> Credential:
@@ -81,18 +91,22 @@ class Credential:
         try:
             cred = cls(
                 run=d["run"], version=d["version"], member=d["member"], cert=d["cert"],
-                expires=d["expires"], sig=d["sig"],
+                expires=d["expires"], sig=d["sig"], path=d["path"],
             )  # fmt: skip
         except KeyError as exc:
             raise AccessError(f"credential is missing {exc}") from None
         ok = (
-            all(isinstance(x, str) for x in (cred.run, cred.member, cred.cert, cred.sig))
+            all(isinstance(x, str) for x in (cred.run, cred.member, cred.cert, cred.sig, cred.path))
             and isinstance(cred.version, int)
             and not isinstance(cred.version, bool)
             and isinstance(cred.expires, int | float)
         )
         if not ok:
             raise AccessError("credential fields have the wrong types")
+        if len(cred.path) % _STEP or len(cred.path) > MAX_PATH * _STEP:
+            raise AccessError(
+                f"credential path of {len(cred.path)} characters is not whole steps (at most {MAX_PATH})"
+            )
         return cred
 
 
@@ -101,18 +115,78 @@ def run_id(key: ManifestKey) -> str:
     return hashlib.sha256(b"echo2-run\0" + key.verifier().to_text().encode()).hexdigest()[:16]
 
 
-def _signed(run: str, version: int, member: str, cert: str, expires: float) -> bytes:
-    body = {"what": "echo2-pull", "run": run, "v": version, "member": member, "cert": cert, "exp": expires}
+def _leaf(member: str, cert: str) -> bytes:
+    """A member's leaf in a batch's tree (prefix 0: never an inner node's hash)."""
+    return hashlib.sha256(b"\0" + json.dumps([member, cert], separators=(",", ":")).encode()).digest()
+
+
+def _node(left: bytes, right: bytes) -> bytes:
+    """An inner node of a batch's tree (prefix 1)."""
+    return hashlib.sha256(b"\1" + left + right).digest()
+
+
+def _root(leaf: bytes, path: str) -> bytes:
+    """The root ``path`` leads ``leaf`` to; AccessError if a step is not a side and a hex digest."""
+    h = leaf
+    for i in range(0, len(path), _STEP):
+        side, sibling = path[i], path[i + 1 : i + _STEP]
+        try:
+            other = bytes.fromhex(sibling)
+        except ValueError:
+            raise AccessError("credential path holds a step that is not hex") from None
+        if side == "L":
+            h = _node(other, h)
+        elif side == "R":
+            h = _node(h, other)
+        else:
+            raise AccessError(f"credential path step names side {side!r}, not L or R")
+    return h
+
+
+def _signed(run: str, version: int, root: bytes, expires: float) -> bytes:
+    body = {"what": "echo2-pull", "run": run, "v": version, "root": root.hex(), "exp": expires}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def issue_batch(
+    key: ManifestKey, version: int, members: Mapping[str, str], ttl: float = CREDENTIAL_TTL_S
+) -> dict[str, Credential]:
+    """The publisher's credentials for ``members`` (member id -> its relay certificate's fingerprint)
+    to pull ``version``: one signature over the root of their leaves' tree, each with its path. A level
+    of odd length carries its last node up unpaired (no step for it)."""
+    run, expires = run_id(key), round(time.time() + ttl, 3)
+    ids = list(members)
+    level = [_leaf(w, members[w]) for w in ids]
+    paths: list[list[str]] = [[] for _ in ids]
+    under = [[i] for i in range(len(ids))]  # the members under each node of the level
+    while len(level) > 1:
+        up, up_under = [], []
+        for j in range(0, len(level) - 1, 2):
+            left, right = level[j], level[j + 1]
+            for i in under[j]:
+                paths[i].append("R" + right.hex())
+            for i in under[j + 1]:
+                paths[i].append("L" + left.hex())
+            up.append(_node(left, right))
+            up_under.append(under[j] + under[j + 1])
+        if len(level) % 2:
+            up.append(level[-1])
+            up_under.append(under[-1])
+        level, under = up, up_under
+    if not level:
+        return {}
+    sig = key.sign(_signed(run, version, level[0], expires))
+    return {
+        w: Credential(run, version, w, members[w], expires, sig, "".join(paths[i])) for i, w in enumerate(ids)
+    }
 
 
 def issue(
     key: ManifestKey, version: int, member: str, cert: str, ttl: float = CREDENTIAL_TTL_S
 ) -> Credential:
-    """The publisher's credential for ``member`` (relay certificate ``cert``) to pull ``version``."""
-    run, expires = run_id(key), round(time.time() + ttl, 3)
-    sig = key.sign(_signed(run, version, member, cert, expires))
-    return Credential(run, version, member, cert, expires, sig)
+    """The publisher's credential for ``member`` (relay certificate ``cert``) to pull ``version``: a
+    batch of one."""
+    return issue_batch(key, version, {member: cert}, ttl)[member]
 
 
 def proof_payload(server_cert: str, member: str, version: int) -> bytes:
@@ -135,18 +209,32 @@ def pull_request(
     return to_wire(frame), payload
 
 
-def check_credential(key: ManifestKey, cred: Credential, version: int, member: str) -> None:
-    """AccessError unless ``cred`` is the learner's unexpired credential for ``member`` and ``version``."""
+def check_credential(
+    key: ManifestKey, cred: Credential, version: int, member: str, verified: set[bytes] | None = None
+) -> None:
+    """AccessError unless ``cred`` is the learner's unexpired credential for ``member`` and ``version``.
+    ``verified``: signed payloads (with their signature) already found good; the signature of one in
+    it is not checked again, and a good one is added (a server's pulls of one batch verify it once)."""
     if cred.member != member or cred.version != version:
         raise AccessError(
             f"credential of {cred.member!r} for v{cred.version} presented by {member!r} for v{version}"
         )
     if cred.run != run_id(key):
         raise AccessError(f"credential of another run ({cred.run})")
-    if not key.verify(_signed(cred.run, cred.version, cred.member, cred.cert, cred.expires), cred.sig):
-        raise AccessError(f"credential of {member!r} for v{version} fails the learner's signature")
+    payload = _signed(cred.run, cred.version, _root(_leaf(cred.member, cred.cert), cred.path), cred.expires)
+    seen = payload + b"\0" + cred.sig.encode()
+    if verified is None or seen not in verified:
+        if not key.verify(payload, cred.sig):
+            raise AccessError(f"credential of {member!r} for v{version} fails the learner's signature")
+        if verified is not None:
+            if len(verified) >= MAX_VERIFIED:
+                verified.clear()
+            verified.add(seen)
     if cred.expires < time.time():
         raise AccessError(f"credential of {member!r} for v{version} expired")
+
+
+MAX_VERIFIED = 1024  # signed batches a server remembers as verified (cleared when full)
 
 
 @dataclass
@@ -167,6 +255,7 @@ class Gate:
         self.me = me  # this server's TLS identity (its fingerprint is in every proof); None = plain
         self.counters = counters
         self.budget = ByteBudget()  # payload bytes sent per (member, version)
+        self.verified: set[bytes] = set()  # credential batches whose signature checked (check_credential)
 
     def authenticate(self, header: Mapping[str, Any]) -> tuple[str, int]:
         """(member, version) of a ``get`` whose credential (and, over TLS, certificate and proof)
@@ -180,7 +269,7 @@ class Gate:
             except ProtocolError as exc:
                 raise AccessError(str(exc)) from None
             cred = Credential.from_dict(asked.cred)
-            check_credential(self.key, cred, asked.v, asked.member)
+            check_credential(self.key, cred, asked.v, asked.member, self.verified)
             if self.me is not None:
                 self._check_proof(asked, cred)
         except AccessError:

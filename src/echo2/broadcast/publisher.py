@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue
+from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue_batch
 from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repairs_of
@@ -373,13 +373,14 @@ class TcpPublisher:
         pulls or repairs from (and the learner), so a frame's size does not grow with the fleet."""
         version, n = rnd.manifest.version, len(rnd.targets)
         me = (*self.address, self.fingerprint)
+        creds = issue_batch(self.key, version, {w: addresses[w][2] for w in batch})  # one signature
         out = []
         for w in batch:
             peers = {LEARNER: me} | {p: addresses[p] for p in rnd.sources(w) - {LEARNER}}
             frame = announce(
                 manifest=man, sources=[(a.source, rnd.on_wire(a.chunks)) for a in rnd.plan[w]], peers=peers,
                 stall_hint=hint, serve=sorted(rnd.serves[w]), repair=rnd.repair[w],
-                credential=issue(self.key, version, w, addresses[w][2]).to_dict(), members=n,
+                credential=creds[w].to_dict(), members=n,
             )  # fmt: skip
             out.append(encode_with(to_wire(frame), encoded))
         return out

@@ -242,6 +242,146 @@ def test_repair_sources_from_the_parent_maps_are_those_of_the_chunk_lists(n_chun
     assert repairs_of(strategy, other, n_chunks) == repair_sources(other)
 
 
+@pytest.mark.parametrize("n_chunks", [5, 96])
+def test_a_churned_trees_plan_is_updated_only_where_it_changed_and_equals_a_fresh_one(n_chunks: int) -> None:
+    """A relay tree keeps its plan and repair sources for the next version: after departures (relays
+    with children among them, so orphans re-attach and chains move) and joiners, only the members the
+    churn touched are planned again, and the plan and the repair sources equal those computed afresh on
+    the same trees, every round; a change of chunk count plans everything again."""
+    import copy
+
+    rng = np.random.default_rng(11)
+    members = [f"w{i}" for i in range(1000)]
+    tree = RelayTree(members)
+    calls = [0]
+    pulls = RelayTree._pulls
+
+    def counted(self, w, live):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return pulls(self, w, live)
+
+    RelayTree._pulls = counted  # type: ignore[method-assign]
+    try:
+        tree.plan(n_chunks)
+        first = calls[0]
+        for round_ in range(8):
+            relays = [w for w in tree.members if any(kids.get(w) for kids in tree.children)]
+            for w in [rng.choice(relays), rng.choice(tree.members)]:
+                tree.remove(str(w))
+            for i in range(2):
+                tree.add(f"x{round_}-{i}")
+            calls[0] = 0
+            plan, repair = tree.plan(n_chunks), tree.repair_sources(n_chunks)
+            assert calls[0] < first / 4, (round_, calls[0])  # the touched members only
+            fresh = copy.deepcopy(tree)
+            fresh._memo = None
+            assert plan == fresh.plan(n_chunks), round_
+            assert repair == fresh.repair_sources(n_chunks), round_
+            assert set(plan) == set(tree.members) and any(repair.values())
+        calls[0] = 0
+        tree.plan(n_chunks + 1)
+        assert calls[0] >= len(tree.members)  # another chunk count: everything again
+    finally:
+        RelayTree._pulls = pulls  # type: ignore[method-assign]
+
+
+class _WalkedTree:
+    """The relay tree's choices of a new source as first written: a breadth-first walk of the whole
+    stripe from the learner, every member's out-degree summed over the stripes (the oracle of the next
+    test; O(N) a choice, ~20 s of churn at 10,000 members)."""
+
+    @staticmethod
+    def shallowest_free(tree, par, kids):  # type: ignore[no-untyped-def]
+        queue, i = list(kids.get(LEARNER, ())), 0
+        while i < len(queue):
+            x = queue[i]
+            i += 1
+            if _out(tree, x) < tree.capacity.get(x, 0) and tree._free(x):
+                return x
+            queue.extend(kids.get(x, ()))
+        return LEARNER
+
+    @staticmethod
+    def adopter(tree, par, kids, child, up):  # type: ignore[no-untyped-def]
+        def can(x):  # type: ignore[no-untyped-def]
+            return _out(tree, x) < tree.capacity.get(x, 0) and tree._free(x) and tree._connects(child, x)
+
+        anc = up
+        while anc != LEARNER:
+            if can(anc):
+                return anc
+            anc = par[anc]
+        queue, i = list(kids.get(LEARNER, ())), 0
+        while i < len(queue):
+            x = queue[i]
+            i += 1
+            if x != child:
+                if can(x):
+                    return x
+                queue.extend(kids.get(x, ()))
+        return LEARNER
+
+
+def _out(tree, x):  # type: ignore[no-untyped-def]
+    return sum(len(kids.get(x, ())) for kids in tree.children)
+
+
+@pytest.mark.parametrize("n", [40, 700])
+def test_churn_picks_the_sources_a_walk_of_the_whole_tree_picks(n: int) -> None:
+    """Joiners and orphans take the source a breadth-first walk from the learner meets first (read off
+    the few members with a free slot instead of walking every member): through rounds of departures
+    (relays with children among them) and joins, the trees equal the walking oracle's at every step,
+    and the kept out-degrees equal the children counted."""
+    rng = np.random.default_rng(n)
+    members = [f"w{i}" for i in range(n)]
+    fast, walked = RelayTree(members), RelayTree(members)  # walked: changed by the oracle alone
+    oracle = _WalkedTree()
+
+    def add(w: str) -> None:
+        counts = [0] * walked.stripes
+        for h in walked.home.values():
+            if h >= 0:
+                counts[h] += 1
+        walked.home[w] = counts.index(min(counts))
+        walked.capacity[w] = min(walked.stripes, walked.max_peers - walked.stripes)
+        for par, kids in zip(walked.parent, walked.children, strict=True):
+            src = oracle.shallowest_free(walked, par, kids)
+            par[w] = src
+            kids.setdefault(src, []).append(w)
+
+    def remove(w: str) -> None:
+        cut = []
+        for par, kids in zip(walked.parent, walked.children, strict=True):
+            up = par.pop(w)
+            kids[up].remove(w)
+            orphans = kids.pop(w, [])
+            for child in orphans:
+                par[child] = LEARNER
+            cut.append((up, orphans))
+        for (up, orphans), par, kids in zip(cut, walked.parent, walked.children, strict=True):
+            for child in orphans:
+                src = oracle.adopter(walked, par, kids, child, up)
+                par[child] = src
+                kids.setdefault(src, []).append(child)
+        walked.capacity.pop(w, None)
+        walked.home.pop(w, None)
+
+    for round_ in range(6):
+        relays = [w for w in fast.members if any(kids.get(w) for kids in fast.children)]
+        for w in [*rng.choice(relays, 2, replace=False).tolist(), *rng.choice(fast.members, 3).tolist()]:
+            if w in fast.parent[0]:
+                fast.remove(w)
+                remove(w)
+        for i in range(5):
+            fast.add(f"x{round_}-{i}")
+            add(f"x{round_}-{i}")
+        assert fast.parent == walked.parent and fast.children == walked.children, round_
+        assert all(fast.out_degree(w) == _out(fast, w) for w in fast.members)
+        assert fast._open == {w for w in fast.members if _out(fast, w) < fast.capacity[w]}
+        assert fast._relays == [sum(h == st for h in fast.home.values()) for st in range(fast.stripes)]
+        assert fast.home == walked.home
+
+
 def test_declared_upload_rates_shape_the_trees_as_the_model_does() -> None:
     """When every relay declared its upload rate, Tree-Pipelined builds the model's trees
     (``relay_layout`` over those rates: the fast workers relay near the root), keeps them while fewer

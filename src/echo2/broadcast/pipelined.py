@@ -30,12 +30,12 @@ of :func:`striped_tree_plan`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from echo2.broadcast.strategy import LEARNER, Assignment, Plan, climb, repair_sources
+from echo2.broadcast.strategy import LEARNER, REPAIR_HOPS, Assignment, Plan, climb, repair_sources
 from echo2.errors import ConfigError
 from echo2.physics.broadcast import (
     DEFAULT_MAX_PEERS,
@@ -85,6 +85,12 @@ class RelayTree:
         self.capacity: dict[str, int] = {}  # children a member may serve over all stripes
         self.home: dict[str, int] = {}  # the stripe a member relays in (-1: a leaf everywhere)
         self.repairs = 0  # children re-attached after a departure (cumulative)
+        self._memo: _PlanMemo | None = None  # the last plan and repair sources, for the next version
+        self._moved: list[set[str]] = []  # per stripe: members whose parent there changed since
+        self._gone: set[str] = set()  # members removed since
+        self._out: dict[str, int] = {}  # out_degree of every member, kept as the trees change
+        self._open: set[str] = set()  # members with a free child slot (out_degree < capacity)
+        self._relays: list[int] = [0]  # per stripe: members whose home it is
         if n == 0:
             return
         b = np.array([links[w] for w in ids] if links else np.ones(n), dtype=float)
@@ -99,6 +105,17 @@ class RelayTree:
             self.children.append(kids)
         self.capacity = {w: int(c) for w, c in zip(ids, lay.capacity.tolist(), strict=True)}
         self.home = {w: int(h) for w, h in zip(ids, lay.home.tolist(), strict=True)}
+        self._moved = [set() for _ in range(lay.stripes)]
+        self._relays = [0] * lay.stripes
+        for h in self.home.values():
+            if h >= 0:
+                self._relays[h] += 1
+        self._out = dict.fromkeys(ids, 0)
+        for kids in self.children:
+            for src, fed in kids.items():
+                if src != LEARNER:
+                    self._out[src] += len(fed)
+        self._open = {w for w in ids if self._out[w] < self.capacity[w]}
 
     @property
     def members(self) -> list[str]:
@@ -106,7 +123,19 @@ class RelayTree:
 
     def out_degree(self, w: str) -> int:
         """Children ``w`` serves over all stripes (its upload streams)."""
-        return sum(len(kids.get(w, ())) for kids in self.children)
+        if w == LEARNER:
+            return sum(len(kids.get(w, ())) for kids in self.children)
+        return self._out.get(w, 0)
+
+    def _feed(self, src: str, delta: int) -> None:
+        """``src`` feeds ``delta`` more children (a member: its count and whether it has a free slot)."""
+        if src == LEARNER:
+            return
+        self._out[src] += delta
+        if self._out[src] < self.capacity.get(src, 0):
+            self._open.add(src)
+        else:
+            self._open.discard(src)
 
     def degree(self, w: str) -> int:
         """Relay connections of ``w``: distinct peer sources plus distinct peers it feeds."""
@@ -148,18 +177,26 @@ class RelayTree:
         for par, kids in zip(self.parent, self.children, strict=True):
             up = par.pop(w)
             kids[up].remove(w)
+            self._feed(up, -1)
             orphans = kids.pop(w, [])
             for child in orphans:
                 par[child] = LEARNER  # until re-attached: w no longer counts as its connection
             cut.append((up, orphans))
-        for (up, orphans), par, kids in zip(cut, self.parent, self.children, strict=True):
+        self._out.pop(w, None)
+        self._open.discard(w)
+        self.capacity.pop(w, None)
+        for (up, orphans), par, kids, moved in zip(cut, self.parent, self.children, self._moved, strict=True):
             for child in orphans:
                 src = self._adopter(par, kids, child, up)
                 par[child] = src
                 kids.setdefault(src, []).append(child)
+                self._feed(src, +1)
                 self.repairs += 1
-        self.capacity.pop(w, None)
-        self.home.pop(w, None)
+                moved.add(child)
+            moved.discard(w)
+        if (h := self.home.pop(w, -1)) >= 0:
+            self._relays[h] -= 1
+        self._gone.add(w)
 
     def _adopter(self, par: dict[str, str], kids: dict[str, list[str]], child: str, up: str) -> str:
         """The new source of an orphaned ``child`` in one stripe: the nearest ancestor of the departed member
@@ -171,15 +208,7 @@ class RelayTree:
             if self._can_adopt(anc, child):
                 return anc
             anc = par[anc]
-        queue, i = list(kids.get(LEARNER, ())), 0
-        while i < len(queue):
-            x = queue[i]
-            i += 1
-            if x != child:  # the child's subtree is never entered: a cycle is impossible
-                if self._can_adopt(x, child):
-                    return x
-                queue.extend(kids.get(x, ()))
-        return LEARNER
+        return self._first_open(par, kids, lambda x: self._can_adopt(x, child), avoid=child)
 
     def _can_adopt(self, x: str, child: str) -> bool:
         return self.out_degree(x) < self.capacity.get(x, 0) and self._free(x) and self._connects(child, x)
@@ -199,37 +228,81 @@ class RelayTree:
             return
         if w in self.parent[0]:
             return
-        counts = [0] * self.stripes
-        for h in self.home.values():
-            if h >= 0:
-                counts[h] += 1
-        self.home[w] = counts.index(min(counts))
+        self.home[w] = h = self._relays.index(min(self._relays))
+        self._relays[h] += 1
         self.capacity[w] = min(self.stripes, self.max_peers - self.stripes)
-        for par, kids in zip(self.parent, self.children, strict=True):
-            src = self._shallowest_free(par, kids)
+        self._out[w] = 0
+        self._feed(w, 0)
+        for par, kids, moved in zip(self.parent, self.children, self._moved, strict=True):
+            src = self._first_open(par, kids, self._free)
             par[w] = src
             kids.setdefault(src, []).append(w)
+            self._feed(src, +1)
+            moved.add(w)
+        self._gone.discard(w)
 
-    def _shallowest_free(self, par: dict[str, str], kids: dict[str, list[str]]) -> str:
-        queue, i = list(kids.get(LEARNER, ())), 0
-        while i < len(queue):
-            x = queue[i]
-            i += 1
-            if self.out_degree(x) < self.capacity.get(x, 0) and self._free(x):
-                return x
-            queue.extend(kids.get(x, ()))
-        return LEARNER
+    def _first_open(
+        self,
+        par: dict[str, str],
+        kids: dict[str, list[str]],
+        fits: Callable[[str], bool],
+        avoid: str | None = None,
+    ) -> str:
+        """The member a breadth-first walk of one stripe's tree from the learner would meet first among
+        those with a free child slot that ``fits`` (else the learner), never entering ``avoid``'s subtree,
+        nor a subtree not yet hung back from the learner (an orphan being re-attached). Read off the few
+        members with a free slot (``_open``) instead of walking the tree: the walk meets nodes by depth,
+        then by their paths of child positions, so the first is the least (depth, path)."""
+        best, best_key = LEARNER, None
+        for x in self._open:
+            key = _walk_key(par, kids, x, avoid)
+            if key is not None and (best_key is None or key < best_key) and fits(x):
+                best, best_key = x, key
+        return best
 
     def plan(self, n_chunks: int) -> Plan:
         """Chunk i travels stripe ``i % k``: each member pulls a stripe's chunks from its source there.
         A pull of one stripe holds that stripe's one tuple of chunks (shared by every member, so a plan
-        costs O(N k) and not O(N C)); only a source feeding a member several stripes gets a merged one."""
-        k = self.stripes
-        stripes = [tuple(range(s, n_chunks, k)) for s in range(min(k, n_chunks))]
-        return {
-            w: tuple(Assignment(src, _merged(stripes, ss)) for src, ss in self._pulls(w, len(stripes)))
-            for w in self.members
-        }
+        costs O(N k) and not O(N C)); only a source feeding a member several stripes gets a merged one.
+        Kept for the next version: after joins and departures only the members whose sources changed
+        are planned again (:meth:`_updated`)."""
+        return dict(self._updated(n_chunks).plan)
+
+    def _updated(self, n_chunks: int) -> _PlanMemo:
+        """The plan and repair sources over ``n_chunks`` chunks, the last ones brought up to date: a
+        member's plan reads only its own parents, and its repair chain its source's parents and that
+        source's (``REPAIR_HOPS`` = 2 links) in the stripes it pulls from that source, so after a churn
+        only the members whose parent changed in some stripe are planned again, and they and their
+        descendants ``REPAIR_HOPS`` levels down in that stripe get their chains again; everything when
+        the chunk count changed (or the first time)."""
+        live = min(self.stripes, n_chunks)
+        memo = self._memo
+        if memo is None or memo.n_chunks != n_chunks:
+            memo = _PlanMemo(n_chunks, [tuple(range(s, n_chunks, self.stripes)) for s in range(live)], {}, {})
+            moved: set[str] | list[str] = self.members
+            near: set[str] | list[str] = moved
+        else:
+            for w in self._gone:
+                memo.plan.pop(w, None)
+                memo.repair.pop(w, None)
+            moved = set().union(*self._moved)
+            near = set(moved)
+            for kids, frontier in zip(self.children, self._moved, strict=True):
+                for _ in range(REPAIR_HOPS):
+                    frontier = {c for d in frontier for c in kids.get(d, ())}
+                    near |= frontier
+        parent = self.parent
+        for w in moved:
+            memo.plan[w] = tuple(Assignment(src, memo.chunks(ss)) for src, ss in self._pulls(w, live))
+        for w in near:
+            ups: dict[str, str] = {}
+            for src, fed in self._pulls(w, live):
+                climb(ups, w, src, lambda p, ss=fed: {parent[s][p] for s in ss})
+            memo.repair[w] = ups
+        self._memo, self._gone = memo, set()
+        for moved_in in self._moved:
+            moved_in.clear()
+        return memo
 
     def _pulls(self, w: str, live: int) -> list[tuple[str, list[int]]]:
         """``w``'s sources over the first ``live`` stripes (those that carry a chunk), each with the
@@ -271,14 +344,51 @@ class RelayTree:
         """:func:`~echo2.broadcast.strategy.repair_sources` of :meth:`plan` (``n_chunks``), read off the
         parent maps instead of the chunk lists: a member's pulls from one source are the stripes in which
         that source is its parent, and the source's own source for them is its parent in those stripes.
-        O(N k depth) rather than O(N C depth) for C chunks (9,000 of them in a 1.2 GB anchor)."""
-        out: dict[str, dict[str, str]] = {}
-        for w in self.members:
-            ups: dict[str, str] = {}
-            for src, stripes in self._pulls(w, min(self.stripes, n_chunks)):
-                climb(ups, w, src, lambda p, ss=stripes: {self.parent[s][p] for s in ss})
-            out[w] = ups
-        return out
+        O(N k depth) rather than O(N C depth) for C chunks (9,000 of them in a 1.2 GB anchor); after a
+        churn, only for the members it touched (:meth:`_updated`)."""
+        return dict(self._updated(n_chunks).repair)
+
+
+def _walk_key(
+    par: dict[str, str], kids: dict[str, list[str]], x: str, avoid: str | None
+) -> tuple[int, tuple[int, ...]] | None:
+    """Where a breadth-first walk from the learner meets ``x`` in one stripe: its depth and its path of
+    positions in its ancestors' child lists; None when the walk never meets it (below ``avoid``, or under
+    a member not hung from its parent's child list)."""
+    path = []
+    y = x
+    while y != LEARNER:
+        if y == avoid:
+            return None
+        up = par.get(y)  # None: not in this stripe's tree yet (a joiner being attached)
+        fed = kids.get(up, ()) if up is not None else ()
+        if y not in fed:
+            return None
+        path.append(fed.index(y))
+        y = up
+    path.reverse()
+    return len(path), tuple(path)
+
+
+@dataclass
+class _PlanMemo:
+    """A relay tree's last plan (:meth:`RelayTree.plan`) and repair sources, kept for the next version."""
+
+    n_chunks: int
+    stripes: list[tuple[int, ...]]  # each stripe's chunks, shared by every pull of one stripe
+    plan: dict[str, tuple[Assignment, ...]]
+    repair: dict[str, dict[str, str]]
+    merged: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)  # several stripes' chunks
+
+    def chunks(self, which: list[int]) -> tuple[int, ...]:
+        """The chunks of the stripes ``which`` (ascending): one stripe's own tuple, or their merge, made
+        once per set of stripes and shared (orphans the learner adopted pull several from it)."""
+        if len(which) == 1:
+            return self.stripes[which[0]]
+        key = tuple(which)
+        if key not in self.merged:
+            self.merged[key] = _merged(self.stripes, which)
+        return self.merged[key]
 
 
 def _merged(stripes: list[tuple[int, ...]], which: list[int]) -> tuple[int, ...]:

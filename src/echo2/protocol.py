@@ -149,6 +149,17 @@ class LoraSettings(BaseModel):
     vllm: Literal["native", "merged"] = "merged"  # lora.vllm: how a vLLM worker applies each adapter
 
 
+class PackagePin(BaseModel):
+    """A distribution an environment's episodes run on, pinned (``echo2.pins``): a worker with another
+    version or other files refuses to run."""
+
+    model_config = LENIENT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the distribution's name
+    version: str = Field(min_length=1, max_length=64)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # SHA-256 over its installed files
+
+
 class WorkerSettings(BaseModel):
     """The part of the run's config a worker needs (it never gets the whole tree)."""
 
@@ -167,6 +178,7 @@ class WorkerSettings(BaseModel):
     heartbeat_s: float  # seconds between heartbeats
     max_context: int = 0  # longest prompt + completion the model attends to (bounds an episode); 0 = unknown
     lora: LoraSettings | None = None  # a LoRA run: publications are adapters over this base
+    packages: list[PackagePin] = Field(default_factory=list, max_length=32)  # the environment's, pinned
 
 
 class RegisterReply(BaseModel):

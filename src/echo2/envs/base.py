@@ -157,6 +157,9 @@ class Environment:
     config: type[EnvironmentFields]  # its ``[task]`` model (``task.name = "<name>"`` selects it)
     spec: Callable[[Any], EnvSpec]  # its config -> the spec its task adapter reads
     preset: tuple[str, ...] = ()  # ``--task NAME``: overrides after ``task.name=NAME`` (the embedded default)
+    # distributions its episodes import on a worker besides echo2 (``echo2.pins``: the run pins their
+    # version and files, and a worker with others refuses to run)
+    packages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         field = self.config.model_fields.get("name")

@@ -101,6 +101,7 @@ class PokerSpec(EnvKnobs):
 POKER = Environment(
     PokerTaskConfig,
     PokerSpec,
+    packages=("pokerkit",),  # the game state its episodes are played on (a worker's must be the learner's)
     preset=(
         "model.embedded.max_positions=320",  # a hand of up to 6 decisions of <= 60-character observations
         "task.max_turns=6",

@@ -40,6 +40,7 @@ from echo2.config import USER_CONTEXT_TOKENS, EngineName
 from echo2.envs.base import EnvError
 from echo2.errors import CheckpointError, Echo2Error
 from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
+from echo2.pins import check_pins
 from echo2.protocol import (
     HeartbeatRequest,
     LeaseGrant,
@@ -168,6 +169,7 @@ class RolloutWorker:
 
         reg = await self._register()
         st = self.settings = reg.settings
+        check_pins(p.model_dump() for p in st.packages)  # the environment's packages, as the learner's
         # heartbeats start now, not after the model is built: the controller must not take a worker
         # that is still loading for a lost one
         self._heartbeat_task = asyncio.ensure_future(self._heartbeats())

@@ -24,7 +24,8 @@ from echo2.config import Config
 from echo2.data.store import TrajectoryStore
 from echo2.observe.rundir import PUBLISHED_DIR
 from echo2.perimeter import Limits
-from echo2.protocol import LoraSettings, WorkerSettings
+from echo2.pins import package_pin
+from echo2.protocol import LoraSettings, PackagePin, WorkerSettings
 from echo2.runtime.intake import Intake, submission_limits
 from echo2.runtime.leases import LeaseBroker
 from echo2.runtime.members import Cadence, WorkerRegistry
@@ -34,6 +35,7 @@ from echo2.runtime.routes import Identity, Routes
 from echo2.runtime.snapshots import Snapshots
 from echo2.runtime.standing import Standings
 from echo2.tasks.base import Task
+from echo2.tasks.registry import worker_packages
 from echo2.tasks.verify import Verifier
 
 
@@ -86,6 +88,7 @@ def worker_settings(
         heartbeat_s=rt.heartbeat_s,
         max_context=cfg.context_tokens(),
         lora=lora,
+        packages=[PackagePin(**package_pin(name)) for name in worker_packages(cfg.task)],
     )
 
 

@@ -40,6 +40,9 @@ class Entry:
     config: type  # its config model (the ``[task]`` section when ``task.name`` is this name)
     preset: tuple[str, ...]  # the overrides of ``--task NAME`` (``config.TASK_PRESETS``, the loader's)
     build: Callable[[TaskConfig, int], Task]  # (its config, the run's seed) -> the task
+    # distributions its worker runs it with besides echo2, pinned for the run (``echo2.pins``): an
+    # environment's (its episodes are played there); none for a single-turn task (its worker generates)
+    packages: tuple[str, ...] = ()
 
 
 def _arithmetic(cfg: TaskConfig, seed: int) -> Task:
@@ -73,7 +76,10 @@ REGISTRY: dict[str, Entry] = {
     "math": Entry(MathTaskConfig, tuple(TASK_PRESETS["math"]), _math),
     "code": Entry(CodeTaskConfig, tuple(TASK_PRESETS["code"]), _code),
     "verifiers": Entry(VerifiersTaskConfig, tuple(TASK_PRESETS["verifiers"]), _verifiers),
-    **{env.name: Entry(env.config, tuple(TASK_PRESETS[env.name]), _environment) for env in ENVIRONMENTS},
+    **{
+        env.name: Entry(env.config, tuple(TASK_PRESETS[env.name]), _environment, env.packages)
+        for env in ENVIRONMENTS
+    },
 }
 TASKS: dict[type, Callable[[TaskConfig, int], Task]] = {e.config: e.build for e in REGISTRY.values()}
 
@@ -81,3 +87,8 @@ TASKS: dict[type, Callable[[TaskConfig, int], Task]] = {e.config: e.build for e 
 def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
     """The task ``cfg`` names (``cfg.name`` is the registry key)."""
     return REGISTRY[cfg.name].build(cfg, seed)
+
+
+def worker_packages(cfg: TaskConfig) -> tuple[str, ...]:
+    """The distributions a worker runs the task ``cfg`` names with, pinned for the run."""
+    return REGISTRY[cfg.name].packages

@@ -415,7 +415,7 @@ def cost_run(run_dir: Path, on: bool, steps: int, seed: int) -> dict[str, Any]:
 
 
 def study_cost(out: Path, pairs: int, steps: int) -> dict[str, Any]:
-    from scipy import stats
+    from runtime import t_interval  # benchmarks/runtime.py, as the other studies read theirs
 
     runs = out / "adversary_runs"
     rows = []
@@ -427,11 +427,10 @@ def study_cost(out: Path, pairs: int, steps: int) -> dict[str, Any]:
         print(f"cost pair {i}: {rows[-1]['ratio']:.3f}x, accuracy {on_acc:.3f} vs {off_acc:.3f}", flush=True)
 
     def interval(xs: list[float]) -> list[float]:
-        m = statistics.fmean(xs)
         if len(xs) < 2:
-            return [m, m]
-        half = float(stats.t.ppf(0.975, len(xs) - 1)) * statistics.stdev(xs) / len(xs) ** 0.5
-        return [m - half, m + half]
+            return [statistics.fmean(xs)] * 2
+        _, lo, hi = t_interval(xs)
+        return [lo, hi]
 
     ratios = [r["ratio"] for r in rows]
     dacc = [r["on"]["final_accuracy"] - r["off"]["final_accuracy"] for r in rows]

@@ -376,7 +376,7 @@ def _one_run(engine: str, seed: int, work: Path) -> dict[str, Any]:
 
 
 def study_run() -> dict[str, Any]:
-    from scipy import stats
+    from runtime import t_interval  # benchmarks/runtime.py, as the other studies read theirs
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="echo2-engines-") as tmp:
@@ -394,16 +394,15 @@ def study_run() -> dict[str, Any]:
                 _update("run_partial", runs)  # a failure later keeps the runs done so far
     acc = {(r["engine"], r["seed"]): r["accuracy"] for r in runs}
     diffs = [acc[("vllm", s)] - acc[("hf", s)] for s in RUN_SEEDS]
-    mean = statistics.fmean(diffs)
-    half = float(stats.t.ppf(0.975, len(diffs) - 1)) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    mean, lo, hi = t_interval(diffs)
     data = json.loads(RESULTS.read_text())
     data.pop("run_partial", None)
     RESULTS.write_text(json.dumps(data, indent=1))
     return {
         "budget_s": RUN_BUDGET_S,
         "runs": runs,
-        "diff_vllm_minus_hf": {"mean": mean, "ci95": [mean - half, mean + half], "per_seed": diffs},
-        "within_noise": bool(mean - half <= 0.0 <= mean + half),
+        "diff_vllm_minus_hf": {"mean": mean, "ci95": [lo, hi], "per_seed": diffs},
+        "within_noise": bool(lo <= 0.0 <= hi),
     }
 
 

@@ -167,15 +167,14 @@ def main() -> int:
         pairs.append({"off": off, "on": on, "ratio": on["step_s"] / off["step_s"]})
         print(f"pair {i}: {pairs[-1]['ratio']:.3f}x", flush=True)
     ratios = [q["ratio"] for q in pairs]
-    from scipy import stats
+    from runtime import t_interval  # benchmarks/runtime.py, as the other studies read theirs
 
-    half = float(stats.t.ppf(0.975, len(ratios) - 1)) * statistics.stdev(ratios) / len(ratios) ** 0.5
-    mean = statistics.fmean(ratios)
+    _, lo, hi = t_interval(ratios)
     res = {
         "pairs": pairs,
         "ratios": ratios,
         "median_ratio": statistics.median(ratios),
-        "mean_ratio_ci95": [mean - half, mean + half],
+        "mean_ratio_ci95": [lo, hi],
         "target": f"median over pairs of on/off mean step time <= {TARGET_RATIO}",
         "steps": a.steps,
         "warmup": WARMUP,

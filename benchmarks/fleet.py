@@ -108,6 +108,9 @@ class Sink:
     def close(self) -> None:
         return None
 
+    def is_closing(self) -> bool:
+        return False
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 

@@ -248,6 +248,23 @@ def test_an_announcement_the_publisher_sends_parses_to_its_model() -> None:
     assert on_wire(to_wire(frame)) == header
 
 
+def test_announce_writes_what_the_models_wire_form_holds() -> None:
+    """The publisher writes announcements without building their model (``frames.announce``): the same
+    header ``to_wire`` of the model gives, the model's defaults for fields left out, and an unknown or
+    a missing field refused by name."""
+    from echo2.weights.frames import announce
+
+    parts = {"manifest": {"v": 1}, "sources": [("learner", {"start": 0, "step": 1})],
+             "peers": {"learner": ("h", 1)}, "credential": {"member": "w1"}}  # fmt: skip
+    for extra in ({}, {"stall_hint": 2.5, "serve": ["w2"], "repair": {"w2": "w3"}, "members": 4}):
+        assert announce(**parts, **extra) == to_wire(AnnounceFrame.model_construct(**parts, **extra))
+    assert "members" not in announce(**parts)  # None: not sent, as to_wire leaves it out
+    with pytest.raises(TypeError, match="no field"):
+        announce(**parts, colour="red")
+    with pytest.raises(TypeError, match="needs"):
+        announce(manifest={}, sources=[], peers={})
+
+
 # -- refusals -----------------------------------------------------------------------------------------
 # Per kind with fields: a field to leave out, a wrong type, a value out of range (field, value).
 GOOD = {op: by_hand for op, (by_hand, _) in BY_HAND.items()}

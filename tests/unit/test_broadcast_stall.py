@@ -578,6 +578,9 @@ class _Sink:
     async def drain(self) -> None:
         return None
 
+    def is_closing(self) -> bool:
+        return False
+
 
 def test_a_version_to_the_same_fleet_reuses_the_plan_and_a_changed_fleet_gets_a_new_one() -> None:
     """Planning a publication for a large fleet costs (the trees, the repair sources, who serves whom):
@@ -612,5 +615,31 @@ def test_a_version_to_the_same_fleet_reuses_the_plan_and_a_changed_fleet_gets_a_
         pub._members["m4"].addr = ("127.0.0.2", 9)
         await publish(5, BLOB + BLOB)
         assert pub._rounds[5].plan is not pub._rounds[4].plan
+
+    asyncio.run(go())
+
+
+def test_an_announcement_waits_behind_a_frame_being_written_to_its_member() -> None:
+    """Announcements are written at once, without a task each, to members nothing else is being
+    written to; a member with a frame under way (its lock held) gets its announcement after it, whole,
+    in order."""
+    from echo2.broadcast.publisher import _Member
+
+    async def go() -> None:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+        sinks = {w: _Sink() for w in ("a", "b")}
+        for w, sink in sinks.items():
+            pub._members[w] = _Member(w, ("127.0.0.1", 9), "", sink)  # type: ignore[arg-type]
+        busy = pub._members["b"]
+        await busy.lock.acquire()  # a frame to b under way
+        await pub.publish(1, BLOB)
+        assert sinks["a"].data and not sinks["b"].data and len(pub._tasks) == 1  # b's waits its turn
+        sinks["b"].write(b"EARLIER")
+        busy.lock.release()
+        while pub._tasks:
+            await asyncio.gather(*list(pub._tasks))
+        assert sinks["b"].data.startswith(b"EARLIER")
+        frame = parse_header(sinks["b"].data[len(b"EARLIER") + 4 :])
+        assert frame["op"] == "announce" and frame["credential"]["member"] == "b"
 
     asyncio.run(go())

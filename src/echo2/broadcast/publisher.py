@@ -47,7 +47,8 @@ its receipts; an ack counted before such a report arrives is withdrawn. A refuse
 that version. Every refusal is counted (:class:`~echo2.broadcast.api.PublisherCounters`,
 ``TcpPublisher.counters``); a malformed control frame drops the member's connection.
 
-Every frame is one of ``echo2.weights.frames``: built as its model, sent as ``to_wire`` of it, and
+Every frame is one of ``echo2.weights.frames``: built as its model, sent as ``to_wire`` of it (an
+announcement, one per member, as ``frames.announce`` writes that form without building the model), and
 parsed by ``parse_frame`` before use (a ``get`` after the gate has read its credential, ``parse_pull``).
 """
 
@@ -325,7 +326,7 @@ class TcpPublisher:
             frames = await asyncio.to_thread(self._announcements, rnd, man, encoded, hint, addresses, batch)
             for w, frame in zip(batch, frames, strict=True):
                 if (member := self._members.get(w)) is members[w]:  # still the member it was planned for
-                    self._spawn(self._send_raw(member, frame))
+                    self._post(member, frame)
         return manifest
 
     def _plan_round(
@@ -382,7 +383,7 @@ class TcpPublisher:
                 stall_hint=hint, serve=sorted(rnd.serves[w]), repair=rnd.repair[w],
                 credential=creds[w].to_dict(), members=n,
             )  # fmt: skip
-            out.append(encode_with(to_wire(frame), encoded))
+            out.append(encode_with(frame, encoded))
         return out
 
     def _stall_hint(self, n: int, chunk: int) -> float:
@@ -448,6 +449,19 @@ class TcpPublisher:
 
     async def _send(self, member: _Member, frame: Frame) -> None:
         await self._send_raw(member, [encode(to_wire(frame))])
+
+    def _post(self, member: _Member, pieces: list[bytes]) -> None:
+        """One encoded frame to ``member``: written at once when nothing else is being written to it
+        (the transport buffers what its socket does not take yet; nothing waits on the flush), else
+        queued behind what is (``_send_raw``, a task). A task per member and publication cost the loop
+        ~25 us each: a quarter of a second at 10,000 members."""
+        if member.lock.locked() or member.writer.is_closing():
+            self._spawn(self._send_raw(member, pieces))
+            return
+        try:
+            member.writer.writelines(pieces)
+        except (OSError, ConnectionError, RuntimeError) as exc:
+            log.warning("control send to %s failed: %s", member.worker, exc)
 
     async def _send_raw(self, member: _Member, pieces: list[bytes]) -> None:
         """One encoded frame, in ``pieces``, on ``member``'s control connection."""

@@ -677,6 +677,11 @@ def study_node(ns: list[int], label: str, window_s: float, repeats: int = 1) -> 
     return out
 
 
+# the publish study's readings the figure shows (the rest stay in the JSON): the first reading's before
+# and after, this study's code at the start of the session of the later readings, and its last reading
+PLOTTED_PUBLISH = ("before", "after", "before_r1", "batched_r1", "posted_r1")
+
+
 def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -684,7 +689,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    for label, got in sorted(res.get("publish", {}).items()):
+    published = res.get("publish", {})
+    shown = [k for k in PLOTTED_PUBLISH if k in published] or sorted(published)
+    for label, got in ((k, published[k]) for k in shown):
         ns = [r["n"] for r in got["rows"]]
         axes[0].plot(ns, [r["cpu_s"] for r in got["rows"]], "o-", label=label)
         axes[0].plot(ns, [r["next"]["cpu_s"] for r in got["rows"]], "x--", label=f"{label}, next version")
@@ -696,7 +703,11 @@ def plot(res: dict[str, Any], path: Path) -> None:
     axes[1].axhline(MAX_FRAME / 1e3, ls=":", c="k")
     for label, got in sorted(res.get("node", {}).items()):  # the node study: update time against the baseline
         rows = [r for r in got["rows"] if r["update_ratio"] is not None]
-        axes[3].plot([r["n"] for r in rows], [r["update_ratio"] for r in rows], "o-", label=f"node: {label}")
+        pts = [(r["n"], r["update_ratio"]) for r in rows]
+        if "spread" in got:  # repeats: the median ratio at each N (the baseline's 1.0 first)
+            pts = [(BASE_N, 1.0)] + [(int(n), sp["median_ratio"]) for n, sp in got["spread"].items()]
+            label = f"{label} (median of {got['repeats']})"
+        axes[3].plot(*zip(*pts, strict=True), "o-", label=f"node: {label}")
     axes[3].axhline(NODE_TARGETS["n1000_update_ratio_max"], ls=":", c="k")
     titles = ("learner CPU s per publication", "largest announce frame (KB)", "longest event-loop stall (s)")
     for ax, title in zip(axes[:3], titles, strict=True):

@@ -292,11 +292,12 @@ class RelayTree:
                     frontier = {c for d in frontier for c in kids.get(d, ())}
                     near |= frontier
         parent = self.parent
+        pulls = {w: self._pulls(w, live) for w in near}  # near holds moved
         for w in moved:
-            memo.plan[w] = tuple(Assignment(src, memo.chunks(ss)) for src, ss in self._pulls(w, live))
+            memo.plan[w] = tuple(Assignment(src, memo.chunks(ss)) for src, ss in pulls[w])
         for w in near:
             ups: dict[str, str] = {}
-            for src, fed in self._pulls(w, live):
+            for src, fed in pulls[w]:
                 climb(ups, w, src, lambda p, ss=fed: {parent[s][p] for s in ss})
             memo.repair[w] = ups
         self._memo, self._gone = memo, set()

@@ -64,6 +64,7 @@ class AccessError(ProtocolError):
 
 
 MAX_PATH = 40  # a credential's Merkle path has at most this many steps (batches of up to 2**40 members)
+MAX_VERIFIED = 1024  # signed batches a server remembers as verified (cleared when full)
 _STEP = 65  # one step of a path: "L" or "R" (the side the sibling is on) and the sibling's hex SHA-256
 
 
@@ -232,9 +233,6 @@ def check_credential(
             verified.add(seen)
     if cred.expires < time.time():
         raise AccessError(f"credential of {member!r} for v{version} expired")
-
-
-MAX_VERIFIED = 1024  # signed batches a server remembers as verified (cleared when full)
 
 
 @dataclass

@@ -29,9 +29,10 @@ one this node serves (``access.Gate``).
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar, get_args, overload
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
@@ -327,9 +328,14 @@ def to_wire(frame: Frame) -> dict[str, Any]:
     Shallow: the field values go out as they are (tuples encode as JSON arrays; a nested model, a
     parsed announcement's ``Stride``, is written as its fields by ``wire.encode``), so the learner's
     announcements, one per member, copy nothing they share (the manifest)."""
+    return _sent(type(frame), functools.partial(getattr, frame))
+
+
+def _sent(kind: type[BaseModel], value_of: Callable[[str], Any]) -> dict[str, Any]:
+    """The header :func:`to_wire` sends for a frame of ``kind`` whose field values ``value_of`` gives."""
     out: dict[str, Any] = {}
-    for name, key, unsent_none in _WIRE[type(frame)]:
-        value = getattr(frame, name)
+    for name, key, unsent_none in _WIRE[kind]:
+        value = value_of(name)
         if value is not None or not unsent_none:
             out[key] = value
     return out
@@ -345,12 +351,7 @@ def announce(**fields: Any) -> dict[str, Any]:
         raise TypeError(f"AnnounceFrame has no field {sorted(unknown)}")
     if missing := _ANNOUNCE_REQUIRED - fields.keys():
         raise TypeError(f"AnnounceFrame needs {sorted(missing)}")
-    out: dict[str, Any] = {}
-    for name, key, unsent_none in _WIRE[AnnounceFrame]:
-        value = fields[name] if name in fields else _ANNOUNCE_DEFAULTS[name]
-        if value is not None or not unsent_none:
-            out[key] = value
-    return out
+    return _sent(AnnounceFrame, {**_ANNOUNCE_DEFAULTS, **fields}.__getitem__)
 
 
 _ANNOUNCE_REQUIRED = frozenset(n for n, info in AnnounceFrame.model_fields.items() if info.is_required())

@@ -49,6 +49,7 @@ from echo2.weights.frames import (
     ProtocolError,
     RejectedFrame,
     RevokeFrame,
+    ServeFrame,
     ShutdownFrame,
     StalledFrame,
     Stride,
@@ -112,6 +113,7 @@ BY_HAND: dict[str, tuple[dict[str, Any], frames.Frame]] = {
     ),
     "shutdown": ({"op": "shutdown"}, ShutdownFrame()),
     "revoke": ({"op": "revoke", "member": "w3"}, RevokeFrame(member="w3")),
+    "serve": ({"op": "serve", "v": 5, "member": "w3"}, ServeFrame(v=5, member="w3")),
     "error": ({"op": "error", "reason": "unknown version 9"}, ErrorFrame(reason="unknown version 9")),
     "get": (  # its chunk list is its payload (8 bytes: two indices), its length n the framing's
         {"op": "get", "v": 5, "from": "w1", "repair": False, "cred": CRED.to_dict()},
@@ -298,6 +300,10 @@ REFUSALS: list[tuple[str, str, str, object, str]] = [  # (op, case, field path, 
     ("revoke", "missing", "member", None, "is missing"),
     ("revoke", "type", "member", 5, "should be a valid string"),
     ("revoke", "range", "member", "", "at least 1 character"),
+    ("serve", "missing", "v", None, "is missing"),
+    ("serve", "type", "member", 5, "should be a valid string"),
+    ("serve", "range", "v", -1, "greater than or equal to 0"),
+    ("join", "range", "held", [1, 2, 3], "at most 2 items"),
     ("error", "missing", "reason", None, "is missing"),
     ("error", "type", "reason", {"why": 1}, "should be a valid string"),
     ("error", "range", "reason", "r" * (MAX_REASON + 1), f"at most {MAX_REASON} characters"),
@@ -340,7 +346,7 @@ def test_each_kind_with_fields_has_a_missing_a_wrong_type_and_an_out_of_range_ca
 
 @pytest.mark.parametrize("op", sorted(BY_HAND))
 def test_each_kind_refuses_an_extra_key(op: str) -> None:
-    extra = "member" if op != "revoke" else "worker"  # a field of another kind, by name
+    extra = "member" if op not in ("revoke", "serve") else "worker"  # a field of another kind, by name
     _refused({**GOOD[op], extra: "w1"}, f"{op!r} frame: unknown field {extra!r}")
 
 

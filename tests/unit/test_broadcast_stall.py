@@ -131,6 +131,8 @@ def test_the_in_memory_hub_has_the_same_counters() -> None:
         "broadcast/members_expelled": 0.0,
         "broadcast/bad_frames": 0.0,
         "broadcast/peer_errors": 0.0,
+        "broadcast/latecomers": 0.0,
+        "broadcast/latecomers_from_learner": 0.0,
     }
 
 

@@ -251,3 +251,39 @@ async def _restart() -> None:
     await following
     await old.close()
     await new.close()
+
+
+def test_catching_up_waits_for_a_transfer_that_progresses_before_it_fetches_over_http() -> None:
+    """After ``catchup_s`` the follower goes on waiting while the broadcast receives newer weights and
+    stores chunks (a restart's anchor from peers); it fetches over HTTP once that transfer stalls for
+    ``stall_s``, at once after ``catchup_s`` when the transfer is of weights no newer than those held."""
+    from echo2.broadcast.api import Receiving
+
+    class Node:
+        def __init__(self, version: int, stalls_after: float) -> None:
+            self.version, self.t0, self.stalls_after = version, time.monotonic(), stalls_after
+
+        def receiving(self) -> Receiving:
+            age = time.monotonic() - self.t0
+            return Receiving(self.version, 0, 0.5, max(0.0, age - self.stalls_after))
+
+    async def waited(node: Node) -> float:
+        follower = WeightFollower(
+            Learner(None), Engine(), new_signing_key().verifier(), ("127.0.0.1", 9), "w", WorkerCounters(),
+            finished=lambda: False, catchup_s=0.1, stall_s=0.3,
+        )  # fmt: skip
+        follower.node = node  # type: ignore[assignment]
+        fetched: list[float] = []
+
+        async def fetch() -> None:
+            fetched.append(time.monotonic())
+
+        follower.fetch = fetch  # type: ignore[method-assign]
+        t0 = node.t0 = time.monotonic()
+        await follower.catch_up(3)
+        return fetched[0] - t0
+
+    progressing = asyncio.run(waited(Node(version=3, stalls_after=0.6)))
+    assert 0.6 + 0.3 <= progressing < 3.0  # waited while chunks came, then stall_s more
+    held_already = asyncio.run(waited(Node(version=-1, stalls_after=60.0)))  # nothing newer than held
+    assert 0.1 <= held_already < 0.6

@@ -43,6 +43,9 @@ class BroadcastStats:
     install_s: dict[str, float] = field(default_factory=dict)  # worker -> seconds from publish to install ack
     learner_bytes: int = 0  # payload bytes the learner uploaded for this version (narrow-link cost)
     n_refused: int = 0  # targeted workers whose ack does not count (reported stalling, bad receipts)
+    late: int = 0  # members attached after the announcement (an anchor's latecomers; not in n_workers)
+    # latecomer -> seconds from publish to its install ack (not part of T_bcast: they started late)
+    late_install_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def n_counted(self) -> int:
@@ -87,6 +90,8 @@ class PublisherCounters:
     )
     bad_frames: int = 0  # connections dropped on a malformed frame (ProtocolError) from a peer
     peer_errors: int = 0  # connections dropped on an unexpected exception from a peer's bytes
+    latecomers: int = 0  # members attached to an anchor after it was announced (publisher.py, latecomers)
+    latecomers_from_learner: int = 0  # of which pulling it from the learner (nobody else could take them)
 
     def metrics(self) -> dict[str, float]:
         """The counters under their ``broadcast/`` metric names (cumulative)."""
@@ -186,12 +191,27 @@ class SnapshotPublisher(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Receiving:
+    """A transfer under way on a receiver (``SnapshotReceiver.receiving``): what a worker waits on before it
+    fetches the same weights over HTTP instead (``rollout/follower.py``)."""
+
+    version: int  # the version being received
+    epoch: int  # its run epoch (the manifest's lineage)
+    held: float  # share of its chunks stored so far
+    idle_s: float  # seconds since it last stored a chunk (or since it started)
+
+
 class SnapshotReceiver(Protocol):
     """Worker side: yields each newer verified snapshot; the caller acks after loading it."""
 
     async def start(self, join_timeout: float = 30.0) -> None: ...
 
     def snapshots(self) -> AsyncIterator[InstalledSnapshot]: ...
+
+    def receiving(self) -> Receiving | None:
+        """The version being received now, and how it goes (None: none)."""
+        ...
 
     async def report_installed(self, version: int) -> None: ...
 

@@ -88,11 +88,14 @@ def open_receiver(
     pin: str | None = None,
     port: int = 0,
     advertise_port: int | None = None,
+    held: tuple[int, int] | None = None,
 ) -> SnapshotReceiver:
     """A worker's end: joins ``publisher`` (call ``await start(join_timeout)``), yields verified
     snapshots and, over TCP, relays chunks to peers from ``host:port`` (port 0: any free one;
     ``advertise_host:advertise_port`` is what they dial, for a relay behind NAT port forwarding);
-    ``pin`` (the learner certificate's fingerprint) puts every connection under TLS."""
+    ``pin`` (the learner certificate's fingerprint) puts every connection under TLS; ``held`` (run epoch,
+    version) names the weights the worker holds (a member that joins after an anchor was announced
+    is attached to it only when it holds nothing as new: ``publisher.py``, "Latecomers")."""
     if isinstance(publisher, InMemoryHub):
         return publisher.receiver(worker_id)
     return TcpWorkerNode(
@@ -105,4 +108,5 @@ def open_receiver(
         advertise_port=advertise_port,
         credential=credential,
         pin=pin,
+        held=held,
     )

@@ -17,7 +17,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from echo2.broadcast.api import BroadcastStats, InstalledSnapshot, MemberLedger, OpenLedger, PublisherCounters
+from echo2.broadcast.api import (
+    BroadcastStats,
+    InstalledSnapshot,
+    MemberLedger,
+    OpenLedger,
+    PublisherCounters,
+    Receiving,
+)
 from echo2.errors import Echo2Error
 from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.weights.manifest import (
@@ -155,6 +162,10 @@ class InMemoryReceiver:
                 raise ManifestError(f"in-memory blob for v{manifest.version} fails its digest")
             self.installed_version = manifest.version
             yield InstalledSnapshot(manifest, memoryview(blob).toreadonly())
+
+    def receiving(self) -> Receiving | None:
+        """Never: a hub's publication is delivered whole, at once."""
+        return None
 
     async def report_installed(self, version: int) -> None:
         self.hub._ack(self.worker_id, version)

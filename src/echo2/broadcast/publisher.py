@@ -32,6 +32,22 @@ announcements run off the event loop (``asyncio.to_thread``, the encoding ``ANNO
 a time), so the loop keeps serving leases and heartbeats meanwhile; the manifest, the same for every
 member, is encoded once per version. Measured: ``benchmarks/fleet.py --study publish``.
 
+Latecomers: a member that joins after the newest anchor was announced (after a learner restart, whose
+anchor goes out before the fleet has re-joined, every member; otherwise a worker that started late) is
+attached to that anchor when it joins, so it does not fetch the model over HTTP through the learner's
+uplink. It pulls the whole anchor from one member: the first whose install of it counted (in ack order),
+else the first latecomer before it (which relays what it receives as it receives it), else a member of
+the plan still receiving it, each serving at most ``LATE_FANOUT`` latecomers, else the learner (a
+round's first latecomer when it was announced to nobody).
+That member is told to serve it (a ``serve`` frame), its repair chain is that member's own sources (at
+most ``REPAIR_HOPS``, then the learner), and its announcement is built like the others (its peers, its
+credential). Until it acks the anchor (at most ``LATE_WINDOW_S``) newer publications leave it out: a
+patch announced meanwhile would cut its anchor off and leave it a patch it cannot apply; it fetches the
+patches since over HTTP once it holds the anchor. A member whose join says it holds the anchor or newer
+weights of the same run epoch is not attached. The newest anchor stays servable however many patches
+follow it (the same bytes the learner's chain keeps). A latecomer's install is written to the ledger
+but not counted in ``T_bcast`` (it started late). Measured: ``benchmarks/fleet.py --study restart``.
+
 Members are untrusted, so the publisher also keeps their conduct (docs/broadcast.md, "A stalling
 relay"): a member reports on its control connection each peer that stalled for it
 (``{"op": "stalled", "v": v, "source": peer}``); a report counts only for a tracked version, from a
@@ -58,6 +74,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +82,15 @@ from typing import Any
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue_batch
 from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
-from echo2.broadcast.strategy import LEARNER, Plan, Strategy, plan_with_leaves, repairs_of
+from echo2.broadcast.strategy import (
+    LEARNER,
+    REPAIR_HOPS,
+    Assignment,
+    Plan,
+    Strategy,
+    plan_with_leaves,
+    repairs_of,
+)
 from echo2.broadcast.wire import (
     Pacer,
     ProtocolError,
@@ -91,6 +116,7 @@ from echo2.weights.frames import (
     LeaveFrame,
     RejectedFrame,
     RevokeFrame,
+    ServeFrame,
     ShutdownFrame,
     StalledFrame,
     announce,
@@ -105,6 +131,9 @@ DEMOTE_AFTER_REPORTS = 2  # counted stall reports against a member that end its 
 MAX_TRACKED = 4096  # members whose reports / demotion the publisher remembers (then: the current ones)
 MAX_CONTROL = 1 << 16  # bytes of a member's control frame (an install ack with its receipts is the largest)
 ANNOUNCE_BATCH = 256  # announcements encoded per trip off the event loop
+LATE_FANOUT = 4  # latecomers one member serves a version to, whole (their upload: this x the version)
+LATE_HOP_S = 5.0  # a latecomer's stall hint per hop below a member that holds the anchor (or the learner)
+LATE_WINDOW_S = 600.0  # a latecomer left out of newer publications until it acks its anchor, at most this
 
 
 @dataclass
@@ -115,6 +144,7 @@ class _Member:
     writer: asyncio.StreamWriter  # control connection
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises control frames
     pulls: set[asyncio.StreamWriter] = field(default_factory=set)  # its pull streams from the learner
+    held: tuple[int, int] | None = None  # (run epoch, version) of the weights it said it holds at its join
 
 
 @dataclass
@@ -135,6 +165,42 @@ class _Round:
     refused_as_stalled: set[str] = field(default_factory=set)  # of which for a stall report against it
     repair: dict[str, dict[str, str]] = field(default_factory=dict)  # strategy.repairs_of(plan)
     serves: dict[str, set[str]] = field(default_factory=dict)  # member -> the members it serves
+    anchor: bool = False  # an anchor (or a whole snapshot): members joining later are attached to it
+    announced: tuple[dict[str, object], dict[str, bytes], float] | None = None  # manifest, encoded, hint
+    late: dict[str, str] = field(default_factory=dict)  # latecomer -> the member (or learner) it pulls from
+    late_kids: dict[str, int] = field(default_factory=dict)  # member -> latecomers it serves
+    late_depth: dict[str, int] = field(default_factory=dict)  # latecomer -> hops below a holder / the learner
+    holders: deque[str] = field(default_factory=deque)  # members whose install counted, in ack order
+    late_open: deque[str] = field(default_factory=deque)  # latecomers that may take latecomers, in order
+    planned: deque[str] | None = None  # the plan's relays, in order: taken only while nobody else can
+    late_installed: dict[str, float] = field(default_factory=dict)  # latecomer -> install delay (not T_bcast)
+    _every: tuple[int, ...] | None = None  # every chunk (latecomers pull them all from one member)
+    _own: bool = False  # plan, repair and serves are this round's copies (a latecomer changed them)
+
+    def every(self) -> tuple[int, ...]:
+        """Every chunk of the version, one tuple for all the latecomers' pulls."""
+        if self._every is None:
+            self._every = tuple(range(self.manifest.n_chunks))
+        return self._every
+
+    def hops(self, member: str) -> int:
+        """Hops between ``member`` and one that holds the version (or the learner): a latecomer below it
+        gets its first chunk about that many chunk times late (its stall hint, ``LATE_HOP_S`` a hop)."""
+        if member == LEARNER or member in self.install_s or member in self.late_installed:
+            return 0
+        return self.late_depth[member] if member in self.late else 2  # a plan's relay: about 2
+
+    def covers(self, member: str) -> bool:
+        """Whether ``member`` was announced this version (planned, or attached as a latecomer)."""
+        return member in self.plan
+
+    def own(self) -> None:
+        """Copy the plan, repair chains and serve sets, shared with the publisher's kept plan, before a
+        latecomer changes them."""
+        if not self._own:
+            self.plan, self.repair = dict(self.plan), dict(self.repair)
+            self.serves = {w: set(s) for w, s in self.serves.items()}
+            self._own = True
 
     _wire: dict[int, tuple[tuple[int, ...], object]] = field(default_factory=dict)  # id -> chunks, as sent
 
@@ -234,6 +300,8 @@ class TcpPublisher:
         # the last plan and what it was made for (members and addresses, leaves, chunks): a version
         # published to the same fleet reuses it (the rounds only read it)
         self._last_plan: tuple[Any, Plan, dict[str, dict[str, str]], dict[str, set[str]]] | None = None
+        self._anchor: int | None = None  # the newest anchor: kept servable, latecomers are attached to it
+        self._catching: dict[str, float] = {}  # latecomer -> until when newer publications leave it out
 
     async def start(self) -> tuple[str, int]:
         self.ledger.watch(self._expel)  # a quarantine or a retirement closes the member's connections
@@ -263,8 +331,10 @@ class TcpPublisher:
         return self.tls.fingerprint if self.tls is not None else ""
 
     def members(self) -> list[str]:
-        """Connected members the ledger makes targets (the next publication's)."""
-        return [w for w in self._members if self.ledger.is_target(w)]
+        """Connected members the ledger makes targets (the next publication's: not a latecomer still
+        receiving its anchor)."""
+        now = time.monotonic()
+        return [w for w in self._members if self.ledger.is_target(w) and self._catching.get(w, 0.0) <= now]
 
     def port_metrics(self) -> dict[str, float]:
         """The broadcast port's perimeter counts (``perimeter/broadcast/...``)."""
@@ -297,18 +367,32 @@ class TcpPublisher:
         )
         manifest = await asyncio.to_thread(build_manifest, blob, version, chunk, self.key, lineage)
         self._buffers[version] = SnapshotBuffer(manifest, blob)
+        anchor = manifest.lineage.anchor
+        if anchor:  # latecomers of the last anchor are members of this one like everybody else
+            self._anchor = version
+            self._catching.clear()
         for old in sorted(self._buffers)[: -self.keep_versions]:
-            del self._buffers[old]
+            if old != self._anchor:  # the newest anchor stays servable to latecomers
+                del self._buffers[old]
         self._gate.forget_before(min(self._buffers))
-        members = {w: m for w, m in self._members.items() if self.ledger.is_target(w)}
+        now = time.monotonic()
+        self._catching = {w: t for w, t in self._catching.items() if t > now and w in self._members}
+        members = {
+            w: m for w, m in self._members.items() if self.ledger.is_target(w) and w not in self._catching
+        }
         leaves = frozenset(w for w in members if w in self._demoted)
         addresses = {w: (*m.addr, m.cert) for w, m in members.items()}
         links = {w: self.ledger.uplink(w) for w in members}  # declared upload rates (None: not declared)
         async with self._planning:  # one plan at a time: a strategy keeps its last trees
             rnd = await asyncio.to_thread(self._plan_round, manifest, addresses, leaves, links)
+        man = manifest.to_dict()
+        encoded = {"manifest": await asyncio.to_thread(dumps, man)}  # the same in every announcement: once
+        hint = self._stall_hint(len(members), manifest.chunk_size)
+        rnd.anchor, rnd.announced = anchor, (man, encoded, hint)
         self._rounds[version] = rnd
         for old in sorted(self._rounds)[: -max(8, self.keep_versions)]:
-            del self._rounds[old]
+            if old != self._anchor:
+                del self._rounds[old]
         log.debug(
             "publishing v%d: %d bytes in %d chunks to %d workers (%s)",
             version,
@@ -317,9 +401,6 @@ class TcpPublisher:
             len(members),
             self.strategy.name,
         )
-        man = manifest.to_dict()
-        encoded = {"manifest": await asyncio.to_thread(dumps, man)}  # the same in every announcement: once
-        hint = self._stall_hint(len(members), manifest.chunk_size)
         order = list(members)
         for i in range(0, len(order), ANNOUNCE_BATCH):  # encoded off the loop, a batch at a time
             batch = order[i : i + ANNOUNCE_BATCH]
@@ -327,6 +408,10 @@ class TcpPublisher:
             for w, frame in zip(batch, frames, strict=True):
                 if (member := self._members.get(w)) is members[w]:  # still the member it was planned for
                     self._post(member, frame)
+        if anchor:  # members that joined while it was planned: latecomers
+            for w, member in list(self._members.items()):
+                if not rnd.covers(w):
+                    self._admit_late(member)
         return manifest
 
     def _plan_round(
@@ -372,7 +457,7 @@ class TcpPublisher:
         """The encoded ``announce`` frames of ``batch``'s members, each in pieces (``wire.encode_with``:
         ``encoded``'s manifest, the one bytes object, in every frame): each names only the peers it
         pulls or repairs from (and the learner), so a frame's size does not grow with the fleet."""
-        version, n = rnd.manifest.version, len(rnd.targets)
+        version, n = rnd.manifest.version, len(rnd.plan)
         me = (*self.address, self.fingerprint)
         creds = issue_batch(self.key, version, {w: addresses[w][2] for w in batch})  # one signature
         out = []
@@ -385,6 +470,64 @@ class TcpPublisher:
             )  # fmt: skip
             out.append(encode_with(frame, encoded))
         return out
+
+    def _admit_late(self, member: _Member) -> None:
+        """Attach ``member``, which joined after the newest anchor was announced, to it (module docstring,
+        "Latecomers"): it pulls the whole anchor from a member that holds it or is receiving it, or from
+        the learner when the round has nobody to take it, and is left out of newer publications until it
+        acks the anchor (or ``LATE_WINDOW_S`` passed), so a patch announced meanwhile does not cut it off."""
+        v, w = self._anchor, member.worker
+        rnd = self._rounds.get(v) if v is not None else None
+        if v is None or rnd is None or rnd.announced is None or v not in self._buffers:
+            return
+        if rnd.covers(w) or not self.ledger.is_target(w) or self._members.get(w) is not member:
+            return
+        if member.held is not None and member.held >= (rnd.manifest.lineage.epoch, v):
+            return  # it holds the anchor or newer weights of this epoch: the next publication is enough
+        parent = self._late_parent(rnd)
+        rnd.own()
+        ups: dict[str, str] = {}
+        p = parent
+        while p in rnd.late and len(ups) < REPAIR_HOPS:  # a latecomer's own source, if live, then its
+            up = rnd.late[p]
+            if up == LEARNER or up not in self._members:
+                break
+            ups[p] = p = up
+        rnd.plan[w] = (Assignment(parent, rnd.every()),)
+        rnd.repair[w] = ups
+        rnd.late[w] = parent
+        depth = rnd.late_depth[w] = 1 + rnd.hops(parent)
+        rnd.serves[w] = set()
+        for src in rnd.sources(w) - {LEARNER}:
+            rnd.serves.setdefault(src, set()).add(w)
+            self._post(self._members[src], [encode(to_wire(ServeFrame(v=v, member=w)))])
+        rnd.late_open.append(w)
+        self._catching[w] = time.monotonic() + LATE_WINDOW_S
+        self.counters.latecomers += 1
+        self.counters.latecomers_from_learner += int(parent == LEARNER)
+        man, encoded, hint = rnd.announced
+        hint = max(hint, depth * LATE_HOP_S)  # a silent parent is abandoned that much later
+        near = (rnd.sources(w) | {w}) - {LEARNER}
+        addresses = {x: (*self._members[x].addr, self._members[x].cert) for x in near}
+        (frame,) = self._announcements(rnd, man, encoded, hint, addresses, [w])
+        self._post(member, frame)
+        log.debug("latecomer %s pulls v%d from %s", w, v, parent)
+
+    def _late_parent(self, rnd: _Round) -> str:
+        """Whom the next latecomer pulls the anchor from: the first member whose install of it counted and
+        that serves fewer than ``LATE_FANOUT`` latecomers, else the first such latecomer (it relays what it
+        receives), else a member of the plan still receiving it, else the learner."""
+        if not rnd.holders and not rnd.late_open and rnd.planned is None:  # nobody else yet: a planned
+            rnd.planned = deque(w for w in rnd.targets if w not in rnd.leaves)  # relay that receives it
+        for queue in (rnd.holders, rnd.late_open, rnd.planned or deque()):
+            while queue:
+                p = queue[0]
+                live = p in self._members and p not in self._demoted and p not in rnd.refused
+                if live and p not in rnd.stalled and rnd.late_kids.get(p, 0) < LATE_FANOUT:
+                    rnd.late_kids[p] = rnd.late_kids.get(p, 0) + 1
+                    return p
+                queue.popleft()
+        return LEARNER
 
     def _stall_hint(self, n: int, chunk: int) -> float:
         """Seconds without data that are still normal: 8 chunk-times of a stream sharing B_w with N others."""
@@ -427,6 +570,8 @@ class TcpPublisher:
             install_s=dict(rnd.install_s),
             learner_bytes=rnd.learner_bytes,
             n_refused=sum(1 for w in rnd.targets if w in rnd.refused or w in rnd.stalled),
+            late=len(rnd.late),
+            late_install_s=dict(rnd.late_installed),
         )
 
     async def close(self) -> None:
@@ -512,10 +657,11 @@ class TcpPublisher:
             rnd, buffer = self._rounds.get(v), self._buffers.get(v)
             if rnd is None or buffer is None:  # no longer served
                 return None, False, None
-            rate = rnd.stream_rate if not pull.repair and member not in rnd.leaves else None
+            paced = not pull.repair and member not in rnd.leaves and member not in rnd.late
+            rate = rnd.stream_rate if paced else None
             stream = Pacer(rate) if rate else None
             live = self._members.get(member)
-            scheduled = member in rnd.targets and live is not None and self.ledger.is_target(member)
+            scheduled = rnd.covers(member) and live is not None and self.ledger.is_target(member)
             if scheduled and live is not None:
                 owner.append(live)
                 live.pulls.add(writer)
@@ -554,9 +700,11 @@ class TcpPublisher:
         if worker in self._members:
             await write_frame(writer, to_wire(ErrorFrame(reason=f"worker id {worker!r} already joined")))
             raise ProtocolError(f"duplicate worker id {worker!r}")
-        member = _Member(worker, (hello.host, hello.port), cert, writer)
+        held = (hello.held[0], hello.held[1]) if hello.held is not None else None
+        member = _Member(worker, (hello.host, hello.port), cert, writer, held=held)
         self._members[worker] = member
         self._joined.set()
+        self._admit_late(member)
         log.debug("worker %s joined from %s:%d (%d members)", worker, *member.addr, len(self._members))
         try:
             while True:
@@ -575,6 +723,7 @@ class TcpPublisher:
         finally:
             if self._members.get(worker) is member:
                 del self._members[worker]
+                self._catching.pop(worker, None)
             for rnd in self._rounds.values():
                 rnd.changed.set()
             log.debug("worker %s left (%d members)", worker, len(self._members))
@@ -585,7 +734,9 @@ class TcpPublisher:
         repeated acks are ignored. A counted ack withdrawn by a later stall report stays written: the
         worker did say it installed ``v``; only ``T_bcast`` no longer counts it."""
         rnd = self._rounds.get(v)
-        if rnd is None or worker not in rnd.targets or worker in rnd.install_s or worker in rnd.refused:
+        if rnd is None or not rnd.covers(worker) or worker in rnd.refused:
+            return
+        if worker in rnd.install_s or worker in rnd.late_installed:
             return
         if worker in rnd.stalled:
             self._refuse_ack(rnd, worker, "it was reported stalling for this version", stalled=True)
@@ -594,7 +745,14 @@ class TcpPublisher:
         if why is not None:
             self._refuse_ack(rnd, worker, why)
             return
-        delay = rnd.install_s[worker] = time.monotonic() - rnd.started
+        delay = time.monotonic() - rnd.started
+        if worker in rnd.late:  # a latecomer: written, not counted toward T_bcast (it started late)
+            rnd.late_installed[worker] = delay
+            self._catching.pop(worker, None)
+        else:
+            rnd.install_s[worker] = delay
+        if rnd.anchor and worker not in self._demoted:  # it holds the anchor: latecomers may pull it here
+            rnd.holders.append(worker)
         self.ledger.installed(worker, v, delay)
         rnd.changed.set()
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, pull_request
-from echo2.broadcast.api import InstalledSnapshot
+from echo2.broadcast.api import InstalledSnapshot, Receiving
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import (
@@ -70,6 +70,7 @@ from echo2.weights.frames import (
     LeaveFrame,
     RejectedFrame,
     RevokeFrame,
+    ServeFrame,
     ShutdownFrame,
     StalledFrame,
     parse_frame,
@@ -136,6 +137,7 @@ class _Transfer:
     credential: Credential  # the learner's permission for this node to pull this version
     n_members: int  # members this version was announced to (N in first_chunk_deadline)
     started: float = field(default_factory=time.monotonic)
+    stored: float = field(default_factory=time.monotonic)  # when it last stored a chunk (or started)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     learner_first: float | None = None  # seconds to the first chunk of a planned learner stream
     peer_first: float | None = None  # seconds to the first chunk from any peer
@@ -178,8 +180,10 @@ class TcpWorkerNode:
         credential: str | None = None,
         pin: str | None = None,
         perimeter: Limits | None = None,
+        held: tuple[int, int] | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.held = held  # (run epoch, version) of the weights its worker holds, told in the join
         self.credential = credential  # sent in the join frame when the publisher checks membership
         self.pin = pin  # SHA-256 fingerprint of the learner's certificate: TLS everywhere (None = plain)
         self.publisher = publisher
@@ -218,6 +222,7 @@ class TcpWorkerNode:
         self._ctl_lock = asyncio.Lock()
         self._ctl_task: asyncio.Task[None] | None = None
         self._announced = asyncio.Event()  # pulsed whenever a new version is announced to this node
+        self._served = asyncio.Event()  # pulsed whenever the learner attaches a latecomer here
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, join_timeout: float = 30.0) -> None:
@@ -246,6 +251,7 @@ class TcpWorkerNode:
         hello = JoinFrame(
             worker=self.worker_id, host=self.advertise_host, port=self.advertise_port or self.port,
             cert=self.tls.fingerprint if self.tls is not None else "", credential=self.credential,
+            held=list(self.held) if self.held is not None else None,
         )  # fmt: skip
         await write_frame(writer, to_wire(hello))
         self._ctl_task = asyncio.ensure_future(self._control_loop())
@@ -294,6 +300,15 @@ class TcpWorkerNode:
         """Ack ``version``'s install, with this node's receipts of it (empty if it has none)."""
         await self._ctl_send(InstalledFrame(v=version, got=self._receipts.get(version, {})))
 
+    def receiving(self) -> Receiving | None:
+        """The version this node is receiving now and how it goes (None when it receives none)."""
+        t = self._transfer
+        if t is None:
+            return None
+        now = time.monotonic()
+        held = t.buffer.count / max(1, t.manifest.n_chunks)
+        return Receiving(t.manifest.version, t.manifest.lineage.epoch, held, now - t.stored)
+
     def avoided(self) -> dict[str, int]:
         """Peers this node does not pull from now -> the last version it skips them for."""
         return dict(self._avoid)
@@ -318,6 +333,9 @@ class TcpWorkerNode:
                     await self._on_announce(header)
                 elif header["op"] == "revoke":
                     self._revoke(parse_frame(header, RevokeFrame, sender=LEARNER).member)
+                elif header["op"] == "serve":
+                    serve = parse_frame(header, ServeFrame, sender=LEARNER)
+                    self._serve_late(serve.v, serve.member)
                 elif header["op"] in ("shutdown", "error"):  # any other op is ignored, as ever
                     match parse_frame(header, ShutdownFrame, ErrorFrame, sender=LEARNER):
                         case ErrorFrame(reason=reason):
@@ -506,6 +524,7 @@ class TcpWorkerNode:
                         continue
                     if buffer.put(i, payload):
                         transfer.got[source] = transfer.got.get(source, 0) + 1
+                        transfer.stored = time.monotonic()
                     if self.tap is not None:
                         self.tap.on_received(i, buffer.count / m.n_chunks)
             return
@@ -631,6 +650,7 @@ class TcpWorkerNode:
 
         async def admit(member: str, v: int) -> Admission:  # serve_pull has parsed the whole get by now
             await self._await_announce(v)  # else: "unknown version" (e.g. abandoned here), the puller repairs
+            await self._await_serve(v, member)  # a latecomer may dial before its serve frame arrives here
             scheduled = member in self._serves.get(v, ()) and member not in self._revoked
             if scheduled:
                 asker.append(member)
@@ -654,6 +674,14 @@ class TcpWorkerNode:
             for member in asker:
                 self._streams.get(member, set()).discard(writer)
 
+    def _serve_late(self, version: int, member: str) -> None:
+        """The learner attached ``member``, which joined after ``version`` was announced, below this node:
+        serve it ``version`` like a member of the plan (ignored for a version this node no longer has)."""
+        if version in self._serves:
+            self._serves[version] = self._serves[version] | {member}
+            self._served.set()
+            self._served = asyncio.Event()
+
     def _revoke(self, member: str) -> None:
         """The learner no longer trusts ``member``: it is served nothing more here, its streams close."""
         self._revoked.add(member)
@@ -669,6 +697,14 @@ class TcpWorkerNode:
         ):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._announced.wait(), deadline - time.monotonic())
+
+    async def _await_serve(self, version: int, member: str) -> None:
+        """A latecomer's pull may arrive before the learner's ``serve`` frame naming it: wait a bit (the
+        learner sends that frame before the latecomer's announcement, on another connection)."""
+        deadline = time.monotonic() + self.stall_timeout
+        while version in self._serves and member not in self._serves[version] and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._served.wait(), deadline - time.monotonic())
 
     def _count_relayed(self, member: str, version: int, n: int) -> None:
         self.counters.bytes_relayed += n

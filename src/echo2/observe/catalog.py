@@ -634,6 +634,19 @@ BROADCAST_MEMBERS_EXPELLED = _m(
     "connected members whose broadcast connections closed when the run stopped trusting them",
     RUN,
 )
+BROADCAST_LATECOMERS = _m(
+    "broadcast/latecomers",
+    "count",
+    "members attached to an anchor after it was announced (they pull it from a member that holds it or is "
+    "receiving it)",
+    RUN,
+)
+BROADCAST_LATECOMERS_FROM_LEARNER = _m(
+    "broadcast/latecomers_from_learner",
+    "count",
+    "latecomers that pull the anchor from the learner: nobody in its round could take them",
+    RUN,
+)
 
 # ---- perimeter/: what strangers held of each port before anyone was known (echo2/perimeter.py) ----------
 PERIMETER_API = _m(

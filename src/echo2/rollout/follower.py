@@ -7,15 +7,19 @@ The worker asks it for three things between generations, and for nothing about h
   reaches, and ack it to the broadcast plane;
 - ``with serving() as version:`` hold the weights still for one generation (an install waits for it,
   and the broadcast installs at once only while no generation holds them);
-- ``await catch_up(min_version)``: wait briefly for the broadcast to deliver ``min_version``, else
-  fetch the chain over HTTP (``GET /v1/snapshot?have=V``; ``fetch()`` does that at once).
+- ``await catch_up(min_version)``: wait for the broadcast to deliver ``min_version`` (briefly, or for as
+  long as a transfer of newer weights makes progress), else fetch the chain over HTTP
+  (``GET /v1/snapshot?have=V``; ``fetch()`` does that at once).
 
 In the background ``follow()`` keeps a broadcast receiver joined (re-joining after a learner restart
 or a new identity, :meth:`WeightFollower.rejoin`), collects what it delivers and, when the broadcast
 handed it a version its weights cannot reach (it missed a link), fetches the chain from what it holds.
-``forget()`` drops the weights held (an earlier learner process's: another run epoch) and fetches the
-learner's. Versions are ordered within their run epoch (the signed manifest's ``lineage.epoch``), epochs
-first: a delivered version of an earlier epoch is ignored, one of a newer epoch replaces everything held.
+``forget()`` drops the weights held (an earlier learner process's: another run epoch) and waits for the
+learner's like ``catch_up``: after a restart the publisher attaches each re-joining member to the new
+anchor under members that hold or receive it (``broadcast/publisher.py``, "Latecomers"), so the fleet
+does not pull the model N times through the learner's uplink. Versions are ordered within their run
+epoch (the signed manifest's ``lineage.epoch``), epochs first: a delivered version of an earlier epoch is
+ignored, one of a newer epoch replaces everything held.
 
 Every install goes through :class:`echo2.weights.chain.WeightChain`: staged on a copy, checked against
 the digest the learner signed, loaded into the engine between two generations, and only then swapped
@@ -94,6 +98,7 @@ class WeightFollower:
         advertise_port: int | None = None,
         reconnect_s: float = 120.0,
         catchup_s: float = 3.0,
+        stall_s: float = 30.0,
         on_install: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         model_base: str = "",
         base: BaseSlot | None = None,
@@ -109,6 +114,7 @@ class WeightFollower:
         self.port, self.advertise_port = port, advertise_port  # the same for ports (0: any free one)
         self.reconnect_s = reconnect_s  # give up a join after this long (and try again)
         self.catchup_s = catchup_s  # wait this long for the broadcast before fetching over HTTP
+        self.stall_s = stall_s  # ... and beyond it while a transfer stores a chunk at least this often
         self.on_install = on_install  # told each installed version's weights (a self-play pool)
         self.model_base = model_base  # a LoRA run's: digest of the base held; every manifest must state it
         self.base = base  # ... and where its engines find the base (filled by the chain's first link)
@@ -159,14 +165,26 @@ class WeightFollower:
             self._gap.add_done_callback(_report_failure)
 
     async def catch_up(self, min_version: int) -> None:
-        """Wait briefly for the broadcast to deliver ``min_version``; else fetch it over HTTP."""
+        """Wait for the broadcast to deliver ``min_version``: ``catchup_s``, and beyond that for as long as
+        the broadcast is receiving newer weights than those held and stores a chunk at least every
+        ``stall_s`` (an anchor from peers costs the learner nothing; the same over HTTP costs it the
+        whole model); then fetch what is still missing over HTTP."""
         deadline = time.monotonic() + self.catchup_s
-        while time.monotonic() < deadline and not self.finished():
+        while not self.finished():
             await asyncio.to_thread(self.install_pending)
             if self.installed >= min_version:
                 return
-            await asyncio.sleep(0.02)
+            if time.monotonic() >= deadline and not self._receiving():
+                break
+            await asyncio.sleep(0.02 if time.monotonic() < deadline else 0.25)
         await self.fetch()
+
+    def _receiving(self) -> bool:
+        """Whether the broadcast is receiving weights newer than those held, and storing chunks."""
+        got = self.node.receiving() if self.node is not None else None
+        if got is None or got.idle_s > self.stall_s:
+            return False
+        return (got.epoch, got.version) > (self.epoch, self.installed)
 
     async def fetch(self) -> None:
         """Fetch the links from the installed version to the newest over HTTP (the patches after it, or
@@ -194,7 +212,8 @@ class WeightFollower:
     async def forget(self) -> None:
         """The weights held are of an earlier learner process (another run epoch, or a learner rolled
         back to a checkpoint below them): their version number names other weights now. Drop them and
-        install the learner's latest anchor and chain."""
+        install the learner's latest anchor and chain: from the broadcast when it brings them
+        (:meth:`catch_up`), else over HTTP."""
         log.warning(
             "the weights held (v%d of run epoch %d) are not the learner's now; fetching its weights",
             self.installed,
@@ -203,7 +222,7 @@ class WeightFollower:
         with self._stage_lock:
             self.chain = WeightChain()
             self._received.clear()
-        await self.fetch()
+        await self.catch_up(0)  # the new learner's anchor, from peers where the broadcast brings it
 
     def _install(self, links: Sequence[tuple[Manifest, Blob]], over_http: bool = False) -> bool:
         """Stage ``links`` on a copy of the weights, load the result between two generations, swap it
@@ -259,6 +278,7 @@ class WeightFollower:
                 port=self.port,
                 advertise_port=self.advertise_port,
                 pin=self.client.pin,  # the learner's certificate: the broadcast presents the API's
+                held=(self.epoch, self.installed) if self.installed >= 0 else None,
             )
             try:
                 await node.start(join_timeout=self.reconnect_s)

@@ -6,7 +6,7 @@ names its kind. Each kind is a frozen pydantic model here, discriminated by its 
 unknown key is refused), every string, number, list and object bounded by a named limit below::
 
     control, worker -> learner   join · installed · stalled · rejected · leave
-    control, learner -> worker   announce · revoke · shutdown · error
+    control, learner -> worker   announce · revoke · serve · shutdown · error
     a pull, puller -> server     get
     a pull, server -> puller     chunk (then its payload) · error
 
@@ -119,6 +119,9 @@ class JoinFrame(BaseModel):
     port: Port  # ... and on which port
     cert: Fingerprint = ""  # fingerprint of its chunk server's certificate ("" without TLS)
     credential: RunCredential | None = None  # its run credential (not sent when None)
+    # [run epoch, version] of the weights it holds (not sent when None: none): a member that joins after
+    # an anchor was announced is attached to it only if it holds nothing as new (publisher.py, latecomers)
+    held: Annotated[list[Version], Field(min_length=2, max_length=2)] | None = None
 
 
 class InstalledFrame(BaseModel):
@@ -193,6 +196,17 @@ class RevokeFrame(BaseModel):
     member: Member  # whom to stop serving
 
 
+class ServeFrame(BaseModel):
+    """A member that joined after version ``v`` was announced pulls it from this node (the learner
+    attached it here, ``publisher.py``, "Latecomers"): serve it ``v`` like a member of the plan."""
+
+    model_config = FRAME
+
+    op: Literal["serve"] = "serve"
+    v: Version  # the version it pulls
+    member: Member  # whom to serve it to
+
+
 class ShutdownFrame(BaseModel):
     """The learner is closing: the worker leaves."""
 
@@ -262,7 +276,7 @@ class GetCredentials(BaseModel):
 
 Frame = (
     JoinFrame | InstalledFrame | StalledFrame | RejectedFrame | LeaveFrame
-    | AnnounceFrame | RevokeFrame | ShutdownFrame | ErrorFrame | GetFrame | ChunkFrame
+    | AnnounceFrame | RevokeFrame | ServeFrame | ShutdownFrame | ErrorFrame | GetFrame | ChunkFrame
 )  # fmt: skip
 F = TypeVar("F", bound=Frame)
 G = TypeVar("G", bound=Frame)

@@ -182,3 +182,28 @@ def test_a_latecomers_parent_that_leaves_is_repaired_around() -> None:
 async def _until(ok) -> None:  # type: ignore[no-untyped-def]
     while not ok():
         await asyncio.sleep(0.01)
+
+
+def test_a_member_that_installed_a_newer_version_is_no_latecomers_parent() -> None:
+    """A node keeps only its newest version (receiver.py): once the holders installed the patch after
+    the anchor, a latecomer of that anchor is attached to the learner, and still gets it."""
+
+    async def go() -> tuple[TcpPublisher, str, list[int]]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+        await pub.start()
+        first = [await _member(pub, f"w{i}") for i in range(2)]
+        await pub.wait_members(2, 5)
+        await pub.publish(0, BLOB, _anchor())
+        await pub.wait_installed(0, timeout=10)
+        await pub.publish(1, PATCH, _patch(0))
+        await pub.wait_installed(1, timeout=10)
+        late, got = await _member(pub, "late")
+        await _installed(pub, 0, 1)
+        parent = pub._rounds[0].late["late"]
+        for node, _ in [*first, (late, None)]:
+            await node.close()
+        await pub.close()
+        return pub, parent, await got
+
+    _, parent, got = asyncio.run(go())
+    assert parent == LEARNER and got == [0]

@@ -516,13 +516,17 @@ class TcpPublisher:
     def _late_parent(self, rnd: _Round) -> str:
         """Whom the next latecomer pulls the anchor from: the first member whose install of it counted and
         that serves fewer than ``LATE_FANOUT`` latecomers, else the first such latecomer (it relays what it
-        receives), else a member of the plan still receiving it, else the learner."""
+        receives), else a member of the plan still receiving it, else the learner; never a member that
+        installed a newer version since (its node keeps only the newest)."""
         if not rnd.holders and not rnd.late_open and rnd.planned is None:  # nobody else yet: a planned
             rnd.planned = deque(w for w in rnd.targets if w not in rnd.leaves)  # relay that receives it
+        newer = [r for v, r in self._rounds.items() if v > rnd.manifest.version]
         for queue in (rnd.holders, rnd.late_open, rnd.planned or deque()):
             while queue:
                 p = queue[0]
                 live = p in self._members and p not in self._demoted and p not in rnd.refused
+                # a member that installed a newer version no longer keeps this one (receiver.py: one copy)
+                live = live and not any(p in r.install_s or p in r.late_installed for r in newer)
                 if live and p not in rnd.stalled and rnd.late_kids.get(p, 0) < LATE_FANOUT:
                     rnd.late_kids[p] = rnd.late_kids.get(p, 0) + 1
                     return p
@@ -736,6 +740,8 @@ class TcpPublisher:
         rnd = self._rounds.get(v)
         if rnd is None or not rnd.covers(worker) or worker in rnd.refused:
             return
+        if worker in rnd.late:  # it holds the anchor (counted or not): newer publications reach it again
+            self._catching.pop(worker, None)
         if worker in rnd.install_s or worker in rnd.late_installed:
             return
         if worker in rnd.stalled:
@@ -748,7 +754,6 @@ class TcpPublisher:
         delay = time.monotonic() - rnd.started
         if worker in rnd.late:  # a latecomer: written, not counted toward T_bcast (it started late)
             rnd.late_installed[worker] = delay
-            self._catching.pop(worker, None)
         else:
             rnd.install_s[worker] = delay
         if rnd.anchor and worker not in self._demoted:  # it holds the anchor: latecomers may pull it here

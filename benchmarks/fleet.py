@@ -41,18 +41,33 @@ interval beside it, added after the first readings); at N = 3,000 training
 continues (a step in the window) and every member registered within 2 minutes; at N = 10,000 no 5xx and
 p99 <= 2 s for registration, heartbeats and leases.
 
+Study ``restart`` (the runtime publisher and worker nodes, in-process on loopback with paced uplinks):
+what a learner restart costs the learner's uplink before every member holds its anchor again. A fresh
+publisher announces an anchor (a 256 KiB stand-in in 2 KiB chunks sent at a member's 32 KiB/s in 8 s,
+as a 1.2 GB anchor at 100 Mbit/s takes 96 s; the learner's uplink ten times a member's) to the members
+joined by then (``--present``: none after a restart), the others re-join at uniform times over 2 s
+(every member and the publisher in this one process: a planned tree's 8 pull streams a member are
+more than it hosts at 1,000 members, so ``--present`` runs at 200; a latecomer holds 2-6 connections);
+a member
+counts as fetching the anchor over HTTP (its bytes through the learner counted, the fetch not run) by
+the follower's rule: nothing under way 3 s after it joined, or a transfer that stored nothing for 30 s.
+Target (the issue's, fixed before the first run): at N = 1,000 the learner uploads at most 2x the model
+until every member holds it. Baseline: the same study on the code before latecomers, same session.
+
 Writes results/fleet.json (the study's readings under their ``--label``) and results/fleet.png.
 
     python benchmarks/fleet.py --study publish --label after
     git worktree add ../echo2-before 0c4427b
     PYTHONPATH=../echo2-before/src python benchmarks/fleet.py --study publish --label before
     python benchmarks/fleet.py --study node --ns 100 1000 --window 120
+    python benchmarks/fleet.py --study restart --ns 1000 3000 --seeds 3 --label latecomers
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import json
@@ -209,6 +224,174 @@ def study_publish(ns: list[int], label: str) -> dict[str, Any]:
         "met": None if at is None else at["cpu_s"] <= MAX_CPU_S and at["largest_frame"] <= MAX_FRAME,
         "met_next": None if at is None else at["next"]["cpu_s"] <= MAX_CPU_S,
         "met_churned": None if at is None else at["churned"]["cpu_s"] <= MAX_CPU_S,
+    }  # fmt: skip
+
+
+# the restart study (a stand-in anchor at a worker link's pace; the follower's rules for falling back to HTTP)
+RESTART_G = 256 << 10  # bytes of the stand-in anchor ...
+RESTART_CHUNK = 2 << 10  # ... in chunks of this many bytes (128: a hop of a tree takes 0.25-0.5 s)
+RESTART_BW = 32 << 10  # each member's upload, bytes/s: the anchor takes 8 s to send once (a 1.2 GB anchor
+RESTART_B0 = 10 * RESTART_BW  # at 100 Mbit/s takes 96 s); the learner's, ten times a member's
+RESTART_SPREAD_S = 2.0  # members re-join at uniform times over this window after the anchor's announcement
+CATCHUP_S, STALL_S = 3.0, 30.0  # the follower's: wait this long for an announcement, then while chunks come
+MAX_UPLINK_COPIES = 2.0  # target: the learner uploads at most twice the model before every member holds it
+RESTART_TIMEOUT_S = 600.0
+
+
+async def restart_once(n: int, present: float, seed: int) -> dict[str, Any]:
+    """One restart: a fresh publisher announces an anchor to the members joined by then (``present`` of
+    ``n``; 0 after a learner restart, when nobody has re-joined yet), the others join at uniform times
+    over ``RESTART_SPREAD_S``; each member installs what the broadcast delivers, and one that has no
+    transfer under way ``CATCHUP_S`` after its join, or whose transfer stores nothing for ``STALL_S``,
+    counts as fetching the anchor over HTTP (the follower's rule: the bytes through the learner are
+    counted, the fetch is not run). Reads the learner's uplink bytes (chunks it served plus the HTTP
+    fetches) until every member holds the anchor."""
+    import dataclasses
+    import inspect
+
+    from echo2.broadcast.api import OpenLedger
+    from echo2.broadcast.pipelined import TreePipelined
+    from echo2.broadcast.publisher import TcpPublisher
+    from echo2.broadcast.receiver import TcpWorkerNode
+    from echo2.broadcast.wire import Pacer
+    from echo2.perimeter import default_limits
+    from echo2.weights.manifest import Lineage, new_signing_key
+
+    rng = random.Random(seed)
+    key = new_signing_key()
+    wide = 1e9  # one loopback address for every member: the per-address limits are not what is measured
+    limits = dataclasses.replace(
+        default_limits(), max_connections=8 * n + 64, max_per_address=8 * n + 64, pre_auth_share=1.0,
+        accepts_per_s=wide, accept_burst=wide, accepts_total=wide, requests_per_s=wide, request_burst=wide,
+        header_s=60.0,
+    )  # fmt: skip
+    pub = TcpPublisher(
+        key, TreePipelined(), chunk_size=RESTART_CHUNK, ledger=OpenLedger(), perimeter=limits,
+        uplink=Pacer(RESTART_B0, burst=RESTART_CHUNK),
+    )  # fmt: skip
+    await pub.start()
+    knows_held = "held" in inspect.signature(TcpWorkerNode).parameters  # the code before had no such field
+    blob = random.Random(seed + 1).randbytes(RESTART_G)
+    version = 8
+    t0 = time.monotonic()
+    joined: dict[str, float] = {}
+    installed: dict[str, float] = {}
+    http: dict[str, str] = {}
+    nodes: list[Any] = []
+    published = asyncio.Event()
+
+    def under_way(node: Any) -> tuple[bool, float]:
+        """Whether ``node`` receives something now, and how long since it stored a chunk."""
+        if hasattr(node, "receiving"):
+            got = node.receiving()
+            return got is not None, (got.idle_s if got is not None else 0.0)
+        return node._transfer is not None, 0.0  # the code before: no progress reading (no stall rule)
+
+    async def member(name: str, at: float) -> None:
+        await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+        kw = {"held": (1, 7)} if knows_held else {}  # it holds the earlier process's weights
+        node = TcpWorkerNode(
+            name, pub.address, key.verifier(), uplink=Pacer(RESTART_BW, burst=RESTART_CHUNK),
+            perimeter=limits, **kw,
+        )  # fmt: skip
+        nodes.append(node)
+        await node.start(join_timeout=60.0)
+        joined[name] = time.monotonic()
+
+        async def take() -> None:
+            async for snap in node.snapshots():
+                if snap.manifest.version == version:
+                    installed[name] = time.monotonic()
+                    await node.report_installed(version)
+                    return
+
+        taking = asyncio.ensure_future(take())
+        await published.wait()  # one joined before the announcement waits for it like one after
+        since = time.monotonic()
+        while not taking.done():
+            await asyncio.sleep(0.25)
+            if name in installed or node.installed_version >= version:  # delivered (being handed over)
+                continue
+            busy, idle = under_way(node)
+            if not busy and time.monotonic() - since >= CATCHUP_S:
+                http[name] = "nothing announced"
+            elif busy and idle > STALL_S:
+                http[name] = "stalled"
+            if name in http:
+                taking.cancel()
+                return
+
+    names = [f"m{i:05d}" for i in range(n)]
+    early = round(present * n)
+    tasks = [asyncio.ensure_future(member(name, 0.0)) for name in names[:early]]
+    if early:
+        await pub.wait_members(early, 60.0)
+    await pub.publish(version, blob, Lineage(kind="full", epoch=2))
+    published.set()
+    t0 = time.monotonic()
+    tasks += [
+        asyncio.ensure_future(member(name, rng.uniform(0.0, RESTART_SPREAD_S))) for name in names[early:]
+    ]
+    done = time.monotonic() + RESTART_TIMEOUT_S
+    while len(installed) + len(http) < n and time.monotonic() < done:
+        await asyncio.sleep(0.25)
+    wall = time.monotonic() - t0
+    stats = pub.stats(version)
+    kinds = ("stream_failures", "repaired_chunks", "stalls_reported", "bytes_relayed")
+    counters = {k: sum(getattr(x.counters, k) for x in nodes) for k in kinds}
+    late_from_learner = getattr(pub.counters, "latecomers_from_learner", None)
+    for task in tasks:
+        task.cancel()
+    for x in nodes:
+        with contextlib.suppress(Exception):
+            await x.close()
+    await pub.close()
+    took = sorted(installed[w] - max(joined.get(w, t0), t0) for w in installed)  # from join or announcement
+    uplink = stats.learner_bytes + len(http) * RESTART_G
+    return {
+        "n": n, "present": present, "seed": seed, "anchor_bytes": RESTART_G, "chunk_bytes": RESTART_CHUNK,
+        "member_uplink_bps": RESTART_BW, "learner_uplink_bps": RESTART_B0, "spread_s": RESTART_SPREAD_S,
+        "installed_by_broadcast": len(installed), "http_fallbacks": len(http),
+        "http_reasons": dict(collections.Counter(http.values())),
+        "unfinished": n - len(installed) - len(http),
+        "learner_chunk_bytes": stats.learner_bytes, "learner_uplink_bytes": uplink,
+        "uplink_copies": uplink / RESTART_G, "latecomers_from_learner": late_from_learner,
+        "install_s_p50": took[len(took) // 2] if took else None,
+        "install_s_p90": took[int(0.9 * (len(took) - 1))] if took else None,
+        "install_s_max": took[-1] if took else None, "wall_s": wall, **counters,
+    }  # fmt: skip
+
+
+def study_restart(ns: list[int], label: str, present: float = 0.0, seeds: int = 1) -> dict[str, Any]:
+    """Study ``restart`` (the runtime publisher and worker nodes, in-process on loopback, paced links): the
+    learner's uplink before every member holds a restart's anchor again. Target (the issue's, fixed
+    before the first run): at N = 1,000, at most ``MAX_UPLINK_COPIES`` times the model. Baseline: the
+    same study on the code before latecomers (``PYTHONPATH=<that checkout>/src``), same session."""
+    import logging
+
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # the nodes' serving tasks cut at the end
+    rows = []
+    for n in ns:
+        for seed in range(seeds):
+            row = asyncio.run(restart_once(n, present, seed))
+            rows.append(row)
+            print(
+                f"{label} restart N={n} present={present:.0%} seed {seed}: learner uplink "
+                f"{row['uplink_copies']:.2f}x the model ({row['http_fallbacks']} HTTP fallbacks "
+                f"{row['http_reasons']}, {row['installed_by_broadcast']} by broadcast, "
+                f"{row['unfinished']} unfinished), install p50 {row['install_s_p50']} s max "
+                f"{row['install_s_max']} s, wall {row['wall_s']:.0f} s, {row['stalls_reported']} stall "
+                f"reports, {row['repaired_chunks']} chunks repaired",
+                flush=True,
+            )
+    at = [r for r in rows if r["n"] == 1_000]
+    return {
+        "label": label, "rows": rows, "present": present, "cores": os.cpu_count(),
+        "source": "runtime publisher and worker nodes, in-process on loopback, paced uplinks; the "
+        "follower's HTTP fallback counted by its rule, not run",
+        "target": f"N = 1,000: learner uplink <= {MAX_UPLINK_COPIES}x the model until every member holds it",
+        "met": None if not at else all(r["uplink_copies"] <= MAX_UPLINK_COPIES and not r["unfinished"]
+                                         for r in at),
     }  # fmt: skip
 
 
@@ -683,6 +866,7 @@ def _p99(row: dict[str, Any], endpoints: tuple[str, ...]) -> float:
 # the publish study's readings the figure shows (the rest stay in the JSON): the first reading's before
 # and after, this study's code at the start of the session of the later readings, and its last reading
 PLOTTED_PUBLISH = ("before", "after", "before_r1", "batched_r1", "posted_r1")
+PLOTTED_RESTART = ("before", "latecomers", "before_half_present", "latecomers_half_present")
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -691,7 +875,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    fig, axes = plt.subplots(1, 5, figsize=(21, 3.8))
     published = res.get("publish", {})
     shown = [k for k in PLOTTED_PUBLISH if k in published] or sorted(published)
     for label, got in ((k, published[k]) for k in shown):
@@ -723,6 +907,17 @@ def plot(res: dict[str, Any], path: Path) -> None:
     axes[3].set_xlabel("simulated members N")
     axes[3].set_title(f"node: update s per 1k tokens / N = {BASE_N}'s", fontsize=10)
     axes[3].legend(fontsize=8)
+    restart = res.get("restart", {})
+    restarts = [(f"{k}\nN={n}", [r["uplink_copies"] for r in restart[k]["rows"] if r["n"] == n])
+                for k in PLOTTED_RESTART if k in restart
+                for n in sorted({r["n"] for r in restart[k]["rows"]})]  # fmt: skip
+    for i, (_, copies) in enumerate(restarts):
+        axes[4].bar(i, max(copies), color="tab:blue" if max(copies) <= MAX_UPLINK_COPIES else "tab:red")
+        axes[4].text(i, max(copies), f"{max(copies):.1f}x", ha="center", va="bottom", fontsize=7)
+    axes[4].set_xticks(range(len(restarts)), [name for name, _ in restarts], fontsize=6)
+    axes[4].axhline(MAX_UPLINK_COPIES, ls=":", c="k")
+    axes[4].set_yscale("log")
+    axes[4].set_title("restart: learner uplink / model until all hold it (worst run)", fontsize=10)
     fig.suptitle(
         "One publication's control plane (1.2 GB anchor's chunk count), runtime publisher; the real node "
         "serving N simulated members (loopback, TLS)",
@@ -735,8 +930,12 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--study", choices=["publish", "probation", "register", "links", "node", "state"], default="publish"
+        "--study",
+        choices=["publish", "probation", "register", "links", "node", "state", "restart"],
+        default="publish",
     )
+    p.add_argument("--present", type=float, default=0.0, help="restart: share joined before the anchor")
+    p.add_argument("--seeds", type=int, default=1, help="restart: runs per N")
     p.add_argument("--window", type=float, default=120.0, help="node: seconds of the steady window")
     p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
     p.add_argument("--repeats", type=int, default=1, help="node: the baseline and each N, this often")
@@ -749,6 +948,8 @@ def main() -> int:
                "state": study_state}  # fmt: skip
     if a.study == "node":
         res.setdefault("node", {})[a.label] = study_node(a.ns, a.label, a.window, a.repeats)
+    elif a.study == "restart":
+        res.setdefault("restart", {})[a.label] = study_restart(a.ns, a.label, a.present, a.seeds)
     else:
         study = {**studies, "links": study_links}[a.study]
         res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)

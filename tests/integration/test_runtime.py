@@ -127,6 +127,11 @@ def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_pa
         started.append(learner)
         assert learner.wait(180) == 0, (tmp_path / "learner.log").read_text()[-3000:]
         assert workers[0].wait(30) == 0  # the surviving worker followed the restart and left cleanly
+        report = json.loads((tmp_path / "worker0.log").read_text().strip().splitlines()[-1])
+        # its first weights and the restarted learner's came by broadcast (it joins before installing;
+        # it re-joined as a latecomer of the new anchor), not over HTTP: 2 fetches before; one allowed
+        # for a loaded machine where the re-join outlasts the follower's 3 s catch-up window
+        assert report["http_installs"] <= 1, report
     finally:
         for p in started:
             if p.poll() is None:

@@ -10,8 +10,9 @@ from collections import Counter
 
 from echo2.broadcast.api import OpenLedger
 from echo2.broadcast.pipelined import TreePipelined
-from echo2.broadcast.publisher import LATE_FANOUT, TcpPublisher
+from echo2.broadcast.publisher import TcpPublisher
 from echo2.broadcast.receiver import TcpWorkerNode
+from echo2.broadcast.rounds import LATE_FANOUT
 from echo2.broadcast.strategy import LEARNER
 from echo2.weights.manifest import Lineage, new_signing_key
 

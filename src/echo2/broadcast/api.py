@@ -191,6 +191,22 @@ class SnapshotPublisher(Protocol):
     async def close(self) -> None: ...
 
 
+class ChunkTap(Protocol):
+    """Optional hook on a node's chunk flow; the node never needs one (default None: no calls at all).
+
+    Tests and the benchmark harness (``benchmarks/echo2_bench/faults.py``) use it to kill, freeze or
+    corrupt a relay at a chosen point. Both methods run inline on the node's event loop.
+    """
+
+    def on_received(self, index: int, fraction: float) -> None:
+        """Chunk ``index`` arrived, verified and stored; ``fraction`` of this version's chunks are held."""
+        ...
+
+    def on_serve(self, index: int, payload: bytes | memoryview) -> bytes | memoryview:
+        """Chunk ``index`` is about to be sent to a peer; return the bytes to send instead."""
+        ...
+
+
 @dataclass(frozen=True)
 class Receiving:
     """A transfer under way on a receiver (``SnapshotReceiver.receiving``): what a worker waits on before it

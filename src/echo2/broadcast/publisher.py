@@ -32,21 +32,11 @@ announcements run off the event loop (``asyncio.to_thread``, the encoding ``ANNO
 a time), so the loop keeps serving leases and heartbeats meanwhile; the manifest, the same for every
 member, is encoded once per version. Measured: ``benchmarks/fleet.py --study publish``.
 
-Latecomers: a member that joins after the newest anchor was announced (after a learner restart, whose
-anchor goes out before the fleet has re-joined, every member; otherwise a worker that started late) is
-attached to that anchor when it joins, so it does not fetch the model over HTTP through the learner's
-uplink. It pulls the whole anchor from one member: the first whose install of it counted (in ack order),
-else the first latecomer before it (which relays what it receives as it receives it), else a member of
-the plan still receiving it, each serving at most ``LATE_FANOUT`` latecomers, else the learner (a
-round's first latecomer when it was announced to nobody).
-That member is told to serve it (a ``serve`` frame), its repair chain is that member's own sources (at
-most ``REPAIR_HOPS``, then the learner), and its announcement is built like the others (its peers, its
-credential). Until it acks the anchor (at most ``LATE_WINDOW_S``) newer publications leave it out: a
-patch announced meanwhile would cut its anchor off and leave it a patch it cannot apply; it fetches the
-patches since over HTTP once it holds the anchor. A member whose join says it holds the anchor or newer
-weights of the same run epoch is not attached. The newest anchor stays servable however many patches
-follow it (the same bytes the learner's chain keeps). A latecomer's install is written to the ledger
-but not counted in ``T_bcast`` (it started late). Measured: ``benchmarks/fleet.py --study restart``.
+Latecomers (``rounds.py``): a member that joins after the newest anchor was announced (after a learner
+restart, every member) is attached to it at its join below a member that holds it or receives it, and
+left out of newer publications until it acks it (at most ``LATE_WINDOW_S``); the newest anchor stays
+servable however many patches follow it (the same bytes the learner's chain keeps). Measured:
+``benchmarks/fleet.py --study restart``.
 
 Members are untrusted, so the publisher also keeps their conduct (docs/broadcast.md, "A stalling
 relay"): a member reports on its control connection each peer that stalled for it
@@ -74,7 +64,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,10 +71,9 @@ from typing import Any
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue_batch
 from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
+from echo2.broadcast.rounds import LATE_HOP_S, Round, planned_sources, receipt_fault
 from echo2.broadcast.strategy import (
     LEARNER,
-    REPAIR_HOPS,
-    Assignment,
     Plan,
     Strategy,
     plan_with_leaves,
@@ -131,8 +119,6 @@ DEMOTE_AFTER_REPORTS = 2  # counted stall reports against a member that end its 
 MAX_TRACKED = 4096  # members whose reports / demotion the publisher remembers (then: the current ones)
 MAX_CONTROL = 1 << 16  # bytes of a member's control frame (an install ack with its receipts is the largest)
 ANNOUNCE_BATCH = 256  # announcements encoded per trip off the event loop
-LATE_FANOUT = 4  # latecomers one member serves a version to, whole (their upload: this x the version)
-LATE_HOP_S = 5.0  # a latecomer's stall hint per hop below a member that holds the anchor (or the learner)
 LATE_WINDOW_S = 600.0  # a latecomer left out of newer publications until it acks its anchor, at most this
 
 
@@ -145,110 +131,6 @@ class _Member:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises control frames
     pulls: set[asyncio.StreamWriter] = field(default_factory=set)  # its pull streams from the learner
     held: tuple[int, int] | None = None  # (run epoch, version) of the weights it said it holds at its join
-
-
-@dataclass
-class _Round:
-    manifest: Manifest  # the version being broadcast
-    started: float  # monotonic time of publication
-    targets: tuple[str, ...]  # members the plan covered
-    install_s: dict[str, float] = field(default_factory=dict)  # worker -> install delay
-    learner_bytes: int = 0  # payload bytes served for this version
-    changed: asyncio.Event = field(default_factory=asyncio.Event)  # pulsed on every ack
-    stream_rate: float | None = None  # cap per learner pull stream (bytes/s), None = uncapped
-    plan: Plan = field(default_factory=dict)  # who pulls which chunks from whom this version
-    leaves: frozenset[str] = frozenset()  # demoted targets: everything from the learner, no cap
-    served: dict[str, int] = field(default_factory=dict)  # member -> chunk frames the learner sent it
-    stalled: dict[str, set[str]] = field(default_factory=dict)  # source -> members that reported it
-    starved: set[str] = field(default_factory=set)  # members that reported a source of theirs stalling
-    refused: set[str] = field(default_factory=set)  # members whose ack of this version does not count
-    refused_as_stalled: set[str] = field(default_factory=set)  # of which for a stall report against it
-    repair: dict[str, dict[str, str]] = field(default_factory=dict)  # strategy.repairs_of(plan)
-    serves: dict[str, set[str]] = field(default_factory=dict)  # member -> the members it serves
-    anchor: bool = False  # an anchor (or a whole snapshot): members joining later are attached to it
-    announced: tuple[dict[str, object], dict[str, bytes], float] | None = None  # manifest, encoded, hint
-    late: dict[str, str] = field(default_factory=dict)  # latecomer -> the member (or learner) it pulls from
-    late_kids: dict[str, int] = field(default_factory=dict)  # member -> latecomers it serves
-    late_depth: dict[str, int] = field(default_factory=dict)  # latecomer -> hops below a holder / the learner
-    holders: deque[str] = field(default_factory=deque)  # members whose install counted, in ack order
-    late_open: deque[str] = field(default_factory=deque)  # latecomers that may take latecomers, in order
-    planned: deque[str] | None = None  # the plan's relays, in order: taken only while nobody else can
-    late_installed: dict[str, float] = field(default_factory=dict)  # latecomer -> install delay (not T_bcast)
-    _every: tuple[int, ...] | None = None  # every chunk (latecomers pull them all from one member)
-    _own: bool = False  # plan, repair and serves are this round's copies (a latecomer changed them)
-
-    def every(self) -> tuple[int, ...]:
-        """Every chunk of the version, one tuple for all the latecomers' pulls."""
-        if self._every is None:
-            self._every = tuple(range(self.manifest.n_chunks))
-        return self._every
-
-    def hops(self, member: str) -> int:
-        """Hops between ``member`` and one that holds the version (or the learner): a latecomer below it
-        gets its first chunk about that many chunk times late (its stall hint, ``LATE_HOP_S`` a hop)."""
-        if member == LEARNER or member in self.install_s or member in self.late_installed:
-            return 0
-        return self.late_depth[member] if member in self.late else 2  # a plan's relay: about 2
-
-    def covers(self, member: str) -> bool:
-        """Whether ``member`` was announced this version (planned, or attached as a latecomer)."""
-        return member in self.plan
-
-    def own(self) -> None:
-        """Copy the plan, repair chains and serve sets, shared with the publisher's kept plan, before a
-        latecomer changes them."""
-        if not self._own:
-            self.plan, self.repair = dict(self.plan), dict(self.repair)
-            self.serves = {w: set(s) for w, s in self.serves.items()}
-            self._own = True
-
-    _wire: dict[int, tuple[tuple[int, ...], object]] = field(default_factory=dict)  # id -> chunks, as sent
-
-    def on_wire(self, chunks: tuple[int, ...]) -> object:
-        """A pull's chunks as an announcement carries them: a stride (``frames.Stride``) when they are every
-        step-th chunk from the first to the version's last, as a relay tree's stripe is, else the list.
-        Worked out once per tuple of the plan (its stripes' tuples are shared by every member)."""
-        hit = self._wire.get(id(chunks))
-        if hit is not None and hit[0] is chunks:
-            return hit[1]
-        wire: object = list(chunks)
-        step = chunks[1] - chunks[0] if len(chunks) >= 2 else 0
-        if step >= 1 and chunks == tuple(range(chunks[0], self.manifest.n_chunks, step)):
-            wire = {"start": chunks[0], "step": step}
-        self._wire[id(chunks)] = (chunks, wire)
-        return wire
-
-    def sources(self, member: str) -> set[str]:
-        """The sources ``member``'s plan names this version (the learner included when it does) and the
-        ancestors it was told to repair a failed one from."""
-        return planned_sources(self.plan, self.repair, member)
-
-
-def planned_sources(plan: Plan, repair: Mapping[str, Mapping[str, str]], member: str) -> set[str]:
-    """The sources ``plan`` names for ``member`` (the learner included when it does) and the ancestors
-    ``repair`` tells it to repair a failed one from."""
-    return {a.source for a in plan.get(member, ())} | set(repair.get(member, {}).values())
-
-
-def receipt_fault(got: Mapping[str, int], sources: set[str], n_chunks: int, served: int) -> str | None:
-    """Why a member's install ack does not count toward ``T_bcast``, or None when it does.
-
-    ``got`` is the member's receipts (source -> chunks it stored from that source), ``sources`` its
-    plan's sources for the version, ``served`` the chunk frames the learner sent it for the version.
-    The ack counts iff every named source is in its plan or is the learner (repairs), the receipts add
-    up to the manifest's chunk count (``sum(got) == n_chunks``: each chunk is stored once), and its
-    learner part is at most what the learner served it (``got[learner] <= served``). A member cannot
-    claim chunks from the learner it never pulled, nor from a peer it was not told to pull from; what
-    peers served it the learner cannot see (see docs/broadcast.md for what a liar can still claim)."""
-    unknown = sorted(set(got) - sources - {LEARNER})
-    if unknown:
-        return f"names sources outside its plan: {show(unknown)}"
-    total = sum(got.values())
-    if total != n_chunks:
-        return f"receipts add up to {total} chunks, the manifest has {n_chunks}"
-    if got.get(LEARNER, 0) > served:
-        return f"claims {got[LEARNER]} chunks from the learner, which served it {served}"
-    return None
 
 
 class TcpPublisher:
@@ -292,7 +174,7 @@ class TcpPublisher:
         self._gate = Gate(self.key, tls, self.refusals)
         self._members: dict[str, _Member] = {}  # live control connections (transport state only)
         self._buffers: dict[int, SnapshotBuffer] = {}
-        self._rounds: dict[int, _Round] = {}
+        self._rounds: dict[int, Round] = {}
         self._joined = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -420,7 +302,7 @@ class TcpPublisher:
         addresses: dict[str, tuple[str, int, str]],
         leaves: frozenset[str],
         links: dict[str, float | None],
-    ) -> _Round:
+    ) -> Round:
         """The plan of a version over ``addresses``' members (``leaves`` relay nothing; ``links`` their
         declared upload rates, which shape the trees when every relay declared one), whom each asks
         when a peer fails and whom each serves; pure in its arguments but for the strategy's kept trees,
@@ -437,7 +319,7 @@ class TcpPublisher:
                     serves[src].add(w)
             self._last_plan = (key, plan, repair, serves)
         _, plan, repair, serves = self._last_plan
-        rnd = _Round(manifest, time.monotonic(), tuple(addresses), plan=plan, leaves=leaves, repair=repair)
+        rnd = Round(manifest, time.monotonic(), tuple(addresses), plan=plan, leaves=leaves, repair=repair)
         rnd.serves = serves
         if self.link_rates is not None and len(addresses) > len(leaves):
             rnd.stream_rate = self.strategy.learner_stream_rate(
@@ -447,7 +329,7 @@ class TcpPublisher:
 
     def _announcements(
         self,
-        rnd: _Round,
+        rnd: Round,
         man: dict[str, object],
         encoded: dict[str, bytes],
         hint: float,
@@ -484,24 +366,11 @@ class TcpPublisher:
             return
         if member.held is not None and member.held >= (rnd.manifest.lineage.epoch, v):
             return  # it holds the anchor or newer weights of this epoch: the next publication is enough
-        parent = self._late_parent(rnd)
-        rnd.own()
-        ups: dict[str, str] = {}
-        p = parent
-        while p in rnd.late and len(ups) < REPAIR_HOPS:  # a latecomer's own source, if live, then its
-            up = rnd.late[p]
-            if up == LEARNER or up not in self._members:
-                break
-            ups[p] = p = up
-        rnd.plan[w] = (Assignment(parent, rnd.every()),)
-        rnd.repair[w] = ups
-        rnd.late[w] = parent
-        depth = rnd.late_depth[w] = 1 + rnd.hops(parent)
-        rnd.serves[w] = set()
+        newer = [r for x, r in self._rounds.items() if x > v]
+        parent = rnd.late_parent(lambda p: self._may_serve_late(p, rnd, newer))
+        depth = rnd.attach_late(w, parent, self._members.__contains__)
         for src in rnd.sources(w) - {LEARNER}:
-            rnd.serves.setdefault(src, set()).add(w)
             self._post(self._members[src], [encode(to_wire(ServeFrame(v=v, member=w)))])
-        rnd.late_open.append(w)
         self._catching[w] = time.monotonic() + LATE_WINDOW_S
         self.counters.latecomers += 1
         self.counters.latecomers_from_learner += int(parent == LEARNER)
@@ -513,25 +382,12 @@ class TcpPublisher:
         self._post(member, frame)
         log.debug("latecomer %s pulls v%d from %s", w, v, parent)
 
-    def _late_parent(self, rnd: _Round) -> str:
-        """Whom the next latecomer pulls the anchor from: the first member whose install of it counted and
-        that serves fewer than ``LATE_FANOUT`` latecomers, else the first such latecomer (it relays what it
-        receives), else a member of the plan still receiving it, else the learner; never a member that
-        installed a newer version since (its node keeps only the newest)."""
-        if not rnd.holders and not rnd.late_open and rnd.planned is None:  # nobody else yet: a planned
-            rnd.planned = deque(w for w in rnd.targets if w not in rnd.leaves)  # relay that receives it
-        newer = [r for v, r in self._rounds.items() if v > rnd.manifest.version]
-        for queue in (rnd.holders, rnd.late_open, rnd.planned or deque()):
-            while queue:
-                p = queue[0]
-                live = p in self._members and p not in self._demoted and p not in rnd.refused
-                # a member that installed a newer version no longer keeps this one (receiver.py: one copy)
-                live = live and not any(p in r.install_s or p in r.late_installed for r in newer)
-                if live and p not in rnd.stalled and rnd.late_kids.get(p, 0) < LATE_FANOUT:
-                    rnd.late_kids[p] = rnd.late_kids.get(p, 0) + 1
-                    return p
-                queue.popleft()
-        return LEARNER
+    def _may_serve_late(self, member: str, rnd: Round, newer: list[Round]) -> bool:
+        """Whether ``member`` may take a latecomer of ``rnd``: connected, relaying, its ack not refused,
+        not reported stalling, and not past the version (a node keeps only its newest: ``receiver.py``)."""
+        if member not in self._members or member in self._demoted or member in rnd.refused:
+            return False
+        return member not in rnd.stalled and not any(r.holds(member) for r in newer)
 
     def _stall_hint(self, n: int, chunk: int) -> float:
         """Seconds without data that are still normal: 8 chunk-times of a stream sharing B_w with N others."""
@@ -561,22 +417,10 @@ class TcpPublisher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.changed.wait(), min(1.0, max(0.01, deadline - time.monotonic())))
             rnd.changed.clear()
-        return self._stats(version, rnd)  # the round itself: newer ones may have retired its entry
+        return rnd.stats()  # the round itself: newer ones may have retired its entry
 
     def stats(self, version: int) -> BroadcastStats:
-        return self._stats(version, self._rounds[version])
-
-    def _stats(self, version: int, rnd: _Round) -> BroadcastStats:
-        return BroadcastStats(
-            version=version,
-            n_workers=len(rnd.targets),
-            total_size=rnd.manifest.total_size,
-            install_s=dict(rnd.install_s),
-            learner_bytes=rnd.learner_bytes,
-            n_refused=sum(1 for w in rnd.targets if w in rnd.refused or w in rnd.stalled),
-            late=len(rnd.late),
-            late_install_s=dict(rnd.late_installed),
-        )
+        return self._rounds[version].stats()
 
     async def close(self) -> None:
         for member in list(self._members.values()):
@@ -761,7 +605,7 @@ class TcpPublisher:
         self.ledger.installed(worker, v, delay)
         rnd.changed.set()
 
-    def _refuse_ack(self, rnd: _Round, worker: str, why: str, stalled: bool = False) -> None:
+    def _refuse_ack(self, rnd: Round, worker: str, why: str, stalled: bool = False) -> None:
         rnd.refused.add(worker)
         if stalled:
             rnd.refused_as_stalled.add(worker)
@@ -802,7 +646,7 @@ class TcpPublisher:
             log.warning("%s no longer relays: %d stall reports; it pulls from the learner", source, count)
         self._forget()
 
-    def _exonerate(self, rnd: _Round, member: str) -> None:
+    def _exonerate(self, rnd: Round, member: str) -> None:
         """``member`` reported a source of its own stalling in this version: reports of it stalling in
         the same version are of the starvation it passed on, not counted against it (its count and a
         demotion they caused are undone, and it may ack again). An ack it sent before and that was

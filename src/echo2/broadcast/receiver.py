@@ -37,12 +37,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, pull_request
-from echo2.broadcast.api import InstalledSnapshot, Receiving
+from echo2.broadcast.api import ChunkTap, InstalledSnapshot, Receiving
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import (
@@ -92,22 +92,6 @@ log = logging.getLogger(__name__)
 FIRST_TICK_S = 0.1  # how often a pull waiting for its first chunk reads its deadline again
 AVOID_VERSIONS = 3  # versions after a peer failed for which this node pulls its chunks from the learner
 RECEIPTS_KEPT = 8  # newest versions whose receipts the node keeps for its install acks
-
-
-class ChunkTap(Protocol):
-    """Optional hook on a node's chunk flow; the node never needs one (default None: no calls at all).
-
-    Tests and the benchmark harness (``benchmarks/echo2_bench/faults.py``) use it to kill, freeze or
-    corrupt a relay at a chosen point. Both methods run inline on the node's event loop.
-    """
-
-    def on_received(self, index: int, fraction: float) -> None:
-        """Chunk ``index`` arrived, verified and stored; ``fraction`` of this version's chunks are held."""
-        ...
-
-    def on_serve(self, index: int, payload: bytes | memoryview) -> bytes | memoryview:
-        """Chunk ``index`` is about to be sent to a peer; return the bytes to send instead."""
-        ...
 
 
 @dataclass
@@ -649,8 +633,12 @@ class TcpWorkerNode:
         asker: list[str] = []
 
         async def admit(member: str, v: int) -> Admission:  # serve_pull has parsed the whole get by now
-            await self._await_announce(v)  # else: "unknown version" (e.g. abandoned here), the puller repairs
-            await self._await_serve(v, member)  # a latecomer may dial before its serve frame arrives here
+            # a peer may ask before this node has the announcement (else "unknown version": e.g. abandoned
+            # here, the puller repairs), and a latecomer before the learner's serve frame naming it
+            await self._until(
+                lambda: v <= self.installed_version or v in self._buffers, lambda: self._announced
+            )
+            await self._until(lambda: member in self._serves.get(v, {member}), lambda: self._served)
             scheduled = member in self._serves.get(v, ()) and member not in self._revoked
             if scheduled:
                 asker.append(member)
@@ -689,22 +677,12 @@ class TcpWorkerNode:
             writer.transport.abort()
         log.info("worker %s: stopped serving %s (revoked by the learner)", self.worker_id, member)
 
-    async def _await_announce(self, version: int) -> None:
-        """A peer may ask for a version whose announcement has not reached this node yet: wait a bit."""
+    async def _until(self, ready: Callable[[], bool], pulse: Callable[[], asyncio.Event]) -> None:
+        """Wait until ``ready()``, at most ``stall_timeout``, waking at each ``pulse()``."""
         deadline = time.monotonic() + self.stall_timeout
-        while (
-            version > self.installed_version and version not in self._buffers and time.monotonic() < deadline
-        ):
+        while not ready() and time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._announced.wait(), deadline - time.monotonic())
-
-    async def _await_serve(self, version: int, member: str) -> None:
-        """A latecomer's pull may arrive before the learner's ``serve`` frame naming it: wait a bit (the
-        learner sends that frame before the latecomer's announcement, on another connection)."""
-        deadline = time.monotonic() + self.stall_timeout
-        while version in self._serves and member not in self._serves[version] and time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._served.wait(), deadline - time.monotonic())
+                await asyncio.wait_for(pulse().wait(), deadline - time.monotonic())
 
     def _count_relayed(self, member: str, version: int, n: int) -> None:
         self.counters.bytes_relayed += n

@@ -138,15 +138,19 @@ class RolloutWorker:
             self.client = LearnerClient(
                 self.opts.join_url, session, self.opts.reconnect_s, lambda: self.finished
             )
+            following: asyncio.Future[None] | None = None
             try:
-                await self.setup()
+                await self.setup(bootstrap=False)
+                assert self._heartbeat_task is not None and self.follower is not None
+                following = asyncio.ensure_future(self.follower.follow())  # joined before the first install
+                await self._bootstrap()
             except BaseException:
                 self.finished = True
-                if self._heartbeat_task is not None:
-                    self._heartbeat_task.cancel()
+                for task in (self._heartbeat_task, following):
+                    if task is not None:
+                        task.cancel()
                 raise
-            assert self._heartbeat_task is not None and self.follower is not None
-            bg = [asyncio.ensure_future(self.follower.follow()), self._heartbeat_task]
+            bg = [following, self._heartbeat_task]
             generator = threading.Thread(target=self._generate_forever, name="echo2-generate", daemon=True)
             generator.start()
             try:
@@ -160,9 +164,10 @@ class RolloutWorker:
         return self.counters
 
     # ---- setup ---------------------------------------------------------------------------------------
-    async def setup(self) -> None:
-        """Register, build the engine on the learner's model skeleton, install the current snapshot (the
-        follower, which then keeps it current)."""
+    async def setup(self, bootstrap: bool = True) -> None:
+        """Register, build the engine on the learner's model skeleton, make the follower that keeps the
+        weights current, and (``bootstrap``) install the current snapshot over HTTP; ``run`` instead
+        joins the broadcast first and installs what it brings (:meth:`_bootstrap`)."""
         import torch
 
         from echo2.models.policy import ChatFormat, TextCodec
@@ -215,7 +220,20 @@ class RolloutWorker:
             model_base=base.digest if base is not None else "",
             base=base,
         )
-        await self.follower.fetch()
+        if bootstrap:
+            await self.follower.fetch()
+            log.info("worker %s ready at v%d", self.worker_id, self.installed)
+
+    async def _bootstrap(self) -> None:
+        """The first install, with the broadcast joined: the newest anchor from members that hold or
+        receive it (``broadcast/publisher.py``, "Latecomers"), over HTTP only when the broadcast brings
+        nothing (``WeightFollower.catch_up``); over HTTP at once for a LoRA worker that holds the base (the
+        adapter alone is small, the anchor on the broadcast carries the base)."""
+        follower = self._follower()
+        if follower.base is not None and follower.base.held is not None:
+            await follower.fetch()
+        else:
+            await follower.catch_up(0)
         log.info("worker %s ready at v%d", self.worker_id, self.installed)
 
     async def _lora_base(self, lora: LoraSettings) -> Any:

@@ -212,6 +212,10 @@ def test_workers_join_for_the_next_version_and_leave_any_time() -> None:
         late = TcpWorkerNode("late", pub.address, PUBLIC, stall_timeout=1.0)
         await late.start()
         await pub.wait_members(3, 5)
+        first: dict[str, bytes] = {}  # a latecomer of v1 (an anchor): it gets v1 from a member holding it
+        await asyncio.wait_for(_install(late, first), 10)
+        assert first == {"late": BLOB} and pub.stats(1).late == 1 and pub.stats(1).learner_bytes == len(BLOB)
+        await asyncio.sleep(0.1)  # its ack: newer publications reach it again
         await nodes[0].close()  # leaves between versions
         await asyncio.sleep(0.1)
         assert sorted(pub.members()) == ["late", "w1"]

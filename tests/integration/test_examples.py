@@ -1,5 +1,5 @@
 """CI runs both examples briefly on the embedded default and checks that they learn: held-out
-accuracy after 100 GRPO updates is above the warm start's (by more than one evaluation's noise).
+accuracy after 60 GRPO updates is above the warm start's (by more than one evaluation's noise).
 
 The budget is a number of updates, not of seconds: a minute made 78 updates on a busy CI machine,
 and 78 were not always enough to rise above the noise (+0.8 points once, seed 0). Both run seed 1.
@@ -9,7 +9,8 @@ later one (bit for bit the same in two runs there, and the same with the code of
 passed: the machine, not the code, differs), where seeds 1 and 2 gained +41 and +25 (the async
 example: seed 0 +7.0, seed 1 +44). Seed 1 on that machine: sync +32.1 / +40.6 points after 50 / 100
 updates, async +35.2 / +40.3. The 8-minute cap only ends a run that hangs. The two run side by side
-(the embedded model computes on one thread)."""
+(the embedded model computes on one thread). 100 updates until the suite passed 20 minutes; 60 since
+(seed 1 gained 8x the threshold by 50 on that machine)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-UPDATES = 100
+UPDATES = 60
 SEED = 1
 MIN_GAIN = 0.04  # accuracy points (as a fraction) over the start; one 256-prompt evaluation moves ~0.03
 

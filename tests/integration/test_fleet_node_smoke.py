@@ -19,7 +19,7 @@ def test_eight_simulated_members_register_lease_and_get_trained(tmp_path, monkey
     from echo2_bench import fleet_node
 
     monkeypatch.setattr(fleet_node, "PACE_S", 1.0)  # a lease "generated" in a second, not 20
-    r = fleet._node_run(8, 12.0, tmp_path)
+    r = fleet._node_run(8, 20.0, tmp_path)
     assert r["exit"] == 0 and r["registered"] == 8 and r["errors"] == 0
     assert r["admitted"] > 0
     # trained on (in the run; a loaded machine may leave the short window itself without a step)

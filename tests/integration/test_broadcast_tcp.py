@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import pytest
+from waiting import free_ports
 
 from echo2.broadcast.api import OpenLedger
 from echo2.broadcast.factory import get_strategy
@@ -399,14 +400,6 @@ def test_a_stalling_relay_costs_the_honest_workers_one_deadline_once() -> None:
     asyncio.run(go())
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _forwarder(listen: int, target: int) -> tuple[asyncio.Server, list[int]]:
     """A router's port forwarding: connections to ``listen`` are piped to ``target`` (counted)."""
     seen: list[int] = []
@@ -432,7 +425,7 @@ def test_a_relay_behind_port_forwarding_serves_its_peers() -> None:
     and every worker installs the exact blob. A fixed port already taken is refused in one line."""
 
     async def go() -> None:
-        bound, forwarded = _free_port(), _free_port()
+        bound, forwarded = free_ports(2)
         router, pulls = await _forwarder(forwarded, bound)
         behind = {"port": bound, "advertise_port": forwarded}
         pub, nodes, got, _ = await _cluster(get_strategy("tree-pipelined"), 3, node_kw={0: behind})

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from waiting import wait_for
+from waiting import free_ports, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -74,12 +73,6 @@ def _chromium() -> str | None:
 
 def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _non_loopback() -> tuple[str, str]:
@@ -155,7 +148,7 @@ def test_dashboard_in_a_browser_agrees_with_metrics(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason=why)
 
     run_dir = tmp_path / "run"
-    http, bcast, dash = _free_port(), _free_port(), _free_port()
+    http, bcast, dash = free_ports(3, "")
     bind, dial = _non_loopback()
     args = _sets([
         *TINY, f"model.warmstart.cache_dir={str(tmp_path / 'cache')!r}", f"train.run_dir={str(run_dir)!r}",

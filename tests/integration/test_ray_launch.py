@@ -10,24 +10,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from waiting import last_step, wait_for
+from waiting import free_ports, last_step, wait_for
 
 pytestmark = pytest.mark.integration
 ray = pytest.importorskip("ray", reason="the [ray] extra (the dev extra installs it)")
 STEPS = 60  # with workers throttled to 40 rollouts/s each: the restarted worker has time to deliver
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _alive(pid: int) -> bool:
@@ -53,7 +46,7 @@ def _processes_under(marker: str) -> list[int]:
 def cluster():
     """A one-node Ray cluster of 4 CPUs in a short temporary directory (unix socket paths are short)."""
     temp = Path(tempfile.mkdtemp(prefix="e2r", dir="/tmp"))
-    port = _free_port()
+    (port,) = free_ports(1)
     head = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--temp-dir={temp}",
          f"--port={port}", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"],

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from waiting import last_step, wait_for
+from waiting import free_ports, last_step, wait_for
 
 from echo2.observe.rundir import read_metrics
 
@@ -34,12 +34,6 @@ P, G = 4, 4  # prompts per step and group size of the tiny overrides
 
 def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _echo2(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
@@ -89,7 +83,7 @@ def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_pa
     group is accounted for exactly once, and every learner step trained on exactly P groups."""
     run_dir = tmp_path / "run"
     steps = 120
-    http, bcast = _free_port(), _free_port()
+    http, bcast = free_ports(2)
     args = [*_sets(tiny_overrides), "--steps", str(steps), "--no-progress"]
     args += _sets([
         f"runtime.port={http}", f"runtime.broadcast_port={bcast}", "runtime.lease_prompts=2",
@@ -238,7 +232,7 @@ def test_a_hostile_worker_cannot_crash_or_stall_the_learner(tiny_overrides, tmp_
     piece gets its 4xx and is counted, and the learner finishes every step."""
     run_dir = tmp_path / "run"
     steps = 40
-    http = _free_port()
+    (http,) = free_ports(1)
     args = [*_sets(tiny_overrides), "--steps", str(steps), "--no-progress"]
     args += _sets([f"runtime.port={http}", "runtime.lease_prompts=2", "runtime.max_request_mb=1",
                    "train.eval_every=1000"])  # fmt: skip

@@ -9,26 +9,19 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from waiting import last_step, wait_for
+from waiting import free_ports, last_step, wait_for
 
 from echo2.models.policy import DCP_DIR
 from echo2.observe.rundir import read_metrics
 
 pytestmark = pytest.mark.integration
 P = 4  # prompts per step of the tiny overrides
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _echo2(*args: str, env: dict[str, str] | None = None, log: Path) -> subprocess.Popen[bytes]:
@@ -43,7 +36,7 @@ def _children(pid: int) -> list[int]:
 def test_a_rank_killed_stops_the_learner_and_it_resumes_at_world_size_one(tiny_overrides, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "learner.log"
     steps = 60
-    http, bcast = _free_port(), _free_port()
+    http, bcast = free_ports(2)
     sets = [*tiny_overrides, f"runtime.port={http}", f"runtime.broadcast_port={bcast}",
             "runtime.lease_prompts=2", "runtime.heartbeat_s=0.5", "train.checkpoint_every=8",
             "train.eval_every=1000"]  # fmt: skip

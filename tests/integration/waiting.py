@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from echo2.observe.rundir import read_metrics
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free on ``host`` now: all bound at once while they are picked (one at a
+    time, the system may hand the same port out twice: a learner's API and broadcast ports collided)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:

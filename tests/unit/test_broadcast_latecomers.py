@@ -52,6 +52,15 @@ async def _member(
     return node, asyncio.ensure_future(collect())
 
 
+async def _holders(pub: TcpPublisher, n: int) -> list[TcpWorkerNode]:
+    """``n`` members joined before the anchor v0 was announced, every one holding it."""
+    first = [(await _member(pub, f"w{i}"))[0] for i in range(n)]
+    await pub.wait_members(n, 5)
+    await pub.publish(0, BLOB, _anchor())
+    await pub.wait_installed(0, timeout=10)
+    return first
+
+
 async def _installed(pub: TcpPublisher, version: int, late: int, timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while len(pub.stats(version).late_install_s) < late:
@@ -93,15 +102,12 @@ def test_a_latecomer_pulls_from_a_member_that_holds_the_anchor() -> None:
     async def go() -> tuple[TcpPublisher, str, int]:
         pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
-        first = [await _member(pub, f"w{i}") for i in range(3)]
-        await pub.wait_members(3, 5)
-        await pub.publish(0, BLOB, _anchor())
-        await pub.wait_installed(0, timeout=10)
+        first = await _holders(pub, 3)
         before = pub.stats(0).learner_bytes
         late, _ = await _member(pub, "late")
         await _installed(pub, 0, 1)
         parent = pub._rounds[0].late["late"]
-        for node, _ in [*first, (late, None)]:
+        for node in [*first, late]:
             await node.close()
         await pub.close()
         return pub, parent, before
@@ -192,16 +198,13 @@ def test_a_member_that_installed_a_newer_version_is_no_latecomers_parent() -> No
     async def go() -> tuple[TcpPublisher, str, list[int]]:
         pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
         await pub.start()
-        first = [await _member(pub, f"w{i}") for i in range(2)]
-        await pub.wait_members(2, 5)
-        await pub.publish(0, BLOB, _anchor())
-        await pub.wait_installed(0, timeout=10)
+        first = await _holders(pub, 2)
         await pub.publish(1, PATCH, _patch(0))
         await pub.wait_installed(1, timeout=10)
         late, got = await _member(pub, "late")
         await _installed(pub, 0, 1)
         parent = pub._rounds[0].late["late"]
-        for node, _ in [*first, (late, None)]:
+        for node in [*first, late]:
             await node.close()
         await pub.close()
         return pub, parent, await got

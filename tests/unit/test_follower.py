@@ -265,7 +265,7 @@ def test_catching_up_waits_for_a_transfer_that_progresses_before_it_fetches_over
 
         def receiving(self) -> Receiving:
             age = time.monotonic() - self.t0
-            return Receiving(self.version, 0, 0.5, max(0.0, age - self.stalls_after))
+            return Receiving(self.version, 0, max(0.0, age - self.stalls_after))
 
     async def waited(node: Node) -> float:
         follower = WeightFollower(

@@ -214,7 +214,6 @@ class Receiving:
 
     version: int  # the version being received
     epoch: int  # its run epoch (the manifest's lineage)
-    held: float  # share of its chunks stored so far
     idle_s: float  # seconds since it last stored a chunk (or since it started)
 
 

@@ -289,9 +289,7 @@ class TcpWorkerNode:
         t = self._transfer
         if t is None:
             return None
-        now = time.monotonic()
-        held = t.buffer.count / max(1, t.manifest.n_chunks)
-        return Receiving(t.manifest.version, t.manifest.lineage.epoch, held, now - t.stored)
+        return Receiving(t.manifest.version, t.manifest.lineage.epoch, time.monotonic() - t.stored)
 
     def avoided(self) -> dict[str, int]:
         """Peers this node does not pull from now -> the last version it skips them for."""

@@ -22,6 +22,7 @@ but not counted in ``T_bcast`` (it started late). Measured: ``benchmarks/fleet.p
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -65,14 +66,12 @@ class Round:
     late_open: deque[str] = field(default_factory=deque)  # latecomers that may take latecomers, in order
     planned: deque[str] | None = None  # the plan's relays, in order: taken only while nobody else can
     late_installed: dict[str, float] = field(default_factory=dict)  # latecomer -> install delay (not T_bcast)
-    _every: tuple[int, ...] | None = None  # every chunk (latecomers pull them all from one member)
     _own: bool = False  # plan, repair and serves are this round's copies (a latecomer changed them)
 
+    @functools.cached_property
     def every(self) -> tuple[int, ...]:
         """Every chunk of the version, one tuple for all the latecomers' pulls."""
-        if self._every is None:
-            self._every = tuple(range(self.manifest.n_chunks))
-        return self._every
+        return tuple(range(self.manifest.n_chunks))
 
     def hops(self, member: str) -> int:
         """Hops between ``member`` and one that holds the version (or the learner): a latecomer below it
@@ -112,7 +111,7 @@ class Round:
             if up == LEARNER or not live(up):
                 break
             ups[p] = p = up
-        self.plan[member] = (Assignment(parent, self.every()),)
+        self.plan[member] = (Assignment(parent, self.every),)
         self.repair[member] = ups
         self.late[member] = parent
         depth = self.late_depth[member] = 1 + self.hops(parent)

@@ -631,6 +631,11 @@ def main() -> int:
     p.add_argument(
         "--flood-width", type=int, default=6, help="flooding identities at a time (length_attacks)"
     )
+    p.add_argument(
+        "--length-kinds",
+        default="",
+        help="length_attacks: some attackers alone, comma-separated (default: all)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "results")
     a = p.parse_args()
     subprocess.run([sys.executable, "-m", "echo2.cli", "warmstart"], check=True, capture_output=True)
@@ -656,7 +661,13 @@ def main() -> int:
         "length_honest_bf16": lambda: ls.study_length_honest(
             a.out, "bfloat16", a.length_n, a.length, a.length_minutes
         ),
-        "length_attacks": lambda: ls.study_length_attacks(a.out, a.length, a.flood_width, a.length_minutes),
+        "length_attacks": lambda: ls.study_length_attacks(
+            a.out,
+            a.length,
+            a.flood_width,
+            a.length_minutes,
+            a.length_kinds.split(",") if a.length_kinds else None,
+        ),
         "stale_flood": lambda: ls.study_stale_flood(a.out, a.repeats, a.window, LIVENESS_WARM_S, HONEST_RATE),
     }
     for s in studies if a.study == "all" else [a.study]:

@@ -56,10 +56,19 @@ def study_length_honest(
     return got
 
 
-def study_length_attacks(out: Path, length: int, flood_width: int, minutes: float = 0.0) -> dict[str, Any]:
+def study_length_attacks(
+    out: Path, length: int, flood_width: int, minutes: float = 0.0, kinds: list[str] | None = None
+) -> dict[str, Any]:
+    """``kinds`` (default: all of ``PLAN``, in its order) runs some attackers alone: such a reading is
+    partial whatever they do (the target needs all six)."""
     from echo2_bench.adversary_length_runs import PLAN, attacks_run
 
-    got = attacks_run(out, length, PLAN, flood_width, minutes=minutes)
+    unknown = sorted(set(kinds or ()) - set(PLAN))
+    if unknown:
+        raise SystemExit(f"--length-kinds: unknown attacker(s) {unknown}; known: {list(PLAN)}")
+    plan = {k: v for k, v in PLAN.items() if not kinds or k in kinds}
+    got = attacks_run(out, length, plan, flood_width, minutes=minutes)
+    got["kinds_asked"] = list(plan)
     got["minutes_budget"] = minutes
     got["kinds_read"] = [k for k, v in got["kinds"].items() if not v["cut_short"]]
     got["partial"] = got["kinds_read"] != list(PLAN)

@@ -211,3 +211,57 @@ def test_a_member_that_installed_a_newer_version_is_no_latecomers_parent() -> No
 
     _, parent, got = asyncio.run(go())
     assert parent == LEARNER and got == [0]
+
+
+def test_a_member_that_joins_again_before_its_ack_is_attached_again() -> None:
+    """A node that lost its control connection re-joins as a new node holding nothing of the anchor: a
+    planned member and a latecomer alike are attached (again) under a member that holds it, never under
+    itself or one it feeds that does not hold it, and the parent it left takes another latecomer."""
+
+    async def go() -> tuple[TcpPublisher, dict[str, str], dict[str, str], list[int]]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+        await pub.start()
+        loud = [(await _member(pub, f"w{i}"))[0] for i in range(2)]
+        quiet, _ = await _member(pub, "quiet", acks=False)  # planned; receives, never acks
+        await pub.wait_members(3, 5)
+        await pub.publish(0, BLOB, _anchor())
+        await asyncio.wait_for(_until(lambda: quiet.installed_version == 0), 10)
+        await pub.wait_installed(0, count=2, timeout=10)
+        late, _ = await _member(pub, "late", acks=False)  # a latecomer, never acks
+        await asyncio.wait_for(_until(lambda: late.installed_version == 0), 10)
+        before = dict(pub._rounds[0].late)
+        for node in (quiet, late):  # both lose their connection, and come back as new nodes
+            await node.close()
+        await asyncio.wait_for(_until(lambda: len(pub.members()) == 2), 5)
+        again = [(await _member(pub, w))[0] for w in ("quiet", "late")]
+        await _installed(pub, 0, 2)
+        after = dict(pub._rounds[0].late)
+        held = [n.installed_version for n in again]
+        for node in [*loud, *again]:
+            await node.close()
+        await pub.close()
+        return pub, before, after, held
+
+    pub, before, after, held = asyncio.run(go())
+    rnd = pub._rounds[0]
+    assert set(before) == {"late"} and before["late"] in {"w0", "w1"}
+    assert set(after) == {"late", "quiet"} and set(after.values()) <= {"w0", "w1"}
+    assert held == [0, 0] and set(rnd.late_installed) == {"late", "quiet"}
+    assert sum(rnd.late_kids.values()) == 2  # the parent "late" left freed its place
+    assert pub.counters.latecomers == 3 and pub.counters.latecomers_from_learner == 0
+
+
+def test_a_member_is_never_attached_under_one_it_feeds() -> None:
+    """A latecomer that re-joins while the one it feeds has not got the anchor yet is not attached under
+    it (each would wait on the other): the learner serves it."""
+    from echo2.broadcast.rounds import Round
+    from echo2.weights.manifest import build_manifest
+
+    rnd = Round(build_manifest(BLOB, 0, CHUNK, KEY, _anchor()), 0.0, ())
+    rnd.serves = {}
+    rnd.attach_late("a", rnd.late_parent("a", lambda p: True), lambda p: True)
+    rnd.attach_late("b", rnd.late_parent("b", lambda p: True), lambda p: True)
+    assert rnd.late == {"a": LEARNER, "b": "a"} and rnd.fed_by("b", "a") and not rnd.fed_by("a", "b")
+    assert rnd.late_parent("a", lambda p: True) == LEARNER  # "b" is fed through "a"; "a" is itself
+    rnd.late_installed["b"] = 1.0  # once "b" holds it, it may serve "a"
+    assert rnd.late_parent("a", lambda p: True) == "b"

@@ -290,9 +290,9 @@ class TcpPublisher:
             for w, frame in zip(batch, frames, strict=True):
                 if (member := self._members.get(w)) is members[w]:  # still the member it was planned for
                     self._post(member, frame)
-        if anchor:  # members that joined while it was planned: latecomers
+        if anchor:  # members that joined (or joined again) while it was planned: latecomers
             for w, member in list(self._members.items()):
-                if not rnd.covers(w):
+                if members.get(w) is not member:
                     self._admit_late(member)
         return manifest
 
@@ -362,12 +362,12 @@ class TcpPublisher:
         rnd = self._rounds.get(v) if v is not None else None
         if v is None or rnd is None or rnd.announced is None or v not in self._buffers:
             return
-        if rnd.covers(w) or not self.ledger.is_target(w) or self._members.get(w) is not member:
-            return
+        if rnd.holds(w) or not self.ledger.is_target(w) or self._members.get(w) is not member:
+            return  # (one it covers but that does not hold it re-joined before its ack: attached again)
         if member.held is not None and member.held >= (rnd.manifest.lineage.epoch, v):
             return  # it holds the anchor or newer weights of this epoch: the next publication is enough
         newer = [r for x, r in self._rounds.items() if x > v]
-        parent = rnd.late_parent(lambda p: self._may_serve_late(p, rnd, newer))
+        parent = rnd.late_parent(w, lambda p: self._may_serve_late(p, rnd, newer))
         depth = rnd.attach_late(w, parent, self._members.__contains__)
         for src in rnd.sources(w) - {LEARNER}:
             self._post(self._members[src], [encode(to_wire(ServeFrame(v=v, member=w)))])

@@ -84,26 +84,51 @@ class Round:
         """Whether ``member``'s install of this version was acked (counted, or a latecomer's)."""
         return member in self.install_s or member in self.late_installed
 
-    def late_parent(self, usable: Callable[[str], bool]) -> str:
-        """Whom the next latecomer pulls this version from: the first member whose install counted, else
+    def late_parent(self, member: str, usable: Callable[[str], bool]) -> str:
+        """Whom latecomer ``member`` pulls this version from: the first member whose install counted, else
         the first latecomer (it relays what it receives), else a member of the plan still receiving it,
-        each ``usable`` and serving fewer than ``LATE_FANOUT`` latecomers; else the learner."""
+        each ``usable`` and serving fewer than ``LATE_FANOUT`` latecomers, and not ``member`` nor one it
+        feeds that does not hold the version yet (a member attached again); else the learner."""
         if not self.holders and not self.late_open and self.planned is None:  # nobody else yet: a relay
             self.planned = deque(w for w in self.targets if w not in self.leaves)  # of the plan
+        again = member in self.plan  # planned before: some may be fed through it
         for queue in (self.holders, self.late_open, self.planned or deque()):
-            while queue:
-                p = queue[0]
+            while queue and not (usable(queue[0]) and self.late_kids.get(queue[0], 0) < LATE_FANOUT):
+                queue.popleft()  # gone for every latecomer
+            for p in queue:  # the first one (but for a member attached again)
+                if p == member or (again and not self.holds(p) and self.fed_by(p, member)):
+                    continue
                 if usable(p) and self.late_kids.get(p, 0) < LATE_FANOUT:
                     self.late_kids[p] = self.late_kids.get(p, 0) + 1
                     return p
-                queue.popleft()
         return LEARNER
+
+    def fed_by(self, member: str, source: str) -> bool:
+        """Whether ``member`` gets any chunk of this version through ``source``: ``source`` is one of its
+        sources, or of theirs, up to the learner (a member re-attached under one it feeds would wait on
+        itself)."""
+        seen, todo = {member}, [member]
+        while todo:
+            for up in self.sources(todo.pop()) - {LEARNER}:
+                if up == source:
+                    return True
+                if up not in seen:
+                    seen.add(up)
+                    todo.append(up)
+        return False
 
     def attach_late(self, member: str, parent: str, live: Callable[[str], bool]) -> int:
         """Plan ``member`` as a latecomer pulling every chunk from ``parent``; its repair chain is
         ``parent``'s own sources (the ``live`` ones, at most ``REPAIR_HOPS``, then the learner), and each
-        source serves it. Returns its hops below a member that holds the version."""
+        source serves it. A member attached again (it re-joined before its ack: a new node, holding
+        nothing of the version) leaves its former sources, and whom it served may still pull from it.
+        Returns its hops below a member that holds the version."""
         self.own()
+        before = self.late.get(member)
+        if before is not None and before != LEARNER:
+            self.late_kids[before] -= 1
+        for src in self.sources(member) - {LEARNER}:
+            self.serves.get(src, set()).discard(member)
         ups: dict[str, str] = {}
         p = parent
         while p in self.late and len(ups) < REPAIR_HOPS:  # a latecomer's own source, then its source's
@@ -115,10 +140,11 @@ class Round:
         self.repair[member] = ups
         self.late[member] = parent
         depth = self.late_depth[member] = 1 + self.hops(parent)
-        self.serves[member] = set()
+        self.serves.setdefault(member, set())
         for src in self.sources(member) - {LEARNER}:
             self.serves.setdefault(src, set()).add(member)
-        self.late_open.append(member)
+        if before is None:
+            self.late_open.append(member)
         return depth
 
     def stats(self) -> BroadcastStats:

@@ -235,13 +235,16 @@ RESTART_B0 = 10 * RESTART_BW  # at 100 Mbit/s takes 96 s); the learner's, ten ti
 RESTART_SPREAD_S = 2.0  # members re-join at uniform times over this window after the anchor's announcement
 CATCHUP_S, STALL_S = 3.0, 30.0  # the follower's: wait this long for an announcement, then while chunks come
 MAX_UPLINK_COPIES = 2.0  # target: the learner uploads at most twice the model before every member holds it
+GATHER_RATIO = 0.5  # target with --gather: every member holds the anchor in half the time, or less
 RESTART_TIMEOUT_S = 600.0
 
 
-async def restart_once(n: int, present: float, seed: int) -> dict[str, Any]:
+async def restart_once(n: int, present: float, seed: int, gather_s: float = 0.0) -> dict[str, Any]:
     """One restart: a fresh publisher announces an anchor to the members joined by then (``present`` of
     ``n``; 0 after a learner restart, when nobody has re-joined yet), the others join at uniform times
-    over ``RESTART_SPREAD_S``; each member installs what the broadcast delivers, and one that has no
+    over ``RESTART_SPREAD_S`` (with ``gather_s``: from the restart on, and the announcement waits for
+    them as a resumed learner's does, ``runtime.snapshots.gather``, at most ``gather_s``); each member
+    installs what the broadcast delivers, and one that has no
     transfer under way ``CATCHUP_S`` after its join, or whose transfer stores nothing for ``STALL_S``,
     counts as fetching the anchor over HTTP (the follower's rule: the bytes through the learner are
     counted, the fetch is not run). Reads the learner's uplink bytes (chunks it served plus the HTTP
@@ -326,12 +329,21 @@ async def restart_once(n: int, present: float, seed: int) -> dict[str, Any]:
     tasks = [asyncio.ensure_future(member(name, 0.0)) for name in names[:early]]
     if early:
         await pub.wait_members(early, 60.0)
+    restart = time.monotonic()
+    late = [(name, rng.uniform(0.0, RESTART_SPREAD_S)) for name in names[early:]]
+    if gather_s:
+        from echo2.runtime.snapshots import gather
+
+        t0 = restart
+        tasks += [asyncio.ensure_future(member(name, at)) for name, at in late]
+        await gather(pub, n, gather_s)
+    gathered = len(pub.members())
     await pub.publish(version, blob, Lineage(kind="full", epoch=2))
     published.set()
-    t0 = time.monotonic()
-    tasks += [
-        asyncio.ensure_future(member(name, rng.uniform(0.0, RESTART_SPREAD_S))) for name in names[early:]
-    ]
+    announced = time.monotonic() - restart
+    if not gather_s:
+        t0 = time.monotonic()
+        tasks += [asyncio.ensure_future(member(name, at)) for name, at in late]
     done = time.monotonic() + RESTART_TIMEOUT_S
     while len(installed) + len(http) < n and time.monotonic() < done:
         await asyncio.sleep(0.25)
@@ -359,21 +371,30 @@ async def restart_once(n: int, present: float, seed: int) -> dict[str, Any]:
         "install_s_p50": took[len(took) // 2] if took else None,
         "install_s_p90": took[int(0.9 * (len(took) - 1))] if took else None,
         "install_s_max": took[-1] if took else None, "wall_s": wall, **counters,
+        "gather_s": gather_s, "members_announced": gathered, "announced_after_s": announced,
+        "restart_to_all_s": max(installed.values()) - restart if len(installed) == n else None,
     }  # fmt: skip
 
 
-def study_restart(ns: list[int], label: str, present: float = 0.0, seeds: int = 1) -> dict[str, Any]:
+def study_restart(
+    ns: list[int], label: str, present: float = 0.0, seeds: int = 1, gather_s: float = 0.0
+) -> dict[str, Any]:
     """Study ``restart`` (the runtime publisher and worker nodes, in-process on loopback, paced links): the
     learner's uplink before every member holds a restart's anchor again. Target (the issue's, fixed
     before the first run): at N = 1,000, at most ``MAX_UPLINK_COPIES`` times the model. Baseline: the
-    same study on the code before latecomers (``PYTHONPATH=<that checkout>/src``), same session."""
+    same study on the code before latecomers (``PYTHONPATH=<that checkout>/src``), same session.
+
+    With ``gather_s`` (the announcement waits while the fleet re-joins), a second target, fixed before its
+    first run: at N = 1,000 the seconds from the restart until every member holds the anchor
+    (``restart_to_all_s``) at most ``GATHER_RATIO`` x the same study's without gathering (latecomers),
+    run in the same session, median over the seeds; the uplink target as before."""
     import logging
 
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # the nodes' serving tasks cut at the end
     rows = []
     for n in ns:
         for seed in range(seeds):
-            row = asyncio.run(restart_once(n, present, seed))
+            row = asyncio.run(restart_once(n, present, seed, gather_s))
             rows.append(row)
             print(
                 f"{label} restart N={n} present={present:.0%} seed {seed}: learner uplink "
@@ -392,6 +413,8 @@ def study_restart(ns: list[int], label: str, present: float = 0.0, seeds: int = 
         "target": f"N = 1,000: learner uplink <= {MAX_UPLINK_COPIES}x the model until every member holds it",
         "met": None if not at else all(r["uplink_copies"] <= MAX_UPLINK_COPIES and not r["unfinished"]
                                          for r in at),
+        "gather_s": gather_s, "gather_target": f"N = 1,000: restart_to_all_s <= {GATHER_RATIO}x the same "
+        "session's reading without gathering (median over seeds)" if gather_s else None,
     }  # fmt: skip
 
 
@@ -936,6 +959,7 @@ def main() -> int:
     )
     p.add_argument("--present", type=float, default=0.0, help="restart: share joined before the anchor")
     p.add_argument("--seeds", type=int, default=1, help="restart: runs per N")
+    p.add_argument("--gather", type=float, default=0.0, help="restart: the announcement waits for the fleet")
     p.add_argument("--window", type=float, default=120.0, help="node: seconds of the steady window")
     p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
     p.add_argument("--repeats", type=int, default=1, help="node: the baseline and each N, this often")
@@ -949,7 +973,7 @@ def main() -> int:
     if a.study == "node":
         res.setdefault("node", {})[a.label] = study_node(a.ns, a.label, a.window, a.repeats)
     elif a.study == "restart":
-        res.setdefault("restart", {})[a.label] = study_restart(a.ns, a.label, a.present, a.seeds)
+        res.setdefault("restart", {})[a.label] = study_restart(a.ns, a.label, a.present, a.seeds, a.gather)
     else:
         study = {**studies, "links": study_links}[a.study]
         res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)

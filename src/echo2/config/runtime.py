@@ -35,6 +35,13 @@ class RuntimeConfig(_Section):
         description="snapshot chunk size, KiB; unset = chosen per publication from its size "
         "(echo2.physics.broadcast.relay_chunk_bytes: small patches travel in small chunks)",
     )
+    gather_s: float = Field(
+        10.0,
+        ge=0.0,
+        description="a resumed run's first announcement waits at most this long while the workers the "
+        "registry trusts re-join the broadcast (until all are back, or none joined for 1 s), so one striped "
+        "plan covers them instead of a tree of latecomers; 0 = announce at once",
+    )
     lease_prompts: int = Field(8, ge=1, description="prompts per lease (one worker generation batch)")
     lease_ttl_s: float = Field(
         30.0,

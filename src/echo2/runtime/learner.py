@@ -133,9 +133,24 @@ class AsyncLearner:
             )
         self._load_learning_plane()
         await self._open_data_and_network()
+        if self.ckpt is not None:  # resumed: the fleet re-joins the broadcast before the anchor goes out
+            await self._gather()
         await self.snapshots.publish_copy(self.version, self.core.weights)
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
+
+    async def _gather(self) -> None:
+        """A resumed run's first announcement waits (``runtime.gather_s`` at most) while the workers the
+        registry trusts re-join the broadcast (``snapshots.gather``)."""
+        from echo2.runtime.snapshots import gather
+
+        expected = sum(1 for rec in self.registry if rec.trusted)
+        if expected and self.cfg.runtime.gather_s > 0:
+            t0 = time.monotonic()
+            got = await gather(self.snapshots.publisher, expected, self.cfg.runtime.gather_s)
+            log.info(
+                "%d of %d workers re-joined the broadcast in %.1f s", got, expected, time.monotonic() - t0
+            )
 
     def _load_learning_plane(self) -> None:
         """The learner core (``core.py``): run directory, policy (a checkpoint to resume, else the

@@ -51,6 +51,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MEASURE_TIMEOUT_S = 120.0  # stop waiting for install acks of one version after this long
+GATHER_QUIET_S = 1.0  # a gathering ends when no member joined for this long (members re-join 5 a second)
+
+
+async def gather(
+    publisher: SnapshotPublisher, expected: int, window_s: float, quiet_s: float = GATHER_QUIET_S
+) -> int:
+    """Wait, before an anchor is announced, while members join ``publisher``: until ``expected`` joined,
+    or none joined for ``quiet_s`` (from the start too: nobody coming ends it then), at most ``window_s``.
+    A restarted learner's fleet re-joins within a second or two (a node retries its join every 0.2 s):
+    announced to nobody, every member would be a latecomer in a fan-out-4 tree of whole copies (about
+    4x one copy's time to install, ``publisher.py``); gathered, one striped plan covers them. Returns
+    the members joined."""
+    t0 = last = time.monotonic()
+    seen = len(publisher.members())
+    while seen < expected and time.monotonic() - t0 < window_s and time.monotonic() - last < quiet_s:
+        await asyncio.sleep(0.05)
+        now = len(publisher.members())
+        if now > seen:
+            seen, last = now, time.monotonic()
+    return seen
 
 
 class Snapshots:

@@ -265,3 +265,67 @@ def test_a_member_is_never_attached_under_one_it_feeds() -> None:
     assert rnd.late_parent("a", lambda p: True) == LEARNER  # "b" is fed through "a"; "a" is itself
     rnd.late_installed["b"] = 1.0  # once "b" holds it, it may serve "a"
     assert rnd.late_parent("a", lambda p: True) == "b"
+
+
+def test_a_latecomer_that_acks_what_it_does_not_hold_costs_its_victims_one_stall(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An attacker who read the rules: it joins as the second latecomer (its parent a peer, whose service
+    the learner cannot see), pulls nothing, acks the anchor at once with receipts naming that parent, and
+    so becomes the first holder, the parent of the next latecomers; it then sends them nothing. Each
+    victim waits its stall hint, reports it, and repairs from the liar's own parent; two reports demote it,
+    and nobody is attached to it after that. The learner serves one copy in all."""
+    import echo2.broadcast.publisher as publisher_module
+    from echo2.weights.frames import InstalledFrame
+
+    monkeypatch.setattr(publisher_module, "LATE_HOP_S", 0.5)
+
+    async def go() -> tuple[TcpPublisher, list[int], float, str]:
+        pub = TcpPublisher(KEY, TreePipelined(), chunk_size=CHUNK, ledger=OpenLedger())
+        await pub.start()
+        await pub.publish(0, BLOB, _anchor())
+        first, _ = await _member(pub, "first")
+        liar = TcpWorkerNode("liar", pub.address, PUBLIC, stall_timeout=0.5)
+
+        async def nothing(*args: object, **kwargs: object) -> None:
+            await asyncio.sleep(3600)  # pulls nothing, and serves what it has: nothing
+
+        liar._pull = nothing  # type: ignore[method-assign]
+        await liar.start()
+        await asyncio.wait_for(_until(lambda: "liar" in pub._rounds[0].late), 5)
+        parent = pub._rounds[0].late["liar"]
+        await liar._ctl_send(InstalledFrame(v=0, got={parent: pub._rounds[0].manifest.n_chunks}))
+        await asyncio.wait_for(_until(lambda: pub._rounds[0].holds("liar")), 5)
+        t0 = asyncio.get_running_loop().time()
+        victims = [
+            await _member_stalling(pub, f"victim{i}") for i in range(LATE_FANOUT + 2)
+        ]  # 4 under the liar (fan-out), then others
+        await _installed(pub, 0, 2 + len(victims), timeout=20)  # first, the liar's ack, every victim
+        took = asyncio.get_running_loop().time() - t0
+        held = [v.installed_version for v in victims]
+        for node in [first, liar, *victims]:
+            await node.close()
+        await pub.close()
+        return pub, held, took, parent
+
+    pub, held, took, parent = asyncio.run(go())
+    rnd = pub._rounds[0]
+    assert parent == "first" and held == [0] * (LATE_FANOUT + 2)
+    under_liar = [w for w, p in rnd.late.items() if p == "liar"]
+    assert 2 <= len(under_liar) <= LATE_FANOUT  # it took latecomers until 2 reports demoted it
+    assert "liar" in pub.demoted()
+    assert pub.stats(0).learner_bytes == len(BLOB)  # the victims repaired from "first", not the learner
+    assert all(rnd.late_installed[w] >= 0.5 for w in under_liar)  # each waited its stall hint: the cost
+    assert pub.counters.stall_reports >= 2 and pub.counters.latecomers_from_learner == 1
+    assert took < 10.0
+
+
+async def _member_stalling(pub: TcpPublisher, name: str) -> TcpWorkerNode:
+    """A joined node that gives up on a silent source after 0.5 s (the tests' short stall)."""
+    node = TcpWorkerNode(name, pub.address, PUBLIC, stall_timeout=0.5)
+    await node.start()
+
+    async def collect() -> None:
+        async for snap in node.snapshots():
+            await node.report_installed(snap.manifest.version)
+
+    node._collect = asyncio.ensure_future(collect())  # type: ignore[attr-defined]
+    return node

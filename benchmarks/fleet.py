@@ -887,8 +887,9 @@ def _p99(row: dict[str, Any], endpoints: tuple[str, ...]) -> float:
 
 
 # the publish study's readings the figure shows (the rest stay in the JSON): the first reading's before
-# and after, this study's code at the start of the session of the later readings, and its last reading
-PLOTTED_PUBLISH = ("before", "after", "before_r1", "batched_r1", "posted_r1")
+# and after, this study's code at the start of the session of the later readings, its reading then, and
+# the last pair (the collector paused while planning and encoding; before and after, interleaved)
+PLOTTED_PUBLISH = ("before", "after", "before_r1", "batched_r1", "gc_before_r1", "gc_paused_r1")
 PLOTTED_RESTART = ("before", "latecomers", "before_half_present", "latecomers_half_present")
 
 

@@ -109,3 +109,37 @@ def test_a_checkpoint_that_cannot_be_written_is_skipped_and_the_run_goes_on(monk
     loop.save = lambda name: f"/ckpt/{name}"
     assert LearnerLoop._checkpoint(loop, "step_000030", ()) is True  # type: ignore[arg-type]
     assert loop.last_ckpt == "/ckpt/step_000030"
+
+
+def test_collection_paused_nests_across_threads_and_restores_what_it_found() -> None:
+    import gc
+    import threading
+
+    from echo2.resources import collection_paused, paused
+
+    assert gc.isenabled()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def hold() -> None:
+        with collection_paused():
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(5)
+    with collection_paused():  # a second holder, in another thread
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the first still holds it
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+    assert paused(gc.isenabled) is False and gc.isenabled()
+    gc.disable()  # disabled by someone else: left so
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -93,6 +93,7 @@ from echo2.broadcast.wire import (
 from echo2.errors import Echo2Error
 from echo2.perimeter import Limits, Perimeter, SampledLog, default_limits, streams
 from echo2.physics.broadcast import relay_chunk_bytes
+from echo2.resources import paused
 from echo2.transport import TlsIdentity, normalize_pin
 from echo2.weights.frames import (
     PRE_AUTH_HEADER,
@@ -266,7 +267,7 @@ class TcpPublisher:
         addresses = {w: (*m.addr, m.cert) for w, m in members.items()}
         links = {w: self.ledger.uplink(w) for w in members}  # declared upload rates (None: not declared)
         async with self._planning:  # one plan at a time: a strategy keeps its last trees
-            rnd = await asyncio.to_thread(self._plan_round, manifest, addresses, leaves, links)
+            rnd = await asyncio.to_thread(paused, self._plan_round, manifest, addresses, leaves, links)
         man = manifest.to_dict()
         encoded = {"manifest": await asyncio.to_thread(dumps, man)}  # the same in every announcement: once
         hint = self._stall_hint(len(members), manifest.chunk_size)
@@ -286,7 +287,8 @@ class TcpPublisher:
         order = list(members)
         for i in range(0, len(order), ANNOUNCE_BATCH):  # encoded off the loop, a batch at a time
             batch = order[i : i + ANNOUNCE_BATCH]
-            frames = await asyncio.to_thread(self._announcements, rnd, man, encoded, hint, addresses, batch)
+            args = (rnd, man, encoded, hint, addresses, batch)
+            frames = await asyncio.to_thread(paused, self._announcements, *args)
             for w, frame in zip(batch, frames, strict=True):
                 if (member := self._members.get(w)) is members[w]:  # still the member it was planned for
                     self._post(member, frame)

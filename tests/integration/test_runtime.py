@@ -10,6 +10,7 @@ import http.client
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -126,6 +127,8 @@ def test_worker_killed_and_learner_restarted_lose_nothing(tiny_overrides, tmp_pa
         # it re-joined as a latecomer of the new anchor), not over HTTP: 2 fetches before; one allowed
         # for a loaded machine where the re-join outlasts the follower's 3 s catch-up window
         assert report["http_installs"] <= 1, report
+        # the resumed learner waited for its fleet to re-join before announcing (runtime.gather_s)
+        assert re.search(r"[12] of 2 workers re-joined the broadcast", (tmp_path / "learner.log").read_text())
     finally:
         for p in started:
             if p.poll() is None:

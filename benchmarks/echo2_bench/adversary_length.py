@@ -266,7 +266,10 @@ async def until_caught(
     """``identities`` identities of ``att`` (the first is the one it set up with; a new one registers after
     each catch), each submitting until quarantined or ``budget`` submissions: every submission's outcome,
     and after how many of its lying ones it was caught (a verdict that comes after the last submission,
-    once ``waiting(worker_id)`` says no check of it waits, included). Each identity's record is in
+    once ``waiting(worker_id)`` says no check of it waits, included). An identity gives up after 120
+    lease refusals in a row that came while no check of its own waited (a refusal because its check waits
+    is waited out: at real length a check can wait many minutes on this machine, and an attacker that
+    gave up then would never get to lie). Each identity's record is in
     ``out`` from its first submission on, so a study cut short by its time budget keeps what was done
     (an identity still submitting has ``"done": False``)."""
     from echo2_bench.adversary import EVIDENCE
@@ -288,8 +291,8 @@ async def until_caught(
                 outcome = await att.submit_one()
             except Refused as exc:
                 outcome = exc.reply.error
-            if outcome == "no_lease":
-                refused += 1
+            if outcome == "no_lease":  # a patient attacker: it waits out a refusal while a check of its own
+                refused += not waiting(wid)  # waits (a new identity gets no lease then), however long
                 continue
             refused = 0
             if outcome == "quarantined":

@@ -329,3 +329,19 @@ async def _member_stalling(pub: TcpPublisher, name: str) -> TcpWorkerNode:
 
     node._collect = asyncio.ensure_future(collect())  # type: ignore[attr-defined]
     return node
+
+
+def test_a_member_that_keeps_re_joining_is_attached_a_bounded_number_of_times() -> None:
+    from echo2.broadcast.rounds import LATE_REJOINS, Round
+    from echo2.weights.manifest import build_manifest
+
+    rnd = Round(build_manifest(BLOB, 0, CHUNK, KEY, _anchor()), 0.0, ())
+    rnd.serves = {}
+    times = 0
+    while rnd.may_attach("a") and times < 10:
+        rnd.attach_late("a", rnd.late_parent("a", lambda p: True), lambda p: True)
+        times += 1
+    assert times == 1 + LATE_REJOINS and rnd.late_kids.get(LEARNER, 0) == 0
+    assert rnd.may_attach("b")  # others unaffected
+    rnd.late_installed["c"] = 1.0
+    assert not rnd.may_attach("c")  # holds it

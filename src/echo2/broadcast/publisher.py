@@ -364,7 +364,7 @@ class TcpPublisher:
         rnd = self._rounds.get(v) if v is not None else None
         if v is None or rnd is None or rnd.announced is None or v not in self._buffers:
             return
-        if rnd.holds(w) or not self.ledger.is_target(w) or self._members.get(w) is not member:
+        if not rnd.may_attach(w) or not self.ledger.is_target(w) or self._members.get(w) is not member:
             return  # (one it covers but that does not hold it re-joined before its ack: attached again)
         if member.held is not None and member.held >= (rnd.manifest.lineage.epoch, v):
             return  # it holds the anchor or newer weights of this epoch: the next publication is enough

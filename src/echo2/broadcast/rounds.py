@@ -34,6 +34,7 @@ from echo2.weights.manifest import Manifest
 
 LATE_FANOUT = 4  # latecomers one member serves a version to, whole (their upload: this x the version)
 LATE_HOP_S = 5.0  # a latecomer's stall hint per hop below a member that holds the anchor (or the learner)
+LATE_REJOINS = 3  # times a member that re-joins before its ack is attached again (then: over HTTP)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Round:
     late_open: deque[str] = field(default_factory=deque)  # latecomers that may take latecomers, in order
     planned: deque[str] | None = None  # the plan's relays, in order: taken only while nobody else can
     late_installed: dict[str, float] = field(default_factory=dict)  # latecomer -> install delay (not T_bcast)
+    attached: dict[str, int] = field(default_factory=dict)  # latecomer -> times attached
     _own: bool = False  # plan, repair and serves are this round's copies (a latecomer changed them)
 
     @functools.cached_property
@@ -103,6 +105,12 @@ class Round:
                     return p
         return LEARNER
 
+    def may_attach(self, member: str) -> bool:
+        """Whether ``member`` may be attached as a latecomer: it does not hold the version, and it was not
+        attached ``1 + LATE_REJOINS`` times already (each re-join starts a whole copy from its parent: a
+        member that keeps re-joining costs its parents that much, then fetches over HTTP)."""
+        return not self.holds(member) and self.attached.get(member, 0) <= LATE_REJOINS
+
     def fed_by(self, member: str, source: str) -> bool:
         """Whether ``member`` gets any chunk of this version through ``source``: ``source`` is one of its
         sources, or of theirs, up to the learner (a member re-attached under one it feeds would wait on
@@ -139,6 +147,7 @@ class Round:
         self.plan[member] = (Assignment(parent, self.every),)
         self.repair[member] = ups
         self.late[member] = parent
+        self.attached[member] = self.attached.get(member, 0) + 1
         depth = self.late_depth[member] = 1 + self.hops(parent)
         self.serves.setdefault(member, set())
         for src in self.sources(member) - {LEARNER}:

@@ -113,3 +113,28 @@ def paused(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` under :func:`collection_paused` (for ``asyncio.to_thread``)."""
     with collection_paused():
         return fn(*args)
+
+
+class GcClock:
+    """The cyclic collector's pauses in this process, from a ``gc.callbacks`` entry: seconds in all
+    collections and the number of full (oldest-generation) ones since it started. Every thread waits on a
+    collection (it holds the interpreter lock): in the learner, the update and the event loop that serves
+    the fleet; a full one traverses every object the process holds."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._t0: float | None = None
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+            self._t0 = None
+
+    def close(self) -> None:
+        if self._on in gc.callbacks:
+            gc.callbacks.remove(self._on)

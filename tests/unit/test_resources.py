@@ -143,3 +143,24 @@ def test_collection_paused_nests_across_threads_and_restores_what_it_found() -> 
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_gc_clock_counts_the_collectors_pauses_and_its_full_collections() -> None:
+    import gc
+
+    from echo2.resources import GcClock
+
+    clock = GcClock()
+    try:
+        junk = [[i] for i in range(200_000)]  # something for a full collection to traverse
+        gc.collect(0)
+        young = clock.full
+        gc.collect()
+        assert clock.full == young + 1 and clock.seconds > 0.0
+        del junk
+    finally:
+        clock.close()
+    assert clock._on not in gc.callbacks
+    before = clock.full
+    gc.collect()
+    assert clock.full == before  # closed: no longer counting

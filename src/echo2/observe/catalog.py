@@ -271,6 +271,20 @@ LEARNER_IDLE_S = _m(
     _counter("echo2_learner_idle_seconds", "seconds not updating, by cause", ("cause",)),
     report=("idle",),
 )
+LEARNER_GC_PAUSE_S = _m(
+    "learner/gc_pause_s",
+    "s",
+    "seconds of the step's window the cyclic garbage collector held the learner process (every thread "
+    "waits on it: the update and the event loop serving the fleet)",
+    RUN,
+)
+LEARNER_GC_FULL = _m(
+    "learner/gc_full_collections",
+    "count",
+    "full collections in the step's window (each traverses every object the process holds but those frozen "
+    "after setup)",
+    RUN,
+)
 LEARNER_T_IDLE_S = _m(
     "learner/t_idle_s", "s", "the simulator's wait before the step (its bubble numerator)", SIM
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from echo2.errors import ConfigError, Echo2Error
 from echo2.models.snapshot import aliasing_model, skeleton_files
 from echo2.observe import catalog as m
 from echo2.observe.rundir import STATE_FILE, latest_checkpoint, next_epoch, write_atomic
-from echo2.resources import RESERVED_FDS, raise_descriptor_limit
+from echo2.resources import RESERVED_FDS, GcClock, raise_descriptor_limit
 from echo2.runtime.loop import LearnerLoop, LearnerSummary
 from echo2.transport import join_string, run_identity
 from echo2.types import Bounds
@@ -102,6 +103,8 @@ class AsyncLearner:
         self.clock = clock  # stamps leases, heartbeats and controller decisions
         self.stop = asyncio.Event()
         self.lora: Any = None  # a LoRA run's frozen base as workers hold it (models/lora.PublishedBase)
+        self.gc_clock: GcClock | None = None  # the collector's pauses, from setup on
+        self._gc_seen = (0.0, 0)  # its readings at the last step's metrics
 
     async def run(self) -> LearnerSummary:
         """Set up the node, then the learner loop (``loop.py``) over its feed; what setup opened is
@@ -136,6 +139,12 @@ class AsyncLearner:
         if self.ckpt is not None:  # resumed: the fleet re-joins the broadcast before the anchor goes out
             await self._gather()
         await self.snapshots.publish_copy(self.version, self.core.weights)
+        # what setup built (the model, its libraries, the store, the registry) lives as long as the run:
+        # out of every later collection, so a full one traverses only what serving the fleet made since
+        gc.freeze()
+        self._resources.callback(gc.unfreeze)
+        self.gc_clock = GcClock()
+        self._resources.callback(self.gc_clock.close)
         if self.on_ready is not None:
             self.on_ready(self.endpoints)
 
@@ -434,11 +443,16 @@ class NodeFeed:
         usd_h = parts.pool.usd_per_hour()
         usd_step = usd_h * step_wall_s / 3600
         self.usd_total += usd_step
+        clock = self.gc_clock
+        gc_s, gc_full = (clock.seconds, clock.full) if clock is not None else (0.0, 0)
+        seen, self._gc_seen = self._gc_seen, (gc_s, gc_full)
         return {
             **parts.snapshots.metrics(),
             **parts.pool.metrics(),
             **parts.intake.metrics(),
             **parts.metrics(),
+            m.LEARNER_GC_PAUSE_S.key: gc_s - seen[0],
+            m.LEARNER_GC_FULL.key: float(gc_full - seen[1]),
             m.COST_USD_PER_STEP.key: usd_step,
             m.COST_USD_TOTAL.key: self.usd_total,
             m.COST_USD_PER_HOUR.key: usd_h,

@@ -752,8 +752,11 @@ def _node_run(n: int, window_s: float, out: Path) -> dict[str, Any]:
         stop(proc)
     tally: Any = got["tally"]
     s0, s1 = got["steps"]
-    per_k = []
+    per_k, gc_s, gc_full = [], 0.0, 0.0
     for r in records(run_dir):
+        if s0 < r.get("step", 0) <= s1:  # the collector's pauses in the window (none written: None)
+            gc_s += r.get("learner/gc_pause_s", math.nan)
+            gc_full += r.get("learner/gc_full_collections", math.nan)
         if (
             s0 < r.get("step", 0) <= s1
             and "learner/t_train_s" in r
@@ -782,6 +785,8 @@ def _node_run(n: int, window_s: float, out: Path) -> dict[str, Any]:
         "update_s_per_1k_tokens": statistics.median(per_k) if per_k else None,
         "update_s_per_1k_tokens_each": per_k,
         "learner_cpu_share": got["learner_cpu"],
+        "gc_pause_s": None if math.isnan(gc_s) else gc_s,
+        "gc_full_collections": None if math.isnan(gc_full) else gc_full,
         "learner_rss_bytes": got["learner_rss"],
         "generator_cpu_share": got["generator_cpu"],
         "latency": {k: quantiles(v) for k, v in tally.latency.items()},

@@ -63,6 +63,7 @@ def test_echo2_run_end_to_end(tiny_overrides, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert all(r["store/staleness_max"] <= 3 for r in rows)  # S = 3 by default, checked at every step
     assert all(r["store/rejected"] == 0 for r in rows)
+    assert all(r["learner/gc_pause_s"] >= 0 and r["learner/gc_full_collections"] >= 0 for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["version"] == 30 and summary["staleness_max"] <= 3
     assert (run_dir / "run.png").stat().st_size > 0

@@ -104,7 +104,6 @@ class AsyncLearner:
         self.stop = asyncio.Event()
         self.lora: Any = None  # a LoRA run's frozen base as workers hold it (models/lora.PublishedBase)
         self.gc_clock: GcClock | None = None  # the collector's pauses, from setup on
-        self._gc_seen = (0.0, 0)  # its readings at the last step's metrics
 
     async def run(self) -> LearnerSummary:
         """Set up the node, then the learner loop (``loop.py``) over its feed; what setup opened is
@@ -365,7 +364,9 @@ class AsyncLearner:
     # ---- the node's feed ------------------------------------------------------------------------------
     def _feed(self) -> NodeFeed:
         copy = self.core.weights
-        return NodeFeed(self.cfg, self.parts, self.store, self.status, copy, self.data_ready, self.on_tick)
+        return NodeFeed(
+            self.cfg, self.parts, self.store, self.status, copy, self.data_ready, self.on_tick, self.gc_clock
+        )
 
 
 class NodeFeed:
@@ -382,10 +383,13 @@ class NodeFeed:
         copy: Callable[[str], dict[str, Any]],
         data_ready: asyncio.Event,
         on_tick: Callable[[], None] | None,
+        gc_clock: GcClock | None = None,
     ) -> None:
         self.cfg, self.parts, self.store, self.status = cfg, parts, store, status
         self.copy = copy  # the current weights as a publication's sampler copy (LearnerCore.weights)
         self.data_ready, self.on_tick = data_ready, on_tick
+        self.gc_clock = gc_clock  # the collector's pauses (learner/gc_pause_s per step)
+        self._gc_seen = (0.0, 0)  # its readings at the last step's metrics
         self.usd_total = 0.0
         self._next_tick = 0.0
 

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from echo2.broadcast.wire import ProtocolError, read_header, write_frame
+from echo2.broadcast.strategy import LEARNER
+from echo2.broadcast.wire import ProtocolError, parse_announcement, read_header, write_frame
 from echo2.transport import HANDSHAKE_TIMEOUT_S, client_context, make_identity, open_pinned
-from echo2.weights.manifest import ManifestKey
+from echo2.weights.frames import AnnounceFrame, parse_frame
+from echo2.weights.manifest import Manifest, ManifestKey
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +32,12 @@ Receipts = Callable[[dict[str, Any]], dict[str, int]]  # an announcement -> the 
 
 
 def planned_receipts(announce: dict[str, Any]) -> dict[str, int]:
-    """The most plausible lie: every chunk from the source the plan named for it."""
+    """The most plausible lie: every chunk from the source the plan named for it (a stride expanded to
+    its chunks, as a node reads it: ``wire.parse_announcement``)."""
+    frame = parse_frame(announce, AnnounceFrame, sender=LEARNER)
+    plan = parse_announcement(frame, Manifest.from_dict(frame.manifest).n_chunks, tls=False)
     got: dict[str, int] = {}
-    for source, chunks in announce.get("sources", []):
+    for source, chunks in plan.sources:
         got[source] = got.get(source, 0) + len(chunks)
     return got
 

@@ -35,10 +35,14 @@ def _patch(base: int) -> Lineage:
 
 
 async def _member(
-    pub: TcpPublisher, name: str, held: tuple[int, int] | None = None, acks: bool = True
+    pub: TcpPublisher,
+    name: str,
+    held: tuple[int, int] | None = None,
+    acks: bool = True,
+    stall_timeout: float = 5.0,
 ) -> tuple[TcpWorkerNode, asyncio.Task[list[int]]]:
     """A joined node and the task that collects (and acks) what it installs."""
-    node = TcpWorkerNode(name, pub.address, PUBLIC, held=held)
+    node = TcpWorkerNode(name, pub.address, PUBLIC, held=held, stall_timeout=stall_timeout)
     await node.start()
 
     async def collect() -> list[int]:
@@ -268,13 +272,14 @@ def test_a_member_is_never_attached_under_one_it_feeds() -> None:
 
 
 def test_a_latecomer_that_acks_what_it_does_not_hold_costs_its_victims_one_stall(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """An attacker who read the rules: it joins as the second latecomer (its parent a peer, whose service
-    the learner cannot see), pulls nothing, acks the anchor at once with receipts naming that parent, and
-    so becomes the first holder, the parent of the next latecomers; it then sends them nothing. Each
-    victim waits its stall hint, reports it, and repairs from the liar's own parent; two reports demote it,
-    and nobody is attached to it after that. The learner serves one copy in all."""
+    """An attacker who read the rules (``echo2_bench.stalling.StallingNode``): it joins as the second
+    latecomer (its parent a peer, whose service the learner cannot see), acks the anchor at once with the
+    receipts its plan would give (every chunk from that parent), and so becomes a holder, the parent of the
+    next latecomers; it sends them nothing. Each victim waits its stall hint, reports it, and repairs from
+    the liar's own parent; two reports demote it, and nobody is attached to it after that. The learner
+    serves one copy in all."""
     import echo2.broadcast.publisher as publisher_module
-    from echo2.weights.frames import InstalledFrame
+    from echo2_bench.stalling import StallingNode
 
     monkeypatch.setattr(publisher_module, "LATE_HOP_S", 0.5)
 
@@ -283,21 +288,14 @@ def test_a_latecomer_that_acks_what_it_does_not_hold_costs_its_victims_one_stall
         await pub.start()
         await pub.publish(0, BLOB, _anchor())
         first, _ = await _member(pub, "first")
-        liar = TcpWorkerNode("liar", pub.address, PUBLIC, stall_timeout=0.5)
-
-        async def nothing(*args: object, **kwargs: object) -> None:
-            await asyncio.sleep(3600)  # pulls nothing, and serves what it has: nothing
-
-        liar._pull = nothing  # type: ignore[method-assign]
+        liar = StallingNode("liar", pub.address, PUBLIC)
         await liar.start()
-        await asyncio.wait_for(_until(lambda: "liar" in pub._rounds[0].late), 5)
-        parent = pub._rounds[0].late["liar"]
-        await liar._ctl_send(InstalledFrame(v=0, got={parent: pub._rounds[0].manifest.n_chunks}))
         await asyncio.wait_for(_until(lambda: pub._rounds[0].holds("liar")), 5)
+        parent = pub._rounds[0].late["liar"]
         t0 = asyncio.get_running_loop().time()
-        victims = [
-            await _member_stalling(pub, f"victim{i}") for i in range(LATE_FANOUT + 2)
-        ]  # 4 under the liar (fan-out), then others
+        victims = [  # 4 under the liar (fan-out), then others
+            (await _member(pub, f"victim{i}", stall_timeout=0.5))[0] for i in range(LATE_FANOUT + 2)
+        ]
         await _installed(pub, 0, 2 + len(victims), timeout=20)  # first, the liar's ack, every victim
         took = asyncio.get_running_loop().time() - t0
         held = [v.installed_version for v in victims]
@@ -316,19 +314,6 @@ def test_a_latecomer_that_acks_what_it_does_not_hold_costs_its_victims_one_stall
     assert all(rnd.late_installed[w] >= 0.5 for w in under_liar)  # each waited its stall hint: the cost
     assert pub.counters.stall_reports >= 2 and pub.counters.latecomers_from_learner == 1
     assert took < 10.0
-
-
-async def _member_stalling(pub: TcpPublisher, name: str) -> TcpWorkerNode:
-    """A joined node that gives up on a silent source after 0.5 s (the tests' short stall)."""
-    node = TcpWorkerNode(name, pub.address, PUBLIC, stall_timeout=0.5)
-    await node.start()
-
-    async def collect() -> None:
-        async for snap in node.snapshots():
-            await node.report_installed(snap.manifest.version)
-
-    node._collect = asyncio.ensure_future(collect())  # type: ignore[attr-defined]
-    return node
 
 
 def test_a_member_that_keeps_re_joining_is_attached_a_bounded_number_of_times() -> None:

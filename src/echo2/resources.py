@@ -28,7 +28,8 @@ EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT})
 RETRY_DELAYS_S = (0.05, 0.2, 0.5, 1.0, 2.0)  # waits between the tries of :func:`retry_exhausted`
 
 T = TypeVar("T")
-_paused = [0]  # holders of collection_paused(), over every thread
+_holders = 0  # holders of collection_paused(), over every thread
+_resume = False  # whether the collector was enabled when the first holder paused it
 _paused_lock = threading.Lock()
 
 
@@ -95,17 +96,18 @@ def collection_paused() -> Iterator[None]:
     reference counting; cycles wait for the collector, which runs again when the last holder leaves.
     Nested and concurrent holders (threads) are counted; one that found it disabled by someone else leaves
     it so. Measured: ``benchmarks/fleet.py --study publish``."""
+    global _holders, _resume
     with _paused_lock:
-        _paused[0] += 1
-        if _paused[0] == 1:
-            _paused.append(gc.isenabled())
+        if _holders == 0:
+            _resume = gc.isenabled()
             gc.disable()
+        _holders += 1
     try:
         yield
     finally:
         with _paused_lock:
-            _paused[0] -= 1
-            if _paused[0] == 0 and _paused.pop():
+            _holders -= 1
+            if _holders == 0 and _resume:
                 gc.enable()
 
 

@@ -281,7 +281,8 @@ class SubmitReply(BaseModel):
 
     admitted: int  # trajectories stored for training
     dropped_stale: int  # trajectories accepted but too old (v < v_t - S)
-    pending_check: int = 0  # of the admitted, trajectories held until their generation check passes
+    pending_check: int = 0  # of the admitted, trajectories held until their generation check (or the
+    # worker's drawn submissions before them) passed
     next_lease: LeaseReply | None = None  # the answer to ``next_lease``, when asked and well formed
     next_lease_error: ErrorReply | None = None  # why ``next_lease`` was refused (the submission stands)
 

@@ -31,7 +31,13 @@ class FakeCheck:
     versions it is given; ``verdict`` decides each check (None: passes), ``gate`` holds it until set."""
 
     def __init__(
-        self, held: set[int], queue: int = 32, fraction: float = 1.0, first: int = 3, floor: float = 0.0
+        self,
+        held: set[int],
+        queue: int = 32,
+        fraction: float = 1.0,
+        first: int = 3,
+        floor: float = 0.0,
+        free: int = 0,
     ) -> None:
         self.held = held
         self.runs = 0
@@ -39,8 +45,9 @@ class FakeCheck:
         self.worst_passing_error = 0.0
         self.errors = LogHistogram()
         self.cfg = SecurityConfig(
-            check_fraction=fraction, check_floor=min(floor, fraction), check_queue=queue, check_first=first
-        )
+            check_fraction=fraction, check_floor=min(floor, fraction), check_queue=queue, check_first=first,
+            check_behind_free=free,
+        )  # fmt: skip
         self.verdict: Rejected | None = None
         self.gate = threading.Event()
         self.gate.set()
@@ -294,16 +301,17 @@ def test_a_forgery_found_off_the_request_path_quarantines_and_is_never_trained(t
 
 def test_without_a_floor_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
     """check_floor = 0, check_queue = 2: while two checks wait, the share drawn is 0: a proven
-    identity's further submissions are admitted unchecked (counted as declined), a new identity's are
-    refused (check_busy, no fault of the worker's), never admitted unchecked; the backlog never passes
-    2. (The default floor forbids the first: the next test.)"""
+    identity's further submissions are not drawn (counted as declined; held behind its own waiting
+    checks, not queued), a new identity's are refused (check_busy, no fault of the worker's), never
+    admitted unchecked; the backlog never passes 2. (The default floor forbids the first: the next
+    test.)"""
     now = [100.0]
     check = FakeCheck(held={4}, queue=2)
     check.gate.clear()
     intake, store = _intake(tmp_path, {4}, check, now)
     proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
     got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(5)]
-    assert got == ["pending", "pending", "admitted", "admitted", "admitted"]
+    assert got == ["pending"] * 5 and intake.metrics()["security/held_behind"] == 3
     assert intake.metrics()["security/check_backlog"] == 2 and intake.checker.check_share() == 0
     assert intake.metrics()["security/check_declined"] == 3
     new = [_submit(intake, store, 4, issued=150.0, settle=False) for _ in range(2)]  # checks_passed 0
@@ -313,6 +321,7 @@ def test_without_a_floor_the_backlog_stays_bounded_by_the_check_queue(tmp_path):
     check.gate.set()
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     assert check.runs == 2 and store.stats().held == 0 and intake.checker.check_share() == 1.0
+    assert RETURNED == ["w"] * 5 and proven.rollouts == 5 * G  # what was held behind went on
     RUNNER[0].run(intake.close())
 
 
@@ -469,4 +478,120 @@ def test_a_proven_identitys_check_goes_before_a_new_ones(tmp_path):
     check.gate.set()
     RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     assert order == [first, old, new]
+    RUNNER[0].run(intake.close())
+
+
+def _scripted(check: FakeCheck, drawn: list[bool]) -> None:
+    """The draw follows ``drawn``, one entry a submission (True: drawn), instead of every one."""
+    real = check.pick
+    script = iter(drawn)
+    check.pick = lambda sub, share, full: real(sub, share, full) if next(script) else []  # type: ignore[method-assign]
+
+
+def _last_lease(store: TrajectoryStore) -> str:
+    return str(store._db.execute("SELECT lease_id FROM leases ORDER BY rowid DESC LIMIT 1").fetchone()[0])
+
+
+def test_what_a_member_sends_while_its_drawn_check_waits_is_held_behind_it(tmp_path):
+    """A proven identity's first submission is drawn and its check waits; the two it sends meanwhile are
+    not drawn, yet held (``pending``, nothing trainable) until that check passed, then released and
+    returned like admitted work. Once no check of its waits, an undrawn submission is admitted at once."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    _scripted(check, [True, False, False, False])
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
+    got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(3)]
+    assert got == ["pending"] * 3 and store.stats().held == 3 * G and store.take_batch(1, 4, step=1) is None
+    assert check.runs == 0 and RETURNED == [] and proven.rollouts == 0
+    assert intake.metrics()["security/held_behind"] == 2 and intake.metrics()["security/check_backlog"] == 1
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert check.runs == 1 and store.stats().held == 0 and RETURNED == ["w"] * 3 and proven.rollouts == 3 * G
+    assert _submit(intake, store, 4, issued=150.0, rec=proven) == "admitted"
+    assert intake.metrics()["security/dropped_behind"] == 0
+    RUNNER[0].run(intake.close())
+
+
+def test_nothing_sent_after_a_drawn_forgery_is_trained_however_long_its_check_waits(tmp_path):
+    """The sleeper's case: a proven identity lies; its first drawn lie waits (the gate) while it sends
+    five more, none drawn. The check finds the forgery: the five are dropped untrained with it (counted
+    ``dropped_behind``), none returned, though the quarantine here purges nothing itself."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    check.verdict = Rejected("forged_generation", "groups[0].samples[0]: not the seeded draw")
+    _scripted(check, [True] + [False] * 5)
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
+    got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(6)]
+    assert got == ["pending"] * 6
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert QUARANTINED == [("w", "forged_generation")] and RETURNED == [] and proven.rollouts == 0
+    assert store.take_batch(1, 4, step=1) is None and store.stats().held == 0
+    assert store.stats().unchecked_dropped == 6 * G
+    assert intake.metrics()["security/held_behind"] == 5 and intake.metrics()["security/dropped_behind"] == 5
+    RUNNER[0].run(intake.close())
+
+
+@pytest.mark.parametrize(("reason", "released"), [("graded_tie", True), ("unchecked_version", False)])
+def test_a_submission_waits_only_for_the_checks_queued_before_it(tmp_path, reason, released):
+    """Drawn A (passes), B behind A, drawn C (``reason``), D behind A and C. B is released by A's pass
+    whatever C finds; D goes on only if C found no lie and did not expire (a near tie on a graded token
+    is no lie: released; an expired check could not look: dropped)."""
+    now = [100.0]
+    check = FakeCheck(held={4})
+    _scripted(check, [True, False, True, False])
+    real = check.check
+    failing: list[str] = []
+
+    def check_one(lease: Any, *a: Any) -> Any:
+        if lease.lease_id in failing:
+            raise Rejected(reason, "what the check found")
+        return real(lease, *a)
+
+    check.check = check_one  # type: ignore[method-assign]
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
+    leases = []
+    for _ in range(4):
+        assert _submit(intake, store, 4, issued=150.0, settle=False, rec=proven) == "pending"
+        leases.append(_last_lease(store))
+    failing.append(leases[2])
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    trainable = {r[0] for r in store._db.execute("SELECT lease_id FROM rollout_groups WHERE held = 0")}
+    dropped = {r[0] for r in store._db.execute("SELECT lease_id FROM rollout_groups WHERE held = 1")}
+    assert store.stats().held == 0 and leases[0] in trainable and leases[1] in trainable
+    assert leases[2] not in trainable and (leases[3] in trainable) is released
+    assert intake.metrics()["security/dropped_behind"] == (0 if released else 1)
+    assert ["w"] * (3 if released else 2) == RETURNED and QUARANTINED == [] and not dropped - set(leases)
+    RUNNER[0].run(intake.close())
+
+
+def test_check_behind_free_submissions_go_on_while_a_check_waits_and_no_more(tmp_path):
+    """security.check_behind_free = 2: while a drawn submission waits, the next two undrawn ones are
+    admitted trainable at once, the third is held behind it; once no check waits the count starts again."""
+    now = [100.0]
+    check = FakeCheck(held={4}, free=2)
+    _scripted(check, [True, False, False, False, True, False, False, False])
+    check.gate.clear()
+    intake, store = _intake(tmp_path, {4}, check, now)
+    proven = SimpleNamespace(worker_id="w", quarantined="", rollouts=0, checks_passed=3, checks_waiting=0)
+    got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(4)]
+    assert (
+        got == ["pending", "admitted", "admitted", "pending"]
+        and intake.metrics()["security/held_behind"] == 1
+    )
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
+    assert store.stats().held == 0 and RETURNED == ["w"] * 4
+    check.gate.clear()
+    got = [_submit(intake, store, 4, issued=150.0, settle=False, rec=proven) for _ in range(4)]
+    assert got == ["pending", "admitted", "admitted", "pending"]
+    check.gate.set()
+    RUNNER[0].run(asyncio.wait_for(intake.settled(), 20))
     RUNNER[0].run(intake.close())

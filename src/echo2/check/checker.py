@@ -24,6 +24,17 @@ on a token the grader reads is dropped without a strike [graded_tie]; an error o
 the groups. Dropped groups are never trained, counted, their prompts leased again. Held groups whose
 check cannot run (the learner stopped) are dropped untrained by the next learner process and counted
 (``store/unchecked_dropped``), never trained unchecked.
+
+Behind a waiting check: a submission of a member that has a drawn one waiting, and is not drawn itself,
+is stored held too (:meth:`Checker.follow`) until every check of that member queued before it has its
+verdict. It is released if they all passed (or were near ties on graded tokens), dropped untrained
+otherwise (a forgery quarantines the member and purges it with the rest; an expired or failed check
+drops what waited behind it). So what a member sends after a drawn forgery is never trained, however
+long that check waits, and the floor's bound on forgeries trained holds whatever the check's delay: a
+forger gets only its undrawn submissions before its first drawn one trained (``docs/security.md``).
+Nothing is re-run for it; an honest member's work waits for its own check, not for the others'. The
+first ``security.check_behind_free`` of them while a check waits go on at once (counted from when none
+waited), a stated addition to the bound.
 """
 
 from __future__ import annotations
@@ -115,6 +126,15 @@ class _Drawn:
     late: bool  # it answered a lease that had expired: no return when it passes
 
 
+@dataclass(frozen=True)
+class _Behind:
+    """A submission not drawn, held behind checks of its member's that were waiting when it came."""
+
+    lease: Lease  # the lease it answers
+    late: bool  # it answered a lease that had expired: no return when it is released
+    upto: int  # the newest check of its member's (queue sequence number) it waits for
+
+
 class Checker:
     """The draw policy, the queue and the checker thread over one :class:`GenerationCheck` (module
     docstring). The store holds a drawn submission's groups *held* until :meth:`release` or drop."""
@@ -147,6 +167,12 @@ class Checker:
         self.checked_submissions = 0  # submissions whose generation was re-run (only real re-runs)
         self.check_expired = 0  # drawn submissions whose check could not run before their version left
         self.graded_ties = 0  # drawn submissions dropped for a near tie on a token the grader reads
+        # the checks each member has waiting (queue sequence numbers), and its submissions held behind them
+        self._waiting: dict[str, set[int]] = {}
+        self._behind: dict[str, list[_Behind]] = {}
+        self._free: dict[str, int] = {}  # undrawn submissions admitted while a check of its waited
+        self.held_behind = 0  # submissions held behind a waiting check of their member's
+        self.dropped_behind = 0  # of those, dropped untrained: a check they waited for failed or expired
         self.latency_s = 0.0  # arrival to verdict of the newest checked submission
         self._task: asyncio.Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -208,24 +234,78 @@ class Checker:
         self._pending[lease.lease_id] = time.monotonic()
         rec.checks_waiting += 1
         self._seq += 1
+        self._waiting.setdefault(rec.worker_id, set()).add(self._seq)
         key = (int(proving(rec, self.cfg)), sub.policy_version, self._seq)
         self._queue.put_nowait((key, _Drawn(rec, lease, sub, picks, late)))
+
+    def behind(self, rec: Member) -> bool:
+        """Whether ``rec``'s next submission, if not drawn, is held behind a drawn one of its own waiting
+        for its check (:meth:`follow`): once ``security.check_behind_free`` have been admitted while such
+        a check waited (those count here)."""
+        wid = rec.worker_id
+        if not self._waiting.get(wid):
+            return False
+        free = self._free.get(wid, 0)
+        if free < self.cfg.check_behind_free:
+            self._free[wid] = free + 1
+            return False
+        return True
+
+    def follow(self, rec: Member, lease: Lease, late: bool) -> None:
+        """A submission of ``rec`` not drawn, stored held while a check of ``rec``'s waits: released once
+        every check of ``rec``'s waiting now passed, dropped if one did not (module docstring)."""
+        upto = max(self._waiting[rec.worker_id])
+        self._behind.setdefault(rec.worker_id, []).append(_Behind(lease, late, upto))
+        self.held_behind += 1
 
     async def _run(self) -> None:
         """One drawn submission at a time, on a thread of its own (never the executor the update, the
         publisher or the deterministic checks use); :meth:`_check_one` says what follows a verdict."""
         while True:
-            _, drawn = await self._queue.get()
+            (_, _, seq), drawn = await self._queue.get()
+            passed = False
             try:
-                await self._check_one(drawn)
+                passed = await self._check_one(drawn)
             finally:
                 self.latency_s = time.monotonic() - self._pending.pop(drawn.lease.lease_id)
                 self.generation.unpin(drawn.sub.policy_version)  # pinned when it was drawn
                 drawn.rec.checks_waiting -= 1
+                self._settle(drawn.rec, seq, passed)
                 self._queue.task_done()
 
-    async def _check_one(self, drawn: _Drawn) -> None:
-        """The verdict and what follows it (module docstring)."""
+    def _settle(self, rec: Member, seq: int, passed: bool) -> None:
+        """After the verdict on ``rec``'s check ``seq``: what waited behind it is dropped if it did not
+        pass, released once no earlier check of ``rec``'s waits."""
+        waiting = self._waiting.get(rec.worker_id, set())
+        waiting.discard(seq)
+        first = min(waiting, default=self._seq + 1)  # the oldest check of rec's still waiting
+        keep: list[_Behind] = []
+        for held in self._behind.pop(rec.worker_id, []):
+            if (not passed and held.upto >= seq) or rec.quarantined:
+                self.dropped_behind += 1
+                self.store.drop_held(held.lease.lease_id)
+            elif held.upto < first:
+                self._release(rec, held.lease, held.late)
+            else:
+                keep.append(held)
+        if keep:
+            self._behind[rec.worker_id] = keep
+        if not waiting:
+            self._waiting.pop(rec.worker_id, None)
+            self._free.pop(rec.worker_id, None)
+
+    def _release(self, rec: Member, lease: Lease, late: bool) -> None:
+        """``lease``'s held groups become trainable; the lease counts as returned (unless ``late``)."""
+        released = self.store.release(lease.lease_id)
+        rec.rollouts += released
+        if released:
+            if not late:
+                self.returned(rec.worker_id)
+            self.data_ready()
+
+    async def _check_one(self, drawn: _Drawn) -> bool:
+        """The verdict and what follows it (module docstring): whether what waited behind it may go on
+        (it passed, or was a near tie on a graded token)."""
         rec, lease, sub = drawn.rec, drawn.lease, drawn.sub
         due = functools.partial(self._due, sub.policy_version, proving(rec, self.cfg))
         check = functools.partial(
@@ -243,6 +323,8 @@ class Checker:
                 self.struck(rec.worker_id, "check_expired")
             elif exc.reason == "graded_tie":
                 self.graded_ties += 1
+                self.store.drop_held(lease.lease_id)
+                return True  # no lie found: what waited behind it goes on
             self.store.drop_held(lease.lease_id)
         except Exception:  # a bug or resource failure of the check itself: the groups go, untrained
             log.exception("the generation check of %s's lease %s failed", rec.worker_id, lease.lease_id)
@@ -250,12 +332,9 @@ class Checker:
         else:
             self.checked_submissions += 1
             rec.checks_passed += 1
-            released = self.store.release(lease.lease_id)
-            rec.rollouts += released
-            if released:
-                if not drawn.late:
-                    self.returned(rec.worker_id)
-                self.data_ready()
+            self._release(rec, lease, drawn.late)
+            return True
+        return False
 
     def _graded(self, lease: Lease, sub: Submission) -> Callable[[int, int], int] | None:
         """Where the grader starts reading each completion (``Verifier.graded_from``; None: everywhere)."""
@@ -307,6 +386,8 @@ class Checker:
             m.SECURITY_NEAR_TIES.key: gen.near_ties,
             m.SECURITY_NEAR_TIE_ROOM.key: gen.room,
             m.SECURITY_GRADED_TIES.key: self.graded_ties,
+            m.SECURITY_HELD_BEHIND.key: self.held_behind,
+            m.SECURITY_DROPPED_BEHIND.key: self.dropped_behind,
         }
 
 
@@ -330,5 +411,7 @@ IDLE_METRICS = {
         m.SECURITY_NEAR_TIES,
         m.SECURITY_NEAR_TIE_ROOM,
         m.SECURITY_GRADED_TIES,
+        m.SECURITY_HELD_BEHIND,
+        m.SECURITY_DROPPED_BEHIND,
     )
 }

@@ -133,6 +133,14 @@ class SecurityConfig(_Section):
         "max(check_floor, check_fraction x (1 - waiting / check_queue)), and its drawn submissions wait "
         "beyond it (held, within the in-flight budget)",
     )
+    check_behind_free: int = Field(
+        0,
+        ge=0,
+        description="submissions of a worker admitted trainable while a drawn submission of its own waits "
+        "for its check; beyond these, what it sends is held behind that check (released when it passes, "
+        "dropped with a forgery), so a forger gets at most this many more trained after its first drawn "
+        "lie, however long the check waits (docs/security.md); 0 = hold everything behind it",
+    )
     check_nice: int = Field(
         19,
         ge=0,

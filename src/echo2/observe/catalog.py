@@ -798,6 +798,20 @@ SECURITY_GRADED_TIES = _m(
     "drawn submissions dropped untrained for a near tie on a token the grader reads (no strike)",
     RUN,
 )
+SECURITY_HELD_BEHIND = _m(
+    "security/held_behind",
+    "count",
+    "submissions not drawn but held behind a waiting check of their worker's, until every check it had "
+    "waiting passed (so nothing sent after a drawn forgery is trained, however long its check waits)",
+    RUN,
+)
+SECURITY_DROPPED_BEHIND = _m(
+    "security/dropped_behind",
+    "count",
+    "of the submissions held behind a waiting check, those dropped untrained because a check they "
+    "waited for found a forgery, expired or failed",
+    RUN,
+)
 SECURITY_QUARANTINED = _m(
     "security/quarantined", "count", "workers quarantined (persisted: a restart keeps them)", RUN
 )

@@ -5,7 +5,8 @@ and the newest published version; the verifier (``tasks/verify.py``, off the eve
 each sample answers the leased prompt with its own tokens, is well formed, earned the reward it claims
 and claims a version the worker could hold. The checker (``check/checker.py``) then draws a share of
 submissions for the generation check: a drawn one is stored *held*, not trainable, the worker answered
-at once (``pending_check``), and its verdict releases the groups or quarantines the worker. The store
+at once (``pending_check``), and its verdict releases the groups or quarantines the worker; one not
+drawn from a worker with a drawn one waiting is held behind it (``Checker.follow``). The store
 checks the lease (exists, this worker's, not answered before, same prompts) and applies the admission
 rule at the learner's current version. Every refusal is counted by reason in the store
 (``store/rejected/<reason>``); evidence of lying (a forged reward or generation) quarantines the worker
@@ -134,9 +135,12 @@ class Intake:
                 )
             if mine is not None:  # else the store refuses it, without the expense
                 sub, picks = await self._verify(rec, mine, sub)  # the learner's grades from here on
+            # not drawn, but its member has a drawn one waiting: held behind it (Checker.follow)
+            behind = not picks and self.checker is not None and self.checker.behind(rec)
             result: SubmitResult | None = None
             try:
-                result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=bool(picks))
+                hold = bool(picks) or behind
+                result = self.store.submit(sub, rec.worker_id, self.version(), self.clock(), hold=hold)
             finally:
                 if picks and (result is None or not result.held) and self.checker is not None:
                     self.checker.undraw(sub)  # drawn by _verify; no check will run
@@ -153,8 +157,11 @@ class Intake:
         if result.dropped_stale:
             self.struck(rec.worker_id, "stale")  # a stale answer returns nothing: a strike, never a return
         elif result.held:
-            assert self.checker is not None  # only a drawn submission is held
-            self.checker.enqueue(rec, lease, sub, picks, late)  # returned once its check passes
+            assert self.checker is not None  # only a drawn submission, or one behind a check, is held
+            if picks:
+                self.checker.enqueue(rec, lease, sub, picks, late)  # returned once its check passes
+            else:
+                self.checker.follow(rec, lease, late)  # returned once the checks before it passed
         elif result.admitted:
             rec.rollouts += result.admitted  # what its measured rate counts (a held one's: once passed)
             if not late:

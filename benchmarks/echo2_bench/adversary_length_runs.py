@@ -242,8 +242,11 @@ def _score(run_dir: Path, got: dict[str, Any]) -> dict[str, Any]:
     from echo2.config import SecurityConfig
     from echo2_bench.adversary_length import PATIENT, forged_ledger, taken
 
-    floor = SecurityConfig().floor()
-    k99 = floor_bound(floor)
+    security = SecurityConfig()
+    floor = security.floor()
+    # forged submissions an identity gets trained: those before its first drawn one (the floor's bound),
+    # and the ones admitted at once while that check waits (check_behind_free, 0 by default)
+    k99 = floor_bound(floor) + security.check_behind_free
     kinds: dict[str, Any] = {}
     for kind, entry in got.items():
         trials = entry["trials"]

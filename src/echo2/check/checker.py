@@ -270,8 +270,10 @@ class Checker:
                 self.latency_s = time.monotonic() - self._pending.pop(drawn.lease.lease_id)
                 self.generation.unpin(drawn.sub.policy_version)  # pinned when it was drawn
                 drawn.rec.checks_waiting -= 1
-                self._settle(drawn.rec, seq, passed)
-                self._queue.task_done()
+                try:
+                    self._settle(drawn.rec, seq, passed)
+                finally:  # settled() never waits on a verdict that came
+                    self._queue.task_done()
 
     def _settle(self, rec: Member, seq: int, passed: bool) -> None:
         """After the verdict on ``rec``'s check ``seq``: what waited behind it is dropped if it did not

@@ -325,9 +325,8 @@ class Checker:
                 self.struck(rec.worker_id, "check_expired")
             elif exc.reason == "graded_tie":
                 self.graded_ties += 1
-                self.store.drop_held(lease.lease_id)
-                return True  # no lie found: what waited behind it goes on
             self.store.drop_held(lease.lease_id)
+            return exc.reason == "graded_tie"  # no lie found in a tie: what waited behind it goes on
         except Exception:  # a bug or resource failure of the check itself: the groups go, untrained
             log.exception("the generation check of %s's lease %s failed", rec.worker_id, lease.lease_id)
             self.store.drop_held(lease.lease_id)

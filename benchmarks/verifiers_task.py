@@ -1,16 +1,24 @@
-"""A verifiers taskset trained end to end: `echo2 run --task verifiers` (learner + 2 local worker
-processes, the embedded model, the bundled sums taskset `echo2.data.tasks.verifiers_example`, a plain
-verifiers v1 taskset whose `@reward` reads each task's gold answer) for a few minutes. Runtime reading.
+"""A verifiers taskset or environment trained end to end, learner + 2 local worker processes, the
+embedded model, for a few minutes. Runtime reading.
 
-Targets (fixed here, before the run): the run ends by itself (exit 0); every completion trained was
-scored on the learner by the taskset's reward (`reward/outcomes/scored` >= the trajectories admitted,
-`reward/outcomes/error` = 0); the generation check re-ran submissions and refused none
-(`security/checked_submissions` > 0, `store/rejected` = 0); and held-out accuracy rose (a reading: the
-gain is reported, with the step count, no threshold).
+- default: `echo2 run --task verifiers` on the bundled sums taskset `echo2.data.tasks.verifiers_example`
+  (a plain verifiers v1 taskset whose `@reward` reads each task's gold answer). Targets (fixed before the
+  run): exit 0; every completion trained was scored on the learner by the taskset's reward
+  (`reward/outcomes/scored` >= the trajectories admitted, `reward/outcomes/error` = 0); the generation
+  check re-ran submissions and refused none (`security/checked_submissions` > 0, `store/rejected` = 0).
+  Writes results/verifiers_task.json.
+- `--env ID` (`echo2-vf-probe`, `echo2-vf-adder`): `echo2 run --task verifiers_env --set task.env=ID` on a
+  bundled multi-turn verifiers env (its own `Env.run`, played by the workers, every episode replayed and
+  re-scored by the task's rewards on the learner, `envs/verifiers_bridge.py`). Targets (fixed before the
+  run): exit 0; episodes admitted (`store/admitted` > 0) with none refused (`store/rejected` = 0: every
+  submitted episode's replay agreed with the worker's turns, mask and reward); the generation check
+  re-ran submissions (`security/checked_submissions` > 0); 0 environment errors in the trained batches
+  (`env/errors`). Writes results/verifiers_env_<ID>.json.
 
-Writes results/verifiers_task.json.
+Both: held-out accuracy (for an env, the mean reward of a greedy episode) is a reading: the gain is
+reported, with the step count, no threshold.
 
-    python benchmarks/verifiers_task.py [--minutes 4]
+    python benchmarks/verifiers_task.py [--minutes 4] [--env echo2-vf-probe|echo2-vf-adder]
 """
 
 from __future__ import annotations
@@ -25,6 +33,13 @@ from pathlib import Path
 from default_run import last_record
 
 ROOT = Path(__file__).resolve().parents[1]
+TEACHERS = {
+    "echo2-vf-probe": "echo2_vf_probe:probe_teacher",
+    "echo2-vf-adder": "echo2_vf_adder:adder_teacher",
+}
+ENV_SETTINGS = {  # what the adder's replies need: "add 12 7" and EOS, 4 replies
+    "echo2-vf-adder": ("sampling.max_new_tokens=10", "task.max_turns=4")
+}
 
 
 def summed(run_dir: Path, prefix: str) -> dict[str, float]:
@@ -42,9 +57,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=4.0, help="the run's training budget")
     p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--env", choices=sorted(TEACHERS), help="a bundled multi-turn verifiers env instead")
     args = p.parse_args()
-    run_dir = args.out / "verifiers_task_runs" / "latest"
-    cmd = [sys.executable, "-m", "echo2.cli", "run", "--task", "verifiers", "--run-dir", str(run_dir),
+    name = "verifiers_task" if args.env is None else f"verifiers_env_{args.env.replace('-', '_')}"
+    run_dir = args.out / f"{name}_runs" / "latest"
+    task = ["--task", "verifiers"] if args.env is None else [
+        "--task", "verifiers_env", "--set", f"task.env={args.env}",
+        "--set", f"task.teacher={TEACHERS[args.env]}",
+        *(x for kv in ENV_SETTINGS.get(args.env, ()) for x in ("--set", kv)),
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "echo2.cli", "run", *task, "--run-dir", str(run_dir),
            "--no-progress", "--set", f"train.max_minutes={args.minutes}"]  # fmt: skip
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -59,14 +81,25 @@ def main() -> int:
     admitted = last_record(run_dir, "store/admitted") or 0
     checked = last_record(run_dir, "security/checked_submissions") or 0
     rejected = last_record(run_dir, "store/rejected") or 0
-    met = {
-        "exit_0": True,
-        "every_trained_completion_scored_on_the_learner": outcomes.get("scored", 0) >= admitted > 0,
-        "no_scoring_error": outcomes.get("error", 0) == 0,
-        "checks_ran_and_passed": checked > 0 and rejected == 0,
-    }
+    env_errors = summed(run_dir, "env/").get("errors", 0)
+    met = (
+        {
+            "exit_0": True,
+            "every_trained_completion_scored_on_the_learner": outcomes.get("scored", 0) >= admitted > 0,
+            "no_scoring_error": outcomes.get("error", 0) == 0,
+            "checks_ran_and_passed": checked > 0 and rejected == 0,
+        }
+        if args.env is None
+        else {
+            "exit_0": True,
+            "episodes_admitted_every_replay_agreed": admitted > 0 and rejected == 0,
+            "checks_ran": checked > 0,
+            "no_environment_error": env_errors == 0,
+        }
+    )
     out = {
-        "command": f"python benchmarks/verifiers_task.py --minutes {args.minutes:g}",
+        "command": f"python benchmarks/verifiers_task.py --minutes {args.minutes:g}"
+        + (f" --env {args.env}" if args.env else ""),
         "source": "runtime (echo2 run: learner + 2 worker processes, this machine)",
         "wall_s": round(wall, 1),
         "steps": s["steps"],
@@ -75,6 +108,8 @@ def main() -> int:
         "gain_points": round(100 * (s["final_accuracy"] - s["initial_accuracy"]), 1),
         "admitted": admitted,
         "learner_scorings_by_outcome": outcomes,
+        "env_errors": env_errors,
+        "env_turns_mean_last": last_record(run_dir, "env/turns_mean"),
         "checked_submissions": checked,
         "rejected": rejected,
         "yield": s["store"].get("store/yield"),
@@ -82,7 +117,7 @@ def main() -> int:
         "met": met,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "verifiers_task.json").write_text(json.dumps(out, indent=2) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
     return 0 if all(met.values()) else 2
 

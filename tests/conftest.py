@@ -59,6 +59,28 @@ def tiny_policy_module():
     return _tiny_policy()
 
 
+def _published_engine(policy, sampling):
+    """``(weights, engine)``: the bf16 copy a run publishes of ``policy`` and a worker's HF engine on a
+    model holding it (the policy itself untouched)."""
+    import copy
+
+    from echo2.models.snapshot import install_weights
+    from echo2.rollout.engines.hf import HFEngine
+    from echo2.weights.delta import sampler_copy
+
+    weights = sampler_copy(policy.model, "bfloat16")
+    model = copy.deepcopy(policy.model)
+    install_weights(model, weights)
+    return weights, HFEngine(model, policy.eos_id, policy.pad_id, sampling)
+
+
+@pytest.fixture(scope="session")
+def published_engine():
+    """``published_engine(policy, sampling) -> (weights, engine)``: the bf16 copy a run publishes and a
+    worker's HF engine holding it."""
+    return _published_engine
+
+
 CHAT_TEMPLATE = (  # ChatML; a template argument, think, adds a marker to the generation prompt
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think is defined and not think %}"

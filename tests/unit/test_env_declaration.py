@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_task_union_presets_env_spec_and_registry_all_derive_from_the_one_list():
     names = [env.name for env in ENVIRONMENTS]
-    assert names == ["poker", "guess"]
+    assert names == ["poker", "guess", "verifiers_env"]
     single = [m.model_fields["name"].default for m in SINGLE_TURN_TASKS]
     # the [task] union: the single-turn models, then one variant per listed environment, in list order
     (union, field) = typing.get_args(TaskConfig)
@@ -142,7 +142,10 @@ assert load_config(sys.argv[1]).task == coin.CoinTaskConfig(sides=4)  # `[task] 
 for bad, says in (
     (["task.name=coin", "task.sides=9"], "task.coin.sides: Input should be less than or equal to 6 (got 9)"),
     (["task.name=coin", "task.side=3"], "task.coin.side: Extra inputs are not permitted"),
-    (["task.name=dice"], "'arithmetic', 'math', 'code', 'verifiers', 'poker', 'guess', 'coin'"),
+    (
+        ["task.name=dice"],
+        "'arithmetic', 'math', 'code', 'verifiers', 'poker', 'guess', 'verifiers_env', 'coin'",
+    ),
     (["task.name=coin", "grpo.loss_agg=seq-mean-token-sum-norm"], "needs a constant completion length"),
 ):
     try:

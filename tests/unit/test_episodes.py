@@ -27,7 +27,6 @@ from echo2.rollout.engines.hf import HFEngine
 from echo2.rollout.episodes import collect_episodes
 from echo2.tasks.verify import EpisodeReplay
 from echo2.types import Trajectory
-from echo2.weights.delta import sampler_copy
 
 G = 4
 SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3)
@@ -69,15 +68,10 @@ def test_episode_splits_are_disjoint_by_seed():
 
 
 @pytest.fixture(scope="module")
-def played(tiny_policy_module):
+def played(tiny_policy_module, published_engine):
     """Two groups of G guess episodes from the tiny model's published bf16 weights."""
     policy = tiny_policy_module
-    weights = sampler_copy(policy.model, "bfloat16")
-    model = copy.deepcopy(policy.model)
-    from echo2.models.snapshot import install_weights
-
-    install_weights(model, weights)
-    engine = HFEngine(model, policy.eos_id, policy.pad_id, SAMPLING)
+    weights, engine = published_engine(policy, SAMPLING)
     task = _task()
     prompts = task.sample_train(random.Random(1), 2)
     seed = 987654321
@@ -233,6 +227,39 @@ def test_a_misbehaving_environment_costs_only_its_own_episode(tiny_policy_module
     bad, good = batch.trajectories[:2], batch.trajectories[2:]
     assert all("env_error" in t.meta and t.reward == 0.0 for t in bad)
     assert all("env_error" not in t.meta and t.reward == 1.0 for t in good)
+
+
+class _Endless:
+    """Never ends an episode by itself; counts ``close()`` calls."""
+
+    closed = 0
+
+    def reset(self, seed: int) -> str:
+        return "go>"
+
+    def step(self, action: str):
+        return EnvStep("more>", 0.0, False)
+
+    def close(self) -> None:
+        type(self).closed += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _EndlessSpec(GuessSpec):
+    def make(self, prompt, opponent_policy=None):
+        return _Endless()
+
+
+def test_a_cut_episodes_environment_is_closed(tiny_policy_module):
+    policy = tiny_policy_module
+    engine = HFEngine(policy.model, policy.eos_id, policy.pad_id, SAMPLING)
+    task = EnvironmentTask(_EndlessSpec(GuessTaskConfig(max_turns=2)))
+    _Endless.closed = 0
+    batch = collect_episodes(
+        policy.codec, engine, task, [task.prompt(3, {})], 2, seed=1, policy_version=0, group_prefix="L",
+        max_context=64, max_new_tokens=3,
+    )  # fmt: skip
+    assert len(batch.trajectories) == 2 and _Endless.closed == 2  # both cut at max_turns, both closed
 
 
 def test_a_failing_reset_raises_env_error(tiny_policy_module):

@@ -297,6 +297,7 @@ def test_registry_builds_every_task():
     from echo2.data.tasks.code import CodeTask
     from echo2.data.tasks.environment import EnvironmentTask
     from echo2.data.tasks.verifiers_env import VerifiersTask
+    from echo2.envs.verifiers_turns import VerifiersEnvTaskConfig
     from echo2.tasks.episodic import Episodic
     from echo2.tasks.registry import REGISTRY
     from echo2.tasks.single_turn import SingleTurn
@@ -308,6 +309,7 @@ def test_registry_builds_every_task():
         VerifiersTaskConfig,
         PokerTaskConfig,
         GuessTaskConfig,
+        VerifiersEnvTaskConfig,
     }
     # one registry keyed by the task name: its config model (whose name it is), preset and builder
     assert set(REGISTRY) == set(TASK_PRESETS)
@@ -323,7 +325,7 @@ def test_registry_builds_every_task():
     )  # builds without verifiers: the taskset is read on first use
     assert isinstance(vf_task, SingleTurn) and isinstance(vf_task.data, VerifiersTask)
     assert arithmetic.score == math_task.score == code.score == "accuracy"
-    for cfg in (PokerTaskConfig(), GuessTaskConfig()):
+    for cfg in (PokerTaskConfig(), GuessTaskConfig(), VerifiersEnvTaskConfig()):
         task = build_task(cfg, 0)
         assert isinstance(task, Episodic) and isinstance(task.data, EnvironmentTask) and task.name == cfg.name
         assert task.score == ("chips" if cfg.name == "poker" else "return")

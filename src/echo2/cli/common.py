@@ -41,7 +41,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--task",
-        help="the embedded default of a task: arithmetic (default), math, guess, poker (--set wins over it)",
+        help="the embedded default of a task: arithmetic (default), math, code, verifiers, poker, guess, "
+        "verifiers_env (--set wins over it)",
     )
     p.add_argument("--seed", type=int, help="shorthand for --set seed=N")
     p.add_argument("--run-dir", help="shorthand for --set train.run_dir=PATH")

@@ -64,6 +64,9 @@ class TextEnv(Protocol):
         """Apply the policy's text ``action`` (raw model output, decoded) and return what follows."""
         ...
 
+    # optional: ``close()``, called when an episode is cut before the environment ended it (the adapter
+    # calls it if the environment has one), releases what the unfinished episode holds
+
 
 class EnvError(RuntimeError):
     """An environment misbehaved (raised, hung past its timeout, returned a non-finite reward or a
@@ -146,6 +149,11 @@ class EnvKnobs:
     @property
     def validation_fraction(self) -> float:
         return float(self.cfg.validation_fraction)
+
+    @property
+    def episodes(self) -> int | None:
+        """How many distinct episodes there are (seeds ``0..episodes-1``), or None: any 31-bit seed."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from echo2.envs.base import Environment, EnvironmentFields
 from echo2.envs.guess import GUESS, GuessSpec
 from echo2.envs.poker_task import POKER, RULE_STYLES, PokerSpec
+from echo2.envs.verifiers_turns import VERIFIERS_ENV
 
 if TYPE_CHECKING:
     from echo2.data.tasks.environment import EnvSpec
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["ENVIRONMENTS", "RULE_STYLES", "GuessSpec", "PokerSpec", "env_spec", "environment"]
 
 # the one list (its order is the order of the ``[task]`` variants after the single-turn tasks)
-ENVIRONMENTS: tuple[Environment, ...] = (POKER, GUESS)
+ENVIRONMENTS: tuple[Environment, ...] = (POKER, GUESS, VERIFIERS_ENV)
 
 
 def environment(cfg: EnvironmentFields) -> Environment:

@@ -187,6 +187,13 @@ def play(
             _step(codec, e, action, stepper)
             if not e.over and turn == limits.max_turns - 1:
                 e.over = e.cut = True
+    for e in episodes:  # what an unfinished episode holds (a verifiers env's run) is released
+        close = getattr(e.env, "close", None)
+        if e.cut and callable(close):
+            try:
+                stepper.call(close)
+            except Exception as exc:  # user code: a failing close costs nothing but this line
+                log.warning("closing a cut episode's environment failed: %s", exc)
     return tokens
 
 

@@ -91,4 +91,6 @@ def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
 
 def worker_packages(cfg: TaskConfig) -> tuple[str, ...]:
     """The distributions a worker runs the task ``cfg`` names with, pinned for the run."""
-    return REGISTRY[cfg.name].packages
+    own = getattr(cfg, "packages", None)  # a config naming its environment's package (verifiers_env)
+    extra = own() if callable(own) else ()
+    return tuple(dict.fromkeys((*REGISTRY[cfg.name].packages, *extra)))

@@ -9,7 +9,9 @@ them (``rollout/episodes.py``) and the learner replays them to re-check the clai
 **Splits hold out whole episodes.** The split of a seed is a stable hash of ``"<env>:<seed>"``: test =
 ``[0, eval_fraction)``, validation = the next ``validation_fraction``, train = the rest. A seed fixes
 everything random in an episode (poker: the whole deck), so no training episode replays a held-out
-deal. The fixed held-out lists take the seeds 0, 1, 2, ... that fall in their split.
+deal. The fixed held-out lists take the seeds 0, 1, 2, ... that fall in their split. An environment of
+finitely many episodes (a verifiers taskset: ``EnvSpec.episodes``) has the seeds ``0..episodes-1`` only,
+each one task, so a task is in one split.
 
 A new environment is an :class:`EnvSpec` (how to build it, which extra prompt fields it draws, who
 teaches its warm start) registered in ``envs/roster.py`` with its config model; nothing else changes.
@@ -23,6 +25,7 @@ from typing import Any, Protocol
 
 from echo2.data.tasks.base import Split, full_mask, split_of, stable_fraction
 from echo2.envs.base import EnvScore, TextEnv
+from echo2.errors import DataError
 from echo2.types import Prompt
 
 TextPolicy = Callable[[str], str]  # observation text -> action text (a model opponent)
@@ -71,6 +74,12 @@ class EnvSpec(Protocol):
         """Share of episode seeds held out as the validation split."""
         ...
 
+    @property
+    def episodes(self) -> int | None:
+        """How many distinct episodes there are (seeds ``0..episodes-1``: a finite set of tasks), or
+        None: any 31-bit seed."""
+        ...
+
     def make(self, prompt: Prompt, opponent_policy: TextPolicy | None = None) -> TextEnv:
         """A fresh environment for the episode ``prompt`` names (not reset yet). ``opponent_policy``
         plays a model opponent (``meta["opponent"] == "selfplay"``), when the environment has one."""
@@ -99,6 +108,7 @@ class EnvironmentTask:
         self.name = spec.name
         self.seed = seed
         self._fixed: dict[Split, list[Prompt]] = {"validation": [], "test": []}
+        self._train: list[int] | None = None  # a finite environment's training seeds, once read
 
     def split(self, episode_seed: int) -> Split:
         u = stable_fraction(f"{self.name}:{episode_seed}")
@@ -117,18 +127,32 @@ class EnvironmentTask:
     def train_prompts(self) -> list[Prompt] | None:
         return None  # a stream of episode seeds
 
+    def _train_seeds(self) -> list[int] | None:
+        """The training seeds of a finite environment (None: any 31-bit seed)."""
+        if self.spec.episodes is None:
+            return None
+        if self._train is None:
+            self._train = [s for s in range(self.spec.episodes) if self.split(s) == "train"]
+            if not self._train:
+                raise DataError(
+                    f"{self.name}: none of its {self.spec.episodes} episodes falls in the train split"
+                )
+        return self._train
+
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         out: list[Prompt] = []
+        seeds = self._train_seeds()
         while len(out) < n:
-            s = rng.getrandbits(31)
-            if self.split(s) == "train":
+            s = rng.getrandbits(31) if seeds is None else rng.choice(seeds)
+            if seeds is not None or self.split(s) == "train":
                 out.append(self.prompt(s, self.spec.draw_meta(rng)))
         return out
 
     def _fixed_prompts(self, split: Split, n: int) -> list[Prompt]:
         cache = self._fixed[split]
         s = (cache[-1].meta["seed"] + 1) if cache else 0
-        while len(cache) < n:
+        end = self.spec.episodes
+        while len(cache) < n and (end is None or s < end):
             if self.split(s) == split:
                 cache.append(self.prompt(s, self.spec.fixed_meta(len(cache))))
             s += 1

@@ -31,22 +31,17 @@ The three splits are disjoint by task key (``file_splits``: a stable hash of the
 
 from __future__ import annotations
 
-import asyncio
-import importlib
-import importlib.util
-import inspect
 import logging
 import math
-import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.data.tasks.base import FileSplitsAccess, Grade, Split, file_splits, full_mask
+from echo2.envs.verifiers_load import load_taskset, new_trace, run_async, score, unscorable, vf
 from echo2.errors import ConfigError, DataError
 from echo2.types import Prompt
 
@@ -54,115 +49,9 @@ if TYPE_CHECKING:
     from echo2.config import VerifiersTaskConfig
 
 log = logging.getLogger(__name__)
+__all__ = ["VerifiersTask", "load_taskset"]
 OUTCOMES = ("scored", "error")
 ERROR_LOG_EVERY_S = 60.0  # a failing reward function is logged once a minute per kind of failure
-RUNTIME_HOOKS = ("setup", "finalize", "stage_verifier")  # Task methods that prepare state in a runtime
-
-
-def _run(coro: Coroutine[Any, Any, float]) -> float:
-    """``coro`` to completion on an event loop of its own: in this thread, or, when this thread already
-    runs one (the learner's warm start and evaluation may be called from its loop), in a fresh thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1, thread_name_prefix="echo2-score") as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-def _vf() -> Any:
-    """``verifiers.v1``, or a :class:`ConfigError` naming the extra to install."""
-    try:
-        return importlib.import_module("verifiers.v1")
-    except ImportError as exc:
-        raise ConfigError(
-            f"task.name = 'verifiers' needs the verifiers package (pip install 'echo2[verifiers]'): {exc}"
-        ) from None
-
-
-def load_object(spec: str) -> Any:
-    """The object ``spec`` names: ``package.module:name`` or ``path/to/file.py:name``."""
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise ConfigError(f"task.env = {spec!r}: expected 'package.module:name' or 'path/to/file.py:name'")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ConfigError(f"task.env = {spec!r}: no file {path}")
-            mod_name = f"echo2_env_{abs(hash(path.resolve()))}"
-            spec_ = importlib.util.spec_from_file_location(mod_name, path)
-            if spec_ is None or spec_.loader is None:
-                raise ConfigError(f"task.env = {spec!r}: {path} cannot be imported")
-            module = importlib.util.module_from_spec(spec_)
-            sys.modules[mod_name] = module  # pydantic models of the file resolve their own names
-            spec_.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except Exception as exc:  # the user's module: whatever it raises is its own error, named
-        raise ConfigError(
-            f"task.env = {spec!r}: importing {where} failed ({type(exc).__name__}: {exc})"
-        ) from None
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise ConfigError(f"task.env = {spec!r}: {where} has no {name!r}") from None
-
-
-def load_taskset(spec: str, args: dict[str, Any]) -> Any:
-    """The ``vf.Taskset`` ``spec`` names (module docstring), built with ``args``."""
-    vf = _vf()
-    obj = load_object(spec)
-    try:
-        if inspect.isclass(obj) and issubclass(obj, vf.Taskset):
-            obj = obj(_config_type(obj, vf)(**args))
-        elif callable(obj) and not isinstance(obj, (vf.Taskset, vf.Env)):
-            obj = obj(**args)
-        elif args:
-            raise ConfigError(f"task.env = {spec!r} is already built: task.env_args = {args} cannot apply")
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"task.env = {spec!r}: building it failed ({type(exc).__name__}: {exc})") from None
-    if isinstance(obj, vf.Env):
-        obj = obj.taskset
-    if not isinstance(obj, vf.Taskset):
-        raise ConfigError(f"task.env = {spec!r} gives a {type(obj).__name__}, not a verifiers Taskset or Env")
-    return obj
-
-
-def _config_type(cls: type, vf: Any) -> type:
-    """The config class a ``Taskset`` subclass declares (its generic argument), else ``vf.TasksetConfig``."""
-    from verifiers.v1.utils.generic import concrete_type
-
-    return concrete_type(cls, vf.TasksetConfig) or vf.TasksetConfig
-
-
-def unscorable(task: Any, taskset: Any) -> list[str]:
-    """What of ``task`` the learner cannot score from a trace alone (module docstring), one phrase each."""
-    vf = _vf()
-    why = []
-
-    def needs_runtime(fn: Any) -> bool:
-        param = inspect.signature(fn).parameters.get("runtime")
-        return param is not None and param.default is inspect.Parameter.empty
-
-    for kind in ("reward", "metric"):
-        why += [f"{kind} {fn.__name__!r} needs a runtime" for fn in task.hooks(kind) if needs_runtime(fn)]
-    judges = task.plugged_judges()
-    why += [f"judge {j.reward_name!r} calls a judge model" for j in judges]
-    if getattr(type(task), "NEEDS_CONTAINER", False):
-        why.append("it needs a container (NEEDS_CONTAINER)")
-    if type(task).toolsets(task.config) or type(taskset).toolsets(taskset.config):
-        why.append("it serves tools (toolsets)")
-    for hook in RUNTIME_HOOKS:
-        if getattr(type(task), hook) is not getattr(vf.Task, hook):
-            why.append(f"it overrides {hook}() (state prepared in a runtime)")
-    if not task.hooks("reward") and not judges:
-        why.append("it has no @reward function")
-    return why
 
 
 class VerifiersTask(FileSplitsAccess):
@@ -202,7 +91,7 @@ class VerifiersTask(FileSplitsAccess):
         )  # fmt: skip
 
     def _prompt(self, task: Any) -> Prompt:
-        vf = _vf()
+        v = vf()
         data = task.data
         key = task.key
         if key in self._tasks:
@@ -235,8 +124,8 @@ class VerifiersTask(FileSplitsAccess):
             raise DataError(f"task.env = {self.cfg.env!r}: task {key[:12]} has no user prompt")
         self._tasks[key] = task
         self._messages[key] = [
-            *([vf.SystemMessage(content=system)] if system is not None else []),
-            vf.UserMessage(content=user),
+            *([v.SystemMessage(content=system)] if system is not None else []),
+            v.UserMessage(content=user),
         ]
         return Prompt(
             prompt_id=key,
@@ -270,7 +159,7 @@ class VerifiersTask(FileSplitsAccess):
         each scoring runs on its own event loop)."""
         task = self._task(prompt)
         try:
-            reward = _run(self._score(task, self._messages[prompt.prompt_id], completion))
+            reward = run_async(self._score(task, self._messages[prompt.prompt_id], completion))
             why = "" if math.isfinite(reward) else f"a reward that is not finite ({reward})"
         except Exception as exc:  # the user's reward code: a failure is its completion's 0, counted
             reward, why = math.nan, f"{type(exc).__name__}: {exc}"
@@ -286,24 +175,8 @@ class VerifiersTask(FileSplitsAccess):
 
     @staticmethod
     async def _score(task: Any, messages: Sequence[Any], completion: str) -> float:
-        vf = _vf()
-        nodes = [vf.MessageNode(message=m, parent=i - 1 if i else None) for i, m in enumerate(messages)]
-        nodes.append(
-            vf.MessageNode(
-                message=vf.AssistantMessage(content=completion), parent=len(nodes) - 1, sampled=True
-            )
-        )
-        trace = vf.Trace(
-            task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-            agent=vf.AgentInfo(config=vf.AgentConfig()),
-            nodes=nodes,
-            is_completed=True,
-            ok=True,
-        )
-        await task.score(trace)
-        if any(r is None for r in trace.rewards.values()):
-            return math.nan  # a reward function did not run
-        return float(trace.reward)
+        turns = [(m, False) for m in messages] + [(vf().AssistantMessage(content=completion), True)]
+        return await score(task, new_trace(task, turns))
 
     def outcome_counts(self) -> dict[str, int]:
         with self._counts_lock:

@@ -1,0 +1,126 @@
+"""A verifiers (v1) multi-turn environment as an echo2 task: ``--task verifiers_env``, its ``[task]``
+config, its spec and its preset (``envs/base.py``'s one-place declaration, listed in
+``envs/roster.ENVIRONMENTS``).
+
+The environment runs through ``envs/verifiers_bridge.py`` (which imports verifiers, the ``verifiers``
+extra, on first use): an episode is one of the env's tasks (the episode seed is the task's index among
+the first ``limit``), played on the worker and replayed and re-scored on the learner
+(``tasks/verify.EpisodeReplay``). The env's package and verifiers are pinned for the run (``echo2.pins``):
+a worker with another version or other files refuses to run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, model_validator
+
+from echo2.envs.base import Environment, EnvironmentFields, EnvKnobs, EnvScore, TextEnv
+from echo2.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from echo2.envs.verifiers_bridge import Loaded
+    from echo2.types import Prompt
+
+
+class VerifiersEnvTaskConfig(EnvironmentFields):
+    """A verifiers (v1) multi-turn environment (``envs/verifiers_bridge.py``): its ``Env.run`` played
+    with the policy as its one agent, every episode replayed and re-scored by the task's own rewards on
+    the learner. The default is the bundled ``echo2-vf-probe`` (higher or lower)."""
+
+    name: Literal["verifiers_env"] = "verifiers_env"
+    env: str = Field(
+        "echo2-vf-probe",
+        min_length=1,
+        description="an installed verifiers env's id (its package's name) or 'package.module:name' / "
+        "'path/to/file.py:name' naming a vf.Env or a function returning one",
+    )
+    env_args: dict[str, Any] = Field(
+        default_factory=dict, description="the env config's fields (an id), or the function's arguments"
+    )
+    taskset_args: dict[str, Any] = Field(
+        default_factory=dict, description="the taskset config's fields (an id; e.g. {n = 100})"
+    )
+    agent: str | None = Field(None, description="the env's agent the policy plays (default: its only one)")
+    limit: int = Field(4096, ge=1, le=1_000_000, description="tasks read from the taskset: the episodes")
+    teacher: str | None = Field(
+        None,
+        description="'module:function' (messages so far, replies so far) -> reply: the scripted expert the "
+        "embedded model's warm start imitates (a model.path needs none)",
+    )
+    max_turns: int = Field(8, ge=1, le=64, description="replies per episode; the next turn() is terminated")
+
+    @model_validator(mode="after")
+    def _check(self) -> VerifiersEnvTaskConfig:
+        if self.eval_fraction + self.validation_fraction >= 1.0:
+            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave tasks to train on")
+        return self
+
+    def packages(self) -> tuple[str, ...]:
+        """The distributions a worker plays these episodes with: verifiers and the env's own package
+        (an env id's, or the one the named module belongs to; none for a file)."""
+        where = self.env.rpartition(":")[0] if ":" in self.env else self.env.replace("-", "_").lower()
+        if where.endswith(".py"):
+            return ("verifiers",)
+        top = where.split(".")[0]
+        dists = metadata.packages_distributions().get(top, [])
+        return ("verifiers", *sorted(set(dists) - {"verifiers"}))
+
+
+@dataclass(frozen=True)
+class VerifiersEnvSpec(EnvKnobs):
+    """What the task adapter asks of a verifiers environment (``data/tasks/environment.EnvSpec``)."""
+
+    cfg: VerifiersEnvTaskConfig
+    score: EnvScore = "return"  # held out: the mean reward of a greedy episode
+
+    def loaded(self) -> Loaded:
+        from echo2.envs.verifiers_bridge import load
+
+        c = self.cfg
+        return load(c.env, c.env_args, c.taskset_args, c.agent, c.limit)
+
+    @property
+    def episodes(self) -> int:
+        """One episode per task read."""
+        return len(self.loaded().tasks)
+
+    def make(self, prompt: Prompt, opponent_policy: Callable[[str], str] | None = None) -> TextEnv:
+        from echo2.envs.verifiers_bridge import VerifiersTextEnv
+
+        return VerifiersTextEnv(self.loaded(), self.cfg.max_turns)
+
+    def draw_meta(self, rng: random.Random) -> dict[str, Any]:
+        return {}
+
+    def fixed_meta(self, index: int) -> dict[str, Any]:
+        return {}
+
+    def teacher(self, env: TextEnv) -> str:
+        from echo2.envs.verifiers_bridge import VerifiersTextEnv, load_teacher
+
+        if self.cfg.teacher is None:
+            raise ConfigError(
+                "the embedded model's warm start imitates a scripted expert: set task.teacher = "
+                "'module:function' ((messages so far, replies so far) -> reply), or train a model.path"
+            )
+        assert isinstance(env, VerifiersTextEnv)
+        return str(load_teacher(self.cfg.teacher)(list(env.observations), list(env.actions)))
+
+
+VERIFIERS_ENV = Environment(
+    VerifiersEnvTaskConfig,
+    VerifiersEnvSpec,
+    preset=(
+        "task.teacher=echo2_vf_probe:probe_teacher",  # the default env's binary search
+        "task.max_turns=5",
+        "sampling.max_new_tokens=3",  # up to two digits and EOS
+        "model.warmstart.target_accuracy=0.5",
+    ),
+    packages=("verifiers",),
+)

@@ -85,6 +85,32 @@ def test_guess_trains_synchronously(tmp_path):
     assert records[-1]["step"] == 3
 
 
+def test_a_verifiers_env_with_a_local_tool_trains_on_replayed_rescored_episodes(tmp_path):
+    pytest.importorskip("verifiers.v1")
+    run = tmp_path / "run"
+    sets = _sets(
+        tmp_path,
+        [
+            "task.env=echo2-vf-adder",
+            "task.teacher=echo2_vf_adder:adder_teacher",
+            "task.taskset_args={n = 64}",
+            "task.max_turns=4",
+            "sampling.max_new_tokens=10",
+        ],
+    )
+    out = echo2(
+        "run", "--task", "verifiers_env", *sets, "--steps", "6", "--run-dir", str(run), "--no-progress"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("step", 0) > 0 and "env/turns_mean" in r]
+    assert len(steps) == 6 and all(r["env/turns_mean"] >= 1 for r in steps)
+    last = records[-1]
+    # every episode the workers sent was replayed, its turns, mask and reward the learner's own
+    assert last["store/admitted"] > 0 and last["store/rejected"] == 0 and last["security/quarantined"] == 0
+    assert all(r.get("env/errors", 0) == 0 for r in steps)
+
+
 def test_an_unknown_task_is_one_clear_line():
     out = echo2("run", "--task", "chess", "--no-progress", timeout=60)
     assert out.returncode == 2 and "unknown task" in out.stderr and "Traceback" not in out.stderr

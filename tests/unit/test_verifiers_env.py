@@ -92,6 +92,21 @@ def test_the_same_task_and_replies_give_the_same_episode_on_another_instance():
         env.reset(64)
 
 
+def test_an_episode_plays_from_a_thread_that_runs_an_event_loop():
+    """The learner's warm start and evaluation may call the environment from its event loop's thread."""
+    import asyncio
+
+    spec = _spec(**PROBE)
+
+    async def inside() -> tuple[list[str], float]:
+        seen, _, last = _play(spec, 3)
+        spec.make(None).reset(0)  # type: ignore[arg-type]  # left unfinished, then collected
+        return seen, last.reward
+
+    seen, reward = asyncio.run(inside())
+    assert reward == 1.0 and seen == _play(spec, 3)[0]
+
+
 def test_finite_episodes_split_by_task_and_sample_only_training_tasks():
     task = EnvironmentTask(_spec(**PROBE))
     train = {p.meta["seed"] for p in task.sample_train(random.Random(0), 400)}

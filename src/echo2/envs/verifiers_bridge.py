@@ -25,8 +25,9 @@ verifiers turn limit does, so ``run()`` ends and the episode is scored.
 ``start``/``stop`` (shared servers), an env of several agents.
 
 Every episode's run has an event loop of its own, run only inside ``reset``/``step`` (which the adapter
-calls on its environment thread, with its step timeout); an abandoned episode's loop is closed when the
-next one starts or the environment is collected.
+calls on its environment thread, with its step timeout; called from a thread that runs an event loop,
+such as the learner's warm start, on a thread of its own); a cut episode's loop is closed by ``close``
+(the adapter calls it), an abandoned one's when the next episode starts or the environment is collected.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import inspect
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +156,18 @@ def load_teacher(spec: str) -> Teacher:
     return fn  # type: ignore[no-any-return]
 
 
+def _drive(loop: asyncio.AbstractEventLoop, aw: Any) -> None:
+    """Run ``loop`` until ``aw`` is done: in this thread, or, when this thread already runs an event loop
+    (the learner's warm start and evaluation may be called from its loop), in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        loop.run_until_complete(aw)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="echo2-vf-episode") as pool:
+        pool.submit(loop.run_until_complete, aw).result()
+
+
 def _text(message: Any) -> str:
     """A turn's message as text (a string, or messages whose parts are all text)."""
     if isinstance(message, str):
@@ -232,7 +246,7 @@ class VerifiersTextEnv:
         try:
             if run is not None and not run.done():
                 run.cancel()
-                loop.run_until_complete(asyncio.gather(run, return_exceptions=True))
+                _drive(loop, asyncio.gather(run, return_exceptions=True))
             loop.close()
         except RuntimeError:  # collected while another loop runs in this thread: leave it to the collector
             pass
@@ -246,7 +260,7 @@ class VerifiersTextEnv:
         assert self._loop is not None and self._run is not None and self._asked is not None
         asked = self._asked
         waits: set[asyncio.Future[Any]] = {self._run, asked}
-        self._loop.run_until_complete(asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED))
+        _drive(self._loop, asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED))
         if asked.done():
             message = asked.result()
             self.observations.append(message)

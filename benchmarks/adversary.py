@@ -20,7 +20,9 @@ fixed here, before any run:
   best-of-n cherry-picking and the foreign prompt against a run of ``--task verifiers`` (the bundled
   taskset's reward functions) and one of ``--task code`` (unit tests in the sandbox), with the targets
   above: 0 stored rewards that are not the task's grade, best-of-n quarantined within a median of <= 5
-  submissions, every foreign prompt refused and none trained.
+  submissions, every foreign prompt refused and none trained. ``--task verifiers_env`` (the bundled
+  multi-turn env; added with it, the same targets, an episode's grade being the learner's replay's
+  return; ``--tasks`` picks the tasks).
 - **honest**: every completion of every submission re-run (``security.check_fraction = 1``, a check
   queue that declines none) on honest workers until >= 10,000 trajectories were checked. Target: 0
   quarantines.
@@ -218,15 +220,18 @@ def study_attacks(
 TASK_ATTACKS = ("reward", "cherry", "prompt")
 
 
-def study_tasks(out: Path, trials: int) -> dict[str, Any]:
+REWARD_TASKS = ("verifiers", "code", "verifiers_env")
+
+
+def study_tasks(out: Path, trials: int, tasks: tuple[str, ...] = REWARD_TASKS) -> dict[str, Any]:
     """The attacks of ``TASK_ATTACKS`` against a run of each task whose reward is computed by code the
-    learner runs: ``verifiers`` (the bundled taskset's reward functions) and ``code`` (unit tests in the
-    sandbox), with the targets of the attacks study: 0 stored rewards that are not the task's grade,
-    best-of-n caught within a median of TARGET_QUARANTINE submissions, every foreign prompt refused."""
-    res: dict[str, Any] = {
-        task: study_attacks(out, trials, task, TASK_ATTACKS) for task in ("verifiers", "code")
-    }
-    res["met"] = all(all(k["met"] for k in res[t]["kinds"].values()) for t in ("verifiers", "code"))
+    learner runs: ``verifiers`` (the bundled taskset's reward functions), ``code`` (unit tests in the
+    sandbox) and ``verifiers_env`` (the bundled multi-turn env, its episodes replayed and re-scored),
+    with the targets of the attacks study: 0 stored rewards that are not the task's grade (an episode's:
+    the replay's return), best-of-n caught within a median of TARGET_QUARANTINE submissions, every
+    foreign prompt refused."""
+    res: dict[str, Any] = {task: study_attacks(out, trials, task, TASK_ATTACKS) for task in tasks}
+    res["met"] = all(all(k["met"] for k in res[t]["kinds"].values()) for t in tasks)
     return res
 
 
@@ -614,6 +619,9 @@ def main() -> int:
     )
     p.add_argument("--poison-minutes", type=float, default=2.0, help="time budget of each poison learner")
     p.add_argument("--trials", type=int, default=20, help="identities per sampled-check attack")
+    p.add_argument(
+        "--tasks", nargs="+", choices=REWARD_TASKS, default=list(REWARD_TASKS), help="the tasks study's tasks"
+    )
     p.add_argument("--honest-steps", type=int, default=60, help="steps of the all-checked honest run")
     p.add_argument("--reading", default="", help="what changed since the study's last reading (kept with it)")
     p.add_argument("--bf16-rounds", type=int, default=20, help="rounds of 16 x 4 completions (bf16_errors)")
@@ -643,7 +651,7 @@ def main() -> int:
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     run = {
         "attacks": lambda: study_attacks(a.out, a.trials),
-        "tasks": lambda: study_tasks(a.out, a.trials),
+        "tasks": lambda: study_tasks(a.out, a.trials, tuple(a.tasks)),
         "honest": lambda: study_honest(a.out, a.honest_steps),
         "honest_bf16": lambda: study_honest(a.out, a.honest_steps, "bfloat16"),
         "honest_bf16_vllm": lambda: study_honest(a.out, a.honest_steps, "bfloat16", "vllm"),

@@ -37,8 +37,10 @@ TEACHERS = {
     "echo2-vf-probe": "echo2_vf_probe:probe_teacher",
     "echo2-vf-adder": "echo2_vf_adder:adder_teacher",
 }
-ENV_SETTINGS = {  # what the adder's replies need: "add 12 7" and EOS, 4 replies
-    "echo2-vf-adder": ("sampling.max_new_tokens=10", "task.max_turns=4")
+ENV_SETTINGS = {  # 2,048 tasks, so that the held-out evaluation reads 256 episodes; the adder's replies
+    # need "add 12 7" and EOS, 4 of them
+    "echo2-vf-probe": ("task.taskset_args={n = 2048}",),
+    "echo2-vf-adder": ("task.taskset_args={n = 2048}", "sampling.max_new_tokens=10", "task.max_turns=4"),
 }
 
 

@@ -189,23 +189,27 @@ class Attacker:
         return "admitted" if reply.admitted else "dropped_stale"
 
     def _generate(self, lease: LeaseGrant) -> list[list[Trajectory]]:
-        from echo2.rollout.collect import collect_groups
+        from echo2.config import USER_CONTEXT_TOKENS
+        from echo2.types import Bounds
 
         w, G = self.w, lease.group_size
-        # it grades its own draws (cherry-picking) with what it can know: a public dataset's record
+        # it grades its own draws (cherry-picking) with what it can know: a public dataset's record (an
+        # environment's episodes it plays to their return, as a worker does)
         prompts = [known(w.task, p.prompt()) for p in lease.prompts]
         prompts = [p if p.answer else solved(p) for p in prompts]
+        st = w.settings
+        bounds = Bounds(st.max_context or USER_CONTEXT_TOKENS, st.sampling.max_new_tokens)
 
         def draw(seed: int) -> list[list[Trajectory]]:
-            batch = collect_groups(
+            batch = w.task.collect(
                 w.codec,
                 w.engine,
-                w.task,
                 prompts,
                 G,
                 seed=seed,
                 policy_version=w.installed,
                 group_prefix=lease.lease_id,
+                bounds=bounds,
             )
             ts = batch.trajectories
             return [ts[i : i + G] for i in range(0, len(ts), G)]

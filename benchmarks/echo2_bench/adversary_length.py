@@ -412,12 +412,15 @@ def _fate(step: int | None, held: int) -> str:
 
 def regrade(run_dir: Path, worker_ids: list[str]) -> int:
     """Groups of these workers stored with a reward (or parse status) other than the task's grade of the
-    completion: what a worker's claimed rewards got into the store (0: none)."""
+    completion (an environment task's: other than the return of the learner's replay of the episode):
+    what a worker's claimed rewards got into the store (0: none)."""
     from echo2.config import Config, load_config
+    from echo2.data.store import Lease
+    from echo2.data.submission import Rejected, Submission
     from echo2.models.policy import ChatFormat, TextCodec
     from echo2.protocol import decode_group
     from echo2.tasks.registry import build_task
-    from echo2.types import Prompt
+    from echo2.types import Bounds, Prompt
 
     written = run_dir / "config.json"  # the run's resolved config, as JSON (observe/rundir.py)
     cfg = Config.model_validate(json.loads(written.read_text())) if written.is_file() else load_config()
@@ -441,9 +444,20 @@ def regrade(run_dir: Path, worker_ids: list[str]) -> int:
     ).fetchall()
     db.close()
     wrong = 0
+    replay = None if hasattr(task, "grade") else task.verifier(codec, tokenizer.eos_token_id, Bounds.of(cfg))
     for gid, version, data, prompts in rows:
         by_id = {i: Prompt(i, t, a, m) for i, t, a, m in json.loads(prompts)}
-        for t in decode_group(data, gid, version):
+        group = decode_group(data, gid, version)
+        if replay is not None:  # an environment's episodes: the stored returns must be the replay's
+            lease = Lease(gid, "w", "open", 0.0, [by_id[group[0].prompt_id]], 0, version)
+            try:
+                again = replay.check(lease, Submission(gid, version, (tuple(group),))).groups[0]
+            except Rejected:
+                wrong += len(group)
+                continue
+            wrong += sum(t.reward != r.reward for t, r in zip(group, again, strict=True))
+            continue
+        for t in group:
             grade = task.grade(by_id[t.prompt_id], codec.decode_completion(t.completion_ids))
             wrong += (t.reward, t.meta.get("parsed")) != (grade.reward, grade.parsed)
     return wrong

@@ -10,7 +10,9 @@ what to install, instead of generating episodes the learner's replay refuses.
 
 The digest is a SHA-256 over the distribution's own files (path and content; its ``.dist-info``
 metadata, byte code and anything not listed left out), so two installs of one release agree whatever
-the installer or the location, and a locally patched copy of the same version does not.
+the installer or the location, and a locally patched copy of the same version does not. Files installed
+outside the package's root (console scripts, whose first line names this machine's interpreter) and
+``.pth`` files are left out too: an editable install lists only those, so it is pinned by its version.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def _digest(dist: metadata.Distribution) -> str:
         parts = path.parts
         if any(p.endswith((".dist-info", ".egg-info")) or p == "__pycache__" for p in parts):
             continue
-        if path.suffix in (".pyc", ".pyo"):
-            continue
+        if path.suffix in (".pyc", ".pyo", ".pth") or (parts and parts[0] == ".."):
+            continue  # byte code; an editable install's pointer to its source and console scripts
+            # (outside the package's root): both name this machine's paths, not what the package runs
         try:
             data = Path(path.locate()).read_bytes()
         except OSError:

@@ -69,6 +69,23 @@ def test_two_installs_of_one_release_agree_and_a_patched_copy_does_not(tmp_path,
         check_pins([{**pin, "name": "nosuchenv"}])
 
 
+def test_paths_of_this_machine_are_not_part_of_the_pin(tmp_path, on_path):
+    """A console script (its first line names the interpreter) and an editable install's ``.pth`` (the
+    source's path) differ between two machines installing the same release: neither is in the digest."""
+    pins = []
+    for name in ("a", "b"):
+        root = tmp_path / name / "site-packages"
+        _install(root, "1.0", "SEAT = 6\n", "pip")
+        (root / "__editable__.fakeenv-1.0.pth").write_text(f"{tmp_path / name}/src\n")
+        (tmp_path / name / "bin").mkdir()
+        (tmp_path / name / "bin" / "fakeenv").write_text(f"#!{tmp_path / name}/bin/python\n")
+        record = root / "fakeenv-1.0.dist-info" / "RECORD"
+        record.write_text(record.read_text() + "__editable__.fakeenv-1.0.pth,,\n../bin/fakeenv,,\n")
+        on_path(root)
+        pins.append(package_pin("fakeenv"))
+    assert pins[0] == pins[1]
+
+
 def test_an_environment_run_pins_its_packages_and_a_single_turn_run_none():
     """Poker's episodes run on pokerkit: its run sends the worker pokerkit's pin; a math run's worker
     only generates, so it is sent none."""

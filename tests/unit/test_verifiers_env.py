@@ -117,11 +117,16 @@ def test_finite_episodes_split_by_task_and_sample_only_training_tasks():
     assert len(val) + len(test) + len(train) <= 64
 
 
-def test_the_env_package_and_verifiers_are_pinned_for_workers(tmp_path: Path):
-    assert worker_packages(VerifiersEnvTaskConfig(**PROBE)) == ("verifiers", "echo2")
+def test_the_env_package_and_verifiers_are_pinned_for_workers(tmp_path: Path, monkeypatch):
+    assert worker_packages(VerifiersEnvTaskConfig(**PROBE)) == ("verifiers",)  # bundled: echo2's own
     path = tmp_path / "envfile.py"
     path.write_text("x = 1\n")
     assert VerifiersEnvTaskConfig(env=f"{path}:x").packages() == ("verifiers",)
+    from importlib import metadata
+
+    monkeypatch.setattr(metadata, "packages_distributions", lambda: {"wordle": ["vf-wordle"]})
+    assert VerifiersEnvTaskConfig(env="wordle").packages() == ("verifiers", "vf-wordle")
+    assert VerifiersEnvTaskConfig(env="wordle.env:load").packages() == ("verifiers", "vf-wordle")
 
 
 # ---- refused at load, each with its reason -------------------------------------------------------------

@@ -63,13 +63,14 @@ class VerifiersEnvTaskConfig(EnvironmentFields):
 
     def packages(self) -> tuple[str, ...]:
         """The distributions a worker plays these episodes with: verifiers and the env's own package
-        (an env id's, or the one the named module belongs to; none for a file)."""
+        (an env id's, or the one the named module belongs to; none for a file, and none for the envs
+        bundled with echo2, whose agreement with the learner is echo2's own)."""
         where = self.env.rpartition(":")[0] if ":" in self.env else self.env.replace("-", "_").lower()
         if where.endswith(".py"):
             return ("verifiers",)
         top = where.split(".")[0]
         dists = metadata.packages_distributions().get(top, [])
-        return ("verifiers", *sorted(set(dists) - {"verifiers"}))
+        return ("verifiers", *sorted(set(dists) - {"verifiers", "echo2"}))
 
 
 @dataclass(frozen=True)

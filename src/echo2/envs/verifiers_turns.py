@@ -40,10 +40,10 @@ class VerifiersEnvTaskConfig(EnvironmentFields):
         description="an installed verifiers env's id (its package's name) or 'package.module:name' / "
         "'path/to/file.py:name' naming a vf.Env or a function returning one",
     )
-    env_args: dict[str, Any] = Field(
+    env_args: dict[str, str | int | float | bool | None] = Field(
         default_factory=dict, description="the env config's fields (an id), or the function's arguments"
     )
-    taskset_args: dict[str, Any] = Field(
+    taskset_args: dict[str, str | int | float | bool | None] = Field(
         default_factory=dict, description="the taskset config's fields (an id; e.g. {n = 100})"
     )
     agent: str | None = Field(None, description="the env's agent the policy plays (default: its only one)")

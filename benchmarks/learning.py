@@ -104,13 +104,29 @@ def _t95(xs: list[float]) -> dict:
 PRESET_ARMS = ["default", "grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 
 
-def study_presets(seeds: list[int], steps: int, out: Path, extra: list[str]) -> dict:
-    """Every arm of ``PRESET_ARMS`` x ``seeds`` (arms interleaved within a seed), ``steps`` updates each."""
+def study_presets(
+    seeds: list[int],
+    steps: int,
+    out: Path,
+    extra: list[str],
+    arms_run: list[str] | None = None,
+    earlier: dict | None = None,
+) -> dict:
+    """Every arm of ``arms_run`` (``PRESET_ARMS`` by default; the default config is always one, the
+    pairing base) x ``seeds`` (arms interleaved within a seed), ``steps`` updates each; with ``earlier``
+    (a results file of this study with the same budget), its runs of these arms on other seeds join the
+    statistics (their curves are not redrawn)."""
     runs = out / "learning_runs"
     budget = ["--set", f"train.steps={steps}", "--set", "train.max_minutes=1000", *extra]
-    rows: dict[str, list[dict]] = {arm: [] for arm in PRESET_ARMS}
+    chosen = ["default", *[a for a in (arms_run or PRESET_ARMS) if a != "default"]]
+    rows: dict[str, list[dict]] = {arm: [] for arm in chosen}
+    if earlier is not None:
+        if earlier["budget"]["updates"] != steps:
+            raise SystemExit(f"--with: its runs had {earlier['budget']['updates']} updates, not {steps}")
+        for arm in chosen:
+            rows[arm] += [r for r in earlier["arms"][arm]["runs"] if r["seed"] not in seeds]
     for seed in seeds:
-        for arm in PRESET_ARMS:
+        for arm in chosen:
             algo = [] if arm == "default" else ["--set", f"grpo.algorithm={arm!r}"]
             r = run_seed(seed, runs, [*budget, *algo], name=f"preset_{arm}_", command="run")
             rows[arm].append(r)
@@ -130,12 +146,17 @@ def study_presets(seeds: list[int], steps: int, out: Path, extra: list[str]) -> 
             "wall_s_mean": statistics.fmean(r["process_wall_s"] for r in rs),
             "yield_mean": _mean_or_none([r["yield"] for r in rs]),
             "runs": [{k: v for k, v in r.items() if not k.startswith("curve_")} for r in rs],
-            "curves": [[r["curve_time_s"], r["curve_accuracy"]] for r in rs],
+            "curves": [[r["curve_time_s"], r["curve_accuracy"]] for r in rs if "curve_time_s" in r],
         }
     return {
         "source": "runtime: echo2 run (the learner and 2 local workers, S = 3: off-policy as users run it), "
         "embedded default, one run at a time",
-        "budget": {"updates": steps, "seeds": seeds, "extra_args": extra},
+        "budget": {
+            "updates": steps,
+            "seeds": sorted({r["seed"] for rs in rows.values() for r in rs}),
+            "seeds_run_here": seeds,
+            "extra_args": extra,
+        },
         "gain_definition": "held-out greedy accuracy at the last evaluation minus at the first (step 0)",
         "interval": "95% Student t over the seeds; paired by seed against the default config",
         "target": None,
@@ -291,6 +312,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny budget: checks the script, not the claim")
     ap.add_argument("--presets", action="store_true", help="the loss presets study (3.) instead of 1. and 2.")
     ap.add_argument("--preset-steps", type=int, default=200, help="updates per run of the presets study")
+    ap.add_argument("--arms", nargs="+", choices=PRESET_ARMS, help="the presets study's arms (default: all)")
+    ap.add_argument("--label", default="learning_presets", help="the presets study's results file name")
+    ap.add_argument("--with", dest="earlier", type=Path, help="an earlier presets results file to join")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to `echo2 train` after --")
     args = ap.parse_args()
     extra = [x for x in args.extra if x != "--"]
@@ -299,8 +323,9 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         steps = 20 if args.quick else args.preset_steps
         quick = ["--set", "train.eval_every=10"] if args.quick else []
-        res = study_presets(args.seeds, steps, out, [*extra, *quick])
-        name = "learning_presets_quick" if args.quick else "learning_presets"
+        earlier = json.loads(args.earlier.read_text()) if args.earlier else None
+        res = study_presets(args.seeds, steps, out, [*extra, *quick], args.arms, earlier)
+        name = f"{args.label}_quick" if args.quick else args.label
         (out / f"{name}.json").write_text(json.dumps(res, indent=2))
         plot_presets(res, out / f"{name}.png")
         for arm, a in res["arms"].items():

@@ -185,6 +185,12 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
         help="this machine's upload link in Mbit/s: declared, the relay trees put the fast workers near "
         "the root (default: not declared; the trees then take every link as equal)",
     )
+    p.add_argument(
+        "--trust-run-code",
+        action="store_true",
+        help="play an environment the run names by 'module:name' or a file (the learner then chooses code "
+        "that runs here); without it such a run is refused, and only installed env packages are played",
+    )
     p.add_argument("--advertise-host", help="address peers reach this worker's chunk server at")
     p.add_argument(
         "--relay-port", type=int, default=0, help="port of this worker's chunk server (default: any free one)"
@@ -304,6 +310,7 @@ def _worker(args: argparse.Namespace) -> int:
         engine=args.engine,
         engine_options=engine,
         lora_base=Path(args.lora_base).expanduser() if args.lora_base else None,
+        trust_run_code=args.trust_run_code,
         **({"name": args.name} if args.name else {}),
     )
     worker = RolloutWorker(opts, build_task)

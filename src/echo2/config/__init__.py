@@ -45,6 +45,7 @@ from echo2.config.model import (
     TaskConfig,
     VerifiersTaskConfig,
     WarmstartConfig,
+    runs_named_code,
 )
 from echo2.config.runtime import RuntimeConfig
 from echo2.config.security import ENGINE_TOLERANCES, PerimeterConfig, SecurityConfig
@@ -100,6 +101,7 @@ __all__ = [
     "load_config",
     "load_settings",
     "read_toml",
+    "runs_named_code",
     "task_preset",
 ]  # fmt: skip
 

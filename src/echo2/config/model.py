@@ -295,3 +295,11 @@ TASK_PRESETS: dict[str, list[str]] = {
     "verifiers": ["task.name=verifiers"],
     **{env.name: [f"task.name={env.name}", *env.preset] for env in ENVIRONMENTS},
 }
+
+
+def runs_named_code(cfg: TaskConfig) -> str | None:
+    """What code of the learner's choosing a worker would run to play the task ``cfg`` names (a verifiers
+    env named by ``module:name`` or a file: ``VerifiersEnvTaskConfig.runs_named_code``), or None: a worker
+    refuses it unless its operator allows it (``echo2 worker --trust-run-code``)."""
+    own = getattr(cfg, "runs_named_code", None)
+    return own() if callable(own) else None

@@ -61,6 +61,16 @@ class VerifiersEnvTaskConfig(EnvironmentFields):
             raise ValueError("eval_fraction + validation_fraction must be < 1 to leave tasks to train on")
         return self
 
+    def runs_named_code(self) -> str | None:
+        """What code of the learner's choosing a worker would run for this task, or None when it plays
+        an installed env package (an id whose distribution is installed here: pinned, and installed by
+        the worker's own operator). ``module:name`` and a file are the learner's choice of code."""
+        if ":" in self.env:
+            return f"task.env = {self.env!r} names a function, an object or a file to run"
+        if not metadata.packages_distributions().get(self.env.replace("-", "_").lower()):
+            return f"task.env = {self.env!r} is the package of no installed distribution"
+        return None
+
     def packages(self) -> tuple[str, ...]:
         """The distributions a worker plays these episodes with: verifiers and the env's own package
         (an env id's, or the one the named module belongs to; none for a file, and none for the envs

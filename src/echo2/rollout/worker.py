@@ -36,9 +36,9 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from echo2.config import USER_CONTEXT_TOKENS, EngineName
+from echo2.config import USER_CONTEXT_TOKENS, EngineName, runs_named_code
 from echo2.envs.base import EnvError
-from echo2.errors import CheckpointError, Echo2Error
+from echo2.errors import CheckpointError, ConfigError, Echo2Error
 from echo2.models.snapshot import tokenizer_from_skeleton, write_skeleton
 from echo2.pins import check_pins
 from echo2.protocol import (
@@ -59,6 +59,7 @@ from echo2.weights.manifest import key_from_text
 
 if TYPE_CHECKING:
     from echo2.config import TaskConfig
+    from echo2.protocol import WorkerSettings
     from echo2.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class WorkerOptions:
     reconnect_s: float = 120.0  # give up when the learner is unreachable this long
     catchup_s: float = 3.0  # wait this long for the broadcast before fetching a snapshot over HTTP
     lora_base: Path | None = None  # a LoRA run's base checkpoint held here (not the chain's first link)
+    # play an environment the run's settings name by module:name or file (code the learner chooses runs
+    # here); an installed env package needs no such trust (tasks/registry.runs_named_code)
+    trust_run_code: bool = False
 
 
 @dataclass
@@ -174,7 +178,7 @@ class RolloutWorker:
 
         reg = await self._register()
         st = self.settings = reg.settings
-        check_pins(p.model_dump() for p in st.packages)  # the environment's packages, as the learner's
+        self._check_task(st)
         # heartbeats start now, not after the model is built: the controller must not take a worker
         # that is still loading for a lost one
         self._heartbeat_task = asyncio.ensure_future(self._heartbeats())
@@ -223,6 +227,17 @@ class RolloutWorker:
         if bootstrap:
             await self.follower.fetch()
             log.info("worker %s ready at v%d", self.worker_id, self.installed)
+
+    def _check_task(self, st: WorkerSettings) -> None:
+        """Refuse the run before anything starts when its environment's packages are not the learner's
+        (``echo2.pins``) or it names code this worker's operator did not allow (``--trust-run-code``)."""
+        check_pins(p.model_dump() for p in st.packages)
+        named = runs_named_code(st.task)
+        if named is not None and not self.opts.trust_run_code:
+            raise ConfigError(
+                f"the run's {named}: a worker plays only an installed environment package unless its "
+                "operator trusts the run's code (echo2 worker --trust-run-code)"
+            )
 
     async def _bootstrap(self) -> None:
         """The first install, with the broadcast joined: the newest anchor from members that hold or

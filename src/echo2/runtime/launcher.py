@@ -40,7 +40,7 @@ def worker_command(join: str, name: str, cfg: Config, hardware: str = "local-cpu
             cmd += [f"--engine-{name.replace('_', '-')}", str(value)]
     if rt.worker_max_rollouts_per_s:
         cmd += ["--max-rollouts-per-s", str(rt.worker_max_rollouts_per_s)]
-    return cmd
+    return [*cmd, "--trust-run-code"]  # the run's own workers: its code is their operator's
 
 
 class LocalWorkers:

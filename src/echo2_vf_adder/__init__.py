@@ -48,7 +48,7 @@ class AdderTask(vf.Task[AdderData, vf.State, vf.TaskConfig]):
 
 
 class AdderConfig(vf.TasksetConfig):
-    n: int = 512
+    n: int = 2048
     terms: int = 3
     max_value: int = 9
     seed: int = 0

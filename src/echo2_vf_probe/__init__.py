@@ -42,7 +42,7 @@ class ProbeTask(vf.Task[ProbeData, vf.State, vf.TaskConfig]):
 
 
 class ProbeConfig(vf.TasksetConfig):
-    n: int = 512  # tasks
+    n: int = 2048  # tasks (the held-out split about 200 of them)
     max_value: int = 15  # the hidden number is in 0..max_value
     seed: int = 0
 

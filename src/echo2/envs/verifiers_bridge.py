@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -281,7 +282,7 @@ class VerifiersTextEnv:
         if self._trace is None:
             raise EnvError("run() opened no interaction with the player")
         reward = await score(self._played, self._trace)
-        if reward != reward or reward in (float("inf"), float("-inf")):
+        if not math.isfinite(reward):
             raise EnvError(f"the task's reward is not finite ({reward})")
         return reward
 

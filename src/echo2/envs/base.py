@@ -32,7 +32,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -101,6 +101,12 @@ class EnvironmentFields(BaseModel):
     validation_fraction: float = Field(
         0.1, gt=0.0, lt=1.0, description="share of episode seeds held out as the validation split"
     )
+
+    @model_validator(mode="after")
+    def _leaves_training_seeds(self) -> EnvironmentFields:
+        if self.eval_fraction + self.validation_fraction >= 1.0:
+            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave seeds to train on")
+        return self
 
     def check_run(self, loss_agg: str, max_new_tokens: int, context_tokens: int) -> None:
         """An episode has no constant completion length and needs room for several actions."""

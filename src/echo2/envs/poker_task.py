@@ -58,8 +58,6 @@ class PokerTaskConfig(EnvironmentFields):
     def _check(self) -> PokerTaskConfig:
         if self.big_blind <= self.small_blind:
             raise ValueError(f"big_blind={self.big_blind} must exceed small_blind={self.small_blind}")
-        if self.eval_fraction + self.validation_fraction >= 1.0:
-            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave seeds to train on")
         return self
 
 

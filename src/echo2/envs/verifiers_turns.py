@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from echo2.envs.base import Environment, EnvironmentFields, EnvKnobs, EnvScore, TextEnv
 from echo2.errors import ConfigError
@@ -54,12 +54,6 @@ class VerifiersEnvTaskConfig(EnvironmentFields):
         "embedded model's warm start imitates (a model.path needs none)",
     )
     max_turns: int = Field(8, ge=1, le=64, description="replies per episode; the next turn() is terminated")
-
-    @model_validator(mode="after")
-    def _check(self) -> VerifiersEnvTaskConfig:
-        if self.eval_fraction + self.validation_fraction >= 1.0:
-            raise ValueError("eval_fraction + validation_fraction must be < 1 to leave tasks to train on")
-        return self
 
     def runs_named_code(self) -> str | None:
         """What code of the learner's choosing a worker would run for this task, or None when it plays

@@ -131,3 +131,27 @@ def user_checkpoint(tmp_path):
     model.save_pretrained(path)  # generation_config.json: two end-of-sequence ids, as Qwen3's has
     tok.save_pretrained(path)
     return path
+
+
+def _registered_worker(settings):
+    """A ``RolloutWorker`` whose registration answers with ``settings`` (no learner): what its
+    ``setup()`` does with a run's settings before anything else starts."""
+    from echo2.protocol import RegisterReply
+    from echo2.rollout.worker import RolloutWorker, WorkerOptions
+
+    reply = RegisterReply(
+        worker_id="w1", credential="c", public_key="k", broadcast=("127.0.0.1", 1), settings=settings
+    )
+    worker = RolloutWorker(WorkerOptions(join_url="https://127.0.0.1:1", token="t"), lambda *a: None)
+
+    async def register():
+        return reply
+
+    worker._register = register
+    return worker
+
+
+@pytest.fixture(scope="session")
+def registered_worker():
+    """``registered_worker(settings) -> RolloutWorker`` registered with ``settings``, no learner."""
+    return _registered_worker

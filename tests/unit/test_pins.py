@@ -10,8 +10,7 @@ import pytest
 
 from echo2.config import load_config
 from echo2.pins import PinMismatch, check_pins, package_pin
-from echo2.protocol import PackagePin, RegisterReply
-from echo2.rollout.worker import RolloutWorker, WorkerOptions
+from echo2.protocol import PackagePin
 from echo2.runtime.node import worker_settings
 
 
@@ -95,7 +94,7 @@ def test_an_environment_run_pins_its_packages_and_a_single_turn_run_none():
     assert worker_settings(load_config()).packages == []
 
 
-def test_a_worker_with_another_copy_refuses_before_it_starts(tmp_path, on_path):
+def test_a_worker_with_another_copy_refuses_before_it_starts(tmp_path, on_path, registered_worker):
     """The worker checks the pins of its registration reply before anything else (no heartbeat, no
     engine): a differing copy ends it with the one line."""
     _install(tmp_path / "w", "1.0", "SEAT = 9\n", "pip")
@@ -103,15 +102,7 @@ def test_a_worker_with_another_copy_refuses_before_it_starts(tmp_path, on_path):
     settings = worker_settings(load_config()).model_copy(
         update={"packages": [PackagePin(name="fakeenv", version="1.0", digest="ab" * 32)]}
     )
-    reply = RegisterReply(
-        worker_id="w1", credential="c", public_key="k", broadcast=("127.0.0.1", 1), settings=settings
-    )
-    worker = RolloutWorker(WorkerOptions(join_url="https://127.0.0.1:1", token="t"), lambda *a: None)  # type: ignore[arg-type,return-value]
-
-    async def register() -> RegisterReply:
-        return reply
-
-    worker._register = register  # type: ignore[method-assign]
+    worker = registered_worker(settings)
     with pytest.raises(PinMismatch, match=r"pins fakeenv 1\.0 with files digest abababababab"):
         asyncio.run(worker.setup())
     assert worker._heartbeat_task is None

@@ -129,15 +129,13 @@ def test_the_env_package_and_verifiers_are_pinned_for_workers(tmp_path: Path, mo
     assert VerifiersEnvTaskConfig(env="wordle.env:load").packages() == ("verifiers", "vf-wordle")
 
 
-def test_a_worker_runs_named_code_only_when_its_operator_trusts_the_run(tmp_path: Path):
+def test_a_worker_runs_named_code_only_when_its_operator_trusts_the_run(registered_worker):
     """An installed env package (pinned, installed by the worker's operator) is played; a function, an
     object or a file the run's settings name is code the learner chooses: refused unless the worker was
     started with --trust-run-code (the run's own local workers are)."""
     import asyncio
 
     from echo2.config import load_config
-    from echo2.protocol import RegisterReply
-    from echo2.rollout.worker import RolloutWorker, WorkerOptions
     from echo2.runtime.launcher import worker_command
     from echo2.runtime.node import worker_settings
 
@@ -145,19 +143,7 @@ def test_a_worker_runs_named_code_only_when_its_operator_trusts_the_run(tmp_path
     assert "names a function" in str(VerifiersEnvTaskConfig(env="os:system").runs_named_code())
     assert "no installed distribution" in str(VerifiersEnvTaskConfig(env="antigravity").runs_named_code())
     cfg = load_config(overrides=["task.name=verifiers_env", "task.env=os:system"])
-    reply = RegisterReply(
-        worker_id="w1",
-        credential="c",
-        public_key="k",
-        broadcast=("127.0.0.1", 1),
-        settings=worker_settings(cfg),
-    )
-    worker = RolloutWorker(WorkerOptions(join_url="https://127.0.0.1:1", token="t"), lambda *a: None)  # type: ignore[arg-type,return-value]
-
-    async def register() -> RegisterReply:
-        return reply
-
-    worker._register = register  # type: ignore[method-assign]
+    worker = registered_worker(worker_settings(cfg))
     with pytest.raises(ConfigError, match=r"task.env = 'os:system' names a function.*--trust-run-code"):
         asyncio.run(worker.setup())
     assert worker._heartbeat_task is None  # refused before anything ran

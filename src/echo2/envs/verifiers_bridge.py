@@ -33,6 +33,7 @@ such as the learner's warm start, on a thread of its own); a cut episode's loop 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import math
@@ -149,8 +150,9 @@ def _load(
     return Loaded(built, tuple(tasks), name, env)
 
 
+@functools.cache
 def load_teacher(spec: str) -> Teacher:
-    """The function ``task.teacher`` names."""
+    """The function ``task.teacher`` names (imported once: the warm start asks it for every action)."""
     fn = load_object(spec, "task.teacher")
     if not callable(fn):
         raise ConfigError(f"task.teacher = {spec!r} is a {type(fn).__name__}, not a function")

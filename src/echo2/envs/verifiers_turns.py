@@ -61,7 +61,7 @@ class VerifiersEnvTaskConfig(EnvironmentFields):
         the worker's own operator). ``module:name`` and a file are the learner's choice of code."""
         if ":" in self.env:
             return f"task.env = {self.env!r} names a function, an object or a file to run"
-        if not metadata.packages_distributions().get(self.env.replace("-", "_").lower()):
+        if not self._distributions():
             return f"task.env = {self.env!r} is the package of no installed distribution"
         return None
 
@@ -69,12 +69,15 @@ class VerifiersEnvTaskConfig(EnvironmentFields):
         """The distributions a worker plays these episodes with: verifiers and the env's own package
         (an env id's, or the one the named module belongs to; none for a file, and none for the envs
         bundled with echo2, whose agreement with the learner is echo2's own)."""
+        return ("verifiers", *sorted(set(self._distributions()) - {"verifiers", "echo2"}))
+
+    def _distributions(self) -> list[str]:
+        """The installed distributions providing the env's top-level module (an id is its package's
+        name, dashes for underscores; ``module:name``'s module; none for a file)."""
         where = self.env.rpartition(":")[0] if ":" in self.env else self.env.replace("-", "_").lower()
         if where.endswith(".py"):
-            return ("verifiers",)
-        top = where.split(".")[0]
-        dists = metadata.packages_distributions().get(top, [])
-        return ("verifiers", *sorted(set(dists) - {"verifiers", "echo2"}))
+            return []
+        return list(metadata.packages_distributions().get(where.split(".")[0], []))
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class WorkerOptions:
     catchup_s: float = 3.0  # wait this long for the broadcast before fetching a snapshot over HTTP
     lora_base: Path | None = None  # a LoRA run's base checkpoint held here (not the chain's first link)
     # play an environment the run's settings name by module:name or file (code the learner chooses runs
-    # here); an installed env package needs no such trust (tasks/registry.runs_named_code)
+    # here); an installed env package needs no such trust (config.runs_named_code)
     trust_run_code: bool = False
 
 

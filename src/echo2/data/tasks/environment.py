@@ -19,6 +19,7 @@ teaches its warm start) registered in ``envs/roster.py`` with its config model; 
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -108,7 +109,6 @@ class EnvironmentTask:
         self.name = spec.name
         self.seed = seed
         self._fixed: dict[Split, list[Prompt]] = {"validation": [], "test": []}
-        self._train: list[int] | None = None  # a finite environment's training seeds, once read
 
     def split(self, episode_seed: int) -> Split:
         u = stable_fraction(f"{self.name}:{episode_seed}")
@@ -127,24 +127,25 @@ class EnvironmentTask:
     def train_prompts(self) -> list[Prompt] | None:
         return None  # a stream of episode seeds
 
+    @functools.cached_property
     def _train_seeds(self) -> list[int] | None:
-        """The training seeds of a finite environment (None: any 31-bit seed)."""
-        if self.spec.episodes is None:
+        """The training seeds of a finite environment, read once (None: any 31-bit seed)."""
+        episodes = self.spec.episodes
+        if episodes is None:
             return None
-        if self._train is None:
-            self._train = [s for s in range(self.spec.episodes) if self.split(s) == "train"]
-            if not self._train:
-                raise DataError(
-                    f"{self.name}: none of its {self.spec.episodes} episodes falls in the train split"
-                )
-        return self._train
+        seeds = [s for s in range(episodes) if self.split(s) == "train"]
+        if not seeds:
+            raise DataError(f"{self.name}: none of its {episodes} episodes falls in the train split")
+        return seeds
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
+        seeds = self._train_seeds
+        if seeds is not None:
+            return [self.prompt(rng.choice(seeds), self.spec.draw_meta(rng)) for _ in range(n)]
         out: list[Prompt] = []
-        seeds = self._train_seeds()
         while len(out) < n:
-            s = rng.getrandbits(31) if seeds is None else rng.choice(seeds)
-            if seeds is not None or self.split(s) == "train":
+            s = rng.getrandbits(31)
+            if self.split(s) == "train":
                 out.append(self.prompt(s, self.spec.draw_meta(rng)))
         return out
 

@@ -400,6 +400,38 @@ def test_a_stalling_relay_costs_the_honest_workers_one_deadline_once() -> None:
     asyncio.run(go())
 
 
+def test_a_drip_feeding_relay_costs_the_honest_workers_seconds_and_is_demoted() -> None:
+    """Three honest nodes and a real node whose uplink sends one chunk every 0.3 s (one each 0.9 s to each
+    of its 3 children), each inside the 1 s stall timeout: no stall ever ends its streams, so its stripe's
+    50 chunks took its children about 45 s a version. Now each child cuts it as lagging (``wire.lagging``:
+    under 1/4 of its other streams' rate, LAG_FLOOR_S after its first chunk), reports it and repairs the
+    stripe from the learner: v1 within 10 s; the reports demote it, so v2 plans nobody on it."""
+    from echo2.broadcast.wire import Pacer
+
+    blob = synthetic_snapshot(50 * 4 * CHUNK, seed=4)  # 50 chunks a stripe, 4 stripes
+
+    async def go() -> None:
+        drip = {3: {"uplink": Pacer(CHUNK / 0.3, burst=CHUNK)}}
+        pub, nodes, _, _ = await _cluster(TreePipelined(), 4, node_kw=drip)
+        honest = nodes[:3]
+        for v in (1, 2):
+            got: dict[str, bytes] = {}
+            tasks = [asyncio.create_task(_install(nd, got)) for nd in nodes]
+            await pub.publish(v, blob)
+            await asyncio.wait_for(asyncio.gather(*tasks[:3]), 60)
+            stats = await pub.wait_installed(v, timeout=10)  # every member whose ack may count
+            assert {w: got[w] for w in ("w0", "w1", "w2")} == dict.fromkeys(("w0", "w1", "w2"), blob)
+            worst = max(stats.install_s.get(nd.worker_id, float("inf")) for nd in honest)
+            assert worst <= (10.0 if v == 1 else 3.0), f"v{v}: an honest install took {worst:.1f}s"
+            assert pub.demoted() == ["w3"]
+            for t in tasks[3:]:
+                t.cancel()
+        assert sum(nd.counters.stalls_reported for nd in honest) >= 2  # each child that pulled from it
+        await _shutdown(pub, nodes)
+
+    asyncio.run(go())
+
+
 async def _forwarder(listen: int, target: int) -> tuple[asyncio.Server, list[int]]:
     """A router's port forwarding: connections to ``listen`` are piped to ``target`` (counted)."""
     seen: list[int] = []

@@ -46,9 +46,12 @@ from echo2.broadcast.api import ChunkTap, InstalledSnapshot, Receiving
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import (
+    Pace,
     Pacer,
     ProtocolError,
     first_chunk_deadline,
+    lagging,
+    next_chunk_deadline,
     parse_announcement,
     read_header,
     read_payload,
@@ -89,6 +92,11 @@ from echo2.weights.manifest import (
 
 log = logging.getLogger(__name__)
 
+
+class Lagging(Exception):
+    """A planned pull stream from a peer is far slower than this node's others (``wire.lagging``)."""
+
+
 FIRST_TICK_S = 0.1  # how often a pull waiting for its first chunk reads its deadline again
 AVOID_VERSIONS = 3  # versions after a peer failed for which this node pulls its chunks from the learner
 RECEIPTS_KEPT = 8  # newest versions whose receipts the node keeps for its install acks
@@ -128,6 +136,11 @@ class _Transfer:
     received: int = 0  # payload bytes read in this version
     got: dict[str, int] = field(default_factory=dict)  # source -> chunks stored from it (receipts)
     repair: dict[str, str] = field(default_factory=dict)  # source -> its stripe ancestor (the announcement's)
+    paces: dict[str, Pace] = field(default_factory=dict)  # planned stream's source -> when its chunks came
+
+    def others(self, source: str) -> list[Pace]:
+        """The paces of this version's planned streams other than ``source``'s (the learner's included)."""
+        return [p for s, p in self.paces.items() if s != source]
 
     def first_deadline(self) -> float:
         """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""
@@ -441,6 +454,7 @@ class TcpWorkerNode:
         if not todo:
             return
         pos, writer, reason, stalled = 0, None, "", False
+        pace = None if repair or repairs > 0 else transfer.paces.setdefault(source, Pace())
         loop = asyncio.get_running_loop()
         start = loop.time()
         ticker: asyncio.TimerHandle | None = None
@@ -483,7 +497,14 @@ class TcpWorkerNode:
                     if ticker is not None:
                         ticker.cancel()
                         ticker = None
-                    watchdog.reschedule(loop.time() + transfer.stall_timeout)
+                    if pace is not None:  # a planned stream: its pace is what the others' are judged by
+                        pace.note(loop.time())
+                        if source != LEARNER and (why := lagging(pace, transfer.others(source))):
+                            raise Lagging(why)
+                    wait = transfer.stall_timeout
+                    if pace is not None and source != LEARNER:
+                        wait = next_chunk_deadline(wait, transfer.others(source))
+                    watchdog.reschedule(loop.time() + wait)
                     self._first_chunk(transfer, source, repair or repairs > 0)
                     if self.downlink is not None:
                         await self.downlink.consume(len(payload))
@@ -515,6 +536,8 @@ class TcpWorkerNode:
         except TimeoutError:
             waited, stalled = loop.time() - start, True  # sent nothing for its deadline: report it
             reason = f"no data for {waited:.1f}s" if pos else f"no first chunk within {waited:.1f}s"
+        except Lagging as exc:  # it sends, but far slower than this node's other sources: report it
+            stalled, reason = True, f"lagging: {exc}"
         except asyncio.IncompleteReadError:
             reason = "connection closed mid-stream"
         except (ConnectionError, OSError) as exc:

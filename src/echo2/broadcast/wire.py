@@ -17,7 +17,8 @@ The framing itself (``n``, the payload length, :func:`encode` writes and :func:`
 is this module's, for every kind alike. :class:`ProtocolError` and :func:`show` are defined
 there and named here as well.
 
-:func:`first_chunk_deadline` is how long a pull from a peer may wait for its first chunk.
+:func:`first_chunk_deadline` is how long a pull from a peer may wait for its first chunk;
+:func:`next_chunk_deadline` and :func:`lagging` how slow it may be after it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import math
 import re
 import struct
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -252,6 +254,60 @@ def first_chunk_deadline(
         return stall_s
     ref = max(learner_first_s, peer_first_s or 0.0, (n_members - 1) * chunk * elapsed_s / received)
     return min(stall_s, max(FIRST_FLOOR_S, FIRST_FACTOR * ref))
+
+
+LAG_FACTOR = 4.0  # a peer stream this many times slower than this node's other streams lags (lagging)
+LAG_MIN_CHUNKS = 16  # ... judged once the other streams delivered this many chunks (the median's stream)
+LAG_FLOOR_S = 2.0  # a peer stream is judged after this long, and a chunk may always take this long
+
+
+@dataclass
+class Pace:
+    """When one pull stream's chunks arrived: its first, its last, how many."""
+
+    first: float | None = None
+    last: float = 0.0
+    count: int = 0
+
+    def note(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        self.last, self.count = now, self.count + 1
+
+    def rate(self) -> float | None:
+        """Chunks per second from its first chunk to its last (None before two chunks)."""
+        if self.first is None or self.count < 2 or self.last <= self.first:
+            return None
+        return (self.count - 1) / (self.last - self.first)
+
+
+def _reference(others: Iterable[Pace]) -> float | None:
+    """The median rate of the streams that delivered ``LAG_MIN_CHUNKS`` chunks (None: none did)."""
+    rates = sorted(r for p in others if p.count >= LAG_MIN_CHUNKS and (r := p.rate()) is not None)
+    return rates[len(rates) // 2] if rates else None
+
+
+def lagging(mine: Pace, others: Iterable[Pace]) -> str | None:
+    """Why a pull stream from a peer lags, or None: at least ``LAG_FLOOR_S`` after its first chunk it
+    delivers under 1/``LAG_FACTOR`` of the median rate of this node's other planned streams (those that
+    delivered ``LAG_MIN_CHUNKS`` chunks). In a striped tree each stream carries one stripe at about the
+    stripe rate and they share this node's downlink, so a stream that slow is its source's doing (or its
+    source's source's, which that source reports in turn: ``publisher._exonerate``). A relay that sends
+    each chunk just inside the stall timeout is cut here, not after its whole stripe."""
+    ref, own = _reference(others), mine.rate()
+    if ref is None or own is None or mine.first is None or mine.last - mine.first < LAG_FLOOR_S:
+        return None
+    if own * LAG_FACTOR >= ref:
+        return None
+    return f"{own:.2f} chunks/s, {ref / own:.0f}x slower than this node's other streams ({ref:.2f}/s)"
+
+
+def next_chunk_deadline(stall_s: float, others: Iterable[Pace]) -> float:
+    """Seconds a pull stream from a peer may wait for its next chunk: ``LAG_FACTOR`` chunk-times of the
+    median of this node's other planned streams (:func:`lagging`), at least ``LAG_FLOOR_S``, at most
+    ``stall_s`` (which it is until the others have delivered ``LAG_MIN_CHUNKS`` chunks)."""
+    ref = _reference(others)
+    return stall_s if ref is None else min(stall_s, max(LAG_FLOOR_S, LAG_FACTOR / ref))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from echo2_bench.netns import netns_available
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("star-unlimited", "star-limited", "tree-pipelined")
+DRIP_GAP = 0.8  # the drip-feeding relay's gap between two chunks to one child, in stall timeouts
+DRIP_TARGET = 2.0  # its honest peers' T_all over the fault-free run's: at most this (fixed before running)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,11 @@ def _faults(h: Harness, cfg: BenchConfig, shaped: dict[str, Any], b0: float, bw:
             "tree-pipelined", n, faults={victim: Faults(corrupt_every=7)}, max_bad_chunks=10**9, **shaped
         )
     )
+    # a relay that sends each of its n - 1 children a chunk every DRIP_GAP stall timeouts (never a stall)
+    drip_bps = (n - 1) * cfg.chunk * 8 / (DRIP_GAP * cfg.stall_timeout)
+    drip = h.run(Scenario("tree-pipelined", n, faults={victim: Faults(drip_bps=drip_bps)}, **shaped))
+    honest = [w for w in drip.survivors if w != f"w{victim:03d}"]
+    drip_t_all = max(drip.install_s.get(w, math.inf) for w in honest)
     injected = corrupt.injected("corrupted_sent")
     detected = corrupt.counter("corrupt_detected")
     return {
@@ -133,6 +140,13 @@ def _faults(h: Harness, cfg: BenchConfig, shaped: dict[str, Any], b0: float, bw:
         "fault_free_t_all_s": base.t_all(),
         "kill_at_50pct": {**_row(killed, cfg, b0, bw), "over_fault_free": killed.t_all() / base.t_all()},
         "stall_at_50pct": {**_row(stalled, cfg, b0, bw), "over_fault_free": stalled.t_all() / base.t_all()},
+        "drip": {
+            **_row(drip, cfg, b0, bw),
+            "drip_bps": drip_bps,
+            "honest_t_all_s": drip_t_all,
+            "over_fault_free": drip_t_all / base.t_all(),
+            "stalls_reported": sum(r["counters"]["stalls_reported"] for r in drip.workers.values()),
+        },
         "corruption": {
             **_row(corrupt, cfg, b0, bw),
             "injected": injected,
@@ -199,6 +213,8 @@ def _targets(rep: _Report, cfg: BenchConfig, b0: float, bw: float) -> dict[str, 
     if rep.faults:
         k = rep.faults["kill_at_50pct"]["over_fault_free"]
         t["kill_relay_at_50pct_survivors_within_2x"] = {"value": k, "met": k <= 2.0}
+        d = rep.faults["drip"]["over_fault_free"]
+        t[f"drip_relay_honest_within_{DRIP_TARGET}x"] = {"value": d, "met": d <= DRIP_TARGET}
         c = rep.faults["corruption"]
         t["corruption_100pct_detected_0_bad_installs"] = {
             "injected": c["injected"], "detected": c["detected"], "bad_installs": c["bad_installs"],

@@ -1,4 +1,6 @@
-"""Fault injection for the broadcast harness: a worker that dies, freezes or corrupts what it relays.
+"""Fault injection for the broadcast harness: a worker that dies, freezes, corrupts what it relays, or
+relays it a drip at a time (``drip_bps``: its uplink paced far below its link, each chunk inside the
+stall timeout; the harness paces it, no tap).
 
 :class:`FaultTap` plugs into the product's ``ChunkTap`` seam (``TcpWorkerNode(tap=...)``); the node
 itself knows nothing of faults. ``corrupted_sent`` is the ground truth the benchmark compares with
@@ -24,6 +26,7 @@ class Faults:
     die_at: float = 0.0  # SIGKILL itself once this fraction of chunks arrived (0 = never)
     stall_at: float = 0.0  # SIGSTOP itself (freeze, sockets stay open) at this fraction (0 = never)
     corrupt_every: int = 0  # flip a byte in every k-th chunk it relays (0 = never)
+    drip_bps: float = 0.0  # relay at this uplink, bits/s, whatever its link (0 = its link): a drip feeder
 
     def removes_worker(self) -> bool:
         """True if the worker is killed or frozen, so it never reports an install."""

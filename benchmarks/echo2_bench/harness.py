@@ -226,6 +226,8 @@ class Harness:
                     wargs += ["--uplink-bps", str(sc.bw_bps), "--downlink-bps", str(sc.bw_bps)]
                 elif sc.pace and sc.bw_bps:
                     wargs += ["--uplink-bps", str(sc.bw_bps * sc.pace)]
+                if f.drip_bps:  # the last --uplink-bps is the one the worker reads
+                    wargs += ["--uplink-bps", str(f.drip_bps)]
                 self._spawn(i + 1, wargs, worker_env, run_dir / f"w{i:03d}.log")
             try:
                 rc = learner.wait(timeout=sc.timeout + 60)

@@ -22,6 +22,7 @@ from echo2.broadcast.wire import (
     LAG_MIN_CHUNKS,
     Pace,
     Pacer,
+    finish_deadline,
     lagging,
     next_chunk_deadline,
     read_header,
@@ -63,14 +64,18 @@ def test_lagging_and_the_next_chunk_deadline_worked_by_hand() -> None:
     assert lagging(_pace(0.0, 0.5, 3), [_pace(0.0, 20.0, LAG_MIN_CHUNKS - 1)]) is None  # no reference yet
     assert lagging(Pace(), others) is None
 
+    assert finish_deadline(10.0, 10.1) == 10.0 + LAG_FLOOR_S  # the others done in 0.1 s: 2 s in all
+    assert finish_deadline(10.0, 13.0) == pytest.approx(10.0 + LAG_FACTOR * 3.0)  # in 3 s: 12 s
+
 
 class _Fleet:
     """A fake learner (control + chunks) and three fake peers around one real node: each source paced
     at its own rate (``drip``: a chunk, then ``DRIP_S`` of nothing), the node pulling a quarter of the
     chunks from each."""
 
-    def __init__(self, rates: dict[str, float]) -> None:
+    def __init__(self, rates: dict[str, float], blob: bytes, drip_s: float) -> None:
         self.rates = rates  # source -> bytes/s it serves at
+        self.blob, self.drip_s = blob, drip_s
         self.joined: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
         self.buffers: dict[int, SnapshotBuffer] = {}
         self.servers: list[asyncio.Server] = []
@@ -92,7 +97,7 @@ class _Fleet:
                     for i in chunks:
                         payload = memoryview(buffer.buf)[i * CHUNK : (i + 1) * CHUNK]
                         await write_frame(writer, to_wire(ChunkFrame(v=pull.v, i=i)), payload)
-                        await asyncio.sleep(DRIP_S)
+                        await asyncio.sleep(self.drip_s)
                 else:
                     pacer = None if pull.repair else Pacer(self.rates[name], burst=CHUNK)
                     await serve_get(pull, chunks, writer, self.buffers.get, None, 5.0, stream=pacer)
@@ -108,21 +113,22 @@ class _Fleet:
         return addrs
 
     def announce(self, v: int, addrs: dict[str, tuple[str, int]]) -> dict[str, Any]:
-        manifest = build_manifest(BLOB, v, CHUNK, KEY)
-        self.buffers[v] = SnapshotBuffer(manifest, BLOB)
-        sources = [
-            [name, list(range(j, len(BLOB) // CHUNK, len(self.rates)))] for j, name in enumerate(self.rates)
-        ]
+        manifest = build_manifest(self.blob, v, CHUNK, KEY)
+        self.buffers[v] = SnapshotBuffer(manifest, self.blob)
+        n = len(self.blob) // CHUNK
+        sources = [[name, list(range(j, n, len(self.rates)))] for j, name in enumerate(self.rates)]
         return {
             "op": "announce", "manifest": manifest.to_dict(), "sources": sources, "serve": [],
             "peers": {k: list(a) for k, a in addrs.items()}, "credential": issue(KEY, v, "w", "").to_dict(),
         }  # fmt: skip
 
 
-async def _install(rates: dict[str, float]) -> tuple[float, list[dict[str, Any]], TcpWorkerNode, _Fleet]:
-    """One version through a node pulling from sources at ``rates``: seconds to install, its control
-    frames after the announcement (stall reports, the ack)."""
-    fleet = _Fleet(rates)
+async def _install(
+    rates: dict[str, float], blob: bytes = BLOB, drip_s: float = DRIP_S
+) -> tuple[float, list[dict[str, Any]], TcpWorkerNode, _Fleet]:
+    """One version of ``blob`` through a node pulling from sources at ``rates``: seconds to install, its
+    control frames after the announcement (stall reports, the ack)."""
+    fleet = _Fleet(rates, blob, drip_s)
     addrs = await fleet.start()
     node = TcpWorkerNode("w", addrs[LEARNER], KEY.verifier(), stall_timeout=STALL_S)
     await node.start()
@@ -131,7 +137,7 @@ async def _install(rates: dict[str, float]) -> tuple[float, list[dict[str, Any]]
     await write_frame(ctl_w, fleet.announce(1, addrs))
     snap = await asyncio.wait_for(node.snapshots().__anext__(), 60)
     took = time.monotonic() - t0
-    assert bytes(snap.data) == BLOB
+    assert bytes(snap.data) == blob
     await node.report_installed(1)
     frames = []
     while not frames or frames[-1]["op"] != "installed":
@@ -165,3 +171,23 @@ def test_a_drip_feeding_relay_is_cut_reported_and_repaired_a_half_speed_one_is_n
     assert got[LEARNER] + got["drip"] == 2 * PER_STREAM and 2 <= got["drip"] <= 4
     assert sum(len(r) for r in fleet.repairs) == PER_STREAM - got["drip"]
     assert "source drip failed for v1 (lagging:" in caplog.text
+
+
+def test_a_relay_holding_back_a_patchs_few_chunks_is_cut_once_every_other_source_is_done(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A patch-sized version (3 chunks a source): no rate to read, and the relay sends its first chunk
+    at once and each next one 4.5 s later, inside the 5 s stall timeout (9 s for its stripe before this
+    rule). The other sources are done in a fraction of a second, so the relay is given up at
+    LAG_FLOOR_S (``wire.finish_deadline``), reported, and its 2 chunks repaired from the learner."""
+    fast = 20 * CHUNK
+    caplog.set_level(logging.INFO, logger="echo2.broadcast.receiver")
+    patch = BLOB[: 12 * CHUNK]
+    took, frames, _, fleet = asyncio.run(
+        _install({LEARNER: fast, "a": fast, "b": fast, "drip": 0.0}, patch, drip_s=4.5)
+    )
+    assert [f["op"] for f in frames] == ["stalled", "installed"]
+    assert frames[1]["got"] == {LEARNER: 3 + 2, "a": 3, "b": 3, "drip": 1}
+    assert LAG_FLOOR_S <= took < LAG_FLOOR_S + 1.5, f"installed in {took:.1f} s"
+    assert fleet.repairs == [[7, 11]]
+    assert "source drip failed for v1 (lagging: 2 chunks left" in caplog.text

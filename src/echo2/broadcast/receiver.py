@@ -49,6 +49,7 @@ from echo2.broadcast.wire import (
     Pace,
     Pacer,
     ProtocolError,
+    finish_deadline,
     first_chunk_deadline,
     lagging,
     next_chunk_deadline,
@@ -141,6 +142,28 @@ class _Transfer:
     def others(self, source: str) -> list[Pace]:
         """The paces of this version's planned streams other than ``source``'s (the learner's included)."""
         return [p for s, p in self.paces.items() if s != source]
+
+    def due(
+        self, source: str, pace: Pace, start: float, left: list[int], planned: bool
+    ) -> tuple[float, bool]:
+        """When a pull from the peer ``source`` (begun at ``start``, its chunks not yet read ``left``) is
+        given up, as of now, and whether because it is the last source still sending: before its first
+        chunk :meth:`first_deadline`; a repair's next chunk within ``stall_timeout``; a planned stream's
+        within :func:`~echo2.broadcast.wire.next_chunk_deadline`, and once only its chunks are missing,
+        its last by :func:`~echo2.broadcast.wire.finish_deadline` (a small patch's stripe, where no
+        rate is read)."""
+        if pace.count == 0:
+            return start + self.first_deadline(), False
+        if not planned:
+            return pace.last + self.stall_timeout, False
+        when = pace.last + next_chunk_deadline(self.stall_timeout, self.others(source))
+        mine = len(self.buffer.missing(left))
+        if mine and mine == self.manifest.n_chunks - self.buffer.count:  # only its chunks are missing
+            pace.alone = pace.alone or time.monotonic()
+            done_by = finish_deadline(self.started, pace.alone)
+            if done_by < when:
+                return done_by, True
+        return when, False
 
     def first_deadline(self) -> float:
         """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""
@@ -453,17 +476,18 @@ class TcpWorkerNode:
         todo = buffer.missing(chunks)
         if not todo:
             return
-        pos, writer, reason, stalled = 0, None, "", False
-        pace = None if repair or repairs > 0 else transfer.paces.setdefault(source, Pace())
+        pos, writer, reason, stalled, late = 0, None, "", False, False
+        planned = not (repair or repairs > 0)  # one of the announcement's streams: judged, and a reference
+        pace = transfer.paces.setdefault(source, Pace()) if planned else Pace()
         loop = asyncio.get_running_loop()
         start = loop.time()
         ticker: asyncio.TimerHandle | None = None
         try:
             async with asyncio.timeout(transfer.stall_timeout) as watchdog:  # one timer, moved on progress
 
-                def tick() -> None:  # a peer's first chunk: the deadline follows what this node sees
-                    nonlocal ticker
-                    when = start + transfer.first_deadline()
+                def tick() -> None:  # a peer's stream: the deadline follows what this node sees
+                    nonlocal ticker, late
+                    when, late = transfer.due(source, pace, start, todo[pos:], planned)
                     if not watchdog.expired():
                         watchdog.reschedule(when)
                     ticker = loop.call_later(FIRST_TICK_S, tick) if when > loop.time() else None
@@ -497,14 +521,13 @@ class TcpWorkerNode:
                     if ticker is not None:
                         ticker.cancel()
                         ticker = None
-                    if pace is not None:  # a planned stream: its pace is what the others' are judged by
-                        pace.note(loop.time())
-                        if source != LEARNER and (why := lagging(pace, transfer.others(source))):
+                    pace.note(loop.time())
+                    if source == LEARNER:
+                        watchdog.reschedule(loop.time() + transfer.stall_timeout)
+                    else:
+                        if planned and (why := lagging(pace, transfer.others(source))):
                             raise Lagging(why)
-                    wait = transfer.stall_timeout
-                    if pace is not None and source != LEARNER:
-                        wait = next_chunk_deadline(wait, transfer.others(source))
-                    watchdog.reschedule(loop.time() + wait)
+                        tick()
                     self._first_chunk(transfer, source, repair or repairs > 0)
                     if self.downlink is not None:
                         await self.downlink.consume(len(payload))
@@ -536,6 +559,9 @@ class TcpWorkerNode:
         except TimeoutError:
             waited, stalled = loop.time() - start, True  # sent nothing for its deadline: report it
             reason = f"no data for {waited:.1f}s" if pos else f"no first chunk within {waited:.1f}s"
+            if late:
+                left = len(buffer.missing(todo[pos:]))
+                reason = f"lagging: {left} chunks left {waited:.1f}s in, every other source done"
         except Lagging as exc:  # it sends, but far slower than this node's other sources: report it
             stalled, reason = True, f"lagging: {exc}"
         except asyncio.IncompleteReadError:

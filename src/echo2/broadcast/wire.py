@@ -18,7 +18,7 @@ is this module's, for every kind alike. :class:`ProtocolError` and :func:`show` 
 there and named here as well.
 
 :func:`first_chunk_deadline` is how long a pull from a peer may wait for its first chunk;
-:func:`next_chunk_deadline` and :func:`lagging` how slow it may be after it.
+:func:`next_chunk_deadline`, :func:`lagging` and :func:`finish_deadline` how slow it may be after it.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def first_chunk_deadline(
 
 
 LAG_FACTOR = 4.0  # a peer stream this many times slower than this node's other streams lags (lagging)
-LAG_MIN_CHUNKS = 16  # ... judged once the other streams delivered this many chunks (the median's stream)
+LAG_MIN_CHUNKS = 8  # ... judged once the other streams delivered this many chunks (the median's stream)
 LAG_FLOOR_S = 2.0  # a peer stream is judged after this long, and a chunk may always take this long
 
 
@@ -268,6 +268,7 @@ class Pace:
     first: float | None = None
     last: float = 0.0
     count: int = 0
+    alone: float | None = None  # since when only its chunks are missing (finish_deadline)
 
     def note(self, now: float) -> None:
         if self.first is None:
@@ -300,6 +301,15 @@ def lagging(mine: Pace, others: Iterable[Pace]) -> str | None:
     if own * LAG_FACTOR >= ref:
         return None
     return f"{own:.2f} chunks/s, {ref / own:.0f}x slower than this node's other streams ({ref:.2f}/s)"
+
+
+def finish_deadline(started: float, alone: float) -> float:
+    """When a planned peer stream must be done once it alone holds this node back (every other chunk
+    stored since ``alone``; the version announced at ``started``, both ``time.monotonic()``): it gets
+    ``LAG_FACTOR`` times what the other sources took, at least ``LAG_FLOOR_S``. What a stripe of a few
+    chunks (a delta patch) needs, where :func:`lagging` has no rate to read: a relay that holds back
+    its last chunks is given up seconds after the others are done, not a stall timeout per chunk."""
+    return started + max(LAG_FLOOR_S, LAG_FACTOR * (alone - started))
 
 
 def next_chunk_deadline(stall_s: float, others: Iterable[Pace]) -> float:

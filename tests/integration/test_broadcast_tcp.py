@@ -404,8 +404,8 @@ def test_a_drip_feeding_relay_costs_the_honest_workers_seconds_and_is_demoted() 
     """Three honest nodes and a real node whose uplink sends one chunk every 0.3 s (one each 0.9 s to each
     of its 3 children), each inside the 1 s stall timeout: no stall ever ends its streams, so its stripe's
     50 chunks took its children about 45 s a version. Now each child cuts it as lagging (``wire.lagging``:
-    under 1/4 of its other streams' rate, LAG_FLOOR_S after its first chunk), reports it and repairs the
-    stripe from the learner: v1 within 10 s; the reports demote it, so v2 plans nobody on it."""
+    under 1/4 of its other streams' rate, 2 stall timeouts after its first chunk), reports it and repairs
+    the stripe from the learner: v1 within 10 s; the reports demote it, so v2 plans nobody on it."""
     from echo2.broadcast.wire import Pacer
 
     blob = synthetic_snapshot(50 * 4 * CHUNK, seed=4)  # 50 chunks a stripe, 4 stripes

@@ -18,13 +18,12 @@ from echo2.broadcast.receiver import TcpWorkerNode
 from echo2.broadcast.strategy import LEARNER
 from echo2.broadcast.wire import (
     LAG_FACTOR,
-    LAG_FLOOR_S,
     LAG_MIN_CHUNKS,
+    LAG_SPAN,
     Pace,
     Pacer,
     finish_deadline,
     lagging,
-    next_chunk_deadline,
     read_header,
     write_frame,
 )
@@ -47,25 +46,20 @@ def _pace(first: float, rate: float, count: int) -> Pace:
     return p
 
 
-def test_lagging_and_the_next_chunk_deadline_worked_by_hand() -> None:
+def test_lagging_and_the_finish_deadline_worked_by_hand() -> None:
     others = [_pace(0.0, 20.0, 20), _pace(0.5, 10.0, 17), _pace(0.0, 40.0, 40)]  # median rate 20/s
-    assert next_chunk_deadline(STALL_S, others) == LAG_FLOOR_S  # 4 chunk-times (0.2 s) < the 2 s floor
-    slow = [_pace(0.0, 1.0, LAG_MIN_CHUNKS + 1)] * 3  # 1 chunk/s: 4 chunk-times are 4 s
-    assert next_chunk_deadline(STALL_S, slow) == pytest.approx(LAG_FACTOR / 1.0)
-    assert next_chunk_deadline(STALL_S, [_pace(0.0, 0.1, LAG_MIN_CHUNKS)]) == STALL_S  # capped
-    assert next_chunk_deadline(STALL_S, [_pace(0.0, 20.0, LAG_MIN_CHUNKS - 1)]) == STALL_S  # too few
-    assert next_chunk_deadline(STALL_S, []) == STALL_S
+    span = LAG_SPAN * STALL_S  # 10 s
+    assert "67x slower" in (lagging(_pace(0.0, 0.5, 3), others, span, STALL_S) or "")  # 3 in 10 s: 0.3/s
+    assert lagging(_pace(0.0, 0.5, 3), others, span - 0.1, STALL_S) is None  # judged LAG_SPAN stalls in
+    assert lagging(_pace(0.0, 5.0, 52), others, span, STALL_S) is None  # 5.2/s: within LAG_FACTOR of 20
+    assert lagging(_pace(0.0, 5.0, 48), others, span, STALL_S) is not None  # 4.8/s: past it
+    few = [_pace(0.0, 20.0, LAG_MIN_CHUNKS - 1)] * 3
+    assert lagging(_pace(0.0, 0.5, 3), few, span, STALL_S) is None  # no reference yet
+    assert lagging(Pace(), others, span, STALL_S) is None
+    assert LAG_FACTOR == 4.0
 
-    assert lagging(_pace(0.0, 0.5, 3), others) is not None  # 2 chunks in 4 s against 20/s: 40x slower
-    assert "40x slower" in (lagging(_pace(0.0, 0.5, 3), others) or "")
-    assert lagging(_pace(0.0, 0.6, 2), others) is None  # judged only LAG_FLOOR_S after its first chunk
-    assert lagging(_pace(0.0, 5.1, 12), others) is None  # within LAG_FACTOR of the median
-    assert lagging(_pace(0.0, 4.9, 12), others) is not None  # just past it
-    assert lagging(_pace(0.0, 0.5, 3), [_pace(0.0, 20.0, LAG_MIN_CHUNKS - 1)]) is None  # no reference yet
-    assert lagging(Pace(), others) is None
-
-    assert finish_deadline(10.0, 10.1) == 10.0 + LAG_FLOOR_S  # the others done in 0.1 s: 2 s in all
-    assert finish_deadline(10.0, 13.0) == pytest.approx(10.0 + LAG_FACTOR * 3.0)  # in 3 s: 12 s
+    assert finish_deadline(10.0, 10.1, STALL_S) == 10.0 + STALL_S  # the others done in 0.1 s
+    assert finish_deadline(10.0, 13.0, STALL_S) == pytest.approx(10.0 + LAG_FACTOR * 3.0)  # in 3 s: 12 s
 
 
 class _Fleet:
@@ -73,9 +67,10 @@ class _Fleet:
     at its own rate (``drip``: a chunk, then ``DRIP_S`` of nothing), the node pulling a quarter of the
     chunks from each."""
 
-    def __init__(self, rates: dict[str, float], blob: bytes, drip_s: float) -> None:
+    def __init__(self, rates: dict[str, float], blob: bytes, drip_s: float, planned: list[str]) -> None:
         self.rates = rates  # source -> bytes/s it serves at
         self.blob, self.drip_s = blob, drip_s
+        self.planned = planned  # the sources the announcement names, in turn (default: every one)
         self.joined: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
         self.buffers: dict[int, SnapshotBuffer] = {}
         self.servers: list[asyncio.Server] = []
@@ -116,7 +111,7 @@ class _Fleet:
         manifest = build_manifest(self.blob, v, CHUNK, KEY)
         self.buffers[v] = SnapshotBuffer(manifest, self.blob)
         n = len(self.blob) // CHUNK
-        sources = [[name, list(range(j, n, len(self.rates)))] for j, name in enumerate(self.rates)]
+        sources = [[name, list(range(j, n, len(self.planned)))] for j, name in enumerate(self.planned)]
         return {
             "op": "announce", "manifest": manifest.to_dict(), "sources": sources, "serve": [],
             "peers": {k: list(a) for k, a in addrs.items()}, "credential": issue(KEY, v, "w", "").to_dict(),
@@ -124,13 +119,17 @@ class _Fleet:
 
 
 async def _install(
-    rates: dict[str, float], blob: bytes = BLOB, drip_s: float = DRIP_S
+    rates: dict[str, float],
+    blob: bytes = BLOB,
+    drip_s: float = DRIP_S,
+    stall_s: float = STALL_S,
+    planned: list[str] | None = None,
 ) -> tuple[float, list[dict[str, Any]], TcpWorkerNode, _Fleet]:
     """One version of ``blob`` through a node pulling from sources at ``rates``: seconds to install, its
     control frames after the announcement (stall reports, the ack)."""
-    fleet = _Fleet(rates, blob, drip_s)
+    fleet = _Fleet(rates, blob, drip_s, planned or list(rates))
     addrs = await fleet.start()
-    node = TcpWorkerNode("w", addrs[LEARNER], KEY.verifier(), stall_timeout=STALL_S)
+    node = TcpWorkerNode("w", addrs[LEARNER], KEY.verifier(), stall_timeout=stall_s)
     await node.start()
     ctl_r, ctl_w = await fleet.joined.get()
     t0 = time.monotonic()
@@ -151,43 +150,58 @@ async def _install(
 def test_a_drip_feeding_relay_is_cut_reported_and_repaired_a_half_speed_one_is_not(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The learner and two peers at 20 chunks/s, a third at 10/s (half: kept), then the third sending its
-    first chunk at once and then one every 1.5 s, inside the 5 s stall timeout: without the lag rule
-    its 40 chunks take 60 s; now it is cut about LAG_FLOOR_S after its first chunk, reported, and its
-    rest repaired from the learner."""
-    fast = 20 * CHUNK
+    """A 2 s stall timeout. The learner and two peers at 20 chunks/s, a third at 10/s (half: kept), then
+    the third sending its first chunk at once and one every 1.5 s after it, inside the stall timeout:
+    without the lag rule its 40 chunks take 60 s; now it is cut LAG_SPAN stall timeouts (4 s) after its
+    first chunk (3 chunks in 4 s against 20/s), reported, and its rest repaired from the learner."""
+    fast, stall = 20 * CHUNK, 2.0
     caplog.set_level(logging.INFO, logger="echo2.broadcast.receiver")
-    took, frames, node, fleet = asyncio.run(_install({LEARNER: fast, "a": fast, "b": fast, "half": fast / 2}))
+    rates = {LEARNER: fast, "a": fast, "b": fast, "half": fast / 2}
+    took, frames, node, fleet = asyncio.run(_install(rates, stall_s=stall))
     assert [f["op"] for f in frames] == ["installed"] and node.counters.stalls_reported == 0
     assert frames[0]["got"] == {LEARNER: PER_STREAM, "a": PER_STREAM, "b": PER_STREAM, "half": PER_STREAM}
     assert took < 6.0 and not fleet.repairs  # the half-speed stripe: 40 chunks at 10/s, about 4 s
 
-    took, frames, node, fleet = asyncio.run(_install({LEARNER: fast, "a": fast, "b": fast, "drip": 0.0}))
+    rates = {LEARNER: fast, "a": fast, "b": fast, "drip": 0.0}
+    took, frames, node, fleet = asyncio.run(_install(rates, stall_s=stall))
     assert [f["op"] for f in frames] == ["stalled", "installed"]
     assert frames[0] == {"op": "stalled", "v": 1, "source": "drip"}
     assert node.counters.stalls_reported == 1 and node.avoided() == {"drip": 1 + 3}
-    assert took < 10.0, f"installed in {took:.1f} s"  # 40 x 1.5 = 60 s without the lag rule
+    assert LAG_SPAN * stall <= took < LAG_SPAN * stall + 1.5, f"installed in {took:.1f} s"  # 60 s before
     got = frames[1]["got"]
-    assert got[LEARNER] + got["drip"] == 2 * PER_STREAM and 2 <= got["drip"] <= 4
+    assert got[LEARNER] + got["drip"] == 2 * PER_STREAM and got["drip"] == 3
     assert sum(len(r) for r in fleet.repairs) == PER_STREAM - got["drip"]
-    assert "source drip failed for v1 (lagging:" in caplog.text
+    assert "source drip failed for v1 (lagging 4." in caplog.text and "x slower than this node" in caplog.text
 
 
 def test_a_relay_holding_back_a_patchs_few_chunks_is_cut_once_every_other_source_is_done(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A patch-sized version (3 chunks a source): no rate to read, and the relay sends its first chunk
-    at once and each next one 4.5 s later, inside the 5 s stall timeout (9 s for its stripe before this
-    rule). The other sources are done in a fraction of a second, so the relay is given up at
-    LAG_FLOOR_S (``wire.finish_deadline``), reported, and its 2 chunks repaired from the learner."""
+    """A patch-sized version (4 chunks a source): no rate to read, and the relay sends its first chunk
+    at once and each next one 4 s later, inside the 5 s stall timeout (12 s for its stripe before this
+    rule). The other sources are done in a fraction of a second, so the relay is given up one stall
+    timeout after the announcement (``wire.finish_deadline``), with 2 chunks sent, reported, and its
+    other 2 repaired from the learner."""
     fast = 20 * CHUNK
     caplog.set_level(logging.INFO, logger="echo2.broadcast.receiver")
-    patch = BLOB[: 12 * CHUNK]
+    patch = BLOB[: 16 * CHUNK]
     took, frames, _, fleet = asyncio.run(
-        _install({LEARNER: fast, "a": fast, "b": fast, "drip": 0.0}, patch, drip_s=4.5)
+        _install({LEARNER: fast, "a": fast, "b": fast, "drip": 0.0}, patch, drip_s=4.0)
     )
     assert [f["op"] for f in frames] == ["stalled", "installed"]
-    assert frames[1]["got"] == {LEARNER: 3 + 2, "a": 3, "b": 3, "drip": 1}
-    assert LAG_FLOOR_S <= took < LAG_FLOOR_S + 1.5, f"installed in {took:.1f} s"
-    assert fleet.repairs == [[7, 11]]
-    assert "source drip failed for v1 (lagging: 2 chunks left" in caplog.text
+    assert frames[1]["got"] == {LEARNER: 4 + 2, "a": 4, "b": 4, "drip": 2}
+    assert STALL_S <= took < STALL_S + 1.5, f"installed in {took:.1f} s"
+    assert fleet.repairs == [[11, 15]]
+    assert "source drip failed for v1 (lagging 5." in caplog.text and "2 chunks left" in caplog.text
+
+
+def test_a_slow_but_only_source_is_never_judged_against_nothing() -> None:
+    """A node whose plan names one source (a latecomer pulling the anchor from its holder) at 2 chunks/s
+    with a 2 s stall timeout: 12 chunks in about 6 s, every one inside the timeout; nothing to compare it
+    with, so no lag rule applies (the finish rule once cut every latecomer one stall timeout in)."""
+    rates = {LEARNER: 20 * CHUNK, "holder": 2 * CHUNK}
+    took, frames, node, fleet = asyncio.run(
+        _install(rates, BLOB[: 12 * CHUNK], stall_s=2.0, planned=["holder"])
+    )
+    assert [f["op"] for f in frames] == ["installed"] and frames[0]["got"] == {"holder": 12}
+    assert node.counters.stalls_reported == 0 and not fleet.repairs and 5.0 < took < 8.0

@@ -52,7 +52,6 @@ from echo2.broadcast.wire import (
     finish_deadline,
     first_chunk_deadline,
     lagging,
-    next_chunk_deadline,
     parse_announcement,
     read_header,
     read_payload,
@@ -92,10 +91,6 @@ from echo2.weights.manifest import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class Lagging(Exception):
-    """A planned pull stream from a peer is far slower than this node's others (``wire.lagging``)."""
 
 
 FIRST_TICK_S = 0.1  # how often a pull waiting for its first chunk reads its deadline again
@@ -143,27 +138,29 @@ class _Transfer:
         """The paces of this version's planned streams other than ``source``'s (the learner's included)."""
         return [p for s, p in self.paces.items() if s != source]
 
-    def due(
-        self, source: str, pace: Pace, start: float, left: list[int], planned: bool
-    ) -> tuple[float, bool]:
+    def due(self, source: str, pace: Pace, start: float, left: list[int], planned: bool) -> tuple[float, str]:
         """When a pull from the peer ``source`` (begun at ``start``, its chunks not yet read ``left``) is
-        given up, as of now, and whether because it is the last source still sending: before its first
-        chunk :meth:`first_deadline`; a repair's next chunk within ``stall_timeout``; a planned stream's
-        within :func:`~echo2.broadcast.wire.next_chunk_deadline`, and once only its chunks are missing,
-        its last by :func:`~echo2.broadcast.wire.finish_deadline` (a small patch's stripe, where no
-        rate is read)."""
+        given up, as of now, and why if not for silence: before its first chunk :meth:`first_deadline`;
+        then ``stall_timeout`` after its last, and a planned stream at once when it lags
+        (:func:`~echo2.broadcast.wire.lagging`) or, once only its chunks are missing, by
+        :func:`~echo2.broadcast.wire.finish_deadline` (a small patch's stripe, where no rate is read;
+        never a node's only planned source, a latecomer's holder)."""
         if pace.count == 0:
-            return start + self.first_deadline(), False
+            return start + self.first_deadline(), ""
+        when = pace.last + self.stall_timeout
         if not planned:
-            return pace.last + self.stall_timeout, False
-        when = pace.last + next_chunk_deadline(self.stall_timeout, self.others(source))
+            return when, ""
+        now, others = time.monotonic(), self.others(source)
+        if why := lagging(pace, others, now, self.stall_timeout):
+            return now, why
         mine = len(self.buffer.missing(left))
-        if mine and mine == self.manifest.n_chunks - self.buffer.count:  # only its chunks are missing
-            pace.alone = pace.alone or time.monotonic()
-            done_by = finish_deadline(self.started, pace.alone)
+        if others and mine == self.manifest.n_chunks - self.buffer.count > 0:  # only its chunks missing
+            pace.alone = pace.alone or now
+            done_by = finish_deadline(self.started, pace.alone, self.stall_timeout)
             if done_by < when:
-                return done_by, True
-        return when, False
+                took = pace.alone - self.started
+                return done_by, f"{mine} chunks left, every other source done after {took:.1f}s"
+        return when, ""
 
     def first_deadline(self) -> float:
         """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""
@@ -476,7 +473,7 @@ class TcpWorkerNode:
         todo = buffer.missing(chunks)
         if not todo:
             return
-        pos, writer, reason, stalled, late = 0, None, "", False, False
+        pos, writer, reason, stalled, late = 0, None, "", False, ""
         planned = not (repair or repairs > 0)  # one of the announcement's streams: judged, and a reference
         pace = transfer.paces.setdefault(source, Pace()) if planned else Pace()
         loop = asyncio.get_running_loop()
@@ -525,8 +522,6 @@ class TcpWorkerNode:
                     if source == LEARNER:
                         watchdog.reschedule(loop.time() + transfer.stall_timeout)
                     else:
-                        if planned and (why := lagging(pace, transfer.others(source))):
-                            raise Lagging(why)
                         tick()
                     self._first_chunk(transfer, source, repair or repairs > 0)
                     if self.downlink is not None:
@@ -559,11 +554,8 @@ class TcpWorkerNode:
         except TimeoutError:
             waited, stalled = loop.time() - start, True  # sent nothing for its deadline: report it
             reason = f"no data for {waited:.1f}s" if pos else f"no first chunk within {waited:.1f}s"
-            if late:
-                left = len(buffer.missing(todo[pos:]))
-                reason = f"lagging: {left} chunks left {waited:.1f}s in, every other source done"
-        except Lagging as exc:  # it sends, but far slower than this node's other sources: report it
-            stalled, reason = True, f"lagging: {exc}"
+            if late:  # it sends, but far slower than this node's other sources
+                reason = f"lagging {waited:.1f}s in: {late}"
         except asyncio.IncompleteReadError:
             reason = "connection closed mid-stream"
         except (ConnectionError, OSError) as exc:

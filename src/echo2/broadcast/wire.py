@@ -18,7 +18,7 @@ is this module's, for every kind alike. :class:`ProtocolError` and :func:`show` 
 there and named here as well.
 
 :func:`first_chunk_deadline` is how long a pull from a peer may wait for its first chunk;
-:func:`next_chunk_deadline`, :func:`lagging` and :func:`finish_deadline` how slow it may be after it.
+:func:`lagging` and :func:`finish_deadline` how slow it may be after it.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def first_chunk_deadline(
 
 LAG_FACTOR = 4.0  # a peer stream this many times slower than this node's other streams lags (lagging)
 LAG_MIN_CHUNKS = 8  # ... judged once the other streams delivered this many chunks (the median's stream)
-LAG_FLOOR_S = 2.0  # a peer stream is judged after this long, and a chunk may always take this long
+LAG_SPAN = 2.0  # ... and this many stall timeouts after its own first chunk
 
 
 @dataclass
@@ -288,36 +288,32 @@ def _reference(others: Iterable[Pace]) -> float | None:
     return rates[len(rates) // 2] if rates else None
 
 
-def lagging(mine: Pace, others: Iterable[Pace]) -> str | None:
-    """Why a pull stream from a peer lags, or None: at least ``LAG_FLOOR_S`` after its first chunk it
-    delivers under 1/``LAG_FACTOR`` of the median rate of this node's other planned streams (those that
-    delivered ``LAG_MIN_CHUNKS`` chunks). In a striped tree each stream carries one stripe at about the
-    stripe rate and they share this node's downlink, so a stream that slow is its source's doing (or its
+def lagging(mine: Pace, others: Iterable[Pace], now: float, stall_s: float) -> str | None:
+    """Why a pull stream from a peer lags at ``now``, or None: ``LAG_SPAN`` stall timeouts (``stall_s``)
+    or more after its first chunk, even were its next chunk to arrive now it would have delivered under
+    1/``LAG_FACTOR`` of the median rate of this node's other planned streams (those that delivered
+    ``LAG_MIN_CHUNKS`` chunks). In a striped tree each stream carries one stripe at about the stripe
+    rate and they share this node's downlink, so a stream that slow is its source's doing (or its
     source's source's, which that source reports in turn: ``publisher._exonerate``). A relay that sends
-    each chunk just inside the stall timeout is cut here, not after its whole stripe."""
-    ref, own = _reference(others), mine.rate()
-    if ref is None or own is None or mine.first is None or mine.last - mine.first < LAG_FLOOR_S:
+    each chunk just inside the stall timeout is cut here, not after its whole stripe; the span keeps an
+    honest stream that lost a stall timeout's worth of retransmissions above the line unless it was
+    also twice as slow as the others."""
+    if mine.first is None or now - mine.first < LAG_SPAN * stall_s or (ref := _reference(others)) is None:
         return None
+    own = mine.count / (now - mine.first)
     if own * LAG_FACTOR >= ref:
         return None
     return f"{own:.2f} chunks/s, {ref / own:.0f}x slower than this node's other streams ({ref:.2f}/s)"
 
 
-def finish_deadline(started: float, alone: float) -> float:
+def finish_deadline(started: float, alone: float, stall_s: float) -> float:
     """When a planned peer stream must be done once it alone holds this node back (every other chunk
     stored since ``alone``; the version announced at ``started``, both ``time.monotonic()``): it gets
-    ``LAG_FACTOR`` times what the other sources took, at least ``LAG_FLOOR_S``. What a stripe of a few
-    chunks (a delta patch) needs, where :func:`lagging` has no rate to read: a relay that holds back
-    its last chunks is given up seconds after the others are done, not a stall timeout per chunk."""
-    return started + max(LAG_FLOOR_S, LAG_FACTOR * (alone - started))
-
-
-def next_chunk_deadline(stall_s: float, others: Iterable[Pace]) -> float:
-    """Seconds a pull stream from a peer may wait for its next chunk: ``LAG_FACTOR`` chunk-times of the
-    median of this node's other planned streams (:func:`lagging`), at least ``LAG_FLOOR_S``, at most
-    ``stall_s`` (which it is until the others have delivered ``LAG_MIN_CHUNKS`` chunks)."""
-    ref = _reference(others)
-    return stall_s if ref is None else min(stall_s, max(LAG_FLOOR_S, LAG_FACTOR / ref))
+    ``LAG_FACTOR`` times what the other sources took, at least a stall timeout (``stall_s``). What a
+    stripe of a few chunks (a delta patch) needs, where :func:`lagging` has no rate to read: a relay
+    that holds back its last chunks is given up a stall timeout after the announcement, not one stall
+    timeout per chunk."""
+    return started + max(stall_s, LAG_FACTOR * (alone - started))
 
 
 @dataclass(frozen=True)

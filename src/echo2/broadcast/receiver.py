@@ -38,20 +38,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from echo2.broadcast.access import AccessError, Credential, Gate, ServeCounters, pull_request
 from echo2.broadcast.api import ChunkTap, InstalledSnapshot, Receiving
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
 from echo2.broadcast.strategy import LEARNER
+from echo2.broadcast.transfer import Transfer
 from echo2.broadcast.wire import (
     Pace,
     Pacer,
     ProtocolError,
-    finish_deadline,
-    first_chunk_deadline,
-    lagging,
     parse_announcement,
     read_header,
     read_payload,
@@ -116,65 +114,6 @@ class NodeCounters:
     peer_errors: int = 0  # connections or streams dropped on an unexpected exception from peer bytes
 
 
-@dataclass
-class _Transfer:
-    manifest: Manifest
-    buffer: SnapshotBuffer
-    peers: dict[str, tuple[str, int, str]]  # source -> host, port, certificate fingerprint ("" = plain)
-    stall_timeout: float  # this version's stall timeout: the node's, raised to the learner's hint
-    credential: Credential  # the learner's permission for this node to pull this version
-    n_members: int  # members this version was announced to (N in first_chunk_deadline)
-    started: float = field(default_factory=time.monotonic)
-    stored: float = field(default_factory=time.monotonic)  # when it last stored a chunk (or started)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    learner_first: float | None = None  # seconds to the first chunk of a planned learner stream
-    peer_first: float | None = None  # seconds to the first chunk from any peer
-    received: int = 0  # payload bytes read in this version
-    got: dict[str, int] = field(default_factory=dict)  # source -> chunks stored from it (receipts)
-    repair: dict[str, str] = field(default_factory=dict)  # source -> its stripe ancestor (the announcement's)
-    paces: dict[str, Pace] = field(default_factory=dict)  # planned stream's source -> when its chunks came
-
-    def others(self, source: str) -> list[Pace]:
-        """The paces of this version's planned streams other than ``source``'s (the learner's included)."""
-        return [p for s, p in self.paces.items() if s != source]
-
-    def due(self, source: str, pace: Pace, start: float, left: list[int], planned: bool) -> tuple[float, str]:
-        """When a pull from the peer ``source`` (begun at ``start``, its chunks not yet read ``left``) is
-        given up, as of now, and why if not for silence: before its first chunk :meth:`first_deadline`;
-        then ``stall_timeout`` after its last, and a planned stream at once when it lags
-        (:func:`~echo2.broadcast.wire.lagging`) or, once only its chunks are missing, by
-        :func:`~echo2.broadcast.wire.finish_deadline` (a small patch's stripe, where no rate is read;
-        never a node's only planned source, a latecomer's holder)."""
-        if pace.count == 0:
-            return start + self.first_deadline(), ""
-        when = pace.last + self.stall_timeout
-        if not planned:
-            return when, ""
-        now, others = time.monotonic(), self.others(source)
-        if why := lagging(pace, others, now, self.stall_timeout):
-            return now, why
-        mine = len(self.buffer.missing(left))
-        if others and mine == self.manifest.n_chunks - self.buffer.count > 0:  # only its chunks missing
-            pace.alone = pace.alone or now
-            done_by = finish_deadline(self.started, pace.alone, self.stall_timeout)
-            if done_by < when:
-                took = pace.alone - self.started
-                return done_by, f"{mine} chunks left, every other source done after {took:.1f}s"
-        return when, ""
-
-    def first_deadline(self) -> float:
-        """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""
-        return first_chunk_deadline(
-            self.stall_timeout,
-            time.monotonic() - self.started,
-            self.learner_first,
-            self.peer_first,
-            self.n_members,
-            self.manifest.chunk_size,
-            self.received,
-        )
-
-
 class TcpWorkerNode:
     """A rollout worker's end of the broadcast plane (implements ``SnapshotReceiver``)."""
 
@@ -230,7 +169,7 @@ class TcpWorkerNode:
         self._receipts: dict[int, dict[str, int]] = {}  # version -> source -> chunks stored (acks carry it)
         self._reports: set[asyncio.Task[None]] = set()  # stall reports being sent
         self._buffers: dict[int, SnapshotBuffer] = {}  # installed (relayable) + in-progress versions
-        self._transfer: _Transfer | None = None
+        self._transfer: Transfer | None = None
         self._latest: InstalledSnapshot | None = None
         self._new = asyncio.Event()
         self._closed = asyncio.Event()
@@ -400,7 +339,7 @@ class TcpWorkerNode:
         self._buffers[v] = buffer
         self._serves[v] = plan.serves
         stall = max(self.stall_timeout, plan.stall_hint)
-        transfer = _Transfer(manifest, buffer, peers, stall, credential, plan.members, repair=plan.repair)
+        transfer = Transfer(manifest, buffer, peers, stall, credential, plan.members, repair=plan.repair)
         if all(s != LEARNER for s, _ in sources):
             transfer.learner_first = 0.0  # no learner stream: that term of the deadline is absent
         self._transfer = transfer
@@ -423,12 +362,12 @@ class TcpWorkerNode:
             self._spawn(transfer, self._pull(transfer, LEARNER, skipped, repairs=0, repair=True))
         self._spawn(transfer, self._finish(transfer))
 
-    def _spawn(self, transfer: _Transfer, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, transfer: Transfer, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.ensure_future(coro)
         transfer.tasks.add(task)
         task.add_done_callback(transfer.tasks.discard)
 
-    def _abandon(self, transfer: _Transfer, reason: str) -> None:
+    def _abandon(self, transfer: Transfer, reason: str) -> None:
         if not transfer.buffer.complete.is_set():
             transfer.buffer.fail(reason)
             self._buffers.pop(transfer.manifest.version, None)
@@ -438,7 +377,7 @@ class TcpWorkerNode:
         if self._transfer is transfer:
             self._transfer = None
 
-    async def _finish(self, transfer: _Transfer) -> None:
+    async def _finish(self, transfer: Transfer) -> None:
         await transfer.buffer.complete.wait()
         m = transfer.manifest
         if not blob_ok(m, transfer.buffer.buf):  # cannot happen if every chunk verified; checked anyway
@@ -465,7 +404,7 @@ class TcpWorkerNode:
 
     # -- pulling --------------------------------------------------------------------------------------
     async def _pull(
-        self, transfer: _Transfer, source: str, chunks: list[int], repairs: int, repair: bool = False
+        self, transfer: Transfer, source: str, chunks: list[int], repairs: int, repair: bool = False
     ) -> None:
         """Pull ``chunks`` from ``source`` (``repair``: in place of another source, so never paced as a
         stripe); on any fault hand what is missing to :meth:`_repair`, and remember a failed peer."""
@@ -585,7 +524,7 @@ class TcpWorkerNode:
                 self._report_stall(m.version, source)
         self._repair(transfer, rest, source, repairs)
 
-    def _first_chunk(self, transfer: _Transfer, source: str, repair: bool) -> None:
+    def _first_chunk(self, transfer: Transfer, source: str, repair: bool) -> None:
         """Note the delays to the first chunk of a planned learner stream and of any peer stream."""
         if source == LEARNER and not repair and transfer.learner_first is None:
             transfer.learner_first = time.monotonic() - transfer.started
@@ -599,7 +538,7 @@ class TcpWorkerNode:
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    def _repair(self, transfer: _Transfer, chunks: list[int], failed: str, repairs: int) -> None:
+    def _repair(self, transfer: Transfer, chunks: list[int], failed: str, repairs: int) -> None:
         if not chunks:
             return
         if repairs >= self.max_repairs:
@@ -628,7 +567,7 @@ class TcpWorkerNode:
         self._spawn(transfer, self._delayed_pull(transfer, source, chunks, repairs + 1, delay))
 
     async def _delayed_pull(
-        self, transfer: _Transfer, source: str, chunks: list[int], repairs: int, delay: float
+        self, transfer: Transfer, source: str, chunks: list[int], repairs: int, delay: float
     ) -> None:
         if delay:
             await asyncio.sleep(delay)

@@ -1,0 +1,77 @@
+"""One version's transfer on a worker's broadcast node (``receiver.TcpWorkerNode``): what the
+announcement told it, what has arrived, and when each pull stream is given up: before its first chunk
+at ``wire.first_chunk_deadline``, then at the stall timeout, ``wire.lagging`` or ``wire.finish_deadline``
+(the node's other planned streams are what a stream is judged by)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from echo2.broadcast.access import Credential
+from echo2.broadcast.buffer import SnapshotBuffer
+from echo2.broadcast.wire import Pace, finish_deadline, first_chunk_deadline, lagging
+from echo2.weights.manifest import Manifest
+
+
+@dataclass
+class Transfer:
+    """One announced version on its way into a node: what it was told (plan, credential), what arrived
+    (receipts, paces), and when each pull from a peer is given up (:meth:`due`)."""
+
+    manifest: Manifest
+    buffer: SnapshotBuffer
+    peers: dict[str, tuple[str, int, str]]  # source -> host, port, certificate fingerprint ("" = plain)
+    stall_timeout: float  # this version's stall timeout: the node's, raised to the learner's hint
+    credential: Credential  # the learner's permission for this node to pull this version
+    n_members: int  # members this version was announced to (N in first_chunk_deadline)
+    started: float = field(default_factory=time.monotonic)
+    stored: float = field(default_factory=time.monotonic)  # when it last stored a chunk (or started)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    learner_first: float | None = None  # seconds to the first chunk of a planned learner stream
+    peer_first: float | None = None  # seconds to the first chunk from any peer
+    received: int = 0  # payload bytes read in this version
+    got: dict[str, int] = field(default_factory=dict)  # source -> chunks stored from it (receipts)
+    repair: dict[str, str] = field(default_factory=dict)  # source -> its stripe ancestor (the announcement's)
+    paces: dict[str, Pace] = field(default_factory=dict)  # planned stream's source -> when its chunks came
+
+    def others(self, source: str) -> list[Pace]:
+        """The paces of this version's planned streams other than ``source``'s (the learner's included)."""
+        return [p for s, p in self.paces.items() if s != source]
+
+    def due(self, source: str, pace: Pace, start: float, left: list[int], planned: bool) -> tuple[float, str]:
+        """When a pull from the peer ``source`` (begun at ``start``, its chunks not yet read ``left``) is
+        given up, as of now, and why if not for silence: before its first chunk :meth:`first_deadline`;
+        then ``stall_timeout`` after its last, and a planned stream at once when it lags
+        (:func:`~echo2.broadcast.wire.lagging`) or, once only its chunks are missing, by
+        :func:`~echo2.broadcast.wire.finish_deadline` (a small patch's stripe, where no rate is read;
+        never a node's only planned source, a latecomer's holder)."""
+        if pace.count == 0:
+            return start + self.first_deadline(), ""
+        when = pace.last + self.stall_timeout
+        if not planned:
+            return when, ""
+        now, others = time.monotonic(), self.others(source)
+        if why := lagging(pace, others, now, self.stall_timeout):
+            return now, why
+        mine = len(self.buffer.missing(left))
+        if others and mine == self.manifest.n_chunks - self.buffer.count > 0:  # only its chunks missing
+            pace.alone = pace.alone or now
+            done_by = finish_deadline(self.started, pace.alone, self.stall_timeout)
+            if done_by < when:
+                took = pace.alone - self.started
+                return done_by, f"{mine} chunks left, every other source done after {took:.1f}s"
+        return when, ""
+
+    def first_deadline(self) -> float:
+        """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""
+        return first_chunk_deadline(
+            self.stall_timeout,
+            time.monotonic() - self.started,
+            self.learner_first,
+            self.peer_first,
+            self.n_members,
+            self.manifest.chunk_size,
+            self.received,
+        )

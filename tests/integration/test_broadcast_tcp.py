@@ -298,7 +298,12 @@ def test_worker_refuses_replayed_and_malformed_announcements() -> None:
         ack = await asyncio.wait_for(read_header(reader), 5)
         while ack["op"] == "rejected":
             ack = await asyncio.wait_for(read_header(reader), 5)
-        assert ack == {"op": "installed", "v": 5, "got": {"learner": manifest.n_chunks}}  # with its receipts
+        assert ack == {
+            "op": "installed",
+            "v": 5,
+            "got": {"learner": manifest.n_chunks},
+            "pace": {},
+        }  # receipts
         await write_frame(writer, ann)  # replay of the installed version
         await asyncio.sleep(0.2)
         assert node.counters.rejected_manifests == 5 and got == {"w": BLOB}
@@ -427,6 +432,43 @@ def test_a_drip_feeding_relay_costs_the_honest_workers_seconds_and_is_demoted() 
             for t in tasks[3:]:
                 t.cancel()
         assert sum(nd.counters.stalls_reported for nd in honest) >= 2  # each child that pulled from it
+        await _shutdown(pub, nodes)
+
+    asyncio.run(go())
+
+
+def test_a_relay_slower_than_its_peers_but_never_lagging_is_placed_lower() -> None:
+    """Six members, every uplink paced: five at 800 KB/s, one at a third of that. Each roots a stripe of
+    20 chunks and serves it to the five others, so the slow one's children get it at a third of their
+    other sources' pace: above the lag rule's quarter (never cut, never reported), so before the acks'
+    paces it slowed every member for every version. Its children's acks read it at about 0.33 of their
+    other sources (``conduct.SLOW_PACE`` 0.5): found slow READ_AFTER versions later, the trees are built
+    again over links that say so, and it serves one or two members (the model's layout for its link:
+    k = N = 6 stripes, so it still roots one and hands it on) instead of five; the honest installs take
+    well under 0.7x as long (3.1 s -> 1.3 s here)."""
+    from echo2.broadcast.conduct import READ_AFTER
+    from echo2.broadcast.wire import Pacer
+
+    blob = synthetic_snapshot(20 * 6 * CHUNK, seed=5)
+    rate = 800_000.0
+
+    async def go() -> None:
+        kw = {i: {"uplink": Pacer(rate / (3 if i == 5 else 1), burst=CHUNK)} for i in range(6)}
+        pub, nodes, _, _ = await _cluster(TreePipelined(), 6, node_kw=kw)
+        worst = {}
+        for v in range(1, READ_AFTER + 3):
+            got: dict[str, bytes] = {}
+            tasks = [asyncio.create_task(_install(nd, got)) for nd in nodes]
+            await pub.publish(v, blob)
+            stats = await pub.wait_installed(v, count=6, timeout=30)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert got == {nd.worker_id: blob for nd in nodes}
+            worst[v] = max(t for w, t in stats.install_s.items() if w != "w5")
+            served = [w for w, pulls in pub._rounds[v].plan.items() if any(a.source == "w5" for a in pulls)]
+            assert len(served) == 5 if v <= READ_AFTER else len(served) <= 2, f"v{v}: w5 serves {served}"
+        assert sum(nd.counters.stalls_reported for nd in nodes) == 0  # never lagging: nobody cut it
+        assert set(pub.conduct.slow()) == {"w5"} and 0.2 < pub.conduct.slow()["w5"] < 0.5
+        assert worst[READ_AFTER + 2] < 0.7 * worst[1], worst
         await _shutdown(pub, nodes)
 
     asyncio.run(go())

@@ -462,7 +462,7 @@ def test_node_gives_up_a_silent_peer_at_the_deadline_reports_and_remembers_it(
             if v == 1:
                 assert await _next_ctl(ctl_r, "stalled") == {"op": "stalled", "v": 1, "source": "silent"}
             ack = await _next_ctl(ctl_r, "installed")  # v2: no stall report before it
-            assert ack == {"op": "installed", "v": v, "got": {LEARNER: 7, "honest": 3}}
+            assert ack == {"op": "installed", "v": v, "got": {LEARNER: 7, "honest": 3}, "pace": {}}
         assert node.counters.stalls_reported == 1 and node.counters.avoided_chunks == 3
         assert node.avoided() == {"silent": 1 + AVOID_VERSIONS}
         v2 = {tuple(g["chunks"]): g["repair"] for g in cluster.learner_gets if g["v"] == 2}

@@ -48,6 +48,7 @@ from echo2.physics.broadcast import (
 
 RATE_MATCH = 1.1  # learner stripe streams run this much above B_w/k (slack for jitter)
 RELINK_SHARE = 0.1  # link-shaped trees are built afresh once this share of members joined or left
+RELINK_FACTOR = 2.0  # ... or a member's link moved by more than this factor
 
 
 def matched_stream_rate(n: int, b0: float, bw: float, stripes: int | None = None) -> float | None:
@@ -404,6 +405,17 @@ class _TreeCache:
     tree: RelayTree | None = None  # the relay trees of the last plan, kept for the next version
     linked: bool = False  # built over the workers' upload rates
     built: frozenset[str] = frozenset()  # the members it was built for (joiners since came in link-blind)
+    rates: Mapping[str, float] = field(default_factory=dict)  # the links it was built over
+
+
+def _relinked(cache: _TreeCache, links: Mapping[str, float]) -> bool:
+    """Whether a member's link moved by more than ``RELINK_FACTOR`` since the trees were built (a relay
+    found slow, ``conduct.Conduct``, or past its finding): its place in them is no longer its link's."""
+    return any(
+        not 1 / RELINK_FACTOR <= links[w] / was <= RELINK_FACTOR
+        for w, was in cache.rates.items()
+        if w in links and was > 0
+    )
 
 
 def striped_tree_plan(
@@ -463,7 +475,8 @@ class TreePipelined:
         or the stripe count no longer fits the fleet). With ``links`` (every worker's upload rate,
         bytes/s) the trees are the model's (``physics.broadcast.relay_layout``: fast workers relay
         near the root), and are built afresh once more than ``RELINK_SHARE`` of the members joined or
-        left since (a joiner is attached wherever there is room, whatever its link)."""
+        left since (a joiner is attached wherever there is room, whatever its link) or a member's link
+        moved by more than ``RELINK_FACTOR`` (a relay found slow: ``conduct.Conduct``)."""
         old, cache = self._cache.tree, self._cache
         now = set(workers)
         rates = np.array([links[w] for w in workers]) if links is not None else np.ones(len(workers))
@@ -476,10 +489,10 @@ class TreePipelined:
             moved = len(now ^ cache.built) / max(1, len(cache.built))
             fits = old.learner_streams() <= 2 * old.stripes
             same_k = old.stripes == relay_stripes(rates, ref, self.max_peers)
-            if fits and same_k and (links is None or moved <= RELINK_SHARE):
+            if fits and same_k and (links is None or (moved <= RELINK_SHARE and not _relinked(cache, links))):
                 return old
         cache.tree = RelayTree(workers, self.max_peers, links, ref if links is not None else None)
-        cache.linked, cache.built = links is not None, frozenset(workers)
+        cache.linked, cache.built, cache.rates = links is not None, frozenset(workers), dict(links or {})
         return cache.tree
 
     def plan(self, workers: Sequence[str], n_chunks: int) -> Plan:

@@ -14,8 +14,8 @@ retirement) its control connection and pull streams are closed at once and the m
 it get a ``revoke`` frame; and every install ack the publisher counts is written to the ledger
 (``ledger.installed``), a refused one never. Before anyone is known, the port's perimeter
 (``echo2/perimeter.py``) bounds connections, deadlines and rates, and the first frame is read from at
-most ``frames.PRE_AUTH_HEADER`` bytes. The publisher keeps only transport
-state: the live connections (``_members``), and per version the plan, the acks it counted and refused.
+most ``frames.PRE_AUTH_HEADER`` bytes. The publisher keeps only transport state: the live connections
+(``_members``), and per version the plan, the acks it counted and refused.
 
 With a TLS identity (``tls``: the run's certificate, ``echo2.transport``) the port speaks TLS only;
 workers pin its fingerprint. A worker's join names the fingerprint of its own relay certificate, and
@@ -38,20 +38,15 @@ left out of newer publications until it acks it (at most ``LATE_WINDOW_S``); the
 servable however many patches follow it (the same bytes the learner's chain keeps). Measured:
 ``benchmarks/fleet.py --study restart``.
 
-Members are untrusted, so the publisher also keeps their conduct (docs/broadcast.md, "A stalling
-relay"): a member reports on its control connection each peer that stalled for it
-(``{"op": "stalled", "v": v, "source": peer}``); a report counts only for a tracked version, from a
-member that version was announced to, about a peer source of that member's own plan, once per
-(reporter, version, source). A report against a member that itself reported a source of its own
-stalling in that version (before or after) is of the starvation it passed on down the tree: counted
-as ``reports_starved``, not against it. A member with ``DEMOTE_AFTER_REPORTS`` counted reports against it is
-demoted: later plans are made over the other members (``strategy.plan_with_leaves``) and it pulls
-every chunk from the learner, so nobody waits on it again. An install ack
-(``{"op": "installed", "v": v, "got": {source: chunks}}``) counts toward ``T_bcast`` only if its
-member was not reported stalling for that version and :func:`receipt_fault` finds nothing wrong with
-its receipts; an ack counted before such a report arrives is withdrawn. A refused ack is final for
-that version. Every refusal is counted (:class:`~echo2.broadcast.api.PublisherCounters`,
-``TcpPublisher.counters``); a malformed control frame drops the member's connection.
+Members are untrusted, so the publisher keeps their conduct (docs/broadcast.md, "A stalling relay"):
+a stall report (``{"op": "stalled", "v": v, "source": peer}``) counts once per (reporter, version,
+source), for a tracked version, about a peer of the reporter's own plan, and not against a member that
+reported a source of its own stalling in that version (``reports_starved``); ``DEMOTE_AFTER_REPORTS``
+counted reports demote a member (it pulls every chunk from the learner: ``strategy.plan_with_leaves``).
+An install ack counts toward ``T_bcast`` only if its member was not reported stalling and
+:func:`receipt_fault` passes its receipts (final for the version; every refusal counted in
+``TcpPublisher.counters``); its peers' paces go to ``conduct.Conduct``, whose slow relays the next
+trees place at their leaves. A malformed control frame drops the member's connection.
 
 Every frame is one of ``echo2.weights.frames``: built as its model, sent as ``to_wire`` of it (an
 announcement, one per member, as ``frames.announce`` writes that form without building the model), and
@@ -71,6 +66,7 @@ from typing import Any
 from echo2.broadcast.access import AccessError, Gate, ServeCounters, issue_batch
 from echo2.broadcast.api import BroadcastStats, MemberLedger, PublisherCounters
 from echo2.broadcast.buffer import Admission, SnapshotBuffer, serve_pull
+from echo2.broadcast.conduct import Conduct
 from echo2.broadcast.rounds import LATE_HOP_S, Round, planned_sources, receipt_fault
 from echo2.broadcast.strategy import (
     LEARNER,
@@ -171,6 +167,7 @@ class TcpPublisher:
         self.refusals = ServeCounters()  # pulls refused (no credential, out of bounds, over budget)
         self.counters = PublisherCounters()  # stall reports, demotions, refused acks, refused frames
         self._reports: dict[str, int] = {}  # member -> counted stall reports against it
+        self.conduct = Conduct()  # the paces acks report of the relays, and the relays found slow
         self._demoted: set[str] = set()  # members that no longer relay (DEMOTE_AFTER_REPORTS)
         self._gate = Gate(self.key, tls, self.refusals)
         self._members: dict[str, _Member] = {}  # live control connections (transport state only)
@@ -265,7 +262,10 @@ class TcpPublisher:
         }
         leaves = frozenset(w for w in members if w in self._demoted)
         addresses = {w: (*m.addr, m.cert) for w, m in members.items()}
-        links = {w: self.ledger.uplink(w) for w in members}  # declared upload rates (None: not declared)
+        declared = {w: self.ledger.uplink(w) for w in members}  # upload rates (None: not declared)
+        links = self.conduct.links(
+            version, list(members), declared, self.link_rates[1] if self.link_rates else 1.0
+        )
         async with self._planning:  # one plan at a time: a strategy keeps its last trees
             rnd = await asyncio.to_thread(paused, self._plan_round, manifest, addresses, leaves, links)
         man = manifest.to_dict()
@@ -276,14 +276,8 @@ class TcpPublisher:
         for old in sorted(self._rounds)[: -max(8, self.keep_versions)]:
             if old != self._anchor:
                 del self._rounds[old]
-        log.debug(
-            "publishing v%d: %d bytes in %d chunks to %d workers (%s)",
-            version,
-            manifest.total_size,
-            manifest.n_chunks,
-            len(members),
-            self.strategy.name,
-        )
+        log.debug("publishing v%d: %d bytes in %d chunks to %d workers (%s)", version, manifest.total_size,
+                  manifest.n_chunks, len(members), self.strategy.name)  # fmt: skip
         order = list(members)
         for i in range(0, len(order), ANNOUNCE_BATCH):  # encoded off the loop, a batch at a time
             batch = order[i : i + ANNOUNCE_BATCH]
@@ -564,8 +558,8 @@ class TcpPublisher:
                 ):
                     case LeaveFrame():
                         break
-                    case InstalledFrame(v=v, got=got):
-                        self._on_installed(worker, v, got)
+                    case InstalledFrame(v=v, got=got, pace=pace):
+                        self._on_installed(worker, v, got, pace)
                     case StalledFrame(v=v, source=source):
                         self._on_stalled(worker, v, source)
                     case RejectedFrame(v=v, reason=reason):
@@ -578,7 +572,7 @@ class TcpPublisher:
                 rnd.changed.set()
             log.debug("worker %s left (%d members)", worker, len(self._members))
 
-    def _on_installed(self, worker: str, v: int, got: Mapping[str, int]) -> None:
+    def _on_installed(self, worker: str, v: int, got: Mapping[str, int], pace: Mapping[str, float]) -> None:
         """An install ack: counted (its delay since publication), and written to the ledger, unless
         :func:`receipt_fault` or a stall report against ``worker`` for ``v`` says otherwise; late or
         repeated acks are ignored. A counted ack withdrawn by a later stall report stays written: the
@@ -605,6 +599,7 @@ class TcpPublisher:
         if rnd.anchor and worker not in self._demoted:  # it holds the anchor: latecomers may pull it here
             rnd.holders.append(worker)
         self.ledger.installed(worker, v, delay)
+        self.conduct.heard(v, worker, pace, rnd.sources(worker))
         rnd.changed.set()
 
     def _refuse_ack(self, rnd: Round, worker: str, why: str, stalled: bool = False) -> None:

@@ -166,7 +166,7 @@ class TcpWorkerNode:
         self._sampled = SampledLog(log)  # refusals a stranger can repeat at will: counted, logged sparingly
         self.installed_version = -1
         self._avoid: dict[str, int] = {}  # peer -> last version whose chunks come from the learner instead
-        self._receipts: dict[int, dict[str, int]] = {}  # version -> source -> chunks stored (acks carry it)
+        self._receipts: dict[int, tuple[dict[str, int], dict[str, float]]] = {}  # version -> got, pace (acks)
         self._reports: set[asyncio.Task[None]] = set()  # stall reports being sent
         self._buffers: dict[int, SnapshotBuffer] = {}  # installed (relayable) + in-progress versions
         self._transfer: Transfer | None = None
@@ -253,8 +253,10 @@ class TcpWorkerNode:
                 yield snap
 
     async def report_installed(self, version: int) -> None:
-        """Ack ``version``'s install, with this node's receipts of it (empty if it has none)."""
-        await self._ctl_send(InstalledFrame(v=version, got=self._receipts.get(version, {})))
+        """Ack ``version``'s install, with this node's receipts of it and its peers' paces (empty if it
+        has none)."""
+        got, pace = self._receipts.get(version, ({}, {}))
+        await self._ctl_send(InstalledFrame(v=version, got=got, pace=pace))
 
     def receiving(self) -> Receiving | None:
         """The version this node is receiving now and how it goes (None when it receives none)."""
@@ -387,7 +389,7 @@ class TcpWorkerNode:
             self._abandon(transfer, "whole-blob digest mismatch")
             return
         self.installed_version = m.version
-        self._receipts[m.version] = dict(transfer.got)
+        self._receipts[m.version] = dict(transfer.got), transfer.relative()
         for old in sorted(self._receipts)[:-RECEIPTS_KEPT]:
             del self._receipts[old]
         for old in [v for v in self._buffers if v < m.version]:

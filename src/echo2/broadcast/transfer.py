@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from echo2.broadcast.access import Credential
 from echo2.broadcast.buffer import SnapshotBuffer
-from echo2.broadcast.wire import Pace, finish_deadline, first_chunk_deadline, lagging
+from echo2.broadcast.strategy import LEARNER
+from echo2.broadcast.wire import Pace, finish_deadline, first_chunk_deadline, lagging, relative_pace
+from echo2.weights.frames import MAX_PACE
 from echo2.weights.manifest import Manifest
 
 
@@ -63,6 +65,12 @@ class Transfer:
                 took = pace.alone - self.started
                 return done_by, f"{mine} chunks left, every other source done after {took:.1f}s"
         return when, ""
+
+    def relative(self) -> dict[str, float]:
+        """Each planned peer stream's :func:`~echo2.broadcast.wire.relative_pace` (those with one), for
+        the install ack."""
+        paces = {s: relative_pace(p, self.others(s)) for s, p in self.paces.items() if s != LEARNER}
+        return {s: min(r, MAX_PACE) for s, r in paces.items() if r is not None and r > 0}
 
     def first_deadline(self) -> float:
         """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""

@@ -306,6 +306,16 @@ def lagging(mine: Pace, others: Iterable[Pace], now: float, stall_s: float) -> s
     return f"{own:.2f} chunks/s, {ref / own:.0f}x slower than this node's other streams ({ref:.2f}/s)"
 
 
+def relative_pace(mine: Pace, others: Iterable[Pace]) -> float | None:
+    """A planned stream's rate over the median of this node's other planned streams' (both from their
+    first chunk to their last; None below ``LAG_MIN_CHUNKS`` chunks on either side): about 1 for a relay
+    that kept its stripe's pace, 0.3 for one at a third of it. What an install ack tells the learner of
+    each peer (``conduct.Conduct``)."""
+    if mine.count < LAG_MIN_CHUNKS or (own := mine.rate()) is None or (ref := _reference(others)) is None:
+        return None
+    return own / ref
+
+
 def finish_deadline(started: float, alone: float, stall_s: float) -> float:
     """When a planned peer stream must be done once it alone holds this node back (every other chunk
     stored since ``alone``; the version announced at ``started``, both ``time.monotonic()``): it gets

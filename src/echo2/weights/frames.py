@@ -70,6 +70,8 @@ Fingerprint = Annotated[str, Field(max_length=MAX_FINGERPRINT)]  # SHA-256 of a 
 Reason = Annotated[str, Field(max_length=MAX_REASON)]  # why something was refused, for a log line
 ChunkIndex = Annotated[int, Field(ge=0, lt=MAX_CHUNKS)]  # which chunk of a version
 ChunkCount = Annotated[int, Field(ge=0, le=MAX_CHUNKS)]  # how many chunks
+MAX_PACE = 1e6  # a source's pace over the member's other sources' (wire.relative_pace), at most
+PaceRatio = Annotated[float, Field(gt=0, le=MAX_PACE, allow_inf_nan=False)]
 # a manifest or a credential: a plain object here, parsed by its owner (weights.manifest, broadcast.access)
 Record = Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)]
 RunCredential = Annotated[str, Field(max_length=MAX_CREDENTIAL)]  # a join's run credential
@@ -125,13 +127,15 @@ class JoinFrame(BaseModel):
 
 
 class InstalledFrame(BaseModel):
-    """An install ack, with the receipts ``publisher.receipt_fault`` checks."""
+    """An install ack, with the receipts ``rounds.receipt_fault`` checks and the pace of each peer it
+    pulled a stripe from (``wire.relative_pace``; read by ``conduct.Conduct``)."""
 
     model_config = FRAME
 
     op: Literal["installed"] = "installed"
     v: Version  # the version installed
     got: Annotated[dict[Member, ChunkCount], Field(max_length=MAX_MEMBERS)]  # source -> chunks stored from it
+    pace: Annotated[dict[Member, PaceRatio], Field(max_length=MAX_MEMBERS)] = {}  # peer -> its relative pace
 
 
 class StalledFrame(BaseModel):

@@ -14,6 +14,9 @@ or a submission would have waited); for the first publication to the fleet and (
 added after the first run) the next version to the same fleet. A figure of the runtime's publisher,
 not of a model.
 
+Study ``slow`` (in-process, the real publisher and nodes over loopback): a relay slower than its peers
+but never cut (``echo2_bench/slow_relay.py``, its target there).
+
 Targets (fixed here, before the first run; the issue's): at N = 10,000, at most 1 s of learner CPU for
 the control plane of a publication (the first) and no frame over 1 MiB. Baseline: the same study on the
 code before the change (``--label before`` run with that checkout's ``src`` first on ``PYTHONPATH``),
@@ -960,7 +963,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--study",
-        choices=["publish", "probation", "register", "links", "node", "state", "restart"],
+        choices=["publish", "probation", "register", "links", "node", "state", "restart", "slow"],
         default="publish",
     )
     p.add_argument("--present", type=float, default=0.0, help="restart: share joined before the anchor")
@@ -981,7 +984,9 @@ def main() -> int:
     elif a.study == "restart":
         res.setdefault("restart", {})[a.label] = study_restart(a.ns, a.label, a.present, a.seeds, a.gather)
     else:
-        study = {**studies, "links": study_links}[a.study]
+        from echo2_bench.slow_relay import study_slow
+
+        study = {**studies, "links": study_links, "slow": study_slow}[a.study]
         res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, a.out / "fleet.png")

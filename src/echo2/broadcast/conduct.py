@@ -45,11 +45,12 @@ class Conduct:
         self._heard: dict[int, dict[str, list[float]]] = {}  # version -> relay -> its children's paces
         self._sources: dict[int, dict[str, frozenset[str]]] = {}  # version -> member -> its planned sources
         self._slow: dict[str, tuple[float, int]] = {}  # relay -> (its pace, the last version it holds for)
+        self._done = -1  # the newest version read: later acks of it are not heard
 
     def heard(self, version: int, member: str, pace: Mapping[str, float], sources: Collection[str]) -> None:
         """A counted install ack of ``version`` from ``member``, whose plan had it pull from ``sources``:
         ``pace`` of each of them (peers outside its plan, and the learner, are not listened to)."""
-        if version < min(self._heard, default=version):
+        if version <= self._done:
             return  # read already
         self._sources.setdefault(version, {})[member] = frozenset(sources)
         heard = self._heard.setdefault(version, {})
@@ -64,6 +65,7 @@ class Conduct:
             if v > version - READ_AFTER:
                 break
             heard, sources = self._heard.pop(v, {}), self._sources.pop(v, {})
+            self._done = max(self._done, v)
             medians = {s: statistics.median(ps) for s, ps in heard.items() if len(ps) >= SLOW_REPORTS}
             slow = {s for s, m in medians.items() if m < SLOW_PACE}
             for s in slow:

@@ -468,6 +468,7 @@ def test_a_relay_slower_than_its_peers_but_never_lagging_is_placed_lower() -> No
             assert len(served) == 5 if v <= READ_AFTER else len(served) <= 2, f"v{v}: w5 serves {served}"
         assert sum(nd.counters.stalls_reported for nd in nodes) == 0  # never lagging: nobody cut it
         assert set(pub.conduct.slow()) == {"w5"} and 0.2 < pub.conduct.slow()["w5"] < 0.5
+        assert pub.counters.metrics()["broadcast/relays_slow"] >= 1  # found in v1, again in v2
         assert worst[READ_AFTER + 2] < 0.7 * worst[1], worst
         await _shutdown(pub, nodes)
 

@@ -127,6 +127,7 @@ def test_the_in_memory_hub_has_the_same_counters() -> None:
         "broadcast/reports_refused": 0.0,
         "broadcast/reports_starved": 0.0,
         "broadcast/relays_demoted": 0.0,
+        "broadcast/relays_slow": 0.0,
         "broadcast/acks_refused": 0.0,
         "broadcast/members_expelled": 0.0,
         "broadcast/bad_frames": 0.0,

@@ -84,6 +84,7 @@ class PublisherCounters:
     reports_refused: int = 0  # stall reports refused: unknown version, not the reporter's source, repeated
     reports_starved: int = 0  # reports against a member its own source starved in that version: not counted
     relays_demoted: int = 0  # members no longer planned as relays after repeated stall reports
+    relays_slow: int = 0  # relays found slow by their children's acks (conduct.py): planned lower a while
     acks_refused: int = 0  # install acks not counted: receipts inconsistent, or reported stalling
     members_expelled: int = (
         0  # connected members whose connections closed when the ledger stopped trusting them

@@ -46,6 +46,7 @@ class Conduct:
         self._sources: dict[int, dict[str, frozenset[str]]] = {}  # version -> member -> its planned sources
         self._slow: dict[str, tuple[float, int]] = {}  # relay -> (its pace, the last version it holds for)
         self._done = -1  # the newest version read: later acks of it are not heard
+        self.findings = 0  # relays found slow so far (a relay found again counts again)
 
     def heard(self, version: int, member: str, pace: Mapping[str, float], sources: Collection[str]) -> None:
         """A counted install ack of ``version`` from ``member``, whose plan had it pull from ``sources``:
@@ -71,6 +72,7 @@ class Conduct:
             for s in slow:
                 if not sources.get(s, frozenset()) & slow:  # not starved by a slow source of its own
                     self._slow[s] = (medians[s], v + SLOW_VERSIONS)
+                    self.findings += 1
         self._slow = {w: f for w, f in self._slow.items() if f[1] >= version}
 
     def slow(self) -> dict[str, float]:

@@ -266,6 +266,7 @@ class TcpPublisher:
         links = self.conduct.links(
             version, list(members), declared, self.link_rates[1] if self.link_rates else 1.0
         )
+        self.counters.relays_slow = self.conduct.findings
         async with self._planning:  # one plan at a time: a strategy keeps its last trees
             rnd = await asyncio.to_thread(paused, self._plan_round, manifest, addresses, leaves, links)
         man = manifest.to_dict()

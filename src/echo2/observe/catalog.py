@@ -621,6 +621,12 @@ BROADCAST_RELAYS_DEMOTED = _m(
     "members no longer planned as relays after repeated stall reports",
     RUN,
 )
+BROADCAST_RELAYS_SLOW = _m(
+    "broadcast/relays_slow",
+    "count",
+    "findings of a relay slow to its children (their acks' paces): planned over a link that slow for a while",
+    RUN,
+)
 BROADCAST_ACKS_REFUSED = _m(
     "broadcast/acks_refused",
     "count",

@@ -192,7 +192,9 @@ def test_a_relay_holding_back_a_patchs_few_chunks_is_cut_once_every_other_source
     assert frames[1]["got"] == {LEARNER: 4 + 2, "a": 4, "b": 4, "drip": 2}
     assert 2.0 <= took < 3.0, f"installed in {took:.1f} s"
     assert fleet.repairs == [[11, 15]]
-    assert "source drip failed for v1 (lagging 2." in caplog.text and "2 chunks left" in caplog.text
+    assert (
+        "source drip failed for v1 (lagging 2." in caplog.text and "2 chunks left: every other" in caplog.text
+    )
 
 
 def test_a_slow_but_only_source_is_never_judged_against_nothing() -> None:

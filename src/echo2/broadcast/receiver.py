@@ -4,9 +4,11 @@ For each announced version the node opens one pull stream per source in its plan
 stalls, breaks, sends an error, or sends a chunk that fails its digest hands its missing chunks to a
 repair stream from the failed peer's own source for them (its stripe ancestor, named in the
 announcement's ``repair``), and from the learner, which always holds the snapshot, when there is none
-or it failed too. A stream stalls when its first chunk
-misses :func:`first_chunk_deadline` (pulls from peers; from the learner: ``stall_timeout``) or a later
-chunk comes more than ``stall_timeout`` after the one before. Meanwhile the node's own chunk server
+or it failed too. A stream stalls when its first chunk misses ``wire.first_chunk_deadline`` (pulls
+from peers; from the learner: ``stall_timeout``), a later chunk comes more than ``stall_timeout``
+after the one before, or (a planned stream from a peer) it lags far behind the node's other planned
+streams (``wire.lagging``, ``wire.finish_deadline``; the deadlines of ``transfer.Transfer.due``).
+Meanwhile the node's own chunk server
 relays every verified chunk to the members the learner told it to serve, each with its credential for
 the version (``access.py``), within a per-member byte budget.
 
@@ -14,7 +16,8 @@ A hostile relay must cost only its own work, so the node remembers: a peer that 
 skipped for the next ``AVOID_VERSIONS`` versions (its chunks come from the learner at once), and a
 peer that stalled is reported to the learner (``{"op": "stalled", "v", "source"}``), which demotes a
 member reported ``publisher.DEMOTE_AFTER_REPORTS`` times. Its install ack carries its receipts (how
-many chunks it stored from each source) for the learner to check (``publisher.receipt_fault``).
+many chunks it stored from each source) for the learner to check (``rounds.receipt_fault``) and the
+pace of each peer it pulled a stripe from (``wire.relative_pace``, read by ``conduct.Conduct``).
 
 Given the learner's certificate fingerprint (``pin``) the node speaks TLS on every connection: it
 pins the learner's certificate on the control connection and on repairs, each peer's certificate (the
@@ -90,8 +93,8 @@ from echo2.weights.manifest import (
 
 log = logging.getLogger(__name__)
 
-
-FIRST_TICK_S = 0.1  # how often a pull waiting for its first chunk reads its deadline again
+FIRST_TICK_S = 0.1  # how often a pull from a peer waiting for its first chunk reads its deadline again
+LAG_TICK_S = 0.5  # ... and after it (the lag rules judge over stall timeouts: seconds)
 AVOID_VERSIONS = 3  # versions after a peer failed for which this node pulls its chunks from the learner
 RECEIPTS_KEPT = 8  # newest versions whose receipts the node keeps for its install acks
 
@@ -425,10 +428,11 @@ class TcpWorkerNode:
 
                 def tick() -> None:  # a peer's stream: the deadline follows what this node sees
                     nonlocal ticker, late
-                    when, late = transfer.due(source, pace, start, todo[pos:], planned)
+                    when, late = transfer.due(source, pace, start, todo, pos, planned)
                     if not watchdog.expired():
                         watchdog.reschedule(when)
-                    ticker = loop.call_later(FIRST_TICK_S, tick) if when > loop.time() else None
+                    every = FIRST_TICK_S if pace.count == 0 else LAG_TICK_S
+                    ticker = loop.call_later(every, tick) if when > loop.time() else None
 
                 if source != LEARNER:
                     tick()
@@ -496,7 +500,7 @@ class TcpWorkerNode:
             waited, stalled = loop.time() - start, True  # sent nothing for its deadline: report it
             reason = f"no data for {waited:.1f}s" if pos else f"no first chunk within {waited:.1f}s"
             if late:  # it sends, but far slower than this node's other sources
-                reason = f"lagging {waited:.1f}s in: {late}"
+                reason = f"lagging {waited:.1f}s in, {len(buffer.missing(todo[pos:]))} chunks left: {late}"
         except asyncio.IncompleteReadError:
             reason = "connection closed mid-stream"
         except (ConnectionError, OSError) as exc:

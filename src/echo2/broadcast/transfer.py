@@ -42,8 +42,10 @@ class Transfer:
         """The paces of this version's planned streams other than ``source``'s (the learner's included)."""
         return [p for s, p in self.paces.items() if s != source]
 
-    def due(self, source: str, pace: Pace, start: float, left: list[int], planned: bool) -> tuple[float, str]:
-        """When a pull from the peer ``source`` (begun at ``start``, its chunks not yet read ``left``) is
+    def due(
+        self, source: str, pace: Pace, start: float, todo: list[int], pos: int, planned: bool
+    ) -> tuple[float, str]:
+        """When a pull from the peer ``source`` (begun at ``start``; of ``todo``, read up to ``pos``) is
         given up, as of now, and why if not for silence: before its first chunk :meth:`first_deadline`;
         then ``stall_timeout`` after its last, and a planned stream at once when it lags
         (:func:`~echo2.broadcast.wire.lagging`) or, once only its chunks are missing, by
@@ -57,13 +59,13 @@ class Transfer:
         now, others = time.monotonic(), self.others(source)
         if why := lagging(pace, others, now, self.stall_timeout):
             return now, why
-        mine = len(self.buffer.missing(left))
-        if others and mine == self.manifest.n_chunks - self.buffer.count > 0:  # only its chunks missing
-            pace.alone = pace.alone or now
+        missing = self.manifest.n_chunks - self.buffer.count  # first: buffer.missing walks the list
+        left = todo[pos:] if others and 0 < missing <= len(todo) - pos else []
+        if left and len(self.buffer.missing(left)) == missing:  # only its chunks are missing
+            pace.alone = pace.alone or now  # (noticed at a tick: at most LAG_TICK_S late, never early)
             done_by = finish_deadline(self.started, pace.alone, self.stall_timeout)
             if done_by < when:
-                took = pace.alone - self.started
-                return done_by, f"{mine} chunks left, every other source done after {took:.1f}s"
+                return done_by, f"every other chunk stored by {pace.alone - self.started:.1f}s"
         return when, ""
 
     def relative(self) -> dict[str, float]:

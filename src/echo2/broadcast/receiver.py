@@ -420,6 +420,8 @@ class TcpWorkerNode:
         pos, writer, reason, stalled, late = 0, None, "", False, ""
         planned = not (repair or repairs > 0)  # one of the announcement's streams: judged, and a reference
         pace = transfer.paces.setdefault(source, Pace()) if planned else Pace()
+        if not planned:
+            transfer.repairs.append(pace)
         loop = asyncio.get_running_loop()
         start = loop.time()
         ticker: asyncio.TimerHandle | None = None

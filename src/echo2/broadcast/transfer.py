@@ -37,6 +37,7 @@ class Transfer:
     got: dict[str, int] = field(default_factory=dict)  # source -> chunks stored from it (receipts)
     repair: dict[str, str] = field(default_factory=dict)  # source -> its stripe ancestor (the announcement's)
     paces: dict[str, Pace] = field(default_factory=dict)  # planned stream's source -> when its chunks came
+    repairs: list[Pace] = field(default_factory=list)  # when the repair streams' chunks came
 
     def others(self, source: str) -> list[Pace]:
         """The paces of this version's planned streams other than ``source``'s (the learner's included)."""
@@ -62,7 +63,9 @@ class Transfer:
         missing = self.manifest.n_chunks - self.buffer.count  # first: buffer.missing walks the list
         left = todo[pos:] if others and 0 < missing <= len(todo) - pos else []
         if left and len(self.buffer.missing(left)) == missing:  # only its chunks are missing
-            pace.alone = pace.alone or now  # (noticed at a tick: at most LAG_TICK_S late, never early)
+            if pace.alone is None:  # when the last chunk of another stream came (planned or repair)
+                came = [p.last for p in (*self.paces.values(), *self.repairs) if p is not pace and p.count]
+                pace.alone = min(now, max(came, default=now))
             done_by = finish_deadline(self.started, pace.alone, self.stall_timeout)
             if done_by < when:
                 return done_by, f"every other chunk stored by {pace.alone - self.started:.1f}s"

@@ -44,12 +44,13 @@ def test_a_relay_two_children_read_slow_is_placed_low_for_a_while() -> None:
     c.heard(2, "b", {"c": 0.1}, {"c"})  # late acks of a version already read: not heard
     c.heard(2, "d", {"c": 0.1}, {"c"})
     assert _versions(c, 3 + READ_AFTER) == links and c.slow() == {"a": 0.35}
+    # a liar that declared 10x the others' link: placed at the fleet's median times its pace, not its claim
     declared = {"a": 100.0, "b": 10.0, "c": 10.0, "d": 10.0}
-    assert c.links(2 + READ_AFTER, list("abcd"), declared, 1.0) == {
-        "a": 35.0,
-        "b": 10.0,
-        "c": 10.0,
-        "d": 10.0,
+    assert c.links(2 + READ_AFTER, list("abcd"), declared, 1.0) == {**declared, "a": 10.0 * 0.35}
+    partly = {"a": 100.0, "b": 10.0, "c": None, "d": 10.0}  # not every relay declared: the unit for all
+    assert c.links(2 + READ_AFTER, list("abcd"), partly, 7.0) == {
+        **dict.fromkeys("abcd", 7.0),
+        "a": 7.0 * 0.35,
     }
     assert _versions(c, 2 + SLOW_VERSIONS) == links  # held ...
     assert _versions(c, 3 + SLOW_VERSIONS) == dict.fromkeys("abcd")  # ... then it relays as declared again

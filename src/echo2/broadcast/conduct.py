@@ -13,11 +13,11 @@ one stripe at about the stripe rate, so an honest relay reads about 1).
 finds a relay **slow** when at least ``SLOW_REPORTS`` of its children read it under ``SLOW_PACE`` of
 their other sources (their median), unless a source of its own was found slow in that version (it
 passed on what it got, as the stall reports' exoneration has it: ``publisher._exonerate``). A slow
-relay's link is taken as that fraction of what it declared (of the fleet's common unit where not every
-relay declared one) for ``SLOW_VERSIONS`` versions, so the link-aware trees (``strategy.LinkAware``,
-``pipelined.TreePipelined.tree``, built afresh when a link moves by more than 2x) place it at the
-leaves, where it serves nobody and still pulls from peers (a demoted relay pulls from the learner);
-then it relays as declared again and is read again.
+relay's link is taken as that fraction of the fleet's median link (declared, or a common unit where
+not every relay declared one; never its own claim) for ``SLOW_VERSIONS`` versions, so the link-aware
+trees (``strategy.LinkAware``, ``pipelined.TreePipelined.tree``, built afresh when a link moves by
+more than 2x) place it at the leaves, where it serves nobody and still pulls from peers (a demoted
+relay pulls from the learner); then it relays as declared again and is read again.
 
 What a liar can do with it: its own paces name only the peers its plan has it pull from and count once
 per version; one child alone cannot make a relay slow (``SLOW_REPORTS`` = 2), so an honest relay is
@@ -84,10 +84,16 @@ class Conduct:
     ) -> dict[str, float | None]:
         """The upload rates to plan ``version`` over: ``declared`` (None: not declared) as they are while
         no member is slow; else every member's declared rate (``unit`` for all where one did not
-        declare), a slow one's times its pace."""
+        declare), and a slow one's the fleet's median times its pace: what it claimed is not believed
+        (a member that declared ten times the others' link and delivers a third of their pace would
+        still rank above them at its own claim times its pace)."""
         self._read(version)
         slow = {w: self._slow[w][0] for w in members if w in self._slow}
         if not slow:
             return {w: declared.get(w) for w in members}
-        every = all(declared.get(w) is not None for w in members)
-        return {w: (declared[w] if every else unit) * slow.get(w, 1.0) for w in members}  # type: ignore[operator]
+        rates = [declared.get(w) for w in members]
+        base = {w: r for w, r in zip(members, rates, strict=True) if r is not None}
+        if len(base) < len(members):
+            base = dict.fromkeys(members, unit)
+        typical = statistics.median(base.values())
+        return {w: typical * slow[w] if w in slow else base[w] for w in members}

@@ -30,10 +30,10 @@ SLOW = 3  # the slow member's index (a stripe's root in the link-blind trees)
 TARGET = 1.25
 
 
-async def _install(node: Any, version: int, at: dict[str, float], t0: list[float]) -> None:
+async def _install(node: Any, version: int, at: dict[str, float]) -> None:
     async for snap in node.snapshots():
         if snap.manifest.version == version:
-            at[node.worker_id] = time.monotonic() - t0[0]
+            at[node.worker_id] = time.monotonic()
             await node.report_installed(version)
             return
 
@@ -63,16 +63,15 @@ async def run_once(n: int, slow_factor: float, seed: int = 0) -> dict[str, Any]:
     blob = synthetic_snapshot(8 * STRIPE_CHUNKS * CHUNK, seed=seed)
     rows = []
     for v in range(1, VERSIONS + 1):
-        at: dict[str, float] = {}
-        t0 = [time.monotonic()]
-        tasks = [asyncio.ensure_future(_install(nd, v, at, t0)) for nd in nodes]
-        t0[0] = time.monotonic()
+        at: dict[str, float] = {}  # member -> when it installed v
+        tasks = [asyncio.ensure_future(_install(nd, v, at)) for nd in nodes]
+        t0 = time.monotonic()
         await pub.publish(v, blob)
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
         plan = pub._rounds[v].plan  # the version's plan, as announced
         served = sum(any(a.source == ids[SLOW] for a in pulls) for pulls in plan.values())
         relays = {a.source for pulls in plan.values() for a in pulls} - {LEARNER}
-        honest = max(t for w, t in at.items() if w != ids[SLOW])
+        honest = max(t for w, t in at.items() if w != ids[SLOW]) - t0
         rows.append({"v": v, "honest_t_all_s": honest, "served_by_slow": served, "relays": len(relays)})
     reports = sum(nd.counters.stalls_reported for nd in nodes)
     conduct = getattr(pub, "conduct", None)  # the code before the acks' paces has none

@@ -91,9 +91,8 @@ class Conduct:
         slow = {w: self._slow[w][0] for w in members if w in self._slow}
         if not slow:
             return {w: declared.get(w) for w in members}
-        rates = [declared.get(w) for w in members]
-        base = {w: r for w, r in zip(members, rates, strict=True) if r is not None}
-        if len(base) < len(members):
+        base = {w: r for w in members if (r := declared.get(w)) is not None}
+        if len(base) < len(members):  # not every member declared one: the unit for all
             base = dict.fromkeys(members, unit)
         typical = statistics.median(base.values())
         return {w: typical * slow[w] if w in slow else base[w] for w in members}

@@ -63,19 +63,19 @@ class Transfer:
         missing = self.manifest.n_chunks - self.buffer.count  # first: buffer.missing walks the list
         left = todo[pos:] if others and 0 < missing <= len(todo) - pos else []
         if left and len(self.buffer.missing(left)) == missing:  # only its chunks are missing
-            if pace.alone is None:  # when the last chunk of another stream came (planned or repair)
-                came = [p.last for p in (*self.paces.values(), *self.repairs) if p is not pace and p.count]
-                pace.alone = min(now, max(came, default=now))
-            done_by = finish_deadline(self.started, pace.alone, self.stall_timeout)
+            # since when: the last chunk of another stream (planned or repair); none comes after it
+            came = [p.last for p in (*self.paces.values(), *self.repairs) if p is not pace and p.count]
+            alone = min(now, max(came, default=now))
+            done_by = finish_deadline(self.started, alone, self.stall_timeout)
             if done_by < when:
-                return done_by, f"every other chunk stored by {pace.alone - self.started:.1f}s"
+                return done_by, f"every other chunk stored by {alone - self.started:.1f}s"
         return when, ""
 
     def relative(self) -> dict[str, float]:
         """Each planned peer stream's :func:`~echo2.broadcast.wire.relative_pace` (those with one), for
         the install ack."""
         paces = {s: relative_pace(p, self.others(s)) for s, p in self.paces.items() if s != LEARNER}
-        return {s: min(r, MAX_PACE) for s, r in paces.items() if r is not None and r > 0}
+        return {s: min(r, MAX_PACE) for s, r in paces.items() if r is not None}
 
     def first_deadline(self) -> float:
         """:func:`first_chunk_deadline` of a peer pull of this version, as of now."""

@@ -268,7 +268,6 @@ class Pace:
     first: float | None = None
     last: float = 0.0
     count: int = 0
-    alone: float | None = None  # since when only its chunks are missing (finish_deadline)
 
     def note(self, now: float) -> None:
         if self.first is None:

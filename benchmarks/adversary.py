@@ -637,6 +637,12 @@ def main() -> int:
         help="stop length_honest(_bf16) or length_attacks after this",
     )
     p.add_argument(
+        "--length-shard", type=int, default=None, help="length_honest(_bf16): the shard (default: next)"
+    )
+    p.add_argument(
+        "--length-rows", type=int, default=ls.SHARD_ROWS, help="length_honest(_bf16): a batch's rows"
+    )
+    p.add_argument(
         "--flood-width", type=int, default=6, help="flooding identities at a time (length_attacks)"
     )
     p.add_argument(
@@ -664,10 +670,10 @@ def main() -> int:
         "perimeter": lambda: perimeter_study.run_study(a.out),  # echo2_bench/perimeter_study.py
         "preauth_cost": lambda: preauth_cost.run_cost(),  # echo2_bench/preauth_cost.py
         "length_honest": lambda: ls.study_length_honest(
-            a.out, "float32", a.length_n, a.length, a.length_minutes
+            a.out, "float32", a.length_n, a.length, a.length_minutes, a.length_shard, a.length_rows
         ),
         "length_honest_bf16": lambda: ls.study_length_honest(
-            a.out, "bfloat16", a.length_n, a.length, a.length_minutes
+            a.out, "bfloat16", a.length_n, a.length, a.length_minutes, a.length_shard, a.length_rows
         ),
         "length_attacks": lambda: ls.study_length_attacks(
             a.out,

@@ -7,7 +7,11 @@ here before any of them ran:
   Target: >= ``HONEST_COMPLETIONS`` completions of >= 256 tokens re-run, 0 false forgeries; reported beside
   it: near ties and graded ties, the room a near tie leaves per 1,024 tokens, and the per-position
   distributions of the log-prob error and of the draw deficit. A run of fewer completions (``--length-n``)
-  is reported as such: the target is not met by a smaller sample.
+  is reported as such: the target is not met by a smaller sample. The sample is gathered run by run
+  (added after the first two readings, before any shard ran; the target unchanged): each run is a *shard*
+  with a stream of prompts and seeds of its own, kept in ``results/adversary_length_shards/``, and the
+  reading pools every shard of a dtype (the first readings are shard 0); from shard 1 on a batch is 64
+  completions, a lease of the math preset (8 prompts x 8), where the first readings' was 16.
 - **length_attacks**: ``echo2 run`` with that model, one honest local worker, and the attackers of
   ``adversary_length.py`` (``adversary_length_runs.PLAN``: identities and submissions each). Targets:
   0 forged groups admitted trainable from the launderer, the answer rewriter and the phrase inserter; for
@@ -38,22 +42,130 @@ MEDIAN_CAUGHT = 6
 STALE_FLOOD_RATE = 0.8
 STALE_POINTS = 0.02
 CONDITIONS = ("baseline", "stale_hoard", "flood")
+SHARDS = "adversary_length_shards"  # one file a run of length_honest(_bf16): <dtype>_<shard>.json
+SHARD_ROWS = 64  # completions a batch from shard 1 on: a lease of the math preset (8 prompts x 8)
+SUMMED = ("completions", "tokens", "check_tokens", "false_forgeries", "graded_ties_whole_completion",
+          "near_ties", "room_positions")  # fmt: skip
+SHARD_SUMMARY = (
+    "shard",
+    "rows",
+    "completions",
+    "tokens",
+    "false_forgeries",
+    "seconds",
+    "minutes_budget",
+    "commit",
+)
 
 
 def study_length_honest(
-    out: Path, dtype: str, completions: int, length: int, minutes: float
-) -> dict[str, Any]:
+    out: Path, dtype: str, completions: int, length: int, minutes: float, shard: int | None = None,
+    rows: int = SHARD_ROWS,
+) -> dict[str, Any]:  # fmt: skip
+    """One run (a shard) of honest completions, kept in ``out/SHARDS/<dtype>_<shard>.json``, then every
+    shard of ``dtype`` at ``length`` pooled into the study's reading: the sample grows run by run (each
+    shard its own stream of prompts and seeds, so no completion is counted twice) until it reaches the
+    target. ``shard`` (default: the next unused) must be new; the run asks for what the pool still
+    lacks."""
     from echo2_bench.adversary_length_runs import honest_length
 
-    got = honest_length(out, dtype, completions, length, minutes=minutes)
-    got["target"] = f">= {HONEST_COMPLETIONS} completions of >= {MIN_LENGTH} tokens re-run, 0 false forgeries"
-    got["sample_reached"] = got["completions"] >= HONEST_COMPLETIONS and length >= MIN_LENGTH
-    got["met"] = got["sample_reached"] and got["false_forgeries"] == 0
-    got["command"] = (
-        "python benchmarks/adversary.py --study "
-        f"{'length_honest' if dtype == 'float32' else 'length_honest_bf16'} --length-n {HONEST_COMPLETIONS}"
+    study = "length_honest" if dtype == "float32" else "length_honest_bf16"
+    adopt_first_reading(out, study, dtype)
+    have = read_shards(out / SHARDS, dtype, length)
+    if shard is None:
+        shard = 1 + max((int(s["shard"]) for s in have), default=0)
+    elif (out / SHARDS / f"{dtype}_{shard}.json").exists():
+        raise SystemExit(
+            f"--length-shard {shard}: the {dtype} shard {shard} was run already (its draws would repeat)"
+        )
+    left = completions - sum(int(s["completions"]) for s in have)
+    if left > 0:
+        got = honest_length(out, dtype, left, length, rows=rows, minutes=minutes, shard=shard)
+        got["commit"] = _commit()
+        (out / SHARDS).mkdir(parents=True, exist_ok=True)
+        (out / SHARDS / f"{dtype}_{shard}.json").write_text(json.dumps(got, indent=1))
+        have.append(got)
+    pooled = pool_honest(have)
+    pooled["target"] = (
+        f">= {HONEST_COMPLETIONS} completions of >= {MIN_LENGTH} tokens re-run, 0 false forgeries"
     )
-    return got
+    pooled["sample_reached"] = pooled["completions"] >= HONEST_COMPLETIONS and length >= MIN_LENGTH
+    pooled["met"] = pooled["sample_reached"] and pooled["false_forgeries"] == 0
+    pooled["command"] = (
+        f"python benchmarks/adversary.py --study {study} --length-minutes <budget> (one shard a run)"
+    )
+    return pooled
+
+
+def read_shards(where: Path, dtype: str, length: int) -> list[dict[str, Any]]:
+    """The shards of ``dtype`` run at ``length`` tokens, in shard order."""
+    got = [json.loads(f.read_text()) for f in sorted(where.glob(f"{dtype}_*.json"))] if where.is_dir() else []
+    return sorted((g for g in got if g["length"] == length), key=lambda g: int(g["shard"]))
+
+
+def adopt_first_reading(out: Path, study: str, dtype: str) -> None:
+    """The readings taken before shards existed drew from shard 0's stream: the oldest of ``study``'s
+    readings in ``adversary_length.json`` that is not itself a pool becomes shard 0, so it is counted once."""
+    path, first = out / SHARDS / f"{dtype}_0.json", out / "adversary_length.json"
+    if path.exists() or not first.is_file():
+        return
+    newest = json.loads(first.read_text()).get(study)
+    chain = [newest, *newest.get("earlier_readings", [])] if newest else []
+    alone = [r for r in chain if "shards" not in r and "histogram" in r.get("logprob_error", {})]
+    if alone:
+        oldest = {k: v for k, v in alone[-1].items() if k not in ("earlier_readings", "reading")}
+        oldest.update(
+            shard=0, rows=oldest.get("rows", 16), check_tokens=oldest.get("check_tokens", oldest["tokens"])
+        )
+        oldest["commit"] = oldest.get("commit", "before shards (its reading in adversary_length.json)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(oldest, indent=1))
+
+
+def pool_honest(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' samples as one: counts summed, per-position histograms merged, rates per 1,024 tokens
+    of the pool; each shard listed with its size, rows a batch, time and commit."""
+    from echo2.check.positions import LogHistogram
+    from echo2_bench.adversary_length_runs import distribution, room_at_margins
+
+    if not shards:
+        raise SystemExit("no shard to pool: run the study with a time budget (--length-minutes)")
+    first = shards[0]
+    for s in shards:
+        for key in ("dtype", "engine", "length", "logprob_tolerance", "draw_tolerance"):
+            if s[key] != first[key]:
+                raise SystemExit(
+                    f"shard {s['shard']} has {key} = {s[key]!r}, shard {first['shard']} {first[key]!r}"
+                )
+    total = {k: sum(int(s[k]) for s in shards) for k in SUMMED}
+    hists: dict[str, Any] = {}
+    for key in ("logprob_error", "draw_deficit_where_not_the_draw", "top2_gap"):
+        hists[key] = LogHistogram()
+        for s in shards:
+            hists[key].merge(LogHistogram.from_dict(s[key]["histogram"]))
+    per = 1024 / max(1, total["check_tokens"])
+    return {
+        **{k: first[k] for k in ("dtype", "engine", "length", "logprob_tolerance", "draw_tolerance")},
+        **total,
+        "near_ties_per_1024_tokens": per * total["near_ties"],
+        "room_per_1024_tokens": per * total["room_positions"],
+        **{k: distribution(h) for k, h in hists.items()},
+        "room_per_1024_at_margin": room_at_margins(hists["top2_gap"]),
+        "seconds": sum(float(s["seconds"]) for s in shards),
+        "shards": [{k: s.get(k) for k in SHARD_SUMMARY} for s in shards],
+    }
+
+
+def _commit() -> str:
+    """The code a shard ran: the checkout's commit, marked when the working tree differs from it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        got = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent)
+        return got.stdout.strip()
+
+    changed = git("status", "--porcelain", "-uno", "--", ":/src", ":/benchmarks")
+    return git("rev-parse", "HEAD") + ("+changes" if changed else "")
 
 
 def study_length_attacks(

@@ -166,3 +166,14 @@ def test_the_error_histogram_bounds_its_quantiles():
     assert h.n == 100 and h.max == pytest.approx(0.3)
     assert 1e-6 <= h.quantile(0.5) < 2e-6 and 0.02 <= h.quantile(0.99) < 0.04 and h.quantile(1.0) == h.max
     assert h.above(0.01) == 2 and h.above(1.0) == 0
+
+
+def test_histograms_pooled_from_their_dicts_equal_one_that_saw_every_sample():
+    a, b, both = LogHistogram(), LogHistogram(), LogHistogram()
+    xa, xb = torch.tensor([1e-7, 3e-4, 0.02]), torch.tensor([5e-9, 0.4, 12.0, 0.02])
+    a.add(xa), b.add(xb), both.add(torch.cat([xa, xb]))
+    pooled = LogHistogram.from_dict(a.to_dict())
+    pooled.merge(LogHistogram.from_dict(b.to_dict()))
+    assert pooled.to_dict() == both.to_dict()
+    with pytest.raises(ValueError, match="other bins"):
+        LogHistogram.from_dict({**a.to_dict(), "counts": [0, 1]})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -128,3 +129,18 @@ class LogHistogram:
 
     def to_dict(self) -> dict[str, object]:
         return {"edges": _EDGES, "counts": list(self.counts), "n": self.n, "max": self.max}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LogHistogram:
+        """The histogram :meth:`to_dict` wrote (its bins must be this class's: ValueError otherwise)."""
+        if list(d["edges"]) != list(_EDGES) or len(d["counts"]) != len(_EDGES) + 1:
+            raise ValueError("a histogram written with other bins cannot be read into these")
+        h = cls()
+        h.counts, h.n, h.max = [int(c) for c in d["counts"]], int(d["n"]), float(d["max"])
+        return h
+
+    def merge(self, other: LogHistogram) -> None:
+        """Add ``other``'s counts to these (samples pooled: its bins are the same)."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.n += other.n
+        self.max = max(self.max, other.max)

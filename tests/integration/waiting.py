@@ -4,6 +4,7 @@ on the path)."""
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -16,16 +17,34 @@ from echo2.observe.rundir import read_metrics
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free on ``host`` now: all bound at once while they are picked (one at a
-    time, the system may hand the same port out twice: a learner's API and broadcast ports collided)."""
-    socks = [socket.socket() for _ in range(n)]
+    """``n`` distinct ports free on ``host`` now, all bound at once while they are picked, and taken below
+    the system's ephemeral range: a port the system hands out itself (``bind(0)``, or the local end of a
+    connection: a torchrun rank's gloo sockets, a worker's client) could be handed out again before the
+    learner binds it, and twice a learner restarted on its ports found one already in use."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    socks: list[socket.socket] = []
     try:
-        for s in socks:
-            s.bind((host, 0))
+        while len(socks) < n:
+            s = socket.socket()
+            try:
+                s.bind((host, rng.randrange(max(1024, low - 12_000), low)))
+            except OSError:
+                s.close()  # taken: another
+                continue
+            socks.append(s)
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the system's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:

@@ -561,27 +561,9 @@ def study_state(ns: list[int], label: str) -> dict[str, Any]:
 
 
 def _state_of(n: int) -> tuple[float, float]:
-    import tempfile
-    from types import SimpleNamespace
+    from echo2_bench.viewers import node_status
 
-    from echo2.config import load_config
-    from echo2.protocol import RegisterRequest
-    from echo2.runtime.members import WorkerRegistry
-    from echo2.runtime.pool import Pool
-    from echo2.runtime.status import NodeStatus
-
-    cfg = load_config()
-    with tempfile.TemporaryDirectory() as tmp:
-        reg = WorkerRegistry(Path(tmp), "t" * 20, time.time, n + 10)
-        pool = Pool(reg, cfg.controller, cfg.staleness, cfg.batch.rollouts, 12.24, Path(tmp), time.time)
-        for _ in range(n):
-            rec, _ = reg.register(RegisterRequest(name="w", usd_per_hour=0.35, rollouts_per_s=1.0))
-            rec.rollouts = 64  # delivered: a candidate of the controller, as a restored worker enrols
-            pool.enroll(rec)
-        pool.retarget(t_train_s=10.0, t_bcast_s=1.0)
-        publisher = SimpleNamespace(members=lambda: [])
-        snapshots = SimpleNamespace(version=-1, publisher=publisher, bcast={}, publication=None)
-        status = NodeStatus(reg, pool, snapshots, cfg.staleness.S, 2, lambda: 10)  # type: ignore[arg-type]
+    with node_status(n) as status:
         best = math.inf
         for _ in range(3):
             t = time.perf_counter()
@@ -963,7 +945,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--study",
-        choices=["publish", "probation", "register", "links", "node", "state", "restart", "slow"],
+        choices=["publish", "probation", "register", "links", "node", "state", "viewers", "restart", "slow"],
         default="publish",
     )
     p.add_argument("--present", type=float, default=0.0, help="restart: share joined before the anchor")
@@ -985,9 +967,14 @@ def main() -> int:
         res.setdefault("restart", {})[a.label] = study_restart(a.ns, a.label, a.present, a.seeds, a.gather)
     else:
         from echo2_bench.slow_relay import study_slow
+        from echo2_bench.viewers import study_viewers
 
-        study = {**studies, "links": study_links, "slow": study_slow}[a.study]
+        study = {**studies, "links": study_links, "slow": study_slow, "viewers": study_viewers}[a.study]
         res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
+        if a.study == "viewers":
+            from echo2_bench.viewers import plot as plot_viewers
+
+            plot_viewers(res["viewers"], a.out / "fleet_viewers.png")
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, a.out / "fleet.png")
     return 0

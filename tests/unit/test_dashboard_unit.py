@@ -212,3 +212,116 @@ def test_metrics_exports_exactly_the_catalogs_families(tmp_path):
         assert (fam.type, fam.documentation) == (p.kind, p.help), p.name
         for s in fam.samples:
             assert set(s.labels) - {"le"} == set(p.labels), (p.name, s.labels)
+
+
+def test_every_viewer_and_scrape_within_a_second_is_served_from_one_snapshot(tmp_path):
+    """Forty pages and scrapes in one second read the members once; the next second once more."""
+
+    async def read(client):
+        return await (await client.get("/api/state")).json()
+
+    template = _serve(tmp_path, read)  # a real node's state, its version then set to the call's count
+
+    class Counted:
+        staleness_counts, staleness_sum, calls = [0, 0, 0], 0, 0
+
+        def state(self) -> dict[str, Any]:
+            self.calls += 1
+            return {**template, "learner": {**template["learner"], "version": self.calls}}
+
+        async def state_sliced(self) -> dict[str, Any]:
+            await asyncio.sleep(0)
+            return self.state()
+
+    status, now = Counted(), [100.0]
+    dash = Dashboard(status, None, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    async def main() -> list[int]:
+        async with TestClient(TestServer(dash.app())) as client:
+            seen = []
+            for k in range(20):
+                now[0] = 100.0 + 0.04 * k  # all inside the first second
+                seen.append((await (await client.get("/api/state")).json())["learner"]["version"])
+                assert (await client.get("/metrics")).status == 200
+            now[0] = 101.0
+            seen.append((await (await client.get("/api/state")).json())["learner"]["version"])
+            return seen
+
+    seen = asyncio.run(main())
+    assert seen == [1] * 20 + [2] and status.calls == dash.snapshot.builds == 2
+    assert dash.snapshot.expositions == 1  # the twenty scrapes of the first snapshot: written once
+    fresh = Dashboard(status, None, max_age_s=0.0)  # type: ignore[arg-type]
+
+    async def twice() -> None:
+        await fresh.snapshot.get()
+        await fresh.snapshot.get()
+
+    asyncio.run(twice())
+    assert fresh.snapshot.builds == 2  # a zero age takes one at every request
+
+
+def test_scrapes_of_one_snapshot_share_its_exposition_and_one_gone_leaves_it_to_the_others(tmp_path):
+    """Scrapes waiting together on a snapshot's text get the same bytes; one cancelled midway does not
+    cancel the writing the others wait on."""
+
+    async def read(client):
+        return await (await client.get("/api/state")).json()
+
+    template = _serve(tmp_path, read)
+
+    class Fixed:
+        staleness_counts, staleness_sum = [1, 1, 0], 1
+
+        def state(self) -> dict[str, Any]:
+            return template
+
+        async def state_sliced(self) -> dict[str, Any]:
+            return template
+
+    async def main() -> tuple[list[bytes], int]:
+        dash = Dashboard(Fixed(), None, clock=lambda: 0.0)  # type: ignore[arg-type]
+        tasks = [asyncio.ensure_future(dash.snapshot.exposition()) for _ in range(5)]
+        await asyncio.sleep(0)
+        tasks[0].cancel()
+        got = await asyncio.gather(*tasks[1:])
+        return got, dash.snapshot.expositions, dash.snapshot.builds
+
+    got, written, built = asyncio.run(main())
+    assert written == built == 1 and len(set(got)) == 1 and b"echo2_learner_version" in got[0]
+
+
+def test_the_sliced_state_is_the_state_and_lets_the_loop_run_between_slices(tmp_path):
+    """A node of 1,201 members: ``state_sliced`` equals ``state`` (the clock held still), and a ticker on
+    the same loop runs between its slices (3 slices of rows at 500, then the pool's figures)."""
+    from echo2.protocol import RegisterRequest
+    from echo2.runtime import status as status_mod
+    from echo2.runtime.pool import Pool
+
+    cfg = load_config()
+    reg = WorkerRegistry(tmp_path, TOKEN, lambda: 50.0, 1_300)
+    pool = Pool(reg, cfg.controller, cfg.staleness, cfg.batch.rollouts, 12.24, tmp_path, lambda: 50.0)
+    for _ in range(1_201):
+        rec, _ = reg.register(RegisterRequest(name="w", usd_per_hour=0.35, rollouts_per_s=1.0))
+        pool.enroll(rec)
+    publisher = type("P", (), {"members": staticmethod(lambda: [])})()
+    snaps = type("S", (), {"version": -1, "publisher": publisher, "bcast": {}, "publication": None})()
+    status = NodeStatus(reg, pool, snaps, cfg.staleness.S, 2, lambda: 3, lambda: 50.0)  # type: ignore[arg-type]
+
+    async def main() -> tuple[dict[str, Any], int]:
+        ticks = [0]
+
+        async def ticker() -> None:
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        before = ticks[0]
+        got = await status.state_sliced()
+        t.cancel()
+        return got, ticks[0] - before
+
+    sliced, ticked = asyncio.run(main())
+    assert sliced == status.state() and len(sliced["pool"]["workers"]) == 1_201
+    assert ticked >= -(-1_201 // status_mod.ROWS_A_SLICE) + 3  # the loop ran between every slice

@@ -1,8 +1,15 @@
 """The learner's read-only view for people: a live web dashboard and a Prometheus endpoint.
 
     GET /              the dashboard page (``static/dashboard.html``: no external assets, works offline)
-    GET /api/state     NodeStatus.state() as JSON: what the page draws, polled every second
+    GET /api/state     NodeStatus.state() as JSON: what the page draws, polled every 1.5 s
     GET /metrics       Prometheus text format (prometheus-client), from the same snapshot
+
+Every viewer and every scrape is served from one snapshot taken at most once a second
+(``STATE_MAX_AGE_S``, under the page's polling period): building it reads every member on the thread
+that serves the fleet, so what viewers cost that thread stays one snapshot a second however many pages
+are open or scrapers poll, and it is built in slices with the thread free between them. The scrape's
+text, megabytes at 10,000 members, is written once a snapshot on a thread of its own
+(``benchmarks/fleet.py --study viewers``).
 
 It is served on its own port (``runtime.dashboard_port``; 0 = any free port; ``runtime.dashboard =
 false`` turns it off), bound to loopback by default (``runtime.dashboard_host``). Bound anywhere
@@ -14,14 +21,17 @@ accepted (a worker cannot read the pool, nor a viewer act as a worker).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
 
+import orjson
 from aiohttp import web
 
 from echo2.observe import catalog
@@ -31,6 +41,7 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 PAGE = "dashboard.html"
+STATE_MAX_AGE_S = 1.0  # a snapshot serves every request this long (the page polls every 1.5 s)
 
 
 class StatusSource(Protocol):
@@ -41,18 +52,91 @@ class StatusSource(Protocol):
 
     def state(self) -> dict[str, Any]: ...
 
+    async def state_sliced(self) -> dict[str, Any]: ...  # the same, the event loop free between slices
+
 
 def needs_token(host: str) -> bool:
     """A dashboard bound beyond loopback is not open to whoever reaches the port."""
     return host not in LOOPBACK
 
 
+@dataclass(frozen=True)
+class Taken:
+    """One snapshot: the state, its JSON, and the staleness histogram as they were when it was taken
+    (nothing in it is the node's live structures: a thread may read it while the node goes on)."""
+
+    state: dict[str, Any]
+    json: bytes
+    staleness_counts: tuple[int, ...]
+    staleness_sum: int
+    build: int
+
+
+class Snapshot:
+    """The newest state of ``status`` and its JSON, taken again only once ``max_age_s`` has passed since
+    the last (0: at every request), so requests in between cost no member's read; taken in slices
+    (``state_sliced``), so the thread that serves the fleet is free between them, and shared by the
+    requests that arrive while it is taken. And that snapshot's Prometheus exposition, written once for
+    every scrape of it, on a thread of its own (at 10,000 members it is megabytes of text)."""
+
+    def __init__(
+        self, status: StatusSource, max_age_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.status, self.max_age_s, self.clock = status, max_age_s, clock
+        self.taken_at: float | None = None
+        self.builds = 0  # snapshots taken (the test and the benchmark read it)
+        self.expositions = 0  # expositions written
+        self._taken: Taken | None = None
+        self._taking: asyncio.Future[Taken] | None = None
+        self._exposition: tuple[int, asyncio.Future[bytes]] | None = None
+
+    async def get(self) -> Taken:
+        now = self.clock()
+        fresh = self._taken is not None and self.taken_at is not None and now - self.taken_at < self.max_age_s
+        if fresh and self._taken is not None:
+            return self._taken
+        if self._taking is None:
+            self._taking = asyncio.ensure_future(self._take(now))
+        taking = self._taking
+        return await asyncio.shield(taking)  # a request that goes away leaves it to the others
+
+    async def _take(self, now: float) -> Taken:
+        try:
+            state = await self.status.state_sliced()
+            self.builds += 1
+            self._taken = Taken(
+                state,
+                orjson.dumps(state, option=orjson.OPT_NON_STR_KEYS),  # NaN and inf as null: valid JSON
+                tuple(self.status.staleness_counts),
+                self.status.staleness_sum,
+                self.builds,
+            )
+            self.taken_at = now
+            return self._taken
+        finally:
+            self._taking = None
+
+    async def exposition(self) -> bytes:
+        """The newest snapshot's ``/metrics`` text; scrapes of one snapshot share one writing."""
+        taken = await self.get()
+        if self._exposition is None or self._exposition[0] != taken.build:
+            self.expositions += 1
+            self._exposition = (taken.build, asyncio.ensure_future(asyncio.to_thread(_exposition, taken)))
+        return await asyncio.shield(self._exposition[1])
+
+
 class Dashboard:
-    def __init__(self, status: StatusSource, view_token: str | None) -> None:
+    def __init__(
+        self,
+        status: StatusSource,
+        view_token: str | None,
+        max_age_s: float = STATE_MAX_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.status = status
         self.view_token = view_token  # None: loopback only, no credential asked
         self.page = resources.files("echo2.observe").joinpath("static", PAGE).read_text(encoding="utf-8")
-        self.registry = _prometheus_registry(status)
+        self.snapshot = Snapshot(status, max_age_s, clock)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
@@ -85,37 +169,35 @@ class Dashboard:
         return web.Response(text=self.page, content_type="text/html")
 
     async def state(self, request: web.Request) -> web.Response:
-        return web.Response(
-            text=json.dumps(self.status.state(), allow_nan=False), content_type="application/json"
-        )
+        return web.Response(body=(await self.snapshot.get()).json, content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client import generate_latest
         from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-        body = generate_latest(self.registry)
+        body = await self.snapshot.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _prometheus_registry(status: StatusSource) -> Any:
-    from prometheus_client import CollectorRegistry
+def _exposition(taken: Taken) -> bytes:
+    """``taken`` in the Prometheus text format (prometheus-client)."""
+    from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(status))
-    return registry
+    registry.register(_Collector(taken))
+    return generate_latest(registry)
 
 
 class _Collector:
-    """prometheus-client custom collector: every sample comes from one ``NodeStatus.state()`` taken at
-    scrape time, so a scrape and the dashboard never disagree and nothing is counted per step. Every
-    family's name, kind, help and labels come from the metrics catalog (``catalog.py``)."""
+    """prometheus-client custom collector over one snapshot (the one the page reads too), so a scrape
+    and the dashboard never disagree and nothing is counted per step. Every family's name, kind, help
+    and labels come from the metrics catalog (``catalog.py``)."""
 
-    def __init__(self, status: StatusSource) -> None:
-        self.status = status
+    def __init__(self, taken: Taken) -> None:
+        self.taken = taken
 
     def collect(self) -> Iterator[Any]:
-        st = self.status.state()
-        yield from _learner_metrics(st, self.status)
+        st = self.taken.state
+        yield from _learner_metrics(st, self.taken)
         yield from _store_metrics(st)
         yield from _pool_metrics(st)
         yield from _broadcast_metrics(st)
@@ -142,7 +224,7 @@ def _counter(p: Prom, value: Any) -> Any:
     return c
 
 
-def _learner_metrics(st: dict[str, Any], status: StatusSource) -> Iterator[Any]:
+def _learner_metrics(st: dict[str, Any], status: Taken) -> Iterator[Any]:
     ln = st["learner"]
     yield _gauge(catalog.LEARNER_VERSION.exported, ln["version"])
     yield _gauge(catalog.LEARNER_STEP_WALL_S.exported, ln["step_s"])

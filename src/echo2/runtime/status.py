@@ -8,9 +8,10 @@ records ``metrics.jsonl`` gets). Nothing here runs per step beyond appending a r
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from echo2.observe import catalog
@@ -22,6 +23,7 @@ from echo2.runtime.snapshots import Snapshots
 SERIES = catalog.DASHBOARD_SERIES  # per-step values the dashboard draws: step, time_s, its charts' keys
 MAX_POINTS = 300  # past this the series is thinned to every other point (the whole run stays drawn)
 DECISIONS_SHOWN = 20
+ROWS_A_SLICE = 500  # pool rows built between two turns of the event loop (state_sliced)
 
 
 class NodeStatus:
@@ -72,28 +74,26 @@ class NodeStatus:
     def workers(self) -> list[dict[str, Any]]:
         """The pool as a table: one row per registered worker."""
         now = self.clock()
-        rows = []
-        for rec in self.registry:
-            mu = self.pool.rate(rec.worker_id)
-            rows.append(
-                {
-                    "worker_id": rec.worker_id,
-                    "name": rec.name,
-                    "hardware": rec.hardware,
-                    "usd_per_hour": rec.usd_per_hour,
-                    "mu": mu,
-                    "rho": rec.usd_per_hour / mu if mu > 0 else None,
-                    "state": self.pool.state(rec.worker_id),
-                    "reason": self.pool.last_reason.get(rec.worker_id, ""),
-                    "installed_version": rec.installed_version,
-                    "install_s": rec.install_s,
-                    "relay_demoted": rec.relay_demoted,
-                    "mismatch_kl": rec.mismatch_kl,
-                    "rollouts": rec.rollouts,
-                    "last_seen_s": round(now - rec.last_seen_s, 3),
-                }
-            )
-        return rows
+        return [self._row(rec, now) for rec in self.registry]
+
+    def _row(self, rec: Any, now: float) -> dict[str, Any]:
+        mu = self.pool.rate(rec.worker_id)
+        return {
+            "worker_id": rec.worker_id,
+            "name": rec.name,
+            "hardware": rec.hardware,
+            "usd_per_hour": rec.usd_per_hour,
+            "mu": mu,
+            "rho": rec.usd_per_hour / mu if mu > 0 else None,
+            "state": self.pool.state(rec.worker_id),
+            "reason": self.pool.last_reason.get(rec.worker_id, ""),
+            "installed_version": rec.installed_version,
+            "install_s": rec.install_s,
+            "relay_demoted": rec.relay_demoted,
+            "mismatch_kl": rec.mismatch_kl,
+            "rollouts": rec.rollouts,
+            "last_seen_s": round(now - rec.last_seen_s, 3),
+        }
 
     def broadcast(self) -> dict[str, Any]:
         """The newest publication: how many of the workers joined at publication installed it so far."""
@@ -118,9 +118,36 @@ class NodeStatus:
 
     def state(self) -> dict[str, Any]:
         """Everything at once, JSON-ready (``/api/state``)."""
+        out: dict[str, Any] = {}
+        for _ in self._build(out):
+            pass
+        return out
+
+    async def state_sliced(self) -> dict[str, Any]:
+        """:meth:`state`, built in slices with the event loop free between them (``ROWS_A_SLICE`` pool
+        rows, then each whole-pool figure): the thread that serves the fleet is never held for the whole
+        of it. Each row is one moment's; rows a slice apart are milliseconds apart."""
+        out: dict[str, Any] = {}
+        for _ in self._build(out):
+            await asyncio.sleep(0)
+        return out
+
+    def _build(self, out: dict[str, Any]) -> Iterator[None]:
+        """Fill ``out`` with the state, yielding between its slices (the caller decides what runs there)."""
+        records, now = list(self.registry), self.clock()
+        rows: list[dict[str, Any]] = []
+        for k in range(0, len(records), ROWS_A_SLICE):
+            rows += [self._row(rec, now) for rec in records[k : k + ROWS_A_SLICE]]
+            yield
+        usd_per_hour = self.pool.usd_per_hour()
+        yield
+        active = len(self.pool.active_ids())
+        yield
+        n_min = self.pool.planned_n_min()
+        yield
         wall = self.update_s + sum(self.idle_s.values())
         last = self.last
-        return {
+        out |= {
             "time": self.clock(),
             "elapsed_s": self.clock() - self.started,
             "finished": self.finished,
@@ -138,21 +165,18 @@ class NodeStatus:
             },
             "store": {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("store/")},
             "security": {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("security/")},
-            "cost": {
-                "usd_per_hour": self.pool.usd_per_hour(),
-                "usd_total": last.get(catalog.COST_USD_TOTAL.key, 0.0),
-            },
+            "cost": {"usd_per_hour": usd_per_hour, "usd_total": last.get(catalog.COST_USD_TOTAL.key, 0.0)},
             "pool": {
-                "workers": self.workers(),
-                "active": len(self.pool.active_ids()),
+                "workers": rows,
+                "active": active,
                 "mu_pool": self.pool.controller.mu_pool(self.clock()),
                 "mu_target": self.pool.controller.mu_target if self.pool.target_known else None,
                 "mu_min": self.pool.mu_min,
-                "n_min": self.pool.planned_n_min(),
+                "n_min": n_min,
             },
             "decisions": self.pool.decisions[-DECISIONS_SHOWN:],
             "broadcast": self.broadcast(),
-            "series": self.series,
+            "series": {k: list(v) for k, v in self.series.items()},  # a copy: a snapshot read off-thread
         }
 
 

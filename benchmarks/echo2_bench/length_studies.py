@@ -80,10 +80,16 @@ def study_length_honest(
         )
     left = completions - sum(int(s["completions"]) for s in have)
     if left > 0:
-        got = honest_length(out, dtype, left, length, rows=rows, minutes=minutes, shard=shard)
-        got["commit"] = _commit()
-        (out / SHARDS).mkdir(parents=True, exist_ok=True)
-        (out / SHARDS / f"{dtype}_{shard}.json").write_text(json.dumps(got, indent=1))
+        commit, path = _commit(), out / SHARDS / f"{dtype}_{shard}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        def keep(got: dict[str, Any]) -> None:  # after every batch: a run stopped midway keeps its batches
+            got["commit"] = commit
+            path.with_suffix(".part").write_text(json.dumps(got, indent=1))
+            path.with_suffix(".part").replace(path)
+
+        got = honest_length(out, dtype, left, length, rows=rows, minutes=minutes, shard=shard, on_batch=keep)
+        keep(got)
         have.append(got)
     pooled = pool_honest(have)
     pooled["target"] = (

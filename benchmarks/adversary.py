@@ -59,9 +59,10 @@ fixed here, before any run:
   the window / its seconds; each condition's rate over the baseline's (no attackers) of the same
   repeat, 3 interleaved repeats. Targets: median ratio >= 0.8 for the liar and the hoarders, >= 0.9
   for the stalling relay.
-- **length_honest**, **length_honest_bf16**, **length_attacks**, **stale_flood**: at real answer lengths,
-  with attackers that adapt (``echo2_bench/length_studies.py`` states their targets); they write
-  results/adversary_length.json.
+- **length_honest**, **length_honest_bf16**, **length_honest_bf16_vllm**, **length_attacks**,
+  **stale_flood**: at real answer lengths, with attackers that adapt (``echo2_bench/length_studies.py``
+  states their targets); they write results/adversary_length.json (the honest ones gathered a shard a
+  run, results/adversary_length_shards/).
 - **garbage**: the garbage suite (`echo2_bench/garbage.py`: deep JSON bodies and tokens, lone
   surrogates, NUL in a header, Content-Length with Transfer-Encoding, a short body, a price of
   1e-300, an install_s of 1e308, a 5,000-deep broadcast frame header, over-budget snapshot pulls, a
@@ -100,7 +101,8 @@ from echo2_bench import perimeter_study, preauth_cost  # noqa: E402
 from echo2_bench.adversary_runs import CORES, ledger, start_run, stop, wait_ready  # noqa: E402
 from echo2_bench.record import on_record  # noqa: E402
 
-LENGTH_STUDIES = ("length_honest", "length_honest_bf16", "length_attacks", "stale_flood")  # length_studies
+LENGTH_STUDIES = ("length_honest", "length_honest_bf16", "length_honest_bf16_vllm", "length_attacks",
+                  "stale_flood")  # fmt: skip
 
 TARGET_QUARANTINE = 5  # submissions, median over trials
 TARGET_COST = 1.05
@@ -674,6 +676,9 @@ def main() -> int:
         ),
         "length_honest_bf16": lambda: ls.study_length_honest(
             a.out, "bfloat16", a.length_n, a.length, a.length_minutes, a.length_shard, a.length_rows
+        ),
+        "length_honest_bf16_vllm": lambda: ls.study_length_honest(
+            a.out, "bfloat16", a.length_n, a.length, a.length_minutes, a.length_shard, a.length_rows, "vllm"
         ),
         "length_attacks": lambda: ls.study_length_attacks(
             a.out,

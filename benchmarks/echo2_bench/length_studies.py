@@ -1,7 +1,8 @@
 """The studies of ``benchmarks/adversary.py`` at real answer lengths (SPEC §10), with their targets, fixed
 here before any of them ran:
 
-- **length_honest** / **length_honest_bf16**: honest HF-engine completions of a 54.5M model
+- **length_honest** / **length_honest_bf16** (/ **length_honest_bf16_vllm**, the vLLM engine's, added
+  later with the same target): honest HF-engine completions of a 54.5M model
   (``adversary_length_runs.honest_length``, ``--length`` tokens, 256 by default), every one re-run by the
   check in the engine's declared precision, the whole completion taken as graded (the strictest reading).
   Target: >= ``HONEST_COMPLETIONS`` completions of >= 256 tokens re-run, 0 false forgeries; reported beside
@@ -60,27 +61,31 @@ SHARD_SUMMARY = (
 
 def study_length_honest(
     out: Path, dtype: str, completions: int, length: int, minutes: float, shard: int | None = None,
-    rows: int = SHARD_ROWS,
+    rows: int = SHARD_ROWS, engine: str = "hf",
 ) -> dict[str, Any]:  # fmt: skip
-    """One run (a shard) of honest completions, kept in ``out/SHARDS/<dtype>_<shard>.json``, then every
-    shard of ``dtype`` at ``length`` pooled into the study's reading: the sample grows run by run (each
-    shard its own stream of prompts and seeds, so no completion is counted twice) until it reaches the
-    target. ``shard`` (default: the next unused) must be new; the run asks for what the pool still
-    lacks."""
+    """One run (a shard) of honest completions, kept in ``out/SHARDS/<kind>_<shard>.json`` (``kind``: the
+    dtype for the HF engine, ``vllm_<dtype>`` for vLLM's), then every shard of that kind at ``length``
+    pooled into the study's reading: the sample grows run by run (each shard its own stream of prompts
+    and seeds, so no completion is counted twice) until it reaches the target. ``shard`` (default: the
+    next unused) must be new; the run asks for what the pool still lacks."""
     from echo2_bench.adversary_length_runs import honest_length
 
-    study = "length_honest" if dtype == "float32" else "length_honest_bf16"
-    adopt_first_reading(out, study, dtype)
-    have = read_shards(out / SHARDS, dtype, length)
+    kind = dtype if engine == "hf" else f"{engine}_{dtype}"
+    study = {"float32": "length_honest", "bfloat16": "length_honest_bf16"}[dtype] + (
+        "" if engine == "hf" else "_vllm"
+    )
+    if engine == "hf":
+        adopt_first_reading(out, study, dtype)
+    have = read_shards(out / SHARDS, kind, length)
     if shard is None:
         shard = 1 + max((int(s["shard"]) for s in have), default=0)
-    elif (out / SHARDS / f"{dtype}_{shard}.json").exists():
+    elif (out / SHARDS / f"{kind}_{shard}.json").exists():
         raise SystemExit(
-            f"--length-shard {shard}: the {dtype} shard {shard} was run already (its draws would repeat)"
+            f"--length-shard {shard}: the {kind} shard {shard} was run already (its draws would repeat)"
         )
     left = completions - sum(int(s["completions"]) for s in have)
     if left > 0:
-        commit, path = _commit(), out / SHARDS / f"{dtype}_{shard}.json"
+        commit, path = _commit(), out / SHARDS / f"{kind}_{shard}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
 
         def keep(got: dict[str, Any]) -> None:  # after every batch: a run stopped midway keeps its batches
@@ -88,7 +93,17 @@ def study_length_honest(
             path.with_suffix(".part").write_text(json.dumps(got, indent=1))
             path.with_suffix(".part").replace(path)
 
-        got = honest_length(out, dtype, left, length, rows=rows, minutes=minutes, shard=shard, on_batch=keep)
+        got = honest_length(
+            out,
+            dtype,
+            left,
+            length,
+            rows=rows,
+            minutes=minutes,
+            engine_name=engine,
+            shard=shard,
+            on_batch=keep,
+        )
         keep(got)
         have.append(got)
     pooled = pool_honest(have)
@@ -103,9 +118,9 @@ def study_length_honest(
     return pooled
 
 
-def read_shards(where: Path, dtype: str, length: int) -> list[dict[str, Any]]:
-    """The shards of ``dtype`` run at ``length`` tokens, in shard order."""
-    got = [json.loads(f.read_text()) for f in sorted(where.glob(f"{dtype}_*.json"))] if where.is_dir() else []
+def read_shards(where: Path, kind: str, length: int) -> list[dict[str, Any]]:
+    """The shards of ``kind`` (a dtype, or ``vllm_<dtype>``) run at ``length`` tokens, in shard order."""
+    got = [json.loads(f.read_text()) for f in sorted(where.glob(f"{kind}_*.json"))] if where.is_dir() else []
     return sorted((g for g in got if g["length"] == length), key=lambda g: int(g["shard"]))
 
 

@@ -71,12 +71,8 @@ class NodeStatus:
                 self.series = {k: v[::2] for k, v in self.series.items()}
                 self._stride *= 2
 
-    def workers(self) -> list[dict[str, Any]]:
-        """The pool as a table: one row per registered worker."""
-        now = self.clock()
-        return [self._row(rec, now) for rec in self.registry]
-
     def _row(self, rec: Any, now: float) -> dict[str, Any]:
+        """One registered worker's row of the pool table, as of ``now``."""
         mu = self.pool.rate(rec.worker_id)
         return {
             "worker_id": rec.worker_id,

@@ -31,7 +31,7 @@ simulate configs share; its defaults are the only controller defaults).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -162,7 +162,12 @@ class PoolController:
 
     def mu_pool(self, now_s: float) -> float:
         """mu_pool(t) = sum_i a_i(t) * mu_i(t)."""
-        return math.fsum(st.rate for w, st in self._workers.items() if self.is_alive(w, now_s))
+        return math.fsum(st.rate for st in self._alive(now_s))
+
+    def _alive(self, now_s: float) -> Iterator[_WorkerState]:
+        """The states :meth:`is_alive` holds alive, in the order they were added (one pass, no lookups)."""
+        timeout = self.config.heartbeat_timeout_s
+        return (st for st in self._workers.values() if st.active and now_s - st.last_heartbeat_s <= timeout)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def decide(self, now_s: float) -> list[Decision]:
@@ -215,11 +220,13 @@ class PoolController:
 
     def _release_candidate(self, now_s: float, pool: float) -> _WorkerState | None:
         floor = (1 + self.config.high_band) * self.mu_target
-        alive = [st for w, st in self._workers.items() if self.is_alive(w, now_s)]
-        for st in sorted(alive, key=lambda st: (-st.rho, st.candidate.worker_id)):
-            if pool - st.rate >= floor:
-                return st
-        return None
+        # the dearest per rollout (rho) whose release keeps the pool above the floor, ties by id: the first
+        # of the alive sorted by (-rho, id) that may go, found in one pass
+        return min(
+            (st for st in self._alive(now_s) if pool - st.rate >= floor),
+            key=lambda st: (-st.rho, st.candidate.worker_id),
+            default=None,
+        )
 
     def activate_initial(self, worker_ids: Iterable[str], now_s: float) -> None:
         """Mark a planned active set as running (e.g. the planner's greedy choice at t = now)."""

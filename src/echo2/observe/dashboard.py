@@ -26,10 +26,10 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from aiohttp import web
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 PAGE = "dashboard.html"
+T = TypeVar("T")
 STATE_MAX_AGE_S = 1.0  # a snapshot serves every request this long (the page polls every 1.5 s)
 
 
@@ -96,7 +97,7 @@ class Snapshot:
         if fresh and self._taken is not None:
             return self._taken
         if self._taking is None:
-            self._taking = asyncio.ensure_future(self._take(now))
+            self._taking = _shared(self._take(now))
         taking = self._taking
         return await asyncio.shield(taking)  # a request that goes away leaves it to the others
 
@@ -121,7 +122,7 @@ class Snapshot:
         taken = await self.get()
         if self._exposition is None or self._exposition[0] != taken.build:
             self.expositions += 1
-            self._exposition = (taken.build, asyncio.ensure_future(asyncio.to_thread(_exposition, taken)))
+            self._exposition = (taken.build, _shared(asyncio.to_thread(_exposition, taken)))
         return await asyncio.shield(self._exposition[1])
 
 
@@ -176,6 +177,14 @@ class Dashboard:
 
         body = await self.snapshot.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _shared(work: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    """``work`` as a task several requests may await; a failure nobody waited for is not reported as
+    never retrieved (each request that waits gets it)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 
 def _exposition(taken: Taken) -> bytes:

@@ -645,6 +645,9 @@ def main() -> int:
         "--length-rows", type=int, default=ls.SHARD_ROWS, help="length_honest(_bf16): a batch's rows"
     )
     p.add_argument(
+        "--length-pool", action="store_true", help="length_honest(_bf16): pool the shards, run none"
+    )
+    p.add_argument(
         "--flood-width", type=int, default=6, help="flooding identities at a time (length_attacks)"
     )
     p.add_argument(
@@ -672,13 +675,35 @@ def main() -> int:
         "perimeter": lambda: perimeter_study.run_study(a.out),  # echo2_bench/perimeter_study.py
         "preauth_cost": lambda: preauth_cost.run_cost(),  # echo2_bench/preauth_cost.py
         "length_honest": lambda: ls.study_length_honest(
-            a.out, "float32", a.length_n, a.length, a.length_minutes, a.length_shard, a.length_rows
+            a.out,
+            "float32",
+            a.length_n,
+            a.length,
+            a.length_minutes,
+            a.length_shard,
+            a.length_rows,
+            pool_only=a.length_pool,
         ),
         "length_honest_bf16": lambda: ls.study_length_honest(
-            a.out, "bfloat16", a.length_n, a.length, a.length_minutes, a.length_shard, a.length_rows
+            a.out,
+            "bfloat16",
+            a.length_n,
+            a.length,
+            a.length_minutes,
+            a.length_shard,
+            a.length_rows,
+            pool_only=a.length_pool,
         ),
         "length_honest_bf16_vllm": lambda: ls.study_length_honest(
-            a.out, "bfloat16", a.length_n, a.length, a.length_minutes, a.length_shard, a.length_rows, "vllm"
+            a.out,
+            "bfloat16",
+            a.length_n,
+            a.length,
+            a.length_minutes,
+            a.length_shard,
+            a.length_rows,
+            "vllm",
+            a.length_pool,
         ),
         "length_attacks": lambda: ls.study_length_attacks(
             a.out,

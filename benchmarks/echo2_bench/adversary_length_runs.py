@@ -142,7 +142,7 @@ def honest_length(
 
 def distribution(h: Any) -> dict[str, Any]:
     """A per-position ``LogHistogram``'s quantiles, largest and bins (the bins pool across shards)."""
-    q = {f"p{int(100 * p) if p < 1 else 100}": h.quantile(p) for p in (0.5, 0.9, 0.99, 0.999)}
+    q = {f"p{100 * p:g}": h.quantile(p) for p in (0.5, 0.9, 0.99, 0.999)}  # p50, p90, p99, p99.9
     return {"positions": h.n, **q, "max": h.max, "histogram": h.to_dict()}
 
 

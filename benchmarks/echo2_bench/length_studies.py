@@ -61,13 +61,14 @@ SHARD_SUMMARY = (
 
 def study_length_honest(
     out: Path, dtype: str, completions: int, length: int, minutes: float, shard: int | None = None,
-    rows: int = SHARD_ROWS, engine: str = "hf",
+    rows: int = SHARD_ROWS, engine: str = "hf", pool_only: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """One run (a shard) of honest completions, kept in ``out/SHARDS/<kind>_<shard>.json`` (``kind``: the
     dtype for the HF engine, ``vllm_<dtype>`` for vLLM's), then every shard of that kind at ``length``
     pooled into the study's reading: the sample grows run by run (each shard its own stream of prompts
     and seeds, so no completion is counted twice) until it reaches the target. ``shard`` (default: the
-    next unused) must be new; the run asks for what the pool still lacks."""
+    next unused) must be new; the run asks for what the pool still lacks. ``pool_only``: run nothing, read
+    the shards kept so far."""
     from echo2_bench.adversary_length_runs import honest_length
 
     kind = dtype if engine == "hf" else f"{engine}_{dtype}"
@@ -84,7 +85,7 @@ def study_length_honest(
             f"--length-shard {shard}: the {kind} shard {shard} was run already (its draws would repeat)"
         )
     left = completions - sum(int(s["completions"]) for s in have)
-    if left > 0:
+    if left > 0 and not pool_only:
         commit, path = _commit(), out / SHARDS / f"{kind}_{shard}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
 

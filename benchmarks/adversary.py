@@ -660,6 +660,11 @@ def main() -> int:
     subprocess.run([sys.executable, "-m", "echo2.cli", "warmstart"], check=True, capture_output=True)
     path = a.out / "adversary.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def honest_shard(dtype: str, engine: str = "hf") -> dict[str, Any]:  # length_honest(_bf16)(_vllm)
+        return ls.study_length_honest(a.out, dtype, a.length_n, a.length, a.length_minutes, a.length_shard,
+                                      a.length_rows, engine, a.length_pool)  # fmt: skip
+
     run = {
         "attacks": lambda: study_attacks(a.out, a.trials),
         "tasks": lambda: study_tasks(a.out, a.trials, tuple(a.tasks)),
@@ -674,37 +679,9 @@ def main() -> int:
         "garbage": lambda: study_garbage(a.out),
         "perimeter": lambda: perimeter_study.run_study(a.out),  # echo2_bench/perimeter_study.py
         "preauth_cost": lambda: preauth_cost.run_cost(),  # echo2_bench/preauth_cost.py
-        "length_honest": lambda: ls.study_length_honest(
-            a.out,
-            "float32",
-            a.length_n,
-            a.length,
-            a.length_minutes,
-            a.length_shard,
-            a.length_rows,
-            pool_only=a.length_pool,
-        ),
-        "length_honest_bf16": lambda: ls.study_length_honest(
-            a.out,
-            "bfloat16",
-            a.length_n,
-            a.length,
-            a.length_minutes,
-            a.length_shard,
-            a.length_rows,
-            pool_only=a.length_pool,
-        ),
-        "length_honest_bf16_vllm": lambda: ls.study_length_honest(
-            a.out,
-            "bfloat16",
-            a.length_n,
-            a.length,
-            a.length_minutes,
-            a.length_shard,
-            a.length_rows,
-            "vllm",
-            a.length_pool,
-        ),
+        "length_honest": lambda: honest_shard("float32"),
+        "length_honest_bf16": lambda: honest_shard("bfloat16"),
+        "length_honest_bf16_vllm": lambda: honest_shard("bfloat16", "vllm"),
         "length_attacks": lambda: ls.study_length_attacks(
             a.out,
             a.length,

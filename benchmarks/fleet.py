@@ -967,13 +967,12 @@ def main() -> int:
         res.setdefault("restart", {})[a.label] = study_restart(a.ns, a.label, a.present, a.seeds, a.gather)
     else:
         from echo2_bench.slow_relay import study_slow
+        from echo2_bench.viewers import plot as plot_viewers
         from echo2_bench.viewers import study_viewers
 
         study = {**studies, "links": study_links, "slow": study_slow, "viewers": study_viewers}[a.study]
         res.setdefault(a.study, {})[a.label] = study(a.ns, a.label)
         if a.study == "viewers":
-            from echo2_bench.viewers import plot as plot_viewers
-
             plot_viewers(res["viewers"], a.out / "fleet_viewers.png")
     path.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, a.out / "fleet.png")

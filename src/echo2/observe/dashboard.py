@@ -51,9 +51,7 @@ class StatusSource(Protocol):
     staleness_counts: list[int]  # steps by their max staleness 0..S
     staleness_sum: int  # sum of every step's max staleness
 
-    def state(self) -> dict[str, Any]: ...
-
-    async def state_sliced(self) -> dict[str, Any]: ...  # the same, the event loop free between slices
+    async def state_sliced(self) -> dict[str, Any]: ...  # its state(), the event loop free between slices
 
 
 def needs_token(host: str) -> bool:
@@ -71,6 +69,7 @@ class Taken:
     staleness_counts: tuple[int, ...]
     staleness_sum: int
     build: int
+    at: float  # the snapshot clock's reading when it was begun
 
 
 class Snapshot:
@@ -84,7 +83,6 @@ class Snapshot:
         self, status: StatusSource, max_age_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.status, self.max_age_s, self.clock = status, max_age_s, clock
-        self.taken_at: float | None = None
         self.builds = 0  # snapshots taken (the test and the benchmark read it)
         self.expositions = 0  # expositions written
         self._taken: Taken | None = None
@@ -93,8 +91,7 @@ class Snapshot:
 
     async def get(self) -> Taken:
         now = self.clock()
-        fresh = self._taken is not None and self.taken_at is not None and now - self.taken_at < self.max_age_s
-        if fresh and self._taken is not None:
+        if self._taken is not None and now - self._taken.at < self.max_age_s:
             return self._taken
         if self._taking is None:
             self._taking = _shared(self._take(now))
@@ -111,8 +108,8 @@ class Snapshot:
                 tuple(self.status.staleness_counts),
                 self.status.staleness_sum,
                 self.builds,
+                now,
             )
-            self.taken_at = now
             return self._taken
         finally:
             self._taking = None
@@ -233,7 +230,7 @@ def _counter(p: Prom, value: Any) -> Any:
     return c
 
 
-def _learner_metrics(st: dict[str, Any], status: Taken) -> Iterator[Any]:
+def _learner_metrics(st: dict[str, Any], taken: Taken) -> Iterator[Any]:
     ln = st["learner"]
     yield _gauge(catalog.LEARNER_VERSION.exported, ln["version"])
     yield _gauge(catalog.LEARNER_STEP_WALL_S.exported, ln["step_s"])
@@ -245,11 +242,11 @@ def _learner_metrics(st: dict[str, Any], status: Taken) -> Iterator[Any]:
         idle.add_metric([cause], s)
     yield idle
     buckets, cum = [], 0
-    for le, n in enumerate(status.staleness_counts):
+    for le, n in enumerate(taken.staleness_counts):
         cum += n
         buckets.append((str(le), cum))
     buckets.append(("+Inf", cum))
-    yield _family(catalog.STORE_STALENESS_MAX.exported, buckets=buckets, sum_value=status.staleness_sum)
+    yield _family(catalog.STORE_STALENESS_MAX.exported, buckets=buckets, sum_value=taken.staleness_sum)
 
 
 def _store_metrics(st: dict[str, Any]) -> Iterator[Any]:

@@ -4,6 +4,7 @@ every shard counted once, a shard never run twice, the first readings adopted as
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,29 @@ def test_a_shard_is_never_run_twice_and_the_first_reading_is_shard_0(tmp_path: P
     (tmp_path / ls.SHARDS / "float32_3.json").write_text(json.dumps(_shard(3, 1, [0.0])))
     with pytest.raises(SystemExit, match="run already"):
         ls.study_length_honest(tmp_path, "float32", 10_000, 256, 1.0, shard=3)
+
+
+def test_the_attacks_study_renices_the_local_workers_and_not_the_learner():
+    """``attacks_run``'s workers stand for machines of their own: a child running ``... worker`` of the
+    given parent, every one of its threads, goes to the workers' niceness; a child that is not a worker
+    (the learner's grading process, say) keeps its own."""
+    import os
+    import subprocess
+    import sys
+
+    from echo2_bench.adversary_length_runs import renice_workers
+
+    sleep = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    worker = subprocess.Popen([sys.executable, "-c", sleep, "worker"])
+    other = subprocess.Popen([sys.executable, "-c", sleep, "grading"])
+    try:
+        time.sleep(0.5)  # both threads started
+        target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)  # lower than this test's own priority
+        assert renice_workers(os.getpid(), target, wait_s=5) == [worker.pid]
+        tasks = list(Path(f"/proc/{worker.pid}/task").iterdir())
+        assert len(tasks) == 2 and {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks} == {target}
+        assert os.getpriority(os.PRIO_PROCESS, other.pid) == os.getpriority(os.PRIO_PROCESS, os.getpid())
+    finally:
+        for p in (worker, other):
+            p.kill()
+            p.wait()

@@ -17,6 +17,10 @@ length) answering sums as math questions.
   ``WORKER_NICE``, so the learner's checker (its own thread at ``security.check_nice``) is not starved
   by generation that, in a real run, uses other machines' cores (added after the first two readings,
   whose checks waited 14-40 minutes behind two generating processes at niceness 0; targets unchanged).
+  For the same reason the learner's held-out evaluation at step 0 (greedy, at the learner's own
+  niceness) reads 8 problems, not 256: 256 answers of 256 tokens on two cores took the first minutes of
+  every earlier reading, its checks waiting behind them (this learner never updates, so it never
+  evaluates again).
 """
 
 from __future__ import annotations
@@ -185,8 +189,8 @@ def attacks_run(out: Path, length: int, plan: dict[str, tuple[int, int]], flood_
         run_dir, f"model.path={str(model_dir)!r}", "task.name=math", f"task.train_path={str(data)!r}",
         f"sampling.max_new_tokens={length}", "sampling.top_p=1.0", "batch.group_size=4",
         "batch.prompts=4096", "runtime.lease_prompts=1", "runtime.workers=1", "train.eval_every=1000000",
-        "security.max_identities=5000", "security.max_workers=500", "runtime.lease_ttl_s=600",
-        minutes=600,
+        "train.eval_size=8", "security.max_identities=5000", "security.max_workers=500",
+        "runtime.lease_ttl_s=600", minutes=600,
     )  # fmt: skip
     try:
         info = wait_ready(run_dir, proc, timeout=1200)

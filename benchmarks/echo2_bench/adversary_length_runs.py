@@ -20,7 +20,10 @@ length) answering sums as math questions.
   For the same reason the learner's held-out evaluation at step 0 (greedy, at the learner's own
   niceness) reads 8 problems, not 256: 256 answers of 256 tokens on two cores took the first minutes of
   every earlier reading, its checks waiting behind them (this learner never updates, so it never
-  evaluates again).
+  evaluates again). And every process computes on one thread (``train.threads = 1``, which the workers'
+  settings carry, the attackers' too): three computing processes on two cores, with torch's default of
+  a team of two threads each, stalled at every operation's barrier whenever a core was taken (the
+  attacker's 4 completions took 240-276 s against the honest worker's 13 s).
 """
 
 from __future__ import annotations
@@ -189,7 +192,7 @@ def attacks_run(out: Path, length: int, plan: dict[str, tuple[int, int]], flood_
         run_dir, f"model.path={str(model_dir)!r}", "task.name=math", f"task.train_path={str(data)!r}",
         f"sampling.max_new_tokens={length}", "sampling.top_p=1.0", "batch.group_size=4",
         "batch.prompts=4096", "runtime.lease_prompts=1", "runtime.workers=1", "train.eval_every=1000000",
-        "train.eval_size=8", "security.max_identities=5000", "security.max_workers=500",
+        "train.eval_size=8", "train.threads=1", "security.max_identities=5000", "security.max_workers=500",
         "runtime.lease_ttl_s=600", minutes=600,
     )  # fmt: skip
     try:

@@ -603,3 +603,34 @@ def test_every_byte_serving_route_is_bounded_per_token_across_identities(tmp_pat
     assert 3500 < got[3][2] <= 3600  # a whole copy at 1 an hour
     assert [g[:2] for g in got[4:]] == [(200, "ok")] * 3 + [(429, "over_budget")]
     assert stats.rejected_by_reason == {"token_budget": 1, "over_budget": 1}
+
+
+def test_a_caught_identity_knocking_again_is_counted_every_time_and_logged_now_and_then(tmp_path, caplog):
+    """Before: every request with a quarantined credential wrote a WARNING (seen live: a caught attacker's
+    heartbeats, one line a second, for as long as it kept sending them). Its catch is logged once where
+    it happens; what it sends after is counted, each refusal (the perimeter's rate limit takes over once
+    its address's bucket is empty: a revoked credential vouches for nothing), and logged at most every
+    LOG_EVERY_S a reason."""
+    node = make_node(tmp_path)
+
+    async def body(client: TestClient) -> list[str]:
+        liar = await register(client, "liar")
+        (wid,) = [r.worker_id for r in node.registry]
+        node.registry.revoke(wid, "forged_generation: caught")
+        hb = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        out = []
+        for _ in range(30):
+            resp = await client.post("/v1/heartbeat", json=hb, headers=liar)
+            out.append(f"{resp.status} {(await resp.json())['error']}")
+        return out
+
+    with caplog.at_level("WARNING", logger="echo2.runtime.routes"):
+        got, stats = run(body, node)
+    assert set(got) <= {"403 quarantined", "429 rate_limited"} and got[0] == "403 quarantined"
+    assert stats.rejected_by_reason == {
+        "quarantined": got.count("403 quarantined"),
+        "rate_limited": got.count("429 rate_limited"),
+    }
+    assert got.count("403 quarantined") > 1  # more than one reached the route: the sampling is what is tested
+    lines = [r.getMessage() for r in caplog.records if r.name == "echo2.runtime.routes"]
+    assert len([m for m in lines if "quarantined" in m]) == 1, lines

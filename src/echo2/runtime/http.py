@@ -120,7 +120,11 @@ class Runner(web.AppRunner):
 
 BODY_HEADERS = ("content-type", "content-length")
 # refusals any stranger can repeat at will (counted in metrics; logged at most every LOG_EVERY_S each)
-FLOODABLE = frozenset({"rate_limited", "auth", "oversized", "token_budget", "bad_http", "malformed"})
+# (a caught or retired identity's credential too: its catch or retirement is logged once, where it happens,
+# and a liar that keeps knocking with it would otherwise write a line a request)
+FLOODABLE = frozenset(
+    {"rate_limited", "auth", "oversized", "token_budget", "bad_http", "malformed", "quarantined", "retired"}
+)
 LOG_EVERY_S = 10.0
 # what aiohttp's parser reads of a stranger's request head: its lines (a worker's requests send about 7
 # of under 100 bytes; the request line keeps aiohttp's 8190-byte limit)

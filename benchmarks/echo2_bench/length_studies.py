@@ -201,7 +201,9 @@ def study_length_attacks(
     if unknown:
         raise SystemExit(f"--length-kinds: unknown attacker(s) {unknown}; known: {list(PLAN)}")
     plan = {k: v for k, v in PLAN.items() if not kinds or k in kinds}
+    commit = _commit()  # the code that runs: stamped before it starts (the checkout may move meanwhile)
     got = attacks_run(out, length, plan, flood_width, minutes=minutes)
+    got["commit"] = commit
     got["kinds_asked"] = list(plan)
     got["minutes_budget"] = minutes
     got["kinds_read"] = [k for k, v in got["kinds"].items() if not v["cut_short"]]

@@ -101,8 +101,10 @@ from echo2_bench import perimeter_study, preauth_cost  # noqa: E402
 from echo2_bench.adversary_runs import CORES, ledger, start_run, stop, wait_ready  # noqa: E402
 from echo2_bench.record import on_record  # noqa: E402
 
-LENGTH_STUDIES = ("length_honest", "length_honest_bf16", "length_honest_bf16_vllm", "length_attacks",
-                  "stale_flood")  # fmt: skip
+# length_attacks last: it leaves this process at the workers' niceness and torch on one thread
+# (adversary_length_runs.attacks_run), which a study run after it in `--study all` would inherit
+LENGTH_STUDIES = ("length_honest", "length_honest_bf16", "length_honest_bf16_vllm", "stale_flood",
+                  "length_attacks")  # fmt: skip
 
 TARGET_QUARANTINE = 5  # submissions, median over trials
 TARGET_COST = 1.05

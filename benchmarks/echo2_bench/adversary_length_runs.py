@@ -209,18 +209,16 @@ def attacks_run(out: Path, length: int, plan: dict[str, tuple[int, int]], flood_
             **_score(run_dir, got)}  # fmt: skip
 
 
-def renice(pid: int, nice: int) -> int:
+def renice(pid: int, nice: int) -> None:
     """Every thread of process ``pid`` to niceness ``nice`` (never raised; Linux schedules each thread by
-    its own niceness, and one made later inherits its maker's): the threads changed."""
-    changed = 0
+    its own niceness, and one made later inherits its maker's). Not undone: ``attacks_run`` leaves this
+    process there."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             if os.getpriority(os.PRIO_PROCESS, int(task.name)) < nice:
                 os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
-                changed += 1
         except ProcessLookupError:
             continue  # a thread that ended meanwhile
-    return changed
 
 
 def renice_workers(learner: int, nice: int, wait_s: float = 120.0) -> list[int]:

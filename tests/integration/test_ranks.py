@@ -31,6 +31,9 @@ def _rank(rank: int, port: int, out: str) -> None:
         "share_of": ranks.share_of([[0], [1], [2]], pad=[]),
         "all_done": [ranks.all_done(torch.tensor([True, rank == 0])), ranks.all_done(torch.tensor([True]))],
     }
+    if ranks.leader:  # a stop on rank 0 while both ranks have rows running: both end at this step
+        ranks.halt.set()
+    got["halt"] = [ranks.all_done(torch.tensor([False])), ranks.halted]
     if ranks.leader:
         ranks.announce("update", [1, 2])
         ranks.last_announced -= 60.0  # as if it waited a whole timeout for workers
@@ -56,6 +59,7 @@ def test_two_ranks_agree_through_the_seam(tmp_path):
         assert got["any"] == [True, False]  # True on rank 1 alone is True on both
         assert got["gather"] == [{"rank": 0}, {"rank": 1}]
         assert got["all_done"] == [False, True]  # rank 1 has a row running: neither stops
+        assert got["halt"] == [True, True]  # rank 0's halt ends the generation on rank 1 too, cut short
     assert zero["share_of"] == [[0], [2]] and one["share_of"] == [[1], []]  # padded: as many passes
     # the keepalive is not an operation: the follower sees the two announced ones, then stops
     assert one["followed"] == [["update", [[1, 2]]], ["weights", ["bfloat16"]]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -35,8 +36,11 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def held_out(s: Any) -> str:
-    """The held-out line of a run summary, in the unit of its task's score."""
+    """The held-out line of a run summary, in the unit of its task's score (NaN: never scored, a stop
+    during the first evaluation)."""
     a, b, best = s.initial_accuracy, s.final_accuracy, s.best_accuracy
+    if math.isnan(a):
+        return "held-out score not read (stopped during the starting evaluation)"
     if s.score == "chips":  # poker: the mean chip change per hand, in big blinds
         return f"held-out mean return {a:+.3f} -> {b:+.3f} big blinds per hand (best {best:+.3f})"
     if s.score == "return":  # an environment's held-out score is its mean episodic return, not a share

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -73,6 +74,10 @@ class Ranks:
     local_rank: int = 0
     timeout_s: float = 600.0
     last_announced: float = field(default_factory=time.monotonic)
+    # a stop asked for while the ranks generate (rank 0's; set from another thread): the generation
+    # ends at its next step on every rank (:meth:`all_done`), which then says so in ``halted``
+    halt: threading.Event = field(default_factory=threading.Event)
+    halted: bool = False
 
     @classmethod
     def from_env(cls, device_type: str, timeout_s: float) -> Ranks:
@@ -135,13 +140,16 @@ class Ranks:
         return bool(t.item())
 
     def all_done(self, done_B: torch.Tensor) -> bool:
-        """Every row of every rank has ended (a sharded generation's stop: each forward is a collective,
-        so every rank takes the same number of steps)."""
-        if not self.sharded:
-            return bool(done_B.all())
-        flag = done_B.all().to(torch.int32).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        """Every row of every rank has ended, or a rank was told to :attr:`halt` (then :attr:`halted`
+        is set on every rank: the rows are cut short). A sharded generation's stop: each forward is a
+        collective, so every rank takes the same number of steps."""
+        ended, halt = bool(done_B.all()), self.halt.is_set()
+        if self.sharded:
+            flags = torch.tensor([not ended, halt], dtype=torch.int32, device=done_B.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            ended, halt = not flags[0].item(), bool(flags[1].item())
+        self.halted |= halt and not ended
+        return ended or halt
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (any picklable object), in rank order, on every rank."""

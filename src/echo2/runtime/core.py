@@ -136,7 +136,9 @@ class Plane:
 
     @collective
     def evaluate(self) -> EvalResult:
-        """The task's greedy held-out score, in the update's precision (this thread's autocast)."""
+        """The task's greedy held-out score, in the update's precision (this thread's autocast); cut
+        short when rank 0 is told to halt (``Ranks.halted`` says so after)."""
+        self.ranks.halted = False
         with self.trainer.autocast():
             return self.task.evaluate(self.policy.codec, self.engine, self.eval_prompts, self.bounds)
 
@@ -325,11 +327,13 @@ class LearnerCore:
         with self.turns.updating():
             return self.plane.lead(Plane.update, batch)
 
-    def evaluate(self) -> EvalResult:
+    def evaluate(self) -> EvalResult | None:
         """The task's greedy held-out score of the current weights, in the update's precision and in
         batches of at most ``learner.micro_batch_tokens`` tokens; the running readings follow it (the
-        first call sets the starting one)."""
+        first call sets the starting one). None when ``ranks.halt`` cut it short (a stop, ``loop.py``)."""
         ev = self.plane.lead(Plane.evaluate)
+        if self.ranks.halted:
+            return None
         if math.isnan(self.first_acc):
             self.first_acc = self.best_acc = ev.accuracy
         self.last_acc, self.best_acc = ev.accuracy, max(self.best_acc, ev.accuracy)

@@ -34,6 +34,7 @@ from echo2.types import Trajectory
 if TYPE_CHECKING:
     from echo2.data.store import TrajectoryStore
     from echo2.observe.bubble import BubbleMeter
+    from echo2.rollout.evaluate import EvalResult
     from echo2.runtime.core import LearnerCore
 
 log = logging.getLogger(__name__)
@@ -138,17 +139,31 @@ class LearnerLoop:
 
     async def start(self) -> None:
         """The starting checkpoint's held-out score: the record of step ``v`` at time 0."""
-        first = await asyncio.to_thread(self.core.evaluate)
-        log.info("version %d: held-out %s %.3f", self.version, self.core.task.score, first.accuracy)
-        self._record(
-            {
-                m.STEP.key: self.version,
-                m.TIME_S.key: 0.0,
-                m.LEARNER_VERSION.key: self.version,
-                m.REWARD_ACCURACY.key: first.accuracy,
-                m.REWARD_EVAL_UNPARSED.key: first.unparsed,
-            }
-        )
+        record = {m.STEP.key: self.version, m.TIME_S.key: 0.0, m.LEARNER_VERSION.key: self.version}
+        first = await self.evaluate()
+        if first is not None:
+            log.info("version %d: held-out %s %.3f", self.version, self.core.task.score, first.accuracy)
+            record.update({m.REWARD_ACCURACY.key: first.accuracy, m.REWARD_EVAL_UNPARSED.key: first.unparsed})
+        self._record(record)
+
+    async def evaluate(self) -> EvalResult | None:
+        """The held-out evaluation (``Core.evaluate``, on a thread); a stop asked for meanwhile (or
+        before) cuts it short at its next generation step on every rank, instead of waiting for it
+        (minutes at long answers on a CPU): None then, logged, and no score recorded."""
+
+        async def halt_on_stop() -> None:
+            await self.stop.wait()
+            self.core.ranks.halt.set()
+
+        watcher = asyncio.ensure_future(halt_on_stop())
+        try:
+            ev = await asyncio.to_thread(self.core.evaluate)
+        finally:
+            watcher.cancel()
+            self.core.ranks.halt.clear()
+        if ev is None:
+            log.info("version %d: held-out evaluation stopped before its end (no score)", self.version)
+        return ev
 
     async def main_loop(self) -> None:
         """Wait for a batch (the bubble), update, then the feed / evaluate / checkpoint / log."""
@@ -227,8 +242,9 @@ class LearnerLoop:
         await self.feed.after_update(v, self.t_trains, self.meter)
         if self.steps % cfg.train.eval_every == 0 or self._done():
             with self.meter.idle("eval"):
-                ev = await asyncio.to_thread(self.core.evaluate)
-            record.update({m.REWARD_ACCURACY.key: ev.accuracy, m.REWARD_EVAL_UNPARSED.key: ev.unparsed})
+                ev = await self.evaluate()
+            if ev is not None:
+                record.update({m.REWARD_ACCURACY.key: ev.accuracy, m.REWARD_EVAL_UNPARSED.key: ev.unparsed})
         if v % cfg.train.checkpoint_every == 0:
             with self.meter.idle("checkpoint"):
                 saved = await asyncio.to_thread(self._checkpoint, f"step_{v:06d}")

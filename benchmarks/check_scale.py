@@ -32,11 +32,15 @@ re-run per checked submission, ``check_chunk_tokens = 64``. Targets (fixed here,
    the readings of 2.3x and 1.55x as declared, the learner fixes glibc's mmap threshold itself
    (``learner.malloc_mmap_threshold``); the children do what the learner's process does, the rule is
    unchanged and the earlier readings stay in the results file.
+4. ``--study noise``: the seeded sampling noise, blocked and in place, against the formula computed
+   whole (the code before), alone and inside the check and a sampled generation; its targets are in
+   ``echo2_bench/noise_study.py``, fixed there before its first run.
 
 Writes results/check_scale.json.
 
     python benchmarks/check_scale.py                 # every study (about 10 minutes here)
     python benchmarks/check_scale.py --study memory
+    python benchmarks/check_scale.py --study noise
     python benchmarks/check_scale.py --smoke         # a tiny shape, seconds (CI)
 """
 
@@ -286,7 +290,7 @@ def study_step(shape: dict[str, int], completion: int, pairs: int) -> dict[str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=["latency", "step", "memory", "all"], default="all")
+    p.add_argument("--study", choices=["latency", "step", "memory", "noise", "all"], default="all")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and a few submissions (CI)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--child-memory", nargs=2, help=argparse.SUPPRESS)
@@ -298,13 +302,22 @@ def main() -> int:
     shape, name = (SHAPE_SMOKE, "smoke") if a.smoke else (MID, "mid")
     completion = 64 if a.smoke else 512
     result: dict[str, Any] = {"shape": shape, "completion_tokens": completion, "samples": SAMPLES}
-    studies = ["latency", "step", "memory"] if a.study == "all" else [a.study]
+    studies = ["latency", "step", "memory", "noise"] if a.study == "all" else [a.study]
     for s in studies:
         t0 = time.perf_counter()
         if s == "latency":
             result[s] = study_latency(shape, completion, 8 if a.smoke else LATENCY_N)
         elif s == "step":
             result[s] = study_step(shape, completion, 1 if a.smoke else STEP_PAIRS)
+        elif s == "noise":
+            from echo2_bench import noise_study
+
+            result[s] = {
+                "noise_alone": noise_study.noise_alone(1, (4099,)) if a.smoke else noise_study.noise_alone(),
+                "what_it_buys": noise_study.what_it_buys(
+                    _setup, _check_once, shape, completion, 1 if a.smoke else 3
+                ),
+            }
         else:
             result[s] = study_memory(name)
         result[s]["wall_s"] = time.perf_counter() - t0

@@ -40,6 +40,7 @@ _U_SCALE = 1.0 / (1 << _BITS)
 GUMBEL_MIN = -math.log(-math.log(0.5 * _U_SCALE))  # noise of the smallest uniform, ~ -2.81
 GUMBEL_MAX = -math.log(-math.log1p(-0.5 * _U_SCALE))  # noise of the largest uniform, ~ 16.64
 CPU_BLOCK = 1 << 18  # values of noise computed at once on a CPU (2 MiB of int64 hash state)
+DEVICE_BLOCK = 1 << 24  # on an accelerator: few launches, and at most 256 MiB of hash state besides the noise
 LOGPROB_SLACK = 1.0  # nats below the bound still accepted: a bf16 engine's log-probs are off by ~0.2
 
 
@@ -77,16 +78,18 @@ def gumbel_noise(seed: int, rows: torch.Tensor, step: int | torch.Tensor, vocab:
     tensor of one step per row: the learner takes every step of one row in one call.
 
     Computed in place, block by block (on a CPU, blocks of :data:`CPU_BLOCK` values, which stay in the
-    cache through the hash's passes; elsewhere, one block): the bits do not depend on the blocks. At a
-    Qwen3 vocabulary this is the difference between ~0.5 s and ~0.05 s a step for 64 rows on two cores
-    (``tests/unit/test_verify_generation.py`` holds it to the plain formula, bit for bit)."""
+    cache through the hash's passes; elsewhere :data:`DEVICE_BLOCK`, so that a vLLM step of hundreds of
+    rows at a 152k vocabulary holds two blocks of hash state, not two ``[rows, V]`` int64 tensors beside
+    the engine's reserved memory): the bits do not depend on the blocks. At a Qwen3 vocabulary, 0.05 s
+    a step for 64 rows on two cores where the formula computed whole took 0.49 s (``check_scale.py
+    --study noise``); ``tests/unit/test_verify_generation.py`` holds it to the formula, bit for bit."""
     if seed < 0:
         raise ValueError(f"seed: {seed} must be >= 0")
     dev = rows.device
     key_B1 = _key(seed, rows, step)[:, None]
     tokens_1V = ((torch.arange(vocab, dtype=torch.int64, device=dev) * _STRIDE) & _MASK)[None, :]
     noise_BV = torch.empty((len(key_B1), vocab), dtype=torch.float32, device=dev)
-    block = CPU_BLOCK if dev.type == "cpu" else max(1, noise_BV.numel())
+    block = CPU_BLOCK if dev.type == "cpu" else DEVICE_BLOCK
     cols = max(1, min(vocab, block))
     per = max(1, block // cols)  # whole rows a block when a row fits in one
     x = torch.empty((min(per, len(key_B1)), cols), dtype=torch.int64, device=dev)

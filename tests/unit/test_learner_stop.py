@@ -66,3 +66,15 @@ def test_a_stop_during_the_held_out_evaluation_cuts_it_short(user_checkpoint, tm
         assert cut < len(steps) / 4, (cut, len(steps))  # the whole one ran on: the stop cut the first
     finally:
         core.run_dir.close()
+
+
+def test_a_run_stopped_during_its_first_evaluation_says_its_score_was_not_read():
+    from echo2.cli.run import held_out
+
+    def summary(a: float, b: float, score: str = "accuracy") -> SimpleNamespace:
+        return SimpleNamespace(initial_accuracy=a, final_accuracy=b, best_accuracy=max(a, b), score=score)
+
+    assert held_out(summary(0.25, 0.5)) == "held-out accuracy 25.0% -> 50.0% (best 50.0%)"
+    assert held_out(summary(math.nan, math.nan)) == (
+        "held-out score not read (stopped during the starting evaluation)"
+    )  # not "nan% -> nan%"

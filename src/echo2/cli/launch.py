@@ -76,10 +76,14 @@ def _run(args: argparse.Namespace) -> int:
     )
     with ProgressView(cfg.train, "echo2 launch ray", not (args.no_progress or args.quiet)) as view:
         summary: dict[str, Any] = RayLaunch(cfg, opts).run(on_record=view.update)
-    nan = float("nan")
+
+    def score(key: str) -> str:  # null: never read (a stop during the first evaluation)
+        v = summary.get(key)
+        return "n/a" if v is None else f"{v:.3f}"
+
     print(
         f"\necho2 launch ray: {summary.get('steps')} learner steps (version {summary.get('version')}); "
-        f"held-out {summary.get('initial_accuracy', nan):.3f} -> {summary.get('final_accuracy', nan):.3f}; "
+        f"held-out {score('initial_accuracy')} -> {score('final_accuracy')}; "
         f"max staleness {summary.get('staleness_max')}\nrun directory: {summary.get('run_dir')}"
     )
     return 0

@@ -328,5 +328,8 @@ class LearnerLoop:
             "kappa": self.cfg.staleness.effective_kappa,
             **self.feed.summary(),
         }
-        core.run_dir.write_summary({**asdict(summary), **extra})
+        scored = {
+            k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(summary).items()
+        }
+        core.run_dir.write_summary({**scored, **extra})  # a score never read is null, not NaN
         return summary

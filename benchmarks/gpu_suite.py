@@ -15,7 +15,9 @@ stops and reports what it read so far; a section that fails is recorded and the 
 section whose input another did not make is skipped, saying so). The parent stops the whole suite at
 ``TOTAL_S`` (7 minutes) whatever happens:
 
-- **preflight**: versions; the device; the bf16 matmul peak measured on it.
+- **preflight**: versions; the device; the bf16 matmul peak measured on it; the seeded sampling noise
+  of a 256-row step at the learner's vocabulary on the device (blocked and as the formula computed
+  whole) and its agreement with the CPU's.
 - **learner**: the learner (``GRPOTrainer``, bf16-mixed: fp32 masters, grads and AdamW, bf16 autocast)
   at the Qwen3-1.7B shape, R = 256 rows of 64-token prompts and 512-token completions, at 16,384- and
   8,192-token micro-batches: step time (median of 2 after a warm-up), tokens/s, MFU = 6 x params x

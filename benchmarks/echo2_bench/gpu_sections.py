@@ -145,7 +145,32 @@ def preflight(ctx: Ctx) -> dict[str, Any]:
         out["matmul_bf16_flops"] = best
         del a, b, c
     out["measured_bf16_flops"] = ctx.state["measured_bf16_flops"] = max(best.values())
+    out["noise"] = _noise_on_device(ctx)
     return out
+
+
+def _noise_on_device(ctx: Ctx) -> dict[str, Any]:
+    """The seeded sampling noise of one step of a vLLM-sized batch (256 rows at the learner's
+    vocabulary; smoke: 8) on the device: seconds blocked (``gumbel_noise``) and as the formula computed
+    whole (``noise_study.plain``), and its agreement with this machine's CPU, the same function there (the
+    draw is a protocol: the bits are integer hashing, only the final logs may differ by an ulp)."""
+    import torch
+
+    from echo2.rollout.sampling import gumbel_noise
+    from echo2_bench.noise_study import plain
+
+    rows, vocab = (256, ctx.plan.learner["vocab"]) if ctx.cuda else (8, 4099)
+    device_rows = torch.arange(rows, device=ctx.plan.device)
+    gumbel_noise(9, device_rows, 0, vocab)  # warm-up
+    blocked_s, got = timed(ctx, lambda: gumbel_noise(9, device_rows, 3, vocab))
+    plain_s, whole = timed(ctx, lambda: plain(9, device_rows, 3, vocab))
+    cpu = gumbel_noise(9, torch.arange(rows), 3, vocab)
+    diff = (got.cpu() - cpu).abs()
+    return {
+        "rows": rows, "vocab": vocab, "blocked_s": blocked_s, "plain_s": plain_s,
+        "bit_identical_to_plain": bool(torch.equal(got, whole)),
+        "equal_to_cpu_share": float((diff == 0).float().mean()), "max_abs_diff_to_cpu": float(diff.max()),
+    }  # fmt: skip
 
 
 def _device_name(ctx: Ctx) -> str:

@@ -89,6 +89,8 @@ def test_every_section_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
     assert not bad, bad
     r = {k: v["result"] for k, v in sections.items()}
     assert r["preflight"]["measured_bf16_flops"] > 0 and r["preflight"]["transformers"]
+    noise = r["preflight"]["noise"]  # on the CPU the device is this machine: the same bits
+    assert noise["bit_identical_to_plain"] and noise["equal_to_cpu_share"] == 1.0, noise
     assert [run["micro_batch_tokens"] for run in r["learner"]["runs"]] == [256, 128]
     assert all(run["tokens_per_s"] > 0 and run["model_gib"] > 0 for run in r["learner"]["runs"])
     pub = r["publication"]

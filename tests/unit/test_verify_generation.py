@@ -64,6 +64,19 @@ def test_the_noise_computed_in_blocks_is_the_plain_formula_bit_for_bit(monkeypat
     assert gumbel_noise(11, rows[:0], 3, vocab).shape == (0, vocab)
 
 
+def test_the_draw_is_pinned():
+    """The noise is a protocol between workers and the learner of any version: its 23-bit uniforms for a
+    fixed (seed, rows, step), pinned. A change to the hash (or to how its blocks are cut) that moves them
+    would have every honest worker of another release quarantined."""
+    pinned = [  # seed 2**40 + 7, step 3, rows 0, 1 and 5, tokens 0-5
+        [7514665, 5029701, 459591, 3726935, 4669774, 1907748],
+        [3809744, 5175438, 2821811, 7585002, 1597261, 220304],
+        [5048832, 4731446, 1086715, 7457951, 7874515, 7850509],
+    ]
+    u = (torch.tensor(pinned, dtype=torch.float32) + 0.5) / 2**23
+    assert torch.equal(gumbel_noise(2**40 + 7, torch.tensor([0, 1, 5]), 3, 6), -torch.log(-torch.log(u)))
+
+
 def test_gumbel_max_draws_from_the_tempered_nucleus_distribution():
     """20,000 seeded draws over a 5-token distribution: frequencies within 4 standard errors of the
     probabilities; tokens outside the top-p nucleus are never drawn."""

@@ -106,8 +106,18 @@ def streams(
     on_connect: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any], limit: int = 1 << 22
 ) -> asyncio.StreamReaderProtocol:
     """The protocol ``asyncio.start_server`` makes for each connection (a reader buffering at most
-    ``limit`` bytes, and ``on_connect(reader, writer)`` as its task): a :meth:`Perimeter.serve` factory."""
-    return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=limit), on_connect)
+    ``limit`` bytes, and ``on_connect(reader, writer)`` as its task): a :meth:`Perimeter.serve` factory.
+    A connection's task cancelled (the process stopping while a peer is connected) ends quietly: on
+    Python 3.11 asyncio logs a cancelled connection task as an ERROR with a traceback (CPython
+    gh-113538, fixed in 3.12), which a stop of the learner with a worker connected printed."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await on_connect(reader, writer)
+        except asyncio.CancelledError:
+            writer.close()
+
+    return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=limit), handle)
 
 
 @dataclass

@@ -250,3 +250,32 @@ def test_tls_clients_that_send_a_request_and_close_at_once_leave_no_traceback(
     assert p.counters.accepted == 600
     assert not failures, [str(f.get("exception")) for f in failures[:3]]
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text[:500]
+
+
+def test_a_connection_cancelled_by_a_stop_ends_without_an_error_logged():
+    """A process stopping while a peer is connected cancels that connection's task; on Python 3.11
+    asyncio then logged 'Exception in callback ... CancelledError' with a traceback (seen on a learner
+    stopped with a worker connected to its broadcast port). Through ``streams`` it ends quietly."""
+    errors: list[dict[str, Any]] = []
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: errors.append(ctx))
+        waiting = asyncio.Event()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            waiting.set()
+            await reader.readline()  # a peer that sends nothing: waits until cancelled
+
+        server = await Perimeter("test", limits()).serve(lambda: streams(on_connect), "127.0.0.1", 0, None)
+        conn = await dial(server.sockets[0].getsockname()[1], "127.0.0.1")
+        await asyncio.wait_for(waiting.wait(), 5)
+        handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in handlers:
+            t.cancel()  # what asyncio.run does to the tasks left when the process stops
+        await asyncio.sleep(0.1)
+        assert handlers and all(t.done() for t in handlers)
+        conn[1].close()
+        server.close()
+
+    asyncio.run(run())
+    assert errors == [], [e.get("message") for e in errors]

@@ -36,15 +36,6 @@ def test_gumbel_noise_is_a_function_of_seed_row_step_token_alone():
         gumbel_noise(-1, torch.tensor([0]), 0, 4)
 
 
-def _plain_noise(seed, rows, step, vocab):
-    """The noise as the module's docstring states it, the whole ``[rows, vocab]`` at once."""
-    from echo2.rollout import sampling as s
-
-    tokens_V = (torch.arange(vocab, dtype=torch.int64) * s._STRIDE) & s._MASK
-    bits = s._mix(s._key(seed, rows, step)[:, None] ^ tokens_V[None, :]) >> (32 - s._BITS)
-    return -torch.log(-torch.log((bits.to(torch.float32) + 0.5) * s._U_SCALE))
-
-
 @pytest.mark.parametrize("block", [None, 1000, 64])
 @pytest.mark.parametrize("vocab", [50, 4099, 151_936])
 def test_the_noise_computed_in_blocks_is_the_plain_formula_bit_for_bit(monkeypatch, block, vocab):
@@ -52,14 +43,15 @@ def test_the_noise_computed_in_blocks_is_the_plain_formula_bit_for_bit(monkeypat
     shape): the same bits as the formula computed whole. The draw is a protocol: a worker and the
     learner must agree whichever way each computes it."""
     from echo2.rollout import sampling
+    from echo2_bench.noise_study import plain  # the formula computed whole (the code before the blocks)
 
     if block is not None:
         monkeypatch.setattr(sampling, "CPU_BLOCK", block)
     rows, steps = torch.arange(7), torch.arange(5, 12)
-    assert torch.equal(gumbel_noise(11, rows, 3, vocab), _plain_noise(11, rows, 3, vocab))
+    assert torch.equal(gumbel_noise(11, rows, 3, vocab), plain(11, rows, 3, vocab))
     one_row = torch.full((7,), 2)
     assert torch.equal(
-        gumbel_noise(2**40 + 5, one_row, steps, vocab), _plain_noise(2**40 + 5, one_row, steps, vocab)
+        gumbel_noise(2**40 + 5, one_row, steps, vocab), plain(2**40 + 5, one_row, steps, vocab)
     )
     assert gumbel_noise(11, rows[:0], 3, vocab).shape == (0, vocab)
 

@@ -251,7 +251,25 @@ class VerifiersTaskConfig(_SingleTurnFields):
         0.1, gt=0.0, lt=1.0, description="share of the tasks held out as the validation split (warm start)"
     )
     grade_threads: int = Field(
-        4, ge=1, description="a submission's completions scored at once (each on its own event loop)"
+        4,
+        ge=1,
+        le=256,
+        description="a submission's completions scored at once (each on its own event loop; a judged task "
+        "waits on its judge: more threads, more calls in flight)",
+    )
+    judges: Literal["refuse", "learner"] = Field(
+        "refuse",
+        description="a task's plugged judges (an LLM judge at an OpenAI-compatible endpoint, in the task "
+        "config's judges): 'refuse' the taskset at load, or 'learner': the learner calls every judge for "
+        "every completion it scores (the endpoint and its key's variable are the taskset's; a worker never "
+        "calls a judge, nor holds its key)",
+    )
+    score_timeout_s: float = Field(
+        120.0,
+        gt=0.0,
+        le=3600.0,
+        description="one completion's scoring (its rewards and judge calls) at most: past it the completion "
+        "scores 0, counted as an error",
     )
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from echo2.errors import ConfigError
 
 RUNTIME_HOOKS = ("setup", "finalize", "stage_verifier")  # Task methods that prepare state in a runtime
+SCORE_TIMEOUT_S = 120.0  # one trace's scoring at most, unless the task's config says otherwise
 T = TypeVar("T")
 
 
@@ -109,10 +110,11 @@ def config_type(cls: type, base: type, origin: type | None = None) -> type:
     return concrete_type(cls, base, origin=origin) or base
 
 
-def unscorable(task: Any, taskset: Any) -> list[str]:
+def unscorable(task: Any, taskset: Any, judges: bool = False) -> list[str]:
     """What of ``task`` the learner cannot score from a trace alone, one phrase each: a reward, metric or
-    judge that needs a runtime, judges (a judge model is a network call the learner does not make), tool
-    servers, a container, hooks that prepare state in a runtime, or no reward at all."""
+    judge that needs a runtime, judges unless ``judges`` (a judge model is a network call the learner
+    makes only when the run says so), tool servers, a container, hooks that prepare state in a runtime,
+    or no reward at all."""
     v = vf()
     why = []
 
@@ -122,8 +124,13 @@ def unscorable(task: Any, taskset: Any) -> list[str]:
 
     for kind in ("reward", "metric"):
         why += [f"{kind} {fn.__name__!r} needs a runtime" for fn in task.hooks(kind) if needs_runtime(fn)]
-    judges = task.plugged_judges()
-    why += [f"judge {j.reward_name!r} calls a judge model" for j in judges]
+    plugged = task.plugged_judges()
+    for j in plugged:
+        if needs_runtime(j.score):
+            why.append(f"judge {j.reward_name!r} needs a runtime")
+        elif not judges:
+            model = f"{j.config.model} at {j.config.base_url}"
+            why.append(f"judge {j.reward_name!r} calls a judge model ({model})")
     if getattr(type(task), "NEEDS_CONTAINER", False):
         why.append("it needs a container (NEEDS_CONTAINER)")
     if type(task).toolsets(task.config) or type(taskset).toolsets(taskset.config):
@@ -131,7 +138,7 @@ def unscorable(task: Any, taskset: Any) -> list[str]:
     for hook in RUNTIME_HOOKS:
         if getattr(type(task), hook) is not getattr(v.Task, hook):
             why.append(f"it overrides {hook}() (state prepared in a runtime)")
-    if not task.hooks("reward") and not judges:
+    if not task.hooks("reward") and not plugged:
         why.append("it has no @reward function")
     return why
 
@@ -155,12 +162,21 @@ def append(trace: Any, message: Any, sampled: bool) -> None:
     trace.nodes.append(vf().MessageNode(message=message, parent=parent, sampled=sampled))
 
 
-async def score(task: Any, trace: Any) -> float:
-    """The task's reward of the finished ``trace`` (every ``@reward`` without a runtime, scored here, on
-    top of what the environment recorded on it): ``trace.reward``; NaN when a reward function did not
-    run."""
+async def score(task: Any, trace: Any, timeout_s: float = SCORE_TIMEOUT_S) -> float:
+    """The task's reward of the finished ``trace`` (every ``@reward`` without a runtime and every plugged
+    judge, scored here, on top of what the environment recorded on it): ``trace.reward``; NaN when a
+    reward function did not run. A scoring that has not returned after ``timeout_s`` (a judge endpoint
+    that hangs: verifiers' own client waits without a read timeout) is cancelled and raises
+    :class:`TimeoutError`; a reward's synchronous code is not interrupted (only its awaits are)."""
     trace.is_completed = trace.ok = True
-    await task.score(trace)
+    bound = asyncio.timeout(timeout_s)
+    try:
+        async with bound:
+            await task.score(trace)
+    except TimeoutError:
+        if not bound.expired():
+            raise  # the reward's own
+        raise TimeoutError(f"scoring did not return within {timeout_s:g} s") from None
     if any(r is None for r in trace.rewards.values()):
         return math.nan
     return float(trace.reward)

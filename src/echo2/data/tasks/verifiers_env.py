@@ -17,12 +17,23 @@ the prompt id (the task's ``key``); ``Prompt.answer`` holds that key only.
 messages and the completion as the one sampled assistant message, and runs ``Task.score`` on it without
 a runtime; the reward is ``trace.reward`` (the weighted sum of the reward functions). A worker's claimed
 reward is never read (the verifier replaces it, ``tasks/verify.py``), and workers need no verifiers at all.
-A scoring that raises, or a reward that is not finite, scores 0 and is counted
-(``reward/outcomes/error``); ``scored`` counts the rest.
+A scoring that raises, one that has not returned after ``task.score_timeout_s`` (cancelled), or a
+reward that is not finite, scores 0 and is counted (``reward/outcomes/error``); ``scored`` counts the rest.
+
+**Judges.** A task's plugged judges (``TaskConfig.judges``: an LLM judge at an OpenAI-compatible endpoint,
+e.g. verifiers' ``reference`` or ``rubric``) are network calls: with ``task.judges = "learner"`` the
+learner makes them, for every completion it scores, with the endpoint, model and key variable the
+taskset's config names (the key is read from the learner's environment; nothing of it goes to a worker).
+verifiers' client waits on a judge without a read timeout: ``task.score_timeout_s`` bounds it. A judge
+that fails (unreachable, no verdict) scores its completion 0, counted (watch ``reward/outcomes/error``):
+a group scored all 0 by a judge outage has no advantage, so it trains nothing but its KL term
+(``grpo.drop_zero_variance`` leaves it out), while a single failed call among good ones is a wrong 0 in
+its group. Judge calls are slow next to a local reward: ``task.grade_threads`` is how many run at once
+per submission.
 
 **What is refused.** A task the learner cannot score by itself on the trace alone, at load time, with a
-line naming what: a reward, metric or judge that needs a runtime, judges (a judge model is a network call
-the learner does not make), tool servers (``toolsets``), a container (``NEEDS_CONTAINER``), and
+line naming what: a reward, metric or judge that needs a runtime, plugged judges unless ``task.judges =
+"learner"``, tool servers (``toolsets``), a container (``NEEDS_CONTAINER``), and
 ``setup`` / ``finalize`` / ``stage_verifier`` hooks (they prepare state in a runtime). Multi-turn
 environments, tools and a worker-side harness are not built: this adapter is single-turn.
 
@@ -73,11 +84,16 @@ class VerifiersTask(FileSplitsAccess):
         taskset = load_taskset(cfg.env, cfg.env_args)
         tasks = []
         for task in taskset.take(cfg.limit):
-            why = unscorable(task, taskset)
+            why = unscorable(task, taskset, judges=cfg.judges == "learner")
             if why:
+                hint = (
+                    ' (set task.judges = "learner" to have the learner call its judges)'
+                    if any("calls a judge model" in w for w in why)
+                    else ""
+                )
                 raise ConfigError(
                     f"task.env = {cfg.env!r}: task {task.key[:12]} ({type(task).__name__}) cannot be scored "
-                    f"on the learner: {'; '.join(why)}. echo2 scores every reward itself; this adapter "
+                    f"on the learner: {'; '.join(why)}{hint}. echo2 scores every reward itself; this adapter "
                     "takes single-turn tasks whose rewards read the task data and the trace"
                 )
             tasks.append(task)
@@ -159,7 +175,8 @@ class VerifiersTask(FileSplitsAccess):
         each scoring runs on its own event loop)."""
         task = self._task(prompt)
         try:
-            reward = run_async(self._score(task, self._messages[prompt.prompt_id], completion))
+            messages = self._messages[prompt.prompt_id]
+            reward = run_async(self._score(task, messages, completion, self.cfg.score_timeout_s))
             why = "" if math.isfinite(reward) else f"a reward that is not finite ({reward})"
         except Exception as exc:  # the user's reward code: a failure is its completion's 0, counted
             reward, why = math.nan, f"{type(exc).__name__}: {exc}"
@@ -174,9 +191,9 @@ class VerifiersTask(FileSplitsAccess):
         return Grade(0.0 if why else reward, not why)
 
     @staticmethod
-    async def _score(task: Any, messages: Sequence[Any], completion: str) -> float:
+    async def _score(task: Any, messages: Sequence[Any], completion: str, timeout_s: float) -> float:
         turns = [(m, False) for m in messages] + [(vf().AssistantMessage(content=completion), True)]
-        return await score(task, new_trace(task, turns))
+        return await score(task, new_trace(task, turns), timeout_s)
 
     def outcome_counts(self) -> dict[str, int]:
         with self._counts_lock:

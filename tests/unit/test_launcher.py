@@ -85,3 +85,25 @@ def test_each_engine_setting_has_one_name_from_the_config_to_the_engine():
     assert got == want
     plain = worker_command("http://127.0.0.1:9", "local-0", load_config())  # the defaults, end to end
     assert engine_options(build_parser().parse_args(plain[3:])) == EngineOptions()
+
+
+def test_stop_tells_every_worker_to_leave_at_once_and_kills_at_one_deadline(tmp_path):
+    """After the learner ends, the workers get SIGTERM together (one leaves at once, exit 0) and one that
+    does not leave is killed when the one shared grace runs out, not after a grace per worker."""
+    import time
+
+    leaves = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)"
+    stays = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    workers = LocalWorkers(load_config(overrides=[f"train.run_dir={str(tmp_path)!r}"]))
+    workers.procs = [subprocess.Popen([sys.executable, "-c", code]) for code in (stays, stays, leaves)]
+    try:
+        time.sleep(1.0)  # their handlers installed
+        t0 = time.monotonic()
+        codes = workers.stop(grace_s=2.0)
+        took = time.monotonic() - t0
+        assert codes == [-9, -9, 0]
+        assert 1.9 <= took < 3.5, took  # one deadline: two stubborn workers do not take two graces
+    finally:
+        for p in workers.procs:
+            if p.poll() is None:
+                p.kill()

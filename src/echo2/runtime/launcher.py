@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from echo2.config import Config
@@ -75,19 +76,22 @@ class LocalWorkers:
             codes = [p.returncode for p in self.procs]
             raise Echo2Error(f"all {len(self.procs)} local workers exited (codes {codes}); see {self.logs}")
 
-    def stop(self, grace_s: float = 10.0) -> list[int | None]:
-        """Wait for the workers to leave on their own (the learner told them), then terminate."""
+    def stop(self, grace_s: float = 15.0) -> list[int | None]:
+        """The learner has ended: every worker still running is told to leave at once (SIGTERM: a worker
+        lands nothing more, ends the generation in hand and leaves the broadcast, exit 0; one already
+        past its event loop, leaving on its own, ends with -SIGTERM), and those still running after
+        ``grace_s`` (one deadline for all, not one each) are killed. Their exit codes."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         codes: list[int | None] = []
         for p in self.procs:
             try:
-                codes.append(p.wait(timeout=grace_s))
+                codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    codes.append(p.wait(timeout=5))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    codes.append(p.wait())
+                p.kill()
+                codes.append(p.wait())
         return codes
 
 
@@ -113,7 +117,7 @@ def run_local(cfg: Config, progress: bool = True, resume: bool = False) -> Learn
             summary = asyncio.run(main(learner))
     finally:
         codes = workers.stop()
-        if any(c not in (0, None) for c in codes):
+        if any(c not in (0, None, -signal.SIGTERM) for c in codes):  # -SIGTERM: it left when told
             log.warning("worker exit codes %s (logs in %s)", codes, workers.logs)
     plot_run(Path(summary.run_dir))
     return summary

@@ -123,10 +123,14 @@ def test_a_plugged_judge_is_refused_by_default_naming_the_switch(tmp_path: Path,
 
 
 def test_the_learner_calls_the_judge_with_its_own_key_and_the_verdict_is_the_reward(
-    tmp_path: Path, judge: str
+    tmp_path: Path, judge: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     task = _task(tmp_path, judge, judges="learner")
-    p = _prompt(task, 7)
+    with caplog.at_level("INFO", "echo2.data.tasks.verifiers_env"):
+        p = _prompt(task, 7)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("the learner calls judge 'reference' (judge-1 at http://127.0.0.1:" in m for m in said) == 1
+    assert not any("not set here" in m for m in said)  # its key is in the environment
     assert task.grade(p, "14").reward == 1.0
     assert task.grade(p, "15").reward == 0.0
     assert task.grade(p, "").reward == 0.0  # an empty reply: the judge is not asked
@@ -157,3 +161,13 @@ def test_a_judge_that_hangs_answers_nonsense_or_is_down_scores_zero_counted_with
     assert task.outcome_counts() == {"error": 1}
     assert took < 5.0, took  # the hang is cut at score_timeout_s, not verifiers' unbounded read
     assert len(Judge.calls) == (0 if mode == "down" else 1)
+
+
+def test_a_judge_without_a_key_here_is_warned_of_at_load(
+    tmp_path: Path, judge: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(KEY_VAR)
+    task = _task(tmp_path, judge, judges="learner")
+    task.splits()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and f"reads its key from ${KEY_VAR}, which is not set here" in said[0]

@@ -99,6 +99,7 @@ class VerifiersTask(FileSplitsAccess):
             tasks.append(task)
         if not tasks:
             raise DataError(f"task.env = {cfg.env!r}: the taskset has no tasks")
+        _say_judges(cfg.env, tasks)
         prompts = [self._prompt(task) for task in tasks]
         env = Path(cfg.env.rpartition(":")[0])
         return file_splits(
@@ -201,3 +202,26 @@ class VerifiersTask(FileSplitsAccess):
 
     def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
         return full_mask(completion_ids, meta)
+
+
+def _say_judges(env: str, tasks: Sequence[Any]) -> None:
+    """One line per distinct judge the learner will call (its model and endpoint), and a warning for one
+    with no key here (verifiers then sends "EMPTY": a local endpoint may need none, a hosted one refuses
+    every call, which would score every completion 0)."""
+    seen = set()
+    from verifiers.v1.configs.client import resolve_api_key
+
+    for task in tasks:
+        for c in task.config.judges:
+            key = (c.name or c.id, c.model, c.base_url, c.api_key_var)
+            if key in seen:
+                continue
+            seen.add(key)
+            log.info("task.env = %r: the learner calls judge %r (%s at %s) for every completion it scores",
+                     env, key[0], c.model, c.base_url)  # fmt: skip
+            if resolve_api_key(c) == "EMPTY":  # verifiers' own reading: the variable, or Prime's CLI config
+                log.warning(
+                    "judge %r of task.env = %r reads its key from $%s, which is not set here: its requests "
+                    "go without a key (a hosted endpoint refuses them: every completion would score 0)",
+                    key[0], env, c.api_key_var,
+                )  # fmt: skip

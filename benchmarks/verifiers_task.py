@@ -15,22 +15,32 @@ embedded model, for a few minutes. Runtime reading.
   re-ran submissions (`security/checked_submissions` > 0); 0 environment errors in the trained batches
   (`env/errors`). Writes results/verifiers_env_<ID>.json.
 
-Both: held-out accuracy (for an env, the mean reward of a greedy episode) is a reading: the gain is
+- `--judge`: the default run on the same sums graded by an LLM judge instead of an `@reward`
+  (`verifiers_example:load_judged_taskset`, verifiers' plugged `reference` judge, `task.judges = "learner"`),
+  the judge a stand-in served on loopback by this script (`echo2_bench/judge.py`: "yes" when the reply's
+  first integer is the sum; no model). Targets (fixed before the run): those of the default, plus the
+  judge called (> 0 calls), every call with the key the learner's environment holds. Writes
+  results/verifiers_judge.json.
+
+All: held-out accuracy (for an env, the mean reward of a greedy episode) is a reading: the gain is
 reported, with the step count, no threshold.
 
-    python benchmarks/verifiers_task.py [--minutes 4] [--env echo2-vf-probe|echo2-vf-adder]
+    python benchmarks/verifiers_task.py [--minutes 4] [--env echo2-vf-probe|echo2-vf-adder | --judge]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from default_run import last_record
+from echo2_bench.judge import LoopbackJudge
 
 ROOT = Path(__file__).resolve().parents[1]
 TEACHERS = {
@@ -60,18 +70,31 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=4.0, help="the run's training budget")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--env", choices=sorted(TEACHERS), help="a bundled multi-turn verifiers env instead")
+    p.add_argument("--judge", action="store_true", help="the sums graded by a judge on loopback instead")
     args = p.parse_args()
+    if args.judge and args.env:
+        p.error("--judge is a verifiers taskset's: not with --env")
     name = "verifiers_task" if args.env is None else f"verifiers_env_{args.env.replace('-', '_')}"
+    name = "verifiers_judge" if args.judge else name
     run_dir = args.out / f"{name}_runs" / "latest"
     task = ["--task", "verifiers"] if args.env is None else [
         "--task", "verifiers_env", "--set", f"task.env={args.env}",
         "--set", f"task.teacher={TEACHERS[args.env]}",
         *(x for kv in ENV_SETTINGS.get(args.env, ()) for x in ("--set", kv)),
     ]  # fmt: skip
+    judge, key = LoopbackJudge() if args.judge else None, secrets.token_hex(8)
+    if judge is not None:
+        task += ["--set", "task.env=echo2.data.tasks.verifiers_example:load_judged_taskset",
+                 "--set", f'task.env_args={{judge_url = "{judge.url}", judge_key_var = "ECHO2_JUDGE_KEY"}}',
+                 "--set", "task.judges=learner", "--set", "task.grade_threads=16"]  # fmt: skip
     cmd = [sys.executable, "-m", "echo2.cli", "run", *task, "--run-dir", str(run_dir),
            "--no-progress", "--set", f"train.max_minutes={args.minutes}"]  # fmt: skip
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ECHO2_JUDGE_KEY": key})
+    finally:
+        if judge is not None:
+            judge.close()
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         print(res.stderr[-3000:], file=sys.stderr)
@@ -90,6 +113,14 @@ def main() -> int:
             "every_trained_completion_scored_on_the_learner": outcomes.get("scored", 0) >= admitted > 0,
             "no_scoring_error": outcomes.get("error", 0) == 0,
             "checks_ran_and_passed": checked > 0 and rejected == 0,
+            **(
+                {
+                    "judge_called": len(judge.calls) > 0,
+                    "every_call_with_the_learners_key": {c["auth"] for c in judge.calls} == {f"Bearer {key}"},
+                }
+                if judge is not None
+                else {}
+            ),
         }
         if args.env is None
         else {
@@ -101,7 +132,9 @@ def main() -> int:
     )
     out = {
         "command": f"python benchmarks/verifiers_task.py --minutes {args.minutes:g}"
-        + (f" --env {args.env}" if args.env else ""),
+        + (f" --env {args.env}" if args.env else "")
+        + (" --judge" if args.judge else ""),
+        **({"judge_calls": len(judge.calls)} if judge is not None else {}),
         "source": "runtime (echo2 run: learner + 2 worker processes, this machine)",
         "wall_s": round(wall, 1),
         "steps": s["steps"],

@@ -4,6 +4,10 @@ an ``@reward`` function that reads the task's gold answer (the default of ``task
 knows echo2.
 
     load_taskset(n=4000, max_value=99, seed=0)
+
+``load_judged_taskset(judge_url, ...)``: the same sums with no reward of their own, graded by a plugged
+reference judge (verifiers' ``reference``: an LLM judge at an OpenAI-compatible endpoint, asked whether
+the reply matches the answer), for ``task.judges = "learner"``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import re
 from collections.abc import Iterator
 
 import verifiers.v1 as vf
+from verifiers.v1.judges import ReferenceJudgeConfig
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -35,15 +40,55 @@ class SumsConfig(vf.TasksetConfig):
     seed: int = 0
 
 
+def _sums(c: SumsConfig) -> Iterator[SumData]:
+    pairs = [(a, b) for a in range(c.max_value + 1) for b in range(c.max_value + 1)]
+    random.Random(c.seed).shuffle(pairs)
+    for a, b in pairs[: c.n]:
+        yield SumData(prompt=f"{a}+{b}=", answer=str(a + b))
+
+
 class SumTaskset(vf.Taskset[SumTask, SumsConfig]):
     def load(self) -> Iterator[SumTask]:
-        c = self.config
-        pairs = [(a, b) for a in range(c.max_value + 1) for b in range(c.max_value + 1)]
-        random.Random(c.seed).shuffle(pairs)
-        for a, b in pairs[: c.n]:
-            yield SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b)), c.task)
+        for data in _sums(self.config):
+            yield SumTask(data, self.config.task)
 
 
 def load_taskset(n: int = 4000, max_value: int = 99, seed: int = 0) -> SumTaskset:
     """The taskset of ``n`` distinct sums of operands up to ``max_value``."""
     return SumTaskset(SumsConfig(n=n, max_value=max_value, seed=seed))
+
+
+class JudgedSumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
+    """A sum with no ``@reward``: its task config plugs the judge."""
+
+
+class JudgedSumsConfig(SumsConfig):
+    judge_url: str = ""  # the judge's OpenAI-compatible endpoint (".../v1")
+    judge_model: str = "judge"
+    judge_key_var: str = "ECHO2_JUDGE_KEY"  # the environment variable holding its key
+
+
+class JudgedSumTaskset(vf.Taskset[JudgedSumTask, JudgedSumsConfig]):
+    def load(self) -> Iterator[JudgedSumTask]:
+        c = self.config
+        judge = ReferenceJudgeConfig(base_url=c.judge_url, model=c.judge_model, api_key_var=c.judge_key_var)
+        task_config = vf.TaskConfig(judges=[judge])
+        for data in _sums(c):
+            yield JudgedSumTask(data, task_config)
+
+
+def load_judged_taskset(
+    judge_url: str, judge_model: str = "judge", judge_key_var: str = "ECHO2_JUDGE_KEY",
+    n: int = 4000, max_value: int = 99, seed: int = 0,
+) -> JudgedSumTaskset:  # fmt: skip
+    """The sums of :func:`load_taskset`, each graded by a reference judge at ``judge_url``."""
+    return JudgedSumTaskset(
+        JudgedSumsConfig(
+            n=n,
+            max_value=max_value,
+            seed=seed,
+            judge_url=judge_url,
+            judge_model=judge_model,
+            judge_key_var=judge_key_var,
+        )
+    )

@@ -64,7 +64,7 @@ def _prompts(task: Any) -> list[Any]:
 
 
 def study_capacity(n: int) -> dict[str, Any]:
-    from echo2.tasks.verify import grade_all
+    from echo2.data.tasks.base import grade_all
 
     out: dict[str, Any] = {"programs": n, "threads": {}}
     for threads in (1, 2):
@@ -127,7 +127,7 @@ def _nobody_processes() -> int:
 
 
 def study_hostile(window_s: float) -> dict[str, Any]:
-    from echo2.tasks.verify import grade_all
+    from echo2.data.tasks.base import grade_all
 
     task = _task()
     prompts = _prompts(task)

@@ -5,7 +5,8 @@ reference, else "no". What a real judge model would say of a sums task, without 
 ``benchmarks/verifiers_task.py --judge`` call it through verifiers' own judge client.
 
 ``mode``: "judge" (the verdict), "hang" (no answer for ``hang_s``), "nonsense" (neither label).
-``calls``: every request's Authorization header and body, in order.
+``delay_s``: each answer's latency (a hosted judge's is about a second). ``calls``: every request's
+Authorization header and body, in order; ``most_in_flight``: the most requests answered at once.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ def verdict(prompt: str) -> str:
     return "yes" if got is not None and got.group() == reference else "no"
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a hung answer never holds the close
+    request_queue_size = 1024  # a learner's burst of calls is queued, not refused (the default is 5)
+
+
 class LoopbackJudge:
     """The endpoint, served from a thread of this process until :meth:`close` (a context manager)."""
 
-    def __init__(self, mode: str = "judge", hang_s: float = 30.0) -> None:
-        self.mode, self.hang_s = mode, hang_s
+    def __init__(self, mode: str = "judge", hang_s: float = 30.0, delay_s: float = 0.0) -> None:
+        self.mode, self.hang_s, self.delay_s = mode, hang_s, delay_s
         self.calls: list[dict[str, Any]] = []
+        self.in_flight = self.most_in_flight = 0
         self._lock = threading.Lock()
         judge = self
 
@@ -42,9 +49,17 @@ class LoopbackJudge:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with judge._lock:
                     judge.calls.append({"auth": self.headers.get("Authorization"), "body": body})
-                if judge.mode == "hang":
-                    time.sleep(judge.hang_s)
-                    return
+                    judge.in_flight += 1
+                    judge.most_in_flight = max(judge.most_in_flight, judge.in_flight)
+                try:
+                    time.sleep(judge.hang_s if judge.mode == "hang" else judge.delay_s)
+                    if judge.mode != "hang":
+                        self._answer(body)
+                finally:
+                    with judge._lock:
+                        judge.in_flight -= 1
+
+            def _answer(self, body: dict[str, Any]) -> None:
                 said = "perhaps" if judge.mode == "nonsense" else verdict(body["messages"][-1]["content"])
                 reply = {
                     "id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
@@ -62,8 +77,7 @@ class LoopbackJudge:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), Handler)
         threading.Thread(target=self._server.serve_forever, name="loopback-judge", daemon=True).start()
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1"
 

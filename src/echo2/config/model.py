@@ -254,8 +254,8 @@ class VerifiersTaskConfig(_SingleTurnFields):
         4,
         ge=1,
         le=256,
-        description="a submission's completions scored at once (each on its own event loop; a judged task "
-        "waits on its judge: more threads, more calls in flight)",
+        description="completions scored at once (a submission's, an evaluation's: on one event loop; a "
+        "judged task waits on its judge, so this is how many judge calls are in flight)",
     )
     judges: Literal["refuse", "learner"] = Field(
         "refuse",

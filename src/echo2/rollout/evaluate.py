@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from echo2.data.tasks.base import Adapter
+from echo2.data.tasks.base import Adapter, grade_all
 from echo2.models.policy import TextCodec
 from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt
@@ -29,8 +29,8 @@ def evaluate_text(
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         samples = engine.generate([codec.encode(p) for p in chunk], seed=0, greedy=True)
-        for p, s in zip(chunk, samples, strict=True):
-            grade = task.grade(p, codec.decode_completion(s.completion_ids))
+        texts = [codec.decode_completion(s.completion_ids) for s in samples]
+        for grade in grade_all(task, list(zip(chunk, texts, strict=True))):  # at once where the task can
             rewards.append(grade.reward)
             unparsed += not grade.parsed
     n = len(rewards)

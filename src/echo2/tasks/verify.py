@@ -44,11 +44,10 @@ import json
 import math
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from echo2.data.submission import Rejected, Submission
-from echo2.data.tasks.base import Grade, ReadsAnAnswer
+from echo2.data.tasks.base import ReadsAnAnswer, grade_all
 from echo2.envs.base import EnvError
 from echo2.rollout.engines.base import EosIds, eos_tuple, first_eos
 from echo2.types import Prompt, Trajectory
@@ -62,16 +61,6 @@ if TYPE_CHECKING:
 REWARD_TOLERANCE = 1e-6  # a claimed reward this close to the recomputed one is the same reward
 # these quarantine: an honest worker cannot produce them
 EVIDENCE = frozenset({"reward_mismatch", "forged_generation", "episode_mismatch", "turn_mask"})
-
-
-def grade_all(task: Adapter, todo: list[tuple[Prompt, str]]) -> list[Grade]:
-    """``task``'s grade of every ``(prompt, completion)``, in order: on ``grade_threads`` threads at once
-    for a task that declares them (code: each grade a sandboxed process), else one by one."""
-    threads = min(len(todo), getattr(task, "grade_threads", 1))
-    if threads <= 1:
-        return [task.grade(p, text) for p, text in todo]
-    with ThreadPoolExecutor(threads, thread_name_prefix="echo2-grade") as pool:
-        return list(pool.map(lambda job: task.grade(*job), todo))
 
 
 class Verifier:

@@ -22,6 +22,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -39,6 +40,23 @@ class Grade:
 
     reward: float  # scalar r = R(x, y)
     parsed: bool  # False when no answer could be read from y (then reward is 0 and it is counted)
+
+
+def grade_all(task: Adapter, todo: Sequence[tuple[Prompt, str]]) -> list[Grade]:
+    """``task``'s grade of every ``(prompt, completion)``, in order, as fast as the task allows: its own
+    batch (``grade_many``: a task whose grades wait on something, e.g. a judge's replies, all in flight
+    at once), else on ``grade_threads`` threads for a task that declares them (code: each grade a
+    sandboxed process), else one by one. Every grade a learner makes of many completions (a submission's,
+    an evaluation's, a warm start's) goes through here."""
+    many = getattr(task, "grade_many", None)
+    if many is not None:
+        return list(many(todo))
+    grade = task.grade
+    threads = min(len(todo), getattr(task, "grade_threads", 1))
+    if threads <= 1:
+        return [grade(p, text) for p, text in todo]
+    with ThreadPoolExecutor(threads, thread_name_prefix="echo2-grade") as pool:
+        return list(pool.map(lambda job: grade(*job), todo))
 
 
 class Adapter(Protocol):

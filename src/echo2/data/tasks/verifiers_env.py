@@ -28,8 +28,8 @@ verifiers' client waits on a judge without a read timeout: ``task.score_timeout_
 that fails (unreachable, no verdict) scores its completion 0, counted (watch ``reward/outcomes/error``):
 a group scored all 0 by a judge outage has no advantage, so it trains nothing but its KL term
 (``grpo.drop_zero_variance`` leaves it out), while a single failed call among good ones is a wrong 0 in
-its group. Judge calls are slow next to a local reward: ``task.grade_threads`` is how many run at once
-per submission.
+its group. Judge calls are slow next to a local reward: ``task.grade_threads`` is how many are in flight
+at once for a submission or an evaluation (``grade_many``: one event loop).
 
 **What is refused.** A task the learner cannot score by itself on the trace alone, at load time, with a
 line naming what: a reward, metric or judge that needs a runtime, plugged judges unless ``task.judges =
@@ -42,6 +42,7 @@ The three splits are disjoint by task key (``file_splits``: a stable hash of the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -174,13 +175,31 @@ class VerifiersTask(FileSplitsAccess):
     def grade(self, prompt: Prompt, completion: str) -> Grade:
         """The task's reward of ``completion`` as its one sampled assistant turn, scored here (any thread:
         each scoring runs on its own event loop)."""
-        task = self._task(prompt)
-        try:
-            messages = self._messages[prompt.prompt_id]
-            reward = run_async(self._score(task, messages, completion, self.cfg.score_timeout_s))
-            why = "" if math.isfinite(reward) else f"a reward that is not finite ({reward})"
-        except Exception as exc:  # the user's reward code: a failure is its completion's 0, counted
-            reward, why = math.nan, f"{type(exc).__name__}: {exc}"
+        return self.grade_many([(prompt, completion)])[0]
+
+    def grade_many(self, todo: Sequence[tuple[Prompt, str]]) -> list[Grade]:
+        """:meth:`grade` of every ``(prompt, completion)``, in order, on one event loop with up to
+        ``task.grade_threads`` scorings in flight (a judged task waits on its judge: the calls overlap)."""
+        tasks = [self._task(p) for p, _ in todo]
+        return run_async(self._grades(tasks, todo))
+
+    async def _grades(self, tasks: Sequence[Any], todo: Sequence[tuple[Prompt, str]]) -> list[Grade]:
+        slots = asyncio.Semaphore(self.grade_threads)
+
+        async def one(task: Any, prompt: Prompt, completion: str) -> Grade:
+            async with slots:
+                try:
+                    messages = self._messages[prompt.prompt_id]
+                    reward = await self._score(task, messages, completion, self.cfg.score_timeout_s)
+                    why = "" if math.isfinite(reward) else f"a reward that is not finite ({reward})"
+                except Exception as exc:  # the user's reward code: a failure is its completion's 0, counted
+                    reward, why = math.nan, f"{type(exc).__name__}: {exc}"
+            self._count(prompt, why)
+            return Grade(0.0 if why else reward, not why)
+
+        return list(await asyncio.gather(*(one(t, p, c) for t, (p, c) in zip(tasks, todo, strict=True))))
+
+    def _count(self, prompt: Prompt, why: str) -> None:
         with self._counts_lock:
             self._counts["error" if why else "scored"] += 1
             if why and time.monotonic() - self._error_logged.get(why[:80], -math.inf) >= ERROR_LOG_EVERY_S:
@@ -189,7 +208,6 @@ class VerifiersTask(FileSplitsAccess):
                     "scoring a completion of task %s failed, scored 0 (%s); %d such so far",
                     prompt.prompt_id[:12], why[:300], self._counts["error"],
                 )  # fmt: skip
-        return Grade(0.0 if why else reward, not why)
 
     @staticmethod
     async def _score(task: Any, messages: Sequence[Any], completion: str, timeout_s: float) -> float:

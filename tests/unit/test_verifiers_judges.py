@@ -66,7 +66,7 @@ def test_the_learner_calls_the_judge_with_its_own_key_and_the_verdict_is_the_rew
     assert task.grade(p, str(right + 1)).reward == 0.0
     assert task.grade(p, "").reward == 0.0  # an empty reply: the judge is not asked
     assert task.outcome_counts() == {"scored": 3}
-    assert len(judge.calls) == 2
+    assert len(judge.calls) == 3  # the probe at load, then two
     assert {c["auth"] for c in judge.calls} == {"Bearer sk-the-learners-own"}
     assert all(c["body"]["model"] == "judge-1" for c in judge.calls)
     # the lease carries the question only: the reference answer is the learner's
@@ -74,24 +74,40 @@ def test_the_learner_calls_the_judge_with_its_own_key_and_the_verdict_is_the_rew
 
 
 @pytest.mark.parametrize("mode", ["hang", "nonsense", "down"])
-def test_a_judge_that_hangs_answers_nonsense_or_is_down_scores_zero_counted_within_the_bound(
-    judge: LoopbackJudge, mode: str
-) -> None:
+def test_a_judge_that_fails_at_load_stops_the_run_there_naming_it(judge: LoopbackJudge, mode: str) -> None:
     url = judge.url
     if mode == "down":  # a port nothing listens on
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     judge.mode = mode
-    task = _task(url, judges="learner", score_timeout_s=1.0)
-    p, right = _prompt(task)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="with its judges failed at load") as caught:
+        _task(url, judges="learner", score_timeout_s=1.0).splits()
+    assert time.monotonic() - t0 < 5.0  # a hang is cut at score_timeout_s
+    said = str(caught.value)
+    assert f"reference (judge-1 at {url}, key ${KEY_VAR})" in said
+    why = {"hang": "did not return within 1 s", "nonsense": "no yes/no verdict", "down": "Connection error"}
+    assert why[mode] in said, said
+
+
+@pytest.mark.parametrize("mode", ["hang", "nonsense", "down"])
+def test_a_judge_that_hangs_answers_nonsense_or_is_down_later_scores_zero_counted_within_the_bound(
+    judge: LoopbackJudge, mode: str
+) -> None:
+    task = _task(judge.url, judges="learner", score_timeout_s=1.0)
+    p, right = _prompt(task)  # loaded while the judge answers (its probe passed)
+    assert len(judge.calls) == 1 and task.outcome_counts() == {}  # the probe is not a scoring
+    if mode == "down":
+        judge.close()
+    judge.mode = mode
     t0 = time.monotonic()
     grade = task.grade(p, str(right))  # the right answer: only the judge's failure can score it 0
     took = time.monotonic() - t0
     assert grade.reward == 0.0 and not grade.parsed
     assert task.outcome_counts() == {"error": 1}
     assert took < 5.0, took  # the hang is cut at score_timeout_s, not verifiers' unbounded read
-    assert len(judge.calls) == (0 if mode == "down" else 1)
+    assert len(judge.calls) == (1 if mode == "down" else 2)
 
 
 def test_a_judge_without_a_key_here_is_warned_of_at_load(
@@ -130,6 +146,6 @@ def test_judge_calls_overlap_up_to_grade_threads_in_a_submission_and_an_evaluati
             else:
                 assert evaluate_text(codec, Engine(), task, prompts).n == 16  # type: ignore[arg-type]
             took = time.monotonic() - t0
-        assert task.outcome_counts() == {"scored": 16} and len(judge.calls) == 16, how
+        assert task.outcome_counts() == {"scored": 16} and len(judge.calls) == 1 + 16, how  # with the probe
         assert judge.most_in_flight == 8, (how, judge.most_in_flight)
         assert took < 2.4, (how, took)  # half the one-by-one time at the least

@@ -102,6 +102,7 @@ class VerifiersTask(FileSplitsAccess):
             raise DataError(f"task.env = {cfg.env!r}: the taskset has no tasks")
         _say_judges(cfg.env, tasks)
         prompts = [self._prompt(task) for task in tasks]
+        self._probe_judges(tasks[0])
         env = Path(cfg.env.rpartition(":")[0])
         return file_splits(
             prompts, None, lambda p: p.prompt_id, "verifiers",
@@ -151,6 +152,24 @@ class VerifiersTask(FileSplitsAccess):
             answer=key,
             meta={} if system is None else {"system": system},
         )
+
+    def _probe_judges(self, task: Any) -> None:
+        """One scoring of ``task`` at load when it has judges, its reference answer (or a word) as the
+        reply: a judge that cannot be reached, refuses the key, hangs past ``task.score_timeout_s`` or
+        answers no verdict stops the run here, naming it, rather than scoring every completion 0."""
+        if not task.config.judges:
+            return
+        field = self.cfg.reference_field
+        reply = str(getattr(task.data, field, None) or "probe") if field else "probe"
+        try:
+            run_async(self._score(task, self._messages[task.key], reply, self.cfg.score_timeout_s))
+        except Exception as exc:
+            names = ", ".join(f"{c.name or c.id} ({c.model} at {c.base_url}, key ${c.api_key_var})"
+                              for c in task.config.judges)  # fmt: skip
+            raise ConfigError(
+                f"task.env = {self.cfg.env!r}: scoring task {task.key[:12]} with its judges failed at load "
+                f"({type(exc).__name__}: {str(exc)[:300]}); check the judges: {names}"
+            ) from None
 
     def reference(self, prompt: Prompt) -> str:
         """The task data's ``reference_field`` as text (what the embedded model's warm start imitates)."""

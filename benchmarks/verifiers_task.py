@@ -19,8 +19,10 @@ embedded model, for a few minutes. Runtime reading.
   (`verifiers_example:load_judged_taskset`, verifiers' plugged `reference` judge, `task.judges = "learner"`),
   the judge a stand-in served on loopback by this script (`echo2_bench/judge.py`: "yes" when the reply's
   first integer is the sum; no model). Targets (fixed before the run): those of the default, plus the
-  judge called (> 0 calls), every call with the key the learner's environment holds. Writes
-  results/verifiers_judge.json.
+  judge called (> 0 calls), every call with the key the learner's environment holds. Before the run, a
+  reading (no target): the learner's CPU per scoring, judged against the plain `@reward` sums, 256
+  scorings at 16 in flight, 3 repeats, in this process (the grading thread's CPU time: the loopback
+  judge's own threads excluded). Writes results/verifiers_judge.json.
 
 All: held-out accuracy (for an env, the mean reward of a greedy episode) is a reading: the gain is
 reported, with the step count, no threshold.
@@ -65,6 +67,36 @@ def summed(run_dir: Path, prefix: str) -> dict[str, float]:
     return out
 
 
+def scoring_cpu_ms(judge_url: str, key_var: str, repeats: int = 3, n: int = 256) -> dict[str, float]:
+    """The grading thread's CPU milliseconds per scoring (median of ``repeats`` batches of ``n``), for the
+    plain sums (their ``@reward``) and the judged ones (a judge call each)."""
+    import statistics
+
+    from echo2.config import VerifiersTaskConfig
+    from echo2.data.tasks.base import grade_all
+    from echo2.data.tasks.verifiers_env import VerifiersTask
+
+    env = "echo2.data.tasks.verifiers_example:load_judged_taskset"
+    tasks = {
+        "plain": VerifiersTask(VerifiersTaskConfig(grade_threads=16)),
+        "judged": VerifiersTask(VerifiersTaskConfig(
+            env=env, env_args={"judge_url": judge_url, "judge_key_var": key_var},
+            judges="learner", grade_threads=16,
+        )),
+    }  # fmt: skip
+    out = {}
+    for name, task in tasks.items():
+        todo = [(p, "12") for p in task.splits()["train"][:n]]
+        grade_all(task, todo[:16])  # warm
+        per = []
+        for _ in range(repeats):
+            t0 = time.thread_time()  # grade_all scores on this thread's own event loop
+            grade_all(task, todo)
+            per.append((time.thread_time() - t0) / n * 1e3)
+        out[name] = round(statistics.median(per), 2)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=4.0, help="the run's training budget")
@@ -87,6 +119,11 @@ def main() -> int:
         task += ["--set", "task.env=echo2.data.tasks.verifiers_example:load_judged_taskset",
                  "--set", f'task.env_args={{judge_url = "{judge.url}", judge_key_var = "ECHO2_JUDGE_KEY"}}',
                  "--set", "task.judges=learner", "--set", "task.grade_threads=16"]  # fmt: skip
+    cpu_ms = None
+    if judge is not None:
+        os.environ["ECHO2_JUDGE_KEY"] = key
+        cpu_ms = scoring_cpu_ms(judge.url, "ECHO2_JUDGE_KEY")
+        judge.calls.clear()  # the run's calls from here
     cmd = [sys.executable, "-m", "echo2.cli", "run", *task, "--run-dir", str(run_dir),
            "--no-progress", "--set", f"train.max_minutes={args.minutes}"]  # fmt: skip
     t0 = time.perf_counter()
@@ -135,6 +172,14 @@ def main() -> int:
         + (f" --env {args.env}" if args.env else "")
         + (" --judge" if args.judge else ""),
         **({"judge_calls": len(judge.calls)} if judge is not None else {}),
+        **(
+            {
+                "learner_cpu_ms_per_scoring": cpu_ms,
+                "cpu_source": "in-process, the grading thread, this machine",
+            }
+            if cpu_ms is not None
+            else {}
+        ),
         "source": "runtime (echo2 run: learner + 2 worker processes, this machine)",
         "wall_s": round(wall, 1),
         "steps": s["steps"],

@@ -250,7 +250,11 @@ def test_an_image_in_the_prompt_is_refused_not_dropped(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "error"),
     [
-        ("no_colon", "expected 'package.module:name'"),
+        ("echo2_no_such_taskset", "is no installed verifiers taskset .*not found"),
+        (
+            "json",
+            "is no installed verifiers taskset .*exports no Taskset subclass",
+        ),  # a package, not a taskset
         ("echo2_no_such_module:x", "importing echo2_no_such_module failed"),
         ("echo2.data.tasks.verifiers_example:nothing", "has no 'nothing'"),
         ("missing.py:Set", "no file missing.py"),
@@ -269,6 +273,52 @@ def test_env_args_reach_the_function_and_bad_ones_are_named() -> None:
         load_taskset("echo2.data.tasks.verifiers_example:load_taskset", {"colour": "red"})
     with pytest.raises(ConfigError, match="building it failed"):  # a Taskset class: its config's fields
         load_taskset("echo2.data.tasks.verifiers_example:SumTaskset", {"n": "many"})
+
+
+def test_an_installed_taskset_package_is_named_by_its_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A taskset package (what `prime env install` or pip gives: its Taskset subclass in `__all__`) is
+    found by its id as verifiers finds it, `task.env_args` its config's fields."""
+    pkg = tmp_path / "echo2_test_squares"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            import verifiers.v1 as vf
+
+            __all__ = ["SquareTaskset"]
+
+
+            class QA(vf.TaskData):
+                answer: str
+
+
+            class Task(vf.Task[QA, vf.State, vf.TaskConfig]):
+                @vf.reward
+                async def exact(self, trace) -> float:
+                    return float(trace.last_reply == self.data.answer)
+
+
+            class SquaresConfig(vf.TasksetConfig):
+                n: int = 10
+
+
+            class SquareTaskset(vf.Taskset[Task, SquaresConfig]):
+                def load(self):
+                    for i in range(self.config.n):
+                        yield Task(QA(prompt=f"{i}^2=", answer=str(i * i)), self.config.task)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = _task("echo2-test-squares", env_args={"n": 30})  # dashes for underscores, as verifiers reads ids
+    prompts = _all(task)
+    assert len(prompts) == 30
+    p = next(p for p in prompts if p.text == "7^2=\n")
+    assert task.grade(p, "49").reward == 1.0 and task.grade(p, "48").reward == 0.0
+    with pytest.raises(ConfigError, match="'echo2_test_squares': building it failed"):
+        load_taskset("echo2_test_squares", {"n": "many"})
 
 
 def test_a_workers_reward_is_never_believed_every_completion_is_scored_here(tmp_path: Path) -> None:

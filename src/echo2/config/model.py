@@ -226,14 +226,14 @@ class VerifiersTaskConfig(_SingleTurnFields):
     env: str = Field(
         "echo2.data.tasks.verifiers_example:load_taskset",
         min_length=1,
-        description="the taskset (default: a bundled sums taskset): 'package.module:name' or "
-        "'path/to/file.py:name', name a Taskset class, a Taskset, or a function returning one (an Env's "
-        "taskset is taken)",
+        description="the taskset (default: a bundled sums taskset): an installed taskset package's id, or "
+        "'package.module:name' / 'path/to/file.py:name' naming a Taskset class, a Taskset, or a function "
+        "returning one (an Env's taskset is taken)",
     )
     env_args: dict[str, str | int | float | bool | None] = Field(
         default_factory=dict,
-        description="keyword arguments of that function, or the fields of the Taskset class's config "
-        "(they travel to workers with the run's settings: no secret belongs here)",
+        description="keyword arguments of that function, or the fields of the Taskset's config (a class or "
+        "an id) (they travel to workers with the run's settings: no secret belongs here)",
     )
     limit: int = Field(
         100_000, ge=1, description="tasks read from the taskset at most (an infinite one needs it)"

@@ -80,8 +80,26 @@ def load_object(spec: str, field: str = "task.env") -> Any:
 
 
 def load_taskset(spec: str, args: dict[str, Any]) -> Any:
-    """The ``vf.Taskset`` ``spec`` names (``data/tasks/verifiers_env.py``), built with ``args``."""
+    """The ``vf.Taskset`` ``spec`` names (``data/tasks/verifiers_env.py``), built with ``args``: an
+    installed taskset package's id (no ``:``; found and built as verifiers finds and builds it, ``args``
+    its config's fields), or what :func:`load_object` reads."""
     v = vf()
+    if ":" not in spec:
+        from verifiers.v1.utils.loaders import taskset_class, taskset_config_type
+
+        try:
+            cls = taskset_class(spec)
+        except Exception as exc:  # not installed, or not a taskset package: verifiers' own words
+            raise ConfigError(
+                f"task.env = {spec!r} is no installed verifiers taskset ({type(exc).__name__}: {exc}); "
+                "name one by its id, or 'package.module:name' / 'path/to/file.py:name'"
+            ) from None
+        try:
+            return cls(taskset_config_type(spec)(id=spec, **args))
+        except Exception as exc:  # its config refused args, or building it failed
+            raise ConfigError(
+                f"task.env = {spec!r}: building it failed ({type(exc).__name__}: {exc})"
+            ) from None
     obj: Any = load_object(spec)
     try:
         if inspect.isclass(obj) and issubclass(obj, v.Taskset):

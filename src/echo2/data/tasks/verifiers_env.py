@@ -193,7 +193,7 @@ class VerifiersTask(FileSplitsAccess):
     # ---- reward -------------------------------------------------------------------------------------
     def grade(self, prompt: Prompt, completion: str) -> Grade:
         """The task's reward of ``completion`` as its one sampled assistant turn, scored here (any thread:
-        each scoring runs on its own event loop)."""
+        on an event loop of its own)."""
         return self.grade_many([(prompt, completion)])[0]
 
     def grade_many(self, todo: Sequence[tuple[Prompt, str]]) -> list[Grade]:

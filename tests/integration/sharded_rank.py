@@ -13,6 +13,7 @@ CPU mesh (gloo):
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -106,4 +107,10 @@ def _trajectory(t: dict) -> Trajectory:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))  # an error: its traceback and exit 1, as ever
+    # every result written and the group destroyed: leave without the interpreter's teardown, where one
+    # of torch's C++ threads now and then aborts the process ("terminate called without an active
+    # exception", SIGABRT), which made a passing rank read as failed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

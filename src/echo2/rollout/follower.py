@@ -238,6 +238,9 @@ class WeightFollower:
                             f"{manifest.lineage.model_base[:16] or '(none: whole weights)'}, this worker "
                             f"holds {self.model_base[:16] or 'none'}"
                         )
+                # adapters before any base (a late joiner's broadcast): a gap the chain over HTTP fills
+                if self.base is not None and self.base.held is None and no_base(links):
+                    return False
                 staged = self.chain.stage(links)
                 if staged is None:
                     return False
@@ -334,3 +337,8 @@ def _report_failure(task: asyncio.Future[None]) -> None:
     """A gap's fetch that failed is logged (the next delivery or catch-up tries again)."""
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.warning("fetching a missed link over HTTP failed: %s", exc)
+
+
+def no_base(links: Sequence[tuple[Manifest, Blob]]) -> bool:
+    """Whether none of ``links`` carries a LoRA run's base (a ``base`` anchor)."""
+    return all(m.kind != "base" for m, _ in links)

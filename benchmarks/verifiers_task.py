@@ -23,11 +23,17 @@ embedded model, for a few minutes. Runtime reading.
   reading (no target): the learner's CPU per scoring, judged against the plain `@reward` sums, 256
   scorings at 16 in flight, 3 repeats, in this process (the grading thread's CPU time: the loopback
   judge's own threads excluded). Writes results/verifiers_judge.json.
+- `--env echo2-vf-probe --judge`: the probe env whose tasks plug the same reference judge (asked whether
+  the last guess is the hidden number; `verifiers_example:load_judged_probe`, `task.judges = "learner"`):
+  workers play and claim the reward without the judge, the learner's replay checks it and adds the
+  judge's verdict. Targets (fixed before the run): those of `--env`, plus the judge called, every call
+  with the learner's key, episodes judged on the learner (`reward/outcomes/judged` > 0) and none failed
+  (`reward/outcomes/judge_error` = 0). Writes results/verifiers_env_echo2_vf_probe_judge.json.
 
 All: held-out accuracy (for an env, the mean reward of a greedy episode) is a reading: the gain is
 reported, with the step count, no threshold.
 
-    python benchmarks/verifiers_task.py [--minutes 4] [--env echo2-vf-probe|echo2-vf-adder | --judge]
+    python benchmarks/verifiers_task.py [--minutes 4] [--env echo2-vf-probe|echo2-vf-adder] [--judge]
 """
 
 from __future__ import annotations
@@ -102,12 +108,16 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=4.0, help="the run's training budget")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--env", choices=sorted(TEACHERS), help="a bundled multi-turn verifiers env instead")
-    p.add_argument("--judge", action="store_true", help="the sums graded by a judge on loopback instead")
+    p.add_argument(
+        "--judge",
+        action="store_true",
+        help="graded by a judge on loopback (the sums, or the probe env's episodes)",
+    )
     args = p.parse_args()
-    if args.judge and args.env:
-        p.error("--judge is a verifiers taskset's: not with --env")
+    if args.judge and args.env not in (None, "echo2-vf-probe"):
+        p.error("--judge grades the sums, or with --env echo2-vf-probe the probe's episodes")
     name = "verifiers_task" if args.env is None else f"verifiers_env_{args.env.replace('-', '_')}"
-    name = "verifiers_judge" if args.judge else name
+    name = f"{name.replace('_task', '')}_judge" if args.judge else name
     run_dir = args.out / f"{name}_runs" / "latest"
     task = ["--task", "verifiers"] if args.env is None else [
         "--task", "verifiers_env", "--set", f"task.env={args.env}",
@@ -116,11 +126,14 @@ def main() -> int:
     ]  # fmt: skip
     judge, key = LoopbackJudge() if args.judge else None, secrets.token_hex(8)
     if judge is not None:
-        task += ["--set", "task.env=echo2.data.tasks.verifiers_example:load_judged_taskset",
-                 "--set", f'task.env_args={{judge_url = "{judge.url}", judge_key_var = "ECHO2_JUDGE_KEY"}}',
+        judged = "load_judged_taskset" if args.env is None else "load_judged_probe"
+        n = "" if args.env is None else ", n = 2048"
+        env_args = f'{{judge_url = "{judge.url}", judge_key_var = "ECHO2_JUDGE_KEY"{n}}}'
+        task += ["--set", f"task.env=echo2.data.tasks.verifiers_example:{judged}",
+                 "--set", f"task.env_args={env_args}",
                  "--set", "task.judges=learner", "--set", "task.grade_threads=16"]  # fmt: skip
     cpu_ms = None
-    if judge is not None:
+    if judge is not None and args.env is None:
         os.environ["ECHO2_JUDGE_KEY"] = key
         cpu_ms = scoring_cpu_ms(judge.url, "ECHO2_JUDGE_KEY")
         judge.calls.clear()  # the run's calls from here
@@ -144,20 +157,22 @@ def main() -> int:
     checked = last_record(run_dir, "security/checked_submissions") or 0
     rejected = last_record(run_dir, "store/rejected") or 0
     env_errors = summed(run_dir, "env/").get("errors", 0)
+    judged_ok = outcomes.get("judged", 0) > 0 and outcomes.get("judge_error", 0) == 0
+    judge_met = (
+        {
+            "judge_called": len(judge.calls) > 0,
+            "every_call_with_the_learners_key": {c["auth"] for c in judge.calls} == {f"Bearer {key}"},
+        }
+        if judge is not None
+        else {}
+    )
     met = (
         {
             "exit_0": True,
             "every_trained_completion_scored_on_the_learner": outcomes.get("scored", 0) >= admitted > 0,
             "no_scoring_error": outcomes.get("error", 0) == 0,
             "checks_ran_and_passed": checked > 0 and rejected == 0,
-            **(
-                {
-                    "judge_called": len(judge.calls) > 0,
-                    "every_call_with_the_learners_key": {c["auth"] for c in judge.calls} == {f"Bearer {key}"},
-                }
-                if judge is not None
-                else {}
-            ),
+            **judge_met,
         }
         if args.env is None
         else {
@@ -165,6 +180,7 @@ def main() -> int:
             "episodes_admitted_every_replay_agreed": admitted > 0 and rejected == 0,
             "checks_ran": checked > 0,
             "no_environment_error": env_errors == 0,
+            **({**judge_met, "episodes_judged_none_failed": judged_ok} if judge is not None else {}),
         }
     )
     out = {

@@ -155,3 +155,17 @@ def _registered_worker(settings):
 def registered_worker():
     """``registered_worker(settings) -> RolloutWorker`` registered with ``settings``, no learner."""
     return _registered_worker
+
+
+JUDGE_KEY_VAR = "ECHO2_TEST_JUDGE_KEY"  # the variable a test's judged tasks name for the judge's key
+
+
+@pytest.fixture
+def judge(monkeypatch):
+    """An LLM judge stand-in served on loopback (``echo2_bench/judge.py``), its key in this process's
+    environment as ``$ECHO2_TEST_JUDGE_KEY`` (the learner's side)."""
+    from echo2_bench.judge import LoopbackJudge
+
+    monkeypatch.setenv(JUDGE_KEY_VAR, "sk-the-learners-own")
+    with LoopbackJudge() as j:
+        yield j

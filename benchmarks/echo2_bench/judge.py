@@ -4,7 +4,8 @@ reference answer and the response in that order) with "yes" when the response's 
 reference, else "no". What a real judge model would say of a sums task, without a model: the tests and
 ``benchmarks/verifiers_task.py --judge`` call it through verifiers' own judge client.
 
-``mode``: "judge" (the verdict), "hang" (no answer for ``hang_s``), "nonsense" (neither label).
+``mode``: "judge" (the verdict), "approve" ("yes" to everything), "hang" (no answer for ``hang_s``),
+"nonsense" (neither label).
 ``delay_s``: each answer's latency (a hosted judge's is about a second). ``calls``: every request's
 Authorization header and body, in order; ``most_in_flight``: the most requests answered at once.
 """
@@ -60,7 +61,8 @@ class LoopbackJudge:
                         judge.in_flight -= 1
 
             def _answer(self, body: dict[str, Any]) -> None:
-                said = "perhaps" if judge.mode == "nonsense" else verdict(body["messages"][-1]["content"])
+                said = {"nonsense": "perhaps", "approve": "yes"}.get(judge.mode)
+                said = said or verdict(body["messages"][-1]["content"])
                 reply = {
                     "id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": "stop",

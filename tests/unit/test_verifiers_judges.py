@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,14 +19,7 @@ from echo2.errors import ConfigError
 from echo2.types import Prompt
 from echo2_bench.judge import LoopbackJudge
 
-KEY_VAR = "ECHO2_TEST_JUDGE_KEY"
-
-
-@pytest.fixture
-def judge(monkeypatch: pytest.MonkeyPatch) -> Iterator[LoopbackJudge]:
-    monkeypatch.setenv(KEY_VAR, "sk-the-learners-own")
-    with LoopbackJudge() as j:
-        yield j
+KEY_VAR = "ECHO2_TEST_JUDGE_KEY"  # the conftest judge fixture sets it
 
 
 def _task(url: str, **fields: Any) -> VerifiersTask:
@@ -57,7 +49,7 @@ def test_the_learner_calls_the_judge_with_its_own_key_and_the_verdict_is_the_rew
     judge: LoopbackJudge, caplog: pytest.LogCaptureFixture
 ) -> None:
     task = _task(judge.url, judges="learner")
-    with caplog.at_level("INFO", "echo2.data.tasks.verifiers_env"):
+    with caplog.at_level("INFO", "echo2.envs.verifiers_load"):
         p, right = _prompt(task)
     said = [r.getMessage() for r in caplog.records]
     assert sum("the learner calls judge 'reference' (judge-1 at http://127.0.0.1:" in m for m in said) == 1

@@ -16,6 +16,7 @@ from echo2.envs.base import EnvironmentFields
 from echo2.envs.guess import GuessTaskConfig as GuessTaskConfig  # re-exported: the name predates envs/
 from echo2.envs.poker_task import PokerTaskConfig as PokerTaskConfig  # re-exported: the name predates envs/
 from echo2.envs.roster import ENVIRONMENTS
+from echo2.envs.verifiers_load import SCORE_TIMEOUT_S, Judges, ScoreTimeout
 
 
 class EmbeddedModelConfig(_Section):
@@ -257,20 +258,8 @@ class VerifiersTaskConfig(_SingleTurnFields):
         description="completions scored at once (a submission's, an evaluation's: on one event loop; a "
         "judged task waits on its judge, so this is how many judge calls are in flight)",
     )
-    judges: Literal["refuse", "learner"] = Field(
-        "refuse",
-        description="a task's plugged judges (an LLM judge at an OpenAI-compatible endpoint, in the task "
-        "config's judges): 'refuse' the taskset at load, or 'learner': the learner calls every judge for "
-        "every completion it scores (the endpoint and its key's variable are the taskset's; a worker never "
-        "calls a judge, nor holds its key)",
-    )
-    score_timeout_s: float = Field(
-        120.0,
-        gt=0.0,
-        le=3600.0,
-        description="one completion's scoring (its rewards and judge calls) at most: past it the completion "
-        "scores 0, counted as an error",
-    )
+    judges: Judges = "refuse"
+    score_timeout_s: ScoreTimeout = SCORE_TIMEOUT_S
 
     @model_validator(mode="after")
     def _check(self) -> VerifiersTaskConfig:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from echo2.data.tasks.environment import EnvSpec
 
@@ -160,6 +160,18 @@ class EnvKnobs:
     def episodes(self) -> int | None:
         """How many distinct episodes there are (seeds ``0..episodes-1``), or None: any 31-bit seed."""
         return None
+
+    def ready_judges(self) -> None:
+        """On the learner, before it scores an episode: get the environment's judges ready (none here)."""
+
+    def judged(self, envs: Sequence[TextEnv]) -> list[float | None]:
+        """Each finished episode's whole reward as the learner's judges score it, None where the
+        environment has none (here: none)."""
+        return [None] * len(envs)
+
+    def outcome_counts(self) -> dict[str, int]:
+        """The learner's scorings of this environment's episodes so far, by outcome (here: none)."""
+        return {}
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,14 @@ policy's whole text for the turn (the ``null`` harness's chat loop); an agent pi
 whose parts are text). After ``max_turns`` replies the next ``turn()`` comes back ``terminated``, as a
 verifiers turn limit does, so ``run()`` ends and the episode is scored.
 
+**Judges.** Wherever an episode is played its reward leaves out the task's plugged judges (a worker never
+calls one); with ``task.judges = "learner"`` the learner adds them to every finished episode it scores
+(:meth:`VerifiersTextEnv.judge`, called by ``VerifiersEnvSpec.judged`` for a submission or an
+evaluation at once), after its replay checked the worker's claim.
+
 **What is refused at load**, naming why: what ``envs/verifiers_load.unscorable`` refuses of a task
-(runtimes, judges, tool servers, containers), an env overriding ``finalize`` (cross-agent judgement),
-``start``/``stop`` (shared servers), an env of several agents.
+(runtimes, judges unless ``task.judges = "learner"``, tool servers, containers), an env overriding
+``finalize`` (cross-agent judgement), ``start``/``stop`` (shared servers), an env of several agents.
 
 Every episode's run has an event loop of its own, run only inside ``reset``/``step`` (which the adapter
 calls on its environment thread, with its step timeout; called from a thread that runs an event loop,
@@ -38,14 +43,25 @@ import inspect
 import json
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from echo2.envs.base import EnvError, EnvStep
-from echo2.envs.verifiers_load import append, config_type, load_object, new_trace, score, unscorable, vf
+from echo2.envs.verifiers_load import (
+    SCORE_TIMEOUT_S,
+    append,
+    config_type,
+    judges_hint,
+    load_object,
+    new_trace,
+    score,
+    unscorable,
+    vf,
+    without_judges,
+)
 from echo2.errors import ConfigError, DataError
 
 ENV_HOOKS = ("finalize", "start", "stop")  # Env methods echo2 does not run (cross-agent judgement, servers)
@@ -68,14 +84,20 @@ _CACHE_LOCK = threading.Lock()
 
 
 def load(
-    env: str, env_args: dict[str, Any], taskset_args: dict[str, Any], agent: str | None, limit: int
+    env: str,
+    env_args: dict[str, Any],
+    taskset_args: dict[str, Any],
+    agent: str | None,
+    limit: int,
+    judges: bool = False,
 ) -> Loaded:
-    """The environment ``env`` names, its first ``limit`` tasks checked (cached per settings)."""
-    key = json.dumps([env, env_args, taskset_args, agent, limit], sort_keys=True, default=str)
+    """The environment ``env`` names, its first ``limit`` tasks checked (cached per settings); tasks with
+    plugged judges only when ``judges`` (the run has the learner call them)."""
+    key = json.dumps([env, env_args, taskset_args, agent, limit, judges], sort_keys=True, default=str)
     with _CACHE_LOCK:
         got = _CACHE.get(key)
         if got is None:
-            got = _CACHE[key] = _load(env, env_args, taskset_args, agent, limit)
+            got = _CACHE[key] = _load(env, env_args, taskset_args, agent, limit, judges)
     return got
 
 
@@ -108,7 +130,12 @@ def _build(env: str, env_args: dict[str, Any], taskset_args: dict[str, Any]) -> 
 
 
 def _load(
-    env: str, env_args: dict[str, Any], taskset_args: dict[str, Any], agent: str | None, limit: int
+    env: str,
+    env_args: dict[str, Any],
+    taskset_args: dict[str, Any],
+    agent: str | None,
+    limit: int,
+    judges: bool,
 ) -> Loaded:
     v = vf()
     built = _build(env, env_args, taskset_args)
@@ -138,11 +165,11 @@ def _load(
             )
     tasks = []
     for task in built.taskset.take(limit):
-        why = unscorable(task, built.taskset)
+        why = unscorable(task, built.taskset, judges)
         if why:
             raise ConfigError(
                 f"task.env = {env!r}: task {task.key[:12]} ({type(task).__name__}) cannot be scored on the "
-                f"learner: {'; '.join(why)}"
+                f"learner: {'; '.join(why)}{judges_hint(why)}"
             )
         tasks.append(task)
     if not tasks:
@@ -192,9 +219,10 @@ def _text(message: Any) -> str:
 class VerifiersTextEnv:
     """Implements :class:`echo2.envs.base.TextEnv` over a verifiers ``Env`` (module docstring)."""
 
-    def __init__(self, loaded: Loaded, max_turns: int) -> None:
+    def __init__(self, loaded: Loaded, max_turns: int, score_timeout_s: float = SCORE_TIMEOUT_S) -> None:
         self.loaded = loaded
         self.max_turns = max_turns
+        self.score_timeout_s = score_timeout_s  # the episode's scoring at most (then an environment error)
         self.observations: list[str] = []  # what the environment showed the player, in order
         self.actions: list[str] = []  # the player's replies, in order
         self.done = True
@@ -205,6 +233,7 @@ class VerifiersTextEnv:
         self._trace: Any = None  # the player's trace, as the environment reads it
         self._played: Any = None  # the task the player's interaction was opened with (what is scored)
         self._opened = False
+        self._scored = False  # run() returned and the trace was scored (without the task's judges)
 
     # ---- TextEnv ------------------------------------------------------------------------------------
     def reset(self, seed: int) -> str:
@@ -215,7 +244,7 @@ class VerifiersTextEnv:
                 f"episode seed {seed} is not a task of {self.loaded.where!r} (0..{len(tasks) - 1})"
             )
         self.observations, self.actions, self.done = [], [], False
-        self._trace, self._opened = None, False
+        self._trace, self._opened, self._scored = None, False, False
         self._loop = asyncio.new_event_loop()
         self._asked = self._loop.create_future()
         self._run = self._loop.create_task(self._episode(tasks[seed]))
@@ -283,10 +312,20 @@ class VerifiersTextEnv:
         await env.run(task, agents)
         if self._trace is None:
             raise EnvError("run() opened no interaction with the player")
-        reward = await score(self._played, self._trace)
+        played = without_judges(self._played)  # the judges are the learner's: judge()
+        reward = await score(played, self._trace, self.score_timeout_s)
         if not math.isfinite(reward):
             raise EnvError(f"the task's reward is not finite ({reward})")
+        self._scored = True
         return reward
+
+    def judge(self, timeout_s: float) -> Coroutine[Any, Any, float] | None:
+        """The finished episode's whole reward, its task's judges called too (on the caller's event loop;
+        the learner's alone: its rewards again and every plugged judge, on the trace played), or None when
+        the episode did not finish or its task has no judges (its reward is the one ``step`` gave)."""
+        if not self._scored or not self._played.config.judges:
+            return None
+        return score(self._played, self._trace, timeout_s)
 
     async def _turn(self, message: str | None) -> Any:
         """One turn of the player: show ``message`` (or the task's prompt), wait for the reply."""

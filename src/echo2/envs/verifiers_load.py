@@ -9,21 +9,49 @@ verifiers is imported on first use, never at module import (the config tree impo
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
 import sys
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import Field
 
 from echo2.errors import ConfigError
 
 RUNTIME_HOOKS = ("setup", "finalize", "stage_verifier")  # Task methods that prepare state in a runtime
 SCORE_TIMEOUT_S = 120.0  # one trace's scoring at most, unless the task's config says otherwise
+CALLS_A_JUDGE = "calls a judge model"  # how unscorable() names a judge the run did not say to call
+JUDGES_HINT = ' (set task.judges = "learner" to have the learner call its judges)'
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+# The ``[task]`` knobs of a verifiers task's plugged judges, single-turn and multi-turn alike
+Judges = Annotated[
+    Literal["refuse", "learner"],
+    Field(
+        description="a task's plugged judges (an LLM judge at an OpenAI-compatible endpoint, in the task "
+        "config's judges): 'refuse' the taskset at load, or 'learner': the learner calls every judge for "
+        "every completion or episode it scores (the endpoint and its key's variable are the taskset's; a "
+        "worker never calls a judge, nor holds its key)",
+    ),
+]
+ScoreTimeout = Annotated[
+    float,
+    Field(
+        gt=0.0,
+        le=3600.0,
+        description="one completion's or episode's scoring (its rewards and judge calls) at most: past it "
+        "the completion or episode scores 0, counted as an error",
+    ),
+]
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
@@ -148,7 +176,7 @@ def unscorable(task: Any, taskset: Any, judges: bool = False) -> list[str]:
             why.append(f"judge {j.reward_name!r} needs a runtime")
         elif not judges:
             model = f"{j.config.model} at {j.config.base_url}"
-            why.append(f"judge {j.reward_name!r} calls a judge model ({model})")
+            why.append(f"judge {j.reward_name!r} {CALLS_A_JUDGE} ({model})")
     if getattr(type(task), "NEEDS_CONTAINER", False):
         why.append("it needs a container (NEEDS_CONTAINER)")
     if type(task).toolsets(task.config) or type(taskset).toolsets(taskset.config):
@@ -159,6 +187,66 @@ def unscorable(task: Any, taskset: Any, judges: bool = False) -> list[str]:
     if not task.hooks("reward") and not plugged:
         why.append("it has no @reward function")
     return why
+
+
+def judges_hint(why: Sequence[str]) -> str:
+    """The switch to name after :func:`unscorable`'s reasons when one of them is a judge not called."""
+    return JUDGES_HINT if any(CALLS_A_JUDGE in w for w in why) else ""
+
+
+def judge_names(task: Any) -> str:
+    """``task``'s plugged judges, each as "name (model at endpoint, key $variable)"."""
+    return ", ".join(
+        f"{c.name or c.id} ({c.model} at {c.base_url}, key ${c.api_key_var})" for c in task.config.judges
+    )
+
+
+def say_judges(env: str, tasks: Sequence[Any], scored: str = "completion") -> None:
+    """One line per distinct judge the learner will call (its model and endpoint), and a warning for one
+    with no key here (verifiers then sends "EMPTY": a local endpoint may need none, a hosted one refuses
+    every call, which would score every ``scored`` 0)."""
+    seen = set()
+    from verifiers.v1.configs.client import resolve_api_key
+
+    for task in tasks:
+        for c in task.config.judges:
+            key = (c.name or c.id, c.model, c.base_url, c.api_key_var)
+            if key in seen:
+                continue
+            seen.add(key)
+            log.info("task.env = %r: the learner calls judge %r (%s at %s) for every %s it scores",
+                     env, key[0], c.model, c.base_url, scored)  # fmt: skip
+            if resolve_api_key(c) == "EMPTY":  # verifiers' own reading: the variable, or Prime's CLI config
+                log.warning(
+                    "judge %r of task.env = %r reads its key from $%s, which is not set here: its requests "
+                    "go without a key (a hosted endpoint refuses them: every %s would score 0)",
+                    key[0], env, c.api_key_var, scored,
+                )  # fmt: skip
+
+
+def probe_judges(env: str, task: Any, trace: Any, timeout_s: float) -> None:
+    """One scoring of ``trace`` (a reply to ``task``) at load when the task has judges: a judge that
+    cannot be reached, refuses the key, hangs past ``timeout_s`` or answers no verdict stops the run here,
+    naming it, rather than scoring everything 0."""
+    if not task.config.judges:
+        return
+    try:
+        run_async(score(task, trace, timeout_s))
+    except Exception as exc:
+        raise ConfigError(
+            f"task.env = {env!r}: scoring task {task.key[:12]} with its judges failed at load "
+            f"({type(exc).__name__}: {str(exc)[:300]}); check the judges: {judge_names(task)}"
+        ) from None
+
+
+def without_judges(task: Any) -> Any:
+    """``task`` with no plugged judges (a shallow copy; ``task`` itself when it has none): what a worker
+    scores, and the learner's replay before it adds the judges."""
+    if not task.config.judges:
+        return task
+    clone = copy.copy(task)
+    clone.config = task.config.model_copy(update={"judges": []})
+    return clone
 
 
 def new_trace(task: Any, messages: Sequence[Any] = ()) -> Any:

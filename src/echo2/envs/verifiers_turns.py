@@ -11,7 +11,13 @@ a worker with another version or other files refuses to run.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 import random
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,19 +25,23 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from echo2.envs.base import Environment, EnvironmentFields, EnvKnobs, EnvScore, TextEnv
+from echo2.envs.verifiers_load import SCORE_TIMEOUT_S, Judges, ScoreTimeout
 from echo2.errors import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Coroutine, Sequence
 
     from echo2.envs.verifiers_bridge import Loaded
     from echo2.types import Prompt
+
+log = logging.getLogger(__name__)
 
 
 class VerifiersEnvTaskConfig(EnvironmentFields):
     """A verifiers (v1) multi-turn environment (``envs/verifiers_bridge.py``): its ``Env.run`` played
     with the policy as its one agent, every episode replayed and re-scored by the task's own rewards on
-    the learner. The default is the bundled ``echo2-vf-probe`` (higher or lower)."""
+    the learner (and its plugged judges, called by the learner, with ``judges = "learner"``). The default
+    is the bundled ``echo2-vf-probe`` (higher or lower)."""
 
     name: Literal["verifiers_env"] = "verifiers_env"
     env: str = Field(
@@ -54,6 +64,15 @@ class VerifiersEnvTaskConfig(EnvironmentFields):
         "embedded model's warm start imitates (a model.path needs none)",
     )
     max_turns: int = Field(8, ge=1, le=64, description="replies per episode; the next turn() is terminated")
+    judges: Judges = "refuse"
+    score_timeout_s: ScoreTimeout = SCORE_TIMEOUT_S
+    grade_threads: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="episodes whose judges the learner calls at once (a submission's, an evaluation's: on "
+        "one event loop); tasks without judges are scored as they are played",
+    )
 
     def runs_named_code(self) -> str | None:
         """What code of the learner's choosing a worker would run for this task, or None when it plays
@@ -91,7 +110,7 @@ class VerifiersEnvSpec(EnvKnobs):
         from echo2.envs.verifiers_bridge import load
 
         c = self.cfg
-        return load(c.env, c.env_args, c.taskset_args, c.agent, c.limit)
+        return load(c.env, c.env_args, c.taskset_args, c.agent, c.limit, c.judges == "learner")
 
     @property
     def episodes(self) -> int:
@@ -101,7 +120,60 @@ class VerifiersEnvSpec(EnvKnobs):
     def make(self, prompt: Prompt, opponent_policy: Callable[[str], str] | None = None) -> TextEnv:
         from echo2.envs.verifiers_bridge import VerifiersTextEnv
 
-        return VerifiersTextEnv(self.loaded(), self.cfg.max_turns)
+        return VerifiersTextEnv(self.loaded(), self.cfg.max_turns, self.cfg.score_timeout_s)
+
+    def ready_judges(self) -> None:
+        """On the learner, before it scores an episode: each judge it will call named, and probed once (a
+        reply of "probe" to the first task): one that fails stops the run here, naming it."""
+        from echo2.envs.verifiers_load import new_trace, probe_judges, say_judges, vf
+
+        c, tasks = self.cfg, self.loaded().tasks
+        judged = [t for t in tasks if t.config.judges]
+        if not judged:
+            return
+        say_judges(c.env, judged, "episode")
+        task = judged[0]
+        v = vf()
+        first = [
+            (v.UserMessage(content=task.data.prompt_text or ""), False),
+            (v.AssistantMessage(content="probe"), True),
+        ]
+        probe_judges(c.env, task, new_trace(task, first), c.score_timeout_s)
+
+    def judged(self, envs: Sequence[TextEnv]) -> list[float | None]:
+        """Each finished episode's whole reward with its task's judges (the learner's calls, up to
+        ``task.grade_threads`` at once, each bounded by ``task.score_timeout_s``); None where there is
+        nothing to add. A scoring that fails gives 0, logged and counted (:meth:`outcome_counts`)."""
+        from echo2.envs.verifiers_bridge import VerifiersTextEnv
+        from echo2.envs.verifiers_load import run_async
+
+        calls = [e.judge(self.cfg.score_timeout_s) if isinstance(e, VerifiersTextEnv) else None for e in envs]
+        if all(c is None for c in calls):
+            return [None] * len(envs)
+
+        async def whole() -> list[float | None]:
+            slots = asyncio.Semaphore(self.cfg.grade_threads)
+
+            async def one(call: Coroutine[Any, Any, float] | None) -> float | None:
+                if call is None:
+                    return None
+                async with slots:
+                    try:
+                        got = await call
+                        why = "" if math.isfinite(got) else f"a reward that is not finite ({got})"
+                    except Exception as exc:  # the judge or the user's reward code: the episode's 0, counted
+                        got, why = 0.0, f"{type(exc).__name__}: {exc}"
+                _judge_counted(self.cfg.env, why)
+                return 0.0 if why else got
+
+            return list(await asyncio.gather(*(one(c) for c in calls)))
+
+        return run_async(whole())
+
+    def outcome_counts(self) -> dict[str, int]:
+        """Episodes judged by this process so far: ``judged``, and ``judge_error`` (scored 0)."""
+        with _JUDGE_LOCK:
+            return {o: n for (env, o), n in JUDGED.items() if env == self.cfg.env}
 
     def draw_meta(self, rng: random.Random) -> dict[str, Any]:
         return {}
@@ -119,6 +191,25 @@ class VerifiersEnvSpec(EnvKnobs):
             )
         assert isinstance(env, VerifiersTextEnv)
         return str(load_teacher(self.cfg.teacher)(list(env.observations), list(env.actions)))
+
+
+JUDGED = Counter[tuple[str, str]]()  # (task.env, "judged" | "judge_error") -> episodes, this process
+_JUDGE_LOCK = threading.Lock()
+_JUDGE_LOGGED: dict[str, float] = {}  # failure (its first 80 characters) -> when last logged
+JUDGE_LOG_EVERY_S = 60.0
+
+
+def _judge_counted(env: str, why: str) -> None:
+    """One judged scoring of an episode of ``env``: ``why`` it failed (scored 0), or "" (it did not)."""
+    with _JUDGE_LOCK:
+        JUDGED[env, "judge_error" if why else "judged"] += 1
+        if not why or time.monotonic() - _JUDGE_LOGGED.get(why[:80], -math.inf) < JUDGE_LOG_EVERY_S:
+            return
+        _JUDGE_LOGGED[why[:80]] = time.monotonic()
+        n = JUDGED[env, "judge_error"]
+    log.warning(
+        "judging an episode of task.env = %r failed, scored 0 (%s); %d such so far", env, why[:300], n
+    )
 
 
 VERIFIERS_ENV = Environment(

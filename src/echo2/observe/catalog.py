@@ -313,7 +313,8 @@ REWARD_OUTCOMES = _m(
     "reward/outcomes/<outcome>",
     "count",
     "gradings of the learner process since the previous step, by outcome (code task: passed, failed, "
-    "exited_early, no_code, and the sandbox limits timeout, cpu, memory, output, killed)",
+    "exited_early, no_code, and the sandbox limits timeout, cpu, memory, output, killed; verifiers "
+    "tasksets: scored, error; a verifiers env's judged episodes: judged, judge_error)",
     BOTH,
 )
 REWARD_ACCURACY = _m(

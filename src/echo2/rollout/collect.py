@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from echo2.data.tasks.base import Adapter, grade_all
+from echo2.data.tasks.base import Adapter, Grade, grade_all
 from echo2.models.policy import TextCodec
 from echo2.rollout.engines.base import Engine
 from echo2.types import Prompt, Trajectory
@@ -49,16 +49,16 @@ def collect_groups(
     t_gen = time.perf_counter() - t0
     trajectories: list[Trajectory] = []
     unparsed = 0
-    grades = []  # a worker grades nothing (its prompts carry no answer): not even decoded
-    if grade:  # at once where the task can
+    # a worker grades nothing (its prompts carry no answer): not even decoded; else all at once
+    grades: list[Grade | None] = [None] * len(samples)
+    if grade:
         texts = [codec.decode_completion(s.completion_ids) for s in samples]
-        grades = grade_all(task, [(prompts[i // group_size], t) for i, t in enumerate(texts)])
-    for i, s in enumerate(samples):
+        grades = list(grade_all(task, [(prompts[i // group_size], t) for i, t in enumerate(texts)]))
+    for i, (s, graded) in enumerate(zip(samples, grades, strict=True)):
         g = i // group_size
         meta: dict[str, Any] = {}
         reward = 0.0
-        if grade:
-            graded = grades[i]
+        if graded is not None:
             unparsed += not graded.parsed
             meta["parsed"], reward = graded.parsed, graded.reward
         meta["finished"] = s.finished

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from echo2.data.tasks.environment import EnvironmentTask, TextPolicy
+from echo2.data.tasks.environment import EnvironmentTask, EnvSpec, TextPolicy
 from echo2.envs.base import EnvError, EnvStep, TextEnv
 from echo2.models.policy import TextCodec
 from echo2.observe import catalog as m
@@ -315,12 +315,21 @@ def evaluate_episodes(
                 start(codec, task.spec.make(p), int(p.meta["seed"]), r, stepper) for r, p in enumerate(chunk)
             ]
             play(codec, engine, episodes, limits, stepper, seed=0, greedy=True)
+            add_judges(task.spec, episodes)
             returns += [e.ret(task.spec.discount) for e in episodes]
             illegal += sum(e.illegal for e in episodes)
             decisions += sum(len(e.actions) for e in episodes)
     finally:
         stepper.close()
     return returns, illegal, decisions
+
+
+def add_judges(spec: EnvSpec, episodes: Sequence[Episode]) -> None:
+    """The learner's part of finished episodes' rewards (``EnvSpec.judged``: the judges it calls, on the
+    learner only) in place of the last reward each environment gave, which left them out."""
+    for e, whole in zip(episodes, spec.judged([e.env for e in episodes]), strict=True):
+        if whole is not None and e.error is None and e.rewards:
+            e.rewards[-1] = whole
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -102,3 +102,11 @@ class Task(Protocol):
     def max_completion_tokens(self, bounds: Bounds) -> int:
         """The longest completion a submission of this task may carry."""
         ...
+
+
+def outcome_metrics(counts: dict[str, int], seen: dict[str, int]) -> dict[str, float]:
+    """``reward/outcomes/<outcome>``: the gradings since ``seen`` (the previous call's ``counts``), by
+    outcome, from running ``counts``."""
+    from echo2.observe import catalog as m
+
+    return {m.REWARD_OUTCOMES.of(o): float(n - seen.get(o, 0)) for o, n in sorted(counts.items())}

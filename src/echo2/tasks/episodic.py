@@ -13,7 +13,7 @@ from echo2.data.tasks.environment import EnvironmentTask, TextPolicy
 from echo2.rollout.collect import RolloutBatch
 from echo2.rollout.episodes import collect_episodes, episode_metrics, evaluate_episodes
 from echo2.rollout.evaluate import EvalResult
-from echo2.tasks.base import Score
+from echo2.tasks.base import Score, outcome_metrics
 from echo2.tasks.verify import EpisodeReplay, Verifier
 from echo2.types import Bounds, Prompt, Trajectory
 
@@ -30,6 +30,7 @@ class Episodic:
         self.data = data  # episode seeds, splits and the environment's spec
         self.name = data.name
         self.score: Score = data.spec.score
+        self._outcomes_seen: dict[str, int] = {}
 
     def sample_train(self, rng: random.Random, n: int) -> list[Prompt]:
         return self.data.sample_train(rng, n)
@@ -99,7 +100,12 @@ class Episodic:
         return imitate(cfg, policy, self.data, out)
 
     def batch_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        return episode_metrics(trajectories)
+        """The ``env/`` metrics of the batch, and ``reward/outcomes/<outcome>`` of the learner's own
+        scorings since the previous call (a verifiers env's judged episodes: judged, judge_error)."""
+        counts = self.data.spec.outcome_counts()
+        out = {**episode_metrics(trajectories), **outcome_metrics(counts, self._outcomes_seen)}
+        self._outcomes_seen = counts
+        return out
 
     def max_completion_tokens(self, bounds: Bounds) -> int:
         return bounds.max_context  # an episode's completion holds every turn after its first observation

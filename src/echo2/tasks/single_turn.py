@@ -18,7 +18,7 @@ from echo2.data.tasks.base import Adapter, CountsOutcomes, Grade
 from echo2.observe import catalog as m
 from echo2.rollout.collect import RolloutBatch, collect_groups
 from echo2.rollout.evaluate import EvalResult, evaluate_text
-from echo2.tasks.base import Score
+from echo2.tasks.base import Score, outcome_metrics
 from echo2.tasks.verify import Verifier
 from echo2.types import Bounds, Prompt, Trajectory
 
@@ -121,8 +121,7 @@ class SingleTurn:
             out[m.REWARD_GRADE_TIMEOUTS.key] = float(new)
         if self._outcomes is not None:
             counts = self._outcomes.outcome_counts()
-            for outcome, n in sorted(counts.items()):
-                out[m.REWARD_OUTCOMES.of(outcome)] = float(n - self._outcomes_seen.get(outcome, 0))
+            out.update(outcome_metrics(counts, self._outcomes_seen))
             self._outcomes_seen = counts
         return out
 

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from echo2.data.tasks.base import Adapter
     from echo2.data.tasks.environment import EnvironmentTask
     from echo2.models.policy import TextCodec
+    from echo2.rollout.episodes import Episode
 
 REWARD_TOLERANCE = 1e-6  # a claimed reward this close to the recomputed one is the same reward
 # these quarantine: an honest worker cannot produce them
@@ -246,6 +247,7 @@ class EpisodeReplay(Verifier):
         self.env_task = task
         self.limits = limits_for(task, max_context, max_new_tokens)
         self.stepper = Stepper(task.spec.step_timeout_s)  # one environment thread for every replay
+        task.spec.ready_judges()  # a verifiers env's judges: named and probed here, or the run stops
 
     def _prompt_tokens(self, prompt: Prompt) -> tuple[int, ...]:
         return ()  # the replay rebuilds the prompt from the seed
@@ -255,23 +257,31 @@ class EpisodeReplay(Verifier):
         return 0
 
     def _checked(self, sub: Submission, by_id: dict[str, Prompt]) -> tuple[tuple[Trajectory, ...], ...]:
-        """Every episode replayed (one at a time: one environment thread)."""
-        groups = []
+        """Every episode replayed (one at a time: one environment thread), then the judges the learner
+        calls for the finished ones (``EnvSpec.judged``: the submission's calls at once)."""
+        from echo2.rollout.episodes import add_judges
+
+        groups: list[tuple[Trajectory, ...]] = []
+        replayed: list[tuple[int, int, Episode]] = []
         with self._lock:
             for i, group in enumerate(sub.groups):
                 prompt = by_id.get(group[0].prompt_id) if group else None
-                if prompt is None:
-                    groups.append(group)
-                    continue
-                groups.append(
-                    tuple(
-                        self._check_sample(prompt, t, f"groups[{i}].samples[{j}]")
-                        for j, t in enumerate(group)
-                    )
-                )
-        return tuple(groups)
+                if prompt is not None:
+                    for j, t in enumerate(group):
+                        replayed.append((i, j, self._check_sample(prompt, t, f"groups[{i}].samples[{j}]")))
+                groups.append(group)
+        spec = self.env_task.spec
+        add_judges(spec, [e for _, _, e in replayed])
+        out = [list(g) for g in groups]
+        for i, j, e in replayed:  # the replay's return and turn mask, never the worker's
+            out[i][j] = dataclasses.replace(
+                out[i][j], reward=e.ret(spec.discount, spec.illegal_penalty), turn_mask=tuple(e.mask)
+            )
+        return tuple(tuple(g) for g in out)
 
-    def _check_sample(self, prompt: Prompt, t: Trajectory, where: str) -> Trajectory:
+    def _check_sample(self, prompt: Prompt, t: Trajectory, where: str) -> Episode:
+        """The episode ``t`` claims, replayed: its observations, turn mask and return (before the judges the
+        learner calls: the worker's claim leaves them out) checked against the claim."""
         from echo2.rollout import episodes
 
         if not t.turn_mask:
@@ -308,4 +318,4 @@ class EpisodeReplay(Verifier):
             raise Rejected(
                 "reward_mismatch", f"{where}.reward: {t.reward!r} claimed, the replay gives {ret!r}"
             )
-        return dataclasses.replace(t, reward=ret, turn_mask=tuple(e.mask))  # the replay's, never the worker's
+        return e

@@ -98,6 +98,20 @@ class EnvSpec(Protocol):
         """The action a scripted expert takes in ``env``'s current state (the warm start imitates it)."""
         ...
 
+    def ready_judges(self) -> None:
+        """On the learner, before it scores an episode: name and probe the judges it will call (a verifiers
+        env's plugged judges, ``task.judges = "learner"``); a judge that fails stops the run here."""
+        ...
+
+    def judged(self, envs: Sequence[TextEnv]) -> list[float | None]:
+        """The learner's part of scoring finished episodes: each one's whole reward with its judges called
+        (it replaces the last reward the environment gave, which left them out), or None."""
+        ...
+
+    def outcome_counts(self) -> dict[str, int]:
+        """The learner's own scorings of episodes in this process so far, by outcome (running counts)."""
+        ...
+
 
 class EnvironmentTask:
     """The data adapter of a multi-turn environment: episode seeds, their splits and the environment's

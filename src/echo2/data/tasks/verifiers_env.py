@@ -53,7 +53,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.data.tasks.base import FileSplitsAccess, Grade, Split, file_splits, full_mask
-from echo2.envs.verifiers_load import load_taskset, new_trace, run_async, score, unscorable, vf
+from echo2.envs.verifiers_load import (
+    judges_hint,
+    load_taskset,
+    new_trace,
+    probe_judges,
+    run_async,
+    say_judges,
+    score,
+    unscorable,
+    vf,
+)
 from echo2.errors import ConfigError, DataError
 from echo2.types import Prompt
 
@@ -87,20 +97,15 @@ class VerifiersTask(FileSplitsAccess):
         for task in taskset.take(cfg.limit):
             why = unscorable(task, taskset, judges=cfg.judges == "learner")
             if why:
-                hint = (
-                    ' (set task.judges = "learner" to have the learner call its judges)'
-                    if any("calls a judge model" in w for w in why)
-                    else ""
-                )
                 raise ConfigError(
                     f"task.env = {cfg.env!r}: task {task.key[:12]} ({type(task).__name__}) cannot be scored "
-                    f"on the learner: {'; '.join(why)}{hint}. echo2 scores every reward itself; this adapter "
-                    "takes single-turn tasks whose rewards read the task data and the trace"
+                    f"on the learner: {'; '.join(why)}{judges_hint(why)}. echo2 scores every reward itself; "
+                    "this adapter takes single-turn tasks whose rewards read the task data and the trace"
                 )
             tasks.append(task)
         if not tasks:
             raise DataError(f"task.env = {cfg.env!r}: the taskset has no tasks")
-        _say_judges(cfg.env, tasks)
+        say_judges(cfg.env, tasks)
         prompts = [self._prompt(task) for task in tasks]
         self._probe_judges(tasks[0])
         env = Path(cfg.env.rpartition(":")[0])
@@ -155,21 +160,13 @@ class VerifiersTask(FileSplitsAccess):
 
     def _probe_judges(self, task: Any) -> None:
         """One scoring of ``task`` at load when it has judges, its reference answer (or a word) as the
-        reply: a judge that cannot be reached, refuses the key, hangs past ``task.score_timeout_s`` or
-        answers no verdict stops the run here, naming it, rather than scoring every completion 0."""
-        if not task.config.judges:
-            return
+        reply (``verifiers_load.probe_judges``)."""
         field = self.cfg.reference_field
         reply = str(getattr(task.data, field, None) or "probe") if field else "probe"
-        try:
-            run_async(self._score(task, self._messages[task.key], reply, self.cfg.score_timeout_s))
-        except Exception as exc:
-            names = ", ".join(f"{c.name or c.id} ({c.model} at {c.base_url}, key ${c.api_key_var})"
-                              for c in task.config.judges)  # fmt: skip
-            raise ConfigError(
-                f"task.env = {self.cfg.env!r}: scoring task {task.key[:12]} with its judges failed at load "
-                f"({type(exc).__name__}: {str(exc)[:300]}); check the judges: {names}"
-            ) from None
+        turns = [(m, False) for m in self._messages[task.key]] + [
+            (vf().AssistantMessage(content=reply), True)
+        ]
+        probe_judges(self.cfg.env, task, new_trace(task, turns), self.cfg.score_timeout_s)
 
     def reference(self, prompt: Prompt) -> str:
         """The task data's ``reference_field`` as text (what the embedded model's warm start imitates)."""
@@ -239,26 +236,3 @@ class VerifiersTask(FileSplitsAccess):
 
     def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
         return full_mask(completion_ids, meta)
-
-
-def _say_judges(env: str, tasks: Sequence[Any]) -> None:
-    """One line per distinct judge the learner will call (its model and endpoint), and a warning for one
-    with no key here (verifiers then sends "EMPTY": a local endpoint may need none, a hosted one refuses
-    every call, which would score every completion 0)."""
-    seen = set()
-    from verifiers.v1.configs.client import resolve_api_key
-
-    for task in tasks:
-        for c in task.config.judges:
-            key = (c.name or c.id, c.model, c.base_url, c.api_key_var)
-            if key in seen:
-                continue
-            seen.add(key)
-            log.info("task.env = %r: the learner calls judge %r (%s at %s) for every completion it scores",
-                     env, key[0], c.model, c.base_url)  # fmt: skip
-            if resolve_api_key(c) == "EMPTY":  # verifiers' own reading: the variable, or Prime's CLI config
-                log.warning(
-                    "judge %r of task.env = %r reads its key from $%s, which is not set here: its requests "
-                    "go without a key (a hosted endpoint refuses them: every completion would score 0)",
-                    key[0], env, c.api_key_var,
-                )  # fmt: skip

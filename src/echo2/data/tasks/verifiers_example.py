@@ -8,6 +8,11 @@ knows echo2.
 ``load_judged_taskset(judge_url, ...)``: the same sums with no reward of their own, graded by a plugged
 reference judge (verifiers' ``reference``: an LLM judge at an OpenAI-compatible endpoint, asked whether
 the reply matches the answer), for ``task.judges = "learner"``.
+
+``load_judged_probe(judge_url, ...)``: the bundled multi-turn env ``echo2-vf-probe`` (higher or lower)
+with the same reference judge plugged into its tasks, asked whether the last guess is the hidden number
+(on top of the task's own ``@reward``: a right last guess scores 2), for ``--task verifiers_env`` with
+``task.judges = "learner"``.
 """
 
 from __future__ import annotations
@@ -92,3 +97,17 @@ def load_judged_taskset(
             judge_key_var=judge_key_var,
         )
     )
+
+
+def load_judged_probe(
+    judge_url: str, judge_model: str = "judge", judge_key_var: str = "ECHO2_JUDGE_KEY", n: int = 2048,
+    max_value: int = 15,
+) -> vf.Env:  # fmt: skip
+    """``echo2-vf-probe`` whose tasks a reference judge at ``judge_url`` also grades (the hidden number)."""
+    from echo2_vf_probe import ProbeEnv, ProbeEnvConfig
+
+    judge = ReferenceJudgeConfig(
+        base_url=judge_url, model=judge_model, api_key_var=judge_key_var, answer_field="secret"
+    )
+    taskset = {"id": "echo2-vf-probe", "n": n, "max_value": max_value, "task": {"judges": [judge]}}
+    return ProbeEnv(ProbeEnvConfig(taskset=taskset))

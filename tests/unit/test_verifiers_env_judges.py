@@ -105,7 +105,7 @@ def test_the_judges_of_a_batch_are_called_at_once_up_to_grade_threads(
         assert spec.judged(envs) == [2.0] * 8
         took = time.monotonic() - t0
     assert judge.most_in_flight == 4 and len(judge.calls) == 8
-    assert took < 1.2, took  # two waves of 0.3 s, against 2.4 s one by one
+    assert took < 1.8, took  # two waves of 0.3 s, against 2.4 s one by one
 
 
 def test_the_replay_checks_the_workers_claim_then_adds_the_judges_and_so_does_the_evaluation(

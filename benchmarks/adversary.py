@@ -22,7 +22,12 @@ fixed here, before any run:
   above: 0 stored rewards that are not the task's grade, best-of-n quarantined within a median of <= 5
   submissions, every foreign prompt refused and none trained. ``--task verifiers_env`` (the bundled
   multi-turn env; added with it, the same targets, an episode's grade being the learner's replay's
-  return; ``--tasks`` picks the tasks).
+  return; ``--tasks`` picks the tasks). ``verifiers_judge`` and ``verifiers_env_judge`` (added with
+  judges on the learner, the same targets; not in the default ``--tasks``): the judged sums
+  (``verifiers_example:load_judged_taskset``) and the judged probe env (``load_judged_probe``), graded by a
+  reference judge stand-in this process serves on loopback (``echo2_bench/judge.py``), ``task.judges =
+  "learner"``; the attackers run in this process, whose environment holds the judge's key too (a
+  cherry-picker of the sums may call the judge itself: a stranger with its own judge).
 - **honest**: every completion of every submission re-run (``security.check_fraction = 1``, a check
   queue that declines none) on honest workers until >= 10,000 trajectories were checked. Target: 0
   quarantines.
@@ -145,18 +150,24 @@ async def attack(info: dict[str, Any], token: str, kinds: list[str], trials: int
 
 
 def study_attacks(
-    out: Path, trials: int, task: str | None = None, kinds: tuple[str, ...] | None = None
+    out: Path,
+    trials: int,
+    task: str | None = None,
+    kinds: tuple[str, ...] | None = None,
+    overrides: tuple[str, ...] = (),
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """``task``: the run's task preset (``--task``; the embedded default when None); ``kinds``: the
-    attacks run (every one when None)."""
+    """``task``: the run's task preset (``--task``; the embedded default when None), ``overrides`` on top
+    of it (``name`` its runs' directory then); ``kinds``: the attacks run (every one when None)."""
     from echo2.config import task_preset
     from echo2_bench.adversary import ATTACKS, DETERMINISTIC, REGRADED, SAMPLED
     from echo2_bench.adversary_length import regrade
 
     kinds = kinds or ATTACKS
-    run_dir = out / "adversary_runs" / ("attacks" + (f"_{task}" if task else ""))
+    name = name or task
+    run_dir = out / "adversary_runs" / ("attacks" + (f"_{name}" if name else ""))
     preset = task_preset(task) if task else []
-    proc = start_run(run_dir, *preset, "runtime.workers=1", "security.max_workers=1000")
+    proc = start_run(run_dir, *preset, *overrides, "runtime.workers=1", "security.max_workers=1000")
     try:
         info = wait_ready(run_dir, proc)
         token = (run_dir / "join_token").read_text().strip()
@@ -225,6 +236,11 @@ TASK_ATTACKS = ("reward", "cherry", "prompt")
 
 
 REWARD_TASKS = ("verifiers", "code", "verifiers_env")
+JUDGED_TASKS = {  # a judged task: (its task preset, the loader of the bundled judged taskset or env)
+    "verifiers_judge": ("verifiers", "load_judged_taskset"),
+    "verifiers_env_judge": ("verifiers_env", "load_judged_probe"),
+}
+JUDGE_KEY_VAR = "ECHO2_JUDGE_KEY"
 
 
 def study_tasks(out: Path, trials: int, tasks: tuple[str, ...] = REWARD_TASKS) -> dict[str, Any]:
@@ -233,8 +249,29 @@ def study_tasks(out: Path, trials: int, tasks: tuple[str, ...] = REWARD_TASKS) -
     sandbox) and ``verifiers_env`` (the bundled multi-turn env, its episodes replayed and re-scored),
     with the targets of the attacks study: 0 stored rewards that are not the task's grade (an episode's:
     the replay's return), best-of-n caught within a median of TARGET_QUARANTINE submissions, every
-    foreign prompt refused."""
-    res: dict[str, Any] = {task: study_attacks(out, trials, task, TASK_ATTACKS) for task in tasks}
+    foreign prompt refused. A task of ``JUDGED_TASKS`` runs against a judge stand-in served here."""
+    import secrets
+
+    from echo2_bench.judge import LoopbackJudge
+
+    res: dict[str, Any] = {}
+    with LoopbackJudge() as judge:
+        os.environ[JUDGE_KEY_VAR] = secrets.token_hex(8)  # the learner's (and this process's) key
+        for task in tasks:
+            if task not in JUDGED_TASKS:
+                res[task] = study_attacks(out, trials, task, TASK_ATTACKS)
+                continue
+            preset, loader = JUDGED_TASKS[task]
+            n = ", n = 2048" if preset == "verifiers_env" else ""
+            judged = (
+                f"task.env=echo2.data.tasks.verifiers_example:{loader}",
+                f'task.env_args={{judge_url = "{judge.url}", judge_key_var = "{JUDGE_KEY_VAR}"{n}}}',
+                "task.judges=learner",
+                "task.grade_threads=16",
+            )
+            before = len(judge.calls)
+            res[task] = study_attacks(out, trials, preset, TASK_ATTACKS, judged, task)
+            res[task]["judge_calls"] = len(judge.calls) - before
     res["met"] = all(all(k["met"] for k in res[t]["kinds"].values()) for t in tasks)
     return res
 
@@ -624,7 +661,11 @@ def main() -> int:
     p.add_argument("--poison-minutes", type=float, default=2.0, help="time budget of each poison learner")
     p.add_argument("--trials", type=int, default=20, help="identities per sampled-check attack")
     p.add_argument(
-        "--tasks", nargs="+", choices=REWARD_TASKS, default=list(REWARD_TASKS), help="the tasks study's tasks"
+        "--tasks",
+        nargs="+",
+        choices=[*REWARD_TASKS, *JUDGED_TASKS],
+        default=list(REWARD_TASKS),
+        help="the tasks study's tasks",
     )
     p.add_argument("--honest-steps", type=int, default=60, help="steps of the all-checked honest run")
     p.add_argument("--reading", default="", help="what changed since the study's last reading (kept with it)")

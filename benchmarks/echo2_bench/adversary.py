@@ -80,7 +80,8 @@ class Attacker:
             raise ValueError(f"unknown attack {kind!r}; one of {sorted(self.forges())}")
         self.kind = kind
         self.max_prompts = max_prompts  # prompts per lease (None: what the run's settings say)
-        self.w = RolloutWorker(WorkerOptions(join_url=join, token=token, name=f"attacker-{kind}"), build_task)
+        opts = WorkerOptions(join_url=join, token=token, name=f"attacker-{kind}", trust_run_code=True)
+        self.w = RolloutWorker(opts, build_task)  # an attacker runs whatever the run names
         self.w.client = LearnerClient(join, session, reconnect_s=30.0, give_up=lambda: self.w.finished)
         self._hb: asyncio.Task[None] | None = None
 

@@ -74,12 +74,12 @@ def test_a_judge_that_fails_at_load_stops_the_run_there_naming_it(judge: Loopbac
             url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     judge.mode = mode
     t0 = time.monotonic()
-    with pytest.raises(ConfigError, match="with its judges failed at load") as caught:
+    with pytest.raises(ConfigError, match=r"asking the judges of task \w+ at load") as caught:
         _task(url, judges="learner", score_timeout_s=1.0).splits()
     assert time.monotonic() - t0 < 5.0  # a hang is cut at score_timeout_s
     said = str(caught.value)
     assert f"reference (judge-1 at {url}, key ${KEY_VAR})" in said
-    why = {"hang": "did not return within 1 s", "nonsense": "no yes/no verdict", "down": "Connection error"}
+    why = {"hang": "no answer within 1 s", "nonsense": "no yes/no verdict", "down": "Connection error"}
     assert why[mode] in said, said
 
 

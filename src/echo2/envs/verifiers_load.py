@@ -225,16 +225,28 @@ def say_judges(env: str, tasks: Sequence[Any], scored: str = "completion") -> No
 
 
 def probe_judges(env: str, task: Any, trace: Any, timeout_s: float) -> None:
-    """One scoring of ``trace`` (a reply to ``task``) at load when the task has judges: a judge that
-    cannot be reached, refuses the key, hangs past ``timeout_s`` or answers no verdict stops the run here,
-    naming it, rather than scoring everything 0."""
+    """``task``'s judges asked once about ``trace`` (a reply to it) at load, its rewards left out (a
+    multi-turn reward may read what only a played episode records): a judge that cannot be reached,
+    refuses the key, hangs past ``timeout_s`` or answers no verdict stops the run here, naming it, rather
+    than scoring everything 0."""
     if not task.config.judges:
         return
+    from verifiers.v1.utils.decorators import invoke_all
+
+    async def ask() -> None:
+        async with asyncio.timeout(timeout_s):
+            await invoke_all([j.score for j in task.plugged_judges()], {"task": task.data, "trace": trace})
+
     try:
-        run_async(score(task, trace, timeout_s))
+        run_async(ask())
+    except TimeoutError:
+        raise ConfigError(
+            f"task.env = {env!r}: asking the judges of task {task.key[:12]} at load: no answer within "
+            f"{timeout_s:g} s; check the judges: {judge_names(task)}"
+        ) from None
     except Exception as exc:
         raise ConfigError(
-            f"task.env = {env!r}: scoring task {task.key[:12]} with its judges failed at load "
+            f"task.env = {env!r}: asking the judges of task {task.key[:12]} at load failed "
             f"({type(exc).__name__}: {str(exc)[:300]}); check the judges: {judge_names(task)}"
         ) from None
 

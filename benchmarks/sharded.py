@@ -382,12 +382,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--rank-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.rank:
-        rank_main(args.shape, args.steps, args.device, args.rank_out)
-        return 0
-    if args.load_rank:
-        load_rank_main(args.ckpt, args.load_rank, args.rank_out)
-        return 0
+    if args.rank or args.load_rank:  # a rank: its results written, its group closed (sharded.leave)
+        from echo2.learner.sharded import leave
+
+        if args.rank:
+            rank_main(args.shape, args.steps, args.device, args.rank_out)
+        else:
+            load_rank_main(args.ckpt, args.load_rank, args.rank_out)
+        leave(0)
     if args.study == "load":
         name = "sharded_load_smoke" if args.smoke else "sharded_load"
         result = study_load(args.smoke)

@@ -13,7 +13,6 @@ CPU mesh (gloo):
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from echo2.errors import ConfigError
 from echo2.learner import sharded
 from echo2.learner.sharded import (
     full_weights,
+    leave,
     load_from_rank0,
     load_full_optimizer,
     materialize,
@@ -108,9 +108,4 @@ def _trajectory(t: dict) -> Trajectory:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))  # an error: its traceback and exit 1, as ever
-    # every result written and the group destroyed: leave without the interpreter's teardown, where one
-    # of torch's C++ threads now and then aborts the process ("terminate called without an active
-    # exception", SIGABRT), which made a passing rank read as failed
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # every result written and the group destroyed

@@ -4,6 +4,7 @@ protocol (learner/sharded.py: Ranks): nothing."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 
 import pytest
@@ -108,3 +109,22 @@ def test_the_collective_operations_are_one_table_of_the_planes_methods():
         plane.lead(Plane.lead)  # type: ignore[arg-type]
     with pytest.raises(Echo2Error, match="unknown operation 'train'"):
         plane.follow("train", ())
+
+
+def test_a_rank_leaves_with_its_code_and_its_output_flushed(tmp_path):
+    """``sharded.leave``: the status given, what was printed and logged but not yet flushed written out
+    (the interpreter's teardown, skipped, would have flushed them)."""
+    log = tmp_path / "rank.log"
+    program = (
+        "import logging, sys\n"
+        f"logging.basicConfig(filename={str(log)!r}, level=logging.INFO)\n"
+        "logging.getLogger('r').info('logged')\n"
+        "sys.stdout.write('printed')\n"
+        "from echo2.learner.sharded import leave\n"
+        "leave(3)\n"
+        "print('not reached')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "printed"
+    assert "logged" in log.read_text()

@@ -46,14 +46,16 @@ way (:func:`load_full_optimizer`: rank 0 reads it, memory-mapped, and broadcasts
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -213,6 +215,17 @@ class Ranks:
         if self.sharded and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """A rank whose work is done and whose process group is closed ends here, without the interpreter's
+    teardown: there one of torch's C++ threads now and then aborts the process ("terminate called without
+    an active exception", SIGABRT), and torchrun then reads a rank that finished as failed and reports
+    the run so. Logs and standard streams are flushed first; ``code`` is the exit status."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:

@@ -308,7 +308,7 @@ def test_publisher_port_refuses_garbage_with_one_line_each(caplog: pytest.LogCap
     assert pub.refusals.refused_requests == 1 and pub.counters.peer_errors == 0
     _no_traceback(caplog)
     # each counted; logged one line at a time, the repeats of a kind sampled (a stranger can send them at
-    # will: echo2.perimeter.SampledLog), so at least one line and never more than one per frame
+    # will: echo2.logs.SampledLog), so at least one line and never more than one per frame
     lines = caplog.text.count("dropping connection")
     assert 1 <= lines <= len(FIRST_FRAMES) + len(CONTROL_FRAMES)
 

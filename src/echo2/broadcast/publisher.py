@@ -87,7 +87,8 @@ from echo2.broadcast.wire import (
     write_frame,
 )
 from echo2.errors import Echo2Error
-from echo2.perimeter import Limits, Perimeter, SampledLog, default_limits, streams
+from echo2.logs import SampledLog
+from echo2.perimeter import Limits, Perimeter, default_limits, streams
 from echo2.physics.broadcast import relay_chunk_bytes
 from echo2.resources import paused
 from echo2.transport import TlsIdentity, normalize_pin

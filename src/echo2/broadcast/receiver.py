@@ -60,7 +60,8 @@ from echo2.broadcast.wire import (
     write_frame,
 )
 from echo2.errors import Echo2Error
-from echo2.perimeter import Limits, Perimeter, SampledLog, default_limits, streams
+from echo2.logs import SampledLog
+from echo2.perimeter import Limits, Perimeter, default_limits, streams
 from echo2.transport import PinError, client_context, make_identity, open_pinned
 from echo2.weights.frames import (
     PRE_AUTH_HEADER,

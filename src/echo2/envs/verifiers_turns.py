@@ -16,7 +16,6 @@ import logging
 import math
 import random
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from importlib import metadata
@@ -27,6 +26,7 @@ from pydantic import Field
 from echo2.envs.base import Environment, EnvironmentFields, EnvKnobs, EnvScore, TextEnv
 from echo2.envs.verifiers_load import SCORE_TIMEOUT_S, Judges, ScoreTimeout
 from echo2.errors import ConfigError
+from echo2.logs import SampledLog
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Sequence
@@ -195,21 +195,18 @@ class VerifiersEnvSpec(EnvKnobs):
 
 JUDGED = Counter[tuple[str, str]]()  # (task.env, "judged" | "judge_error") -> episodes, this process
 _JUDGE_LOCK = threading.Lock()
-_JUDGE_LOGGED: dict[str, float] = {}  # failure (its first 80 characters) -> when last logged
-JUDGE_LOG_EVERY_S = 60.0
+_JUDGE_FAILED = SampledLog(log, every_s=60.0)  # a line a minute per kind of failure (called under the lock)
 
 
 def _judge_counted(env: str, why: str) -> None:
     """One judged scoring of an episode of ``env``: ``why`` it failed (scored 0), or "" (it did not)."""
     with _JUDGE_LOCK:
         JUDGED[env, "judge_error" if why else "judged"] += 1
-        if not why or time.monotonic() - _JUDGE_LOGGED.get(why[:80], -math.inf) < JUDGE_LOG_EVERY_S:
-            return
-        _JUDGE_LOGGED[why[:80]] = time.monotonic()
-        n = JUDGED[env, "judge_error"]
-    log.warning(
-        "judging an episode of task.env = %r failed, scored 0 (%s); %d such so far", env, why[:300], n
-    )
+        if why:
+            _JUDGE_FAILED.log(
+                why[:80], "judging an episode of task.env = %r failed, scored 0 (%s); %d such so far",
+                env, why[:300], JUDGED[env, "judge_error"],
+            )  # fmt: skip
 
 
 VERIFIERS_ENV = Environment(

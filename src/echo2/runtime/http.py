@@ -6,7 +6,7 @@ shape), listening through :class:`PerimeterSite`, the port's ``echo2.perimeter.P
 replies: :func:`reply`, :func:`error` (a refusal as aiohttp's exception, counted by its reason),
 :func:`stream_parts`, :func:`answer_and_close`, :func:`clean`. What a request may cost: :func:`bearer`,
 :func:`read_at_most`, :class:`CopyBudget` (the join token's copies of each served object),
-and ``echo2.perimeter.SampledLog`` logs the refusals a stranger can repeat, without a flood.
+and ``echo2.logs.SampledLog`` logs the refusals a stranger can repeat, without a flood.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from typing import Any
 
 from echo2.config import ControllerConfig, StalenessConfig
 from echo2.errors import InfeasibleError
+from echo2.logs import SampledLog
 from echo2.observe import catalog
-from echo2.perimeter import SampledLog
 from echo2.planner import capacity
 from echo2.planner.activation import Candidate
 from echo2.planner.controller import Heartbeat, PoolController

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from echo2.logs import SampledLog
 from echo2.observe import catalog as m
-from echo2.perimeter import SampledLog
 from echo2.tasks.base import Task
 from echo2.types import Prompt
 

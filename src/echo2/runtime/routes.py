@@ -54,7 +54,8 @@ from echo2.broadcast.access import BUDGET_SLACK_CHUNKS, SERVE_BUDGET, ByteBudget
 from echo2.config import SecurityConfig
 from echo2.data.store import TrajectoryStore
 from echo2.data.submission import M, Rejected, parse_model
-from echo2.perimeter import Limits, Perimeter, RequestRate, SampledLog, port_limits
+from echo2.logs import SampledLog
+from echo2.perimeter import Limits, Perimeter, RequestRate, port_limits
 from echo2.protocol import (
     API,
     VERSION_HEADER,

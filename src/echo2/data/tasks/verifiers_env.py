@@ -46,7 +46,6 @@ import asyncio
 import logging
 import math
 import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +64,7 @@ from echo2.envs.verifiers_load import (
     vf,
 )
 from echo2.errors import ConfigError, DataError
+from echo2.logs import SampledLog
 from echo2.types import Prompt
 
 if TYPE_CHECKING:
@@ -73,7 +73,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 __all__ = ["VerifiersTask", "load_taskset"]
 OUTCOMES = ("scored", "error")
-ERROR_LOG_EVERY_S = 60.0  # a failing reward function is logged once a minute per kind of failure
 
 
 class VerifiersTask(FileSplitsAccess):
@@ -86,7 +85,7 @@ class VerifiersTask(FileSplitsAccess):
         self._messages: dict[str, list[Any]] = {}  # prompt id -> the prompt's messages, as the trace has them
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
-        self._error_logged: dict[str, float] = {}  # failure (its first 80 characters) -> when last logged
+        self._failed = SampledLog(log, every_s=60.0)  # a line a minute per kind of failure (under the lock)
         super().__init__()
 
     # ---- data ---------------------------------------------------------------------------------------
@@ -218,10 +217,9 @@ class VerifiersTask(FileSplitsAccess):
     def _count(self, prompt: Prompt, why: str) -> None:
         with self._counts_lock:
             self._counts["error" if why else "scored"] += 1
-            if why and time.monotonic() - self._error_logged.get(why[:80], -math.inf) >= ERROR_LOG_EVERY_S:
-                self._error_logged[why[:80]] = time.monotonic()
-                log.warning(
-                    "scoring a completion of task %s failed, scored 0 (%s); %d such so far",
+            if why:
+                self._failed.log(
+                    why[:80], "scoring a completion of task %s failed, scored 0 (%s); %d such so far",
                     prompt.prompt_id[:12], why[:300], self._counts["error"],
                 )  # fmt: skip
 

@@ -298,3 +298,24 @@ async def score(task: Any, trace: Any, timeout_s: float = SCORE_TIMEOUT_S) -> fl
     if any(r is None for r in trace.rewards.values()):
         return math.nan
     return float(trace.reward)
+
+
+async def scored_all(
+    calls: Sequence[Coroutine[Any, Any, float] | None], at_once: int
+) -> list[tuple[float, str] | None]:
+    """Await each scoring in ``calls`` (:func:`score` and the like), at most ``at_once`` in flight: its
+    reward and ``""``, or ``0.0`` and why it failed (an exception of the user's reward code or a judge, a
+    timeout, a reward that is not finite); None where the call is None."""
+    slots = asyncio.Semaphore(at_once)
+
+    async def one(call: Coroutine[Any, Any, float] | None) -> tuple[float, str] | None:
+        if call is None:
+            return None
+        async with slots:
+            try:
+                got = float(await call)
+            except Exception as exc:  # the user's code or its judge: the scoring's 0, said why
+                return 0.0, f"{type(exc).__name__}: {exc}"
+        return (got, "") if math.isfinite(got) else (0.0, f"a reward that is not finite ({got})")
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))

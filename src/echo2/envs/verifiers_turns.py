@@ -11,9 +11,7 @@ a worker with another version or other files refuses to run.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import random
 import threading
 from collections import Counter
@@ -29,7 +27,7 @@ from echo2.errors import ConfigError
 from echo2.logs import SampledLog
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Sequence
+    from collections.abc import Callable, Sequence
 
     from echo2.envs.verifiers_bridge import Loaded
     from echo2.types import Prompt
@@ -145,30 +143,18 @@ class VerifiersEnvSpec(EnvKnobs):
         ``task.grade_threads`` at once, each bounded by ``task.score_timeout_s``); None where there is
         nothing to add. A scoring that fails gives 0, logged and counted (:meth:`outcome_counts`)."""
         from echo2.envs.verifiers_bridge import VerifiersTextEnv
-        from echo2.envs.verifiers_load import run_async
+        from echo2.envs.verifiers_load import run_async, scored_all
 
         calls = [e.judge(self.cfg.score_timeout_s) if isinstance(e, VerifiersTextEnv) else None for e in envs]
         if all(c is None for c in calls):
             return [None] * len(envs)
 
-        async def whole() -> list[float | None]:
-            slots = asyncio.Semaphore(self.cfg.grade_threads)
-
-            async def one(call: Coroutine[Any, Any, float] | None) -> float | None:
-                if call is None:
-                    return None
-                async with slots:
-                    try:
-                        got = await call
-                        why = "" if math.isfinite(got) else f"a reward that is not finite ({got})"
-                    except Exception as exc:  # the judge or the user's reward code: the episode's 0, counted
-                        got, why = 0.0, f"{type(exc).__name__}: {exc}"
-                _judge_counted(self.cfg.env, why)
-                return 0.0 if why else got
-
-            return list(await asyncio.gather(*(one(c) for c in calls)))
-
-        return run_async(whole())
+        judged = []
+        for got in run_async(scored_all(calls, self.cfg.grade_threads)):
+            if got is not None:
+                _judge_counted(self.cfg.env, got[1])
+            judged.append(None if got is None else got[0])
+        return judged
 
     def outcome_counts(self) -> dict[str, int]:
         """Episodes judged by this process so far: ``judged``, and ``judge_error`` (scored 0)."""

@@ -42,9 +42,7 @@ The three splits are disjoint by task key (``file_splits``: a stable hash of the
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -60,6 +58,7 @@ from echo2.envs.verifiers_load import (
     run_async,
     say_judges,
     score,
+    scored_all,
     unscorable,
     vf,
 )
@@ -162,10 +161,9 @@ class VerifiersTask(FileSplitsAccess):
         reply (``verifiers_load.probe_judges``)."""
         field = self.cfg.reference_field
         reply = str(getattr(task.data, field, None) or "probe") if field else "probe"
-        turns = [(m, False) for m in self._messages[task.key]] + [
-            (vf().AssistantMessage(content=reply), True)
-        ]
-        probe_judges(self.cfg.env, task, new_trace(task, turns), self.cfg.score_timeout_s)
+        probe_judges(
+            self.cfg.env, task, _trace(task, self._messages[task.key], reply), self.cfg.score_timeout_s
+        )
 
     def reference(self, prompt: Prompt) -> str:
         """The task data's ``reference_field`` as text (what the embedded model's warm start imitates)."""
@@ -199,20 +197,18 @@ class VerifiersTask(FileSplitsAccess):
         return run_async(self._grades(tasks, todo))
 
     async def _grades(self, tasks: Sequence[Any], todo: Sequence[tuple[Prompt, str]]) -> list[Grade]:
-        slots = asyncio.Semaphore(self.grade_threads)
-
-        async def one(task: Any, prompt: Prompt, completion: str) -> Grade:
-            async with slots:
-                try:
-                    messages = self._messages[prompt.prompt_id]
-                    reward = await self._score(task, messages, completion, self.cfg.score_timeout_s)
-                    why = "" if math.isfinite(reward) else f"a reward that is not finite ({reward})"
-                except Exception as exc:  # the user's reward code: a failure is its completion's 0, counted
-                    reward, why = math.nan, f"{type(exc).__name__}: {exc}"
+        timeout_s = self.cfg.score_timeout_s
+        calls = [
+            self._score(t, self._messages[p.prompt_id], c, timeout_s)
+            for t, (p, c) in zip(tasks, todo, strict=True)
+        ]
+        grades = []
+        for (prompt, _), got in zip(todo, await scored_all(calls, self.grade_threads), strict=True):
+            assert got is not None  # every call is one
+            reward, why = got
             self._count(prompt, why)
-            return Grade(0.0 if why else reward, not why)
-
-        return list(await asyncio.gather(*(one(t, p, c) for t, (p, c) in zip(tasks, todo, strict=True))))
+            grades.append(Grade(reward, not why))
+        return grades
 
     def _count(self, prompt: Prompt, why: str) -> None:
         with self._counts_lock:
@@ -225,8 +221,7 @@ class VerifiersTask(FileSplitsAccess):
 
     @staticmethod
     async def _score(task: Any, messages: Sequence[Any], completion: str, timeout_s: float) -> float:
-        turns = [(m, False) for m in messages] + [(vf().AssistantMessage(content=completion), True)]
-        return await score(task, new_trace(task, turns), timeout_s)
+        return await score(task, _trace(task, messages, completion), timeout_s)
 
     def outcome_counts(self) -> dict[str, int]:
         with self._counts_lock:
@@ -234,3 +229,9 @@ class VerifiersTask(FileSplitsAccess):
 
     def token_mask(self, completion_ids: Sequence[int], meta: dict[str, object]) -> list[float]:
         return full_mask(completion_ids, meta)
+
+
+def _trace(task: Any, messages: Sequence[Any], reply: str) -> Any:
+    """A verifiers trace of ``task``: the prompt's ``messages`` (not sampled), then ``reply`` as the one
+    sampled assistant turn."""
+    return new_trace(task, [(m, False) for m in messages] + [(vf().AssistantMessage(content=reply), True)])

@@ -217,11 +217,14 @@ def test_tls_clients_that_send_a_request_and_close_at_once_leave_no_traceback(
     ident = make_identity(["127.0.0.1"])
     request = b"GET /x HTTP/1.1\r\nHost: learner\r\n\r\n"
 
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
     async def go() -> tuple[list[dict[str, Any]], Perimeter]:
         failures: list[dict[str, Any]] = []
         asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: failures.append(ctx))
         app = web.Application()
-        app.router.add_get("/x", lambda _r: web.Response(text="ok"))  # type: ignore[arg-type,return-value]
+        app.router.add_get("/x", ok)
         runner = Runner(app, on_refusal=lambda _reason: None)
         await runner.setup()
         p = Perimeter("api", limits(max_connections=64, max_per_address=64))

@@ -659,10 +659,11 @@ def _times(
     return float(np.median(t[b == 1000.0 * 1e6 / 8])), float(t.max())
 
 
-def _node_run(n: int, window_s: float, out: Path) -> dict[str, Any]:
+def _node_run(n: int, window_s: float, out: Path, sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """One run of the node study: a fresh ``echo2 run`` serving ``n`` simulated members, each over
     connections of its own where the descriptor limit holds two a member on both sides, else the members
-    of an address sharing a pool of connections (``SHARED_CONNECTIONS``; said in the row)."""
+    of an address sharing a pool of connections (``SHARED_CONNECTIONS``; said in the row); ``sets``:
+    config fields set on the learner besides the study's own (``--set``), last so they win."""
     import shutil
     import sys
 
@@ -689,7 +690,7 @@ def _node_run(n: int, window_s: float, out: Path) -> dict[str, Any]:
         f"batch.group_size={group}", "runtime.lease_prompts=1", "train.eval_every=1000000",
         "train.eval_size=8", "security.check_fraction=0",
         "security.check_first=0", "security.probation_share=0.5", f"security.max_workers={n + 64}",
-        f"security.max_identities={n + 64}", f"security.perimeter.max_per_address={per_address}",
+        f"security.max_identities={n + 64}", f"security.perimeter.max_per_address={per_address}", *sets,
         minutes=60,
     )  # fmt: skip
     learner = psutil.Process(proc.pid)
@@ -799,7 +800,9 @@ def _descriptors(need: int) -> int:
     return raise_descriptor_limit(need)
 
 
-def study_node(ns: list[int], label: str, window_s: float, repeats: int = 1) -> dict[str, Any]:
+def study_node(
+    ns: list[int], label: str, window_s: float, repeats: int = 1, sets: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The baseline fleet, then each N (module docstring), ``repeats`` times interleaved (each N's update
     ratio read against its own repeat's baseline); the readings against ``NODE_TARGETS``. With repeats,
     the verdict reads the median ratio, the worst p99 and every repeat's errors, and the ratios' mean
@@ -812,7 +815,7 @@ def study_node(ns: list[int], label: str, window_s: float, repeats: int = 1) -> 
         rows = []
         for n in [BASE_N, *ns]:
             print(f"node study: N = {n} (repeat {i + 1} of {repeats})", flush=True)
-            rows.append(_node_run(n, window_s, ROOT / "results"))
+            rows.append(_node_run(n, window_s, ROOT / "results", sets))
             r = rows[-1]
             shown = ("n", "registered", "register_all_s", "steps_in_window", "update_s_per_1k_tokens",
                      "learner_cpu_share", "generator_cpu_share", "errors", "latency")  # fmt: skip
@@ -865,7 +868,7 @@ def study_node(ns: list[int], label: str, window_s: float, repeats: int = 1) -> 
         p99 = _p99(r, ("register", "heartbeat", "lease"))
         verdict["n10000"] = fives == 0 and p99 <= t["n10000_p99_control_s_max"]
     out = {"label": label, "window_s": window_s, "base_n": BASE_N, "rows": rows, "targets": t,
-           "met": verdict, "cpus": os.cpu_count()}  # fmt: skip
+           "met": verdict, "cpus": os.cpu_count(), "sets": list(sets)}  # fmt: skip
     if repeats > 1:
         out.update(repeats=repeats, repeat_rows=runs[1:], spread=spread)
     return out
@@ -955,6 +958,9 @@ def main() -> int:
     p.add_argument("--ns", type=int, nargs="+", default=[1_000, 3_000, 10_000], help="members per reading")
     p.add_argument("--repeats", type=int, default=1, help="node: the baseline and each N, this often")
     p.add_argument("--label", default="after", help="whose code this is (the before/after readings)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="node: a learner config field"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "results")
     a = p.parse_args()
     path = a.out / "fleet.json"
@@ -962,7 +968,7 @@ def main() -> int:
     studies = {"publish": study_publish, "probation": study_probation, "register": study_register,
                "state": study_state}  # fmt: skip
     if a.study == "node":
-        res.setdefault("node", {})[a.label] = study_node(a.ns, a.label, a.window, a.repeats)
+        res.setdefault("node", {})[a.label] = study_node(a.ns, a.label, a.window, a.repeats, tuple(a.set))
     elif a.study == "restart":
         res.setdefault("restart", {})[a.label] = study_restart(a.ns, a.label, a.present, a.seeds, a.gather)
     else:

@@ -216,12 +216,18 @@ class Perimeter:
         port: int,
         ssl_context: ssl.SSLContext | None = None,
         backlog: int = 1024,
+        reuse_port: bool = False,
     ) -> asyncio.Server:
         """Listen on ``host:port``; each admitted connection gets a protocol from ``factory`` (over TLS
-        with ``ssl_context`` once its handshake is done)."""
+        with ``ssl_context`` once its handshake is done); ``reuse_port``: other processes may listen
+        on it too (the kernel spreads new connections among them)."""
         loop = asyncio.get_running_loop()
         return await loop.create_server(
-            lambda: _Gatekeeper(self, factory, ssl_context), host, port, backlog=backlog
+            lambda: _Gatekeeper(self, factory, ssl_context),
+            host,
+            port,
+            backlog=backlog,
+            reuse_port=reuse_port or None,
         )
 
     def vouch(self, transport: asyncio.BaseTransport | None) -> None:

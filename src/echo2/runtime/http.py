@@ -119,6 +119,14 @@ class Runner(web.AppRunner):
 
 
 BODY_HEADERS = ("content-type", "content-length")
+# between the API's fronts (``runtime/front.py``) and the learner, on the learner's owner-only unix socket
+# alone: a front sets the first on every request it forwards (any peer's own is never forwarded), the
+# learner the other two on a reply (the front then vouches for, or closes, the peer's connection)
+PEER_HEADER = "X-Echo2-Peer"  # the peer address the front saw
+VOUCH_HEADER = "X-Echo2-Vouch"  # the request authenticated: the connection is a member's
+CLOSE_HEADER = "X-Echo2-Close"  # a stranger's refusal: close the connection once it is answered
+FRONT_BATCH = "/internal/heartbeats"  # a front's batch of heartbeats (Routes.heartbeats)
+FRONT_AUTH = "/internal/auth"  # a front asks whether a credential may send a large body (Routes.credential)
 # refusals any stranger can repeat at will (counted in metrics; logged at most every LOG_EVERY_S each)
 # (a caught or retired identity's credential too: its catch or retirement is logged once, where it happens,
 # and a liar that keeps knocking with it would otherwise write a line a request)
@@ -161,6 +169,11 @@ async def answer_and_close(request: web.Request, exc: web.HTTPException) -> web.
     what is left of the body, for up to ``lingering_time``: a slow sender's grip on the connection)."""
     keep = {k: v for k, v in exc.headers.items() if k.lower() not in BODY_HEADERS}  # Retry-After
     resp = web.Response(body=exc.body, status=exc.status, content_type="application/json", headers=keep)
+    return await send_and_close(request, resp)
+
+
+async def send_and_close(request: web.Request, resp: web.Response) -> web.StreamResponse:
+    """Send ``resp`` and close the connection at once (what is left of the request's body unread)."""
     resp.force_close()
     await resp.prepare(request)
     await resp.write_eof()
@@ -202,6 +215,34 @@ def bearer(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     value = header[7:].strip() if header.startswith("Bearer ") else ""
     return value or None
+
+
+async def read_body(request: web.Request, limit: int | None, timeout: float) -> bytes:
+    """The whole body, within ``timeout`` seconds (``security.body_timeout_s``; 408 ``slow_body`` and the
+    connection closed, else) and ``limit`` bytes (413 ``oversized``, closed, before it is read; None: the
+    app's ``client_max_size``); 400 ``bad_http`` if its framing breaks; ``dropped`` if the peer left
+    first."""
+    if limit is not None and (request.content_length or 0) > limit:
+        raise error(
+            web.HTTPRequestEntityTooLarge,
+            "oversized",
+            f"a body of {request.content_length} bytes; this request takes at most {limit}",
+            close=True,
+        )
+    try:
+        async with asyncio.timeout(timeout):
+            return await (request.read() if limit is None else read_at_most(request, limit))
+    except TimeoutError:
+        raise error(
+            web.HTTPRequestTimeout,
+            "slow_body",
+            f"the body did not arrive within {timeout:g} s (security.body_timeout_s)",
+            close=True,  # the rest of that body is not waited for
+        ) from None
+    except web.RequestPayloadError as exc:
+        raise error(web.HTTPBadRequest, "bad_http", f"body: {clean(str(exc))}") from None
+    except ConnectionError:  # nobody left to answer: counted, and the reply goes nowhere
+        raise error(web.HTTPBadRequest, "dropped", "the connection closed before the body arrived") from None
 
 
 async def read_at_most(request: web.Request, limit: int) -> bytes:
@@ -258,9 +299,11 @@ class PerimeterSite(web.BaseSite):
         port: int,
         ssl_context: ssl.SSLContext | None,
         perimeter: Perimeter,
+        reuse_port: bool = False,
     ) -> None:
         super().__init__(runner)
         self._host, self._port, self._tls, self._perimeter = host, port, ssl_context, perimeter
+        self._reuse_port = reuse_port  # several processes serve the port (runtime/front.py)
 
     @property
     def name(self) -> str:
@@ -277,4 +320,6 @@ class PerimeterSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
-        self._server = await self._perimeter.serve(server, self._host, self._port, self._tls)
+        self._server = await self._perimeter.serve(
+            server, self._host, self._port, self._tls, reuse_port=self._reuse_port
+        )

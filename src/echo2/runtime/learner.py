@@ -309,8 +309,11 @@ class AsyncLearner:
         it is (``learner.json`` holds no secret: the token has its own file, a fingerprint is public)."""
 
         rt, tls = self.cfg.runtime, self._tls
-        runner, port = await routes.serve(rt.host, rt.port, tls.server_context() if tls else None)
-        self._resources.push_async_callback(runner.cleanup)
+        if rt.api_processes:
+            port = await self._serve_fronts(routes)
+        else:
+            runner, port = await routes.serve(rt.host, rt.port, tls.server_context() if tls else None)
+            self._resources.push_async_callback(runner.cleanup)
         url = f"{'https' if tls else 'http'}://{rt.advertise_host or rt.host}:{port}"
         join = join_string(url, tls.fingerprint if tls else None)
         self.endpoints = Endpoints(url, broadcast, self.token, str(self.run_path), join)
@@ -329,6 +332,40 @@ class AsyncLearner:
             join,
             self.run_path / "join_token",
         )
+
+    async def _serve_fronts(self, routes: Any) -> int:
+        """The API served by ``runtime.api_processes`` fronts (``runtime/front.py``) on the API port, the
+        learner answering them on a unix socket in a directory of its own (owner-only, removed at the
+        end); the port."""
+        import tempfile
+
+        from echo2.runtime.front import Fronts, FrontSpec
+
+        cfg, rt, tls = self.cfg, self.cfg.runtime, self._tls
+        where = tempfile.TemporaryDirectory(prefix="echo2-api-")  # mode 0700
+        self._resources.callback(where.cleanup)
+        path = os.path.join(where.name, "api.sock")
+        runner = await routes.serve_internal(path)
+        self._resources.push_async_callback(runner.cleanup)
+        fronts = Fronts()
+        self._resources.push_async_callback(fronts.aclose)  # first out: before the socket closes
+        spec = FrontSpec(
+            name="front-0",
+            host=rt.host,
+            port=rt.port,
+            upstream=path,
+            perimeter=cfg.security.perimeter.model_dump(),
+            idle_s=cfg.security.perimeter.idle_s,
+            body_timeout_s=cfg.security.body_timeout_s,
+            max_request_bytes=routes.max_request_bytes,
+            batch_s=rt.front_batch_s,
+            parent=os.getpid(),
+            cert_pem=tls.cert_pem.decode() if tls else None,
+            key_pem=tls.key_pem.decode() if tls else None,
+        )
+        port: int = await fronts.start(rt.api_processes, spec)
+        log.info("the API served by %d front process(es) on port %d", rt.api_processes, port)
+        return port
 
     async def _serve_dashboard(self, parts: Any) -> None:
         """The live dashboard and /metrics (``observe/dashboard.py``), on their own port; a view token

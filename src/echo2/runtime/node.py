@@ -63,7 +63,7 @@ class NodeParts:
         return {
             **self.broker.standings.metrics(),
             **self.broker.prompts.metrics(),
-            **self.routes.perimeter.metrics(),
+            **self.routes.perimeter_metrics(),
         }
 
 

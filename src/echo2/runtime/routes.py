@@ -41,13 +41,16 @@ escaped (:func:`http.clean`), so neither a lone surrogate nor a control characte
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
+import os
 import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from echo2.broadcast.access import BUDGET_SLACK_CHUNKS, SERVE_BUDGET, ByteBudget
@@ -87,9 +90,12 @@ log = logging.getLogger(__name__)
 
 BURST_S = 2.0  # a token bucket holds this many seconds of security.max_requests_per_s (bursts of twice it)
 REGISTER_MAX_BYTES = 4 << 10  # a registration's body (a name, a price, a description) is read up to this
+FRONT_KEEPALIVE_S = 300.0  # a front's idle link to this process stays open this long (its pool reuses it)
+MAX_FRONT_COUNT = 1_000_000  # refusals of one reason a front may report in one batch
 OFF_LOOP_BYTES = 64 << 10  # a request body past this is parsed in a worker thread, off the event loop
 # a request's key for the record its bearer credential named (the middleware's lookup; None: none)
 RECORD = web.RequestKey("echo2_record", WorkerRecord | None)
+VOUCHED = web.RequestKey("echo2_vouched", bool)  # a fronted request authenticated (http.VOUCH_HEADER)
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,8 @@ class Routes:
         self.token_budget = http.CopyBudget(sec.max_workers, sec.token_copies_per_hour, clock)
         self._model_reply = ModelReply(files=identity.skeleton).model_dump_json().encode()
         self._sampled = SampledLog(log, http.LOG_EVERY_S, clock)  # refusals a stranger can repeat at will
+        self.fronted = False  # served by fronts (runtime/front.py) on a unix socket: serve_internal
+        self._fronts: dict[str, dict[str, float]] = {}  # front -> its perimeter's metrics, as last told
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -169,6 +177,79 @@ class Routes:
         await site.start()
         return runner, site.port
 
+    async def serve_internal(self, path: str) -> web.AppRunner:
+        """Serve the API to its fronts (``runtime/front.py``: the processes that hold the public port,
+        its TLS, its perimeter and its HTTP parsing) on the unix socket ``path``, in a directory only
+        this user may enter: the same handlers, the peer's address and the perimeter's vouching passed
+        by header (``http.PEER_HEADER``, ``VOUCH_HEADER``, ``CLOSE_HEADER``), and the fronts' batches of
+        heartbeats (:meth:`heartbeats`). Returns the runner (``cleanup()`` stops it)."""
+        self.fronted = True
+        app = self.app()
+        app.router.add_post(http.FRONT_BATCH, self.heartbeats)
+        app.router.add_get(http.FRONT_AUTH, self.credential)
+        app.on_response_prepare.append(_mark_vouched)
+        runner = http.Runner(
+            app, self.store.record_rejection, access_log=None, keepalive_timeout=FRONT_KEEPALIVE_S
+        )
+        await runner.setup()
+        await web.UnixSite(runner, path).start()
+        os.chmod(path, 0o600)
+        return runner
+
+    def perimeter_metrics(self) -> dict[str, float]:
+        """``perimeter/api/``: this process's perimeter, or the sum of its fronts' as they last told."""
+        total = self.perimeter.metrics()  # fronted: the requests it refused by address alone
+        if not self.fronted:
+            return total
+        for metrics in self._fronts.values():
+            for key, value in metrics.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
+
+    async def heartbeats(self, request: web.Request) -> web.Response:
+        """``POST /internal/heartbeats`` from a front: ``{"front", "items": [[credential or null, peer
+        address, body (base64)], ...], "refused": {reason: count}, "perimeter": {metric: value}}``, each
+        item a peer's ``POST /v1/heartbeat`` answered as :meth:`heartbeat` would (``_gate``, ``_auth``,
+        the handler; refusals counted here by reason), in order: ``{"items": [[status, body, Retry-After
+        or null, vouch, close], ...]}``. The front's own refusals (malformed HTTP, slow bodies, ...) are
+        counted here too, and its perimeter's metrics kept for ``perimeter_metrics``."""
+        try:
+            batch = orjson.loads(await request.read())
+            front, items = str(batch["front"]), batch["items"]
+            refused, metrics = dict(batch.get("refused", {})), dict(batch.get("perimeter", {}))
+        except (
+            orjson.JSONDecodeError,
+            KeyError,
+            TypeError,
+            ValueError,
+        ) as exc:  # a front's bug, never a peer's
+            return http.reply(ErrorReply(error="malformed", detail=f"front batch: {exc}"), 400)
+        for reason, count in refused.items():
+            for _ in range(min(int(count), MAX_FRONT_COUNT)):
+                self.store.record_rejection(str(reason))
+        self._fronts[front] = {str(k): float(v) for k, v in metrics.items()}
+        out = [self._beat_item(credential, peer, body) for credential, peer, body in items]
+        return web.Response(body=orjson.dumps({"items": out}), content_type="application/json")
+
+    async def credential(self, request: web.Request) -> web.Response:
+        """``GET /internal/auth`` from a front: 204 if the request's credential may ask now (``_auth``),
+        before the front reads a large body for it; else the refusal."""
+        self._auth(request)
+        return web.Response(status=204)
+
+    def _beat_item(self, credential: str | None, peer: str, body: str) -> list[Any]:
+        vouch = False
+        try:
+            rec = self._admit(credential, peer)
+            vouch = rec is not None and rec.trusted
+            rec = self._authorized(rec, credential is not None)
+            reply = self._beat(rec, _parse(HeartbeatRequest, base64.b64decode(body)))
+            return [200, reply.model_dump_json(), None, vouch, False]
+        except web.HTTPException as exc:
+            self._count(exc, f"POST {API}/heartbeat from {peer}")
+            close = bool(getattr(exc, "echo2_close", False))
+            return [exc.status, exc.text, exc.headers.get("Retry-After"), vouch, close]
+
     # ---- handlers ----------------------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
         """Enrol a worker: the join token (``Authorization: Bearer <token>``) is checked before a byte of
@@ -185,7 +266,7 @@ class Routes:
             )
         if not self.registry.token_ok(token):
             raise http.error(web.HTTPForbidden, "auth", "wrong join token", close=True)
-        self.perimeter.vouch(request.transport)
+        self._vouch(request)
         req = _parse(RegisterRequest, await self._body(request, REGISTER_MAX_BYTES))
         again = self.registry.retried(req)  # sent again after a late or lost reply: the same identity
         if again is not None:
@@ -235,7 +316,9 @@ class Routes:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         rec = self._auth(request)
-        hb = _parse(HeartbeatRequest, await self._body(request))
+        return http.reply(self._beat(rec, _parse(HeartbeatRequest, await self._body(request))))
+
+    def _beat(self, rec: WorkerRecord, hb: HeartbeatRequest) -> HeartbeatReply:
         if hb.installed_version > self.snapshots.version:
             raise http.error(
                 web.HTTPUnprocessableEntity,
@@ -245,14 +328,13 @@ class Routes:
         self.registry.installed(rec.worker_id, hb.installed_version, hb.install_s, holds_now=True)
         self.pool.observe(rec, hb)
         self.pool.tick_due()
-        reply = HeartbeatReply(
+        return HeartbeatReply(
             active=self.pool.is_active(rec.worker_id),
             version=self.broker.version(),
             min_version=self.broker.min_version,
             finished=self.broker.finished,
             heartbeat_s=self.pool.cadence.heartbeat(),
         )
-        return http.reply(reply)
 
     async def lease(self, request: web.Request) -> web.Response:
         rec = self._auth(request)
@@ -365,9 +447,14 @@ class Routes:
     def _auth(self, request: web.Request) -> WorkerRecord:
         """The trusted identity a request's http.bearer credential names (the middleware looked it up),
         within its request rate; else the refusal (401/403/429, counted by the middleware)."""
-        rec = request.get(RECORD)
+        return self._authorized(request.get(RECORD), http.bearer(request) is not None)
+
+    def _authorized(self, rec: WorkerRecord | None, has_credential: bool) -> WorkerRecord:
+        """``rec`` (what a credential named, None: nothing) if it may ask now: 401/403 ``auth`` for a
+        missing or unknown credential, 403 ``quarantined`` / ``retired``, 429 ``rate_limited`` past the
+        identity's request rate."""
         if rec is None:
-            if http.bearer(request) is None:
+            if not has_credential:
                 raise http.error(web.HTTPUnauthorized, "auth", "missing http.bearer credential", close=True)
             raise http.error(web.HTTPForbidden, "auth", "unknown credential", close=True)
         if rec.quarantined:
@@ -424,85 +511,93 @@ class Routes:
             )
 
     async def _body(self, request: web.Request, limit: int | None = None) -> bytes:
-        """The whole body, within ``security.body_timeout_s`` (408 ``slow_body`` and the connection
-        closed, else) and ``limit`` bytes (413 ``oversized``, closed, before it is read; None: the
-        app's ``client_max_size``); 400 ``bad_http`` if its framing breaks; ``dropped`` if the peer left
-        first."""
-        timeout = self.security.body_timeout_s
-        if limit is not None and (request.content_length or 0) > limit:
-            raise http.error(
-                web.HTTPRequestEntityTooLarge,
-                "oversized",
-                f"a body of {request.content_length} bytes; this request takes at most {limit}",
-                close=True,
-            )
-        try:
-            async with asyncio.timeout(timeout):
-                return await (request.read() if limit is None else http.read_at_most(request, limit))
-        except TimeoutError:
-            raise http.error(
-                web.HTTPRequestTimeout,
-                "slow_body",
-                f"the body did not arrive within {timeout:g} s (security.body_timeout_s)",
-                close=True,  # the rest of that body is not waited for
-            ) from None
-        except web.RequestPayloadError as exc:
-            raise http.error(web.HTTPBadRequest, "bad_http", f"body: {http.clean(str(exc))}") from None
-        except ConnectionError:  # nobody left to answer: counted, and the reply goes nowhere
-            raise http.error(
-                web.HTTPBadRequest, "dropped", "the connection closed before the body arrived"
-            ) from None
+        """The whole body within ``security.body_timeout_s`` and ``limit`` (:func:`http.read_body`)."""
+        return await http.read_body(request, limit, self.security.body_timeout_s)
 
     @web.middleware
     async def _gate(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
-        """Before any handler: the record a http.bearer credential names (kept for ``_auth``); a request no
-        trusted identity vouches for (registration, a missing or bad credential) passes its address's
-        bucket first (``security.perimeter.requests_per_s``; 429 ``rate_limited`` and the connection
-        closed past it), so a stranger's requests cost at most that rate's header parsing; a trusted
-        one's connection is vouched for (the perimeter's deadline ends)."""
-        rec = None
-        if request.path != f"{API}/register":
-            credential = http.bearer(request)
-            rec = self.registry.authenticate(credential) if credential is not None else None
-            request[RECORD] = rec
-        if rec is not None and rec.trusted:
-            self.perimeter.vouch(request.transport)
-        else:
-            wait = self.perimeter.charge(request.remote)
-            if wait > 0:
-                raise http.error(
-                    web.HTTPTooManyRequests,
-                    "rate_limited",
-                    f"more than {self.perimeter.limits.requests_per_s:g} requests/s from this address "
-                    "without a trusted credential (security.perimeter.requests_per_s)",
-                    retry_after_s=wait,
-                    close=True,
-                )
+        """Before any handler: the record a http.bearer credential names (kept for ``_auth``), through
+        :meth:`_admit`; a trusted one's connection is vouched for (the perimeter's deadline ends)."""
+        if request.path != http.FRONT_BATCH:  # a front's batch: each of its heartbeats is admitted
+            # a registration's bearer is the join token, not a credential: its address pays
+            credential = http.bearer(request) if request.path != f"{API}/register" else None
+            rec = request[RECORD] = self._admit(credential, self._peer(request))
+            if rec is not None and rec.trusted:
+                self._vouch(request)
         return await handler(request)
+
+    def _admit(self, credential: str | None, peer: str | None) -> WorkerRecord | None:
+        """The record ``credential`` names (None: none). A request no trusted identity vouches for (a
+        missing or bad credential) passes its address's bucket first (``security.perimeter.requests_per_s``;
+        429 ``rate_limited`` and the connection closed past it), so a stranger's requests cost at most
+        that rate's header parsing."""
+        rec = self.registry.authenticate(credential) if credential is not None else None
+        if rec is not None and rec.trusted:
+            return rec
+        wait = self.perimeter.charge(peer)
+        if wait > 0:
+            raise http.error(
+                web.HTTPTooManyRequests,
+                "rate_limited",
+                f"more than {self.perimeter.limits.requests_per_s:g} requests/s from this address "
+                "without a trusted credential (security.perimeter.requests_per_s)",
+                retry_after_s=wait,
+                close=True,
+            )
+        return rec
+
+    def _peer(self, request: web.Request) -> str | None:
+        """The peer's address: the one its front saw (``http.PEER_HEADER``, set by the front alone:
+        ``runtime/front.py``) when the API is served by fronts, else the connection's."""
+        return request.headers.get(http.PEER_HEADER) if self.fronted else request.remote
+
+    def _vouch(self, request: web.Request) -> None:
+        """``request``'s connection is a member's: the perimeter's, or its front's when fronted (told by
+        ``http.VOUCH_HEADER`` on the reply, :meth:`_count_errors`)."""
+        if self.fronted:
+            request[VOUCHED] = True
+        else:
+            self.perimeter.vouch(request.transport)
 
     @web.middleware
     async def _count_errors(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         try:
-            return await handler(request)
+            resp: web.StreamResponse = await handler(request)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            ours = getattr(exc, "echo2_reason", None)
-            reason = ours or _REASON_BY_STATUS.get(exc.status, f"http_{exc.status}")
-            self.store.record_rejection(reason)
-            where = f"{request.method} {request.path!r} from {request.remote}"
-            if reason in http.FLOODABLE:  # a stranger can make these at will: counted, logged now and then
-                self._sampled.log(reason, "%s: %d %s", where, exc.status, exc.text)
-            else:
-                log.warning("%s: %d %s", where, exc.status, exc.text)
-            if getattr(exc, "echo2_close", False):
-                return await http.answer_and_close(request, exc)
-            if ours is not None:
-                raise
-            # raised by aiohttp itself (body too large, no such route, ...): the same JSON shape as ours
-            keep = {k: v for k, v in exc.headers.items() if k.lower() not in http.BODY_HEADERS}
-            reply = ErrorReply(error=reason, detail=http.clean(exc.text or ""))
-            return http.reply(reply, status=exc.status, headers=keep)
+            return await self._refused(request, exc)
+        return resp
+
+    async def _refused(self, request: web.Request, exc: web.HTTPException) -> web.StreamResponse:
+        """``exc``'s refusal counted, logged (a floodable one now and then) and answered in the
+        :class:`ErrorReply` shape, closing the connection if it says so (a front's: told by
+        ``http.CLOSE_HEADER``, the front's link to this process stays open)."""
+        reason = self._count(exc, f"{request.method} {request.path!r} from {self._peer(request)}")
+        close = getattr(exc, "echo2_close", False)
+        if close and not self.fronted:
+            return await http.answer_and_close(request, exc)
+        keep = {k: v for k, v in exc.headers.items() if k.lower() not in http.BODY_HEADERS}
+        if close:
+            keep[http.CLOSE_HEADER] = "1"
+        if getattr(exc, "echo2_reason", None) is not None:  # ours: already in the ErrorReply shape
+            return web.Response(
+                body=exc.body, status=exc.status, content_type="application/json", headers=keep
+            )
+        # raised by aiohttp itself (body too large, no such route, ...): the same JSON shape as ours
+        return http.reply(ErrorReply(error=reason, detail=http.clean(exc.text or "")), exc.status, keep)
+
+    def _count(self, exc: web.HTTPException, where: str) -> str:
+        """Count and log the refusal ``exc`` (aiohttp's own by their status); its reason."""
+        reason: str = getattr(exc, "echo2_reason", None) or _REASON_BY_STATUS.get(
+            exc.status, f"http_{exc.status}"
+        )
+        self.store.record_rejection(reason)
+        if reason in http.FLOODABLE:  # a stranger can make these at will: counted, logged now and then
+            self._sampled.log(reason, "%s: %d %s", where, exc.status, exc.text)
+        else:
+            log.warning("%s: %d %s", where, exc.status, exc.text)
+        return reason
 
 
 _REASON_BY_STATUS = {
@@ -522,6 +617,12 @@ _HTTP: dict[int, type[web.HTTPException]] = {  # the status of a Rejected -> aio
     413: web.HTTPRequestEntityTooLarge,
     422: web.HTTPUnprocessableEntity,
 }
+
+
+async def _mark_vouched(request: web.Request, resp: web.StreamResponse) -> None:
+    """A fronted reply to a request that authenticated says so (streamed replies too)."""
+    if request.get(VOUCHED):
+        resp.headers[http.VOUCH_HEADER] = "1"
 
 
 def _parse(model: type[M], body: bytes | dict[str, Any]) -> M:

@@ -1,0 +1,191 @@
+"""The API served by a front process (runtime/front.py, ``runtime.api_processes``): the learner's routes
+answer on a unix socket, a real front process holds the public port. The routes' own tests run through
+it unchanged (it must be transparent: the same replies, the same counted refusals), then what is the
+front's own: heartbeats in batches, a stranger's large body never read, internal paths never reachable,
+a peer's forged address header never believed, the learner gone answered 503, nothing left running."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+import test_routes
+from test_routes import make_node, register
+
+from echo2.config import PerimeterConfig
+from echo2.runtime import http
+from echo2.runtime.front import Fronts, FrontSpec
+
+pytestmark = pytest.mark.integration
+
+
+def spec(path: str, max_request_bytes: int, batch_s: float = 0.1) -> FrontSpec:
+    return FrontSpec(
+        name="front-0",
+        host="127.0.0.1",
+        port=0,
+        upstream=path,
+        perimeter=PerimeterConfig().model_dump(),
+        idle_s=30.0,
+        body_timeout_s=2.0,
+        max_request_bytes=max_request_bytes,
+        batch_s=batch_s,
+        parent=os.getpid(),
+    )
+
+
+def run_fronted(coro_fn: Any, node: Any, **kw: Any) -> tuple[Any, Any]:
+    """``test_routes.run``, the node served through one front process: ``coro_fn(client)`` with a
+    session on the front's port; its result and the store's stats once the front has stopped (its last
+    batch carries its counts)."""
+
+    async def main() -> Any:
+        await node.snapshots.publish(0, b"blob")
+        with tempfile.TemporaryDirectory(prefix="echo2-api-") as where:
+            path = os.path.join(where, "api.sock")
+            runner = await node.routes.serve_internal(path)
+            fronts = Fronts()
+            try:
+                port = await fronts.start(1, spec(path, node.routes.max_request_bytes, **kw))
+                node.front_pid = fronts.procs[0].pid
+                async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
+                    node.port = port
+                    return await coro_fn(client)
+            finally:
+                await fronts.aclose()
+                await runner.cleanup()
+
+    try:
+        return asyncio.run(main()), node.store.stats()
+    finally:
+        node.store.close()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "test_register_needs_the_join_token",
+        "test_every_worker_endpoint_needs_a_credential",
+        "test_lease_submit_and_rejections_are_counted",
+        "test_oversized_body_is_413_and_the_learner_keeps_serving",
+        "test_heartbeat_validates_and_reports_activity",
+        "test_snapshot_route_serves_the_chain_from_the_callers_version",
+    ],  # (not the over-long numbers' test: its 5,000-byte header passes the test server, whose header
+    # limit is aiohttp's default, where the front's, as the learner's own port, is 400 bad_http)
+)
+def test_the_routes_tests_pass_through_a_front(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(test_routes, "run", run_fronted)
+    getattr(test_routes, name)(tmp_path)
+
+
+def test_heartbeats_reach_the_learner_in_batches(tmp_path):
+    """60 members' heartbeats at once: every one answered as the in-process route answers (its own
+    ``active``, the learner's version), in a handful of batch requests, not 60."""
+    # 60 registrations from one address: past the per-address rate a stranger's requests have
+    rate = ("security.perimeter.requests_per_s=1000", "security.perimeter.request_burst=1000")
+    node = make_node(tmp_path, *rate)
+    calls: list[int] = []
+    heartbeats = node.routes.heartbeats
+
+    async def counted(request: Any) -> Any:
+        calls.append(1)
+        return await heartbeats(request)
+
+    node.routes.heartbeats = counted
+
+    async def go(client: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        auths = [await register(client, f"w{i}") for i in range(60)]
+        calls.clear()
+        beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+
+        async def one(auth: dict[str, str]) -> dict[str, Any]:
+            resp = await client.post("/v1/heartbeat", json=beat, headers=auth)
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+
+        return list(await asyncio.gather(*(one(a) for a in auths)))
+
+    replies, _ = run_fronted(go, node, batch_s=0.3)
+    assert len(replies) == 60 and all(r["version"] == 0 and not r["finished"] for r in replies)
+    assert 1 <= len(calls) <= 6, len(calls)  # ~0.3 s of arrivals a batch
+
+
+def test_a_strangers_large_body_is_never_read_and_internal_paths_are_not_served(tmp_path):
+    """A submission announcing 4 MiB with an unknown credential is refused 403 before its body is sent
+    (the front asked the learner about the credential first); the learner's internal paths are 404 on
+    the public port; a peer's own address header is not what the learner sees."""
+    node = make_node(tmp_path)
+    peers: list[str | None] = []
+    admit = node.routes._admit
+
+    def watched(credential: Any, peer: Any) -> Any:
+        peers.append(peer)
+        return admit(credential, peer)
+
+    node.routes._admit = watched
+
+    async def go(client: aiohttp.ClientSession) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+        head = (
+            "POST /v1/submit HTTP/1.1\r\nHost: x\r\nContent-Length: 4194304\r\n"
+            "Authorization: Bearer not-a-credential\r\nContent-Type: application/json\r\n\r\n"
+        )
+        writer.write(head.encode())  # and no body at all
+        await writer.drain()
+        t0 = time.monotonic()
+        data = await asyncio.wait_for(reader.read(), 5.0)  # answered and closed without the body
+        out["stranger"] = (data.split(b"\r\n", 1)[0], time.monotonic() - t0)
+        writer.close()
+        auth = await register(client)
+        for path in (http.FRONT_BATCH, http.FRONT_AUTH):
+            resp = await client.post(path, data=b'{"front": "x", "items": []}', headers=auth)
+            out[path] = resp.status
+        peers.clear()
+        forged = {**auth, http.PEER_HEADER: "203.0.113.9"}
+        resp = await client.post("/v1/lease", json={"max_prompts": 1, "installed_version": 0}, headers=forged)
+        out["lease"] = resp.status
+        return out
+
+    out, stats = run_fronted(go, node)
+    assert out["stranger"][0].split()[1] == b"403" and out["stranger"][1] < 2.0
+    assert out[http.FRONT_BATCH] == out[http.FRONT_AUTH] == 404  # the front has no such route
+    assert out["lease"] == 200 and peers == ["127.0.0.1"]
+    assert stats.rejected_by_reason.get("auth") == 1
+
+
+def test_the_learner_gone_is_503_with_retry_after_and_the_front_stops_with_its_parent(tmp_path):
+    node = make_node(tmp_path)
+
+    async def go(client: aiohttp.ClientSession) -> list[tuple[int, str | None, str]]:
+        auth = await register(client)
+        runner = node.routes._test_runner  # stop the learner's side, keep the front
+        await runner.cleanup()
+        out = []
+        beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        ask = {"max_prompts": 1, "installed_version": 0}
+        for path, body in (("/v1/heartbeat", beat), ("/v1/lease", ask)):
+            resp = await client.post(path, json=body, headers=auth)
+            out.append((resp.status, resp.headers.get("Retry-After"), (await resp.json())["error"]))
+        return out
+
+    serve_internal = node.routes.serve_internal
+
+    async def kept(path: str) -> Any:
+        runner = node.routes._test_runner = await serve_internal(path)
+        return runner
+
+    node.routes.serve_internal = kept
+    out, _ = run_fronted(go, node)
+    assert out == [(503, "1", "unavailable"), (503, "1", "unavailable")]
+    with pytest.raises(ProcessLookupError):
+        os.kill(node.front_pid, 0)  # gone once closed (and reaped)

@@ -43,6 +43,11 @@ interleaved runs: the median ratio, every run's errors, the worst p99; the ratio
 interval beside it, added after the first readings); at N = 3,000 training
 continues (a step in the window) and every member registered within 2 minutes; at N = 10,000 no 5xx and
 p99 <= 2 s for registration, heartbeats and leases.
+The API's fronts (``--set runtime.api_processes=1``; the rule fixed before their first reading): three
+invocations at N = 1,000 with a front (``front_r1..3``) interleaved with three without (``inproc_r1..3``),
+each against its own baseline run with the same setting; the targets above read on the median of each
+three (every run's errors, the worst p99); ``runtime.api_processes`` defaults to 1 only if the fronted
+three meet them and their median ratio is below the in-process three's.
 
 Study ``restart`` (the runtime publisher and worker nodes, in-process on loopback with paced uplinks):
 what a learner restart costs the learner's uplink before every member holds its anchor again. A fresh

@@ -1,8 +1,9 @@
 """The API served by a front process (runtime/front.py, ``runtime.api_processes``): the learner's routes
 answer on a unix socket, a real front process holds the public port. The routes' own tests run through
 it unchanged (it must be transparent: the same replies, the same counted refusals), then what is the
-front's own: heartbeats in batches, a stranger's large body never read, internal paths never reachable,
-a peer's forged address header never believed, the learner gone answered 503, nothing left running."""
+front's own: heartbeats and lease requests in batches, a stranger's large body never read, internal
+paths never reachable, a peer's forged address header never believed, the learner gone answered 503,
+nothing left running."""
 
 from __future__ import annotations
 
@@ -88,35 +89,45 @@ def test_the_routes_tests_pass_through_a_front(name, tmp_path, monkeypatch):
 
 
 def test_heartbeats_reach_the_learner_in_batches(tmp_path):
-    """60 members' heartbeats at once: every one answered as the in-process route answers (its own
-    ``active``, the learner's version), in a handful of batch requests, not 60."""
+    """60 members' heartbeats at once, then their lease requests: every one answered as the in-process
+    route answers (its own ``active``, the learner's version; a grant or a refusal), in a handful of
+    batch requests, not 120."""
     # 60 registrations from one address: past the per-address rate a stranger's requests have
     rate = ("security.perimeter.requests_per_s=1000", "security.perimeter.request_burst=1000")
     node = make_node(tmp_path, *rate)
     calls: list[int] = []
-    heartbeats = node.routes.heartbeats
+    batch = node.routes.batch
 
     async def counted(request: Any) -> Any:
         calls.append(1)
-        return await heartbeats(request)
+        return await batch(request)
 
-    node.routes.heartbeats = counted
+    node.routes.batch = counted
 
-    async def go(client: aiohttp.ClientSession) -> list[dict[str, Any]]:
+    async def go(client: aiohttp.ClientSession) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
         auths = [await register(client, f"w{i}") for i in range(60)]
         calls.clear()
         beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        ask = {"max_prompts": 1, "installed_version": 0}
 
-        async def one(auth: dict[str, str]) -> dict[str, Any]:
-            resp = await client.post("/v1/heartbeat", json=beat, headers=auth)
+        async def one(path: str, body: dict[str, Any], auth: dict[str, str]) -> dict[str, Any]:
+            resp = await client.post(path, json=body, headers=auth)
             assert resp.status == 200, await resp.text()
             return dict(await resp.json())
 
-        return list(await asyncio.gather(*(one(a) for a in auths)))
+        beats = await asyncio.gather(*(one("/v1/heartbeat", beat, a) for a in auths))
+        heard = len(calls)
+        leases = await asyncio.gather(*(one("/v1/lease", ask, a) for a in auths))
+        return list(beats), list(leases), heard
 
-    replies, _ = run_fronted(go, node, batch_s=0.3)
-    assert len(replies) == 60 and all(r["version"] == 0 and not r["finished"] for r in replies)
-    assert 1 <= len(calls) <= 6, len(calls)  # ~0.3 s of arrivals a batch
+    (beats, leases, heard), _ = run_fronted(go, node, batch_s=0.3)
+    assert len(beats) == 60 and all(r["version"] == 0 and not r["finished"] for r in beats)
+    assert 1 <= heard <= 6, heard  # ~0.3 s of arrivals a batch
+    # every lease answered as the route answers: grants while prompts last, the rest refusals naming why
+    kinds = {r["kind"] for r in leases}
+    assert len(leases) == 60 and kinds <= {"grant", "refusal"} and "grant" in kinds
+    assert all(r["lease_id"] for r in leases if r["kind"] == "grant")
+    assert 2 <= len(calls) <= 12, len(calls)
 
 
 def test_a_strangers_large_body_is_never_read_and_internal_paths_are_not_served(tmp_path):

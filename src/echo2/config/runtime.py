@@ -117,14 +117,14 @@ class RuntimeConfig(_Section):
         ge=0,
         le=64,
         description="processes that serve the API's port in front of the learner (TLS, the perimeter, HTTP "
-        "parsing, heartbeats in batches: runtime/front.py), so the fleet's requests do not share the "
+        "parsing, heartbeats and lease requests in batches: runtime/front.py), so the fleet's requests do not share the "
         "update's process; 0 = the learner's event loop serves it",
     )
     front_batch_s: float = Field(
         0.1,
         gt=0.0,
         le=2.0,
-        description="with api_processes: a front sends the heartbeats it received to the learner as one "
-        "request this often (a heartbeat waits up to this long for its answer)",
+        description="with api_processes: a front sends the heartbeats and lease requests it received to "
+        "the learner as one request this often (each waits up to this long for its answer)",
     )
     join_token: str | None = Field(None, min_length=16, description="run join token; unset = generated")

@@ -8,13 +8,13 @@ caps, TLS and its deadlines, eviction), TLS, HTTP parsing and aiohttp's own refu
 its route's size. It then asks the learner over the learner's unix socket (owner-only,
 ``Routes.serve_internal``), where the same handlers answer:
 
-- ``register``, ``lease``, ``submit``, ``version``, ``snapshot``, ``model`` are forwarded one by one (the
+- ``register``, ``submit``, ``version``, ``snapshot``, ``model`` are forwarded one by one (the
   peer's address in ``http.PEER_HEADER``; the learner's reply says whether to vouch for the connection,
   ``VOUCH_HEADER``, or close it, ``CLOSE_HEADER``); a snapshot chain streams through;
-- heartbeats, most of a fleet's requests, are **batched**: every ``runtime.front_batch_s`` (or at
-  ``MAX_BATCH`` waiting) one request carries all that arrived, and each peer gets its own answer from the
-  batch's reply (``Routes.heartbeats``): a heartbeat waits up to that long, and the learner's loop pays
-  one HTTP request a batch instead of one a heartbeat;
+- heartbeats and lease requests, most of a fleet's requests (an idle member's lease polls among them),
+  are **batched**: every ``runtime.front_batch_s`` (or at ``MAX_BATCH`` waiting) one request carries all
+  that arrived, and each peer gets its own answer from the batch's reply (``Routes.batch``): a request
+  waits up to that long, and the learner's loop pays one HTTP request a batch instead of one each;
 - a body longer than ``SMALL_BODY`` (a submission) is read only for a credential the learner vouched for
   in the last ``VOUCHED_TTL_S`` seconds, else after the learner said yes to the credential alone
   (``/internal/auth``): a stranger cannot make a front buffer a large body (as the learner, serving
@@ -61,12 +61,13 @@ from echo2.transport import TlsIdentity
 log = logging.getLogger("echo2.runtime.front")
 
 SMALL_BODY = 16 << 10  # a body up to this is read before anyone is asked (a registration, heartbeat, lease)
-MAX_BATCH = 512  # heartbeats that go at once, whatever the clock says
+MAX_BATCH = 512  # batched requests that go at once, whatever the clock says
 VOUCHED_TTL_S = 60.0  # a credential the learner vouched for may send a large body this long after
 UPSTREAM_CONNECT_S = 5.0  # the learner's socket refusing a connection this long: 503 unavailable
 PARENT_POLL_S = 1.0  # how often a front looks for the learner's process
 START_S = 60.0  # a front that does not say its port within this is a failed start
-FINAL_BATCH_S = 5.0  # a stopping front's last batch (its counts, the heartbeats waiting) waits this long
+FINAL_BATCH_S = 5.0  # a stopping front's last batch (its counts, the requests waiting) waits this long
+BATCHED = ("heartbeat", "lease")  # the endpoints whose requests go to the learner in batches
 KEEP_REPLY = ("Content-Type", "Retry-After", VERSION_HEADER)  # the learner's reply headers a peer gets
 
 
@@ -104,10 +105,10 @@ class Front:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.spec.max_request_bytes, middlewares=[self._errors])
-        post = [f"{API}/{p}" for p in ("register", "lease", "submit")]
+        post = [f"{API}/{p}" for p in ("register", "submit")]
         get = [f"{API}/{p}" for p in ("version", "snapshot", "model")]
         app.add_routes(
-            [web.post(f"{API}/heartbeat", self.beat)]
+            [web.post(f"{API}/{p}", self.batched) for p in BATCHED]
             + [web.post(p, self.forward) for p in post]
             + [web.get(p, self.forward) for p in get]
         )
@@ -137,10 +138,11 @@ class Front:
                 return resp
             return await self._answer(request, up.status, await up.read(), up.headers, credential)
 
-    async def beat(self, request: web.Request) -> web.StreamResponse:
-        """A heartbeat: read, then answered with its batch (:meth:`batches`)."""
+    async def batched(self, request: web.Request) -> web.StreamResponse:
+        """A heartbeat or a lease request: read, then answered with its batch (:meth:`batches`)."""
         body = await http.read_body(request, SMALL_BODY, self.spec.body_timeout_s)
-        item = [http.bearer(request), request.remote, base64.b64encode(body).decode()]
+        kind = request.path.rsplit("/", 1)[1]
+        item = [kind, http.bearer(request), request.remote, base64.b64encode(body).decode()]
         done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         self._waiting.append((item, done, request))
         if len(self._waiting) >= MAX_BATCH:
@@ -150,10 +152,10 @@ class Front:
         headers.update({"Retry-After": retry_after} if retry_after else {})
         headers.update({http.VOUCH_HEADER: "1"} if vouch else {})
         headers.update({http.CLOSE_HEADER: "1"} if close else {})
-        return await self._answer(request, status, text.encode(), headers, item[0])
+        return await self._answer(request, status, text.encode(), headers, item[1])
 
     async def batches(self) -> None:
-        """Every ``batch_s`` (sooner at ``MAX_BATCH`` waiting), the heartbeats that arrived go to the
+        """Every ``batch_s`` (sooner at ``MAX_BATCH`` waiting), the requests that arrived go to the
         learner as one request, with the front's counts; at least once a second even with none."""
         last = 0.0
         while True:
@@ -179,7 +181,7 @@ class Front:
                 answers = orjson.loads(await up.read())["items"] if up.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, KeyError, orjson.JSONDecodeError) as exc:
             log.warning(
-                "%s: a batch of %d heartbeats not answered by the learner: %s",
+                "%s: a batch of %d requests not answered by the learner: %s",
                 self.spec.name,
                 len(waiting),
                 exc,

@@ -125,7 +125,7 @@ BODY_HEADERS = ("content-type", "content-length")
 PEER_HEADER = "X-Echo2-Peer"  # the peer address the front saw
 VOUCH_HEADER = "X-Echo2-Vouch"  # the request authenticated: the connection is a member's
 CLOSE_HEADER = "X-Echo2-Close"  # a stranger's refusal: close the connection once it is answered
-FRONT_BATCH = "/internal/heartbeats"  # a front's batch of heartbeats (Routes.heartbeats)
+FRONT_BATCH = "/internal/batch"  # a front's batch of heartbeats and lease requests (Routes.batch)
 FRONT_AUTH = "/internal/auth"  # a front asks whether a credential may send a large body (Routes.credential)
 # refusals any stranger can repeat at will (counted in metrics; logged at most every LOG_EVERY_S each)
 # (a caught or retired identity's credential too: its catch or retirement is logged once, where it happens,

@@ -92,6 +92,7 @@ BURST_S = 2.0  # a token bucket holds this many seconds of security.max_requests
 REGISTER_MAX_BYTES = 4 << 10  # a registration's body (a name, a price, a description) is read up to this
 FRONT_KEEPALIVE_S = 300.0  # a front's idle link to this process stays open this long (its pool reuses it)
 MAX_FRONT_COUNT = 1_000_000  # refusals of one reason a front may report in one batch
+_BAD_BATCH = (orjson.JSONDecodeError, KeyError, TypeError, ValueError)  # a front's batch it cannot read
 OFF_LOOP_BYTES = 64 << 10  # a request body past this is parsed in a worker thread, off the event loop
 # a request's key for the record its bearer credential named (the middleware's lookup; None: none)
 RECORD = web.RequestKey("echo2_record", WorkerRecord | None)
@@ -182,10 +183,10 @@ class Routes:
         its TLS, its perimeter and its HTTP parsing) on the unix socket ``path``, in a directory only
         this user may enter: the same handlers, the peer's address and the perimeter's vouching passed
         by header (``http.PEER_HEADER``, ``VOUCH_HEADER``, ``CLOSE_HEADER``), and the fronts' batches of
-        heartbeats (:meth:`heartbeats`). Returns the runner (``cleanup()`` stops it)."""
+        heartbeats and lease requests (:meth:`batch`). Returns the runner (``cleanup()`` stops it)."""
         self.fronted = True
         app = self.app()
-        app.router.add_post(http.FRONT_BATCH, self.heartbeats)
+        app.router.add_post(http.FRONT_BATCH, self.batch)
         app.router.add_get(http.FRONT_AUTH, self.credential)
         app.on_response_prepare.append(_mark_vouched)
         runner = http.Runner(
@@ -206,29 +207,25 @@ class Routes:
                 total[key] = total.get(key, 0.0) + value
         return total
 
-    async def heartbeats(self, request: web.Request) -> web.Response:
-        """``POST /internal/heartbeats`` from a front: ``{"front", "items": [[credential or null, peer
+    async def batch(self, request: web.Request) -> web.Response:
+        """``POST /internal/batch`` from a front: ``{"front", "items": [[kind, credential or null, peer
         address, body (base64)], ...], "refused": {reason: count}, "perimeter": {metric: value}}``, each
-        item a peer's ``POST /v1/heartbeat`` answered as :meth:`heartbeat` would (``_gate``, ``_auth``,
-        the handler; refusals counted here by reason), in order: ``{"items": [[status, body, Retry-After
-        or null, vouch, close], ...]}``. The front's own refusals (malformed HTTP, slow bodies, ...) are
-        counted here too, and its perimeter's metrics kept for ``perimeter_metrics``."""
+        item a peer's ``POST /v1/heartbeat`` or ``POST /v1/lease`` (``kind``) answered as the route would
+        (``_gate``, ``_auth``, the handler; refusals counted here by reason), in order: ``{"items":
+        [[status, body, Retry-After or null, vouch, close], ...]}``. The front's own refusals (malformed
+        HTTP, slow bodies, ...) are counted here too, and its perimeter's metrics kept for
+        ``perimeter_metrics``."""
         try:
             batch = orjson.loads(await request.read())
             front, items = str(batch["front"]), batch["items"]
             refused, metrics = dict(batch.get("refused", {})), dict(batch.get("perimeter", {}))
-        except (
-            orjson.JSONDecodeError,
-            KeyError,
-            TypeError,
-            ValueError,
-        ) as exc:  # a front's bug, never a peer's
+        except _BAD_BATCH as exc:  # a front's bug, never a peer's
             return http.reply(ErrorReply(error="malformed", detail=f"front batch: {exc}"), 400)
         for reason, count in refused.items():
             for _ in range(min(int(count), MAX_FRONT_COUNT)):
                 self.store.record_rejection(str(reason))
         self._fronts[front] = {str(k): float(v) for k, v in metrics.items()}
-        out = [self._beat_item(credential, peer, body) for credential, peer, body in items]
+        out = [self._item(*item) for item in items]
         return web.Response(body=orjson.dumps({"items": out}), content_type="application/json")
 
     async def credential(self, request: web.Request) -> web.Response:
@@ -237,16 +234,24 @@ class Routes:
         self._auth(request)
         return web.Response(status=204)
 
-    def _beat_item(self, credential: str | None, peer: str, body: str) -> list[Any]:
+    def _item(self, kind: str, credential: str | None, peer: str, body: str) -> list[Any]:
+        """One request of a front's batch: ``[status, body, Retry-After or None, vouch, close]``."""
         vouch = False
         try:
             rec = self._admit(credential, peer)
             vouch = rec is not None and rec.trusted
             rec = self._authorized(rec, credential is not None)
-            reply = self._beat(rec, _parse(HeartbeatRequest, base64.b64decode(body)))
+            raw = base64.b64decode(body)
+            reply: HeartbeatReply | LeaseGrant | LeaseRefusal
+            if kind == "heartbeat":
+                reply = self._beat(rec, _parse(HeartbeatRequest, raw))
+            elif kind == "lease":
+                reply = self._grant(rec, _parse(LeaseRequest, raw))
+            else:  # a front's bug
+                raise http.error(web.HTTPNotFound, "not_found", f"no batched request {kind!r}")
             return [200, reply.model_dump_json(), None, vouch, False]
         except web.HTTPException as exc:
-            self._count(exc, f"POST {API}/heartbeat from {peer}")
+            self._count(exc, f"POST {API}/{kind!r} from {peer}")
             close = bool(getattr(exc, "echo2_close", False))
             return [exc.status, exc.text, exc.headers.get("Retry-After"), vouch, close]
 
@@ -518,7 +523,7 @@ class Routes:
     async def _gate(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         """Before any handler: the record a http.bearer credential names (kept for ``_auth``), through
         :meth:`_admit`; a trusted one's connection is vouched for (the perimeter's deadline ends)."""
-        if request.path != http.FRONT_BATCH:  # a front's batch: each of its heartbeats is admitted
+        if request.path != http.FRONT_BATCH:  # a front's batch: each of its requests is admitted
             # a registration's bearer is the join token, not a credential: its address pays
             credential = http.bearer(request) if request.path != f"{API}/register" else None
             rec = request[RECORD] = self._admit(credential, self._peer(request))

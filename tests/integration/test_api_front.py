@@ -44,7 +44,7 @@ def spec(path: str, max_request_bytes: int, batch_s: float = 0.1) -> FrontSpec:
     )
 
 
-def run_fronted(coro_fn: Any, node: Any, **kw: Any) -> tuple[Any, Any]:
+def run_fronted(coro_fn: Any, node: Any, fronts_n: int = 1, **kw: Any) -> tuple[Any, Any]:
     """``test_routes.run``, the node served through one front process: ``coro_fn(client)`` with a
     session on the front's port; its result and the store's stats once the front has stopped (its last
     batch carries its counts)."""
@@ -56,7 +56,7 @@ def run_fronted(coro_fn: Any, node: Any, **kw: Any) -> tuple[Any, Any]:
             runner = await node.routes.serve_internal(path)
             fronts = Fronts()
             try:
-                port = await fronts.start(1, spec(path, node.routes.max_request_bytes, **kw))
+                port = await fronts.start(fronts_n, spec(path, node.routes.max_request_bytes, **kw))
                 node.front_pid = fronts.procs[0].pid
                 async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
                     node.port = port
@@ -133,7 +133,8 @@ def test_heartbeats_reach_the_learner_in_batches(tmp_path):
 def test_a_strangers_large_body_is_never_read_and_internal_paths_are_not_served(tmp_path):
     """A submission announcing 4 MiB with an unknown credential is refused 403 before its body is sent
     (the front asked the learner about the credential first); the learner's internal paths are 404 on
-    the public port; a peer's own address header is not what the learner sees."""
+    the public port; 100 strangers' 4 KiB heartbeats in a member's batch cost it nothing; a peer's own
+    address header is not what the learner sees."""
     node = make_node(tmp_path)
     peers: list[str | None] = []
     admit = node.routes._admit
@@ -161,6 +162,19 @@ def test_a_strangers_large_body_is_never_read_and_internal_paths_are_not_served(
         for path in (http.FRONT_BATCH, http.FRONT_AUTH):
             resp = await client.post(path, data=b'{"front": "x", "items": []}', headers=auth)
             out[path] = resp.status
+        # strangers' heartbeats of 4 KiB each in the honest member's batch: it is answered all the same
+        junk = b'{"rollouts": 0, "pad": "' + b"x" * 4000 + b'"}'
+        beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{node.port}") as them:
+            strangers = [
+                them.post("/v1/heartbeat", data=junk, headers={"Authorization": f"Bearer nobody{i}"})
+                for i in range(100)
+            ]  # (past the perimeter's accept rate for one address their connections are cut: refused too)
+            got = await asyncio.gather(
+                client.post("/v1/heartbeat", json=beat, headers=auth), *strangers, return_exceptions=True
+            )
+        out["member"] = got[0].status
+        out["strangers"] = [r if isinstance(r, Exception) else r.status for r in got[1:]]
         peers.clear()
         forged = {**auth, http.PEER_HEADER: "203.0.113.9"}
         resp = await client.post("/v1/lease", json={"max_prompts": 1, "installed_version": 0}, headers=forged)
@@ -171,7 +185,11 @@ def test_a_strangers_large_body_is_never_read_and_internal_paths_are_not_served(
     assert out["stranger"][0].split()[1] == b"403" and out["stranger"][1] < 2.0
     assert out[http.FRONT_BATCH] == out[http.FRONT_AUTH] == 404  # the front has no such route
     assert out["lease"] == 200 and peers == ["127.0.0.1"]
-    assert stats.rejected_by_reason.get("auth") == 1
+    answered = [r for r in out["strangers"] if isinstance(r, int)]
+    assert out["member"] == 200 and set(answered) <= {403, 429} and len(answered) >= 10, out
+    assert all(isinstance(r, (int, aiohttp.ClientError)) for r in out["strangers"])
+    refused = stats.rejected_by_reason.get("auth", 0) + stats.rejected_by_reason.get("rate_limited", 0)
+    assert refused == 1 + len(answered)
 
 
 def test_the_learner_gone_is_503_with_retry_after_and_the_front_stops_with_its_parent(tmp_path):
@@ -200,3 +218,26 @@ def test_the_learner_gone_is_503_with_retry_after_and_the_front_stops_with_its_p
     assert out == [(503, "1", "unavailable"), (503, "1", "unavailable")]
     with pytest.raises(ProcessLookupError):
         os.kill(node.front_pid, 0)  # gone once closed (and reaped)
+
+
+def test_two_fronts_share_the_port_and_both_report(tmp_path):
+    """``api_processes = 2``: both fronts listen on the one port (SO_REUSEPORT), members' requests on
+    fresh connections are answered, and each front's perimeter reaches the learner's metrics."""
+    rate = ("security.perimeter.requests_per_s=1000", "security.perimeter.request_burst=1000")
+    node = make_node(tmp_path, *rate)
+
+    async def go(client: aiohttp.ClientSession) -> list[int]:
+        auth = await register(client)
+        beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        statuses = []
+        for _ in range(40):  # a connection each: the kernel spreads them over the fronts
+            async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{node.port}") as fresh:
+                statuses.append((await fresh.post("/v1/heartbeat", json=beat, headers=auth)).status)
+        await asyncio.sleep(1.5)  # every front reports at least once a second
+        return statuses
+
+    statuses, _ = run_fronted(go, node, fronts_n=2)
+    assert statuses == [200] * 40
+    assert set(node.routes._fronts) == {"front-0", "front-1"}
+    accepted = [m["perimeter/api/accepted"] for m in node.routes._fronts.values()]
+    assert sum(accepted) >= 41 and min(accepted) >= 1, accepted

@@ -116,9 +116,9 @@ class RuntimeConfig(_Section):
         0,
         ge=0,
         le=64,
-        description="processes that serve the API's port in front of the learner (TLS, the perimeter, HTTP "
-        "parsing, heartbeats and lease requests in batches: runtime/front.py), so the fleet's requests do not share the "
-        "update's process; 0 = the learner's event loop serves it",
+        description="processes that serve the API's port in front of the learner (TLS, the perimeter, "
+        "HTTP parsing, heartbeats and lease requests in batches: runtime/front.py), so the fleet's "
+        "requests do not share the update's process; 0 = the learner's event loop serves it",
     )
     front_batch_s: float = Field(
         0.1,

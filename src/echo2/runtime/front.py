@@ -60,7 +60,10 @@ from echo2.transport import TlsIdentity
 
 log = logging.getLogger("echo2.runtime.front")
 
-SMALL_BODY = 16 << 10  # a body up to this is read before anyone is asked (a registration, heartbeat, lease)
+SMALL_BODY = 16 << 10  # a body up to this is read before anyone is asked (a registration)
+# a batched request's body (a heartbeat or a lease request: under 200 bytes): a batch of MAX_BATCH stays
+# under 3 MiB, below the smallest body the learner takes (8 MiB), whatever strangers send
+BATCHED_BODY = 4 << 10
 MAX_BATCH = 512  # batched requests that go at once, whatever the clock says
 VOUCHED_TTL_S = 60.0  # a credential the learner vouched for may send a large body this long after
 UPSTREAM_CONNECT_S = 5.0  # the learner's socket refusing a connection this long: 503 unavailable
@@ -140,7 +143,7 @@ class Front:
 
     async def batched(self, request: web.Request) -> web.StreamResponse:
         """A heartbeat or a lease request: read, then answered with its batch (:meth:`batches`)."""
-        body = await http.read_body(request, SMALL_BODY, self.spec.body_timeout_s)
+        body = await http.read_body(request, BATCHED_BODY, self.spec.body_timeout_s)
         kind = request.path.rsplit("/", 1)[1]
         item = [kind, http.bearer(request), request.remote, base64.b64encode(body).decode()]
         done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()

@@ -91,6 +91,7 @@ log = logging.getLogger(__name__)
 BURST_S = 2.0  # a token bucket holds this many seconds of security.max_requests_per_s (bursts of twice it)
 REGISTER_MAX_BYTES = 4 << 10  # a registration's body (a name, a price, a description) is read up to this
 FRONT_KEEPALIVE_S = 300.0  # a front's idle link to this process stays open this long (its pool reuses it)
+FRONT_BATCH_BYTES = 8 << 20  # the most a front's batch may hold (512 requests of 4 KiB: under 3 MiB)
 MAX_FRONT_COUNT = 1_000_000  # refusals of one reason a front may report in one batch
 _BAD_BATCH = (orjson.JSONDecodeError, KeyError, TypeError, ValueError)  # a front's batch it cannot read
 OFF_LOOP_BYTES = 64 << 10  # a request body past this is parsed in a worker thread, off the event loop
@@ -141,9 +142,10 @@ class Routes:
         self.fronted = False  # served by fronts (runtime/front.py) on a unix socket: serve_internal
         self._fronts: dict[str, dict[str, float]] = {}  # front -> its perimeter's metrics, as last told
 
-    def app(self) -> web.Application:
+    def app(self, max_bytes: int | None = None) -> web.Application:
+        """The API's application (its largest body ``max_bytes``, else ``max_request_bytes``)."""
         app = web.Application(
-            client_max_size=self.max_request_bytes, middlewares=[self._count_errors, self._gate]
+            client_max_size=max_bytes or self.max_request_bytes, middlewares=[self._count_errors, self._gate]
         )
         app.add_routes(
             [
@@ -185,7 +187,7 @@ class Routes:
         by header (``http.PEER_HEADER``, ``VOUCH_HEADER``, ``CLOSE_HEADER``), and the fronts' batches of
         heartbeats and lease requests (:meth:`batch`). Returns the runner (``cleanup()`` stops it)."""
         self.fronted = True
-        app = self.app()
+        app = self.app(max(self.max_request_bytes, FRONT_BATCH_BYTES))  # a front reads a peer's limit
         app.router.add_post(http.FRONT_BATCH, self.batch)
         app.router.add_get(http.FRONT_AUTH, self.credential)
         app.on_response_prepare.append(_mark_vouched)
@@ -523,7 +525,7 @@ class Routes:
     async def _gate(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         """Before any handler: the record a http.bearer credential names (kept for ``_auth``), through
         :meth:`_admit`; a trusted one's connection is vouched for (the perimeter's deadline ends)."""
-        if request.path != http.FRONT_BATCH:  # a front's batch: each of its requests is admitted
+        if not (self.fronted and request.path == http.FRONT_BATCH):  # a batch: each request is admitted
             # a registration's bearer is the join token, not a credential: its address pays
             credential = http.bearer(request) if request.path != f"{API}/register" else None
             rec = request[RECORD] = self._admit(credential, self._peer(request))
@@ -558,7 +560,7 @@ class Routes:
 
     def _vouch(self, request: web.Request) -> None:
         """``request``'s connection is a member's: the perimeter's, or its front's when fronted (told by
-        ``http.VOUCH_HEADER`` on the reply, :meth:`_count_errors`)."""
+        ``http.VOUCH_HEADER`` on the reply: ``_mark_vouched``)."""
         if self.fronted:
             request[VOUCHED] = True
         else:

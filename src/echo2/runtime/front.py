@@ -67,6 +67,8 @@ BATCHED_BODY = 4 << 10
 MAX_BATCH = 512  # batched requests that go at once, whatever the clock says
 VOUCHED_TTL_S = 60.0  # a credential the learner vouched for may send a large body this long after
 UPSTREAM_CONNECT_S = 5.0  # the learner's socket refusing a connection this long: 503 unavailable
+# a front's connections to the learner at once, by lane (its requests queue for them)
+UPSTREAM_CONNECTIONS = {"control": 64, "snapshot": 64, "batch": 4}
 PARENT_POLL_S = 1.0  # how often a front looks for the learner's process
 START_S = 60.0  # a front that does not say its port within this is a failed start
 FINAL_BATCH_S = 5.0  # a stopping front's last batch (its counts, the requests waiting) waits this long
@@ -96,8 +98,8 @@ class FrontSpec:
 class Front:
     """One front's application (module docstring)."""
 
-    def __init__(self, spec: FrontSpec, session: aiohttp.ClientSession) -> None:
-        self.spec, self.session = spec, session
+    def __init__(self, spec: FrontSpec, sessions: dict[str, aiohttp.ClientSession]) -> None:
+        self.spec, self.sessions = spec, sessions  # by lane: "batch", "snapshot", "control"
         per = PerimeterConfig(**spec.perimeter)
         limits = port_limits(per, raise_descriptor_limit(per.max_connections + RESERVED_FDS), ports=1)
         self.perimeter = Perimeter("api", limits)
@@ -208,7 +210,14 @@ class Front:
                 if k in request.headers
             }
             headers[http.PEER_HEADER] = request.remote or "?"
-        return self.session.request(
+        lane = (
+            "batch"
+            if path.startswith("/internal/")
+            else "snapshot"
+            if path.endswith("/snapshot")
+            else "control"
+        )
+        return self.sessions[lane].request(
             method,
             f"http://learner{path}",
             data=body or None,
@@ -300,10 +309,17 @@ def _digest(credential: str) -> bytes:
 
 # ---- the process ----------------------------------------------------------------------------------
 async def _serve(spec: FrontSpec) -> None:
-    connector = aiohttp.UnixConnector(path=spec.upstream, limit=0, keepalive_timeout=60.0)
-    timeout = aiohttp.ClientTimeout(total=None, connect=UPSTREAM_CONNECT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
-        front = Front(spec, session)
+    # connections to the learner in lanes, each with a cap and its requests waiting here for one (a burst
+    # of registrations would otherwise overflow the socket's backlog: refused at once, 503), so that
+    # snapshot streams never hold up a registration, nor either a batch of heartbeats
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=UPSTREAM_CONNECT_S)
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {}
+        for lane, cap in UPSTREAM_CONNECTIONS.items():
+            connector = aiohttp.UnixConnector(path=spec.upstream, limit=cap, keepalive_timeout=60.0)
+            session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+            sessions[lane] = await stack.enter_async_context(session)
+        front = Front(spec, sessions)
         runner = http.Runner(
             front.app(),
             lambda reason: front.refused.update([reason]),

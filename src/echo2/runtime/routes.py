@@ -91,6 +91,7 @@ log = logging.getLogger(__name__)
 BURST_S = 2.0  # a token bucket holds this many seconds of security.max_requests_per_s (bursts of twice it)
 REGISTER_MAX_BYTES = 4 << 10  # a registration's body (a name, a price, a description) is read up to this
 FRONT_KEEPALIVE_S = 300.0  # a front's idle link to this process stays open this long (its pool reuses it)
+FRONT_BACKLOG = 1024  # the unix socket's listen backlog (a front holds at most 132 connections to it)
 FRONT_BATCH_BYTES = 8 << 20  # the most a front's batch may hold (512 requests of 4 KiB: under 3 MiB)
 MAX_FRONT_COUNT = 1_000_000  # refusals of one reason a front may report in one batch
 _BAD_BATCH = (orjson.JSONDecodeError, KeyError, TypeError, ValueError)  # a front's batch it cannot read
@@ -195,7 +196,7 @@ class Routes:
             app, self.store.record_rejection, access_log=None, keepalive_timeout=FRONT_KEEPALIVE_S
         )
         await runner.setup()
-        await web.UnixSite(runner, path).start()
+        await web.UnixSite(runner, path, backlog=FRONT_BACKLOG).start()
         os.chmod(path, 0o600)
         return runner
 

@@ -241,3 +241,26 @@ def test_two_fronts_share_the_port_and_both_report(tmp_path):
     assert set(node.routes._fronts) == {"front-0", "front-1"}
     accepted = [m["perimeter/api/accepted"] for m in node.routes._fronts.values()]
     assert sum(accepted) >= 41 and min(accepted) >= 1, accepted
+
+
+def test_a_peer_leaving_mid_chain_costs_the_front_nothing(tmp_path):
+    """A member that closes its connection a few bytes into a 16 MiB snapshot chain: counted
+    ``dropped``, and the front serves the next request as before (no 503, no traceback)."""
+    node = make_node(tmp_path)
+
+    async def go(client: aiohttp.ClientSession) -> tuple[int, int]:
+        auth = await register(client)
+        await node.snapshots.publish(1, bytes(range(256)) * (64 << 10))  # 16 MiB: many writes
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{node.port}") as leaver:
+            resp = await leaver.get("/v1/snapshot?have=-1", headers=auth)
+            first = resp.status
+            await resp.content.read(1024)
+            resp.close()  # gone mid-chain
+        await asyncio.sleep(0.5)
+        beat = {"rollouts": 0, "busy_s": 0.0, "installed_version": 0}
+        after = await client.post("/v1/heartbeat", json=beat, headers=auth)
+        return first, after.status
+
+    (first, after), stats = run_fronted(go, node)
+    assert (first, after) == (200, 200)
+    assert stats.rejected_by_reason.get("dropped", 0) >= 1, stats.rejected_by_reason

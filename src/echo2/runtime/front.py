@@ -137,9 +137,12 @@ class Front:
                 self._heed(request, up.headers, credential)
                 resp = web.StreamResponse(headers=_kept(up.headers))
                 await resp.prepare(request)
-                async for chunk in up.content.iter_chunked(1 << 20):
-                    await resp.write(chunk)
-                await resp.write_eof()
+                try:
+                    async for chunk in up.content.iter_chunked(1 << 20):
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                except ConnectionError:  # the peer went away mid-chain (killed, restarted): routine
+                    self.refused["dropped"] += 1
                 return resp
             return await self._answer(request, up.status, await up.read(), up.headers, credential)
 
@@ -169,9 +172,18 @@ class Front:
             self._wake.clear()
             if not self._waiting and time.monotonic() - last < 1.0:
                 continue
-            waiting, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
             last = time.monotonic()
-            await self._send(waiting)
+            await self._send_next()
+
+    async def flush(self) -> None:
+        """Every request waiting, in batches of at most ``MAX_BATCH``, and the counts (a front stopping)."""
+        await self._send_next()
+        while self._waiting:
+            await self._send_next()
+
+    async def _send_next(self) -> None:
+        waiting, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
+        await self._send(waiting)
 
     async def _send(self, waiting: list[tuple[list[Any], asyncio.Future[list[Any]], web.Request]]) -> None:
         refused, self.refused = self.refused, Counter()
@@ -353,7 +365,7 @@ async def _serve(spec: FrontSpec) -> None:
                 await asyncio.wait_for(stop.wait(), PARENT_POLL_S)
         batches.cancel()
         with contextlib.suppress(TimeoutError):  # the heartbeats waiting and the counts, not lost
-            await asyncio.wait_for(front._send(front._waiting), FINAL_BATCH_S)
+            await asyncio.wait_for(front.flush(), FINAL_BATCH_S)
         await runner.cleanup()
 
 

@@ -515,8 +515,8 @@ class TrajectoryStore:
             self._bump("unchecked_dropped", n)
         return n
 
-    def record_rejection(self, reason: str) -> None:
-        """Count one rejected submission under ``rejected/<reason>``.
+    def record_rejection(self, reason: str, count: int = 1) -> None:
+        """Count one rejected submission (``count``: that many) under ``rejected/<reason>``.
 
         Counted in memory and written with the next transaction (or once :data:`REJECTION_FLUSH` are
         pending, or at :meth:`close`): a flood of bad requests never costs a disk sync each. A crash
@@ -527,7 +527,7 @@ class TrajectoryStore:
         """
         if not is_reason_label(reason):
             raise ValueError(f"rejection reason {reason!r} is not a short lower-case identifier")
-        self._rejections[reason] = self._rejections.get(reason, 0) + 1
+        self._rejections[reason] = self._rejections.get(reason, 0) + count
         if sum(self._rejections.values()) >= REJECTION_FLUSH:
             self.flush()
 

@@ -105,7 +105,7 @@ class Front:
         self.perimeter = Perimeter("api", limits)
         self.refused: Counter[str] = Counter()  # by reason, since the last batch
         self.vouched: dict[bytes, float] = {}  # credential digest -> when the learner last vouched for it
-        self._waiting: list[tuple[list[Any], asyncio.Future[list[Any]], web.Request]] = []
+        self._waiting: list[tuple[list[Any], asyncio.Future[list[Any]]]] = []  # (item, its answer)
         self._wake = asyncio.Event()
 
     def app(self) -> web.Application:
@@ -152,7 +152,7 @@ class Front:
         kind = request.path.rsplit("/", 1)[1]
         item = [kind, http.bearer(request), request.remote, base64.b64encode(body).decode()]
         done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self._waiting.append((item, done, request))
+        self._waiting.append((item, done))
         if len(self._waiting) >= MAX_BATCH:
             self._wake.set()
         status, text, retry_after, vouch, close = await done
@@ -185,11 +185,11 @@ class Front:
         waiting, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
         await self._send(waiting)
 
-    async def _send(self, waiting: list[tuple[list[Any], asyncio.Future[list[Any]], web.Request]]) -> None:
+    async def _send(self, waiting: list[tuple[list[Any], asyncio.Future[list[Any]]]]) -> None:
         refused, self.refused = self.refused, Counter()
         batch = {
             "front": self.spec.name,
-            "items": [item for item, _, _ in waiting],
+            "items": [item for item, _ in waiting],
             "refused": dict(refused),
             "perimeter": self.perimeter.metrics(),
         }
@@ -206,8 +206,8 @@ class Front:
             answers = None
         if answers is None or len(answers) != len(waiting):
             self.refused.update(refused)  # told with the next batch
-            answers = [_unavailable_item()] * len(waiting)
-        for (_, done, _), answer in zip(waiting, answers, strict=True):
+            answers = [UNAVAILABLE_ITEM] * len(waiting)
+        for (_, done), answer in zip(waiting, answers, strict=True):
             if not done.done():
                 done.set_result(answer)
 
@@ -286,29 +286,21 @@ class Front:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            reason = getattr(exc, "echo2_reason", None) or _REASON.get(exc.status, f"http_{exc.status}")
-            self.refused[reason] += 1
+            self.refused[http.reason_of(exc)] += 1
             if getattr(exc, "echo2_close", False):
                 return await http.answer_and_close(request, exc)
-            detail = exc.text or ""
-            if getattr(exc, "echo2_reason", None) is None:
-                detail = ErrorReply(error=reason, detail=http.clean(detail)).model_dump_json()
-            return web.Response(text=detail, status=exc.status, content_type="application/json")
+            return http.refusal(exc)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning(
                 "%s: %s %s not answered by the learner: %s", self.spec.name, request.method, request.path, exc
             )
             self.refused["unavailable"] += 1
-            reply = ErrorReply(error="unavailable", detail="the learner did not answer; retry")
-            return http.reply(reply, 503, {"Retry-After": "1"})
+            return web.Response(text=UNAVAILABLE, status=503, content_type="application/json", headers=RETRY)
 
 
-_REASON = {400: "malformed", 404: "not_found", 405: "method", 413: "oversized"}
-
-
-def _unavailable_item() -> list[Any]:
-    body = ErrorReply(error="unavailable", detail="the learner did not answer; retry").model_dump_json()
-    return [503, body, "1", False, False]
+UNAVAILABLE = ErrorReply(error="unavailable", detail="the learner did not answer; retry").model_dump_json()
+RETRY = {"Retry-After": "1"}
+UNAVAILABLE_ITEM = [503, UNAVAILABLE, RETRY["Retry-After"], False, False]  # a batch's answer to each
 
 
 def _kept(headers: Any) -> dict[str, str]:

@@ -164,12 +164,35 @@ def reply(model: BaseModel, status: int = 200, headers: dict[str, str] | None = 
     )
 
 
+REASON_BY_STATUS = {  # the counted reason of aiohttp's own refusals (ours carry theirs: ``error``)
+    400: "malformed",
+    401: "auth",
+    403: "auth",
+    404: "not_found",
+    405: "method",
+    413: "oversized",
+}
+
+
+def reason_of(exc: web.HTTPException) -> str:
+    """The counted reason of the refusal ``exc``: ours as :func:`error` named it, aiohttp's by status."""
+    ours: str | None = getattr(exc, "echo2_reason", None)
+    return ours or REASON_BY_STATUS.get(exc.status, f"http_{exc.status}")
+
+
+def refusal(exc: web.HTTPException) -> web.Response:
+    """``exc``'s reply in the :class:`ErrorReply` shape (ours as made; aiohttp's own wrapped), its
+    headers but the body's kept (``Retry-After``)."""
+    keep = {k: v for k, v in exc.headers.items() if k.lower() not in BODY_HEADERS}
+    if getattr(exc, "echo2_reason", None) is not None:
+        return web.Response(body=exc.body, status=exc.status, content_type="application/json", headers=keep)
+    return reply(ErrorReply(error=reason_of(exc), detail=clean(exc.text or "")), exc.status, keep)
+
+
 async def answer_and_close(request: web.Request, exc: web.HTTPException) -> web.StreamResponse:
     """Send ``exc``'s reply and close the connection at once (aiohttp would otherwise linger, reading
     what is left of the body, for up to ``lingering_time``: a slow sender's grip on the connection)."""
-    keep = {k: v for k, v in exc.headers.items() if k.lower() not in BODY_HEADERS}  # Retry-After
-    resp = web.Response(body=exc.body, status=exc.status, content_type="application/json", headers=keep)
-    return await send_and_close(request, resp)
+    return await send_and_close(request, refusal(exc))
 
 
 async def send_and_close(request: web.Request, resp: web.Response) -> web.StreamResponse:

@@ -225,8 +225,7 @@ class Routes:
         except _BAD_BATCH as exc:  # a front's bug, never a peer's
             return http.reply(ErrorReply(error="malformed", detail=f"front batch: {exc}"), 400)
         for reason, count in refused.items():
-            for _ in range(min(int(count), MAX_FRONT_COUNT)):
-                self.store.record_rejection(str(reason))
+            self.store.record_rejection(str(reason), min(int(count), MAX_FRONT_COUNT))
         self._fronts[front] = {str(k): float(v) for k, v in metrics.items()}
         out = [self._item(*item) for item in items]
         return web.Response(body=orjson.dumps({"items": out}), content_type="application/json")
@@ -570,52 +569,34 @@ class Routes:
     @web.middleware
     async def _count_errors(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         try:
-            resp: web.StreamResponse = await handler(request)
+            return await handler(request)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             return await self._refused(request, exc)
-        return resp
 
     async def _refused(self, request: web.Request, exc: web.HTTPException) -> web.StreamResponse:
         """``exc``'s refusal counted, logged (a floodable one now and then) and answered in the
         :class:`ErrorReply` shape, closing the connection if it says so (a front's: told by
         ``http.CLOSE_HEADER``, the front's link to this process stays open)."""
-        reason = self._count(exc, f"{request.method} {request.path!r} from {self._peer(request)}")
-        close = getattr(exc, "echo2_close", False)
-        if close and not self.fronted:
-            return await http.answer_and_close(request, exc)
-        keep = {k: v for k, v in exc.headers.items() if k.lower() not in http.BODY_HEADERS}
-        if close:
-            keep[http.CLOSE_HEADER] = "1"
-        if getattr(exc, "echo2_reason", None) is not None:  # ours: already in the ErrorReply shape
-            return web.Response(
-                body=exc.body, status=exc.status, content_type="application/json", headers=keep
-            )
-        # raised by aiohttp itself (body too large, no such route, ...): the same JSON shape as ours
-        return http.reply(ErrorReply(error=reason, detail=http.clean(exc.text or "")), exc.status, keep)
+        self._count(exc, f"{request.method} {request.path!r} from {self._peer(request)}")
+        resp = http.refusal(exc)
+        if getattr(exc, "echo2_close", False):
+            if not self.fronted:
+                return await http.send_and_close(request, resp)
+            resp.headers[http.CLOSE_HEADER] = "1"
+        return resp
 
-    def _count(self, exc: web.HTTPException, where: str) -> str:
-        """Count and log the refusal ``exc`` (aiohttp's own by their status); its reason."""
-        reason: str = getattr(exc, "echo2_reason", None) or _REASON_BY_STATUS.get(
-            exc.status, f"http_{exc.status}"
-        )
+    def _count(self, exc: web.HTTPException, where: str) -> None:
+        """Count and log the refusal ``exc`` (aiohttp's own by their status)."""
+        reason = http.reason_of(exc)
         self.store.record_rejection(reason)
         if reason in http.FLOODABLE:  # a stranger can make these at will: counted, logged now and then
             self._sampled.log(reason, "%s: %d %s", where, exc.status, exc.text)
         else:
             log.warning("%s: %d %s", where, exc.status, exc.text)
-        return reason
 
 
-_REASON_BY_STATUS = {
-    400: "malformed",
-    401: "auth",
-    403: "auth",
-    404: "not_found",
-    405: "method",
-    413: "oversized",
-}
 _HTTP: dict[int, type[web.HTTPException]] = {  # the status of a Rejected -> aiohttp's exception
     400: web.HTTPBadRequest,
     401: web.HTTPUnauthorized,
